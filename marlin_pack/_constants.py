@@ -1,0 +1,34 @@
+"""Names every module of marlin-pack agrees on."""
+
+__all__ = [
+    "BUNDLE_DIRNAME",
+    "COMMON_FILE",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "KERNEL_NAME",
+    "LAYOUT_VERSION",
+    "LOAD_FORMAT",
+    "MANIFEST_NAME",
+    "STAMPS_NAME",
+    "TARGET_VLLM_VERSION",
+    "DEBUG_ENV",
+]
+
+FORMAT_NAME = "marlin-pack"
+FORMAT_VERSION = 1
+# Bumped whenever the tensor layout written for a (kernel, vLLM version) changes.
+LAYOUT_VERSION = 1
+TARGET_VLLM_VERSION = "0.33.0"
+KERNEL_NAME = "MarlinLinearKernel"
+LOAD_FORMAT = "marlin_prepacked"
+
+MANIFEST_NAME = "manifest.json"
+COMMON_FILE = "common.safetensors"
+# Default bundle location: a sub-directory of the checkpoint. vLLM only globs
+# top-level ``*.safetensors`` of a model directory, so a bundle there is never
+# mistaken for checkpoint weights.
+BUNDLE_DIRNAME = "marlin-pack"
+# Local, non-deterministic cache of (size, mtime) stamps of files whose full
+# SHA-256 was checked; not part of the bundle's content.
+STAMPS_NAME = ".stamps.json"
+DEBUG_ENV = "MARLIN_PACK_DEBUG"

@@ -1,0 +1,287 @@
+"""The bundle manifest: a strict, versioned pydantic schema.
+
+A manifest is untrusted input when read back (by ``verify`` or the vLLM loader):
+every path is checked to stay inside the bundle, every size and shape is bounded,
+unknown fields are refused. ``python -m marlin_pack.schemas`` prints the JSON schema,
+which is also shipped as ``marlin_pack/manifest.schema.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from enum import Enum, unique
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from marlin_pack._constants import FORMAT_NAME, FORMAT_VERSION, KERNEL_NAME, LAYOUT_VERSION
+
+__all__ = [
+    "SourceFormat",
+    "WeightType",
+    "ServingDtype",
+    "LayerKind",
+    "FileEntry",
+    "SourceFile",
+    "Source",
+    "Producer",
+    "Target",
+    "QuantScheme",
+    "LayerPart",
+    "LayerEntry",
+    "RankEntry",
+    "TensorParallelSet",
+    "Manifest",
+    "manifest_json_schema",
+]
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# Relative POSIX path of plain names: no "..", no absolute paths, no backslashes.
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$")
+_MAX_BYTES = 1 << 46  # 64 TiB: far above any real file, below anything absurd
+_MAX_DIM = 1 << 24
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@unique
+class SourceFormat(str, Enum):
+    """On-disk format of the source checkpoint."""
+
+    awq_gemm = "awq-gemm"
+    gptq_v1 = "gptq-v1"
+
+
+@unique
+class WeightType(str, Enum):
+    """vLLM scalar type of the quantized weights (``vllm.scalar_type`` names)."""
+
+    uint4 = "uint4"  # AWQ: unsigned 4-bit with zero points
+    uint4b8 = "uint4b8"  # GPTQ 4-bit symmetric (bias 8)
+    uint8b128 = "uint8b128"  # GPTQ 8-bit symmetric (bias 128)
+
+    @property
+    def bits(self) -> int:
+        return 8 if self is WeightType.uint8b128 else 4
+
+    @property
+    def has_zero_points(self) -> bool:
+        return self is WeightType.uint4
+
+
+@unique
+class ServingDtype(str, Enum):
+    """dtype of activations, scales and bias in the engine."""
+
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+@unique
+class LayerKind(str, Enum):
+    """How vLLM shards a fused linear layer across tensor-parallel ranks."""
+
+    qkv = "qkv"  # QKVParallelLinear
+    merged_column = "merged-column"  # MergedColumnParallelLinear
+    column = "column"  # ColumnParallelLinear
+    row = "row"  # RowParallelLinear
+
+
+def _check_path(value: str) -> str:
+    if not _SAFE_PATH.match(value) or len(value) > 255:
+        raise ValueError(f"unsafe path {value!r}: expected a relative path of plain names")
+    return value
+
+
+def _check_hex(value: str) -> str:
+    if not _HEX64.match(value):
+        raise ValueError(f"expected 64 lowercase hex digits, found {value!r}")
+    return value
+
+
+class FileEntry(_Strict):
+    """A file of the bundle, relative to the bundle directory."""
+
+    path: str
+    size: int = Field(ge=0, le=_MAX_BYTES)
+    sha256: str
+
+    _p = field_validator("path")(classmethod(lambda cls, v: _check_path(v)))
+    _h = field_validator("sha256")(classmethod(lambda cls, v: _check_hex(v)))
+
+
+class SourceFile(_Strict):
+    """A ``*.safetensors`` file of the source checkpoint."""
+
+    name: str
+    size: int = Field(ge=0, le=_MAX_BYTES)
+    sha256: str
+    header_sha256: str
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if "/" in _check_path(v):
+            raise ValueError(f"source file {v!r} must be a plain file name")
+        return v
+
+    _h = field_validator("sha256", "header_sha256")(classmethod(lambda cls, v: _check_hex(v)))
+
+
+class Source(_Strict):
+    """What the bundle was made from."""
+
+    format: SourceFormat
+    architecture: str
+    model_type: str
+    files: list[SourceFile] = Field(min_length=1)
+    quantization_config: dict[str, object]
+    quantization_config_sha256: str
+    digest: str = Field(description="sha256 over every file's name and sha256 and the quantization config")
+
+    _h = field_validator("quantization_config_sha256", "digest")(
+        classmethod(lambda cls, v: _check_hex(v))
+    )
+
+
+class Producer(_Strict):
+    name: Literal["marlin-pack"] = "marlin-pack"
+    version: str
+
+
+class Target(_Strict):
+    """The engine the layout was computed for."""
+
+    vllm_version: str
+    kernel: Literal["MarlinLinearKernel"] = KERNEL_NAME  # type: ignore[assignment]
+    layout_version: Literal[1] = LAYOUT_VERSION  # type: ignore[assignment]
+
+
+class QuantScheme(_Strict):
+    weight_type: WeightType
+    bits: Literal[4, 8]
+    group_size: Literal[-1, 32, 64, 128]
+    zero_points: bool
+
+    @model_validator(mode="after")
+    def _consistent(self) -> QuantScheme:
+        if self.bits != self.weight_type.bits or self.zero_points != self.weight_type.has_zero_points:
+            raise ValueError(
+                f"weight_type {self.weight_type.value} does not match bits={self.bits}, "
+                f"zero_points={self.zero_points}"
+            )
+        return self
+
+
+class LayerPart(_Strict):
+    """One checkpoint module fused into a vLLM layer, e.g. ``k_proj`` in ``qkv_proj``."""
+
+    name: str
+    size: int = Field(gt=0, le=_MAX_DIM, description="per-rank output columns of this part")
+
+
+class LayerEntry(_Strict):
+    """Shapes of one quantized vLLM layer on every rank of a TP set (identical across ranks)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.]+$", max_length=300)
+    kind: LayerKind
+    size_k: int = Field(gt=0, le=_MAX_DIM, description="input features per rank")
+    size_n: int = Field(gt=0, le=_MAX_DIM, description="output features per rank")
+    padded_k: int = Field(gt=0, le=_MAX_DIM)
+    padded_n: int = Field(gt=0, le=_MAX_DIM)
+    parts: list[LayerPart] = Field(min_length=1)
+    kv_replicas: int = Field(default=1, ge=1, le=1024)
+    has_bias: bool
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LayerEntry:
+        if sum(p.size for p in self.parts) != self.size_n:
+            raise ValueError(f"layer {self.name}: parts sum to {sum(p.size for p in self.parts)}, size_n={self.size_n}")
+        if self.padded_k < self.size_k or self.padded_n < self.size_n:
+            raise ValueError(f"layer {self.name}: padded shape smaller than logical shape")
+        if self.padded_k % 16 or self.padded_n % 64:
+            raise ValueError(f"layer {self.name}: padded shape ({self.padded_k}, {self.padded_n}) is not Marlin-tiled")
+        return self
+
+
+class RankEntry(_Strict):
+    rank: int = Field(ge=0, le=1023)
+    file: FileEntry
+
+
+class TensorParallelSet(_Strict):
+    """Every rank's file for one tensor-parallel size."""
+
+    tp_size: int = Field(ge=1, le=1024)
+    ranks: list[RankEntry]
+    layers: list[LayerEntry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _ranks(self) -> TensorParallelSet:
+        if [r.rank for r in self.ranks] != list(range(self.tp_size)):
+            raise ValueError(f"tp_size {self.tp_size} needs ranks 0..{self.tp_size - 1} in order")
+        return self
+
+
+class Manifest(_Strict):
+    """The bundle manifest (``manifest.json``).
+
+    Example:
+        >>> m = Manifest.model_validate_json(Path("bundle/manifest.json").read_text())
+        >>> m.tensor_parallel_set(2).ranks[1].file.path
+        'tp2/rank-1.safetensors'
+    """
+
+    format: Literal["marlin-pack"] = FORMAT_NAME  # type: ignore[assignment]
+    format_version: Literal[1] = FORMAT_VERSION  # type: ignore[assignment]
+    producer: Producer
+    target: Target
+    quant: QuantScheme
+    serving_dtype: ServingDtype
+    activation_dtype: ServingDtype
+    source: Source
+    common: FileEntry = Field(description="non-quantized tensors, unchanged, under checkpoint names")
+    tensor_parallel: list[TensorParallelSet] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        sizes = [s.tp_size for s in self.tensor_parallel]
+        if sizes != sorted(set(sizes)):
+            raise ValueError(f"tensor_parallel sizes must be unique and ascending, found {sizes}")
+        if self.activation_dtype != self.serving_dtype:
+            raise ValueError("activation_dtype must equal serving_dtype (16-bit activations only)")
+        paths = [self.common.path] + [r.file.path for s in self.tensor_parallel for r in s.ranks]
+        if len(paths) != len(set(paths)):
+            raise ValueError("a file is listed twice")
+        return self
+
+    @property
+    def tp_sizes(self) -> list[int]:
+        return [s.tp_size for s in self.tensor_parallel]
+
+    def tensor_parallel_set(self, tp_size: int) -> TensorParallelSet:
+        """The set for ``tp_size``; raises ``KeyError`` if the bundle has none."""
+        for s in self.tensor_parallel:
+            if s.tp_size == tp_size:
+                return s
+        raise KeyError(tp_size)
+
+    def files(self) -> list[FileEntry]:
+        """Every file of the bundle, manifest excluded."""
+        return [self.common] + [r.file for s in self.tensor_parallel for r in s.ranks]
+
+    def to_json(self) -> str:
+        """Deterministic JSON: sorted keys, two-space indent, trailing newline."""
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+
+
+def manifest_json_schema() -> dict[str, object]:
+    """The JSON schema of :class:`Manifest`."""
+    return Manifest.model_json_schema()
+
+
+if __name__ == "__main__":
+    print(json.dumps(manifest_json_schema(), indent=2, sort_keys=True))
