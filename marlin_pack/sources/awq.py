@@ -1,0 +1,64 @@
+"""AutoAWQ GEMM checkpoints: 4-bit, zero points, qweight ``[K, N/8]`` in AWQ nibble order."""
+
+from __future__ import annotations
+
+import torch
+
+from marlin_pack.checkpoint import Checkpoint
+from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.repack import unpack_awq_cols
+from marlin_pack.schemas import QuantScheme, SourceFormat, WeightType
+from marlin_pack.sources._checks import check_group_size, expect, expect_scales, num_groups
+from marlin_pack.sources.base import ModuleTensors
+
+__all__ = ["AwqGemmSource"]
+
+
+class AwqGemmSource:
+    """Reader for ``quant_method: awq``, ``version: gemm``, ``zero_point: true``, 4-bit."""
+
+    format = SourceFormat.awq_gemm
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.scheme = QuantScheme(weight_type=WeightType.uint4, bits=4, group_size=group_size, zero_points=True)
+
+    @classmethod
+    def from_quant_config(cls, qc: dict) -> AwqGemmSource:
+        bits = qc.get("bits", qc.get("w_bit"))
+        if bits != 4:
+            raise UnsupportedCheckpointError(f"AWQ bits is {bits!r}, expected 4: vLLM 0.33.0 serves only 4-bit AWQ through Marlin")
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise UnsupportedCheckpointError(f"AWQ version is {version!r}, expected 'gemm'; re-export the model with AutoAWQ's GEMM kernel")
+        if qc.get("zero_point") is not True:
+            raise UnsupportedCheckpointError(
+                f"AWQ zero_point is {qc.get('zero_point')!r}, expected true: vLLM 0.33.0 does not run AWQ without zero points on Marlin"
+            )
+        gs = check_group_size(qc.get("group_size", qc.get("q_group_size")), "AWQ")
+        return cls(gs)
+
+    def describe(self) -> str:
+        return f"AWQ GEMM 4-bit, group size {self.group_size}, zero points"
+
+    def tensor_names(self, prefix: str) -> list[str]:
+        return [f"{prefix}.qweight", f"{prefix}.qzeros", f"{prefix}.scales"]
+
+    def validate(self, ckpt: Checkpoint, prefix: str, size_k: int, size_n: int) -> None:
+        if size_n % 8:
+            raise UnsupportedCheckpointError(f"{prefix}: {size_n} output features are not a multiple of 8 (AWQ packing)")
+        g = num_groups(size_k, self.group_size, prefix)
+        expect(ckpt, f"{prefix}.qweight", (size_k, size_n // 8), (torch.int32,))
+        expect(ckpt, f"{prefix}.qzeros", (g, size_n // 8), (torch.int32,))
+        expect_scales(ckpt, f"{prefix}.scales", (g, size_n))
+
+    def read(self, ckpt: Checkpoint, prefix: str, size_k: int, size_n: int, device: torch.device) -> ModuleTensors:
+        qweight = ckpt.get(f"{prefix}.qweight").to(device)
+        qzeros = ckpt.get(f"{prefix}.qzeros").to(device)
+        bias = ckpt.get(f"{prefix}.bias").to(device) if f"{prefix}.bias" in ckpt.tensors else None
+        return ModuleTensors(
+            codes=unpack_awq_cols(qweight),
+            scales=ckpt.get(f"{prefix}.scales").to(device),
+            zeros=unpack_awq_cols(qzeros),
+            bias=bias,
+        )

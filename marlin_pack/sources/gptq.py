@@ -1,0 +1,106 @@
+"""AutoGPTQ / GPTQModel checkpoints (``checkpoint_format`` gptq or gptq_v2): symmetric 4/8-bit."""
+
+from __future__ import annotations
+
+import torch
+
+from marlin_pack.checkpoint import Checkpoint
+from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
+from marlin_pack.repack import unpack_gptq_qweight
+from marlin_pack.schemas import QuantScheme, SourceFormat, WeightType
+from marlin_pack.sources._checks import check_group_size, expect, expect_scales, num_groups
+from marlin_pack.sources.base import ModuleTensors
+
+__all__ = ["GptqV1Source"]
+
+
+class GptqV1Source:
+    """Reader for ``quant_method: gptq``, ``sym: true``, bits 4 or 8, no act-order groups.
+
+    vLLM 0.33.0 ignores GPTQ ``qzeros`` (the weight type carries the symmetric zero)
+    and drops ``g_idx``; both are checked to be what that assumes, so a checkpoint that
+    vLLM would silently serve wrong is refused instead.
+    """
+
+    format = SourceFormat.gptq_v1
+
+    def __init__(self, bits: int, group_size: int, zero_offset: int) -> None:
+        self.bits = bits
+        self.group_size = group_size
+        # Stored zero point: v1 stores zero - 1, v2 the zero itself.
+        self.stored_zero = (1 << (bits - 1)) - zero_offset
+        wt = WeightType.uint4b8 if bits == 4 else WeightType.uint8b128
+        self.scheme = QuantScheme(weight_type=wt, bits=bits, group_size=group_size, zero_points=False)
+
+    @classmethod
+    def from_quant_config(cls, qc: dict) -> GptqV1Source:
+        bits = qc.get("bits")
+        if bits not in (4, 8):
+            raise UnsupportedCheckpointError(f"GPTQ bits is {bits!r}, expected 4 or 8 (vLLM 0.33.0 Marlin)")
+        if qc.get("sym") is not True:
+            raise UnsupportedCheckpointError(
+                f"GPTQ sym is {qc.get('sym')!r}, expected true: vLLM 0.33.0 does not serve asymmetric GPTQ; use a symmetric checkpoint"
+            )
+        gs = check_group_size(qc.get("group_size"), "GPTQ")
+        if qc.get("desc_act") and gs != -1:
+            raise UnsupportedCheckpointError(
+                "GPTQ desc_act is true with group_size "
+                f"{gs}: vLLM 0.33.0 no longer supports act-order groups; use a checkpoint quantized with desc_act=false"
+            )
+        if qc.get("dynamic"):
+            raise UnsupportedCheckpointError("GPTQ 'dynamic' per-module overrides are not supported; use a uniform checkpoint")
+        if qc.get("lm_head"):
+            raise UnsupportedCheckpointError("GPTQ lm_head is true (quantized lm_head); only decoder-layer linears are supported")
+        fmt = str(qc.get("checkpoint_format") or "gptq").lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise UnsupportedCheckpointError(f"GPTQ checkpoint_format is {fmt!r}, expected 'gptq' or 'gptq_v2'")
+        return cls(int(bits), gs, 1 if fmt == "gptq" else 0)
+
+    def describe(self) -> str:
+        return f"GPTQ {self.bits}-bit symmetric, group size {self.group_size}"
+
+    def tensor_names(self, prefix: str) -> list[str]:
+        return [f"{prefix}.qweight", f"{prefix}.qzeros", f"{prefix}.scales", f"{prefix}.g_idx"]
+
+    def validate(self, ckpt: Checkpoint, prefix: str, size_k: int, size_n: int) -> None:
+        per_word = 32 // self.bits
+        if size_k % per_word or size_n % per_word:
+            raise UnsupportedCheckpointError(f"{prefix}: shape ({size_k}, {size_n}) is not a multiple of {per_word} (GPTQ packing)")
+        g = num_groups(size_k, self.group_size, prefix)
+        expect(ckpt, f"{prefix}.qweight", (size_k // per_word, size_n), (torch.int32,))
+        expect(ckpt, f"{prefix}.qzeros", (g, size_n // per_word), (torch.int32,))
+        expect_scales(ckpt, f"{prefix}.scales", (g, size_n))
+        if f"{prefix}.g_idx" in ckpt.tensors:
+            expect(ckpt, f"{prefix}.g_idx", (size_k,), (torch.int32, torch.int64))
+
+    def _check_side_tensors(self, ckpt: Checkpoint, prefix: str, size_k: int, device: torch.device) -> None:
+        qzeros = ckpt.get(f"{prefix}.qzeros").to(device)
+        word = 0
+        for i in range(32 // self.bits):
+            word |= self.stored_zero << (self.bits * i)
+        word = word - (1 << 32) if word >= 1 << 31 else word
+        if not bool((qzeros == word).all()):
+            raise CheckpointError(
+                f"{prefix}.qzeros holds zero points other than {self.stored_zero} although sym is true; "
+                "vLLM ignores GPTQ zero points, so this checkpoint would be served wrong; re-quantize it"
+            )
+        if f"{prefix}.g_idx" in ckpt.tensors:
+            g_idx = ckpt.get(f"{prefix}.g_idx").to(device)
+            if self.group_size == -1:
+                ok = bool((g_idx == 0).all())
+            else:
+                ok = torch.equal(g_idx.long(), torch.arange(size_k, device=device) // self.group_size)
+            if not ok:
+                raise UnsupportedCheckpointError(
+                    f"{prefix}.g_idx reorders input channels (act-order); vLLM 0.33.0 drops g_idx and would serve it wrong"
+                )
+
+    def read(self, ckpt: Checkpoint, prefix: str, size_k: int, size_n: int, device: torch.device) -> ModuleTensors:
+        self._check_side_tensors(ckpt, prefix, size_k, device)
+        bias = ckpt.get(f"{prefix}.bias").to(device) if f"{prefix}.bias" in ckpt.tensors else None
+        return ModuleTensors(
+            codes=unpack_gptq_qweight(ckpt.get(f"{prefix}.qweight").to(device), self.bits),
+            scales=ckpt.get(f"{prefix}.scales").to(device),
+            zeros=None,
+            bias=bias,
+        )

@@ -1,0 +1,220 @@
+"""``verify``: prove a bundle is intact and faithful to its source, by reading it back.
+
+Never trusts the writer: sizes and hashes of every file, every tensor's presence,
+dtype and shape, then a numerical round trip that inverts the Marlin layout and
+compares integer codes, scales, zero points and bias with the source checkpoint,
+bit for bit, and checks that padding is zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from marlin_pack._constants import BUNDLE_DIRNAME, COMMON_FILE
+from marlin_pack.bundle import check_files, check_source, read_manifest, resolve_file
+from marlin_pack.checkpoint import Checkpoint, parse_safetensors_header
+from marlin_pack.convert import ConversionPlan, fuse_rank_slices, plan_conversion
+from marlin_pack.errors import MarlinPackError
+from marlin_pack.layout import decode_rank_tensors, tensor_specs
+from marlin_pack.plan import rank_slices
+from marlin_pack.schemas import Manifest
+from marlin_pack.sources import source_from_quant_config
+
+__all__ = ["Check", "VerifyReport", "verify"]
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class VerifyReport:
+    """Outcome of :func:`verify`: one :class:`Check` per stage, in order."""
+
+    bundle: Path
+    source: Path | None
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def first_failure(self) -> Check | None:
+        return next((c for c in self.checks if not c.ok), None)
+
+
+class _Failed(Exception):
+    pass
+
+
+def _default_source(bundle: Path) -> Path | None:
+    parent = bundle.resolve().parent
+    if bundle.resolve().name == BUNDLE_DIRNAME and (parent / "config.json").is_file():
+        return parent
+    return None
+
+
+def verify(
+    bundle_dir: str | Path,
+    source_dir: str | Path | None = None,
+    *,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> VerifyReport:
+    """Verify a bundle; never raises on a bad bundle, reports instead.
+
+    Args:
+        bundle_dir: the bundle directory.
+        source_dir: the checkpoint it was made from; default: the bundle's parent
+            when the bundle sits at its default location ``MODEL_DIR/marlin-pack``.
+            Without a source, the source and round-trip checks are skipped (reported).
+        progress: called as ``progress(done, total, layer_name)`` during the round trip.
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is True only if every check passed.
+    """
+    bundle = Path(bundle_dir)
+    source = Path(source_dir) if source_dir is not None else _default_source(bundle)
+    report = VerifyReport(bundle=bundle, source=source)
+
+    def stage(name: str, fn: Callable[[], str]) -> None:
+        try:
+            report.checks.append(Check(name, True, fn()))
+        except MarlinPackError as e:
+            report.checks.append(Check(name, False, str(e)))
+            raise _Failed from None
+
+    manifest: Manifest | None = None
+
+    def _manifest() -> str:
+        nonlocal manifest
+        manifest = read_manifest(bundle)
+        return f"format v{manifest.format_version}, vLLM {manifest.target.vllm_version}, tp {manifest.tp_sizes}"
+
+    try:
+        stage("manifest", _manifest)
+        assert manifest is not None
+        m = manifest
+        stage("files", lambda: (check_files(bundle, m, full_hash=True), f"{len(m.files())} files, sizes and sha256 match")[1])
+        stage("tensors", lambda: _check_tensor_specs(bundle, m))
+        if source is None:
+            report.checks.append(Check("source", True, "skipped: pass --source MODEL_DIR to check against the checkpoint"))
+            return report
+        ckpt = _open_source(source, m)
+        stage("source", lambda: (check_source(m, source, bundle, full_hash=True), "checkpoint files match the manifest")[1])
+        plan = plan_conversion(ckpt, source_from_quant_config(ckpt.quantization_config()), m.tp_sizes, _DTYPES[m.serving_dtype.value])
+        stage("layout", lambda: _check_layout(m, plan))
+        stage("common", lambda: _check_common(bundle, m, ckpt, plan))
+        stage("round-trip", lambda: _round_trip(bundle, m, ckpt, plan, progress))
+    except _Failed:
+        pass
+    return report
+
+
+def _open_source(source: Path, m: Manifest) -> Checkpoint:
+    return Checkpoint(source)
+
+
+def _check_tensor_specs(bundle: Path, m: Manifest) -> str:
+    dtype = _DTYPES[m.serving_dtype.value]
+    n = 0
+    for tp_set in m.tensor_parallel:
+        expected = {name: (dt, shape) for e in tp_set.layers for name, dt, shape in tensor_specs(e, m.quant, dtype)}
+        for r in tp_set.ranks:
+            found = parse_safetensors_header(resolve_file(bundle, r.file))
+            for name, (dt, shape) in expected.items():
+                info = found.get(name)
+                if info is None:
+                    raise MarlinPackError(f"{r.file.path}: tensor {name} is missing")
+                if info.dtype != dt or info.shape != shape:
+                    raise MarlinPackError(
+                        f"{r.file.path}: tensor {name} is {info.dtype} {list(info.shape)}, expected {dt} {list(shape)}"
+                    )
+            extra = sorted(set(found) - set(expected))
+            if extra:
+                raise MarlinPackError(f"{r.file.path}: unexpected tensor {extra[0]}")
+            n += len(expected)
+    parse_safetensors_header(resolve_file(bundle, m.common))
+    return f"{n} layer tensors present with the declared dtype and shape"
+
+
+def _check_layout(m: Manifest, plan: ConversionPlan) -> str:
+    if m.quant != plan.source.scheme:
+        raise MarlinPackError(f"manifest quant {m.quant} differs from the checkpoint's {plan.source.scheme}")
+    for tp_set in m.tensor_parallel:
+        if tp_set.layers != plan.entries[tp_set.tp_size]:
+            raise MarlinPackError(f"tp {tp_set.tp_size}: layer shapes in the manifest differ from those the checkpoint implies")
+    return f"{len(plan.layers)} layers, shapes agree with the checkpoint"
+
+
+def _check_common(bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan) -> str:
+    path = resolve_file(bundle, m.common)
+    found = parse_safetensors_header(path)
+    if sorted(found) != plan.common:
+        missing = sorted(set(plan.common) - set(found)) or sorted(set(found) - set(plan.common))
+        raise MarlinPackError(f"{COMMON_FILE}: tensor set differs from the checkpoint's non-quantized tensors ({missing[0]})")
+    with safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+        for name in plan.common:
+            if not _bitwise_equal(f.get_tensor(name), ckpt.get(name)):
+                raise MarlinPackError(f"{COMMON_FILE}: tensor {name} differs from the checkpoint")
+    return f"{len(plan.common)} non-quantized tensors equal the checkpoint's"
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _round_trip(
+    bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan, progress: Callable[[int, int, str], None] | None
+) -> str:
+    dtype = _DTYPES[m.serving_dtype.value]
+    g = m.quant.group_size
+    handles = {
+        (s.tp_size, r.rank): safe_open(str(resolve_file(bundle, r.file)), framework="pt")  # type: ignore[no-untyped-call]
+        for s in m.tensor_parallel
+        for r in s.ranks
+    }
+    checked = 0
+    for li, spec in enumerate(plan.layers):
+        parts = {p.name: plan.source.read(ckpt, p.prefix, p.size_k, p.size_n, torch.device("cpu")) for p in spec.parts}
+        for tp_set in m.tensor_parallel:
+            entry = tp_set.layers[li]
+            for rank in range(tp_set.tp_size):
+                f = handles[(tp_set.tp_size, rank)]
+                tensors = {n: f.get_tensor(n) for n, _, _ in tensor_specs(entry, m.quant, dtype)}
+                got = decode_rank_tensors(entry, m.quant, tensors)
+                codes, scales, zeros, bias = fuse_rank_slices(rank_slices(spec, plan.dims, tp_set.tp_size, rank), parts, g)
+                where = f"{entry.name} (tp {tp_set.tp_size} rank {rank})"
+                _compare_padded(got["codes"], codes.to(torch.uint8), f"{where}: integer codes")
+                _compare_padded(got["scales"], scales.to(dtype), f"{where}: scales")
+                if zeros is not None:
+                    _compare_padded(got["zeros"], zeros, f"{where}: zero points")
+                if bias is not None:
+                    _compare_padded(got["bias"].view(1, -1), bias.to(dtype).view(1, -1), f"{where}: bias")
+                checked += 1
+        if progress:
+            progress(li + 1, len(plan.layers), spec.name)
+    return f"{checked} layer shards decode to the checkpoint's codes, scales and zero points, bit for bit"
+
+
+def _compare_padded(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    rows, cols = want.shape
+    if not _bitwise_equal(got[:rows, :cols].contiguous(), want.contiguous()):
+        bad = (got[:rows, :cols] != want).nonzero()
+        at = tuple(bad[0].tolist()) if len(bad) else "?"
+        raise MarlinPackError(f"{what} differ from the checkpoint (first at {at})")
+    pad = torch.cat([got[rows:, :].reshape(-1), got[:rows, cols:].reshape(-1)])
+    if pad.numel() and bool((pad != 0).any()):
+        raise MarlinPackError(f"{what}: padding is not zero")
