@@ -1,16 +1,18 @@
 """marlin-pack: AWQ/GPTQ checkpoints converted offline into vLLM 0.33.0's Marlin layout.
 
-Importing this package never imports vLLM. Public API::
+Importing this package never imports vLLM (nor torch, until an API that needs it is
+touched). Public API::
 
-    from marlin_pack import convert, verify, inspect_bundle, Manifest
+    from marlin_pack import convert, verify, Manifest
+    manifest = convert("llama-awq", tp_sizes=(1, 2))
+    report = verify("llama-awq/marlin-pack")
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING, Any
 
-from marlin_pack.convert import convert  # noqa: E402
-from marlin_pack.errors import (  # noqa: E402
+from marlin_pack.errors import (
     BundleError,
     BundleMismatchError,
     CheckpointError,
@@ -18,12 +20,16 @@ from marlin_pack.errors import (  # noqa: E402
     OutputExistsError,
     UnsupportedCheckpointError,
 )
-from marlin_pack.schemas import Manifest  # noqa: E402
+
+__version__ = "0.1.0"
 
 __all__ = [
     "__version__",
     "convert",
+    "verify",
+    "read_manifest",
     "Manifest",
+    "VerifyReport",
     "MarlinPackError",
     "CheckpointError",
     "UnsupportedCheckpointError",
@@ -31,3 +37,26 @@ __all__ = [
     "BundleMismatchError",
     "OutputExistsError",
 ]
+
+if TYPE_CHECKING:
+    from marlin_pack.bundle import read_manifest
+    from marlin_pack.conversion import convert
+    from marlin_pack.schemas import Manifest
+    from marlin_pack.verification import VerifyReport, verify
+
+# Lazy re-exports keep `marlin-pack --help` from paying torch's import time.
+_LAZY = {
+    "convert": "marlin_pack.conversion",
+    "verify": "marlin_pack.verification",
+    "VerifyReport": "marlin_pack.verification",
+    "read_manifest": "marlin_pack.bundle",
+    "Manifest": "marlin_pack.schemas",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'marlin_pack' has no attribute {name!r}")

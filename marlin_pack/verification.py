@@ -18,7 +18,7 @@ from safetensors import safe_open
 from marlin_pack._constants import BUNDLE_DIRNAME, COMMON_FILE
 from marlin_pack.bundle import check_files, check_source, read_manifest, resolve_file
 from marlin_pack.checkpoint import Checkpoint, parse_safetensors_header
-from marlin_pack.convert import ConversionPlan, fuse_rank_slices, plan_conversion
+from marlin_pack.conversion import ConversionPlan, fuse_rank_slices, plan_conversion
 from marlin_pack.errors import MarlinPackError
 from marlin_pack.layout import decode_rank_tensors, tensor_specs
 from marlin_pack.plan import rank_slices

@@ -1,0 +1,185 @@
+"""The ``marlin-pack`` command line: a thin layer over the library API. Never imports vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from marlin_pack import __version__
+from marlin_pack._constants import DEBUG_ENV
+from marlin_pack.errors import MarlinPackError
+
+app = typer.Typer(
+    name="marlin-pack",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    help="Convert AWQ/GPTQ checkpoints into vLLM 0.33.0's Marlin layout, offline, and verify the result.",
+)
+out = Console()
+err = Console(stderr=True)
+
+ModelDirArg = Annotated[
+    Path, typer.Argument(exists=True, file_okay=False, dir_okay=True, readable=True, resolve_path=True, help="HuggingFace checkpoint directory.")
+]
+BundleArg = Annotated[Path, typer.Argument(help="Bundle directory (default location: MODEL_DIR/marlin-pack).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+
+
+def _parse_tp(value: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in value.split(",") if x.strip()})
+    except ValueError:
+        raise typer.BadParameter(f"{value!r}: expected sizes like 1 or 1,2,4,8") from None
+    if not sizes or sizes[0] < 1:
+        raise typer.BadParameter(f"{value!r}: expected positive sizes like 1 or 1,2,4,8")
+    return sizes
+
+
+@contextmanager
+def _progress(enabled: bool, what: str) -> Iterator[Callable[[int, int, str], None] | None]:
+    if not enabled or not err.is_terminal:  # no bar (nor stray newlines) in logs and pipes
+        yield None
+        return
+    with Progress(
+        TextColumn(f"[bold]{what}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("", total=None)
+
+        def update(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=name)
+
+        yield update
+
+
+@app.command()
+def convert(
+    model_dir: ModelDirArg,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Bundle directory [default: MODEL_DIR/marlin-pack].")] = None,
+    tp: Annotated[str, typer.Option("--tp", help="Tensor-parallel sizes to write, e.g. 1,2,4,8.")] = "1",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Serving dtype: float16 or bfloat16 [default: the checkpoint's].")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle.")] = False,
+    device: Annotated[str, typer.Option("--device", help="Where to do the tensor work: cpu or cuda.")] = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a Marlin bundle for MODEL_DIR (engine-free; CPU is enough)."""
+    from marlin_pack.conversion import convert as run_convert
+
+    with _progress(not as_json, "converting") as progress:
+        manifest = run_convert(model_dir, output, tp_sizes=_parse_tp(tp), dtype=dtype, force=force, device=device, progress=progress)
+    bundle = output or model_dir / "marlin-pack"
+    if as_json:
+        out.print_json(json.dumps({"bundle": str(bundle), "manifest": manifest.model_dump(mode="json")}))
+        return
+    _render_manifest(manifest, bundle)
+    out.print(f"[green]wrote[/] {bundle}")
+
+
+@app.command()
+def verify(
+    bundle: BundleArg,
+    source: Annotated[Optional[Path], typer.Option("--source", help="Checkpoint the bundle was made from [default: the bundle's parent].")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Prove a bundle is intact and faithful to its source (exit 1 on any failure)."""
+    from marlin_pack.verification import verify as run_verify
+
+    with _progress(not as_json, "round trip") as progress:
+        report = run_verify(bundle, source, progress=progress)
+    if as_json:
+        out.print_json(json.dumps({"ok": report.ok, "checks": [c.__dict__ for c in report.checks]}))
+    else:
+        table = Table("check", "result", "detail", title=f"verify {bundle}")
+        for c in report.checks:
+            table.add_row(c.name, "[green]ok[/]" if c.ok else "[red]FAILED[/]", c.detail)
+        out.print(table)
+    if not report.ok:
+        failed = report.first_failure
+        assert failed is not None
+        raise MarlinPackError(f"verify failed at {failed.name}: {failed.detail}")
+
+
+@app.command()
+def inspect(bundle: BundleArg, as_json: JsonOpt = False) -> None:
+    """Show what a bundle holds."""
+    from marlin_pack.bundle import read_manifest
+
+    manifest = read_manifest(bundle)
+    if as_json:
+        out.print_json(manifest.to_json())
+        return
+    _render_manifest(manifest, bundle)
+
+
+@app.command()
+def schema() -> None:
+    """Print the manifest's JSON schema."""
+    from marlin_pack.schemas import manifest_json_schema
+
+    out.print_json(json.dumps(manifest_json_schema(), sort_keys=True))
+
+
+@app.command()
+def version() -> None:
+    """Print marlin-pack's version."""
+    out.print(__version__)
+
+
+def _render_manifest(manifest, bundle: Path) -> None:  # type: ignore[no-untyped-def]
+    src = manifest.source
+    info = Table.grid(padding=(0, 2))
+    info.add_row("bundle", str(bundle))
+    info.add_row("source", f"{src.format.value} {src.architecture}, {len(src.files)} file(s), digest {src.digest[:16]}…")
+    q = manifest.quant
+    info.add_row("weights", f"{q.weight_type.value} ({q.bits}-bit), group size {q.group_size}, zero points {q.zero_points}")
+    info.add_row("serving dtype", manifest.serving_dtype.value)
+    info.add_row("target", f"vLLM {manifest.target.vllm_version}, {manifest.target.kernel} layout v{manifest.target.layout_version}")
+    out.print(info)
+    table = Table("tp", "files", "size", "layers", "padded layers", title="tensor-parallel sets")
+    for s in manifest.tensor_parallel:
+        padded = sum(1 for e in s.layers if (e.padded_k, e.padded_n) != (e.size_k, e.size_n))
+        size = sum(r.file.size for r in s.ranks)
+        table.add_row(str(s.tp_size), str(len(s.ranks)), f"{size / 1e6:,.1f} MB", str(len(s.layers)), str(padded))
+    table.add_row("common", "1", f"{manifest.common.size / 1e6:,.1f} MB", "-", "-")
+    out.print(table)
+
+
+def main() -> None:
+    """Console entry point: one-line errors and exit code 1 instead of tracebacks."""
+    try:
+        app()
+    except MarlinPackError as e:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        err.print(f"[red]error:[/] {e}", soft_wrap=True, highlight=False)
+        err.print(f"[dim](set {DEBUG_ENV}=1 for a traceback)[/]")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("[red]interrupted[/]: nothing was written (partial output removed)")
+        sys.exit(130)
+    except Exception as e:  # a bug, not bad input: still one line, but say so
+        if os.environ.get(DEBUG_ENV):
+            raise
+        err.print(f"[red]internal error:[/] {type(e).__name__}: {e}; set {DEBUG_ENV}=1 and report the traceback", soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

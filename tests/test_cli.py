@@ -1,0 +1,76 @@
+"""The CLI: exit codes, one-line errors, JSON output, and no vLLM import."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from marlin_pack.cli import app
+
+runner = CliRunner()
+
+
+def _ckpt(make_checkpoint, tmp_path: Path) -> Path:
+    d = tmp_path / "ckpt"
+    shutil.copytree(make_checkpoint("awq", "tiny", group_size=32), d)
+    return d
+
+
+def test_convert_verify_inspect_json(make_checkpoint, tmp_path: Path) -> None:
+    d = _ckpt(make_checkpoint, tmp_path)
+    r = runner.invoke(app, ["convert", str(d), "--tp", "1,2", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["manifest"]["quant"]["weight_type"] == "uint4"
+    assert [s["tp_size"] for s in data["manifest"]["tensor_parallel"]] == [1, 2]
+    r = runner.invoke(app, ["verify", str(d / "marlin-pack"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["ok"] is True
+    r = runner.invoke(app, ["inspect", str(d / "marlin-pack")])
+    assert r.exit_code == 0 and "uint4" in r.stdout and "padded layers" in r.stdout
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    code = "from marlin_pack.cli import main; import sys; sys.argv = ['marlin-pack', *sys.argv[1:]]; main()"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_bad_input_is_one_line_exit_1(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    r = _run("convert", str(tmp_path))
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ") and "no *.safetensors files" in r.stderr
+
+
+def test_verify_failure_exit_1(make_checkpoint, tmp_path: Path) -> None:
+    d = _ckpt(make_checkpoint, tmp_path)
+    assert _run("convert", str(d)).returncode == 0
+    f = d / "marlin-pack" / "common.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    r = _run("verify", str(d / "marlin-pack"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "verify failed at files: bundle file common.safetensors has sha256" in r.stderr
+
+
+def test_cli_does_not_import_vllm_or_torch_for_help() -> None:
+    code = "import sys; from marlin_pack.cli import app; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+def test_convert_path_never_imports_vllm(make_checkpoint, tmp_path: Path) -> None:
+    d = _ckpt(make_checkpoint, tmp_path)
+    code = (
+        "import sys; from marlin_pack.cli import main; sys.argv=['marlin-pack','convert',sys.argv[1]];\n"
+        "try: main()\nexcept SystemExit: pass\nprint('VLLM', 'vllm' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120)
+    assert "VLLM False" in r.stdout, r.stderr

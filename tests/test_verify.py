@@ -1,0 +1,125 @@
+"""verify: passes on a faithful bundle, fails with a named reason on every kind of damage."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from marlin_pack import convert, verify
+from marlin_pack.hashing import sha256_file
+
+
+@pytest.fixture
+def bundle(make_checkpoint, tmp_path: Path) -> Path:
+    src = tmp_path / "ckpt"
+    shutil.copytree(make_checkpoint("gptq", "tiny-qwen2", bits=4, group_size=32), src)
+    convert(src, tp_sizes=(1, 2))
+    return src / "marlin-pack"
+
+
+def _failure(b: Path, source: Path | None = None) -> tuple[str, str]:
+    report = verify(b, source)
+    assert not report.ok
+    f = report.first_failure
+    assert f is not None
+    return f.name, f.detail
+
+
+def test_faithful_bundle_passes(bundle: Path) -> None:
+    report = verify(bundle)
+    assert report.ok, report.first_failure
+    assert [c.name for c in report.checks] == ["manifest", "files", "tensors", "source", "layout", "common", "round-trip"]
+    assert "bit for bit" in report.checks[-1].detail
+
+
+def test_flipped_byte_fails(bundle: Path) -> None:
+    f = bundle / "tp2" / "rank-1.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    name, detail = _failure(bundle)
+    assert name == "files" and "tp2/rank-1.safetensors has sha256" in detail and "was modified" in detail
+
+
+def test_tampered_tensor_with_updated_hash_fails_round_trip(bundle: Path) -> None:
+    # An attacker (or a bug) rewrites a tensor *and* the manifest hash: only the round trip can tell.
+    path = bundle / "tp1" / "rank-0.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.down_proj.qweight"
+    tensors[name][0, 0] ^= 0x10
+    save_file(tensors, path, metadata={"format": "marlin-pack"})
+    m = json.loads((bundle / "manifest.json").read_text())
+    entry = m["tensor_parallel"][0]["ranks"][0]["file"]
+    entry["size"], entry["sha256"] = path.stat().st_size, sha256_file(path)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    name_, detail = _failure(bundle)
+    assert name_ == "round-trip" and "down_proj (tp 1 rank 0): integer codes differ" in detail
+
+
+def test_changed_source_fails(bundle: Path) -> None:
+    src = bundle.parent / "model.safetensors"
+    data = bytearray(src.read_bytes())
+    data[-3] ^= 0xFF
+    src.write_bytes(bytes(data))
+    name, detail = _failure(bundle)
+    assert name == "source" and "changed since the bundle was made" in detail
+
+
+def test_other_source_fails(bundle: Path, make_checkpoint) -> None:
+    other = make_checkpoint("gptq", "tiny-qwen2", bits=4, group_size=32, seed=1)
+    name, detail = _failure(bundle, other)
+    assert name == "source" and "model.safetensors" in detail
+
+
+@pytest.mark.parametrize("path", ["../../etc/passwd", "/etc/passwd", "tp1/../../x.safetensors"])
+def test_manifest_path_traversal_refused(bundle: Path, path: str) -> None:
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["common"]["path"] = path
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    name, detail = _failure(bundle)
+    assert name == "manifest" and "field common.path" in detail and "unsafe path" in detail
+
+
+def test_symlink_escape_refused(bundle: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(bundle / "common.safetensors", outside)
+    (bundle / "common.safetensors").unlink()
+    os.symlink(outside, bundle / "common.safetensors")
+    name, detail = _failure(bundle)
+    assert name == "files" and "points outside the bundle" in detail
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda m: m.update(format_version=2), "format_version is 2"),
+        (lambda m: m.update(format="other"), "has format 'other'"),
+        (lambda m: m.update(extra_field=1), "field extra_field: Extra inputs are not permitted"),
+        (lambda m: m["common"].update(size=-5), "field common.size"),
+        (lambda m: m["quant"].update(bits=8), "does not match bits=8"),
+    ],
+)
+def test_malformed_manifest_refused(bundle: Path, edit, match: str) -> None:
+    m = json.loads((bundle / "manifest.json").read_text())
+    edit(m)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    name, detail = _failure(bundle)
+    assert name == "manifest" and match in detail
+
+
+def test_missing_rank_file(bundle: Path) -> None:
+    (bundle / "tp2" / "rank-0.safetensors").unlink()
+    name, detail = _failure(bundle)
+    assert name == "files" and "tp2/rank-0.safetensors is missing" in detail
+
+
+def test_without_source_skips_deep_checks(bundle: Path, tmp_path: Path) -> None:
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(bundle, moved)
+    report = verify(moved)
+    assert report.ok and report.checks[-1].name == "source" and "skipped" in report.checks[-1].detail
