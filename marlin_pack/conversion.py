@@ -235,7 +235,8 @@ def convert(
                 entry = plan.entries[tp][li]
                 for rank in range(tp):
                     fused = fuse_rank_slices(rank_slices(spec, plan.dims, tp, rank), parts, source.scheme.group_size)
-                    for name, t in build_rank_tensors(entry, source.scheme, tdtype, *fused).items():
+                    slots = parts[spec.parts[0].name].column_slots
+                    for name, t in build_rank_tensors(entry, source.scheme, tdtype, *fused, slots).items():
                         rank_files[(tp, rank)].write(name, t)
             del parts
             if progress:

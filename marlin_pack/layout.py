@@ -49,18 +49,22 @@ def build_rank_tensors(
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     bias: torch.Tensor | None,
+    source_slots: tuple[int, ...] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Pad and Marlin-transform one rank's fused, sliced layer (``[K, N]`` codes etc.)."""
+    """Pad and Marlin-transform one rank's fused, sliced layer (``[K, N]`` codes etc.).
+
+    ``source_slots``: column order of ``codes``/``zeros`` within each 8 (AWQ), see ModuleTensors.
+    """
     kp, np_ = entry.padded_k, entry.padded_n
     gp = padded_groups(entry, scheme.group_size)
     # vLLM copies checkpoint scales/bias into params_dtype parameters before processing.
     out = {
-        f"{entry.name}.qweight": pack_marlin_weights(pad2d(codes, kp, np_), scheme.bits),
+        f"{entry.name}.qweight": pack_marlin_weights(pad2d(codes, kp, np_), scheme.bits, source_slots),
         f"{entry.name}.scales": permute_scales(pad2d(scales.to(dtype), gp, np_), scheme.group_size, kp),
     }
     if scheme.zero_points:
         assert zeros is not None
-        out[f"{entry.name}.qzeros"] = pack_marlin_zero_points(pad2d(zeros, gp, np_), scheme.bits)
+        out[f"{entry.name}.qzeros"] = pack_marlin_zero_points(pad2d(zeros, gp, np_), scheme.bits, source_slots)
     if entry.has_bias:
         assert bias is not None
         out[f"{entry.name}.bias"] = permute_bias(pad2d(bias.to(dtype).view(1, -1), 1, np_).view(-1))

@@ -35,6 +35,8 @@ __all__ = [
     "unpermute_bias",
     "unpack_gptq_qweight",
     "unpack_awq_cols",
+    "awq_to_natural",
+    "AWQ_SLOTS",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover
@@ -44,8 +46,8 @@ TILE = 16
 _PERM_CHUNK = 1024  # codes in one 16x64 Marlin tile group
 # Nibble order inside a word that the dequantizer expects, per bit width.
 _INTERLEAVE = {4: (0, 2, 4, 6, 1, 3, 5, 7), 8: (0, 2, 1, 3)}
-# AutoAWQ stores column c of each 8-column word in nibble slot _AWQ_SLOT_OF_COL[c].
-_AWQ_SLOT_OF_COL = (0, 4, 1, 5, 2, 6, 3, 7)
+# AutoAWQ stores column c of each 8-column word in nibble slot AWQ_SLOTS[c].
+AWQ_SLOTS = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -85,15 +87,20 @@ def _thread_perm(bits: int) -> torch.Tensor:
     return perm.view(-1, inter.numel())[:, inter].reshape(-1)
 
 
-@lru_cache(maxsize=16)
-def _strip_gather_index(bits: int, padded_n: int) -> torch.Tensor:
-    """For one 16-row strip viewed as ``[16 * Np]``: source offset of each output code."""
+@lru_cache(maxsize=32)
+def _strip_gather_index(bits: int, padded_n: int, source_slots: tuple[int, ...] | None = None) -> torch.Tensor:
+    """For one 16-row strip viewed as ``[16 * Np]``: source offset of each output code.
+
+    ``source_slots`` (AWQ) says where, inside each aligned group of 8 source columns,
+    natural column ``c`` sits; folding it in here saves a reordering pass.
+    """
     n_tiles = padded_n // TILE
+    col = torch.arange(padded_n)
+    if source_slots is not None:
+        col = col // 8 * 8 + torch.tensor(source_slots)[col % 8]
     # Offsets of a tile-major strip: tile tn, row r, column c  <-  r * Np + tn * 16 + c.
-    tn = torch.arange(n_tiles).view(-1, 1, 1)
     r = torch.arange(TILE).view(1, -1, 1)
-    c = torch.arange(TILE).view(1, 1, -1)
-    tiled = (r * padded_n + tn * TILE + c).reshape(-1, _PERM_CHUNK)
+    tiled = (r * padded_n + col.view(n_tiles, 1, TILE)).reshape(-1, _PERM_CHUNK)
     return tiled[:, _thread_perm(bits)].reshape(-1)
 
 
@@ -105,21 +112,27 @@ def _pack_codes_into_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack_words_into_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_codes_into_words` (uint8 codes, ``32/bits`` per word)."""
     by = words.contiguous().view(torch.uint8)
     if bits == 8:
         return by
-    return torch.stack((by & 0xF, by >> 4), dim=-1).flatten(-2)
+    out = torch.empty(by.shape + (2,), dtype=torch.uint8, device=by.device)
+    torch.bitwise_and(by, 0xF, out=out[..., 0])
+    torch.bitwise_right_shift(by, 4, out=out[..., 1])
+    return out.flatten(-2)
 
 
-def pack_marlin_weights(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_marlin_weights(codes: torch.Tensor, bits: int, source_slots: tuple[int, ...] | None = None) -> torch.Tensor:
     """Marlin-repack padded codes ``[Kp, Np]`` (uint8) into int32 ``[Kp/16, Np*16*bits/32]``.
 
     Equals ``ops.gptq_marlin_repack`` of the GPTQ-packed codes (16-bit activations).
+    ``source_slots``: the codes' columns are in that order within each 8 (see
+    :data:`AWQ_SLOTS`); natural order when None.
     """
     kp, np_ = codes.shape
     if kp % TILE or np_ % 64:
         raise ValueError(f"codes shape {tuple(codes.shape)} is not padded to Marlin tiles")
-    idx = _strip_gather_index(bits, np_).to(codes.device)
+    idx = _strip_gather_index(bits, np_, source_slots).to(codes.device)
     strips = codes.to(torch.uint8).reshape(kp // TILE, TILE * np_)
     return _pack_codes_into_words(strips.index_select(1, idx), bits)
 
@@ -160,15 +173,19 @@ def unpermute_scales(scales: torch.Tensor, group_size: int, padded_k: int) -> to
     return out.reshape(scales.shape)
 
 
-def _zp_perm(bits: int) -> torch.Tensor:
+@lru_cache(maxsize=8)
+def _zp_perm(bits: int, source_slots: tuple[int, ...] | None = None) -> torch.Tensor:
     grouped, _ = _scale_perms()
     inter = torch.tensor(_INTERLEAVE[bits])
-    return grouped.view(-1, inter.numel())[:, inter].reshape(-1)
+    perm = grouped.view(-1, inter.numel())[:, inter].reshape(-1)
+    if source_slots is not None:
+        perm = perm // 8 * 8 + torch.tensor(source_slots)[perm % 8]
+    return perm
 
 
-def pack_marlin_zero_points(zeros: torch.Tensor, bits: int = 4) -> torch.Tensor:
+def pack_marlin_zero_points(zeros: torch.Tensor, bits: int = 4, source_slots: tuple[int, ...] | None = None) -> torch.Tensor:
     """Padded zero points ``[Gp, Np]`` (0..15) into Marlin's int32 ``[Gp, Np*bits/32]``."""
-    perm = _zp_perm(bits).to(zeros.device)
+    perm = _zp_perm(bits, source_slots).to(zeros.device)
     permuted = zeros.to(torch.uint8).reshape(-1, perm.numel())[:, perm].reshape(zeros.shape)
     return _pack_codes_into_words(permuted, bits)
 
@@ -203,8 +220,15 @@ def unpack_gptq_qweight(qweight: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_awq_cols(packed: torch.Tensor) -> torch.Tensor:
-    """AutoAWQ ``[R, N/8]`` int32 (4-bit, AWQ nibble order, packed along N) into ``[R, N]`` uint8."""
-    rows, words = packed.shape
-    slots = _unpack_words_into_codes(packed, 4).view(rows, words, 8)
-    order = torch.tensor(_AWQ_SLOT_OF_COL, device=packed.device)
-    return slots[:, :, order].reshape(rows, words * 8)
+    """AutoAWQ ``[R, N/8]`` int32 (4-bit, packed along N) into ``[R, N]`` uint8 in *AWQ slot order*.
+
+    Column ``c`` of each aligned 8 sits at position ``AWQ_SLOTS[c]``; pass ``AWQ_SLOTS`` as
+    ``source_slots`` to the packers, or :func:`awq_to_natural` to reorder.
+    """
+    return _unpack_words_into_codes(packed, 4)
+
+
+def awq_to_natural(codes: torch.Tensor) -> torch.Tensor:
+    """Reorder slot-ordered AWQ columns (from :func:`unpack_awq_cols`) into natural order."""
+    rows, n = codes.shape
+    return codes.view(rows, n // 8, 8)[:, :, list(AWQ_SLOTS)].reshape(rows, n)

@@ -123,7 +123,7 @@ def _fill(s: _Spec, g: torch.Generator) -> torch.Tensor:
 
 def _sym_zero_word(bits: int, checkpoint_format: str) -> int:
     """The packed zero points of symmetric GPTQ as a signed int32; v1 stores ``zero - 1``."""
-    zero = 2 ** (bits - 1) - (1 if checkpoint_format == "gptq" else 0)
+    zero = (1 << (bits - 1)) - (1 if checkpoint_format == "gptq" else 0)
     word = sum(zero << (bits * i) for i in range(32 // bits))
     return word - 2**32 if word >= 2**31 else word
 
@@ -204,7 +204,7 @@ def _write_safetensors(path: Path, specs: list[_Spec], seed: int, device: str | 
             t = _fill(s, _generator(seed, s.name, device)).to("cpu").contiguous()
             assert t.shape == s.shape and t.dtype == s.dtype, s.name
             # Raw bytes via the buffer protocol (no copy); safetensors is little-endian, as are our hosts.
-            f.write(t.reshape(-1).view(torch.uint8).numpy())
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
             del t  # before the next tensor is drawn: peak memory is one tensor, not two
             advance(s.nbytes)
 
@@ -273,10 +273,10 @@ def _write_checkpoint(out_dir: str | Path, shape: ModelShape, qc: dict[str, Any]
         if progress is not None:
             progress(done, total)
 
-    for name, shard in zip(names, shards):
+    for name, shard in zip(names, shards, strict=True):
         _write_safetensors(out / name, shard, seed, device, advance)
     if len(shards) > 1:
-        weight_map = {s.name: name for name, shard in zip(names, shards) for s in shard}
+        weight_map = {s.name: name for name, shard in zip(names, shards, strict=True) for s in shard}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json(out / "model.safetensors.index.json", index)
     _write_json(out / "config.json", config)

@@ -22,6 +22,7 @@ from marlin_pack.conversion import ConversionPlan, fuse_rank_slices, plan_conver
 from marlin_pack.errors import MarlinPackError
 from marlin_pack.layout import decode_rank_tensors, tensor_specs
 from marlin_pack.plan import rank_slices
+from marlin_pack.repack import awq_to_natural
 from marlin_pack.schemas import Manifest
 from marlin_pack.sources import source_from_quant_config
 
@@ -196,6 +197,8 @@ def _round_trip(
                 tensors = {n: f.get_tensor(n) for n, _, _ in tensor_specs(entry, m.quant, dtype)}
                 got = decode_rank_tensors(entry, m.quant, tensors)
                 codes, scales, zeros, bias = fuse_rank_slices(rank_slices(spec, plan.dims, tp_set.tp_size, rank), parts, g)
+                if parts[spec.parts[0].name].column_slots is not None:  # AWQ slot order -> natural
+                    codes, zeros = awq_to_natural(codes), awq_to_natural(zeros)
                 where = f"{entry.name} (tp {tp_set.tp_size} rank {rank})"
                 _compare_padded(got["codes"], codes.to(torch.uint8), f"{where}: integer codes")
                 _compare_padded(got["scales"], scales.to(dtype), f"{where}: scales")

@@ -71,4 +71,19 @@ def test_awq_unpack_inverts_awq_order() -> None:
     for s, c in enumerate(order):
         words |= cols[:, c::8] << (4 * s)
     packed = torch.tensor(words.numpy().astype("uint32").view("int32"))
-    assert torch.equal(repack.unpack_awq_cols(packed), cols.to(torch.uint8))
+    slots = repack.unpack_awq_cols(packed)
+    assert torch.equal(repack.awq_to_natural(slots), cols.to(torch.uint8))
+
+
+@pytest.mark.parametrize("bits_n", [(4, 64), (4, 320)])
+def test_source_slots_fold_equals_reordering(bits_n: tuple[int, int]) -> None:
+    bits, n = bits_n
+    natural = torch.randint(0, 16, (128, n), dtype=torch.uint8)
+    inv = [repack.AWQ_SLOTS.index(i) for i in range(8)]
+    slot_order = natural.view(128, n // 8, 8)[:, :, inv].reshape(128, n)
+    assert torch.equal(repack.awq_to_natural(slot_order), natural)
+    assert torch.equal(repack.pack_marlin_weights(slot_order, bits, repack.AWQ_SLOTS), repack.pack_marlin_weights(natural, bits))
+    zp = natural[:4]
+    assert torch.equal(
+        repack.pack_marlin_zero_points(slot_order[:4], 4, repack.AWQ_SLOTS), repack.pack_marlin_zero_points(zp, 4)
+    )

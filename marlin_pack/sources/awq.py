@@ -6,7 +6,7 @@ import torch
 
 from marlin_pack.checkpoint import Checkpoint
 from marlin_pack.errors import UnsupportedCheckpointError
-from marlin_pack.repack import unpack_awq_cols
+from marlin_pack.repack import AWQ_SLOTS, unpack_awq_cols
 from marlin_pack.schemas import QuantScheme, SourceFormat, WeightType
 from marlin_pack.sources._checks import check_group_size, expect, expect_scales, num_groups
 from marlin_pack.sources.base import ModuleTensors
@@ -61,4 +61,5 @@ class AwqGemmSource:
             scales=ckpt.get(f"{prefix}.scales").to(device),
             zeros=unpack_awq_cols(qzeros),
             bias=bias,
+            column_slots=AWQ_SLOTS,
         )

@@ -1,0 +1,106 @@
+"""Conversion speed and memory, side by side with a plain safetensors read+write of the same checkpoint.
+
+    python benchmarks/bench_convert.py                     # ~1 GB Llama-shaped AWQ + GPTQ, 3 rounds
+    python benchmarks/bench_convert.py --preset llama-8b --formats awq --rounds 1 --device cuda
+
+Each measurement runs in a fresh subprocess (so peak memory is its own), alternating
+baseline and conversion, page cache warm. Peak memory is the process's anonymous RSS
+(heap), sampled every 10 ms; memory-mapped checkpoint pages are page cache, not heap,
+and are reported separately as peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, threading, time, resource
+from pathlib import Path
+peak = [0]
+def sample():
+    while True:
+        for line in open('/proc/self/status'):
+            if line.startswith('RssAnon:'):
+                peak[0] = max(peak[0], int(line.split()[1]) * 1024)
+        time.sleep(0.01)
+threading.Thread(target=sample, daemon=True).start()
+mode, src, dst, device = sys.argv[1:5]
+import torch
+t0 = time.perf_counter()
+if mode == 'baseline':
+    from safetensors.torch import load_file, save_file
+    Path(dst).mkdir(parents=True)
+    for f in sorted(Path(src).glob('*.safetensors')):
+        save_file(load_file(f), Path(dst) / f.name, metadata={'format': 'pt'})
+else:
+    from marlin_pack import convert
+    convert(src, dst, tp_sizes=(1,), device=device)
+    if device.startswith('cuda'):
+        torch.cuda.synchronize()
+dt = time.perf_counter() - t0
+print(json.dumps({'seconds': dt, 'peak_anon': peak[0], 'maxrss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def _run(mode: str, src: Path, dst: Path, device: str) -> dict:
+    shutil.rmtree(dst, ignore_errors=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, mode, str(src), str(dst), device], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{mode} failed:\n{out.stderr}")
+    shutil.rmtree(dst, ignore_errors=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _checkpoint(root: Path, fmt: str, preset: str, device: str) -> Path:
+    from marlin_pack.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
+
+    d = root / f"{preset}-{fmt}"
+    if not (d / "config.json").exists():
+        print(f"generating {d} ...", flush=True)
+        kw = dict(max_shard_bytes=2 << 30, device=device, tokenizer=False)
+        if fmt == "awq":
+            write_awq_checkpoint(d, PRESETS[preset], **kw)
+        else:
+            write_gptq_checkpoint(d, PRESETS[preset], **kw)
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-1gb")
+    ap.add_argument("--formats", default="awq,gptq")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--workdir", type=Path, default=Path(".bench"))
+    args = ap.parse_args()
+    args.workdir.mkdir(exist_ok=True)
+    rows = []
+    for fmt in args.formats.split(","):
+        src = _checkpoint(args.workdir, fmt, args.preset, args.device)
+        size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        for f in src.glob("*.safetensors"):  # warm the page cache for both sides alike
+            f.read_bytes()
+        base, conv = [], []
+        for _ in range(args.rounds):
+            base.append(_run("baseline", src, args.workdir / "out-baseline", "cpu"))
+            conv.append(_run("convert", src, args.workdir / "out-convert", args.device))
+        b = statistics.median(r["seconds"] for r in base)
+        c = statistics.median(r["seconds"] for r in conv)
+        rows.append((fmt, size, b, c, max(r["peak_anon"] for r in base), max(r["peak_anon"] for r in conv),
+                     max(r["maxrss"] for r in conv)))
+    print(f"\npreset {args.preset}, {args.rounds} round(s), median seconds, convert on {args.device}")
+    print(f"{'format':6} {'size GB':>8} {'read+write s':>13} {'convert s':>10} {'ratio':>6} "
+          f"{'heap r+w GB':>12} {'heap conv GB':>13} {'rss conv GB':>12}")
+    for fmt, size, b, c, pb, pc, rc in rows:
+        print(f"{fmt:6} {size / 1e9:8.2f} {b:13.2f} {c:10.2f} {c / b:6.2f} {pb / 1e9:12.2f} {pc / 1e9:13.2f} {rc / 1e9:12.2f}")
+
+
+if __name__ == "__main__":
+    main()
