@@ -12,7 +12,9 @@ from marlin_pack.synthetic import PRESETS, ModelShape, write_awq_checkpoint, wri
 
 # Eight query heads, two KV heads: TP 8 replicates each KV head on four ranks.
 WIDE = ModelShape(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
-SHAPES = {**PRESETS, "wide": WIDE}
+# Aligned at TP 1 but not at TP 2: down_proj gets 352 input features per rank, padded to 384.
+PADDED_AT_TP2 = ModelShape(hidden_size=384, intermediate_size=704, num_attention_heads=6, num_key_value_heads=2)
+SHAPES = {**PRESETS, "wide": WIDE, "padded-at-tp2": PADDED_AT_TP2, "mistral": ModelShape(model_type="mistral")}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

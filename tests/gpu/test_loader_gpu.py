@@ -1,0 +1,326 @@
+"""GPU tests of ``--load-format marlin_prepacked`` against stock vLLM 0.33.0.
+
+For tiny AWQ-4, GPTQ-4, GPTQ-8 and padded checkpoints (FP16, eager, TP=1):
+
+(a) ordinary loading with ``linear_backend="marlin"`` and (b) ``load_format="marlin_prepacked"``
+without it must produce close outputs (two prompts, 16 greedy tokens, ``logprobs=5``,
+``prompt_logprobs=5``) and bit-identical post-processed parameters, and (b) must log that
+vLLM chose MarlinLinearKernel. Stale or mismatched bundles (other TP size, other dtype,
+changed source file, edited tensor file) are refused naming the field, and load the
+ordinary way with ``{"fallback": true}``.
+
+Each engine runs in its own subprocess (this file run as a script) with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so ``apply_model`` runs in-process (no
+serialization of the callable) and every engine starts from a clean GPU and fresh
+``*_once`` logs. ``MARLIN_PACK_TEST_ATTN`` picks the attention backend (default TRITON_ATTN).
+
+Run on the GPU machine::
+
+    pip install -e .    # so the vllm.general_plugins entry point exists
+    python -m pytest tests/gpu/test_loader_gpu.py -m gpu -v
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+ATTN = os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN")
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
+MAX_TOKENS = 16
+TOP = 5
+ENGINE_TIMEOUT_S = 600
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+BASE_KWARGS: dict[str, Any] = dict(
+    dtype="float16",
+    enforce_eager=True,
+    attention_backend=ATTN,
+    gpu_memory_utilization=0.25,
+    max_model_len=512,
+    max_num_seqs=4,
+    seed=0,
+)
+
+
+# --- the engine subprocess --------------------------------------------------------------------
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+def _logprobs(positions: Any) -> list[dict[int, float] | None]:
+    if positions is None:
+        return []
+    return [None if p is None else {int(k): float(v.logprob) for k, v in p.items()} for p in positions]
+
+
+def _engine_main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault(
+        "VLLM_ALLOW_INSECURE_SERIALIZATION", "1"
+    )  # only needed if an engine process is used
+    if not any(e.name == "marlin_pack" for e in entry_points(group="vllm.general_plugins")):
+        from marlin_pack.vllm_plugin import register  # not installed: register in this process
+
+        register()
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], **spec["kwargs"])
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP, prompt_logprobs=TOP, seed=0)
+    outputs = []
+    for out in llm.generate(PROMPTS, sp, use_tqdm=False):
+        c = out.outputs[0]
+        outputs.append(
+            {
+                "token_ids": list(c.token_ids),
+                "text": c.text,
+                "logprobs": _logprobs(c.logprobs),
+                "prompt_token_ids": list(out.prompt_token_ids or []),
+                "prompt_logprobs": _logprobs(out.prompt_logprobs),
+            }
+        )
+    params = llm.apply_model(_params)[0] if spec.get("params") else None
+    torch.save({"outputs": outputs, "params": params}, spec["out"])
+    print("MARLIN_PACK_ENGINE_OK", flush=True)
+
+
+def run_engine(tmp: Path, model: Path, params: bool = True, **kwargs: Any) -> tuple[int, str, dict | None]:
+    """Run one engine in a subprocess; returns (exit code, combined log, results or None)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "model": str(model),
+        "kwargs": {**BASE_KWARGS, **kwargs},
+        "params": params,
+        "out": str(tmp / "out.pt"),
+    }
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "engine", str(spec_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
+    log = proc.stdout + proc.stderr
+    (tmp / "engine.log").write_text(log)
+    result = None
+    if proc.returncode == 0 and "MARLIN_PACK_ENGINE_OK" in proc.stdout:
+        result = torch.load(tmp / "out.pt", weights_only=False)
+    return proc.returncode, log, result
+
+
+# --- comparison (like vLLM's tests/models/utils.py::check_logprobs_close) ----------------------
+
+
+def check_logprobs_close(outputs_0: list[dict], outputs_1: list[dict], name_0: str, name_1: str) -> None:
+    """Greedy outputs agree until the first differing token, and there each engine's token
+    is among the other's top logprobs; the same for the prompt's top-1 tokens."""
+    assert len(outputs_0) == len(outputs_1) == len(PROMPTS)
+    for i, (o0, o1) in enumerate(zip(outputs_0, outputs_1)):
+        assert o0["prompt_token_ids"] == o1["prompt_token_ids"]
+        for idx, (t0, t1) in enumerate(zip(o0["token_ids"], o1["token_ids"])):
+            if t0 != t1:
+                msg = (
+                    f"prompt {i}: matched tokens {o0['token_ids'][:idx]}\n"
+                    f"{name_0}: {o0['text']!r} {o0['logprobs'][idx]}\n{name_1}: {o1['text']!r} {o1['logprobs'][idx]}"
+                )
+                assert t0 in o1["logprobs"][idx], msg
+                assert t1 in o0["logprobs"][idx], msg
+                break
+        for pos, (p0, p1) in enumerate(zip(o0["prompt_logprobs"], o1["prompt_logprobs"])):
+            if p0 is None or p1 is None:
+                assert p0 is None and p1 is None
+                continue
+            top0, top1 = max(p0, key=p0.get), max(p1, key=p1.get)
+            assert top0 in p1 and top1 in p0, f"prompt {i} position {pos}: {name_0} {p0} vs {name_1} {p1}"
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_params_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Same names, dtypes, shapes and bytes (bitwise, so NaN payloads count too)."""
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, (
+            name,
+            a[name].shape,
+            b[name].shape,
+        )
+        assert torch.equal(_bytes(a[name]), _bytes(b[name])), name
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+
+def _write(kind: str, out: Path) -> Path:
+    from marlin_pack.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
+
+    if kind == "awq4":
+        return write_awq_checkpoint(out, PRESETS["tiny"])
+    if kind == "gptq4":
+        return write_gptq_checkpoint(out, PRESETS["tiny"])
+    if kind == "gptq8":
+        return write_gptq_checkpoint(out, PRESETS["tiny"], bits=8)
+    if kind == "awq4-padded":
+        return write_awq_checkpoint(out, PRESETS["tiny-padded"], group_size=32)
+    raise ValueError(kind)
+
+
+KINDS = ["awq4", "gptq4", "gptq8", "awq4-padded"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("marlin-pack-gpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(workdir: Path) -> dict[str, Path]:
+    import marlin_pack
+
+    out = {}
+    for kind in KINDS:
+        d = _write(kind, workdir / kind)
+        marlin_pack.convert(d, tp_sizes=(1,), dtype="float16")
+        out[kind] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def ordinary(workdir: Path, checkpoints: dict[str, Path]) -> Callable[[str], dict]:
+    """Engine (a) (ordinary loading, ``linear_backend="marlin"``) results per checkpoint, run once on first use."""
+    cache: dict[str, dict] = {}
+
+    def get(kind: str) -> dict:
+        if kind not in cache:
+            code, log, result = run_engine(workdir / f"a-{kind}", checkpoints[kind], linear_backend="marlin")
+            assert code == 0 and result is not None, log[-4000:]
+            assert "Using MarlinLinearKernel" in log, "the reference engine did not use Marlin"
+            cache[kind] = result
+        return cache[kind]
+
+    return get
+
+
+# --- tests --------------------------------------------------------------------------------------
+
+
+def test_entry_point_installed() -> None:
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "marlin_pack"]
+    assert eps, "marlin-pack is not installed: run `pip install -e .` so vLLM finds the plugin"
+    from marlin_pack.vllm_plugin import register
+
+    assert eps[0].load() is register
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prepacked_matches_ordinary_loading(
+    workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], kind: str
+) -> None:
+    reference = ordinary(kind)
+    code, log, result = run_engine(workdir / f"b-{kind}", checkpoints[kind], load_format="marlin_prepacked")
+    assert code == 0 and result is not None, log[-4000:]
+    # vLLM itself chose Marlin, without linear_backend being passed; and the loader reports it.
+    assert "Using MarlinLinearKernel for mixed-precision linear" in log, log[-4000:]
+    assert "quantized layers use MarlinLinearKernel" in log and "marlin-pack: validate" in log, log[-4000:]
+    check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", "marlin_prepacked")
+    assert_params_identical(reference["params"], result["params"])
+
+
+def _flip_qweight_byte(path: Path) -> None:
+    """Change one byte inside a packed-weight tensor (any int32 word is valid data), like an edit would."""
+    from marlin_pack.vllm_plugin.reader import read_header
+
+    info = next(i for n, i in sorted(read_header(path).tensors.items()) if n.endswith(".qweight"))
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(info.start + info.nbytes // 2)
+        b = f.read(1)
+        f.seek(info.start + info.nbytes // 2)
+        f.write(bytes([b[0] ^ 0x5A]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+def _mismatch(case: str, src: Path, tmp: Path) -> tuple[Path, dict[str, Any]]:
+    """A checkpoint (copy) whose bundle does not fit the engine, and the engine kwargs."""
+    import marlin_pack
+
+    model = Path(shutil.copytree(src, tmp / "ckpt", copy_function=shutil.copy2))
+    if case == "tp_size":
+        marlin_pack.convert(model, tmp / "bundle-tp2", tp_sizes=(2,), dtype="float16")
+        return model, {"model_loader_extra_config": {"bundle": str(tmp / "bundle-tp2")}}
+    if case == "serving_dtype":
+        return model, {"dtype": "bfloat16"}
+    if case == "source.sha256":
+        _flip_qweight_byte(model / "model.safetensors")
+        return model, {}
+    if case == "files":
+        _flip_qweight_byte(model / "marlin-pack" / "tp1" / "rank-0.safetensors")
+        return model, {}
+    raise ValueError(case)
+
+
+MISMATCHES = ["tp_size", "serving_dtype", "source.sha256", "files"]
+
+
+@pytest.mark.parametrize("case", MISMATCHES)
+def test_mismatched_bundle_is_refused(workdir: Path, checkpoints: dict[str, Path], case: str) -> None:
+    tmp = workdir / f"refuse-{case}"
+    model, kwargs = _mismatch(case, checkpoints["awq4"], tmp)
+    code, log, _ = run_engine(tmp / "engine", model, params=False, load_format="marlin_prepacked", **kwargs)
+    assert code != 0, log[-4000:]
+    assert "marlin-pack cannot serve" in log and f"[{case}]" in log, log[-4000:]
+    assert '"fallback": true' in log
+
+
+@pytest.mark.parametrize("case", MISMATCHES)
+def test_mismatched_bundle_falls_back(
+    workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], case: str
+) -> None:
+    tmp = workdir / f"fallback-{case}"
+    model, kwargs = _mismatch(case, checkpoints["awq4"], tmp)
+    extra = {**kwargs.pop("model_loader_extra_config", {}), "fallback": True}
+    code, log, result = run_engine(
+        tmp / "engine",
+        model,
+        params=False,
+        load_format="marlin_prepacked",
+        model_loader_extra_config=extra,
+        **kwargs,
+    )
+    assert code == 0 and result is not None, log[-4000:]
+    assert "marlin-pack: not using the bundle" in log and f"[{case}]" in log, log[-4000:]
+    assert "marlin-pack: validate" not in log  # nothing was placed from the bundle
+    assert all(len(o["token_ids"]) == MAX_TOKENS for o in result["outputs"])
+    if case in ("tp_size", "files"):  # same checkpoint and dtype as the reference: same answers
+        check_logprobs_close(ordinary("awq4")["outputs"], result["outputs"], "ordinary", f"fallback-{case}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "engine":
+        _engine_main(sys.argv[2])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} engine SPEC.json")

@@ -1,0 +1,112 @@
+"""Every tensor the converter writes equals what stock vLLM 0.33.0 holds, bit for bit.
+
+The reference is ``tests/vllm_reference.py``: vLLM's real layers, weight loaders and
+``process_weights_after_loading`` on the CPU, with only the CUDA repack op replaced by
+vLLM's own pure-torch reference (``marlin_utils_test.marlin_weights``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from marlin_pack import convert, verify
+
+pytest.importorskip("vllm")
+from vllm_reference import reference_rank_tensors  # noqa: E402
+
+FORMATS = [("awq", 4), ("gptq", 4), ("gptq", 8)]
+
+
+def _valid_tps(fmt: str, group_size: int, row_k: int, candidates: tuple[int, ...]) -> tuple[int, ...]:
+    """TP sizes vLLM accepts: no group split across ranks, AWQ g=-1 only unsharded (see plan.py)."""
+    ok = []
+    for tp in candidates:
+        if group_size == -1:
+            if fmt == "awq" and tp > 1:
+                continue
+        elif (row_k // tp) % group_size:
+            continue
+        ok.append(tp)
+    return tuple(ok)
+
+
+def _bits_of(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.view(torch.int16)
+
+
+def _assert_bundle_equals_vllm(model: Path, bundle: Path, tps: tuple[int, ...], dtype: torch.dtype) -> int:
+    compared = 0
+    for tp in tps:
+        for rank in range(tp):
+            want = reference_rank_tensors(model, tp, rank, dtype)
+            got = load_file(bundle / f"tp{tp}" / f"rank-{rank}.safetensors")
+            for name, ref in want.items():
+                if name.endswith(".qzeros") and ref.numel() == 0:
+                    assert name not in got, f"{name}: GPTQ keeps no zero points in vLLM"
+                    continue
+                assert name in got, f"{name} missing (tp {tp} rank {rank})"
+                assert got[name].dtype == ref.dtype and got[name].shape == ref.shape, name
+                assert torch.equal(_bits_of(got[name]), _bits_of(ref)), f"{name} differs (tp {tp} rank {rank})"
+                compared += 1
+            extra = set(got) - set(want)
+            assert not extra, f"unexpected tensors {sorted(extra)[:3]}"
+    return compared
+
+
+def _check(make_checkpoint, tmp_path: Path, fmt: str, bits: int, preset: str, group_size: int,
+           dtype: torch.dtype, candidates: tuple[int, ...], row_k: int, sharded: bool = False) -> None:
+    tps = _valid_tps(fmt, group_size, row_k, candidates)
+    src = make_checkpoint(fmt, preset, bits=bits, group_size=group_size, sharded=sharded)
+    model = tmp_path / "model"
+    shutil.copytree(src, model)
+    convert(model, tp_sizes=tps, dtype=str(dtype).removeprefix("torch."))
+    n = _assert_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
+    assert n > 0
+    report = verify(model / "marlin-pack")
+    assert report.ok, report.first_failure
+
+
+@pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
+@pytest.mark.parametrize("fmt,bits", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tp_1_2_4_8_with_kv_replication(make_checkpoint, tmp_path, fmt, bits, group_size, dtype) -> None:
+    # 8 query heads, 2 KV heads: TP 4 and 8 replicate KV heads; o_proj has 512 input features.
+    _check(make_checkpoint, tmp_path, fmt, bits, "wide", group_size, dtype, (1, 2, 4, 8), row_k=512)
+
+
+@pytest.mark.parametrize("group_size", [-1, 32])
+@pytest.mark.parametrize("fmt,bits", FORMATS)
+def test_marlin_padding_at_tp1(make_checkpoint, tmp_path, fmt, bits, group_size) -> None:
+    _check(make_checkpoint, tmp_path, fmt, bits, "tiny-padded", group_size, torch.float16, (1,), row_k=320)
+
+
+@pytest.mark.parametrize("fmt,bits", [("gptq", 4), ("gptq", 8)])
+def test_marlin_padding_per_rank(make_checkpoint, tmp_path, fmt, bits) -> None:
+    _check(make_checkpoint, tmp_path, fmt, bits, "padded-at-tp2", 32, torch.bfloat16, (1, 2), row_k=352 * 2)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "mistral"])
+@pytest.mark.parametrize("fmt,bits", FORMATS)
+def test_architectures(make_checkpoint, tmp_path, preset, fmt, bits) -> None:
+    _check(make_checkpoint, tmp_path, fmt, bits, preset, 64, torch.float16, (1, 2, 4), row_k=256)
+
+
+@pytest.mark.parametrize("fmt,bits", FORMATS)
+def test_sharded_checkpoint(make_checkpoint, tmp_path, fmt, bits) -> None:
+    src = make_checkpoint(fmt, "tiny", bits=bits, group_size=128, sharded=True)
+    assert (src / "model.safetensors.index.json").exists() and len(list(src.glob("*.safetensors"))) > 1
+    _check(make_checkpoint, tmp_path, fmt, bits, "tiny", 128, torch.bfloat16, (1, 2), row_k=256, sharded=True)
+
+
+def test_same_input_same_bytes(make_checkpoint, tmp_path) -> None:
+    src = make_checkpoint("awq", "tiny", group_size=64)
+    a, b = tmp_path / "a", tmp_path / "b"
+    convert(src, a, tp_sizes=(1, 2))
+    convert(src, b, tp_sizes=(1, 2))
+    for f in sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file() and p.name != ".stamps.json"):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
