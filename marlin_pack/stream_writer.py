@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 import struct
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -43,8 +45,12 @@ class StreamWriter:
         metadata: string-to-string ``__metadata__``.
 
     ``write`` must then be called once per entry, in order; ``close`` returns
-    ``(size, sha256)`` and refuses a file with tensors missing.
+    ``(size, sha256)`` and refuses a file with tensors missing. Writing and hashing run
+    on a background thread (both release the GIL), overlapping the next tensor's
+    computation; at most two tensors are in flight.
     """
+
+    _MAX_IN_FLIGHT = 2
 
     def __init__(
         self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
@@ -65,6 +71,8 @@ class StreamWriter:
         self._hash = hashlib.sha256()
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._size = 0
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marlin-pack-write")
+        self._pending: deque[Future[None]] = deque()
         self._emit(struct.pack("<Q", len(raw)) + raw)
 
     def _emit(self, data: bytes | memoryview) -> None:
@@ -81,7 +89,10 @@ class StreamWriter:
             )
         t = tensor.detach().to("cpu").contiguous()
         if t.numel():
-            self._emit(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+            while len(self._pending) >= self._MAX_IN_FLIGHT:
+                self._pending.popleft().result()
+            # The tensor is kept alive by the closure until its bytes are written.
+            self._pending.append(self._io.submit(self._emit, memoryview(t.view(torch.uint8).reshape(-1).numpy())))
         self._next += 1
 
     def close(self) -> tuple[int, str]:
@@ -89,11 +100,15 @@ class StreamWriter:
         if self._next != len(self._expected):
             self.abort()
             raise RuntimeError(f"internal error: {self.path.name} closed after {self._next} of {len(self._expected)} tensors")
+        while self._pending:
+            self._pending.popleft().result()
+        self._io.shutdown()
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
         return self._size, self._hash.hexdigest()
 
     def abort(self) -> None:
+        self._io.shutdown(wait=True, cancel_futures=True)
         if not self._file.closed:
             self._file.close()
