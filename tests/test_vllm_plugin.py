@@ -15,7 +15,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import tomllib
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -77,6 +76,7 @@ def test_importing_the_plugin_does_not_import_vllm() -> None:
 
 
 def test_entry_point_resolves_to_register() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     from marlin_pack.vllm_plugin import register
 
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][
@@ -590,3 +590,132 @@ def test_placed_layers_equal_stock_vllm_post_processing(tmp_path: Path, case: st
         assert isinstance(t, torch.nn.Parameter), name
         assert t.dtype == want.dtype and t.shape == want.shape and t.is_contiguous(), name
         assert torch.equal(t.detach(), want), name
+
+
+# --- the loader's own flow on CPU (model creation faked with real vLLM layers) ----------------
+
+
+def _fake_engine(ckpt: Path, quantization: str) -> tuple[SimpleNamespace, SimpleNamespace]:
+    from vllm.config.kernel import KernelConfig
+
+    vllm_config = SimpleNamespace(
+        kernel_config=KernelConfig(),
+        speculative_config=None,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        device_config=SimpleNamespace(device=torch.device("cpu")),
+    )
+    model_config = SimpleNamespace(
+        model=str(ckpt),
+        dtype=torch.float16,
+        quantization=quantization,
+        word_embeddings_untied_by_checkpoint=False,
+    )
+    return vllm_config, model_config
+
+
+def _patch_create_model(monkeypatch: pytest.MonkeyPatch, vr: object, ckpt: Path, seen: list) -> None:
+    """BaseModelLoader.create_model -> the four linears per decoder layer, built by vLLM's real classes."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+
+    def create_model(
+        self: object, vllm_config: SimpleNamespace, model_config: object, prefix: str = ""
+    ) -> object:
+        seen.append(dict(vllm_config.kernel_config.linear_backend_per_quant or {}))
+        v = vr._vllm()  # type: ignore[attr-defined]
+        qc = vr._quant_config(v, ckpt, cfg["quantization_config"], v.default_model_class)  # type: ignore[attr-defined]
+        root = vr._build_layers(v, vr._model_facts(cfg), qc, set(), cfg["num_hidden_layers"])  # type: ignore[attr-defined]
+        root.common = []
+        root.load_weights = lambda weights: {root.common.append((n, t.device)) or n for n, t in weights}
+        return root
+
+    monkeypatch.setattr(BaseModelLoader, "create_model", create_model)
+
+
+@pytest.mark.parametrize("kind", ["awq4", "gptq4"])
+def test_load_model_flow_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """load_model: forced Marlin at creation, checks, placement, marks, common tensors through
+    model.load_weights, vLLM's real process_weights_after_loading (a no-op for the layers)."""
+    vr = pytest.importorskip("vllm_reference")
+    from vllm.config.load import LoadConfig
+
+    from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
+    from marlin_pack.vllm_plugin.prepacked import is_prepacked
+
+    ckpt = CASES[kind][0](tmp_path / "ckpt")
+    marlin_pack.convert(ckpt, tp_sizes=(1,), dtype="float16")
+    reference = vr.reference_rank_tensors(ckpt, 1, 0, torch.float16)
+    seen: list = []
+    _patch_create_model(monkeypatch, vr, ckpt, seen)
+    vllm_config, model_config = _fake_engine(ckpt, "auto_awq" if kind.startswith("awq") else "auto_gptq")
+    loader = MarlinPrepackedLoader(
+        LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={"io_threads": 2})
+    )
+    with vr._patched(1, 0):
+        model = loader.load_model(vllm_config, model_config)  # type: ignore[arg-type]
+    assert seen == [{"mixed_precision": "marlin"}]
+    assert vllm_config.kernel_config.linear_backend_per_quant == {"mixed_precision": "marlin"}  # stays set
+    common = load_file(str(ckpt / "marlin-pack/common.safetensors"))
+    assert sorted(n for n, _ in model.common) == sorted(common)
+    for name, want in reference.items():
+        layer, _, pname = name.rpartition(".")
+        got = getattr(model.get_submodule(layer), pname)
+        assert torch.equal(got.detach(), want), name
+    assert not any(is_prepacked(m) for m in model.modules())
+    assert not model.training
+
+
+def test_create_model_kernel_mismatch_refuses_or_falls_back(
+    awq_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vr = pytest.importorskip("vllm_reference")
+    from vllm.config.load import LoadConfig
+
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin.prepacked import is_prepacked
+
+    real_facts = loader_mod.layer_facts
+
+    def machete_for_down_proj(module: torch.nn.Module) -> LayerFacts:
+        f = real_facts(module)
+        return (
+            dataclasses.replace(f, kernel="MacheteLinearKernel") if module.prefix.endswith("down_proj") else f
+        )
+
+    monkeypatch.setattr(loader_mod, "layer_facts", machete_for_down_proj)
+    _patch_create_model(monkeypatch, vr, awq_copy, [])
+    vllm_config, model_config = _fake_engine(awq_copy, "auto_awq")
+
+    loader = loader_mod.MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT))
+    fp16 = vr._vllm().set_default_torch_dtype(torch.float16)  # as the daemon and load_model do
+    with (
+        fp16,
+        vr._patched(1, 0),
+        pytest.raises(LoadRefusedError, match=r"\[kernel\] vLLM chose MacheteLinearKernel") as e,
+    ):
+        loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+    assert e.value.field == "kernel"
+
+    calls: list = []
+    fallback = loader_mod.MarlinPrepackedLoader(
+        LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={"fallback": True})
+    )
+    monkeypatch.setattr(
+        fallback, "_default_loader", lambda: SimpleNamespace(load_weights=lambda m, c: calls.append(m))
+    )
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        model = fallback.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+        fallback.load_weights(model, model_config)  # type: ignore[arg-type]
+    assert calls == [model]  # the ordinary loader loads the checkpoint
+    assert not any(is_prepacked(m) for m in model.modules())
+
+
+def test_load_weights_needs_its_own_model() -> None:
+    from vllm.config.load import LoadConfig
+
+    from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
+
+    loader = MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT))
+    with pytest.raises(RuntimeError, match="only load weights into a model built by its own create_model"):
+        loader.load_weights(torch.nn.Module(), SimpleNamespace())  # type: ignore[arg-type]

@@ -137,18 +137,19 @@ def check_logprobs_close(outputs_0: list[dict], outputs_1: list[dict], name_0: s
     """Greedy outputs agree until the first differing token, and there each engine's token
     is among the other's top logprobs; the same for the prompt's top-1 tokens."""
     assert len(outputs_0) == len(outputs_1) == len(PROMPTS)
-    for i, (o0, o1) in enumerate(zip(outputs_0, outputs_1)):
+    for i, (o0, o1) in enumerate(zip(outputs_0, outputs_1, strict=True)):
         assert o0["prompt_token_ids"] == o1["prompt_token_ids"]
-        for idx, (t0, t1) in enumerate(zip(o0["token_ids"], o1["token_ids"])):
+        for idx, (t0, t1) in enumerate(zip(o0["token_ids"], o1["token_ids"], strict=False)):
             if t0 != t1:
                 msg = (
                     f"prompt {i}: matched tokens {o0['token_ids'][:idx]}\n"
-                    f"{name_0}: {o0['text']!r} {o0['logprobs'][idx]}\n{name_1}: {o1['text']!r} {o1['logprobs'][idx]}"
+                    f"{name_0}: {o0['text']!r} {o0['logprobs'][idx]}\n"
+                    f"{name_1}: {o1['text']!r} {o1['logprobs'][idx]}"
                 )
                 assert t0 in o1["logprobs"][idx], msg
                 assert t1 in o0["logprobs"][idx], msg
                 break
-        for pos, (p0, p1) in enumerate(zip(o0["prompt_logprobs"], o1["prompt_logprobs"])):
+        for pos, (p0, p1) in enumerate(zip(o0["prompt_logprobs"], o1["prompt_logprobs"], strict=True)):
             if p0 is None or p1 is None:
                 assert p0 is None and p1 is None
                 continue
@@ -211,7 +212,7 @@ def checkpoints(workdir: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def ordinary(workdir: Path, checkpoints: dict[str, Path]) -> Callable[[str], dict]:
-    """Engine (a) (ordinary loading, ``linear_backend="marlin"``) results per checkpoint, run once on first use."""
+    """Engine (a) results (ordinary loading, ``linear_backend="marlin"``) per checkpoint, run on first use."""
     cache: dict[str, dict] = {}
 
     def get(kind: str) -> dict:
@@ -248,6 +249,26 @@ def test_prepacked_matches_ordinary_loading(
     assert "quantized layers use MarlinLinearKernel" in log and "marlin-pack: validate" in log, log[-4000:]
     check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", "marlin_prepacked")
     assert_params_identical(reference["params"], result["params"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bundle_equals_stock_vllm_after_loading(checkpoints: dict[str, Path], ordinary: Callable[[str], dict], kind: str) -> None:
+    """Issue acceptance: every tensor of the TP=1 bundle equals what stock vLLM holds after loading
+    the same checkpoint with linear_backend="marlin", bit for bit (read in-process via apply_model)."""
+    from safetensors.torch import load_file
+
+    params = ordinary(kind)["params"]
+    bundle = load_file(checkpoints[kind] / "marlin-pack" / "tp1" / "rank-0.safetensors")
+    for name, t in bundle.items():
+        assert name in params, f"{name} not held by vLLM"
+        p = params[name]
+        assert p.dtype == t.dtype and p.shape == t.shape, (name, p.shape, t.shape)
+        assert torch.equal(_bytes(p), _bytes(t)), f"{name} differs from stock vLLM"
+    engine_quantized = {n.rsplit(".", 1)[0] for n in params if n.endswith(".qweight")}
+    assert engine_quantized == {n.rsplit(".", 1)[0] for n in bundle if n.endswith(".qweight")}
+    if kind.startswith("gptq"):
+        assert all(params[f"{layer}.qzeros"].numel() == 0 for layer in engine_quantized)
+    print(f"{kind}: {len(bundle)} bundle tensors bit-identical to stock vLLM 0.33.0")
 
 
 def _flip_qweight_byte(path: Path) -> None:
@@ -296,7 +317,7 @@ def test_mismatched_bundle_is_refused(workdir: Path, checkpoints: dict[str, Path
     assert '"fallback": true' in log
 
 
-@pytest.mark.parametrize("case", MISMATCHES)
+@pytest.mark.parametrize("case", ["tp_size", "source.sha256"])  # the same code path for every field
 def test_mismatched_bundle_falls_back(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], case: str
 ) -> None:

@@ -1,0 +1,56 @@
+"""vLLM plugin: the ``marlin_prepacked`` load format.
+
+Installed with the package as the ``vllm.general_plugins`` entry point
+``marlin_pack = marlin_pack.vllm_plugin:register``, so every vLLM process (API server,
+engine core, workers) calls :func:`register` once. Importing this package does not
+import vLLM; :func:`register` does, lazily.
+
+Usage::
+
+    marlin-pack convert MODEL_DIR              # writes MODEL_DIR/marlin-pack
+    vllm serve MODEL_DIR --load-format marlin_prepacked
+"""
+
+from __future__ import annotations
+
+import logging
+
+from marlin_pack._constants import LOAD_FORMAT
+
+__all__ = ["register", "LOAD_FORMAT"]
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register the ``marlin_prepacked`` model loader with vLLM and install the prepacked-layer patch.
+
+    Cheap and idempotent: vLLM may call it in every process, and more than once. It
+    never raises (vLLM does not guard plugin functions); a failure is logged and the
+    load format stays unregistered, so only engines asking for it are affected.
+
+    Example:
+        >>> from marlin_pack.vllm_plugin import register
+        >>> register()
+        >>> from vllm.config.load import LoadConfig
+        >>> from vllm.model_executor.model_loader import get_model_loader
+        >>> type(get_model_loader(LoadConfig(load_format="marlin_prepacked"))).__name__
+        'MarlinPrepackedLoader'
+    """
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    try:
+        from vllm.model_executor.model_loader import register_model_loader
+
+        from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
+        from marlin_pack.vllm_plugin.prepacked import install_patches
+
+        install_patches()
+        register_model_loader(LOAD_FORMAT)(MarlinPrepackedLoader)
+    except Exception:
+        logging.getLogger("vllm.marlin_pack").exception(
+            "marlin-pack: could not register the %s load format", LOAD_FORMAT
+        )
+        return
+    _REGISTERED = True

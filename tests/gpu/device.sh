@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# On the device machine, after stage b of ../shared/device/README.md has unpacked vLLM into /tmp/site:
+#   bash tests/gpu/device.sh PYTEST_ARGS...      (logs and results go to $OUT)
+set -o pipefail
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export MARLIN_PACK_TEST_ATTN=${MARLIN_PACK_TEST_ATTN:-TRITON_ATTN}
+python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation --no-index .
+mkdir -p "${OUT:-/tmp/out}"
+python3 -m pytest -m gpu -v -rA -s -p no:cacheprovider --basetemp=/tmp/pt "$@" 2>&1 | tee -a "${OUT:-/tmp/out}/pytest.log" | grep -E "PASSED|FAILED|ERROR|bit-identical|marlin-pack:|Model loading took|ordinary|prepacked|passed|failed|Error|error" | cut -c1-400
