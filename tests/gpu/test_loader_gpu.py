@@ -97,18 +97,24 @@ def _engine_main(spec_path: str) -> None:
                 "prompt_logprobs": _logprobs(out.prompt_logprobs),
             }
         )
-    params = llm.apply_model(_params)[0] if spec.get("params") else None
+    params = None
+    if spec.get("params"):
+        per_rank = llm.apply_model(_params)  # one dict per tensor-parallel worker
+        params = per_rank if spec.get("all_ranks") else per_rank[0]
     torch.save({"outputs": outputs, "params": params}, spec["out"])
     print("MARLIN_PACK_ENGINE_OK", flush=True)
 
 
-def run_engine(tmp: Path, model: Path, params: bool = True, **kwargs: Any) -> tuple[int, str, dict | None]:
+def run_engine(
+    tmp: Path, model: Path, params: bool = True, all_ranks: bool = False, **kwargs: Any
+) -> tuple[int, str, dict | None]:
     """Run one engine in a subprocess; returns (exit code, combined log, results or None)."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec = {
         "model": str(model),
         "kwargs": {**BASE_KWARGS, **kwargs},
         "params": params,
+        "all_ranks": all_ranks,
         "out": str(tmp / "out.pt"),
     }
     spec_path = tmp / "spec.json"

@@ -1,7 +1,8 @@
 """``vllm serve MODEL_DIR --load-format marlin_prepacked`` answers like the ordinary server.
 
-Both servers run at once on 127.0.0.1 (one GPU, a small memory share each), started with
-``setsid`` and killed by process group. Temperature 0: the completions must be identical.
+The two servers run one after the other on 127.0.0.1 (two at once on one GPU make the
+second one's memory profiling fail), each started in its own session and killed by
+process group. Temperature 0: the completions must be identical.
 """
 
 from __future__ import annotations
@@ -62,35 +63,36 @@ def test_serve_prepacked_matches_ordinary(tmp_path: Path) -> None:
 
     model = write_awq_checkpoint(tmp_path / "tiny-awq", PRESETS["tiny"])
     convert(model, tp_sizes=(1,), dtype="float16")
-    logs = {name: tmp_path / f"{name}.log" for name in ("ordinary", "prepacked")}
-    servers = {
-        "ordinary": (8011, _start(model, 8011, logs["ordinary"], "--linear-backend", "marlin")),
-        "prepacked": (8012, _start(model, 8012, logs["prepacked"], "--load-format", "marlin_prepacked")),
-    }
+    prompts = ("Hello, my name is", "The capital of France is")
+    runs = {"ordinary": ("--linear-backend", "marlin"), "prepacked": ("--load-format", "marlin_prepacked")}
+    answers: dict[str, list[dict]] = {}
+    for i, (name, extra) in enumerate(runs.items()):
+        port, log = 8011 + i, tmp_path / f"{name}.log"
+        proc = _start(model, port, log, *extra)
+        try:
+            _wait_ready(port, proc, log)
+            answers[name] = [_complete(port, p) for p in prompts]
+        finally:
+            _stop(proc)
+        for line in log.read_text().splitlines():
+            if "marlin-pack:" in line or "Model loading took" in line or "Using MarlinLinearKernel" in line:
+                print(f"{name}: {line[-220:]}")
+        if name == "prepacked":
+            text = log.read_text()
+            assert "marlin-pack: validate" in text and "Using MarlinLinearKernel" in text
+    for p, a, b in zip(prompts, answers["ordinary"], answers["prepacked"], strict=True):
+        print(f"{p!r}: ordinary {a['text']!r} | prepacked {b['text']!r}")
+        assert a["text"] == b["text"]
+        assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+        assert a["logprobs"]["top_logprobs"] == b["logprobs"]["top_logprobs"]
+
+
+def _stop(proc: subprocess.Popen) -> None:
     try:
-        for name, (port, proc) in servers.items():
-            _wait_ready(port, proc, logs[name])
-        for prompt in ("Hello, my name is", "The capital of France is"):
-            a, b = _complete(8011, prompt), _complete(8012, prompt)
-            print(f"{prompt!r}: ordinary {a['text']!r} | prepacked {b['text']!r}")
-            assert a["text"] == b["text"]
-            assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
-        log = logs["prepacked"].read_text()
-        assert "marlin-pack: validate" in log and "Using MarlinLinearKernel" in log
-        for line in log.splitlines():
-            if "marlin-pack:" in line or "Model loading took" in line:
-                print("prepacked:", line[-200:])
-        for line in logs["ordinary"].read_text().splitlines():
-            if "Model loading took" in line:
-                print("ordinary:", line[-200:])
-    finally:
-        for _, proc in servers.values():
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for _, proc in servers.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
