@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.test_loader_gpu import assert_params_identical, check_logprobs_close, run_engine
+from test_loader_gpu import assert_params_identical, check_logprobs_close, run_engine
 
 pytestmark = [
     pytest.mark.gpu,
