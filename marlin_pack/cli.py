@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -126,6 +127,21 @@ def inspect(bundle: BundleArg, as_json: JsonOpt = False) -> None:
         out.print_json(manifest.to_json())
         return
     _render_manifest(manifest, bundle)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def daemon(ctx: typer.Context, model_dir: ModelDirArg) -> None:
+    """Run vLLM's weight-cache daemon (vllm preload) for MODEL_DIR, filled from its bundle.
+
+    MODEL_DIR comes first; every other argument goes to `vllm preload` unchanged
+    (--load-format defaults to marlin_prepacked). Engines attach with
+    `vllm serve MODEL_DIR --load-format ipc_cache`.
+    """
+    from marlin_pack.daemon import preload_argv, run
+
+    argv = preload_argv(model_dir, ctx.args)
+    err.print(f"marlin-pack: vllm {shlex.join(argv)}", highlight=False, soft_wrap=True, markup=False)
+    run(argv)
 
 
 @app.command()

@@ -35,7 +35,6 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-import marlin_pack
 from marlin_pack.errors import BundleError, MarlinPackError
 from marlin_pack.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
 
@@ -72,7 +71,12 @@ def test_preload_argv_defaults_to_the_bundle(tmp_path: Path) -> None:
     assert preload_argv(model) == ["preload", "--model", str(model), "--load-format", "marlin_prepacked"]
     extra = ["--tensor-parallel-size", "2", "--weight-cache-socket-dir", "/s", "--dtype=float16"]
     assert preload_argv(model, extra) == [
-        "preload", "--model", str(model), "--load-format", "marlin_prepacked", *extra,
+        "preload",
+        "--model",
+        str(model),
+        "--load-format",
+        "marlin_prepacked",
+        *extra,
     ]
 
 
@@ -108,7 +112,11 @@ def test_preload_argv_bundle_options(tmp_path: Path) -> None:
     ("extra", "error", "match"),
     [
         ([], BundleError, r"no marlin-pack bundle at .*model/marlin-pack .*run `marlin-pack convert"),
-        (["--model-loader-extra-config", '{"bundle": "/nope"}'], BundleError, r"no marlin-pack bundle at /nope"),
+        (
+            ["--model-loader-extra-config", '{"bundle": "/nope"}'],
+            BundleError,
+            r"no marlin-pack bundle at /nope",
+        ),
         (["--model", "x"], MarlinPackError, r"--model is MODEL_DIR"),
         (["--model=x"], MarlinPackError, r"--model is MODEL_DIR"),
         (["--load-format", "ipc_cache"], MarlinPackError, r"--load-format ipc_cache is for engines"),
@@ -174,10 +182,27 @@ def test_run_installs_marlin_pack_before_vllm_cli(monkeypatch: pytest.MonkeyPatc
     assert "marlin_prepacked" in seen["formats"]
 
 
+def test_run_reports_vllm_errors_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.entrypoints.cli.main as vllm_cli
+
+    from marlin_pack.daemon import run
+
+    def fake_main() -> None:
+        raise ValueError("--weight-cache-master-port is required when the daemons span nodes")
+
+    monkeypatch.setattr(vllm_cli, "main", fake_main)
+    with pytest.raises(
+        MarlinPackError, match=r"^vllm preload failed: ValueError: --weight-cache-master-port"
+    ):
+        run(["preload", "--model", "/m"])
+
+
 # --- supports_pre_processed_weights on fake kernels ----------------------------------------
 
 
-def _config(weight: str = "uint4", act: torch.dtype = torch.float16, k: int = 256, n: int = 512, g: int = 128) -> Any:
+def _config(
+    weight: str = "uint4", act: torch.dtype = torch.float16, k: int = 256, n: int = 512, g: int = 128
+) -> Any:
     from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearLayerConfig
     from vllm.scalar_type import scalar_types
 
@@ -272,8 +297,13 @@ def test_vllm_post_processing_refuses_unsupported_layers(installed: Any) -> None
     root = nn.Module()
     root.layer = nn.Module()
     root.layer.quant_method = _method("awq", _kernel(_kernel_cls("Machete"), _config()))
-    cfg = SimpleNamespace(word_embeddings_untied_by_checkpoint=False, dtype=torch.float16, quantization="auto_awq")
-    with weights_already_processed(), pytest.raises(RuntimeError, match="does not support pre-processed weights"):
+    cfg = SimpleNamespace(
+        word_embeddings_untied_by_checkpoint=False, dtype=torch.float16, quantization="auto_awq"
+    )
+    with (
+        weights_already_processed(),
+        pytest.raises(RuntimeError, match="does not support pre-processed weights"),
+    ):
         process_weights_after_loading(root, cfg, torch.device("cpu"))
 
 
@@ -322,7 +352,14 @@ def _forbid(monkeypatch: pytest.MonkeyPatch, method: Any) -> None:
     ],
 )
 def test_pre_processed_mode_only_restores_state(
-    installed: Any, monkeypatch: pytest.MonkeyPatch, kind: str, weight: str, k: int, n: int, g: int, bias: bool
+    installed: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    weight: str,
+    k: int,
+    n: int,
+    g: int,
+    bias: bool,
 ) -> None:
     from vllm.model_executor.utils import weights_already_processed
 
@@ -339,7 +376,9 @@ def test_pre_processed_mode_only_restores_state(
     assert layer.input_global_scale is None
 
 
-def test_pre_processed_gptq_recreates_missing_empty_qzeros(installed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pre_processed_gptq_recreates_missing_empty_qzeros(
+    installed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from vllm.model_executor.utils import weights_already_processed
 
     layer, config = _marlin_layer("uint4b8", 256, 512, 128, False)
@@ -356,7 +395,10 @@ def test_pre_processed_gptq_recreates_missing_empty_qzeros(installed: Any, monke
     ("damage", "match"),
     [
         ("qweight-meta", r"did not provide qweight"),
-        ("qweight-checkpoint-layout", r"pre-processed qweight has shape \[32, 512\], MarlinLinearKernel holds \[16, 1024\]"),
+        (
+            "qweight-checkpoint-layout",
+            r"pre-processed qweight has shape \[32, 512\], MarlinLinearKernel holds \[16, 1024\]",
+        ),
         ("scales-unpadded", r"pre-processed scales has shape"),
         ("qzeros-meta", r"did not provide qzeros"),
         ("bias-unpadded", r"pre-processed bias has shape \[480\]"),
@@ -434,7 +476,9 @@ def test_composes_with_the_prepacked_patch(installed: Any, order: str) -> None:
 
 ROUND_TRIPS = {
     "awq4": lambda d: write_awq_checkpoint(d, PRESETS["tiny"], tokenizer=False),
-    "gptq4-padded": lambda d: write_gptq_checkpoint(d, PRESETS["tiny-padded"], group_size=32, tokenizer=False),
+    "gptq4-padded": lambda d: write_gptq_checkpoint(
+        d, PRESETS["tiny-padded"], group_size=32, tokenizer=False
+    ),
     "gptq8-bias": lambda d: write_gptq_checkpoint(d, PRESETS["tiny-qwen2"], bits=8, tokenizer=False),
 }
 
@@ -448,7 +492,10 @@ def test_daemon_to_engine_round_trip_on_real_layers(installed: Any, tmp_path: Pa
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.model_loader.weight_cache.daemon import export_entries
     from vllm.model_executor.model_loader.weight_cache.ipc_loader import IpcModelLoader
-    from vllm.model_executor.model_loader.weight_cache.protocol import WeightCacheState, check_ipc_quant_support
+    from vllm.model_executor.model_loader.weight_cache.protocol import (
+        WeightCacheState,
+        check_ipc_quant_support,
+    )
     from vllm.model_executor.utils import weights_already_processed
 
     ckpt = ROUND_TRIPS[case](tmp_path / "ckpt")
@@ -537,14 +584,24 @@ def test_forcing_makes_vllm_choose_marlin_and_keeps_the_cache_key(
 
     def candidates() -> list[str]:
         kernels = _POSSIBLE_KERNELS[PlatformEnum.CUDA]
-        return [k.__name__ for k in _resolve_backend_kernels(list(kernels), "mp", quantization="mixed_precision", compute_capability=90)]
+        return [
+            k.__name__
+            for k in _resolve_backend_kernels(
+                list(kernels), "mp", quantization="mixed_precision", compute_capability=90
+            )
+        ]
 
     assert candidates()[0] != "MarlinLinearKernel"  # H200: Machete (or Humming) first
     hf = SimpleNamespace(architectures=["LlamaForCausalLM"], quantization_config={"quant_method": "awq"})
     text = SimpleNamespace(rope_parameters={"rope_theta": 1e4}, max_position_embeddings=4096)
     mc = SimpleNamespace(
-        hf_config=hf, hf_text_config=text, model="/not/a/dir", dtype=torch.float16,
-        quantization="auto_awq", quantization_config=None, revision=None,
+        hf_config=hf,
+        hf_text_config=text,
+        model="/not/a/dir",
+        dtype=torch.float16,
+        quantization="auto_awq",
+        quantization_config=None,
+        revision=None,
     )
     cache = SimpleNamespace(cache_dtype="auto", kv_cache_dtype_skip_layers=[])
 
@@ -583,7 +640,10 @@ def test_ipc_loader_and_daemon_are_wrapped(installed: Any, caplog: pytest.LogCap
         raise UnsupportedQuantForIPCError("layer x: AutoGPTQLinearMethod does not support ...")
 
     fake = SimpleNamespace(
-        role="target", global_rank=0, vllm_config=_configs()[0], model_config=SimpleNamespace(quantization="auto_gptq")
+        role="target",
+        global_rank=0,
+        vllm_config=_configs()[0],
+        model_config=SimpleNamespace(quantization="auto_gptq"),
     )
     fake.vllm_config.load_config = SimpleNamespace(load_format="marlin_prepacked")
     with caplog.at_level(logging.INFO, logger="vllm.marlin_pack"):
@@ -619,7 +679,9 @@ class Probe:
                 "tag": self.tag,
                 "pid": os.getpid(),
                 "registered": "marlin_prepacked" in _LOAD_FORMAT_TO_MODEL_LOADER,
-                "quant_patch": isinstance(AutoGPTQLinearMethod.__dict__.get("supports_pre_processed_weights"), property),
+                "quant_patch": isinstance(
+                    AutoGPTQLinearMethod.__dict__.get("supports_pre_processed_weights"), property
+                ),
                 "general_plugins_loaded": vllm.plugins.plugins_loaded,
             }
         )
@@ -652,7 +714,7 @@ def _spawn_probe_main() -> None:
 
     ctx = multiprocessing.get_context("spawn")  # as preload.py
     queue = ctx.Queue()
-    assert getattr(daemon_mod, "_marlin_pack_original_run_daemon") is not _run_daemon
+    assert daemon_mod._marlin_pack_original_run_daemon is not _run_daemon
     targets = {"marlin-pack": _run_daemon, "vllm": _stock_spawn_target}
     procs = [
         ctx.Process(target=target, args=(0, 0, Probe(queue, tag), "tcp://127.0.0.1:9", None, queue))

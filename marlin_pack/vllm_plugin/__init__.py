@@ -54,3 +54,11 @@ def register() -> None:
         )
         return
     _REGISTERED = True
+    try:  # the weight cache (vllm preload / ipc_cache); a failure here leaves the load format usable
+        from marlin_pack.vllm_plugin.ipc import install as install_ipc
+
+        install_ipc()
+    except Exception:
+        logging.getLogger("vllm.marlin_pack").exception(
+            "marlin-pack: could not install weight-cache (vllm preload / ipc_cache) support"
+        )

@@ -21,7 +21,7 @@ bit-identical to ordinary loading. The daemons are filled from the bundles: two 
 marlin_prepacked`` when the entry point is installed. Refused with vLLM's
 ``UnsupportedQuantForIPCError``: a Machete-served layer (``--linear-backend machete``) in a
 daemon, and ``VLLM_MARLIN_INPUT_DTYPE=int8`` in an engine (even with fallback on).
-Measured (printed as ``MARLIN_PACK_TIMING`` lines, also in ``timings.json``): daemon fill
+Measured (printed as ``marlin-pack: timing`` lines, also in ``timings.json``): daemon fill
 time from the bundle vs from the checkpoint, and engines' model-loading time.
 
 Daemons run in their own session (``setsid``), each with its own short socket directory
@@ -88,15 +88,26 @@ ENGINE_KWARGS: dict[str, Any] = dict(
     enable_flashinfer_autotune=False,
 )
 DAEMON_FLAGS = [
-    "--dtype", "float16", "--enforce-eager", "--max-model-len", "512", "--gpu-memory-utilization", "0.05",
-    "--kernel-config", '{"enable_flashinfer_autotune": false}',
+    "--dtype",
+    "float16",
+    "--enforce-eager",
+    "--max-model-len",
+    "512",
+    "--gpu-memory-utilization",
+    "0.05",
+    "--kernel-config",
+    '{"enable_flashinfer_autotune": false}',
 ]
 MODELS = {  # name -> (format, preset, bits, group size)
     "awq4": ("awq", "tiny", 4, 128),
     "gptq4": ("gptq", "tiny-padded", 4, 32),
     "gptq8": ("gptq", "tiny-qwen2", 8, 128),
 }
-FUSED = ["model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj", "model.layers.1.mlp.gate_up_proj"]
+FUSED = [
+    "model.layers.0.self_attn.qkv_proj",
+    "model.layers.0.mlp.gate_up_proj",
+    "model.layers.1.mlp.gate_up_proj",
+]
 STARTS = ["ordinary", "fallback", "attach1", "attach2"]
 
 
@@ -258,7 +269,9 @@ class Proc:
             if self.out is not None and self.out.exists():
                 return json.loads(self.out.read_text())  # type: ignore[no-any-return]
             if not self.alive:
-                return json.loads(self.out.read_text()) if self.out is not None and self.out.exists() else None
+                return (
+                    json.loads(self.out.read_text()) if self.out is not None and self.out.exists() else None
+                )
             time.sleep(0.2)
         return None
 
@@ -328,6 +341,7 @@ class Cluster:
     def daemon(self, name: str, model: Path, sdir: Path, *extra: str, vllm_cli: bool = False) -> Proc:
         if vllm_cli:  # plain vLLM CLI (no console script on the GPU machine)
             argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "preload", "--model", str(model)]
+            argv += ["--load-format", "marlin_prepacked"]
         else:
             argv = [sys.executable, "-m", "marlin_pack.cli", "daemon", str(model)]
         argv += [*DAEMON_FLAGS, "--weight-cache-socket-dir", str(sdir), *extra]
@@ -346,7 +360,9 @@ class Cluster:
             "serve": serve,
         }
         (d / "spec.json").write_text(json.dumps(spec))
-        proc = self._start(name, [sys.executable, str(THIS), "engine", str(d / "spec.json")], self._env(env), serve)
+        proc = self._start(
+            name, [sys.executable, str(THIS), "engine", str(d / "spec.json")], self._env(env), serve
+        )
         proc.out = d / "out.json"
         return proc
 
@@ -356,6 +372,11 @@ class Cluster:
             proc.stop()
         for d in self.sockets:
             shutil.rmtree(d, ignore_errors=True)
+        if os.environ.get("OUT"):  # tests/gpu/device.sh collects $OUT
+            dest = Path(os.environ["OUT"]) / "daemon-gpu-logs"
+            dest.mkdir(parents=True, exist_ok=True)
+            for proc in self.procs:
+                shutil.copy(proc.log_path, dest / proc.log_path.name)
 
 
 def wait_socket(proc: Proc, sdir: Path, timeout: float = START_TIMEOUT_S) -> bool:
@@ -433,7 +454,7 @@ class Results:
     daemons: dict[str, Proc]
     engines: dict[tuple[str, str], Proc]
     results: dict[tuple[str, str], dict[str, Any]]
-    machete: Proc
+    machete: Proc | None
     int8: Proc
     vllm_cli_daemon: bool
     timings: dict[str, Any] = field(default_factory=dict)
@@ -449,11 +470,25 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         sdirs = {name: cluster.socket_dir() for name in MODELS}
         vllm_cli = _plugin_installed()
         daemons = {
-            name: cluster.daemon(f"daemon-{name}", models[name], sdirs[name], vllm_cli=vllm_cli and name == "gptq8")
+            name: cluster.daemon(
+                f"daemon-{name}", models[name], sdirs[name], vllm_cli=vllm_cli and name == "gptq8"
+            )
             for name in MODELS
         }
-        machete = cluster.daemon(
-            "daemon-machete", models["awq4"], cluster.socket_dir(), "--load-format", "auto", "--linear-backend", "machete"
+        # Machete exists on SM90 only (H100/H200); elsewhere this daemon is not started.
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        machete = (
+            None
+            if not hopper
+            else cluster.daemon(
+                "daemon-machete",
+                models["awq4"],
+                cluster.socket_dir(),
+                "--load-format",
+                "auto",
+                "--linear-backend",
+                "machete",
+            )
         )
         engines: dict[tuple[str, str], Proc] = {}
         for name, model in models.items():
@@ -470,7 +505,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
                     model,
                     serve=True,
                     load_format="ipc_cache",
-                    model_loader_extra_config={"socket_dir": str(sdirs[name]), "fallback": False, "state_timeout_s": 600},
+                    model_loader_extra_config={
+                        "socket_dir": str(sdirs[name]),
+                        "fallback": False,
+                        "state_timeout_s": 600,
+                    },
                 )
         ready = {name: wait_socket(daemons[name], sdirs[name]) for name in MODELS}
         assert all(ready.values()), "\n".join(daemons[n].tail() for n, ok in ready.items() if not ok)
@@ -537,7 +576,11 @@ def test_attachments_share_the_daemon_tensors(run: Results, name: str) -> None:
         assert "model.layers.0.self_attn.qkv_proj.bias" in ref
     for tensor, want in ref.items():
         for got in (a1[tensor], a2[tensor]):
-            assert (got["shape"], got["dtype"], got["sha256"]) == (want["shape"], want["dtype"], want["sha256"]), tensor
+            assert (got["shape"], got["dtype"], got["sha256"]) == (
+                want["shape"],
+                want["dtype"],
+                want["sha256"],
+            ), tensor
             assert got["device"].startswith("cuda")
             assert got["own_memory"] in (False, None), tensor  # None: GPTQ's empty qzeros
     same_ptr = all(a1[t]["ptr"] == a2[t]["ptr"] for t in a1)
@@ -560,7 +603,10 @@ def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
     assert "plugin active in weight-cache daemon process" in log, proc.tail()
     assert "quantized layers use MarlinLinearKernel" in log, proc.tail()  # the bundle's checks passed
     assert "not using the bundle" not in log
-    assert re.search(r"weight-cache target daemon rank 0 filled its model in [0-9.]+ s \(load format marlin_prepacked\)", log)
+    assert re.search(
+        r"weight-cache target daemon rank 0 filled its model in [0-9.]+ s \(load format marlin_prepacked\)",
+        log,
+    )
     if name == "gptq8" and run.vllm_cli_daemon:
         assert "marlin-pack: vllm preload" not in log  # plain `vllm preload`, not the launcher
     if name != "gptq8":
@@ -575,6 +621,8 @@ def test_plain_vllm_preload_gets_the_plugin(run: Results) -> None:
 
 
 def test_machete_layer_is_refused(run: Results) -> None:
+    if run.machete is None:
+        pytest.skip("Machete needs compute capability 9.0 (H100/H200)")
     code = run.machete.wait_exit()
     log = run.machete.log()
     assert code not in (None, 0), run.machete.tail()
@@ -603,7 +651,9 @@ def test_fill_and_load_timings(run: Results) -> None:
     cluster = Cluster(run.workdir / "bench")
     (run.workdir / "bench").mkdir(exist_ok=True)
     try:
-        model = _write("bench", run.workdir / "bench-model", BENCH_PRESET) if BENCH_PRESET else run.models["awq4"]
+        model = (
+            _write("bench", run.workdir / "bench-model", BENCH_PRESET) if BENCH_PRESET else run.models["awq4"]
+        )
         s_bundle, s_ckpt = cluster.socket_dir(), cluster.socket_dir()
         bundle = cluster.daemon("bench-daemon-bundle", model, s_bundle)
         assert wait_socket(bundle, s_bundle), bundle.tail()
@@ -630,7 +680,7 @@ def test_fill_and_load_timings(run: Results) -> None:
         cluster.stop()
         (run.workdir / "timings.json").write_text(json.dumps(run.timings, indent=2))
         for k, v in run.timings.items():
-            print(f"MARLIN_PACK_TIMING {k}: {v}")
+            print(f"marlin-pack: timing {k}: {v}")
     assert run.timings["daemon fill from the bundle s"] is not None
     assert run.timings["daemon fill from the checkpoint (auto + marlin) s"] is not None
     assert run.timings["engine model loading through IPC s"] is not None

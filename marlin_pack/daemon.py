@@ -1,0 +1,133 @@
+"""``marlin-pack daemon``: vLLM's weight-cache daemon (``vllm preload``) filled from a bundle.
+
+``marlin-pack daemon MODEL_DIR [vllm preload flags...]`` runs ``vllm preload --model
+MODEL_DIR --load-format marlin_prepacked [flags...]`` in this process, after registering
+marlin-pack with vLLM and making every daemon process vLLM spawns register it too (see
+:mod:`marlin_pack.vllm_plugin.ipc`). It works without the ``vllm.general_plugins`` entry
+point (and whatever ``VLLM_PLUGINS`` says), and checks the obvious mistakes before vLLM
+starts. Engines then attach with ``vllm serve MODEL_DIR --load-format ipc_cache``.
+
+Importing this module does not import vLLM; :func:`run` does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from marlin_pack._constants import BUNDLE_DIRNAME, LOAD_FORMAT, MANIFEST_NAME
+from marlin_pack.errors import BundleError, MarlinPackError
+
+__all__ = ["preload_argv", "run"]
+
+
+def _norm(flag: str) -> str:
+    return flag.split("=", 1)[0].replace("_", "-")
+
+
+def _option(args: Sequence[str], flag: str) -> tuple[bool, str | None]:
+    """Whether ``--flag VALUE`` / ``--flag=VALUE`` is in ``args``, and its value (last one wins).
+
+    ``_`` and ``-`` are alike in flag names, as in vLLM's parser; the value is None if missing.
+    """
+    found, value = False, None
+    for i, arg in enumerate(args):
+        if not arg.startswith("--") or _norm(arg) != flag:
+            continue
+        found = True
+        if "=" in arg:
+            value = arg.split("=", 1)[1]
+        else:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            value = None if nxt is None or nxt.startswith("--") else nxt
+    return found, value
+
+
+def _check_bundle(model_dir: Path, extra: Sequence[str]) -> None:
+    """A daemon filled from a bundle needs one (unless the loader may fall back)."""
+    _, raw = _option(extra, "--model-loader-extra-config")
+    options: dict[str, object] = {}
+    if raw is not None:
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            return  # vLLM reports malformed JSON itself
+        if not isinstance(parsed, dict):
+            return
+        options = parsed
+    if options.get("fallback") is True:
+        return
+    bundle = Path(str(options["bundle"])) if options.get("bundle") else model_dir / BUNDLE_DIRNAME
+    if not (bundle / MANIFEST_NAME).is_file():
+        raise BundleError(
+            f"no marlin-pack bundle at {bundle} (no {MANIFEST_NAME}): run `marlin-pack convert {model_dir}` "
+            "first, or fill the daemon from the checkpoint with --load-format auto"
+        )
+
+
+def preload_argv(model_dir: str | Path, extra: Sequence[str] = ()) -> list[str]:
+    """The ``vllm`` arguments for ``marlin-pack daemon MODEL_DIR [extra...]``.
+
+    Adds ``--load-format marlin_prepacked`` unless ``extra`` names a load format; every other
+    argument is passed to ``vllm preload`` unchanged.
+
+    Raises:
+        MarlinPackError: ``--model`` given (MODEL_DIR is the model), ``--load-format ipc_cache``
+            (the daemon loads from disk), or no bundle where the load format needs one.
+    """
+    model_dir = Path(model_dir)
+    extra = list(extra)
+    if _option(extra, "--model")[0]:
+        raise MarlinPackError(
+            f"--model is MODEL_DIR ({model_dir}) for marlin-pack daemon; remove --model from the vllm flags"
+        )
+    given, load_format = _option(extra, "--load-format")
+    if given and load_format is None:
+        raise MarlinPackError("--load-format needs a value, e.g. --load-format auto")
+    if load_format is None:
+        load_format = LOAD_FORMAT
+        extra = ["--load-format", LOAD_FORMAT, *extra]
+    if load_format.lower() == "ipc_cache":
+        raise MarlinPackError(
+            "the daemon loads the weights from disk and serves them over IPC; --load-format ipc_cache is "
+            f"for engines. Use {LOAD_FORMAT} (default) or auto"
+        )
+    if load_format.lower() == LOAD_FORMAT:
+        _check_bundle(model_dir, extra)
+    return ["preload", "--model", str(model_dir), *extra]
+
+
+def run(argv: Sequence[str]) -> None:
+    """Run ``vllm <argv>`` (from :func:`preload_argv`) in this process with marlin-pack installed.
+
+    Registers the plugin here and patches vLLM's daemon module so that every daemon process
+    it spawns registers it as well. vLLM's own exit status ends the process (``SystemExit``).
+
+    Raises:
+        MarlinPackError: marlin-pack could not register itself with vLLM, or vLLM raised
+            (e.g. on a bad flag); the original exception is chained.
+    """
+    import marlin_pack.vllm_plugin as plugin
+    from marlin_pack.vllm_plugin import ipc
+
+    plugin.register()
+    if not plugin._REGISTERED:
+        raise MarlinPackError(
+            f"could not register the {LOAD_FORMAT} load format with vLLM (see the log above); "
+            "is vLLM 0.33.0 installed?"
+        )
+    ipc.install()
+    ipc.patch_daemon_module()  # vllm preload imports it later; patch it now, whatever the hook does
+
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    saved = sys.argv
+    sys.argv = ["vllm", *argv]
+    try:
+        vllm_main()
+    except Exception as e:  # vLLM's own refusal (bad flags, no GPU, ...): one line, not "internal error"
+        raise MarlinPackError(f"vllm {argv[0]} failed: {type(e).__name__}: {e}") from e
+    finally:
+        sys.argv = saved
