@@ -135,10 +135,10 @@ def test_vllm_plugin_machinery_calls_register(monkeypatch: pytest.MonkeyPatch) -
 def test_parse_extra_config_defaults_and_values() -> None:
     assert parse_extra_config({}) == LoaderOptions()
     o = parse_extra_config(
-        {"bundle": "~/b", "fallback": True, "verify": "full", "io_threads": 8, "chunk_mb": 64}
+        {"bundle": "~/b", "fallback": True, "verify": "full", "io_threads": 3, "chunk_mb": 16}
     )
     assert o.bundle == Path("~/b").expanduser() and o.fallback and o.full_hash is True
-    assert (o.io_threads, o.chunk_mb) == (8, 64)
+    assert (o.io_threads, o.chunk_mb) == (3, 16)
     assert parse_extra_config({"verify": "size"}).full_hash is False
     assert parse_extra_config({}).full_hash is None
 

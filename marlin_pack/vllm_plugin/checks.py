@@ -79,8 +79,8 @@ class LoaderOptions:
     bundle: Path | None = None
     fallback: bool = False
     verify: Verify = "auto"
-    io_threads: int = 4
-    chunk_mb: int = 32
+    io_threads: int = 8
+    chunk_mb: int = 64
 
     @property
     def full_hash(self) -> bool | None:
@@ -129,8 +129,8 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         bundle=Path(bundle).expanduser() if bundle is not None else None,
         fallback=fallback,
         verify=verify,
-        io_threads=_int_option(extra, "io_threads", 4, 64),
-        chunk_mb=_int_option(extra, "chunk_mb", 32, 1024),
+        io_threads=_int_option(extra, "io_threads", 8, 64),
+        chunk_mb=_int_option(extra, "chunk_mb", 64, 1024),
     )
 
 
