@@ -19,7 +19,7 @@ from marlin_pack.bundle import default_bundle_dir
 from marlin_pack.checkpoint import Checkpoint
 from marlin_pack.errors import CheckpointError, MarlinPackError, OutputExistsError, UnsupportedCheckpointError
 from marlin_pack.hashing import StampCache, safetensors_header_bytes, sha256_bytes, sha256_file
-from marlin_pack.layout import build_rank_tensors, tensor_specs
+from marlin_pack.layout import SERVING_DTYPES, build_rank_tensors, tensor_specs
 from marlin_pack.plan import LayerSpec, ModelDims, layer_entry, layer_specs, model_dims, rank_slices
 from marlin_pack.schemas import (
     FileEntry,
@@ -39,7 +39,7 @@ from marlin_pack.stream_writer import StreamWriter
 __all__ = ["convert", "resolve_dtype", "ProgressFn"]
 
 ProgressFn = Callable[[int, int, str], None]
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = SERVING_DTYPES
 
 
 def resolve_dtype(config: dict, dtype: str | None) -> str:

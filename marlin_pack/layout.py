@@ -17,7 +17,10 @@ from marlin_pack.repack import (
 )
 from marlin_pack.schemas import LayerEntry, QuantScheme
 
-__all__ = ["tensor_specs", "build_rank_tensors", "decode_rank_tensors", "padded_groups"]
+__all__ = ["SERVING_DTYPES", "tensor_specs", "build_rank_tensors", "decode_rank_tensors", "padded_groups"]
+
+# Serving dtype names of the manifest -> torch dtypes.
+SERVING_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
 

@@ -20,7 +20,7 @@ from marlin_pack.bundle import check_files, check_source, read_manifest, resolve
 from marlin_pack.checkpoint import Checkpoint, parse_safetensors_header
 from marlin_pack.conversion import ConversionPlan, fuse_rank_slices, plan_conversion
 from marlin_pack.errors import MarlinPackError
-from marlin_pack.layout import decode_rank_tensors, tensor_specs
+from marlin_pack.layout import SERVING_DTYPES, decode_rank_tensors, tensor_specs
 from marlin_pack.plan import rank_slices
 from marlin_pack.repack import awq_to_natural
 from marlin_pack.schemas import Manifest
@@ -28,7 +28,7 @@ from marlin_pack.sources import source_from_quant_config
 
 __all__ = ["Check", "VerifyReport", "verify"]
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = SERVING_DTYPES
 
 
 @dataclass
@@ -111,7 +111,7 @@ def verify(
         if source is None:
             report.checks.append(Check("source", True, "skipped: pass --source MODEL_DIR to check against the checkpoint"))
             return report
-        ckpt = _open_source(source, m)
+        ckpt = Checkpoint(source)
         stage("source", lambda: (check_source(m, source, bundle, full_hash=True), "checkpoint files match the manifest")[1])
         plan = plan_conversion(ckpt, source_from_quant_config(ckpt.quantization_config()), m.tp_sizes, _DTYPES[m.serving_dtype.value])
         stage("layout", lambda: _check_layout(m, plan))
@@ -120,10 +120,6 @@ def verify(
     except _Failed:
         pass
     return report
-
-
-def _open_source(source: Path, m: Manifest) -> Checkpoint:
-    return Checkpoint(source)
 
 
 def _check_tensor_specs(bundle: Path, m: Manifest) -> str:

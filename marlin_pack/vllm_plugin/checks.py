@@ -26,7 +26,7 @@ from marlin_pack.bundle import (
     resolve_file,
 )
 from marlin_pack.errors import BundleError, BundleMismatchError
-from marlin_pack.layout import tensor_specs
+from marlin_pack.layout import SERVING_DTYPES, tensor_specs
 from marlin_pack.schemas import Manifest, TensorParallelSet
 
 __all__ = [
@@ -52,7 +52,7 @@ _FULL_HASH: dict[str, bool | None] = {"auto": None, "full": True, "size": False}
 _8BIT_ACTIVATIONS = ("int8", "fp8")
 # The quant methods whose layers a bundle can fill (vLLM 0.33.0 dense AWQ / GPTQ).
 SUPPORTED_METHODS = ("AutoAWQMarlinLinearMethod", "AutoGPTQLinearMethod")
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = SERVING_DTYPES
 _FALLBACK_HINT = (
     """pass --model-loader-extra-config '{"fallback": true}' to load the checkpoint the ordinary way"""
 )

@@ -23,25 +23,13 @@ from pathlib import Path
 
 import torch
 
+from marlin_pack.checkpoint import SAFETENSORS_DTYPES
 from marlin_pack.errors import BundleError
 from marlin_pack.hashing import safetensors_header_bytes
 
 __all__ = ["TensorInfo", "SafetensorsHeader", "read_header", "CopyItem", "ParallelReader"]
 
-ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+ST_DTYPES = SAFETENSORS_DTYPES  # one table for the whole package
 
 
 @dataclass(frozen=True)
