@@ -104,6 +104,28 @@ def _strip_gather_index(bits: int, padded_n: int, source_slots: tuple[int, ...] 
     return tiled[:, _thread_perm(bits)].reshape(-1)
 
 
+@lru_cache(maxsize=32)
+def _pair_gather_index(padded_n: int, source_slots: tuple[int, ...] | None = None) -> torch.Tensor:
+    """4-bit fast path: byte gather index over a strip of row-pair bytes ``[8, Np]``.
+
+    :func:`_strip_gather_index` unrolled: within a 16-row strip, Marlin's 4-bit order puts
+    rows ``r`` and ``r + 8`` of the same column in the two nibbles of one byte, and every
+    output word is four such bytes. Pairing the rows first halves the gathered elements
+    and leaves nothing to pack. Output byte order is ``(c, a, b, j, l, block)`` for column
+    ``64c + 16j + 8 block + a`` and pair row ``2b + l``.
+    """
+    col = torch.arange(padded_n)
+    if source_slots is not None:
+        col = col // 8 * 8 + torch.tensor(source_slots)[col % 8]
+    c = torch.arange(padded_n // 64).view(-1, 1, 1, 1, 1, 1)
+    a = torch.arange(8).view(1, -1, 1, 1, 1, 1)
+    b = torch.arange(4).view(1, 1, -1, 1, 1, 1)
+    j = torch.arange(4).view(1, 1, 1, -1, 1, 1)
+    lo = torch.arange(2).view(1, 1, 1, 1, -1, 1)
+    block = torch.arange(2).view(1, 1, 1, 1, 1, -1)
+    return ((2 * b + lo) * padded_n + col[64 * c + 16 * j + 8 * block + a]).reshape(-1)
+
+
 def _pack_codes_into_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 codes along the last dim, ``32/bits`` per int32 word, lowest first."""
     if bits == 4:
@@ -132,9 +154,13 @@ def pack_marlin_weights(codes: torch.Tensor, bits: int, source_slots: tuple[int,
     kp, np_ = codes.shape
     if kp % TILE or np_ % 64:
         raise ValueError(f"codes shape {tuple(codes.shape)} is not padded to Marlin tiles")
+    codes = codes.to(torch.uint8)
+    if bits == 4:
+        halves = codes.view(kp // TILE, 2, TILE // 2, np_)
+        pairs = (halves[:, 0] | (halves[:, 1] << 4)).reshape(kp // TILE, TILE // 2 * np_)
+        return pairs.index_select(1, _pair_gather_index(np_, source_slots).to(codes.device)).view(torch.int32)
     idx = _strip_gather_index(bits, np_, source_slots).to(codes.device)
-    strips = codes.to(torch.uint8).reshape(kp // TILE, TILE * np_)
-    return _pack_codes_into_words(strips.index_select(1, idx), bits)
+    return _pack_codes_into_words(codes.reshape(kp // TILE, TILE * np_).index_select(1, idx), bits)
 
 
 def unpack_marlin_weights(qweight: torch.Tensor, bits: int) -> torch.Tensor:
