@@ -20,7 +20,8 @@ from marlin_pack._constants import (
     MANIFEST_NAME,
     STAMPS_NAME,
 )
-from marlin_pack.errors import BundleError, BundleMismatchError
+from marlin_pack.checkpoint_files import weight_files
+from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError
 from marlin_pack.hashing import StampCache, safetensors_header_bytes, sha256_bytes, sha256_file
 from marlin_pack.schemas import FileEntry, Manifest, TensorParallelSet
 
@@ -65,8 +66,8 @@ def read_manifest(bundle_dir: str | Path) -> Manifest:
             f"{bundle_dir} has no {MANIFEST_NAME}: an interrupted or foreign directory; "
             "re-run `marlin-pack convert --force`"
         ) from None
-    except (OSError, ValueError) as e:
-        raise BundleError(f"cannot read {path}: {e}; re-run `marlin-pack convert --force`") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise BundleError(f"cannot read {path}: {type(e).__name__}; re-run `marlin-pack convert --force`") from None
     if not isinstance(raw, dict):
         raise BundleError(f"{path} holds a JSON {type(raw).__name__}, expected an object")
     if raw.get("format") != FORMAT_NAME:
@@ -147,7 +148,10 @@ def check_source(
             ``source.header`` / ``source.sha256``.
     """
     model_dir = Path(model_dir)
-    found = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    try:
+        found = weight_files(model_dir)
+    except CheckpointError as e:
+        raise BundleMismatchError("source.files", str(e)) from None
     expected = sorted(f.name for f in manifest.source.files)
     if found != expected:
         raise BundleMismatchError(

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from marlin_pack.checkpoint_files import read_json, weight_files
 from marlin_pack.errors import CheckpointError
 
 __all__ = ["TensorInfo", "Checkpoint", "SAFETENSORS_DTYPES"]
@@ -33,7 +34,6 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-INDEX_NAME = "model.safetensors.index.json"
 _MAX_HEADER = 100 << 20
 
 
@@ -46,20 +46,6 @@ class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
-
-
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} not found: expected the checkpoint's {what}; point MODEL_DIR at a HuggingFace checkpoint directory") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"cannot read {path} ({e}); check the file's permissions") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); restore the file") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, expected an object")
-    return data
 
 
 def parse_safetensors_header(path: Path) -> dict[str, TensorInfo]:
@@ -76,7 +62,7 @@ def parse_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
     except OSError as e:
         raise CheckpointError(f"cannot read {path} ({e}); check the file's permissions") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise CheckpointError(f"{path.name} has a corrupt safetensors header; download the file again") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path.name} has a corrupt safetensors header; download the file again")
@@ -120,8 +106,8 @@ class Checkpoint:
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir} is not a directory; pass a checkpoint directory holding config.json")
-        self.config = _read_json(self.dir / "config.json", "config.json")
-        self.files = self._weight_files()
+        self.config = read_json(self.dir / "config.json", "config.json")
+        self.files = weight_files(self.dir)
         self.tensors: dict[str, TensorInfo] = {}
         for f in self.files:
             for name, info in parse_safetensors_header(self.dir / f).items():
@@ -129,22 +115,6 @@ class Checkpoint:
                     raise CheckpointError(f"tensor {name} is in both {self.tensors[name].file} and {f}; remove the duplicate file")
                 self.tensors[name] = info
         self._handles: dict[str, object] = {}
-
-    def _weight_files(self) -> list[str]:
-        index = self.dir / INDEX_NAME
-        found = sorted(p.name for p in self.dir.glob("*.safetensors"))
-        if index.exists():
-            weight_map = _read_json(index, INDEX_NAME).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{index} has no weight_map; restore the index file")
-            files = sorted(set(map(str, weight_map.values())))
-            missing = [f for f in files if f not in found]
-            if missing:
-                raise CheckpointError(f"{INDEX_NAME} names {missing[0]}, which is not in {self.dir}; download the missing shard")
-            return files
-        if not found:
-            raise CheckpointError(f"no *.safetensors files in {self.dir}; marlin-pack reads safetensors checkpoints only")
-        return found
 
     def quantization_config(self) -> dict | None:
         qc = self.config.get("quantization_config")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -197,11 +198,15 @@ def convert(
     tps = sorted(set(int(t) for t in tp_sizes))
     if not tps or tps[0] < 1:
         raise MarlinPackError(f"--tp {tp_sizes} is invalid; expected positive sizes such as 1,2,4,8")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise MarlinPackError(f"--device {device!r} is not supported; expected cpu or cuda[:N]")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise MarlinPackError(f"--device {device} asked for, but no CUDA GPU is available; use --device cpu")
-    dev = torch.device(device)
-    if out.exists() and not force:
-        raise OutputExistsError(f"{out} already exists; pass --force to replace it or -o to write elsewhere")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise MarlinPackError(f"--device {device!r} is not a valid device; expected cpu or cuda[:N]") from None
+    _check_output(model_dir, out, force)
 
     ckpt = Checkpoint(model_dir)
     source = source_from_quant_config(ckpt.quantization_config())
@@ -212,6 +217,9 @@ def convert(
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a vLLM run by another user must read it
     except OSError as e:
         raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror}); choose a writable location with -o") from None
     writers = []
@@ -261,15 +269,32 @@ def convert(
         _write_text_durably(tmp / MANIFEST_NAME, manifest.to_json())
         _record_stamps(tmp, manifest, ckpt)
         _swap_into_place(tmp, out)
-    except BaseException:
+    except BaseException as e:
         for w in writers:
-            w.abort()
+            with contextlib.suppress(Exception):
+                w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise MarlinPackError(
+                f"writing the bundle under {out.parent} failed ({e.strerror or e}); free space or choose another place with -o"
+            ) from None
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         ckpt.close()
     return manifest
+
+
+def _check_output(model_dir: Path, out: Path, force: bool) -> None:
+    """Refuse to replace anything but an existing bundle, and never the checkpoint itself."""
+    if not out.exists():
+        return
+    if not force:
+        raise OutputExistsError(f"{out} already exists; pass --force to replace it or -o to write elsewhere")
+    if model_dir.resolve().is_relative_to(out.resolve()):
+        raise OutputExistsError(f"{out} holds the checkpoint itself; choose another output with -o")
+    if not (out / MANIFEST_NAME).is_file():
+        raise OutputExistsError(f"{out} exists and is not a marlin-pack bundle (no {MANIFEST_NAME}); refusing to replace it")
 
 
 def _write_common(ckpt: Checkpoint, plan: ConversionPlan, tmp: Path) -> FileEntry:

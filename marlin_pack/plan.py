@@ -82,14 +82,14 @@ def model_dims(config: dict) -> ModelDims:
         )
     heads = _int(config, "num_attention_heads")
     hidden = _int(config, "hidden_size")
-    head_dim = config.get("head_dim") or hidden // heads
+    head_dim = _int(config, "head_dim") if config.get("head_dim") is not None else hidden // heads
     return ModelDims(
         architecture=arch,
         model_type=str(config.get("model_type", "")),
         hidden_size=hidden,
         intermediate_size=_int(config, "intermediate_size"),
         num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
+        num_kv_heads=_int(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads,
         head_dim=int(head_dim),
         num_layers=_int(config, "num_hidden_layers"),
     )

@@ -111,4 +111,7 @@ class StreamWriter:
     def abort(self) -> None:
         self._io.shutdown(wait=True, cancel_futures=True)
         if not self._file.closed:
-            self._file.close()
+            try:  # closing flushes: on a full disk that fails again, and must not mask the first error
+                self._file.close()
+            except OSError:
+                pass

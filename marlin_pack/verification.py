@@ -94,6 +94,9 @@ def verify(
         except MarlinPackError as e:
             report.checks.append(Check(name, False, str(e)))
             raise _Failed from None
+        except Exception as e:  # a malformed file that slipped past the header checks: still a report
+            report.checks.append(Check(name, False, f"{type(e).__name__}: {e}"))
+            raise _Failed from None
 
     manifest: Manifest | None = None
 
@@ -111,9 +114,19 @@ def verify(
         if source is None:
             report.checks.append(Check("source", True, "skipped: pass --source MODEL_DIR to check against the checkpoint"))
             return report
-        ckpt = Checkpoint(source)
         stage("source", lambda: (check_source(m, source, bundle, full_hash=True), "checkpoint files match the manifest")[1])
-        plan = plan_conversion(ckpt, source_from_quant_config(ckpt.quantization_config()), m.tp_sizes, _DTYPES[m.serving_dtype.value])
+        ckpt: Checkpoint | None = None
+        plan: ConversionPlan | None = None
+
+        def _plan() -> str:
+            nonlocal ckpt, plan
+            ckpt = Checkpoint(source)
+            qc = ckpt.quantization_config()
+            plan = plan_conversion(ckpt, source_from_quant_config(qc), m.tp_sizes, _DTYPES[m.serving_dtype.value])
+            return f"{plan.source.describe()}, {len(plan.layers)} quantized layers"
+
+        stage("plan", _plan)
+        assert ckpt is not None and plan is not None
         stage("layout", lambda: _check_layout(m, plan))
         stage("common", lambda: _check_common(bundle, m, ckpt, plan))
         stage("round-trip", lambda: _round_trip(bundle, m, ckpt, plan, progress))

@@ -201,3 +201,64 @@ def test_failed_force_keeps_old_bundle(awq: Path) -> None:
     with pytest.raises(RuntimeError):
         convert(awq, force=True, progress=boom)
     assert (awq / "marlin-pack" / "manifest.json").read_bytes() == before
+
+
+def test_force_never_replaces_a_non_bundle(awq: Path, tmp_path: Path) -> None:
+    other = tmp_path / "important"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(OutputExistsError, match=r"is not a marlin-pack bundle \(no manifest.json\); refusing to replace it"):
+        convert(awq, other, force=True)
+    assert (other / "notes.txt").read_text() == "keep me"
+    with pytest.raises(OutputExistsError, match=r"holds the checkpoint itself"):
+        convert(awq, awq, force=True)
+    assert (awq / "config.json").exists()
+
+
+def test_bundle_permissions_follow_umask(awq: Path) -> None:
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        convert(awq)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((awq / "marlin-pack").stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("key,value", [("num_key_value_heads", "2"), ("head_dim", "x")])
+def test_non_integer_dimensions(awq: Path, key: str, value: str) -> None:
+    _edit_config(awq, **{key: value})
+    with pytest.raises(UnsupportedCheckpointError, match=rf"config.json {key} is '{value}', expected a positive integer"):
+        convert(awq)
+
+
+@pytest.mark.parametrize("device", ["foo", "meta"])
+def test_unsupported_device(awq: Path, device: str) -> None:
+    with pytest.raises(MarlinPackError, match=rf"--device '{device}' is not supported; expected cpu or cuda"):
+        convert(awq, device=device)
+    _no_leftovers(awq.parent, awq)
+
+
+def test_deeply_nested_config(awq: Path) -> None:
+    (awq / "config.json").write_text("[" * 200_000)
+    with pytest.raises(CheckpointError, match=r"nests JSON too deeply"):
+        convert(awq)
+
+
+def test_write_failure_is_one_line_and_leaves_nothing(awq: Path, tmp_path: Path) -> None:
+    # A full disk, simulated with a file-size limit: the first write past it fails (EFBIG).
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000));"
+        "from marlin_pack.cli import main; sys.argv=['marlin-pack','convert',sys.argv[1],'-o',sys.argv[2]]; main()"
+    )
+    out = tmp_path / "out" / "bundle"
+    r = subprocess.run([sys.executable, "-c", code, str(awq), str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and "writing the bundle under" in r.stderr and "failed (File too large)" in r.stderr
+    assert not out.exists() and list(out.parent.iterdir()) == []

@@ -33,7 +33,7 @@ def _failure(b: Path, source: Path | None = None) -> tuple[str, str]:
 def test_faithful_bundle_passes(bundle: Path) -> None:
     report = verify(bundle)
     assert report.ok, report.first_failure
-    assert [c.name for c in report.checks] == ["manifest", "files", "tensors", "source", "layout", "common", "round-trip"]
+    assert [c.name for c in report.checks] == ["manifest", "files", "tensors", "source", "plan", "layout", "common", "round-trip"]
     assert "bit for bit" in report.checks[-1].detail
 
 
@@ -123,3 +123,29 @@ def test_without_source_skips_deep_checks(bundle: Path, tmp_path: Path) -> None:
     shutil.copytree(bundle, moved)
     report = verify(moved)
     assert report.ok and report.checks[-1].name == "source" and "skipped" in report.checks[-1].detail
+
+
+def test_extra_safetensors_outside_the_index_is_not_part_of_the_source(make_checkpoint, tmp_path: Path) -> None:
+    # Mistral-style repos ship consolidated.safetensors beside an indexed sharded checkpoint.
+    src = tmp_path / "sharded"
+    shutil.copytree(make_checkpoint("awq", sharded=True), src)
+    shutil.copy(sorted(src.glob("model-*.safetensors"))[0], src / "consolidated.safetensors")
+    convert(src)
+    report = verify(src / "marlin-pack")
+    assert report.ok, report.first_failure
+
+
+def test_malformed_file_with_matching_hash_is_reported_not_raised(bundle: Path) -> None:
+    f = bundle / "common.safetensors"
+    f.write_bytes(f.read_bytes() + bytes(8))  # trailing bytes: safetensors refuses the file
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["common"]["size"], m["common"]["sha256"] = f.stat().st_size, sha256_file(f)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    name, detail = _failure(bundle)
+    assert name == "common" and "SafetensorError" in detail
+
+
+def test_deeply_nested_manifest(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text("[" * 200_000)
+    name, detail = _failure(tmp_path)
+    assert name == "manifest" and "RecursionError" in detail

@@ -1,0 +1,50 @@
+"""Which ``*.safetensors`` files make up a checkpoint (torch-free: also used by the loader's checks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from marlin_pack.errors import CheckpointError
+
+__all__ = ["INDEX_NAME", "read_json", "weight_files"]
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from ``path``, or a one-line :class:`CheckpointError`."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} not found: expected the checkpoint's {what}; point MODEL_DIR at a HuggingFace checkpoint directory"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {path} ({e}); check the file's permissions") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); restore the file") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} nests JSON too deeply to be a {what}; restore the file") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def weight_files(model_dir: Path) -> list[str]:
+    """The weight files: those the index names if there is one (others, e.g. Mistral's
+    ``consolidated.safetensors``, are not part of the checkpoint), else every top-level one."""
+    index = model_dir / INDEX_NAME
+    found = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if index.exists():
+        weight_map = read_json(index, INDEX_NAME).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map; restore the index file")
+        files = sorted(set(map(str, weight_map.values())))
+        missing = [f for f in files if f not in found]
+        if missing:
+            raise CheckpointError(f"{INDEX_NAME} names {missing[0]}, which is not in {model_dir}; download the missing shard")
+        return files
+    if not found:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}; marlin-pack reads safetensors checkpoints only")
+    return found
