@@ -3,6 +3,7 @@
     python examples/quickstart.py [WORKDIR]        # default WORKDIR: .example
 """
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 from marlin_pack.synthetic import PRESETS, write_awq_checkpoint
 
 work = Path(sys.argv[1] if len(sys.argv) > 1 else ".example")
-model = write_awq_checkpoint(work / "tiny-awq", PRESETS["tiny"], group_size=128)
+# A tokenizer (for `vllm serve`) needs the `tokenizers` package, which vLLM brings along.
+has_tokenizers = importlib.util.find_spec("tokenizers") is not None
+model = write_awq_checkpoint(work / "tiny-awq", PRESETS["tiny"], group_size=128, tokenizer=has_tokenizers)
 print(f"wrote tiny AWQ checkpoint: {model}")
 cli = [sys.executable, "-m", "marlin_pack.cli"]
 subprocess.run([*cli, "convert", str(model), "--tp", "1,2", "--force"], check=True)
