@@ -296,6 +296,15 @@ class MarlinPrepackedLoader(BaseModelLoader):
             model.load_weights(self._common_weights(reader, plan, device))
             t2 = time.perf_counter()
         self._timings.copy, self._timings.common = t1 - t0, t2 - t1
+        # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
+        logger.info(
+            "marlin-pack: placed %d tensors (%.2f GB) from %s for tp %d rank %d",
+            len(items),
+            self._timings.copy_bytes / 1e9,
+            plan.rank_file,
+            plan.tp_set.tp_size,
+            plan.rank,
+        )
 
     def _place(self, state: _ModelState, header: SafetensorsHeader) -> list[CopyItem]:
         """Bind new device tensors of the bundle's shapes to the layers' parameters."""

@@ -124,9 +124,17 @@ def _logprobs(positions: Any) -> list[Any]:
     return [None if p is None else {str(int(k)): float(v.logprob) for k, v in p.items()} for p in positions]
 
 
-def _layer_info(model: torch.nn.Module, names: list[str]) -> dict[str, Any]:
-    """Kernel, tensors (shape, dtype, pointer, sha256) and whose memory they live in."""
+def _digest(t: torch.Tensor) -> str:
     import hashlib
+
+    return hashlib.sha256(
+        t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    ).hexdigest()
+
+
+def _layer_info(model: torch.nn.Module, names: list[str], digests: bool = False) -> dict[str, Any]:
+    """Kernel, tensors (shape, dtype, pointer, sha256) and whose memory they live in; with
+    ``digests``, also ``[dtype, shape, sha256]`` of every parameter (bitwise comparison)."""
 
     segments = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()]
 
@@ -150,18 +158,19 @@ def _layer_info(model: torch.nn.Module, names: list[str]) -> dict[str, Any]:
             if p is None:
                 continue
             t = p.detach()
-            data = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
             info["tensors"][f"{layer}.{leaf}"] = {
                 "shape": list(t.shape),
                 "dtype": str(t.dtype),
                 "device": str(t.device),
                 "ptr": t.data_ptr(),
-                "sha256": hashlib.sha256(data).hexdigest(),
+                "sha256": _digest(t),
                 "own_memory": own(t) if t.numel() else None,
             }
     nonempty = [(n, p) for n, p in params.items() if p.numel() and p.is_cuda]
     info["params_in_own_memory"] = sum(own(p) for _, p in nonempty)
     info["params"] = len(nonempty)
+    if digests:
+        info["digests"] = {n: [str(p.dtype), list(p.shape), _digest(p)] for n, p in model.named_parameters()}
     return info
 
 
@@ -205,8 +214,12 @@ def _engine_main(spec_path: str) -> None:
                 "prompt_logprobs": _logprobs(out.prompt_logprobs),
             }
         )
-    layers = llm.apply_model(functools.partial(_layer_info, names=spec["layers"]))[0]
-    _write_json(Path(spec["out"]), {"outputs": outputs, "layers": layers, "start_s": start_s})
+    # One result per tensor-parallel worker, in rank order.
+    ranks = llm.apply_model(
+        functools.partial(_layer_info, names=spec["layers"], digests=spec.get("digests", False))
+    )
+    result = {"outputs": outputs, "layers": ranks[0], "ranks": ranks, "start_s": start_s}
+    _write_json(Path(spec["out"]), result)
     print("MARLIN_PACK_ENGINE_READY", flush=True)
     if spec.get("serve"):  # answer poke/peek commands until told to exit
         for line in sys.stdin:
@@ -297,10 +310,11 @@ class Proc:
 class Cluster:
     """Every process of this module: started side by side, stopped at the end."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, logs: str = "daemon-gpu-logs", port: int = 21000) -> None:
         self.workdir = workdir
+        self.logs = logs  # where stop() copies the logs, under $OUT
         self.procs: list[Proc] = []
-        self._port = 21000
+        self._port = port
         self.sockets: list[Path] = []
 
     def socket_dir(self) -> Path:
@@ -348,7 +362,14 @@ class Cluster:
         return self._start(name, argv, self._env())
 
     def engine(
-        self, name: str, model: Path, *, serve: bool = False, env: dict[str, str] | None = None, **kwargs: Any
+        self,
+        name: str,
+        model: Path,
+        *,
+        serve: bool = False,
+        digests: bool = False,
+        env: dict[str, str] | None = None,
+        **kwargs: Any,
     ) -> Proc:
         d = self.workdir / name
         d.mkdir(parents=True, exist_ok=True)
@@ -358,6 +379,7 @@ class Cluster:
             "layers": FUSED,
             "out": str(d / "out.json"),
             "serve": serve,
+            "digests": digests,
         }
         (d / "spec.json").write_text(json.dumps(spec))
         proc = self._start(
@@ -373,7 +395,7 @@ class Cluster:
         for d in self.sockets:
             shutil.rmtree(d, ignore_errors=True)
         if os.environ.get("OUT"):  # tests/gpu/device.sh collects $OUT
-            dest = Path(os.environ["OUT"]) / "daemon-gpu-logs"
+            dest = Path(os.environ["OUT"]) / self.logs
             dest.mkdir(parents=True, exist_ok=True)
             for proc in self.procs:
                 shutil.copy(proc.log_path, dest / proc.log_path.name)
