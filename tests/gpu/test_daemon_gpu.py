@@ -72,7 +72,10 @@ XOR = 0x5A5A5A5A
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    # A string: evaluated by pytest at setup, not at import. This file is also the engine
+    # subprocess's script, and torch.cuda.is_available() there would poison fork for vLLM's
+    # TP workers ("Cannot re-initialize CUDA in forked subprocess") without vLLM noticing.
+    pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU"),
 ]
 
 ENGINE_KWARGS: dict[str, Any] = dict(
