@@ -59,22 +59,16 @@ from typing import Any
 
 import pytest
 import torch
+from test_loader_gpu import ATTN, MAX_TOKENS, PROMPTS, ROOT, TOP
 
-ROOT = Path(__file__).resolve().parents[2]
 THIS = Path(__file__).resolve()
-ATTN = os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN")
 BENCH_PRESET = os.environ.get("MARLIN_PACK_TEST_BENCH_PRESET")
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
-MAX_TOKENS = 16
-TOP = 5
 START_TIMEOUT_S = 420
 XOR = 0x5A5A5A5A
 
 pytestmark = [
     pytest.mark.gpu,
-    # A string: evaluated by pytest at setup, not at import. This file is also the engine
-    # subprocess's script, and torch.cuda.is_available() there would poison fork for vLLM's
-    # TP workers ("Cannot re-initialize CUDA in forked subprocess") without vLLM noticing.
+    # A string, evaluated lazily: see test_loader_gpu.py.
     pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU"),
 ]
 
@@ -404,6 +398,11 @@ class Cluster:
                 shutil.copy(proc.log_path, dest / proc.log_path.name)
 
 
+def attach_config(sdir: Path) -> dict[str, Any]:
+    """``model_loader_extra_config`` of an ``ipc_cache`` engine that waits for its daemon (no fallback)."""
+    return {"socket_dir": str(sdir), "fallback": False, "state_timeout_s": 600}
+
+
 def wait_socket(proc: Proc, sdir: Path, timeout: float = START_TIMEOUT_S) -> bool:
     """A daemon is ready once its socket accepts a connection (it binds only when loaded)."""
     deadline = time.monotonic() + timeout
@@ -530,11 +529,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
                     model,
                     serve=True,
                     load_format="ipc_cache",
-                    model_loader_extra_config={
-                        "socket_dir": str(sdirs[name]),
-                        "fallback": False,
-                        "state_timeout_s": 600,
-                    },
+                    model_loader_extra_config=attach_config(sdirs[name]),
                 )
         ready = {name: wait_socket(daemons[name], sdirs[name]) for name in MODELS}
         assert all(ready.values()), "\n".join(daemons[n].tail() for n, ok in ready.items() if not ok)

@@ -261,7 +261,9 @@ def test_prepacked_matches_ordinary_loading(
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bundle_equals_stock_vllm_after_loading(checkpoints: dict[str, Path], ordinary: Callable[[str], dict], kind: str) -> None:
+def test_bundle_equals_stock_vllm_after_loading(
+    checkpoints: dict[str, Path], ordinary: Callable[[str], dict], kind: str
+) -> None:
     """Issue acceptance: every tensor of the TP=1 bundle equals what stock vLLM holds after loading
     the same checkpoint with linear_backend="marlin", bit for bit (read in-process via apply_model)."""
     from safetensors.torch import load_file

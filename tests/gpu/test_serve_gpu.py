@@ -27,10 +27,27 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _start(model: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float16", "--enforce-eager",
-        "--attention-backend", ATTN, "--gpu-memory-utilization", "0.2", "--max-model-len", "512",
-        "--served-model-name", "tiny", *extra,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float16",
+        "--enforce-eager",
+        "--attention-backend",
+        ATTN,
+        "--gpu-memory-utilization",
+        "0.2",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        *extra,
     ]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -51,8 +68,12 @@ def _wait_ready(port: int, proc: subprocess.Popen, log: Path) -> None:
 
 
 def _complete(port: int, prompt: str) -> dict:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 5}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 5}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())["choices"][0]
 

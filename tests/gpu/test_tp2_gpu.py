@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_daemon_gpu import Cluster, Proc, check_logprobs_close, wait_socket
+from test_daemon_gpu import Cluster, Proc, attach_config, check_logprobs_close, wait_socket
 
 pytestmark = [
     pytest.mark.gpu,
@@ -88,6 +88,11 @@ def _bundle_digests(model: Path, rank: int) -> dict[str, list[Any]]:
     return out
 
 
+def _tp2_engine(cluster: Cluster, procs: dict[str, Proc], name: str, model: Path, **kwargs: Any) -> None:
+    """Start a TP=2 engine that reports every parameter's digest, as ``procs[name]``."""
+    procs[name] = cluster.engine(name, model, digests=True, tensor_parallel_size=TP, **kwargs)
+
+
 def assert_ranks_identical(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
     """Both engines have TP ranks, and every parameter of every rank is bit-identical."""
     assert len(ref["ranks"]) == len(got["ranks"]) == TP, what
@@ -131,16 +136,8 @@ def loader(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) ->
     try:
         procs: dict[str, Proc] = {}
         for kind, model in models.items():
-            procs[f"{kind}-ordinary"] = cluster.engine(
-                f"{kind}-ordinary", model, digests=True, tensor_parallel_size=TP, linear_backend="marlin"
-            )
-            procs[f"{kind}-prepacked"] = cluster.engine(
-                f"{kind}-prepacked",
-                model,
-                digests=True,
-                tensor_parallel_size=TP,
-                load_format="marlin_prepacked",
-            )
+            _tp2_engine(cluster, procs, f"{kind}-ordinary", model, linear_backend="marlin")
+            _tp2_engine(cluster, procs, f"{kind}-prepacked", model, load_format="marlin_prepacked")
         procs["refused"] = cluster.engine(
             "tp1-bundle-tp2-engine",
             models["awq4"],
@@ -167,21 +164,15 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) ->
             procs[f"{kind}-daemon"] = cluster.daemon(
                 f"{kind}-daemon", model, sdirs[kind], "--tensor-parallel-size", str(TP)
             )
-            procs[f"{kind}-ordinary"] = cluster.engine(
-                f"{kind}-ordinary", model, digests=True, tensor_parallel_size=TP, linear_backend="marlin"
-            )
+            _tp2_engine(cluster, procs, f"{kind}-ordinary", model, linear_backend="marlin")
             for start in ("attach1", "attach2"):
-                procs[f"{kind}-{start}"] = cluster.engine(
+                _tp2_engine(
+                    cluster,
+                    procs,
                     f"{kind}-{start}",
                     model,
-                    digests=True,
-                    tensor_parallel_size=TP,
                     load_format="ipc_cache",
-                    model_loader_extra_config={
-                        "socket_dir": str(sdirs[kind]),
-                        "fallback": False,
-                        "state_timeout_s": 600,
-                    },
+                    model_loader_extra_config=attach_config(sdirs[kind]),
                 )
         for kind in DAEMON_KINDS:
             assert wait_socket(procs[f"{kind}-daemon"], sdirs[kind]), procs[f"{kind}-daemon"].tail()
@@ -213,9 +204,9 @@ def test_loader_tp2_prepacked_matches_ordinary(loader: Started, kind: str) -> No
 def test_loader_tp2_bundle_equals_stock_vllm_per_rank(loader: Started, kind: str) -> None:
     ref = loader.results[f"{kind}-ordinary"]
     total = 0
-    for rank in range(TP):
+    bundles = [_bundle_digests(loader.models[kind], rank) for rank in range(TP)]
+    for rank, bundle in enumerate(bundles):
         engine = ref["ranks"][rank]["digests"]
-        bundle = _bundle_digests(loader.models[kind], rank)
         assert bundle, rank
         for name, want in bundle.items():
             assert name in engine, f"rank {rank}: {name} not held by vLLM"
@@ -223,8 +214,7 @@ def test_loader_tp2_bundle_equals_stock_vllm_per_rank(loader: Started, kind: str
         quantized = {n.rsplit(".", 1)[0] for n in engine if n.endswith(".qweight")}
         assert quantized == {n.rsplit(".", 1)[0] for n in bundle if n.endswith(".qweight")}
         total += len(bundle)
-    ranks_differ = _bundle_digests(loader.models[kind], 0) != _bundle_digests(loader.models[kind], 1)
-    assert ranks_differ  # each rank holds its own shard
+    assert bundles[0] != bundles[1]  # each rank holds its own shard
     print(f"{kind}: {total} bundle tensors (2 ranks) bit-identical to stock vLLM 0.33.0 at TP=2")
 
 
