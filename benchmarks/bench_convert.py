@@ -59,7 +59,7 @@ def _run(mode: str, src: Path, dst: Path, device: str) -> dict:
 
 
 def _checkpoint(root: Path, fmt: str, preset: str, device: str) -> Path:
-    from marlin_pack.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
+    from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
 
     d = root / f"{preset}-{fmt}"
     if not (d / "config.json").exists():

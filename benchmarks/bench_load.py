@@ -101,7 +101,7 @@ def main() -> None:
     import torch
 
     from marlin_pack.conversion import convert
-    from marlin_pack.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
+    from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
 
     rows = []
     for fmt in args.formats.split(","):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from marlin_pack import synthetic
+from marlin_pack.testing import synthetic
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 

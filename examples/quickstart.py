@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from marlin_pack.synthetic import PRESETS, write_awq_checkpoint
+from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint
 
 work = Path(sys.argv[1] if len(sys.argv) > 1 else ".example")
 # A tokenizer (for `vllm serve`) needs the `tokenizers` package, which vLLM brings along.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from marlin_pack._version import __version__
 from marlin_pack.errors import (
     BundleError,
     BundleMismatchError,
@@ -20,8 +21,6 @@ from marlin_pack.errors import (
     OutputExistsError,
     UnsupportedCheckpointError,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "__version__",
@@ -39,7 +38,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from marlin_pack.bundle import read_manifest
+    from marlin_pack.bundle.reader import read_manifest
     from marlin_pack.conversion import convert
     from marlin_pack.schemas import Manifest
     from marlin_pack.verification import VerifyReport, verify
@@ -49,7 +48,7 @@ _LAZY = {
     "convert": "marlin_pack.conversion",
     "verify": "marlin_pack.verification",
     "VerifyReport": "marlin_pack.verification",
-    "read_manifest": "marlin_pack.bundle",
+    "read_manifest": "marlin_pack.bundle.reader",
     "Manifest": "marlin_pack.schemas",
 }
 

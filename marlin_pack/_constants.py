@@ -12,6 +12,7 @@ __all__ = [
     "STAMPS_NAME",
     "TARGET_VLLM_VERSION",
     "DEBUG_ENV",
+    "SUPPORTED_GROUP_SIZES",
 ]
 
 FORMAT_NAME = "marlin-pack"
@@ -32,3 +33,5 @@ BUNDLE_DIRNAME = "marlin-pack"
 # SHA-256 was checked; not part of the bundle's content.
 STAMPS_NAME = ".stamps.json"
 DEBUG_ENV = "MARLIN_PACK_DEBUG"
+# Group sizes MarlinLinearKernel accepts in vLLM 0.33.0 (-1: one group per output channel).
+SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)

@@ -9,15 +9,22 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
-from marlin_pack import __version__
-from marlin_pack._constants import DEBUG_ENV
+from marlin_pack._constants import BUNDLE_DIRNAME, DEBUG_ENV
+from marlin_pack._version import __version__
 from marlin_pack.errors import MarlinPackError
 
 app = typer.Typer(
@@ -73,9 +80,9 @@ def _progress(enabled: bool, what: str) -> Iterator[Callable[[int, int, str], No
 @app.command()
 def convert(
     model_dir: ModelDirArg,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Bundle directory [default: MODEL_DIR/marlin-pack].")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Bundle directory [default: MODEL_DIR/marlin-pack].")] = None,
     tp: Annotated[str, typer.Option("--tp", help="Tensor-parallel sizes to write, e.g. 1,2,4,8.")] = "1",
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Serving dtype: float16 or bfloat16 [default: the checkpoint's].")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="Serving dtype: float16 or bfloat16 [default: the checkpoint's].")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle.")] = False,
     device: Annotated[str, typer.Option("--device", help="Where to do the tensor work: cpu or cuda.")] = "cpu",
     as_json: JsonOpt = False,
@@ -85,7 +92,7 @@ def convert(
 
     with _progress(not as_json, "converting") as progress:
         manifest = run_convert(model_dir, output, tp_sizes=_parse_tp(tp), dtype=dtype, force=force, device=device, progress=progress)
-    bundle = output or model_dir / "marlin-pack"
+    bundle = output or model_dir / BUNDLE_DIRNAME
     if as_json:
         out.print_json(json.dumps({"bundle": str(bundle), "manifest": manifest.model_dump(mode="json")}))
         return
@@ -96,7 +103,7 @@ def convert(
 @app.command()
 def verify(
     bundle: BundleArg,
-    source: Annotated[Optional[Path], typer.Option("--source", help="Checkpoint the bundle was made from [default: the bundle's parent].")] = None,
+    source: Annotated[Path | None, typer.Option("--source", help="Checkpoint the bundle was made from [default: the bundle's parent].")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Prove a bundle is intact and faithful to its source (exit 1 on any failure)."""
@@ -120,7 +127,7 @@ def verify(
 @app.command()
 def inspect(bundle: BundleArg, as_json: JsonOpt = False) -> None:
     """Show what a bundle holds."""
-    from marlin_pack.bundle import read_manifest
+    from marlin_pack.bundle.reader import read_manifest
 
     manifest = read_manifest(bundle)
     if as_json:
@@ -137,7 +144,7 @@ def daemon(ctx: typer.Context, model_dir: ModelDirArg) -> None:
     (--load-format defaults to marlin_prepacked). Engines attach with
     `vllm serve MODEL_DIR --load-format ipc_cache`.
     """
-    from marlin_pack.daemon import preload_argv, run
+    from marlin_pack.vllm_plugin.launcher import preload_argv, run
 
     argv = preload_argv(model_dir, ctx.args)
     err.print(f"marlin-pack: vllm {shlex.join(argv)}", highlight=False, soft_wrap=True, markup=False)

@@ -1,12 +1,14 @@
-"""``convert``: an AWQ/GPTQ checkpoint into a Marlin bundle, streamed layer by layer."""
+"""``convert``: an AWQ/GPTQ checkpoint into a Marlin bundle, streamed layer by layer.
+
+A thin orchestration: :func:`plan_conversion` validates everything it can from headers
+(``sources`` and ``marlin.sharding``), then each layer is read, sliced per rank, laid out
+(``marlin.rank_tensors``) and streamed into the rank files of a
+:class:`~marlin_pack.bundle.writer.BundleWriter`.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,44 +16,51 @@ from pathlib import Path
 
 import torch
 
-from marlin_pack import __version__
-from marlin_pack._constants import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, STAMPS_NAME, TARGET_VLLM_VERSION
-from marlin_pack.bundle import default_bundle_dir
-from marlin_pack.checkpoint import Checkpoint
-from marlin_pack.errors import CheckpointError, MarlinPackError, OutputExistsError, UnsupportedCheckpointError
-from marlin_pack.hashing import StampCache, safetensors_header_bytes, sha256_bytes, sha256_file
-from marlin_pack.layout import SERVING_DTYPES, build_rank_tensors, tensor_specs
-from marlin_pack.plan import LayerSpec, ModelDims, layer_entry, layer_specs, model_dims, rank_slices
+from marlin_pack._constants import TARGET_VLLM_VERSION
+from marlin_pack._version import __version__
+from marlin_pack.bundle.integrity import source_stamp_key
+from marlin_pack.bundle.reader import default_bundle_dir
+from marlin_pack.bundle.writer import BundleWriter, check_output
+from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedCheckpointError
+from marlin_pack.io.hashing import sha256_bytes, sha256_file
+from marlin_pack.io.safetensors_io import read_header_bytes
+from marlin_pack.marlin.rank_tensors import build_rank_tensors, tensor_specs
+from marlin_pack.marlin.sharding import (
+    LayerSpec,
+    ModelDims,
+    fuse_rank_slices,
+    layer_entry,
+    layer_specs,
+    model_dims,
+    rank_slices,
+)
 from marlin_pack.schemas import (
-    FileEntry,
     LayerEntry,
     Manifest,
     Producer,
-    RankEntry,
     ServingDtype,
     Source,
     SourceFile,
     Target,
-    TensorParallelSet,
+    torch_dtype,
 )
-from marlin_pack.sources import ModuleTensors, QuantSource, source_from_quant_config
-from marlin_pack.stream_writer import StreamWriter
+from marlin_pack.sources import Checkpoint, QuantSource, source_from_quant_config
 
-__all__ = ["convert", "resolve_dtype", "ProgressFn"]
+__all__ = ["convert", "resolve_dtype", "plan_conversion", "ConversionPlan", "ProgressFn"]
 
 ProgressFn = Callable[[int, int, str], None]
-_DTYPES = SERVING_DTYPES
+_DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 
 
-def resolve_dtype(config: dict, dtype: str | None) -> str:
+def resolve_dtype(config: dict, dtype: str | None) -> ServingDtype:
     """The serving dtype: ``dtype`` if given, else the checkpoint's 16-bit dtype, else float16."""
     if dtype is not None:
-        name = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(dtype, dtype)
-        if name not in _DTYPES:
-            raise MarlinPackError(f"--dtype {dtype!r} is not supported; expected float16 or bfloat16")
-        return name
+        try:
+            return ServingDtype(_DTYPE_ALIASES.get(dtype, dtype))
+        except ValueError as e:
+            raise MarlinPackError(f"--dtype {dtype!r} is not supported; expected float16 or bfloat16") from e
     found = config.get("torch_dtype") or config.get("dtype")
-    return found if found in _DTYPES else "float16"
+    return ServingDtype(found) if found in {d.value for d in ServingDtype} else ServingDtype.float16
 
 
 def _canonical_json(obj: object) -> bytes:
@@ -60,6 +69,8 @@ def _canonical_json(obj: object) -> bytes:
 
 @dataclass
 class ConversionPlan:
+    """Everything decided from headers and config before any tensor data is read."""
+
     dims: ModelDims
     source: QuantSource
     dtype: torch.dtype
@@ -70,7 +81,11 @@ class ConversionPlan:
 
 
 def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], dtype: torch.dtype) -> ConversionPlan:
-    """Validate everything that can be validated without reading tensor data."""
+    """Validate everything that can be validated without reading tensor data.
+
+    Raises:
+        CheckpointError, UnsupportedCheckpointError: naming the first tensor or setting at fault.
+    """
     plan = ConversionPlan(dims=model_dims(ckpt.config), source=source, dtype=dtype)
     owned: set[str] = set()
     for i in range(plan.dims.num_layers):
@@ -109,25 +124,6 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
     return plan
 
 
-def fuse_rank_slices(slices: list, parts: dict[str, ModuleTensors], group_size: int) -> tuple:
-    def rows(t: torch.Tensor, s) -> torch.Tensor:  # scale/zero rows of a K slice
-        return t if group_size == -1 else t[s.k0 // group_size : (s.k0 + s.k) // group_size]
-
-    codes = torch.cat([parts[s.part.name].codes[s.k0 : s.k0 + s.k, s.n0 : s.n0 + s.n] for s in slices], 1)
-    scales = torch.cat([rows(parts[s.part.name].scales, s)[:, s.n0 : s.n0 + s.n] for s in slices], 1)
-    zeros = None
-    if parts[slices[0].part.name].zeros is not None:
-        zeros = torch.cat([rows(parts[s.part.name].zeros, s)[:, s.n0 : s.n0 + s.n] for s in slices], 1)  # type: ignore[index]
-    bias = None
-    if parts[slices[0].part.name].bias is not None:
-        bias = torch.cat([parts[s.part.name].bias[s.n0 : s.n0 + s.n] for s in slices])  # type: ignore[index]
-    return codes, scales, zeros, bias
-
-
-def _hash_source(ckpt: Checkpoint, pool: ThreadPoolExecutor) -> list[tuple[str, Future[str]]]:
-    return [(f, pool.submit(sha256_file, ckpt.dir / f)) for f in ckpt.files]
-
-
 def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str, Future[str]]]) -> Source:
     qc = ckpt.quantization_config() or {}
     files = [
@@ -135,7 +131,7 @@ def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str
             name=name,
             size=(ckpt.dir / name).stat().st_size,
             sha256=fut.result(),
-            header_sha256=sha256_bytes(safetensors_header_bytes(ckpt.dir / name)),
+            header_sha256=sha256_bytes(read_header_bytes(ckpt.dir / name)),
         )
         for name, fut in hashes
     ]
@@ -152,8 +148,15 @@ def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str
     )
 
 
-def _rank_path(tp: int, rank: int) -> str:
-    return f"tp{tp}/rank-{rank}.safetensors"
+def _device(device: str) -> torch.device:
+    if device != "cpu" and not device.startswith("cuda"):
+        raise MarlinPackError(f"--device {device!r} is not supported; expected cpu or cuda[:N]")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise MarlinPackError(f"--device {device} asked for, but no CUDA GPU is available; use --device cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise MarlinPackError(f"--device {device!r} is not a valid device; expected cpu or cuda[:N]") from e
 
 
 def convert(
@@ -198,141 +201,50 @@ def convert(
     tps = sorted(set(int(t) for t in tp_sizes))
     if not tps or tps[0] < 1:
         raise MarlinPackError(f"--tp {tp_sizes} is invalid; expected positive sizes such as 1,2,4,8")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise MarlinPackError(f"--device {device!r} is not supported; expected cpu or cuda[:N]")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise MarlinPackError(f"--device {device} asked for, but no CUDA GPU is available; use --device cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise MarlinPackError(f"--device {device!r} is not a valid device; expected cpu or cuda[:N]") from None
-    _check_output(model_dir, out, force)
+    dev = _device(device)
+    check_output(model_dir, out, force)
 
     ckpt = Checkpoint(model_dir)
     source = source_from_quant_config(ckpt.quantization_config())
-    dtype_name = resolve_dtype(ckpt.config, dtype)
-    tdtype = _DTYPES[dtype_name]
+    serving_dtype = resolve_dtype(ckpt.config, dtype)
+    tdtype = torch_dtype(serving_dtype)
     plan = plan_conversion(ckpt, source, tps, tdtype)
 
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a vLLM run by another user must read it
-    except OSError as e:
-        raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror}); choose a writable location with -o") from None
-    writers = []
     pool = ThreadPoolExecutor(max_workers=2)
     try:
-        hashes = _hash_source(ckpt, pool)
-        common_entry = _write_common(ckpt, plan, tmp)
-        rank_files = {}
-        for tp in tps:
-            (tmp / f"tp{tp}").mkdir()
-            for rank in range(tp):
-                specs = [s for e in plan.entries[tp] for s in tensor_specs(e, source.scheme, tdtype)]
-                meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "tp_size": str(tp), "rank": str(rank)}
-                w = StreamWriter(tmp / _rank_path(tp, rank), specs, meta)
-                writers.append(w)
-                rank_files[(tp, rank)] = w
-        total = len(plan.layers)
-        for li, spec in enumerate(plan.layers):
-            parts = {p.name: source.read(ckpt, p.prefix, p.size_k, p.size_n, dev) for p in spec.parts}
-            for tp in tps:
-                entry = plan.entries[tp][li]
-                for rank in range(tp):
-                    fused = fuse_rank_slices(rank_slices(spec, plan.dims, tp, rank), parts, source.scheme.group_size)
-                    slots = parts[spec.parts[0].name].column_slots
-                    for name, t in build_rank_tensors(entry, source.scheme, tdtype, *fused, slots).items():
-                        rank_files[(tp, rank)].write(name, t)
-            del parts
-            if progress:
-                progress(li + 1, total, spec.name)
-        sets = []
-        for tp in tps:
-            ranks = []
-            for rank in range(tp):
-                size, sha = rank_files[(tp, rank)].close()
-                ranks.append(RankEntry(rank=rank, file=FileEntry(path=_rank_path(tp, rank), size=size, sha256=sha)))
-            sets.append(TensorParallelSet(tp_size=tp, ranks=ranks, layers=plan.entries[tp]))
-        manifest = Manifest(
-            producer=Producer(version=__version__),
-            target=Target(vllm_version=TARGET_VLLM_VERSION),
-            quant=source.scheme,
-            serving_dtype=ServingDtype(dtype_name),
-            activation_dtype=ServingDtype(dtype_name),
-            source=_source_entry(ckpt, plan, hashes),
-            common=common_entry,
-            tensor_parallel=sets,
-        )
-        _write_text_durably(tmp / MANIFEST_NAME, manifest.to_json())
-        _record_stamps(tmp, manifest, ckpt)
-        _swap_into_place(tmp, out)
-    except BaseException as e:
-        for w in writers:
-            with contextlib.suppress(Exception):
-                w.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise MarlinPackError(
-                f"writing the bundle under {out.parent} failed ({e.strerror or e}); free space or choose another place with -o"
-            ) from None
-        raise
+        with BundleWriter.create(out) as bundle:
+            hashes = [(f, pool.submit(sha256_file, ckpt.dir / f)) for f in ckpt.files]
+            common = bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in plan.common], ckpt.get)
+            ranks = {
+                (tp, rank): bundle.open_rank(tp, rank, [s for e in plan.entries[tp] for s in tensor_specs(e, source.scheme, tdtype)])
+                for tp in tps
+                for rank in range(tp)
+            }
+            for li, spec in enumerate(plan.layers):
+                parts = {p.name: source.read(ckpt, p.prefix, p.size_k, p.size_n, dev) for p in spec.parts}
+                slots = parts[spec.parts[0].name].column_slots
+                for tp in tps:
+                    entry = plan.entries[tp][li]
+                    for rank in range(tp):
+                        fused = fuse_rank_slices(rank_slices(spec, plan.dims, tp, rank), parts, source.scheme.group_size)
+                        for name, t in build_rank_tensors(entry, source.scheme, tdtype, *fused, slots).items():
+                            ranks[(tp, rank)].write(name, t)
+                del parts
+                if progress:
+                    progress(li + 1, len(plan.layers), spec.name)
+            manifest = Manifest(
+                producer=Producer(version=__version__),
+                target=Target(vllm_version=TARGET_VLLM_VERSION),
+                quant=source.scheme,
+                serving_dtype=serving_dtype,
+                activation_dtype=serving_dtype,
+                source=_source_entry(ckpt, plan, hashes),
+                common=common,
+                tensor_parallel=bundle.close_ranks(plan.entries),
+            )
+            stamps = [(source_stamp_key(f.name), ckpt.dir / f.name, f.sha256) for f in manifest.source.files]
+            bundle.finish(manifest, stamps)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         ckpt.close()
     return manifest
-
-
-def _check_output(model_dir: Path, out: Path, force: bool) -> None:
-    """Refuse to replace anything but an existing bundle, and never the checkpoint itself."""
-    if not out.exists():
-        return
-    if not force:
-        raise OutputExistsError(f"{out} already exists; pass --force to replace it or -o to write elsewhere")
-    if model_dir.resolve().is_relative_to(out.resolve()):
-        raise OutputExistsError(f"{out} holds the checkpoint itself; choose another output with -o")
-    if not (out / MANIFEST_NAME).is_file():
-        raise OutputExistsError(f"{out} exists and is not a marlin-pack bundle (no {MANIFEST_NAME}); refusing to replace it")
-
-
-def _write_common(ckpt: Checkpoint, plan: ConversionPlan, tmp: Path) -> FileEntry:
-    specs = [(n, ckpt.tensors[n].dtype, ckpt.tensors[n].shape) for n in plan.common]
-    w = StreamWriter(tmp / COMMON_FILE, specs, {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)})
-    try:
-        for n in plan.common:
-            w.write(n, ckpt.get(n))
-    except BaseException:
-        w.abort()
-        raise
-    size, sha = w.close()
-    return FileEntry(path=COMMON_FILE, size=size, sha256=sha)
-
-
-def _write_text_durably(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _record_stamps(tmp: Path, manifest: Manifest, ckpt: Checkpoint) -> None:
-    # The hashes were just computed from these exact files: let the loader's first start skip re-hashing.
-    stamps = StampCache(tmp / STAMPS_NAME)
-    for entry in manifest.files():
-        stamps.record(entry.path, tmp / entry.path, entry.sha256)
-    for f in manifest.source.files:
-        stamps.record(f"source:{f.name}", ckpt.dir / f.name, f.sha256)
-    stamps.save()
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` (``--force``) is moved aside first, then removed."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

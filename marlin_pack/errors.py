@@ -1,11 +1,17 @@
 """Error hierarchy. Every message says what was found, what was expected and what to do."""
 
+from __future__ import annotations
+
+from enum import Enum, unique
+
 __all__ = [
     "MarlinPackError",
     "CheckpointError",
     "UnsupportedCheckpointError",
     "BundleError",
+    "MismatchField",
     "BundleMismatchError",
+    "LoadRefusedError",
     "OutputExistsError",
 ]
 
@@ -26,16 +32,54 @@ class BundleError(MarlinPackError):
     """A bundle is missing, malformed, corrupt or does not match its source."""
 
 
+@unique
+class MismatchField(str, Enum):
+    """What a :class:`BundleMismatchError` names: a manifest field or an engine setting."""
+
+    bundle = "bundle"  # where the bundle is (or is not)
+    manifest = "manifest"
+    files = "files"  # the bundle's own files: sizes, hashes, headers
+    source = "source"
+    source_files = "source.files"
+    source_size = "source.size"
+    source_header = "source.header"
+    source_sha256 = "source.sha256"
+    format_version = "format_version"
+    vllm_version = "vllm_version"
+    kernel = "kernel"
+    layout = "layout"
+    layers = "layers"
+    tp_size = "tp_size"
+    tp_rank = "tp_rank"
+    pp_size = "pp_size"
+    serving_dtype = "serving_dtype"
+    activation_dtype = "activation_dtype"
+    quant_method = "quant_method"
+    linear_backend = "linear_backend"
+    group_size = "group_size"
+    weight_type = "weight_type"
+    zero_points = "zero_points"
+
+    def __str__(self) -> str:  # f"[{field}]" prints the wire name on every Python version
+        return self.value
+
+    __format__ = str.__format__
+
+
 class BundleMismatchError(BundleError):
     """A bundle is intact but does not fit this engine or source.
 
     Attributes:
-        field: the manifest field that does not match (e.g. ``tp_size``).
+        field: the manifest field or engine setting that does not match (e.g. ``tp_size``).
     """
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: MismatchField | str, message: str) -> None:
         super().__init__(message)
-        self.field = field
+        self.field = MismatchField(field)
+
+
+class LoadRefusedError(BundleMismatchError):
+    """The ``marlin_prepacked`` loader will not serve the bundle (and ``fallback`` is off)."""
 
 
 class OutputExistsError(MarlinPackError):

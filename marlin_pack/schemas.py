@@ -2,8 +2,8 @@
 
 A manifest is untrusted input when read back (by ``verify`` or the vLLM loader):
 every path is checked to stay inside the bundle, every size and shape is bounded,
-unknown fields are refused. ``python -m marlin_pack.schemas`` prints the JSON schema,
-which is also shipped as ``marlin_pack/manifest.schema.json``.
+unknown fields are refused. ``marlin-pack schema`` (or ``python -m marlin_pack.schemas``)
+prints the JSON schema. Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -11,16 +11,26 @@ from __future__ import annotations
 import json
 import re
 from enum import Enum, unique
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from marlin_pack._constants import FORMAT_NAME, FORMAT_VERSION, KERNEL_NAME, LAYOUT_VERSION
+from marlin_pack._constants import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    KERNEL_NAME,
+    LAYOUT_VERSION,
+    SUPPORTED_GROUP_SIZES,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SourceFormat",
     "WeightType",
     "ServingDtype",
+    "torch_dtype",
     "LayerKind",
     "FileEntry",
     "SourceFile",
@@ -78,6 +88,17 @@ class ServingDtype(str, Enum):
 
     float16 = "float16"
     bfloat16 = "bfloat16"
+
+
+def torch_dtype(dtype: ServingDtype | str) -> torch.dtype:
+    """The torch dtype of a serving dtype (``float16`` -> ``torch.float16``).
+
+    Raises:
+        ValueError: not a serving dtype.
+    """
+    import torch
+
+    return getattr(torch, ServingDtype(dtype).value)  # type: ignore[no-any-return]
 
 
 @unique
@@ -163,7 +184,7 @@ class Target(_Strict):
 class QuantScheme(_Strict):
     weight_type: WeightType
     bits: Literal[4, 8]
-    group_size: Literal[-1, 32, 64, 128]
+    group_size: Literal[SUPPORTED_GROUP_SIZES]  # type: ignore[valid-type]
     zero_points: bool
 
     @model_validator(mode="after")

@@ -16,23 +16,25 @@ import torch
 from safetensors import safe_open
 
 from marlin_pack._constants import BUNDLE_DIRNAME, COMMON_FILE
-from marlin_pack.bundle import check_files, check_source, read_manifest, resolve_file
-from marlin_pack.checkpoint import Checkpoint, parse_safetensors_header
-from marlin_pack.conversion import ConversionPlan, fuse_rank_slices, plan_conversion
-from marlin_pack.errors import MarlinPackError
-from marlin_pack.layout import SERVING_DTYPES, decode_rank_tensors, tensor_specs
-from marlin_pack.plan import rank_slices
-from marlin_pack.repack import awq_to_natural
-from marlin_pack.schemas import Manifest
-from marlin_pack.sources import source_from_quant_config
+from marlin_pack.bundle.integrity import check_files, check_source
+from marlin_pack.bundle.rank_files import check_rank_header, rank_tensor_specs
+from marlin_pack.bundle.reader import read_manifest, resolve_file
+from marlin_pack.conversion import ConversionPlan, plan_conversion
+from marlin_pack.errors import BundleError, MarlinPackError
+from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
+from marlin_pack.marlin.rank_tensors import decode_rank_tensors, tensor_specs
+from marlin_pack.marlin.repack import awq_to_natural
+from marlin_pack.marlin.sharding import fuse_rank_slices, rank_slices
+from marlin_pack.schemas import Manifest, torch_dtype
+from marlin_pack.sources import Checkpoint, source_from_quant_config
 
 __all__ = ["Check", "VerifyReport", "verify"]
-
-_DTYPES = SERVING_DTYPES
 
 
 @dataclass
 class Check:
+    """One stage of :func:`verify`: its name, whether it passed, and what it found."""
+
     name: str
     ok: bool
     detail: str
@@ -122,7 +124,7 @@ def verify(
             nonlocal ckpt, plan
             ckpt = Checkpoint(source)
             qc = ckpt.quantization_config()
-            plan = plan_conversion(ckpt, source_from_quant_config(qc), m.tp_sizes, _DTYPES[m.serving_dtype.value])
+            plan = plan_conversion(ckpt, source_from_quant_config(qc), m.tp_sizes, torch_dtype(m.serving_dtype))
             return f"{plan.source.describe()}, {len(plan.layers)} quantized layers"
 
         stage("plan", _plan)
@@ -135,26 +137,20 @@ def verify(
     return report
 
 
+def _header(path: Path) -> SafetensorsHeader:
+    try:
+        return read_header(path)
+    except (SafetensorsFormatError, OSError) as e:
+        raise BundleError(f"{e}; re-run `marlin-pack convert --force`") from e
+
+
 def _check_tensor_specs(bundle: Path, m: Manifest) -> str:
-    dtype = _DTYPES[m.serving_dtype.value]
     n = 0
     for tp_set in m.tensor_parallel:
-        expected = {name: (dt, shape) for e in tp_set.layers for name, dt, shape in tensor_specs(e, m.quant, dtype)}
         for r in tp_set.ranks:
-            found = parse_safetensors_header(resolve_file(bundle, r.file))
-            for name, (dt, shape) in expected.items():
-                info = found.get(name)
-                if info is None:
-                    raise MarlinPackError(f"{r.file.path}: tensor {name} is missing")
-                if info.dtype != dt or info.shape != shape:
-                    raise MarlinPackError(
-                        f"{r.file.path}: tensor {name} is {info.dtype} {list(info.shape)}, expected {dt} {list(shape)}"
-                    )
-            extra = sorted(set(found) - set(expected))
-            if extra:
-                raise MarlinPackError(f"{r.file.path}: unexpected tensor {extra[0]}")
-            n += len(expected)
-    parse_safetensors_header(resolve_file(bundle, m.common))
+            check_rank_header(m, tp_set, r.rank, _header(resolve_file(bundle, r.file)))
+        n += len(tp_set.ranks) * len(rank_tensor_specs(tp_set, m.quant, m.serving_dtype))
+    _header(resolve_file(bundle, m.common))
     return f"{n} layer tensors present with the declared dtype and shape"
 
 
@@ -169,7 +165,7 @@ def _check_layout(m: Manifest, plan: ConversionPlan) -> str:
 
 def _check_common(bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan) -> str:
     path = resolve_file(bundle, m.common)
-    found = parse_safetensors_header(path)
+    found = _header(path).tensors
     if sorted(found) != plan.common:
         missing = sorted(set(plan.common) - set(found)) or sorted(set(found) - set(plan.common))
         raise MarlinPackError(f"{COMMON_FILE}: tensor set differs from the checkpoint's non-quantized tensors ({missing[0]})")
@@ -189,7 +185,7 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _round_trip(
     bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan, progress: Callable[[int, int, str], None] | None
 ) -> str:
-    dtype = _DTYPES[m.serving_dtype.value]
+    dtype = torch_dtype(m.serving_dtype)
     g = m.quant.group_size
     handles = {
         (s.tp_size, r.rank): safe_open(str(resolve_file(bundle, r.file)), framework="pt")  # type: ignore[no-untyped-call]

@@ -1,14 +1,23 @@
-"""Shared fixtures: tiny checkpoints written by the project's own synthetic writer, cached per session."""
+"""Shared fixtures: tiny checkpoints and bundles written by the project's own tools, cached per session.
+
+* ``make_checkpoint(fmt, preset, ...)``: a synthetic AWQ/GPTQ checkpoint (read-only, cached).
+* ``make_bundle(fmt, preset, tp_sizes=..., ...)``: that checkpoint with its bundle at
+  ``MODEL_DIR/marlin-pack`` (read-only, cached).
+* ``damaged_copy(model_dir, damage)``: a private copy of a checkpoint (and its bundle) for one
+  test, with ``damage(copy)`` applied; tests that break files use this, never the cache.
+"""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from marlin_pack.synthetic import PRESETS, ModelShape, write_awq_checkpoint, write_gptq_checkpoint
+from marlin_pack import convert
+from marlin_pack.testing.synthetic import PRESETS, ModelShape, write_awq_checkpoint, write_gptq_checkpoint
 
 # Eight query heads, two KV heads: TP 8 replicates each KV head on four ranks.
 WIDE = ModelShape(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
@@ -56,3 +65,58 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFacto
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def make_bundle(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
+    """``make_bundle(fmt, preset="tiny", tp_sizes=(1,), **make_checkpoint options)``: MODEL_DIR with its bundle.
+
+    Cached per session: treat the result as read-only (use ``damaged_copy`` to break it).
+    """
+    cache: dict[tuple, Path] = {}
+
+    def make(
+        fmt: str,
+        preset: str = "tiny",
+        *,
+        tp_sizes: tuple[int, ...] = (1,),
+        bits: int = 4,
+        group_size: int = 128,
+        dtype: torch.dtype = torch.float16,
+        sharded: bool = False,
+        seed: int = 0,
+    ) -> Path:
+        key = (fmt, preset, tuple(tp_sizes), bits, group_size, dtype, sharded, seed)
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"bundle-{fmt}{bits}-{preset}")
+            shard = 200_000 if sharded else None
+            kw = dict(group_size=group_size, dtype=dtype, seed=seed, max_shard_bytes=shard, tokenizer=False)
+            if fmt == "awq":
+                model = write_awq_checkpoint(d, SHAPES[preset], **kw)
+            else:
+                model = write_gptq_checkpoint(d, SHAPES[preset], bits=bits, **kw)
+            convert(model, tp_sizes=tp_sizes)
+            cache[key] = model
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture
+def damaged_copy(tmp_path: Path) -> Callable[..., Path]:
+    """``damaged_copy(model_dir, damage=None)``: a private copy of ``model_dir`` (bundle included).
+
+    ``damage(copy)`` is applied to the copy before it is returned; several copies per test are fine.
+    """
+    count = 0
+
+    def copy(model_dir: Path, damage: Callable[[Path], object] | None = None) -> Path:
+        nonlocal count
+        count += 1
+        target = tmp_path / f"copy-{count}" / model_dir.name
+        shutil.copytree(model_dir, target)
+        if damage is not None:
+            damage(target)
+        return target
+
+    return copy

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from marlin_pack import CheckpointError, MarlinPackError, OutputExistsError, UnsupportedCheckpointError, convert
-from marlin_pack.synthetic import PRESETS, write_gptq_checkpoint, write_unquantized_checkpoint
+from marlin_pack.testing.synthetic import PRESETS, write_gptq_checkpoint, write_unquantized_checkpoint
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:

@@ -36,7 +36,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from marlin_pack.errors import BundleError, MarlinPackError
-from marlin_pack.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
+from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()

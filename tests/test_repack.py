@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marlin_pack import repack
+from marlin_pack.marlin import repack
 
 mu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils")
 mut = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils_test")

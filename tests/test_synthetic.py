@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from marlin_pack.synthetic import (
+from marlin_pack.testing.synthetic import (
     PRESETS,
     ModelShape,
     write_awq_checkpoint,
@@ -228,7 +228,7 @@ def test_transformers_loads_and_forward_is_finite_in_fp16(tmp_path: Path, preset
 
 _PEAK_SCRIPT = """
 import resource, sys, torch
-from marlin_pack.synthetic import ModelShape, write_gptq_checkpoint
+from marlin_pack.testing.synthetic import ModelShape, write_gptq_checkpoint
 shape = ModelShape(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
                    num_key_value_heads=4, vocab_size=4096)
 write_gptq_checkpoint(sys.argv[1] + "/warm", ModelShape(), tokenizer=False)  # load lazy code paths first

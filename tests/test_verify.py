@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from marlin_pack import convert, verify
-from marlin_pack.hashing import sha256_file
+from marlin_pack.io.hashing import sha256_file
 
 
 @pytest.fixture
@@ -52,13 +52,30 @@ def test_tampered_tensor_with_updated_hash_fails_round_trip(bundle: Path) -> Non
     tensors = load_file(path)
     name = "model.layers.1.mlp.down_proj.qweight"
     tensors[name][0, 0] ^= 0x10
-    save_file(tensors, path, metadata={"format": "marlin-pack"})
+    save_file(tensors, path, metadata=RANK_0_OF_1)
+    _rehash(bundle, path)
+    name_, detail = _failure(bundle)
+    assert name_ == "round-trip" and "down_proj (tp 1 rank 0): integer codes differ" in detail
+
+
+def test_rank_file_of_another_rank_fails_tensors(bundle: Path) -> None:
+    # Rank files say which rank of which TP size they are: a file of another rank is refused.
+    path = bundle / "tp1" / "rank-0.safetensors"
+    save_file(load_file(path), path, metadata={**RANK_0_OF_1, "tp_size": "2", "rank": "1"})
+    _rehash(bundle, path)
+    name, detail = _failure(bundle)
+    assert name == "tensors" and "has metadata" in detail and "'rank': '0'" in detail
+
+
+RANK_0_OF_1 = {"format": "marlin-pack", "format_version": "1", "tp_size": "1", "rank": "0"}
+
+
+def _rehash(bundle: Path, path: Path) -> None:
+    """Record a rewritten rank file's new size and hash in the manifest (as an attacker would)."""
     m = json.loads((bundle / "manifest.json").read_text())
     entry = m["tensor_parallel"][0]["ranks"][0]["file"]
     entry["size"], entry["sha256"] = path.stat().st_size, sha256_file(path)
     (bundle / "manifest.json").write_text(json.dumps(m))
-    name_, detail = _failure(bundle)
-    assert name_ == "round-trip" and "down_proj (tp 1 rank 0): integer codes differ" in detail
 
 
 def test_changed_source_fails(bundle: Path) -> None:

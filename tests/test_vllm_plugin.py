@@ -22,7 +22,7 @@ import marlin_pack
 from marlin_pack._constants import LOAD_FORMAT
 from marlin_pack.bundle import read_manifest
 from marlin_pack.errors import BundleError, BundleMismatchError
-from marlin_pack.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
+from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
 from marlin_pack.vllm_plugin.checks import (
     EngineFacts,
     LayerFacts,

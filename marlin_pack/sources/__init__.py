@@ -1,13 +1,17 @@
-"""Source checkpoint formats: one module per format, chosen from ``quantization_config``."""
+"""Reading source checkpoints: the directory (``checkpoint.py``) and one module per quantization format.
+
+The format is chosen from ``quantization_config`` by :func:`source_from_quant_config`.
+"""
 
 from __future__ import annotations
 
 from marlin_pack.errors import UnsupportedCheckpointError
 from marlin_pack.sources.awq import AwqGemmSource
 from marlin_pack.sources.base import ModuleTensors, QuantSource
+from marlin_pack.sources.checkpoint import Checkpoint
 from marlin_pack.sources.gptq import GptqV1Source
 
-__all__ = ["AwqGemmSource", "GptqV1Source", "ModuleTensors", "QuantSource", "source_from_quant_config"]
+__all__ = ["Checkpoint", "AwqGemmSource", "GptqV1Source", "ModuleTensors", "QuantSource", "source_from_quant_config"]
 
 
 def source_from_quant_config(qc: dict | None) -> QuantSource:

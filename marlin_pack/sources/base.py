@@ -7,12 +7,10 @@ from typing import Protocol
 
 import torch
 
-from marlin_pack.checkpoint import Checkpoint
 from marlin_pack.schemas import QuantScheme, SourceFormat
+from marlin_pack.sources.checkpoint import Checkpoint
 
-__all__ = ["ModuleTensors", "QuantSource", "SUPPORTED_GROUP_SIZES"]
-
-SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+__all__ = ["ModuleTensors", "QuantSource"]
 
 
 @dataclass

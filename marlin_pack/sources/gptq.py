@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from marlin_pack.checkpoint import Checkpoint
 from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
-from marlin_pack.repack import unpack_gptq_qweight
+from marlin_pack.marlin.repack import unpack_gptq_qweight
 from marlin_pack.schemas import QuantScheme, SourceFormat, WeightType
-from marlin_pack.sources._checks import check_group_size, expect, expect_scales, num_groups
 from marlin_pack.sources.base import ModuleTensors
+from marlin_pack.sources.checkpoint import Checkpoint
+from marlin_pack.sources.expect import check_group_size, expect, expect_scales, num_groups
 
 __all__ = ["GptqV1Source"]
 

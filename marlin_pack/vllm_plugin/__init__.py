@@ -1,4 +1,4 @@
-"""vLLM plugin: the ``marlin_prepacked`` load format.
+"""vLLM plugin: the ``marlin_prepacked`` load format, and weight-cache support for Marlin layers.
 
 Installed with the package as the ``vllm.general_plugins`` entry point
 ``marlin_pack = marlin_pack.vllm_plugin:register``, so every vLLM process (API server,
@@ -9,6 +9,11 @@ Usage::
 
     marlin-pack convert MODEL_DIR              # writes MODEL_DIR/marlin-pack
     vllm serve MODEL_DIR --load-format marlin_prepacked
+
+Modules: ``loader`` (the model loader), ``options`` (its extra config), ``decision`` (pure
+checks over plain facts), ``engine`` (every read of vLLM internals), ``gpu_reader`` (bundle
+bytes to the GPU), ``patches/`` (the registry of vLLM patches), ``launcher``
+(``marlin-pack daemon``).
 """
 
 from __future__ import annotations
@@ -17,17 +22,18 @@ import logging
 
 from marlin_pack._constants import LOAD_FORMAT
 
-__all__ = ["register", "LOAD_FORMAT"]
+__all__ = ["register", "is_registered", "LOAD_FORMAT"]
 
 _REGISTERED = False
 
 
 def register() -> None:
-    """Register the ``marlin_prepacked`` model loader with vLLM and install the prepacked-layer patch.
+    """Install marlin-pack's vLLM patches and register the ``marlin_prepacked`` model loader.
 
-    Cheap and idempotent: vLLM may call it in every process, and more than once. It
-    never raises (vLLM does not guard plugin functions); a failure is logged and the
-    load format stays unregistered, so only engines asking for it are affected.
+    Cheap and idempotent: vLLM may call it in every process, and more than once. It never
+    raises (vLLM does not guard plugin functions): a failure is logged and the load format
+    stays unregistered, so only engines asking for it are affected. On a vLLM other than
+    the targeted release it logs once and registers nothing.
 
     Example:
         >>> from marlin_pack.vllm_plugin import register
@@ -41,24 +47,21 @@ def register() -> None:
     if _REGISTERED:
         return
     try:
+        from marlin_pack.vllm_plugin import patches
+
+        if not patches.install():
+            return
         from vllm.model_executor.model_loader import register_model_loader
 
         from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
-        from marlin_pack.vllm_plugin.prepacked import install_patches
 
-        install_patches()
         register_model_loader(LOAD_FORMAT)(MarlinPrepackedLoader)
     except Exception:
-        logging.getLogger("vllm.marlin_pack").exception(
-            "marlin-pack: could not register the %s load format", LOAD_FORMAT
-        )
+        logging.getLogger("vllm.marlin_pack").exception("marlin-pack: could not register the %s load format", LOAD_FORMAT)
         return
     _REGISTERED = True
-    try:  # the weight cache (vllm preload / ipc_cache); a failure here leaves the load format usable
-        from marlin_pack.vllm_plugin.ipc import install as install_ipc
 
-        install_ipc()
-    except Exception:
-        logging.getLogger("vllm.marlin_pack").exception(
-            "marlin-pack: could not install weight-cache (vllm preload / ipc_cache) support"
-        )
+
+def is_registered() -> bool:
+    """Whether :func:`register` succeeded in this process."""
+    return _REGISTERED

@@ -11,17 +11,16 @@ Three steps, usable separately (the weight-cache daemon calls the first two itse
     Marlin, and vLLM's compile-cache hashes must not collide with a Machete run.
 ``load_weights``
     Replaces each quantized layer's placeholder tensors with the rank file's tensors
-    (new device tensors bound to the same Parameter objects, GPTQ ``qzeros`` replaced
-    by the empty ``int32[0]`` placeholder, ``input_global_scale = None``), marks the
-    layers prepacked (see :mod:`.prepacked`), and feeds ``common.safetensors`` through
+    (new device tensors bound to the same Parameter objects), marks the
+    layers prepacked (see :mod:`.patches.post_processing`), and feeds ``common.safetensors`` through
     the model's own ``load_weights`` (sharding, stacking, tied embeddings).
 ``load_model``
-    The engine path: both steps, vLLM's ``process_weights_after_loading`` (a no-op for
-    the marked layers), timings in one INFO line.
+    The engine path: both steps, vLLM's ``process_weights_after_loading`` (for the marked
+    layers only ``engine.finish_marlin_layer``), timings in one INFO line.
 
 With ``{"fallback": true}`` a bundle that does not fit is reported with a warning and the
 checkpoint is loaded by vLLM's ``DefaultModelLoader``; without it the load stops with a
-:class:`~marlin_pack.vllm_plugin.checks.LoadRefusedError` naming the field.
+:class:`~marlin_pack.errors.LoadRefusedError` naming the field.
 """
 
 from __future__ import annotations
@@ -33,10 +32,9 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-import vllm
-import vllm.envs as envs
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
@@ -47,110 +45,27 @@ from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
-from marlin_pack.errors import BundleError
-from marlin_pack.layout import tensor_specs
-from marlin_pack.vllm_plugin.checks import (
-    TORCH_DTYPES,
-    BundlePlan,
-    Decision,
-    EngineFacts,
-    LayerFacts,
-    check_layers,
-    check_rank_header,
-    decide,
-    parse_extra_config,
-    refusal,
-)
-from marlin_pack.vllm_plugin.prepacked import install_patches, is_patched, is_prepacked, mark_prepacked
-from marlin_pack.vllm_plugin.reader import CopyItem, ParallelReader, SafetensorsHeader, read_header
+from marlin_pack.bundle.rank_files import check_rank_header
+from marlin_pack.errors import BundleError, MismatchField
+from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
+from marlin_pack.marlin.rank_tensors import tensor_specs
+from marlin_pack.schemas import torch_dtype
+from marlin_pack.vllm_plugin import patches
+from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, check_layers, decide, refusal
+from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, layer_facts, quantized_layers
+from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
+from marlin_pack.vllm_plugin.options import parse_extra_config
+from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 
-__all__ = ["MarlinPrepackedLoader", "engine_facts", "force_marlin", "layer_facts", "quantized_layers"]
+__all__ = ["MarlinPrepackedLoader"]
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
 logger = init_logger("vllm.marlin_pack")
 
 
-def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFacts:
-    """What the bundle must fit, read from vLLM (this worker's TP rank once distributed is up)."""
-    from vllm.distributed import parallel_state as ps
-
-    parallel = vllm_config.parallel_config
-    if ps.model_parallel_is_initialized():
-        tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    else:
-        tp_size, tp_rank = parallel.tensor_parallel_size, 0
-    kc = vllm_config.kernel_config
-    return EngineFacts(
-        model=str(model_config.model),
-        vllm_version=vllm.__version__.split("+")[0],
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        pp_size=parallel.pipeline_parallel_size,
-        dtype=str(model_config.dtype).removeprefix("torch."),
-        quantization=model_config.quantization,
-        marlin_input_dtype=envs.VLLM_MARLIN_INPUT_DTYPE,
-        batch_invariant=bool(envs.VLLM_BATCH_INVARIANT),
-        disabled_kernels=tuple(envs.VLLM_DISABLED_KERNELS or ()),
-        linear_backend=str(kc.linear_backend),
-        linear_backend_per_quant=dict(kc.linear_backend_per_quant or {}) or None,
-    )
-
-
-def force_marlin(kernel_config: object) -> None:
-    """Make vLLM choose MarlinLinearKernel for mixed-precision (AWQ/GPTQ) layers.
-
-    Same effect as ``--kernel-config '{"linear_backend_per_quant": {"mixed_precision": "marlin"}}'``:
-    ``choose_mp_linear_kernel`` reads it from the current vLLM config, and it leaves the
-    other layer types' backend choice alone.
-    """
-    per_quant = getattr(kernel_config, "linear_backend_per_quant", None) or {}
-    kernel_config.linear_backend_per_quant = {**per_quant, "mixed_precision": "marlin"}  # type: ignore[attr-defined]
-
-
-def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules with a quantization method that is not an unquantized or KV-cache one."""
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
-
-    found = {}
-    for name, module in model.named_modules():
-        qm = getattr(module, "quant_method", None)
-        if not isinstance(qm, QuantizeMethodBase) or isinstance(qm, BaseKVCacheMethod):
-            continue
-        if type(qm).__name__.startswith("Unquantized"):
-            continue
-        found[name] = module
-    return found
-
-
-def layer_facts(module: nn.Module) -> LayerFacts:
-    """The kernel configuration vLLM chose for one quantized layer."""
-    from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_padded_nk
-
-    qm = module.quant_method
-    kernel = getattr(qm, "kernel", None)
-    c = getattr(kernel, "config", None)
-    has_bias = getattr(module, "bias", None) is not None
-    if c is None:
-        return LayerFacts(method=type(qm).__name__, has_bias=has_bias, skips_when_marked=is_patched(qm))
-    size_k, size_n = c.partition_weight_shape
-    return LayerFacts(
-        method=type(qm).__name__,
-        kernel=type(kernel).__name__,
-        partition_shape=(int(size_k), int(size_n)),
-        padded_nk=tuple(marlin_padded_nk(size_n, size_k, c.group_size)),
-        group_size=int(c.group_size),
-        weight_type=str(c.weight_type),
-        act_dtype=str(c.act_type).removeprefix("torch."),
-        zero_points=bool(c.zero_points),
-        has_bias=has_bias,
-        skips_when_marked=is_patched(qm),
-    )
-
-
 @dataclass
 class _ModelState:
-    plan: BundlePlan | None  # None: loaded the ordinary way
+    bundle: SelectedBundle | None  # None: loaded the ordinary way
     layers: dict[str, nn.Module] = field(default_factory=dict)
 
 
@@ -163,23 +78,30 @@ class _Timings:
     common: float = 0.0
     post: float = 0.0
 
-    def line(self, plan: BundlePlan, layers: int) -> str:
+    def line(self, bundle: SelectedBundle, layers: int) -> str:
         rate = self.copy_bytes / self.copy / 1e9 if self.copy > 0 else 0.0
         total = self.validate + self.create + self.copy + self.common + self.post
         return (
             f"marlin-pack: validate {self.validate:.2f} s, create {self.create:.2f} s, "
             f"read+copy {self.copy:.2f} s ({self.copy_bytes / 1e9:.2f} GB, {rate:.1f} GB/s), "
             f"load common {self.common:.2f} s, post-process {self.post:.2f} s, total {total:.2f} s "
-            f"({layers} prepacked layers, tp {plan.tp_set.tp_size} rank {plan.rank}, "
-            f"bundle {plan.bundle_dir})"
+            f"({layers} prepacked layers, tp {bundle.tp_set.tp_size} rank {bundle.rank}, "
+            f"bundle {bundle.bundle_dir})"
         )
+
+
+def _read_bundle_header(path: Path) -> SafetensorsHeader:
+    try:
+        return read_header(path)
+    except (SafetensorsFormatError, OSError) as e:
+        raise BundleError(f"cannot read the safetensors header of {path}: {e}") from e
 
 
 class MarlinPrepackedLoader(BaseModelLoader):
     """Serve an AWQ/GPTQ checkpoint from its marlin-pack bundle (no repack at start).
 
     Extra config (``--model-loader-extra-config``): ``bundle``, ``fallback``, ``verify``,
-    ``io_threads``, ``chunk_mb``; see :class:`~marlin_pack.vllm_plugin.checks.LoaderOptions`.
+    ``io_threads``, ``chunk_mb``; see :class:`~marlin_pack.vllm_plugin.options.LoaderOptions`.
     """
 
     def __init__(self, load_config: LoadConfig) -> None:
@@ -227,33 +149,34 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """Build the model with Marlin forced for mixed-precision layers and check its layers."""
-        install_patches()
+        patches.install()
         if self._is_draft(vllm_config, model_config):
             logger.info("marlin-pack: loading the draft model %s the ordinary way", model_config.model)
             model = super().create_model(vllm_config, model_config, prefix)
             self._models[model] = _ModelState(None)
             return model
         decision = self._decide(vllm_config, model_config)
-        if decision.plan is None:
+        if decision.bundle is None:
             model = super().create_model(vllm_config, model_config, prefix)
             self._models[model] = _ModelState(None)
             return model
-        plan = decision.plan
+        bundle = decision.bundle
         t0 = time.perf_counter()
         force_marlin(vllm_config.kernel_config)
         model = super().create_model(vllm_config, model_config, prefix)
         layers = quantized_layers(model)
         try:
-            check_layers(plan.manifest, plan.tp_set, {name: layer_facts(m) for name, m in layers.items()})
+            facts = {name: layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in layers.items()}
+            check_layers(bundle.manifest, bundle.tp_set, facts)
         except BundleError as e:
-            reason, fld = str(e), getattr(e, "field", None) or "layers"
+            reason, fld = str(e), getattr(e, "field", None) or MismatchField.layers
             if not self.options.fallback:
-                raise refusal(fld, reason, str(model_config.model), plan.bundle_dir) from e
+                raise refusal(fld, reason, str(model_config.model), bundle.bundle_dir) from e
             # The model vLLM built is valid for ordinary loading (Marlin stays forced).
             logger.warning(
                 "marlin-pack: not using the bundle %s ([%s] %s); loading the checkpoint the ordinary way "
                 "because fallback is on",
-                plan.bundle_dir,
+                bundle.bundle_dir,
                 fld,
                 reason,
             )
@@ -267,7 +190,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             KERNEL_NAME,
             LOAD_FORMAT,
         )
-        self._models[model] = _ModelState(plan, layers)
+        self._models[model] = _ModelState(bundle, layers)
         return model
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
@@ -277,23 +200,21 @@ class MarlinPrepackedLoader(BaseModelLoader):
             raise RuntimeError(
                 f"the {LOAD_FORMAT} loader can only load weights into a model built by its own create_model"
             )
-        if state.plan is None:
+        if state.bundle is None:
             self._default_loader().load_weights(model, model_config)
             return
-        plan = state.plan
+        bundle = state.bundle
         with ParallelReader(self.options.io_threads, self.options.chunk_mb << 20) as reader:
             t0 = time.perf_counter()
-            header = read_header(plan.rank_file)
-            check_rank_header(
-                plan, {n: (i.dtype, i.shape) for n, i in header.tensors.items()}, header.metadata
-            )
+            header = _read_bundle_header(bundle.rank_file)
+            check_rank_header(bundle.manifest, bundle.tp_set, bundle.rank, header)
             items = self._place(state, header)
-            self._timings.copy_bytes = reader.copy(plan.rank_file, items)
+            self._timings.copy_bytes = reader.copy(bundle.rank_file, items)
             for layer in state.layers.values():
                 mark_prepacked(layer)
             t1 = time.perf_counter()
             device = next(iter(state.layers.values())).qweight.device
-            model.load_weights(self._common_weights(reader, plan, device))
+            model.load_weights(self._common_weights(reader, bundle, device))
             t2 = time.perf_counter()
         self._timings.copy, self._timings.common = t1 - t0, t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
@@ -301,20 +222,20 @@ class MarlinPrepackedLoader(BaseModelLoader):
             "marlin-pack: placed %d tensors (%.2f GB) from %s for tp %d rank %d",
             len(items),
             self._timings.copy_bytes / 1e9,
-            plan.rank_file,
-            plan.tp_set.tp_size,
-            plan.rank,
+            bundle.rank_file,
+            bundle.tp_set.tp_size,
+            bundle.rank,
         )
 
     def _place(self, state: _ModelState, header: SafetensorsHeader) -> list[CopyItem]:
         """Bind new device tensors of the bundle's shapes to the layers' parameters."""
-        plan = state.plan
-        assert plan is not None
-        dtype = TORCH_DTYPES[plan.manifest.serving_dtype.value]
+        bundle = state.bundle
+        assert bundle is not None
+        dtype = torch_dtype(bundle.manifest.serving_dtype)
         items: list[CopyItem] = []
-        for entry in plan.tp_set.layers:
+        for entry in bundle.tp_set.layers:
             layer = state.layers[entry.name]
-            for name, tdtype, shape in tensor_specs(entry, plan.manifest.quant, dtype):
+            for name, tdtype, shape in tensor_specs(entry, bundle.manifest.quant, dtype):
                 param = getattr(layer, name.rsplit(".", 1)[1])
                 if not isinstance(param, nn.Parameter) or param.dtype != tdtype:
                     raise BundleError(
@@ -331,35 +252,26 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     param.data = torch.empty(shape, dtype=tdtype, device=param.device)
                 info = header.tensors[name]
                 items.append(CopyItem(info.start, info.nbytes, param.data))
-            if not plan.manifest.quant.zero_points:
-                # What MarlinLinearKernel does for GPTQ: marlin_make_empty(device).
-                device = layer.qweight.device
-                layer.qzeros = nn.Parameter(
-                    torch.empty(0, dtype=torch.int, device=device), requires_grad=False
-                )
-            layer.input_global_scale = None
         return items
 
     @staticmethod
     def _common_weights(
-        reader: ParallelReader, plan: BundlePlan, device: torch.device
+        reader: ParallelReader, bundle: SelectedBundle, device: torch.device
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``common.safetensors`` in file order: via GPU staging at TP=1, else as CPU tensors."""
-        header = read_header(plan.common_file)
+        header = _read_bundle_header(bundle.common_file)
         ordered = sorted(header.tensors.items(), key=lambda kv: kv[1].start)
-        if device.type == "cuda" and plan.tp_set.tp_size == 1:
+        if device.type == "cuda" and bundle.tp_set.tp_size == 1:
             # Whole tensors are used at TP=1, so read them straight to the GPU (pinned, threaded).
             for name, info in ordered:
-                if info.torch_dtype is None:
-                    raise BundleError(f"{plan.common_file}: tensor {name} has unsupported dtype {info.dtype}")
                 t = torch.empty(info.shape, dtype=info.torch_dtype, device=device)
-                reader.copy(plan.common_file, [CopyItem(info.start, info.nbytes, t)])
+                reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t)])
                 yield name, t
             return
         # At TP > 1 each rank copies only its shard: let vLLM's weight loaders narrow CPU tensors.
         from safetensors import safe_open
 
-        with safe_open(str(plan.common_file), framework="pt") as f:
+        with safe_open(str(bundle.common_file), framework="pt") as f:
             for name, _ in ordered:
                 yield name, f.get_tensor(name)
 
@@ -391,6 +303,6 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 )
             gc.collect()
             torch.accelerator.empty_cache()
-        if state.plan is not None:
-            logger.info(self._timings.line(state.plan, len(state.layers)))
+        if state.bundle is not None:
+            logger.info(self._timings.line(state.bundle, len(state.layers)))
         return model.eval()

@@ -457,7 +457,7 @@ def check_logprobs_close(o0: list[dict], o1: list[dict], n0: str, n1: str) -> No
 
 def _write(name: str, out: Path, preset: str | None = None) -> Path:
     import marlin_pack
-    from marlin_pack.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
+    from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
 
     fmt, default_preset, bits, group = MODELS.get(name, ("awq", preset, 4, 128))
     shape = PRESETS[preset or default_preset]

@@ -186,7 +186,7 @@ def assert_params_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
 
 
 def _write(kind: str, out: Path) -> Path:
-    from marlin_pack.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
+    from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
 
     if kind == "awq4":
         return write_awq_checkpoint(out, PRESETS["tiny"])

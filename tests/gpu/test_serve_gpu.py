@@ -80,7 +80,7 @@ def _complete(port: int, prompt: str) -> dict:
 
 def test_serve_prepacked_matches_ordinary(tmp_path: Path) -> None:
     from marlin_pack import convert
-    from marlin_pack.synthetic import PRESETS, write_awq_checkpoint
+    from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint
 
     model = write_awq_checkpoint(tmp_path / "tiny-awq", PRESETS["tiny"])
     convert(model, tp_sizes=(1,), dtype="float16")

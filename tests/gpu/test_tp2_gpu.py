@@ -55,7 +55,7 @@ DAEMON_KINDS = ["awq4-kv1", "gptq4"]
 def _write(kind: str, out: Path) -> Path:
     """A tiny checkpoint of ``kind`` with bundles for TP 1 and 2."""
     from marlin_pack import convert
-    from marlin_pack.synthetic import PRESETS, ModelShape, write_awq_checkpoint, write_gptq_checkpoint
+    from marlin_pack.testing.synthetic import PRESETS, ModelShape, write_awq_checkpoint, write_gptq_checkpoint
 
     tiny = PRESETS["tiny"]
     if kind == "awq4":

@@ -1,4 +1,4 @@
-"""``marlin-pack daemon``: vLLM's weight-cache daemon (``vllm preload``) filled from a bundle.
+"""The ``marlin-pack daemon`` launcher: vLLM's weight-cache daemon (``vllm preload``) filled from a bundle.
 
 ``marlin-pack daemon MODEL_DIR [vllm preload flags...]`` runs ``vllm preload --model
 MODEL_DIR --load-format marlin_prepacked [flags...]`` in this process, after registering
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from marlin_pack._constants import BUNDLE_DIRNAME, LOAD_FORMAT, MANIFEST_NAME
+from marlin_pack._constants import BUNDLE_DIRNAME, LOAD_FORMAT, MANIFEST_NAME, TARGET_VLLM_VERSION
 from marlin_pack.errors import BundleError, MarlinPackError
 
 __all__ = ["preload_argv", "run"]
@@ -109,17 +109,18 @@ def run(argv: Sequence[str]) -> None:
         MarlinPackError: marlin-pack could not register itself with vLLM, or vLLM raised
             (e.g. on a bad flag); the original exception is chained.
     """
-    import marlin_pack.vllm_plugin as plugin
-    from marlin_pack.vllm_plugin import ipc
+    import importlib
 
-    plugin.register()
-    if not plugin._REGISTERED:
+    from marlin_pack.vllm_plugin import is_registered, register
+    from marlin_pack.vllm_plugin.patches.weight_cache import DAEMON_MODULE
+
+    register()
+    if not is_registered():
         raise MarlinPackError(
             f"could not register the {LOAD_FORMAT} load format with vLLM (see the log above); "
-            "is vLLM 0.33.0 installed?"
+            f"is vLLM {TARGET_VLLM_VERSION} installed?"
         )
-    ipc.install()
-    ipc.patch_daemon_module()  # vllm preload imports it later; patch it now, whatever the hook does
+    importlib.import_module(DAEMON_MODULE)  # vllm preload imports it later; the registry patches it on import
 
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -1,4 +1,4 @@
-"""SHA-256 of files and safetensors headers, and the local stamp cache.
+"""SHA-256 of files and bytes, and the local stamp cache.
 
 Hashing a 40 GB checkpoint at every engine start would cost more than the start
 itself, so a full hash is remembered as a *stamp*: ``(size, mtime_ns)`` of a file
@@ -11,17 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-__all__ = ["sha256_file", "sha256_files", "safetensors_header_bytes", "sha256_bytes", "StampCache"]
+__all__ = ["sha256_file", "sha256_bytes", "StampCache"]
 
 _CHUNK = 8 << 20
 
 
 def sha256_bytes(data: bytes) -> str:
+    """Hex SHA-256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -34,29 +32,6 @@ def sha256_file(path: Path) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
-
-
-def sha256_files(paths: Iterable[Path], workers: int | None = None) -> list[str]:
-    """Hash several files in parallel threads (hashlib releases the GIL)."""
-    paths = list(paths)
-    workers = workers or min(8, max(1, os.cpu_count() or 1), max(1, len(paths)))
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(sha256_file, paths))
-
-
-def safetensors_header_bytes(path: Path) -> bytes:
-    """The length prefix plus JSON header of a safetensors file (no tensor data)."""
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise ValueError("file is shorter than a safetensors length prefix")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > 100 << 20:
-            raise ValueError(f"header length {n} is implausible")
-        header = f.read(n)
-        if len(header) != n:
-            raise ValueError("file ends inside its safetensors header")
-    return prefix + header
 
 
 class StampCache:

@@ -8,12 +8,30 @@ each rank, and where ``MarlinLinearKernel`` refuses a shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from marlin_pack.errors import UnsupportedCheckpointError
-from marlin_pack.repack import padded_nk
+from marlin_pack.marlin.repack import padded_nk
 from marlin_pack.schemas import LayerEntry, LayerKind, LayerPart
 
-__all__ = ["ModelDims", "PartSpec", "LayerSpec", "RankSlice", "model_dims", "layer_specs", "rank_slices", "layer_entry"]
+if TYPE_CHECKING:
+    import torch
+
+    from marlin_pack.sources.base import ModuleTensors
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelDims",
+    "PartSpec",
+    "LayerSpec",
+    "RankSlice",
+    "model_dims",
+    "layer_specs",
+    "kv_replicas",
+    "rank_slices",
+    "fuse_rank_slices",
+    "layer_entry",
+]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -21,6 +39,8 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_interm
 
 @dataclass(frozen=True)
 class ModelDims:
+    """The dimensions of a dense decoder that decide its layers' shapes, from ``config.json``."""
+
     architecture: str
     model_type: str
     hidden_size: int
@@ -184,3 +204,24 @@ def layer_entry(spec: LayerSpec, d: ModelDims, tp: int, group_size: int, awq: bo
         kv_replicas=kv_replicas(d, tp) if spec.kind is LayerKind.qkv else 1,
         has_bias=has_bias,
     )
+
+
+FusedSlices = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None", "torch.Tensor | None"]
+
+
+def fuse_rank_slices(slices: list[RankSlice], parts: dict[str, ModuleTensors], group_size: int) -> FusedSlices:
+    """One rank's ``(codes, scales, zeros, bias)`` of a fused layer: its slices concatenated along N."""
+    import torch
+
+    def rows(t: torch.Tensor, s: RankSlice) -> torch.Tensor:  # scale/zero rows of a K slice
+        return t if group_size == -1 else t[s.k0 // group_size : (s.k0 + s.k) // group_size]
+
+    codes = torch.cat([parts[s.part.name].codes[s.k0 : s.k0 + s.k, s.n0 : s.n0 + s.n] for s in slices], 1)
+    scales = torch.cat([rows(parts[s.part.name].scales, s)[:, s.n0 : s.n0 + s.n] for s in slices], 1)
+    zeros = None
+    if parts[slices[0].part.name].zeros is not None:
+        zeros = torch.cat([rows(parts[s.part.name].zeros, s)[:, s.n0 : s.n0 + s.n] for s in slices], 1)  # type: ignore[arg-type]
+    bias = None
+    if parts[slices[0].part.name].bias is not None:
+        bias = torch.cat([parts[s.part.name].bias[s.n0 : s.n0 + s.n] for s in slices])  # type: ignore[index]
+    return codes, scales, zeros, bias

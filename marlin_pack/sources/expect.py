@@ -1,20 +1,24 @@
-"""Shape and dtype checks shared by the source readers."""
+"""What a source reader expects of a checkpoint tensor (dtype, shape) and of its quantization settings."""
 
 from __future__ import annotations
 
 import torch
 
-from marlin_pack.checkpoint import Checkpoint
+from marlin_pack._constants import SUPPORTED_GROUP_SIZES
 from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
+from marlin_pack.sources.checkpoint import Checkpoint
+
+__all__ = ["expect", "expect_scales", "check_group_size", "num_groups"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def expect(ckpt: Checkpoint, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+    """Refuse a tensor whose header dtype or shape is not what the config implies."""
     info = ckpt.info(name)
-    if info.dtype not in dtypes:
+    if info.torch_dtype not in dtypes:
         raise CheckpointError(
-            f"tensor {name} is {str(info.dtype).removeprefix('torch.')}, expected "
+            f"tensor {name} is {str(info.torch_dtype).removeprefix('torch.')}, expected "
             f"{' or '.join(str(d).removeprefix('torch.') for d in dtypes)}; the checkpoint does not match its quantization_config"
         )
     if info.shape != shape:
@@ -25,18 +29,22 @@ def expect(ckpt: Checkpoint, name: str, shape: tuple[int, ...], dtypes: tuple[to
 
 
 def expect_scales(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> None:
+    """Scales are stored as 16- or 32-bit floats."""
     expect(ckpt, name, shape, _FLOATS)
 
 
 def check_group_size(group_size: object, where: str) -> int:
-    if group_size not in (-1, 32, 64, 128):
+    """The group size, if Marlin takes it; else a one-line refusal naming the accepted ones."""
+    if isinstance(group_size, bool) or group_size not in SUPPORTED_GROUP_SIZES:
+        accepted = ", ".join(map(str, SUPPORTED_GROUP_SIZES))
         raise UnsupportedCheckpointError(
-            f"{where} group_size is {group_size!r}, expected one of -1, 32, 64, 128 (Marlin's group sizes in vLLM 0.33.0)"
+            f"{where} group_size is {group_size!r}, expected one of {accepted} (Marlin's group sizes in vLLM 0.33.0)"
         )
     return int(group_size)  # type: ignore[call-overload]
 
 
 def num_groups(size_k: int, group_size: int, name: str) -> int:
+    """Scale rows of a module with ``size_k`` input features."""
     if group_size == -1:
         return 1
     if size_k % group_size:

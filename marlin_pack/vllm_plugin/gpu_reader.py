@@ -1,4 +1,4 @@
-"""Fast reads of safetensors byte ranges straight into (GPU) tensors.
+"""Fast reads of file byte ranges (bundle tensors) straight into GPU tensors.
 
 :class:`ParallelReader` splits the requested byte ranges into chunks and hands them to
 a few threads. Each thread ``preadv``s a chunk from the page cache into one of its two
@@ -13,7 +13,6 @@ memory held while loading is ``io_threads * 2 * chunk_mb`` MiB.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -23,74 +22,9 @@ from pathlib import Path
 
 import torch
 
-from marlin_pack.checkpoint import SAFETENSORS_DTYPES
 from marlin_pack.errors import BundleError
-from marlin_pack.hashing import safetensors_header_bytes
 
-__all__ = ["TensorInfo", "SafetensorsHeader", "read_header", "CopyItem", "ParallelReader"]
-
-ST_DTYPES = SAFETENSORS_DTYPES  # one table for the whole package
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a safetensors file; ``start``/``end`` are absolute file offsets."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-    @property
-    def torch_dtype(self) -> torch.dtype | None:
-        return ST_DTYPES.get(self.dtype)
-
-
-@dataclass(frozen=True)
-class SafetensorsHeader:
-    path: Path
-    tensors: dict[str, TensorInfo]
-    metadata: dict[str, str]
-
-
-def read_header(path: Path) -> SafetensorsHeader:
-    """Parse and bounds-check a safetensors header (the data is not read).
-
-    Raises:
-        BundleError: unreadable, malformed, or offsets outside the file.
-    """
-    try:
-        raw = safetensors_header_bytes(path)
-        header = json.loads(raw[8:])
-        size = path.stat().st_size
-    except (OSError, ValueError) as e:
-        raise BundleError(f"cannot read the safetensors header of {path}: {e}") from None
-    if not isinstance(header, dict):
-        raise BundleError(f"{path}: safetensors header is not a JSON object")
-    base = len(raw)
-    metadata = header.pop("__metadata__", None) or {}
-    tensors: dict[str, TensorInfo] = {}
-    for name, spec in header.items():
-        try:
-            dtype, shape, (a, b) = spec["dtype"], tuple(int(x) for x in spec["shape"]), spec["data_offsets"]
-            itemsize = ST_DTYPES[dtype].itemsize if dtype in ST_DTYPES else None
-        except (KeyError, TypeError, ValueError):
-            raise BundleError(f"{path}: malformed header entry for tensor {name!r}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b and base + b <= size) or (
-            itemsize is not None and b - a != numel * itemsize
-        ):
-            raise BundleError(
-                f"{path}: tensor {name!r} has offsets {[a, b]} that do not fit its shape or the file"
-            )
-        tensors[name] = TensorInfo(dtype, shape, base + a, base + b)
-    return SafetensorsHeader(path, tensors, {str(k): str(v) for k, v in dict(metadata).items()})
+__all__ = ["CopyItem", "ParallelReader"]
 
 
 @dataclass(frozen=True)

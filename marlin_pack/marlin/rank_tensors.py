@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from marlin_pack.repack import (
+from marlin_pack.marlin.repack import (
     pack_marlin_weights,
     pack_marlin_zero_points,
     pad2d,
@@ -17,15 +17,13 @@ from marlin_pack.repack import (
 )
 from marlin_pack.schemas import LayerEntry, QuantScheme
 
-__all__ = ["SERVING_DTYPES", "tensor_specs", "build_rank_tensors", "decode_rank_tensors", "padded_groups"]
-
-# Serving dtype names of the manifest -> torch dtypes.
-SERVING_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+__all__ = ["TensorSpec", "tensor_specs", "build_rank_tensors", "decode_rank_tensors", "padded_groups"]
 
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
 
 
 def padded_groups(entry: LayerEntry, group_size: int) -> int:
+    """Scale rows of a layer after padding (1 when channelwise)."""
     return 1 if group_size == -1 else entry.padded_k // group_size
 
 

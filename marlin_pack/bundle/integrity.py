@@ -1,0 +1,124 @@
+"""Are the bundle's files, and the checkpoint it was made from, exactly what the manifest records?
+
+Sizes are always compared; SHA-256 is computed per ``full_hash`` (always, never, or only for
+files whose stamp in ``.stamps.json`` no longer matches, see :mod:`marlin_pack.io.hashing`).
+No vLLM, no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from marlin_pack._constants import STAMPS_NAME
+from marlin_pack.bundle.reader import resolve_file
+from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, MismatchField
+from marlin_pack.io.checkpoint_files import weight_files
+from marlin_pack.io.hashing import StampCache, sha256_bytes, sha256_file
+from marlin_pack.io.safetensors_io import read_header_bytes
+from marlin_pack.schemas import FileEntry, Manifest
+
+__all__ = ["check_files", "check_source", "source_stamp_key"]
+
+
+def source_stamp_key(file_name: str) -> str:
+    """The stamp-cache key of a source checkpoint file (bundle files use their own path)."""
+    return f"source:{file_name}"
+
+
+def check_files(
+    bundle_dir: Path,
+    manifest: Manifest,
+    entries: list[FileEntry] | None = None,
+    *,
+    full_hash: bool | None = None,
+) -> None:
+    """Check sizes and SHA-256 of bundle files.
+
+    Args:
+        entries: files to check (default: all of the manifest's).
+        full_hash: True hashes every file; False checks sizes only; None (default)
+            hashes only files whose stat differs from their last checked stamp.
+
+    Raises:
+        BundleError: a file is missing, has another size, or another hash.
+    """
+    stamps = StampCache(bundle_dir / STAMPS_NAME)
+    for entry in manifest.files() if entries is None else entries:
+        path = resolve_file(bundle_dir, entry)
+        if not path.is_file():
+            raise BundleError(f"bundle file {entry.path} is missing; re-run `marlin-pack convert --force`")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise BundleError(
+                f"bundle file {entry.path} is {size} bytes, manifest says {entry.size}: "
+                "truncated or replaced; re-run `marlin-pack convert --force`"
+            )
+        if full_hash is False or (full_hash is None and stamps.trusted(entry.path, path, entry.sha256)):
+            continue
+        digest = sha256_file(path)
+        if digest != entry.sha256:
+            raise BundleError(
+                f"bundle file {entry.path} has sha256 {digest[:16]}…, manifest says "
+                f"{entry.sha256[:16]}…: the file was modified; re-run `marlin-pack convert --force`"
+            )
+        stamps.record(entry.path, path, digest)
+    stamps.save()
+
+
+def check_source(
+    manifest: Manifest, model_dir: str | Path, bundle_dir: str | Path, *, full_hash: bool | None = None
+) -> None:
+    """Check that ``model_dir`` holds the checkpoint the bundle was made from.
+
+    Compares the set of ``*.safetensors`` files, their sizes and header digests, and (per
+    ``full_hash``, as in :func:`check_files`) their full SHA-256. Stamps of checked files
+    are kept in ``bundle_dir``.
+
+    Raises:
+        BundleMismatchError: with ``field`` ``source.files`` / ``source.size`` /
+            ``source.header`` / ``source.sha256``.
+    """
+    model_dir = Path(model_dir)
+    try:
+        found = weight_files(model_dir)
+    except CheckpointError as e:
+        raise BundleMismatchError(MismatchField.source_files, str(e)) from e
+    expected = sorted(f.name for f in manifest.source.files)
+    if found != expected:
+        raise BundleMismatchError(
+            MismatchField.source_files,
+            f"{model_dir} holds safetensors files {found}, the bundle was made from {expected}; "
+            "re-convert this checkpoint",
+        )
+    stamps = StampCache(Path(bundle_dir) / STAMPS_NAME)
+    for f in manifest.source.files:
+        path = model_dir / f.name
+        size = path.stat().st_size
+        if size != f.size:
+            raise BundleMismatchError(
+                MismatchField.source_size,
+                f"source file {f.name} is {size} bytes, the bundle was made from {f.size}; re-convert",
+            )
+        try:
+            header = sha256_bytes(read_header_bytes(path))
+        except (OSError, ValueError) as e:
+            raise BundleMismatchError(
+                MismatchField.source_header, f"source file {f.name} is unreadable ({e}); re-convert"
+            ) from e
+        if header != f.header_sha256:
+            raise BundleMismatchError(
+                MismatchField.source_header,
+                f"source file {f.name} has other tensors than when the bundle was made; re-convert",
+            )
+        key = source_stamp_key(f.name)
+        if full_hash is False or (full_hash is None and stamps.trusted(key, path, f.sha256)):
+            continue
+        digest = sha256_file(path)
+        if digest != f.sha256:
+            raise BundleMismatchError(
+                MismatchField.source_sha256,
+                f"source file {f.name} changed since the bundle was made (sha256 {digest[:16]}…, "
+                f"expected {f.sha256[:16]}…); re-run `marlin-pack convert --force`",
+            )
+        stamps.record(key, path, digest)
+    stamps.save()

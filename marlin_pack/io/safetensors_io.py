@@ -1,0 +1,274 @@
+"""safetensors files without loading them: one header parser, one dtype table, a streaming writer.
+
+Every safetensors file marlin-pack opens (checkpoint shards, rank files, the common file)
+goes through :func:`read_header`, which checks the header against the file before any
+tensor byte is read: size prefix, JSON, ``__metadata__`` (a map of strings), each tensor's
+dtype, shape and offsets (inside the data section, sized to the shape, not overlapping).
+Offsets are returned absolute (from the start of the file).
+
+:class:`StreamWriter` is the other direction: ``safetensors.torch.save_file`` needs every
+tensor in memory at once, and a 40 GB rank file cannot be built that way. The converter
+knows every output shape before it reads any data, so the header is written first and each
+tensor appended as soon as it is computed, hashed on the way out.
+
+Importing this module does not import torch (the CLI's ``inspect`` reads manifests only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "SafetensorsFormatError",
+    "TensorInfo",
+    "SafetensorsHeader",
+    "read_header_bytes",
+    "read_header",
+    "torch_dtype",
+    "dtype_code",
+    "StreamWriter",
+]
+
+# A header is JSON text naming each tensor once: 100 MiB is far above any real one.
+MAX_HEADER_BYTES = 100 << 20
+
+# safetensors dtype code -> (torch dtype attribute, bytes per element). The one table.
+_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+}
+
+
+class SafetensorsFormatError(ValueError):
+    """A file is not a well-formed safetensors file; the message names the file and the problem.
+
+    Callers wrap it in the error of their domain (checkpoint or bundle), adding what to do.
+    """
+
+
+def torch_dtype(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code (``"F16"`` -> ``torch.float16``)."""
+    import torch
+
+    return getattr(torch, _DTYPES[code][0])  # type: ignore[no-any-return]
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    """The safetensors dtype code of a torch dtype (``torch.float16`` -> ``"F16"``)."""
+    name = str(dtype).removeprefix("torch.")
+    for code, (attr, _) in _DTYPES.items():
+        if attr == name:
+            return code
+    raise ValueError(f"dtype {dtype} has no safetensors code")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file; ``start``/``end`` are absolute file offsets."""
+
+    name: str
+    file: str  # the file's name (not its path)
+    dtype: str  # safetensors dtype code
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed, bounds-checked header; ``raw`` is the length prefix plus the JSON text."""
+
+    path: Path
+    raw: bytes
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+
+
+def read_header_bytes(path: Path) -> bytes:
+    """The 8-byte length prefix plus the JSON header of a safetensors file (no tensor data).
+
+    Raises:
+        SafetensorsFormatError: too short, or an implausible or truncated header.
+        OSError: the file cannot be opened or read.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise SafetensorsFormatError(f"{path.name} is {size} bytes: too short for safetensors; the file is truncated")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise SafetensorsFormatError(
+                f"{path.name} declares a {n}-byte header in a {size}-byte file; the file is truncated or not safetensors"
+            )
+        header = f.read(n)
+        if len(header) != n:
+            raise SafetensorsFormatError(f"{path.name} ends inside its safetensors header; the file is truncated")
+    return prefix + header
+
+
+def _corrupt(path: Path, why: str = "") -> SafetensorsFormatError:
+    return SafetensorsFormatError(f"{path.name} has a corrupt safetensors header{why}")
+
+
+def read_header(path: Path) -> SafetensorsHeader:
+    """Parse and check a safetensors header against the file (the data is not read).
+
+    Raises:
+        SafetensorsFormatError: malformed JSON or metadata, an unknown dtype, a negative
+            dimension, offsets outside the data or not sized to the shape, overlapping tensors.
+        OSError: the file cannot be opened or read.
+    """
+    raw = read_header_bytes(path)
+    size = path.stat().st_size
+    try:
+        header = json.loads(raw[8:])
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise _corrupt(path) from e
+    if not isinstance(header, dict):
+        raise _corrupt(path)
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _corrupt(path, " (__metadata__ is not a map of strings)")
+    base, data_len = len(raw), size - len(raw)
+    tensors: dict[str, TensorInfo] = {}
+    for name, spec in header.items():
+        try:
+            dtype = spec["dtype"]
+            _, itemsize = _DTYPES[dtype]
+            shape = tuple(spec["shape"])
+            begin, end = spec["data_offsets"]
+            if not all(type(x) is int for x in (*shape, begin, end)) or any(d < 0 for d in shape):
+                raise ValueError
+        except (KeyError, TypeError, ValueError) as e:
+            raise SafetensorsFormatError(f"{path.name}: tensor {name} has a malformed header entry") from e
+        nbytes = itemsize
+        for d in shape:
+            nbytes *= d
+        if not (0 <= begin <= end <= data_len) or end - begin != nbytes:
+            raise SafetensorsFormatError(
+                f"{path.name}: tensor {name} spans bytes {begin}..{end} of {data_len}, expected {nbytes} bytes "
+                "inside the file; the file is truncated or corrupt"
+            )
+        tensors[name] = TensorInfo(name, path.name, dtype, shape, base + begin, base + end)
+    spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.nbytes)
+    for (_, prev_end, prev), (start, _, name) in zip(spans, spans[1:]):
+        if start < prev_end:
+            raise SafetensorsFormatError(f"{path.name}: tensors {prev} and {name} overlap; the file is corrupt")
+    return SafetensorsHeader(path, raw, tensors, dict(metadata))
+
+
+class StreamWriter:
+    """Write a safetensors file whose tensors are declared up front.
+
+    Args:
+        path: output file.
+        entries: ``(name, dtype, shape)`` in the order tensors will be written.
+        metadata: string-to-string ``__metadata__``.
+
+    ``write`` must then be called once per entry, in order; ``close`` returns
+    ``(size, sha256)`` and refuses a file with tensors missing. Writing and hashing run
+    on a background thread (both release the GIL), overlapping the next tensor's
+    computation; at most two tensors are in flight.
+    """
+
+    _MAX_IN_FLIGHT = 2
+
+    def __init__(
+        self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
+    ) -> None:
+        self.path = path
+        self._expected = entries
+        self._next = 0
+        header: dict[str, object] = {"__metadata__": dict(metadata)}
+        offset = 0
+        for name, dtype, shape in entries:
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
+            header[name] = {"dtype": dtype_code(dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns tensor data to 8 bytes
+        self._hash = hashlib.sha256()
+        self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._size = 0
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marlin-pack-write")
+        self._pending: deque[Future[None]] = deque()
+        self._emit(struct.pack("<Q", len(raw)) + raw)
+
+    def _emit(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+        self._size += len(data)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append the next declared tensor (moved to CPU, made contiguous)."""
+        import torch
+
+        want_name, dtype, shape = self._expected[self._next]
+        if name != want_name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise RuntimeError(
+                f"internal error: writing {name} {tensor.dtype} {list(tensor.shape)}, declared {want_name} {dtype} {list(shape)}"
+            )
+        t = tensor.detach().to("cpu").contiguous()
+        if t.numel():
+            while len(self._pending) >= self._MAX_IN_FLIGHT:
+                self._pending.popleft().result()
+            # The tensor is kept alive by the closure until its bytes are written.
+            self._pending.append(self._io.submit(self._emit, memoryview(t.view(torch.uint8).reshape(-1).numpy())))
+        self._next += 1
+
+    def close(self) -> tuple[int, str]:
+        """Flush and fsync; return ``(size, sha256)``."""
+        if self._next != len(self._expected):
+            self.abort()
+            raise RuntimeError(f"internal error: {self.path.name} closed after {self._next} of {len(self._expected)} tensors")
+        while self._pending:
+            self._pending.popleft().result()
+        self._io.shutdown()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return self._size, self._hash.hexdigest()
+
+    def abort(self) -> None:
+        """Stop writing and close the file (the caller removes it)."""
+        self._io.shutdown(wait=True, cancel_futures=True)
+        if not self._file.closed:
+            try:  # closing flushes: on a full disk that fails again, and must not mask the first error
+                self._file.close()
+            except OSError:
+                pass

@@ -1,0 +1,80 @@
+"""A HuggingFace checkpoint directory: its config, the headers of its safetensors files, its tensors.
+
+Headers are parsed and checked up front (dtype, shape, offsets inside the file), so a
+truncated or corrupt file is reported before any long work starts. Tensor data is read
+lazily through memory maps, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from marlin_pack.errors import CheckpointError
+from marlin_pack.io.checkpoint_files import read_json, weight_files
+from marlin_pack.io.safetensors_io import SafetensorsFormatError, TensorInfo, read_header
+
+__all__ = ["Checkpoint"]
+
+
+class Checkpoint:
+    """A local checkpoint directory: ``config.json`` and its safetensors files.
+
+    Args:
+        model_dir: directory holding ``config.json`` and ``*.safetensors``
+            (one file, or several with ``model.safetensors.index.json``).
+
+    Raises:
+        CheckpointError: missing/unreadable config, missing or truncated files,
+            an index naming files or tensors that are not there.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.dir = Path(model_dir)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"{self.dir} is not a directory; pass a checkpoint directory holding config.json")
+        self.config = read_json(self.dir / "config.json", "config.json")
+        self.files = weight_files(self.dir)
+        self.tensors: dict[str, TensorInfo] = {}
+        for f in self.files:
+            try:
+                header = read_header(self.dir / f)
+            except SafetensorsFormatError as e:
+                raise CheckpointError(f"{e}; download the file again") from e
+            except OSError as e:
+                raise CheckpointError(f"cannot read {self.dir / f} ({e}); check the file's permissions") from e
+            for name, info in header.tensors.items():
+                if name in self.tensors:
+                    raise CheckpointError(f"tensor {name} is in both {self.tensors[name].file} and {f}; remove the duplicate file")
+                self.tensors[name] = info
+        self._handles: dict[str, object] = {}
+
+    def quantization_config(self) -> dict | None:
+        """``config.json``'s ``quantization_config``, or None if the checkpoint is not quantized."""
+        qc = self.config.get("quantization_config")
+        return qc if isinstance(qc, dict) else None
+
+    def info(self, name: str) -> TensorInfo:
+        """Header facts of one tensor; a one-line error if the checkpoint lacks it."""
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint; the checkpoint is incomplete") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor (CPU) through a memory map."""
+        info = self.info(name)
+        handle = self._handles.get(info.file)
+        try:
+            if handle is None:
+                handle = safe_open(str(self.dir / info.file), framework="pt")  # type: ignore[no-untyped-call]
+                self._handles[info.file] = handle
+            return handle.get_tensor(name)  # type: ignore[attr-defined]
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"cannot read tensor {name} from {info.file} ({e}); the file is corrupt, download it again") from e
+
+    def close(self) -> None:
+        """Drop the memory maps."""
+        self._handles.clear()

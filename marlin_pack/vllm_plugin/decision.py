@@ -1,0 +1,335 @@
+"""Decisions of the ``marlin_prepacked`` loader, as pure functions over plain facts (no vLLM import).
+
+The loader gathers facts from vLLM (:class:`EngineFacts`, :class:`LayerFacts`, see
+``engine.py``) and these functions decide: which bundle, whether it fits the engine, whether
+to refuse or fall back, whether vLLM built the layers the bundle holds. Keeping them free of
+vLLM and of the GPU makes every message testable on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from marlin_pack._constants import KERNEL_NAME, LAYOUT_VERSION
+from marlin_pack.bundle.integrity import check_files, check_source
+from marlin_pack.bundle.reader import default_bundle_dir, read_manifest, resolve_file
+from marlin_pack.errors import BundleError, BundleMismatchError, LoadRefusedError, MismatchField
+from marlin_pack.schemas import Manifest, TensorParallelSet
+from marlin_pack.vllm_plugin.options import LoaderOptions
+
+__all__ = [
+    "SUPPORTED_METHODS",
+    "EngineFacts",
+    "LayerFacts",
+    "SelectedBundle",
+    "Decision",
+    "resolve_bundle_dir",
+    "check_engine",
+    "select_bundle",
+    "refusal",
+    "decide",
+    "check_layers",
+]
+
+_8BIT_ACTIVATIONS = ("int8", "fp8")
+# The quant methods whose layers a bundle can fill (vLLM 0.33.0 dense AWQ / GPTQ).
+SUPPORTED_METHODS = ("AutoAWQMarlinLinearMethod", "AutoGPTQLinearMethod")
+_FALLBACK_HINT = (
+    """pass --model-loader-extra-config '{"fallback": true}' to load the checkpoint the ordinary way"""
+)
+F = MismatchField
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the loader needs to know about the engine (gathered from vLLM by ``engine.engine_facts``)."""
+
+    model: str
+    vllm_version: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    dtype: str = "float16"
+    quantization: str | None = None
+    marlin_input_dtype: str | None = None
+    batch_invariant: bool = False
+    disabled_kernels: tuple[str, ...] = ()
+    linear_backend: str = "auto"
+    linear_backend_per_quant: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class SelectedBundle:
+    """A bundle checked against the engine: what this rank loads."""
+
+    bundle_dir: Path
+    manifest: Manifest
+    tp_set: TensorParallelSet
+    rank: int
+    rank_file: Path
+    common_file: Path
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Either a selected bundle, or (fallback on) the field and reason to load ordinarily instead."""
+
+    bundle: SelectedBundle | None
+    field: MismatchField | None = None
+    reason: str | None = None
+
+    @property
+    def fallback(self) -> bool:
+        return self.bundle is None
+
+
+def resolve_bundle_dir(options: LoaderOptions, model: str) -> Path:
+    """The explicit ``bundle`` option, else ``MODEL_DIR/marlin-pack``."""
+    if options.bundle is not None:
+        return options.bundle
+    if not Path(model).is_dir():
+        raise BundleMismatchError(
+            F.bundle,
+            f"model {model!r} is not a local directory, so it has no marlin-pack bundle; serve the local "
+            "checkpoint directory or name the bundle with "
+            '--model-loader-extra-config \'{"bundle": "/path"}\'',
+        )
+    return default_bundle_dir(model)
+
+
+def _check_target(manifest: Manifest, facts: EngineFacts) -> None:
+    """The engine vLLM and kernel layout the bundle was made for."""
+    if manifest.target.vllm_version != facts.vllm_version:
+        raise BundleMismatchError(
+            F.vllm_version,
+            f"bundle was made for vLLM {manifest.target.vllm_version}, this engine runs {facts.vllm_version}; "
+            "re-convert with a marlin-pack that targets it",
+        )
+    if manifest.target.kernel != KERNEL_NAME or manifest.target.layout_version != LAYOUT_VERSION:
+        raise BundleMismatchError(
+            F.kernel,
+            f"bundle layout {manifest.target.kernel} v{manifest.target.layout_version} is not {KERNEL_NAME} v{LAYOUT_VERSION}",
+        )
+    if facts.dtype != manifest.serving_dtype.value:
+        raise BundleMismatchError(
+            F.serving_dtype,
+            f"bundle holds {manifest.serving_dtype.value} scales, the engine runs {facts.dtype}; "
+            f"start vLLM with --dtype {manifest.serving_dtype.value} or convert with --dtype {facts.dtype}",
+        )
+    if facts.quantization is not None:
+        method = facts.quantization
+        family = "awq" if "awq" in method else "gptq" if "gptq" in method else method
+        want = "awq" if manifest.source.format.value.startswith("awq") else "gptq"
+        if family != want:
+            raise BundleMismatchError(F.quant_method, f"engine quantization is {method}, the bundle holds {want} weights")
+
+
+def _tp_set(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
+    try:
+        tp_set = manifest.tensor_parallel_set(facts.tp_size)
+    except KeyError:
+        sizes = ",".join(map(str, sorted({*manifest.tp_sizes, facts.tp_size})))
+        raise BundleMismatchError(
+            F.tp_size,
+            f"bundle has tp_size {manifest.tp_sizes}, the engine runs tensor_parallel_size={facts.tp_size}; "
+            f"run `marlin-pack convert MODEL_DIR --tp {sizes} --force`",
+        ) from None
+    if not 0 <= facts.tp_rank < facts.tp_size:
+        raise BundleMismatchError(F.tp_rank, f"rank {facts.tp_rank} is outside tp_size {facts.tp_size}")
+    return tp_set
+
+
+def _check_kernel_settings(manifest: Manifest, facts: EngineFacts) -> None:
+    """Engine settings that would make vLLM run another layout than the bundle's."""
+    if (facts.marlin_input_dtype or "").lower() in _8BIT_ACTIVATIONS:
+        raise BundleMismatchError(
+            F.activation_dtype,
+            f"VLLM_MARLIN_INPUT_DTYPE={facts.marlin_input_dtype} makes vLLM quantize activations to 8 bits, "
+            f"whose Marlin layout differs; the bundle holds the {manifest.activation_dtype.value}-activation "
+            "layout. Unset VLLM_MARLIN_INPUT_DTYPE",
+        )
+    if facts.pp_size != 1:
+        raise BundleMismatchError(
+            F.pp_size,
+            f"the engine runs pipeline_parallel_size={facts.pp_size}; marlin-pack bundles support "
+            "pipeline_parallel_size=1 only",
+        )
+    if facts.batch_invariant:
+        raise BundleMismatchError(
+            F.kernel, f"VLLM_BATCH_INVARIANT=1 disables Marlin, the bundle holds the {KERNEL_NAME} layout; unset it"
+        )
+    if KERNEL_NAME in facts.disabled_kernels:
+        raise BundleMismatchError(
+            F.kernel,
+            f"VLLM_DISABLED_KERNELS disables {KERNEL_NAME}, the layout the bundle holds; remove it from the list",
+        )
+    per_quant = dict(facts.linear_backend_per_quant or {})
+    backend, source = (
+        (per_quant["mixed_precision"], "--kernel-config linear_backend_per_quant.mixed_precision")
+        if per_quant.get("mixed_precision")
+        else (facts.linear_backend, "--linear-backend")
+    )
+    if backend not in ("auto", "marlin"):
+        raise BundleMismatchError(
+            F.linear_backend,
+            f"{source} is {backend!r}, the bundle holds the {KERNEL_NAME} layout; drop the option or set it to 'marlin'",
+        )
+
+
+def check_engine(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
+    """Check the bundle fits the engine's configuration; return the TP set to load.
+
+    Raises:
+        BundleMismatchError: naming the field (``vllm_version``, ``kernel``, ``serving_dtype``,
+            ``quant_method``, ``tp_size``, ``tp_rank``, ``activation_dtype``, ``pp_size``,
+            ``linear_backend``).
+    """
+    _check_target(manifest, facts)
+    tp_set = _tp_set(manifest, facts)
+    _check_kernel_settings(manifest, facts)
+    return tp_set
+
+
+def _with_field(field: MismatchField, fn: Callable[[], Any]) -> Any:
+    """Run a check; a :class:`BundleError` without a field gets ``field``."""
+    try:
+        return fn()
+    except BundleMismatchError:
+        raise
+    except BundleError as e:
+        raise BundleMismatchError(field, str(e)) from e
+
+
+def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
+    """Find and check the bundle for this engine and rank, before anything touches the GPU.
+
+    Order: manifest (format version), engine fit (vLLM version, dtype, TP, kernel
+    settings), the source checkpoint (files, sizes, headers, hashes by stamp), then this
+    rank's file and the common file (sizes, hashes by stamp).
+
+    Raises:
+        BundleMismatchError: naming the field that does not fit.
+    """
+    bundle_dir = resolve_bundle_dir(options, facts.model)
+    manifest: Manifest = _with_field(F.manifest, lambda: read_manifest(bundle_dir))
+    tp_set = check_engine(manifest, facts)
+    if not Path(facts.model).is_dir():
+        raise BundleMismatchError(
+            F.source, f"model {facts.model!r} is not a local directory: cannot check it is the bundle's source"
+        )
+    _with_field(F.source, lambda: check_source(manifest, facts.model, bundle_dir, full_hash=options.full_hash))
+    rank_entry = tp_set.ranks[facts.tp_rank].file
+    entries = [manifest.common, rank_entry]
+    _with_field(F.files, lambda: check_files(bundle_dir, manifest, entries, full_hash=options.full_hash))
+    return SelectedBundle(
+        bundle_dir=bundle_dir,
+        manifest=manifest,
+        tp_set=tp_set,
+        rank=facts.tp_rank,
+        rank_file=_with_field(F.files, lambda: resolve_file(bundle_dir, rank_entry)),
+        common_file=_with_field(F.files, lambda: resolve_file(bundle_dir, manifest.common)),
+    )
+
+
+def refusal(field: MismatchField, reason: str, model: str, bundle: Path | str | None) -> LoadRefusedError:
+    """The one-line refusal: which model, which bundle, which field, why, and how to fall back."""
+    where = f"bundle {bundle}" if bundle is not None else "its bundle"
+    return LoadRefusedError(
+        field, f"marlin-pack cannot serve {model} from {where}: [{field}] {reason}. Fix it, or {_FALLBACK_HINT}."
+    )
+
+
+def decide(
+    options: LoaderOptions,
+    facts: EngineFacts,
+    selector: Callable[[LoaderOptions, EngineFacts], SelectedBundle] = select_bundle,
+) -> Decision:
+    """Select the bundle; on a problem, fall back (``fallback: true``) or refuse.
+
+    Raises:
+        LoadRefusedError: the bundle does not fit and ``fallback`` is off; the message
+            names the field and how to fall back.
+    """
+    try:
+        return Decision(selector(options, facts))
+    except BundleError as e:
+        field = getattr(e, "field", None) or F.bundle
+        if options.fallback:
+            return Decision(None, field, str(e))
+        bundle: Path | str | None
+        try:
+            bundle = resolve_bundle_dir(options, facts.model)
+        except BundleError:
+            bundle = options.bundle
+        raise refusal(field, str(e), facts.model, bundle) from e
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """One quantized layer as vLLM built it (see ``engine.layer_facts``)."""
+
+    method: str
+    kernel: str | None = None
+    partition_shape: tuple[int, int] | None = None  # (size_k, size_n) per rank
+    padded_nk: tuple[int, int] | None = None  # vLLM's marlin_padded_nk(size_n, size_k, group_size)
+    group_size: int | None = None
+    weight_type: str | None = None
+    act_dtype: str | None = None
+    zero_points: bool | None = None
+    has_bias: bool = False
+    skips_when_marked: bool = True  # its post-processing honours the prepacked mark
+
+
+def _sample(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+
+
+def check_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mapping[str, LayerFacts]) -> None:
+    """Check that vLLM built exactly the bundle's layers, each with Marlin and its configuration.
+
+    Raises:
+        BundleMismatchError: ``layers`` (set, shapes, bias), ``kernel``, ``layout``,
+            ``group_size``, ``weight_type``, ``activation_dtype`` or ``zero_points``.
+    """
+    expected = {entry.name: entry for entry in tp_set.layers}
+    only_bundle = sorted(set(expected) - set(found))
+    only_engine = sorted(set(found) - set(expected))
+    if only_bundle or only_engine:
+        parts = []
+        if only_bundle:
+            parts.append(f"{len(only_bundle)} only in the bundle ({_sample(only_bundle)})")
+        if only_engine:
+            parts.append(f"{len(only_engine)} only in the engine ({_sample(only_engine)})")
+        raise BundleMismatchError(
+            F.layers, "the engine's quantized layers differ from the bundle's: " + "; ".join(parts) + "; re-convert"
+        )
+    q = manifest.quant
+    for name, entry in expected.items():
+        f = found[name]
+        if f.method not in SUPPORTED_METHODS:
+            raise BundleMismatchError(
+                F.kernel, f"layer {name} uses {f.method}, expected one of {list(SUPPORTED_METHODS)} with {KERNEL_NAME}"
+            )
+        if f.kernel != KERNEL_NAME:
+            raise BundleMismatchError(
+                F.kernel, f"vLLM chose {f.kernel} for layer {name}; the bundle holds the {KERNEL_NAME} layout"
+            )
+        if not f.skips_when_marked:
+            raise BundleMismatchError(
+                F.kernel, f"layer {name}: {f.method}.process_weights_after_loading is not patched by marlin-pack"
+            )
+        checks: list[tuple[MismatchField, object, object, str]] = [
+            (F.layers, f.partition_shape, (entry.size_k, entry.size_n), "per-rank (K, N)"),
+            (F.layout, f.padded_nk, (entry.padded_n, entry.padded_k), "Marlin padded (N, K)"),
+            (F.group_size, f.group_size, q.group_size, "group size"),
+            (F.weight_type, f.weight_type, q.weight_type.value, "weight type"),
+            (F.activation_dtype, f.act_dtype, manifest.activation_dtype.value, "activation dtype"),
+            (F.zero_points, f.zero_points, q.zero_points, "zero points"),
+            (F.layers, f.has_bias, entry.has_bias, "bias"),
+        ]
+        for field, got, want, what in checks:
+            if got != want:
+                raise BundleMismatchError(field, f"layer {name}: the engine's {what} is {got}, the bundle's is {want}")

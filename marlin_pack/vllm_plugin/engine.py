@@ -1,0 +1,171 @@
+"""Every read (and the few writes) of vLLM 0.33.0 internals the loader and the patches need.
+
+Facts are returned as the plain dataclasses of ``decision.py``; layer state is finished the
+way ``MarlinLinearKernel.process_weights_after_loading`` leaves it. Importing this module
+imports vLLM: only vLLM processes (the loader, the patches) import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import vllm.envs as envs
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.model_executor.kernels.linear.mixed_precision.marlin import MarlinLinearKernel
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_empty, marlin_padded_nk
+
+from marlin_pack.vllm_plugin.decision import EngineFacts, LayerFacts
+from marlin_pack.vllm_plugin.version_guard import vllm_version
+
+__all__ = [
+    "engine_facts",
+    "force_marlin",
+    "quantized_layers",
+    "layer_facts",
+    "is_marlin_16bit",
+    "check_marlin_layout",
+    "finish_marlin_layer",
+]
+
+
+def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFacts:
+    """What the bundle must fit, read from vLLM (this worker's TP rank once distributed is up)."""
+    from vllm.distributed import parallel_state as ps
+
+    parallel = vllm_config.parallel_config
+    if ps.model_parallel_is_initialized():
+        tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    else:
+        tp_size, tp_rank = parallel.tensor_parallel_size, 0
+    kc = vllm_config.kernel_config
+    return EngineFacts(
+        model=str(model_config.model),
+        vllm_version=vllm_version(),
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        pp_size=parallel.pipeline_parallel_size,
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        quantization=model_config.quantization,
+        marlin_input_dtype=envs.VLLM_MARLIN_INPUT_DTYPE,
+        batch_invariant=bool(envs.VLLM_BATCH_INVARIANT),
+        disabled_kernels=tuple(envs.VLLM_DISABLED_KERNELS or ()),
+        linear_backend=str(kc.linear_backend),
+        linear_backend_per_quant=dict(kc.linear_backend_per_quant or {}) or None,
+    )
+
+
+def force_marlin(kernel_config: Any) -> None:
+    """Make vLLM choose MarlinLinearKernel for mixed-precision (AWQ/GPTQ) layers.
+
+    Same effect as ``--kernel-config '{"linear_backend_per_quant": {"mixed_precision": "marlin"}}'``:
+    ``choose_mp_linear_kernel`` reads it from the current vLLM config, and it leaves the
+    other layer types' backend choice alone.
+    """
+    per_quant = getattr(kernel_config, "linear_backend_per_quant", None) or {}
+    kernel_config.linear_backend_per_quant = {**per_quant, "mixed_precision": "marlin"}
+
+
+def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules with a quantization method that is not an unquantized or KV-cache one."""
+    found = {}
+    for name, module in model.named_modules():
+        qm = getattr(module, "quant_method", None)
+        if not isinstance(qm, QuantizeMethodBase) or isinstance(qm, BaseKVCacheMethod):
+            continue
+        if type(qm).__name__.startswith("Unquantized"):
+            continue
+        found[name] = module
+    return found
+
+
+def layer_facts(module: nn.Module, skips_when_marked: bool) -> LayerFacts:
+    """The kernel configuration vLLM chose for one quantized layer."""
+    qm = module.quant_method
+    kernel = getattr(qm, "kernel", None)
+    c = getattr(kernel, "config", None)
+    has_bias = getattr(module, "bias", None) is not None
+    if c is None:
+        return LayerFacts(method=type(qm).__name__, has_bias=has_bias, skips_when_marked=skips_when_marked)
+    size_k, size_n = c.partition_weight_shape
+    return LayerFacts(
+        method=type(qm).__name__,
+        kernel=type(kernel).__name__,
+        partition_shape=(int(size_k), int(size_n)),
+        padded_nk=tuple(marlin_padded_nk(size_n, size_k, c.group_size)),
+        group_size=int(c.group_size),
+        weight_type=str(c.weight_type),
+        act_dtype=str(c.act_type).removeprefix("torch."),
+        zero_points=bool(c.zero_points),
+        has_bias=has_bias,
+        skips_when_marked=skips_when_marked,
+    )
+
+
+def is_marlin_16bit(quant_method: Any) -> bool:
+    """True when the layer's kernel is exactly MarlinLinearKernel with fp16/bf16 activations."""
+    kernel = getattr(quant_method, "kernel", None)
+    if type(kernel) is not MarlinLinearKernel:
+        return False
+    return getattr(getattr(kernel, "config", None), "act_type", None) in (torch.float16, torch.bfloat16)
+
+
+def _layer_name(layer: nn.Module) -> str:
+    return str(getattr(layer, "prefix", "") or type(layer).__name__)
+
+
+def check_marlin_layout(quant_method: Any, layer: nn.Module) -> None:
+    """Check that a layer's tensors already have the shapes MarlinLinearKernel's post-processing gives.
+
+    Raises:
+        RuntimeError: a tensor is missing (still on ``meta``) or not in the Marlin layout
+            this layer's kernel configuration implies.
+    """
+    kernel = quant_method.kernel
+    c = kernel.config
+    size_k, size_n = c.partition_weight_shape
+    padded_n, padded_k = marlin_padded_nk(size_n, size_k, c.group_size)
+    bits = c.weight_type.size_bits
+    where = f"layer {_layer_name(layer)} ({type(quant_method).__name__})"
+
+    def check(name: str, want: tuple[int | None, ...]) -> torch.Tensor:
+        t = getattr(layer, name, None)
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            raise RuntimeError(f"{where}: the weight cache did not provide {name}")
+        got = tuple(t.shape)
+        if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want, strict=False)):
+            raise RuntimeError(
+                f"{where}: pre-processed {name} has shape {list(got)}, MarlinLinearKernel holds "
+                f"{['*' if w is None else w for w in want]} for (K, N)=({size_k}, {size_n}) padded to "
+                f"({padded_k}, {padded_n}); the weight cache holds another layout"
+            )
+        return t
+
+    check(kernel.w_q_name, (padded_k // 16, padded_n * bits // 2))
+    w_s = check(kernel.w_s_name, (None, padded_n))
+    if c.zero_points:
+        check(kernel.w_zp_name, (w_s.shape[0], padded_n * bits // 32))
+    if getattr(layer, "bias", None) is not None:
+        check("bias", (padded_n,))
+
+
+def finish_marlin_layer(quant_method: Any, layer: nn.Module) -> None:
+    """Set what MarlinLinearKernel's post-processing sets besides the tensors it transforms.
+
+    With 16-bit activations that is ``input_global_scale = None`` and, without zero points
+    (GPTQ), the empty ``int32[0]`` zero-point parameter (``marlin_make_empty``). Called for
+    every layer whose tensors arrived final (from a bundle or the weight cache).
+    """
+    kernel = quant_method.kernel
+    if kernel.w_zp_name is None:  # as the kernel does: Marlin needs a zero-point parameter
+        kernel.w_zp_name = "w_zp"
+    if not kernel.config.zero_points:
+        device = getattr(layer, kernel.w_q_name).device
+        zp = getattr(layer, kernel.w_zp_name, None)
+        if not (isinstance(zp, torch.Tensor) and zp.numel() == 0 and zp.device == device):
+            setattr(layer, kernel.w_zp_name, marlin_make_empty(device))
+    if "input_global_scale" not in layer._parameters:
+        layer.input_global_scale = None

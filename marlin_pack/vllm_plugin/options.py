@@ -1,0 +1,91 @@
+"""``--model-loader-extra-config`` of the ``marlin_prepacked`` load format, parsed and validated.
+
+No vLLM import: the loader's constructor and the tests use it alike.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from marlin_pack._constants import LOAD_FORMAT
+
+__all__ = ["LoaderOptions", "OPTION_KEYS", "parse_extra_config"]
+
+Verify = Literal["auto", "full", "size"]
+_FULL_HASH: dict[str, bool | None] = {"auto": None, "full": True, "size": False}
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """``--model-loader-extra-config`` of the ``marlin_prepacked`` load format.
+
+    Attributes:
+        bundle: bundle directory; default ``MODEL_DIR/marlin-pack``.
+        fallback: load the checkpoint the ordinary way (with a warning) instead of
+            refusing a missing, stale or mismatched bundle.
+        verify: ``auto`` hashes files whose (size, mtime) stamp changed since the last
+            check, ``full`` hashes everything, ``size`` checks sizes and headers only.
+        io_threads: reader threads (each with its own pinned buffers and CUDA stream).
+        chunk_mb: size of one read / host-to-device copy, in MiB.
+    """
+
+    bundle: Path | None = None
+    fallback: bool = False
+    verify: Verify = "auto"
+    io_threads: int = 8
+    chunk_mb: int = 64
+
+    @property
+    def full_hash(self) -> bool | None:
+        return _FULL_HASH[self.verify]
+
+
+OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb")
+
+
+def _int_option(extra: Mapping[str, Any], key: str, default: int, high: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise ValueError(f"model_loader_extra_config[{key!r}] must be an integer in 1..{high}, got {value!r}")
+    return value
+
+
+def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderOptions:
+    """Validate ``model_loader_extra_config`` the way vLLM's own loaders do.
+
+    Raises:
+        ValueError: not a dict, an unknown key, or a value of the wrong type.
+    """
+    if not isinstance(extra, dict):
+        raise ValueError(
+            f"model_loader_extra_config must be a dict for load format {load_format}, "
+            f"got {type(extra).__name__}"
+        )
+    unexpected = sorted(set(extra) - set(OPTION_KEYS))
+    if unexpected:
+        raise ValueError(
+            f"Unexpected extra config keys for load format {load_format}: {unexpected}; "
+            f"expected some of {list(OPTION_KEYS)}"
+        )
+    bundle = extra.get("bundle")
+    if bundle is not None and (not isinstance(bundle, (str, os.PathLike)) or not str(bundle)):
+        raise ValueError(f"model_loader_extra_config['bundle'] must be a directory path, got {bundle!r}")
+    fallback = extra.get("fallback", False)
+    if not isinstance(fallback, bool):
+        raise ValueError(f"model_loader_extra_config['fallback'] must be true or false, got {fallback!r}")
+    verify = extra.get("verify", "auto")
+    if verify not in _FULL_HASH:
+        raise ValueError(
+            f"model_loader_extra_config['verify'] must be one of {list(_FULL_HASH)}, got {verify!r}"
+        )
+    return LoaderOptions(
+        bundle=Path(bundle).expanduser() if bundle is not None else None,
+        fallback=fallback,
+        verify=verify,
+        io_threads=_int_option(extra, "io_threads", 8, 64),
+        chunk_mb=_int_option(extra, "chunk_mb", 64, 1024),
+    )

@@ -1,0 +1,28 @@
+"""Every patch marlin-pack applies to vLLM 0.33.0, in one registry.
+
+``post_processing``: the AWQ/GPTQ Marlin quant methods accept final tensors (from a bundle or
+the weight cache). ``weight_cache``: Marlin for weight-cache processes, an unchanged cache
+key, the plugin in ``vllm preload``'s spawned daemons. ``registry``: install (version
+guarded, idempotent) and uninstall. Each patch names the upstream change that retires it.
+"""
+
+from __future__ import annotations
+
+from marlin_pack._constants import TARGET_VLLM_VERSION
+from marlin_pack.vllm_plugin.patches import post_processing, weight_cache
+from marlin_pack.vllm_plugin.patches.registry import Patch, installed, uninstall_all
+from marlin_pack.vllm_plugin.version_guard import vllm_version
+
+__all__ = ["PATCHES", "Patch", "install", "installed", "uninstall_all"]
+
+PATCHES: tuple[Patch, ...] = (*post_processing.PATCHES, *weight_cache.PATCHES)
+
+
+def install() -> bool:
+    """Install every patch (idempotent) if vLLM is exactly the targeted release; else log once.
+
+    Imports the patched vLLM modules (the daemon's only when vLLM imports it).
+    """
+    from marlin_pack.vllm_plugin.patches import registry
+
+    return registry.install_all(PATCHES, running=vllm_version(), targeted=TARGET_VLLM_VERSION)

@@ -1,0 +1,114 @@
+"""Post-processing of AWQ/GPTQ Marlin layers whose tensors are already final.
+
+Two sources deliver final tensors: the ``marlin_prepacked`` loader (which *marks* the layers
+it filled from a bundle) and vLLM's weight cache (``weights_already_processed()``, which
+vLLM 0.33.0 allows only for quant methods declaring ``supports_pre_processed_weights``).
+One wrapper of ``process_weights_after_loading`` per quant method takes its decisions in
+order:
+
+1. the layer carries the prepacked mark: consume it, finish the layer;
+2. the weight cache handed over final tensors: check the kernel and layout, finish the layer;
+3. otherwise: vLLM's own post-processing.
+
+"Finish" (``engine.finish_marlin_layer``) sets only what the kernel's post-processing sets
+besides the transformed tensors. The mark is one-shot: a later reload of checkpoint-format
+weights into the same layer is post-processed normally. ``apply()`` is never touched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from marlin_pack.vllm_plugin.patches.registry import Patch, is_replacement
+
+__all__ = [
+    "QUANT_METHODS",
+    "PATCHES",
+    "mark_prepacked",
+    "is_prepacked",
+    "take_prepacked_mark",
+    "is_patched",
+    "supports_pre_processed",
+]
+
+_MARK = "_marlin_pack_prepacked"
+# The dense AWQ/GPTQ quant methods served by MarlinLinearKernel, as "module:Class".
+QUANT_METHODS = (
+    "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod",
+    "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQLinearMethod",
+)
+
+
+def mark_prepacked(layer: nn.Module) -> None:
+    """Mark ``layer``: its tensors are final, its next post-processing only finishes it."""
+    layer.__dict__[_MARK] = True
+
+
+def is_prepacked(layer: nn.Module) -> bool:
+    """Whether ``layer`` carries a pending mark."""
+    return layer.__dict__.get(_MARK, False) is True
+
+
+def take_prepacked_mark(layer: nn.Module) -> bool:
+    """Consume the mark; True if there was one."""
+    return layer.__dict__.pop(_MARK, False) is True
+
+
+def is_patched(quant_method: object) -> bool:
+    """Whether ``quant_method``'s post-processing (as resolved on its class) is the wrapper below."""
+    return is_replacement(getattr(type(quant_method), "process_weights_after_loading", None))
+
+
+def supports_pre_processed(quant_method: Any) -> bool:
+    """The weight cache may hand this layer final tensors: MarlinLinearKernel with 16-bit activations."""
+    from marlin_pack.vllm_plugin.engine import is_marlin_16bit
+
+    return is_marlin_16bit(quant_method)
+
+
+def _process_weights_after_loading(original: Callable[[Any, nn.Module], None]) -> Callable[[Any, nn.Module], None]:
+    @functools.wraps(original)
+    def process_weights_after_loading(self: Any, layer: nn.Module) -> None:
+        from vllm.model_executor.utils import is_weights_pre_processed
+
+        from marlin_pack.vllm_plugin.engine import check_marlin_layout, finish_marlin_layer
+
+        if take_prepacked_mark(layer):
+            finish_marlin_layer(self, layer)
+        elif is_weights_pre_processed():
+            if not supports_pre_processed(self):  # vLLM checks the flag first; keep the promise anyway
+                raise RuntimeError(f"{type(getattr(self, 'kernel', None)).__name__} cannot use pre-processed weights")
+            check_marlin_layout(self, layer)
+            finish_marlin_layer(self, layer)
+        else:
+            original(self, layer)
+
+    return process_weights_after_loading
+
+
+_SUPPORTS = property(
+    supports_pre_processed, doc="marlin-pack: True when served by MarlinLinearKernel with fp16/bf16 activations."
+)
+
+PATCHES = tuple(
+    patch
+    for target in QUANT_METHODS
+    for patch in (
+        Patch(
+            f"{target}.process_weights_after_loading",
+            _process_weights_after_loading,
+            remove_when="vLLM can load final Marlin tensors into AWQ/GPTQ layers (a pre-processed load "
+            "path for MarlinLinearKernel, as VocabParallelEmbedding has)",
+        ),
+        Patch(
+            f"{target}.supports_pre_processed_weights",
+            lambda _original: _SUPPORTS,
+            remove_when="vLLM's AWQ/GPTQ linear methods declare supports_pre_processed_weights for "
+            "MarlinLinearKernel (the weight cache then shares their layers)",
+        ),
+    )
+)

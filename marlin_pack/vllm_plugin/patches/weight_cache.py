@@ -1,0 +1,198 @@
+"""vLLM's weight cache (``vllm preload`` / ``--load-format ipc_cache``) for AWQ/GPTQ Marlin layers.
+
+The quant-method side (``supports_pre_processed_weights`` and the pre-processed
+post-processing) is in ``post_processing.py``; this module makes the rest of the weight cache
+work with it:
+
+* Marlin for weight-cache processes: ``IpcModelLoader`` (its IPC build and its disk
+  fallback) and the daemon's ``get_model`` resolve an ``auto`` mixed-precision backend to
+  Marlin for AWQ/GPTQ models (as ``--kernel-config
+  '{"linear_backend_per_quant": {"mixed_precision": "marlin"}}'`` would), because Marlin is
+  the only kernel whose processed weights can be shared: on Hopper vLLM would otherwise
+  build Machete layers on the engine side for Marlin tensors. An explicit backend is kept
+  (and refused if not Marlin). ``WeightCacheKey`` keeps seeing the backend settings as
+  configured, so daemon and engine keys still match on what the user typed.
+* vLLM's daemon spawn: ``vllm preload`` starts its daemons with the ``spawn`` method and
+  they never call ``load_general_plugins()``. ``_run_daemon`` of the daemon module is
+  replaced by :func:`run_daemon`, a module-level function that pickles by reference: every
+  spawned daemon first registers marlin-pack, then runs vLLM's own ``_run_daemon``. The
+  daemon module is patched when first imported (only ``vllm preload`` imports it).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from marlin_pack.vllm_plugin.patches import registry
+from marlin_pack.vllm_plugin.patches.registry import Patch
+
+__all__ = ["DAEMON_MODULE", "RUN_DAEMON", "CACHE_QUANTIZATIONS", "PATCHES", "force_marlin_for_cache", "run_daemon"]
+
+logger = logging.getLogger("vllm.marlin_pack")
+
+DAEMON_MODULE = "vllm.model_executor.model_loader.weight_cache.daemon"
+RUN_DAEMON = f"{DAEMON_MODULE}:_run_daemon"
+_IPC_LOADER = "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader"
+# ModelConfig.quantization of AWQ/GPTQ checkpoints (vLLM resolves them to auto_awq/auto_gptq).
+CACHE_QUANTIZATIONS = frozenset({"auto_awq", "auto_gptq", "awq", "awq_marlin", "gptq", "gptq_marlin"})
+_UNSUPPORTED_HINT = (
+    "marlin-pack: the weight cache shares AWQ/GPTQ linear layers only when vLLM serves them with "
+    "MarlinLinearKernel and 16-bit activations. Check --linear-backend / --kernel-config "
+    "(an explicit non-Marlin backend is kept), VLLM_MARLIN_INPUT_DTYPE (must be unset), "
+    "VLLM_DISABLED_KERNELS and VLLM_BATCH_INVARIANT; AWQ/GPTQ MoE layers are never shared"
+)
+
+# id(KernelConfig) -> (the config, its linear_backend_per_quant before we forced Marlin).
+_FORCED: dict[int, tuple[Any, Any]] = {}
+
+
+def force_marlin_for_cache(vllm_config: Any, model_config: Any, role: str = "weight cache") -> bool:
+    """Resolve an ``auto`` mixed-precision backend to Marlin for an AWQ/GPTQ model.
+
+    Returns whether the kernel configuration was changed. An explicit backend (other than
+    ``auto``) is kept: if it is not Marlin, the weight cache refuses its layers.
+    """
+    if getattr(model_config, "quantization", None) not in CACHE_QUANTIZATIONS:
+        return False
+    kc = vllm_config.kernel_config
+    per_quant = dict(kc.linear_backend_per_quant or {})
+    backend = per_quant.get("mixed_precision") or kc.linear_backend
+    if backend != "auto":
+        if backend != "marlin":
+            logger.info(
+                "marlin-pack: %s keeps the explicit mixed-precision backend %r; the weight cache refuses "
+                "AWQ/GPTQ layers not served by MarlinLinearKernel",
+                role,
+                backend,
+            )
+        return False
+    if id(kc) not in _FORCED:
+        _FORCED[id(kc)] = (kc, copy.deepcopy(kc.linear_backend_per_quant))
+    from marlin_pack.vllm_plugin.engine import force_marlin
+
+    force_marlin(kc)
+    logger.info(
+        "marlin-pack: %s: AWQ/GPTQ linear layers use MarlinLinearKernel, the only kernel whose processed "
+        "weights the weight cache shares (linear_backend_per_quant mixed_precision=marlin)",
+        role,
+    )
+    return True
+
+
+def _as_configured(kernel_config: Any) -> Any:
+    """The kernel config as the user configured it (before :func:`force_marlin_for_cache`)."""
+    entry = _FORCED.get(id(kernel_config))
+    if entry is None or entry[0] is not kernel_config:
+        return kernel_config
+    configured = copy.copy(kernel_config)
+    configured.linear_backend_per_quant = copy.deepcopy(entry[1])
+    return configured
+
+
+def _log_hint(e: BaseException) -> None:
+    if type(e).__name__ == "UnsupportedQuantForIPCError":
+        logger.error(_UNSUPPORTED_HINT)
+
+
+def _cache_key(original: classmethod) -> classmethod:  # type: ignore[type-arg]
+    func = original.__func__
+
+    @functools.wraps(func)
+    def from_model_config(cls: type, *args: Any, kernel_config: Any = None, **kwargs: Any) -> Any:
+        return func(cls, *args, kernel_config=_as_configured(kernel_config), **kwargs)
+
+    return classmethod(from_model_config)
+
+
+def _ipc_loader_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """For IpcModelLoader._build_model / _fallback_load(self, vllm_config, model_config, ...)."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, vllm_config: Any, model_config: Any, *args: Any, **kwargs: Any) -> Any:
+        force_marlin_for_cache(vllm_config, model_config, role="ipc_cache engine")
+        try:
+            return original(self, vllm_config, model_config, *args, **kwargs)
+        except Exception as e:
+            _log_hint(e)
+            raise
+
+    return wrapper
+
+
+def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], nn.Module]:
+    @functools.wraps(original)
+    def get_model(self: Any) -> nn.Module:
+        role = f"weight-cache {self.role} daemon rank {self.global_rank}"
+        force_marlin_for_cache(self.vllm_config, self.model_config, role=role)
+        t0 = time.perf_counter()
+        try:
+            model = original(self)
+        except Exception as e:
+            _log_hint(e)
+            raise
+        logger.info(
+            "marlin-pack: %s filled its model in %.2f s (load format %s)",
+            role,
+            time.perf_counter() - t0,
+            self.vllm_config.load_config.load_format,
+        )
+        return model
+
+    return get_model
+
+
+def run_daemon(*args: Any, **kwargs: Any) -> Any:
+    """Spawn target standing in for vLLM's ``_run_daemon``: register marlin-pack, then run it.
+
+    ``vllm preload`` pickles the target by reference
+    (``marlin_pack.vllm_plugin.patches.weight_cache.run_daemon``), so the spawned process
+    imports this module and runs this function first.
+    """
+    from marlin_pack.vllm_plugin import register
+
+    # Spawned daemons start with logging unconfigured; configure it as _run_daemon will, first,
+    # so that marlin-pack's own messages (and registration errors) are shown.
+    vllm_config = args[2] if len(args) > 2 else kwargs.get("vllm_config")
+    if (logging_config := getattr(vllm_config, "logging_config", None)) is not None:
+        from vllm.logger import configure_logging
+
+        configure_logging(logging_config)
+    register()
+    module = importlib.import_module(DAEMON_MODULE)  # patched on import (or already)
+    target = registry.original(RUN_DAEMON) if RUN_DAEMON in registry.installed() else module._run_daemon
+    if target is run_daemon:  # never recurse, whatever state the registry is in
+        raise RuntimeError("marlin-pack: vLLM's _run_daemon is not available in this daemon process")
+    logger.info(
+        "marlin-pack: plugin active in weight-cache daemon process %d (marlin_prepacked load format, "
+        "AWQ/GPTQ Marlin layers accept pre-processed weights)",
+        os.getpid(),
+    )
+    return target(*args, **kwargs)
+
+
+_FORCE_MARLIN = "the weight cache picks the mixed-precision kernel whose processed weights it can share"
+PATCHES = (
+    Patch(
+        "vllm.model_executor.model_loader.weight_cache.protocol:WeightCacheKey.from_model_config",
+        _cache_key,
+        remove_when=f"{_FORCE_MARLIN} itself (then no backend is forced and keys match unaided)",
+    ),
+    Patch(f"{_IPC_LOADER}._build_model", _ipc_loader_step, remove_when=_FORCE_MARLIN),
+    Patch(f"{_IPC_LOADER}._fallback_load", _ipc_loader_step, remove_when=_FORCE_MARLIN),
+    Patch(f"{DAEMON_MODULE}:WeightCacheDaemon.get_model", _daemon_get_model, remove_when=_FORCE_MARLIN, deferred=True),
+    Patch(
+        RUN_DAEMON,
+        lambda _original: run_daemon,
+        remove_when="vllm preload's spawned daemons call load_general_plugins()",
+        deferred=True,
+    ),
+)
