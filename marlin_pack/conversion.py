@@ -94,7 +94,7 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
             if not any(quantized):
                 continue  # left unquantized (modules_to_not_convert): loaded by vLLM from common
             if not all(quantized):
-                missing = next(p.prefix for p, q in zip(spec.parts, quantized) if not q)
+                missing = next(p.prefix for p, q in zip(spec.parts, quantized, strict=True) if not q)
                 raise CheckpointError(f"tensor {missing}.qweight is missing although its fused siblings are quantized; the checkpoint is incomplete")
             biases = [f"{p.prefix}.bias" in ckpt.tensors for p in spec.parts]
             if any(biases) and not all(biases):

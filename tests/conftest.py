@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -120,3 +121,36 @@ def damaged_copy(tmp_path: Path) -> Callable[..., Path]:
         return target
 
     return copy
+
+
+@pytest.fixture
+def awq_copy(make_checkpoint: CheckpointFactory, damaged_copy: Callable[..., Path]) -> Path:
+    """A private copy of the tiny AWQ checkpoint (no bundle yet) that a test may edit."""
+    return damaged_copy(make_checkpoint("awq"))
+
+
+def _edit_config(model_dir: Path, **changes: object) -> None:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    for key, value in changes.items():
+        if key.startswith("q_"):
+            cfg["quantization_config"][key[2:]] = value
+        else:
+            cfg[key] = value
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture
+def edit_config() -> Callable[..., None]:
+    """``edit_config(model_dir, key=value, q_key=value)``: change config.json (``q_`` keys: its quantization_config)."""
+    return _edit_config
+
+
+def _no_leftovers(model_dir: Path) -> None:
+    assert not (model_dir / "marlin-pack").exists()
+    assert not [p for p in model_dir.iterdir() if p.name.startswith(".marlin-pack")]
+
+
+@pytest.fixture
+def no_leftovers() -> Callable[[Path], None]:
+    """``no_leftovers(model_dir)``: assert a failed conversion left neither a bundle nor a temporary directory."""
+    return _no_leftovers

@@ -45,8 +45,9 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def installed() -> Any:
     """marlin-pack registered in this process (as vLLM's plugin loading would do)."""
-    from marlin_pack.vllm_plugin import ipc, register
     from marlin_pack.vllm_plugin.prepacked import install_patches
+
+    from marlin_pack.vllm_plugin import ipc, register
 
     register()
     install_patches()
@@ -132,6 +133,7 @@ def test_preload_argv_refuses(tmp_path: Path, extra: list[str], error: type, mat
 
 def test_cli_daemon_forwards_every_other_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import marlin_pack.daemon
+
     from marlin_pack.cli import app
 
     model = _bundle(tmp_path)
@@ -160,8 +162,8 @@ def test_cli_daemon_help_does_not_import_vllm() -> None:
 
 def test_run_installs_marlin_pack_before_vllm_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm.entrypoints.cli.main as vllm_cli
-
     from marlin_pack.daemon import run
+
     from marlin_pack.vllm_plugin import ipc
 
     seen: dict[str, Any] = {}
@@ -184,7 +186,6 @@ def test_run_installs_marlin_pack_before_vllm_cli(monkeypatch: pytest.MonkeyPatc
 
 def test_run_reports_vllm_errors_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm.entrypoints.cli.main as vllm_cli
-
     from marlin_pack.daemon import run
 
     def fake_main() -> None:
@@ -707,10 +708,9 @@ def _spawn_probe_main() -> None:
         from marlin_pack.vllm_plugin import register
 
         register()
+    import marlin_pack.vllm_plugin.ipc as ipc
     from vllm.model_executor.model_loader.weight_cache import daemon as daemon_mod
     from vllm.model_executor.model_loader.weight_cache.daemon import _run_daemon  # as preload.py L214
-
-    import marlin_pack.vllm_plugin.ipc as ipc
 
     ctx = multiprocessing.get_context("spawn")  # as preload.py
     queue = ctx.Queue()

@@ -16,13 +16,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-import marlin_pack
-from marlin_pack._constants import LOAD_FORMAT
-from marlin_pack.bundle import read_manifest
-from marlin_pack.errors import BundleError, BundleMismatchError
-from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
 from marlin_pack.vllm_plugin.checks import (
     EngineFacts,
     LayerFacts,
@@ -36,6 +29,13 @@ from marlin_pack.vllm_plugin.checks import (
     resolve_bundle_dir,
 )
 from marlin_pack.vllm_plugin.reader import CopyItem, ParallelReader, read_header
+from safetensors.torch import load_file, save_file
+
+import marlin_pack
+from marlin_pack._constants import LOAD_FORMAT
+from marlin_pack.bundle import read_manifest
+from marlin_pack.errors import BundleError, BundleMismatchError
+from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.33.0"
@@ -550,6 +550,7 @@ def test_placed_layers_equal_stock_vllm_post_processing(tmp_path: Path, case: st
     """Build real vLLM layers (as vllm_reference does), run the loader's checks, placement and
     vLLM's patched post-processing, and compare with stock vLLM's post-processed tensors."""
     vr = pytest.importorskip("vllm_reference")
+    from marlin_pack.vllm_plugin.prepacked import install_patches, is_prepacked, mark_prepacked
     from vllm.config.load import LoadConfig
 
     from marlin_pack.vllm_plugin.loader import (
@@ -558,7 +559,6 @@ def test_placed_layers_equal_stock_vllm_post_processing(tmp_path: Path, case: st
         layer_facts,
         quantized_layers,
     )
-    from marlin_pack.vllm_plugin.prepacked import install_patches, is_prepacked, mark_prepacked
 
     write, tp_size, rank = CASES[case]
     ckpt = write(tmp_path / "ckpt")
@@ -638,10 +638,10 @@ def test_load_model_flow_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     """load_model: forced Marlin at creation, checks, placement, marks, common tensors through
     model.load_weights, vLLM's real process_weights_after_loading (a no-op for the layers)."""
     vr = pytest.importorskip("vllm_reference")
+    from marlin_pack.vllm_plugin.prepacked import is_prepacked
     from vllm.config.load import LoadConfig
 
     from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
-    from marlin_pack.vllm_plugin.prepacked import is_prepacked
 
     ckpt = CASES[kind][0](tmp_path / "ckpt")
     marlin_pack.convert(ckpt, tp_sizes=(1,), dtype="float16")
@@ -670,10 +670,10 @@ def test_create_model_kernel_mismatch_refuses_or_falls_back(
     awq_copy: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     vr = pytest.importorskip("vllm_reference")
+    from marlin_pack.vllm_plugin.prepacked import is_prepacked
     from vllm.config.load import LoadConfig
 
     import marlin_pack.vllm_plugin.loader as loader_mod
-    from marlin_pack.vllm_plugin.prepacked import is_prepacked
 
     real_facts = loader_mod.layer_facts
 

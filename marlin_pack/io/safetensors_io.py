@@ -16,6 +16,7 @@ Importing this module does not import torch (the CLI's ``inspect`` reads manifes
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -184,7 +185,7 @@ def read_header(path: Path) -> SafetensorsHeader:
             )
         tensors[name] = TensorInfo(name, path.name, dtype, shape, base + begin, base + end)
     spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.nbytes)
-    for (_, prev_end, prev), (start, _, name) in zip(spans, spans[1:]):
+    for (_, prev_end, prev), (start, _, name) in zip(spans, spans[1:], strict=False):
         if start < prev_end:
             raise SafetensorsFormatError(f"{path.name}: tensors {prev} and {name} overlap; the file is corrupt")
     return SafetensorsHeader(path, raw, tensors, dict(metadata))
@@ -268,7 +269,6 @@ class StreamWriter:
         """Stop writing and close the file (the caller removes it)."""
         self._io.shutdown(wait=True, cancel_futures=True)
         if not self._file.closed:
-            try:  # closing flushes: on a full disk that fails again, and must not mask the first error
+            # Closing flushes: on a full disk that fails again, and must not mask the first error.
+            with contextlib.suppress(OSError):
                 self._file.close()
-            except OSError:
-                pass

@@ -17,14 +17,13 @@ from marlin_pack.schemas import LayerEntry, LayerKind, LayerPart
 if TYPE_CHECKING:
     import torch
 
-    from marlin_pack.sources.base import ModuleTensors
-
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelDims",
     "PartSpec",
     "LayerSpec",
     "RankSlice",
+    "ModuleTensors",
     "model_dims",
     "layer_specs",
     "kv_replicas",
@@ -68,6 +67,24 @@ class LayerSpec:
     name: str
     kind: LayerKind
     parts: tuple[PartSpec, ...]
+
+
+@dataclass
+class ModuleTensors:
+    """One checkpoint linear module in canonical form (natural ``[K, N]`` order).
+
+    ``codes`` are unsigned weights (uint8); ``zeros`` the unsigned zero points (AWQ)
+    or None; ``scales`` and ``bias`` as stored in the checkpoint. When ``column_slots``
+    is set, the columns of ``codes`` and ``zeros`` are in that order within each aligned
+    8 (AWQ's packing order, left in place to save a pass; see ``repack.AWQ_SLOTS``).
+    Source readers (``marlin_pack.sources``) produce it; :func:`fuse_rank_slices` consumes it.
+    """
+
+    codes: torch.Tensor  # [K, N] uint8
+    scales: torch.Tensor  # [G, N]
+    zeros: torch.Tensor | None  # [G, N] uint8
+    bias: torch.Tensor | None  # [N]
+    column_slots: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from marlin_pack.marlin.sharding import ModuleTensors
 from marlin_pack.schemas import QuantScheme, SourceFormat
 from marlin_pack.sources.checkpoint import Checkpoint
 
 __all__ = ["ModuleTensors", "QuantSource"]
-
-
-@dataclass
-class ModuleTensors:
-    """One checkpoint linear module in canonical form (natural ``[K, N]`` order).
-
-    ``codes`` are unsigned weights (uint8); ``zeros`` the unsigned zero points (AWQ)
-    or None; ``scales`` and ``bias`` as stored in the checkpoint. When ``column_slots``
-    is set, the columns of ``codes`` and ``zeros`` are in that order within each aligned
-    8 (AWQ's packing order, left in place to save a pass; see ``repack.AWQ_SLOTS``).
-    """
-
-    codes: torch.Tensor  # [K, N] uint8
-    scales: torch.Tensor  # [G, N]
-    zeros: torch.Tensor | None  # [G, N] uint8
-    bias: torch.Tensor | None  # [N]
-    column_slots: tuple[int, ...] | None = None
 
 
 class QuantSource(Protocol):

@@ -34,12 +34,8 @@ from typing import Any
 
 import pytest
 import torch
+from _harness import ATTN, MAX_TOKENS, PROMPTS, ROOT, TOP
 
-ROOT = Path(__file__).resolve().parents[2]
-ATTN = os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN")
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
-MAX_TOKENS = 16
-TOP = 5
 ENGINE_TIMEOUT_S = 600
 
 pytestmark = [
@@ -284,7 +280,7 @@ def test_bundle_equals_stock_vllm_after_loading(
 
 def _flip_qweight_byte(path: Path) -> None:
     """Change one byte inside a packed-weight tensor (any int32 word is valid data), like an edit would."""
-    from marlin_pack.vllm_plugin.reader import read_header
+    from marlin_pack.io.safetensors_io import read_header
 
     info = next(i for n, i in sorted(read_header(path).tensors.items()) if n.endswith(".qweight"))
     st = path.stat()

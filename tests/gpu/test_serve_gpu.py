@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from _harness import ATTN
 
-ATTN = os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN")
 READY_TIMEOUT_S = 300
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

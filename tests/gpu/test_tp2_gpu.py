@@ -13,7 +13,7 @@ gptq4-padded-tp2     g32, 6 heads / 2 KV heads, intermediate 704: aligned at TP=
 ===================  =====================================================================
 
 Two module fixtures, each starting its engines side by side (subprocesses with their own
-rendezvous ports and a fixed KV-cache size, see ``test_daemon_gpu.Cluster``) and stopping
+rendezvous ports and a fixed KV-cache size, see ``_harness.Cluster``) and stopping
 them before the tests read the results:
 
 - ``loader``: per kind an ordinary engine (``linear_backend="marlin"``) and a
@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_daemon_gpu import Cluster, Proc, attach_config, check_logprobs_close, wait_socket
+from _harness import Cluster, Proc, attach_config, check_logprobs_close, wait_socket
 
 pytestmark = [
     pytest.mark.gpu,

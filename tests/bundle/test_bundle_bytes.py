@@ -21,7 +21,7 @@ import torch
 from marlin_pack import convert
 from marlin_pack.testing.synthetic import PRESETS, ModelShape, write_awq_checkpoint, write_gptq_checkpoint
 
-DIGESTS = Path(__file__).parent / "data" / "bundle_digests.json"
+DIGESTS = Path(__file__).parents[1] / "data" / "bundle_digests.json"
 _WIDE = ModelShape(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
 _PADDED_AT_TP2 = ModelShape(hidden_size=384, intermediate_size=704, num_attention_heads=6, num_key_value_heads=2)
 

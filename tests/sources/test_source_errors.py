@@ -1,0 +1,145 @@
+"""A checkpoint marlin-pack cannot read or vLLM would not serve: one clear error, nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from marlin_pack import CheckpointError, UnsupportedCheckpointError, convert
+from marlin_pack.testing.synthetic import PRESETS, write_gptq_checkpoint, write_unquantized_checkpoint
+
+
+@pytest.fixture
+def awq(awq_copy: Path) -> Path:
+    return awq_copy
+
+
+def test_missing_config(awq: Path, tmp_path: Path, no_leftovers) -> None:
+    (awq / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"config.json not found: expected the checkpoint's config.json"):
+        convert(awq)
+    no_leftovers(awq)
+
+
+def test_unreadable_config(awq: Path) -> None:
+    (awq / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config.json is not valid JSON"):
+        convert(awq)
+
+
+def test_truncated_safetensors(awq: Path, tmp_path: Path, no_leftovers) -> None:
+    f = awq / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor .* spans bytes .* truncated or corrupt"):
+        convert(awq)
+    no_leftovers(awq)
+
+
+def test_corrupt_header(awq: Path) -> None:
+    f = awq / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:16] = b"\xff\xfe{{{{{{"
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"corrupt safetensors header"):
+        convert(awq)
+
+
+def test_missing_tensor(awq: Path) -> None:
+    tensors = load_file(awq / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.scales"]
+    save_file(tensors, awq / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor model.layers.1.mlp.down_proj.scales is missing"):
+        convert(awq)
+
+
+def test_missing_shard(make_checkpoint, damaged_copy) -> None:
+    d = damaged_copy(make_checkpoint("awq", sharded=True))
+    shard = sorted(d.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"index.json names {shard.name}, which is not in"):
+        convert(d)
+
+
+def test_shape_mismatch(awq: Path, edit_config) -> None:
+    edit_config(awq, intermediate_size=640)
+    with pytest.raises(CheckpointError, match=r"gate_proj.qweight has shape \[256, 64\], expected \[256, 80\] from config.json"):
+        convert(awq)
+
+
+def test_wrong_dtype(awq: Path) -> None:
+    tensors = load_file(awq / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.qweight"] = tensors["model.layers.0.self_attn.o_proj.qweight"].to(torch.int64)
+    save_file(tensors, awq / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"o_proj.qweight is int64, expected int32"):
+        convert(awq)
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"q_zero_point": False}, r"AWQ zero_point is False, expected true"),
+        ({"q_bits": 8}, r"AWQ bits is 8, expected 4"),
+        ({"q_group_size": 16}, r"AWQ group_size is 16, expected one of -1, 32, 64, 128"),
+        ({"q_version": "gemv"}, r"AWQ version is 'gemv', expected 'gemm'"),
+        ({"q_quant_method": "fp8"}, r"quant_method is 'fp8', expected 'awq' or 'gptq'"),
+        ({"num_local_experts": 8}, r"mixture-of-experts model"),
+        ({"architectures": ["GPT2LMHeadModel"]}, r"architecture is 'GPT2LMHeadModel', expected one of"),
+    ],
+)
+def test_unsupported_awq_schemes(awq: Path, changes: dict, match: str, edit_config) -> None:
+    edit_config(awq, **changes)
+    with pytest.raises(UnsupportedCheckpointError, match=match):
+        convert(awq)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"desc_act": True, "group_size": 128}, r"desc_act is true with group_size 128"),
+        ({"sym": False}, r"GPTQ sym is False, expected true"),
+        ({"bits": 2}, r"GPTQ bits is 2, expected 4 or 8"),
+    ],
+)
+def test_unsupported_gptq_schemes(tmp_path: Path, kwargs: dict, match: str) -> None:
+    d = write_gptq_checkpoint(tmp_path / "g", PRESETS["tiny"], tokenizer=False, **kwargs)
+    with pytest.raises(UnsupportedCheckpointError, match=match):
+        convert(d)
+
+
+def test_gptq_asymmetric_zeros_with_sym_config(tmp_path: Path, edit_config, no_leftovers) -> None:
+    d = write_gptq_checkpoint(tmp_path / "g", PRESETS["tiny"], sym=False, tokenizer=False)
+    edit_config(d, q_sym=True)
+    with pytest.raises(CheckpointError, match=r"qzeros holds zero points other than 7 although sym is true"):
+        convert(d)
+    no_leftovers(d)
+
+
+def test_moe_expert_tensors(awq: Path) -> None:
+    tensors = load_file(awq / "model.safetensors")
+    tensors["model.layers.0.mlp.experts.0.up_proj.qweight"] = torch.zeros(256, 64, dtype=torch.int32)
+    save_file(tensors, awq / "model.safetensors")
+    with pytest.raises(UnsupportedCheckpointError, match=r"experts.0.up_proj.qweight is an MoE expert quantized module"):
+        convert(awq)
+
+
+def test_not_quantized(tmp_path: Path) -> None:
+    d = write_unquantized_checkpoint(tmp_path / "u", PRESETS["tiny"], tokenizer=False)
+    with pytest.raises(UnsupportedCheckpointError, match=r"no quantization_config: the checkpoint is not quantized"):
+        convert(d)
+
+
+@pytest.mark.parametrize("key,value", [("num_key_value_heads", "2"), ("head_dim", "x")])
+def test_non_integer_dimensions(awq: Path, key: str, value: str, edit_config) -> None:
+    edit_config(awq, **{key: value})
+    with pytest.raises(UnsupportedCheckpointError, match=rf"config.json {key} is '{value}', expected a positive integer"):
+        convert(awq)
+
+
+def test_deeply_nested_config(awq: Path) -> None:
+    (awq / "config.json").write_text("[" * 200_000)
+    with pytest.raises(CheckpointError, match=r"nests JSON too deeply"):
+        convert(awq)
