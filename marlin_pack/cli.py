@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -80,9 +81,9 @@ def _progress(enabled: bool, what: str) -> Iterator[Callable[[int, int, str], No
 @app.command()
 def convert(
     model_dir: ModelDirArg,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Bundle directory [default: MODEL_DIR/marlin-pack].")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Bundle directory \\[default: MODEL_DIR/marlin-pack].")] = None,
     tp: Annotated[str, typer.Option("--tp", help="Tensor-parallel sizes to write, e.g. 1,2,4,8.")] = "1",
-    dtype: Annotated[str | None, typer.Option("--dtype", help="Serving dtype: float16 or bfloat16 [default: the checkpoint's].")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="Serving dtype: float16 or bfloat16 \\[default: the checkpoint's].")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle.")] = False,
     device: Annotated[str, typer.Option("--device", help="Where to do the tensor work: cpu or cuda.")] = "cpu",
     as_json: JsonOpt = False,
@@ -90,8 +91,13 @@ def convert(
     """Write a Marlin bundle for MODEL_DIR (engine-free; CPU is enough)."""
     from marlin_pack.conversion import convert as run_convert
 
-    with _progress(not as_json, "converting") as progress:
-        manifest = run_convert(model_dir, output, tp_sizes=_parse_tp(tp), dtype=dtype, force=force, device=device, progress=progress)
+    try:
+        with _progress(not as_json, "converting") as progress:
+            manifest = run_convert(model_dir, output, tp_sizes=_parse_tp(tp), dtype=dtype, force=force, device=device, progress=progress)
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM/SIGHUP (Interrupted): the writer removed its files
+        signum = getattr(e, "signum", 2)
+        err.print(f"[red]interrupted[/] ({e or 'SIGINT'}): nothing was written (partial output removed)", highlight=False)
+        raise typer.Exit(128 + signum) from None
     bundle = output or model_dir / BUNDLE_DIRNAME
     if as_json:
         out.print_json(json.dumps({"bundle": str(bundle), "manifest": manifest.model_dump(mode="json")}))
@@ -103,25 +109,39 @@ def convert(
 @app.command()
 def verify(
     bundle: BundleArg,
-    source: Annotated[Path | None, typer.Option("--source", help="Checkpoint the bundle was made from [default: the bundle's parent].")] = None,
+    source: Annotated[
+        Path | None, typer.Option("--source", help="Checkpoint the bundle was made from \\[default: the bundle's parent].")
+    ] = None,
+    integrity_only: Annotated[
+        bool, typer.Option("--integrity-only", help="Check the bundle alone (files, hashes, tensors); skip the source checks.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Prove a bundle is intact and faithful to its source (exit 1 on any failure)."""
+    """Prove a bundle is intact and faithful to its source.
+
+    Exit 0 only when every check ran and passed (with --integrity-only: every bundle check);
+    exit 1 when a check failed or the source checks could not run.
+    """
     from marlin_pack.verification import verify as run_verify
 
     with _progress(not as_json, "round trip") as progress:
-        report = run_verify(bundle, source, progress=progress)
+        report = run_verify(bundle, source, integrity_only=integrity_only, progress=progress)
     if as_json:
-        out.print_json(json.dumps({"ok": report.ok, "checks": [c.__dict__ for c in report.checks]}))
+        out.print_json(json.dumps({"ok": report.ok, "checks": [c.to_dict() for c in report.checks]}))
     else:
         table = Table("check", "result", "detail", title=f"verify {bundle}")
+        marks = {"ok": "[green]ok[/]", "failed": "[red]FAILED[/]", "skipped": "[yellow]skipped[/]"}
         for c in report.checks:
-            table.add_row(c.name, "[green]ok[/]" if c.ok else "[red]FAILED[/]", c.detail)
+            table.add_row(c.name, marks[c.status], escape(c.detail))
         out.print(table)
-    if not report.ok:
-        failed = report.first_failure
-        assert failed is not None
+    failed = report.first_failure
+    if failed is not None:
         raise MarlinPackError(f"verify failed at {failed.name}: {failed.detail}")
+    if report.incomplete:
+        raise MarlinPackError(
+            f"verify could not check {bundle} against its checkpoint: pass --source MODEL_DIR, "
+            "or --integrity-only to check the bundle alone"
+        )
 
 
 @app.command()

@@ -8,7 +8,7 @@ A thin orchestration: :func:`plan_conversion` validates everything it can from h
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,7 +18,7 @@ import torch
 
 from marlin_pack._constants import TARGET_VLLM_VERSION
 from marlin_pack._version import __version__
-from marlin_pack.bundle.integrity import source_stamp_key
+from marlin_pack.bundle.integrity import canonical_json, source_digest, source_stamp_key
 from marlin_pack.bundle.reader import default_bundle_dir
 from marlin_pack.bundle.writer import BundleWriter, check_output
 from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedCheckpointError
@@ -63,10 +63,6 @@ def resolve_dtype(config: dict, dtype: str | None) -> ServingDtype:
     return ServingDtype(found) if found in {d.value for d in ServingDtype} else ServingDtype.float16
 
 
-def _canonical_json(obj: object) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
 @dataclass
 class ConversionPlan:
     """Everything decided from headers and config before any tensor data is read."""
@@ -87,12 +83,20 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
         CheckpointError, UnsupportedCheckpointError: naming the first tensor or setting at fault.
     """
     plan = ConversionPlan(dims=model_dims(ckpt.config), source=source, dtype=dtype)
+    _check_layer_count(ckpt, plan.dims)
     owned: set[str] = set()
     for i in range(plan.dims.num_layers):
         for spec in layer_specs(plan.dims, i):
             quantized = [f"{p.prefix}.qweight" in ckpt.tensors for p in spec.parts]
             if not any(quantized):
-                continue  # left unquantized (modules_to_not_convert): loaded by vLLM from common
+                # Left unquantized (modules_to_not_convert): loaded by vLLM from common, if it is there.
+                missing = next((p.prefix for p in spec.parts if f"{p.prefix}.weight" not in ckpt.tensors), None)
+                if missing is not None:
+                    raise CheckpointError(
+                        f"module {missing} has no weights in the checkpoint (neither qweight nor weight); "
+                        "the checkpoint is incomplete, download it again"
+                    )
+                continue
             if not all(quantized):
                 missing = next(p.prefix for p, q in zip(spec.parts, quantized, strict=True) if not q)
                 raise CheckpointError(f"tensor {missing}.qweight is missing although its fused siblings are quantized; the checkpoint is incomplete")
@@ -124,6 +128,20 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
     return plan
 
 
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _check_layer_count(ckpt: Checkpoint, dims: ModelDims) -> None:
+    """config.json's layer count against the layers the weights hold (before any per-layer work)."""
+    present = {int(m.group(1)) for name in ckpt.tensors if (m := _LAYER_INDEX.match(name))}
+    held = max(present) + 1 if present else 0
+    if dims.num_layers > held:
+        raise CheckpointError(
+            f"config.json num_hidden_layers is {dims.num_layers}, the checkpoint holds decoder layers "
+            f"0..{held - 1}; the config does not match the weights (layer {held} is missing)"
+        )
+
+
 def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str, Future[str]]]) -> Source:
     qc = ckpt.quantization_config() or {}
     files = [
@@ -135,8 +153,8 @@ def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str
         )
         for name, fut in hashes
     ]
-    qc_sha = sha256_bytes(_canonical_json(qc))
-    digest = sha256_bytes("".join(f"{f.name} {f.sha256}\n" for f in files).encode() + _canonical_json(qc))
+    qc_sha = sha256_bytes(canonical_json(qc))
+    digest = source_digest([(f.name, f.sha256) for f in files], qc)
     return Source(
         format=plan.source.format,
         architecture=plan.dims.architecture,
@@ -202,7 +220,7 @@ def convert(
     if not tps or tps[0] < 1:
         raise MarlinPackError(f"--tp {tp_sizes} is invalid; expected positive sizes such as 1,2,4,8")
     dev = _device(device)
-    check_output(model_dir, out, force)
+    out = check_output(model_dir, out, force)
 
     ckpt = Checkpoint(model_dir)
     source = source_from_quant_config(ckpt.quantization_config())
@@ -212,7 +230,7 @@ def convert(
 
     pool = ThreadPoolExecutor(max_workers=2)
     try:
-        with BundleWriter.create(out) as bundle:
+        with BundleWriter.create(out, force=force) as bundle:
             hashes = [(f, pool.submit(sha256_file, ckpt.dir / f)) for f in ckpt.files]
             common = bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in plan.common], ckpt.get)
             ranks = {
@@ -242,6 +260,7 @@ def convert(
                 common=common,
                 tensor_parallel=bundle.close_ranks(plan.entries),
             )
+            ckpt.check_unchanged()  # after hashing and reading: the hashes describe the data converted
             stamps = [(source_stamp_key(f.name), ckpt.dir / f.name, f.sha256) for f in manifest.source.files]
             bundle.finish(manifest, stamps)
     finally:

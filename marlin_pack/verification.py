@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -31,30 +32,51 @@ from marlin_pack.sources import Checkpoint, source_from_quant_config
 __all__ = ["Check", "VerifyReport", "verify"]
 
 
+Status = Literal["ok", "failed", "skipped"]
+_SOURCE_STAGES = ("source", "plan", "layout", "common", "round-trip")
+
+
 @dataclass
 class Check:
-    """One stage of :func:`verify`: its name, whether it passed, and what it found."""
+    """One stage of :func:`verify`: its name, its status, and what it found."""
 
     name: str
-    ok: bool
+    status: Status
     detail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "ok": self.ok, "status": self.status, "detail": self.detail}
 
 
 @dataclass
 class VerifyReport:
-    """Outcome of :func:`verify`: one :class:`Check` per stage, in order."""
+    """Outcome of :func:`verify`: one :class:`Check` per stage, in order.
+
+    ``ok`` is True only if no check failed and every check ran, except the source checks
+    when ``integrity_only`` was asked for: a skipped check is never silently "ok".
+    """
 
     bundle: Path
     source: Path | None
+    integrity_only: bool = False
     checks: list[Check] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
+        return not any(c.status == "failed" for c in self.checks) and not self.incomplete
+
+    @property
+    def incomplete(self) -> bool:
+        """Some check did not run although it was asked for."""
+        return any(c.status == "skipped" and not self.integrity_only for c in self.checks)
 
     @property
     def first_failure(self) -> Check | None:
-        return next((c for c in self.checks if not c.ok), None)
+        return next((c for c in self.checks if c.status == "failed"), None)
 
 
 class _Failed(Exception):
@@ -72,6 +94,7 @@ def verify(
     bundle_dir: str | Path,
     source_dir: str | Path | None = None,
     *,
+    integrity_only: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> VerifyReport:
     """Verify a bundle; never raises on a bad bundle, reports instead.
@@ -80,25 +103,27 @@ def verify(
         bundle_dir: the bundle directory.
         source_dir: the checkpoint it was made from; default: the bundle's parent
             when the bundle sits at its default location ``MODEL_DIR/marlin-pack``.
-            Without a source, the source and round-trip checks are skipped (reported).
+        integrity_only: check the bundle alone (manifest, files, tensors); the source
+            checks are reported as skipped and do not make the report fail. Without it, a
+            bundle whose source is unknown fails as incomplete.
         progress: called as ``progress(done, total, layer_name)`` during the round trip.
 
     Returns:
-        A :class:`VerifyReport`; ``report.ok`` is True only if every check passed.
+        A :class:`VerifyReport`; ``report.ok`` is True only if every check asked for ran and passed.
     """
     bundle = Path(bundle_dir)
-    source = Path(source_dir) if source_dir is not None else _default_source(bundle)
-    report = VerifyReport(bundle=bundle, source=source)
+    source = None if integrity_only else Path(source_dir) if source_dir is not None else _default_source(bundle)
+    report = VerifyReport(bundle=bundle, source=source, integrity_only=integrity_only)
 
     def stage(name: str, fn: Callable[[], str]) -> None:
         try:
-            report.checks.append(Check(name, True, fn()))
+            report.checks.append(Check(name, "ok", fn()))
         except MarlinPackError as e:
-            report.checks.append(Check(name, False, str(e)))
-            raise _Failed from None
+            report.checks.append(Check(name, "failed", str(e)))
+            raise _Failed from e
         except Exception as e:  # a malformed file that slipped past the header checks: still a report
-            report.checks.append(Check(name, False, f"{type(e).__name__}: {e}"))
-            raise _Failed from None
+            report.checks.append(Check(name, "failed", f"{type(e).__name__}: {e}"))
+            raise _Failed from e
 
     manifest: Manifest | None = None
 
@@ -114,7 +139,12 @@ def verify(
         stage("files", lambda: (check_files(bundle, m, full_hash=True), f"{len(m.files())} files, sizes and sha256 match")[1])
         stage("tensors", lambda: _check_tensor_specs(bundle, m))
         if source is None:
-            report.checks.append(Check("source", True, "skipped: pass --source MODEL_DIR to check against the checkpoint"))
+            why = (
+                "skipped (--integrity-only)"
+                if integrity_only
+                else "skipped: no checkpoint to compare with; pass --source MODEL_DIR, or --integrity-only to check the bundle alone"
+            )
+            report.checks.extend(Check(name, "skipped", why) for name in _SOURCE_STAGES)
             return report
         stage("source", lambda: (check_source(m, source, bundle, full_hash=True), "checkpoint files match the manifest")[1])
         ckpt: Checkpoint | None = None

@@ -135,11 +135,69 @@ def test_missing_rank_file(bundle: Path) -> None:
     assert name == "files" and "tp2/rank-0.safetensors is missing" in detail
 
 
-def test_without_source_skips_deep_checks(bundle: Path, tmp_path: Path) -> None:
+def test_without_source_is_incomplete_not_ok(bundle: Path, tmp_path: Path) -> None:
+    # A bundle away from its checkpoint: the source checks cannot run, and a skipped check is not "ok".
     moved = tmp_path / "elsewhere"
     shutil.copytree(bundle, moved)
     report = verify(moved)
-    assert report.ok and report.checks[-1].name == "source" and "skipped" in report.checks[-1].detail
+    assert not report.ok and report.incomplete and report.first_failure is None
+    skipped = [c for c in report.checks if c.status == "skipped"]
+    assert [c.name for c in skipped] == ["source", "plan", "layout", "common", "round-trip"]
+    assert "pass --source MODEL_DIR" in skipped[0].detail
+    assert verify(moved, bundle.parent).ok  # naming the source makes it complete
+
+
+def test_integrity_only_checks_the_bundle_alone(bundle: Path, tmp_path: Path) -> None:
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(bundle, moved)
+    report = verify(moved, integrity_only=True)
+    assert report.ok and [c.status for c in report.checks][:3] == ["ok", "ok", "ok"]
+    assert {c.status for c in report.checks[3:]} == {"skipped"}
+    (moved / "tp1" / "rank-0.safetensors").write_bytes(b"x")
+    assert not verify(moved, integrity_only=True).ok
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda m: m["source"]["quantization_config"].update(group_size=64),  # config edited, hashes left
+        lambda m: (
+            m["source"]["quantization_config"].update(group_size=64),
+            m["source"].update(quantization_config_sha256="0" * 64),
+        ),
+        lambda m: m["source"].update(digest="f" * 64),
+    ],
+    ids=["config", "config-and-its-hash", "digest"],
+)
+def test_forged_source_record_fails(bundle: Path, forge) -> None:
+    m = json.loads((bundle / "manifest.json").read_text())
+    forge(m)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    name, detail = _failure(bundle)
+    assert name == "source" and "source." in detail and "re-convert" in detail
+
+
+def test_changed_config_quantization_fails(bundle: Path) -> None:
+    cfg = json.loads((bundle.parent / "config.json").read_text())
+    cfg["quantization_config"]["damp_percent"] = 0.5
+    (bundle.parent / "config.json").write_text(json.dumps(cfg))
+    name, detail = _failure(bundle)
+    assert name == "source" and "another quantization_config" in detail
+
+
+def test_overlapping_tensors_fail(bundle: Path) -> None:
+    # Two tensors sharing bytes: safetensors refuses such a file, so must verify (hash updated to match).
+    path = bundle / "tp1" / "rank-0.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    a, b = "model.layers.0.mlp.down_proj.qweight", "model.layers.1.mlp.down_proj.qweight"  # same shape
+    header[b]["data_offsets"] = header[a]["data_offsets"]  # earlier offsets: never more digits
+    text = json.dumps(header, separators=(",", ":")).encode()
+    path.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n :])
+    _rehash(bundle, path)
+    name, detail = _failure(bundle)
+    assert name == "tensors" and "overlap" in detail
 
 
 def test_extra_safetensors_outside_the_index_is_not_part_of_the_source(make_checkpoint, tmp_path: Path) -> None:

@@ -7,17 +7,53 @@ No vLLM, no torch.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from marlin_pack._constants import STAMPS_NAME
 from marlin_pack.bundle.reader import resolve_file
 from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, MismatchField
-from marlin_pack.io.checkpoint_files import weight_files
+from marlin_pack.io.checkpoint_files import read_json, weight_files
 from marlin_pack.io.hashing import StampCache, sha256_bytes, sha256_file
 from marlin_pack.io.safetensors_io import read_header_bytes
 from marlin_pack.schemas import FileEntry, Manifest
 
-__all__ = ["check_files", "check_source", "source_stamp_key"]
+__all__ = ["canonical_json", "source_digest", "check_files", "check_source", "source_stamp_key"]
+
+
+def canonical_json(obj: object) -> bytes:
+    """The bytes hashed for a JSON value: sorted keys, no whitespace."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def source_digest(files: list[tuple[str, str]], quantization_config: dict) -> str:
+    """``source.digest``: SHA-256 over every ``(file name, sha256)`` and the quantization config."""
+    return sha256_bytes("".join(f"{name} {sha}\n" for name, sha in files).encode() + canonical_json(quantization_config))
+
+
+def _check_source_config(manifest: Manifest, model_dir: Path) -> None:
+    """The manifest's record of the source is self-consistent and matches the checkpoint's config."""
+    src = manifest.source
+    if sha256_bytes(canonical_json(src.quantization_config)) != src.quantization_config_sha256:
+        raise BundleMismatchError(
+            MismatchField.source_config,
+            "source.quantization_config does not hash to source.quantization_config_sha256; the manifest was edited, re-convert",
+        )
+    if source_digest([(f.name, f.sha256) for f in src.files], src.quantization_config) != src.digest:
+        raise BundleMismatchError(
+            MismatchField.source_config,
+            "source.digest does not match the recorded files and config; the manifest was edited, re-convert",
+        )
+    try:
+        config = read_json(model_dir / "config.json", "config.json")
+    except CheckpointError as e:
+        raise BundleMismatchError(MismatchField.source_config, str(e)) from e
+    found = config.get("quantization_config")
+    if not isinstance(found, dict) or canonical_json(found) != canonical_json(src.quantization_config):
+        raise BundleMismatchError(
+            MismatchField.source_config,
+            f"{model_dir / 'config.json'} holds another quantization_config than the bundle was made from; re-convert",
+        )
 
 
 def source_stamp_key(file_name: str) -> str:
@@ -70,15 +106,16 @@ def check_source(
 ) -> None:
     """Check that ``model_dir`` holds the checkpoint the bundle was made from.
 
-    Compares the set of ``*.safetensors`` files, their sizes and header digests, and (per
-    ``full_hash``, as in :func:`check_files`) their full SHA-256. Stamps of checked files
-    are kept in ``bundle_dir``.
+    Compares the quantization config (and the manifest's digests of it), the set of
+    ``*.safetensors`` files, their sizes and header digests, and (per ``full_hash``, as in
+    :func:`check_files`) their full SHA-256. Stamps of checked files are kept in ``bundle_dir``.
 
     Raises:
-        BundleMismatchError: with ``field`` ``source.files`` / ``source.size`` /
-            ``source.header`` / ``source.sha256``.
+        BundleMismatchError: with ``field`` ``source.quantization_config`` / ``source.files`` /
+            ``source.size`` / ``source.header`` / ``source.sha256``.
     """
     model_dir = Path(model_dir)
+    _check_source_config(manifest, model_dir)
     try:
         found = weight_files(model_dir)
     except CheckpointError as e:

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from marlin_pack._constants import BUNDLE_DIRNAME, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
 from marlin_pack.errors import BundleError, BundleMismatchError, MismatchField
+from marlin_pack.io.files import FileTooLargeError, NotRegularFileError, read_limited
 from marlin_pack.schemas import FileEntry, Manifest
 
 __all__ = ["MAX_MANIFEST_BYTES", "default_bundle_dir", "read_manifest", "resolve_file"]
@@ -36,10 +37,12 @@ def read_manifest(bundle_dir: str | Path) -> Manifest:
             "run `marlin-pack convert MODEL_DIR` first"
         )
     try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise BundleError(f"{path} is {size} bytes, expected under {MAX_MANIFEST_BYTES}: not a marlin-pack manifest")
-        raw = json.loads(path.read_bytes())
+        text = read_limited(path, MAX_MANIFEST_BYTES)
+        raw = json.loads(text)
+    except FileTooLargeError as e:
+        raise BundleError(f"{path} {e.strerror}, expected under {MAX_MANIFEST_BYTES}: not a marlin-pack manifest") from e
+    except NotRegularFileError as e:
+        raise BundleError(f"{path} {e.strerror}: not a marlin-pack manifest; re-run `marlin-pack convert --force`") from e
     except FileNotFoundError as e:
         raise BundleError(
             f"{bundle_dir} has no {MANIFEST_NAME}: an interrupted or foreign directory; "
@@ -57,8 +60,8 @@ def read_manifest(bundle_dir: str | Path) -> Manifest:
             f"bundle format_version is {raw.get('format_version')!r}, this marlin-pack reads "
             f"{FORMAT_VERSION}; re-convert the checkpoint with this version",
         )
-    try:
-        return Manifest.model_validate(raw)
+    try:  # strict: "462056", true or 1.0 are not sizes or counts
+        return Manifest.model_validate_json(text, strict=True)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or "manifest"

@@ -1,11 +1,15 @@
-"""Writing a bundle: :class:`BundleWriter` owns the temporary directory, the files and the publish.
+"""Writing a bundle: :class:`BundleWriter` owns the lock, the temporary directory, the files and the publish.
 
-Everything is written into ``.NAME.tmp-XXXX`` beside the output and renamed into place at
+Everything is written into ``.NAME.tmp-PID-XXXX`` beside the output and renamed into place at
 the end, so an interrupted or failed conversion never leaves a directory that looks like a
-bundle; on any error the temporary directory is removed.
+bundle; on any error (SIGINT, SIGTERM and SIGHUP included) the temporary directory is
+removed, and temporary directories of dead conversions (SIGKILL) are removed by the next one.
+An exclusive lock (``.NAME.lock`` beside the output, removed at the end) keeps two conversions
+from writing one output. Publishing never clobbers: the rename succeeds only onto nothing,
+or, with ``--force``, onto a directory that is a marlin-pack bundle and holds nothing else.
 
-    check_output(model_dir, out, force)                  # before the long work
-    with BundleWriter.create(out) as bundle:
+    out = check_output(model_dir, out, force)            # before the long work
+    with BundleWriter.create(out, force=force) as bundle:
         common = bundle.write_common(specs, read_tensor)
         writer = bundle.open_rank(tp, rank, specs)       # StreamWriter; write tensors in order
         sets = bundle.close_ranks(layers_by_tp)
@@ -15,16 +19,22 @@ bundle; on any error the temporary directory is removed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marlin_pack._constants import COMMON_FILE, MANIFEST_NAME, STAMPS_NAME
 from marlin_pack.bundle.rank_files import common_metadata, rank_file_path, rank_metadata
-from marlin_pack.errors import MarlinPackError, OutputExistsError
+from marlin_pack.bundle.reader import read_manifest
+from marlin_pack.errors import BundleError, MarlinPackError, OutputExistsError
+from marlin_pack.io.files import rename_no_replace
 from marlin_pack.io.hashing import StampCache
 from marlin_pack.io.safetensors_io import StreamWriter
 from marlin_pack.schemas import FileEntry, LayerEntry, Manifest, RankEntry, TensorParallelSet
@@ -34,64 +44,174 @@ if TYPE_CHECKING:
 
     from marlin_pack.marlin.rank_tensors import TensorSpec
 
-__all__ = ["check_output", "BundleWriter"]
+__all__ = ["Interrupted", "check_output", "foreign_entry", "BundleWriter"]
+
+# errnos for which "free space" is the right advice
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
-def check_output(model_dir: Path, out: Path, force: bool) -> None:
-    """Refuse to replace anything but an existing bundle, and never the checkpoint itself.
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived while writing (SIGINT arrives as a plain KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def foreign_entry(out: Path) -> str | None:
+    """Why ``out`` is not a bundle that ``--force`` may replace, or None if it is one.
+
+    A replaceable bundle parses as a marlin-pack manifest and holds only what a conversion
+    writes: the manifest, the stamp cache, the common file and the rank files (and their folders).
+    """
+    try:
+        manifest = read_manifest(out)
+    except BundleError as e:
+        return f"it is not a marlin-pack bundle ({e})"
+    allowed = {MANIFEST_NAME, STAMPS_NAME, *(f.path for f in manifest.files())}
+    folders = {str(Path(p).parent) for p in allowed} - {"."}
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out).as_posix()
+        if rel in allowed and path.is_file() and not path.is_symlink():
+            continue
+        if rel in folders and path.is_dir() and not path.is_symlink():
+            continue
+        return f"it holds {rel}, which no conversion writes"
+    return None
+
+
+def check_output(model_dir: Path, out: Path, force: bool) -> Path:
+    """The directory to publish at (``out``, or its target if it is a symlink), if it may be written.
 
     Raises:
         OutputExistsError: ``out`` exists and ``force`` is off, holds the checkpoint, or is
-            not a bundle.
+            not a bundle that ``force`` may replace.
     """
-    if not out.exists():
-        return
+    if out.is_symlink():
+        out = out.resolve()  # replace the link's target, keep the link (the user's layout)
+    if not os.path.lexists(out):
+        return out
     if not force:
         raise OutputExistsError(f"{out} already exists; pass --force to replace it or -o to write elsewhere")
     if model_dir.resolve().is_relative_to(out.resolve()):
         raise OutputExistsError(f"{out} holds the checkpoint itself; choose another output with -o")
     if not (out / MANIFEST_NAME).is_file():
         raise OutputExistsError(f"{out} exists and is not a marlin-pack bundle (no {MANIFEST_NAME}); refusing to replace it")
+    why = foreign_entry(out)
+    if why is not None:
+        raise OutputExistsError(f"{out} exists and {why}; refusing to replace it, remove it yourself or use -o")
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temp_dirs(out: Path) -> None:
+    """Temporary directories of conversions to ``out`` whose process is gone (SIGKILL, power loss)."""
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.tmp-(\d+)-")
+    for path in out.parent.glob(f".{out.name}.tmp-*"):
+        m = pattern.match(path.name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _output_lock(out: Path) -> Iterator[None]:
+    import fcntl
+
+    path = out.parent / f".{out.name}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            raise OutputExistsError(
+                f"another marlin-pack conversion is writing {out} (it holds {path.name}); wait for it or choose another -o"
+            ) from e
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP (``timeout``, ``docker stop``, systemd) raise :class:`Interrupted`, like SIGINT."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _write_failed(out: Path, e: OSError) -> MarlinPackError:
+    if e.errno in _NO_SPACE:
+        advice = "free space or choose another place with -o"
+    else:
+        advice = "check that location (permissions, open-file limit, a concurrent writer) or choose another place with -o"
+    return MarlinPackError(f"writing the bundle under {out.parent} failed ({e.strerror or e}); {advice}")
 
 
 class BundleWriter:
     """One bundle being written into ``tmp``, to be published at ``out``; use :meth:`create`."""
 
-    def __init__(self, out: Path, tmp: Path) -> None:
+    def __init__(self, out: Path, tmp: Path, force: bool) -> None:
         self.out = out
         self.tmp = tmp
+        self.force = force
         self._ranks: dict[tuple[int, int], StreamWriter] = {}
         self._open: list[StreamWriter] = []
         self._published = False
 
     @classmethod
     @contextlib.contextmanager
-    def create(cls, out: Path) -> Iterator[BundleWriter]:
-        """A writer over a fresh temporary directory beside ``out``, removed unless :meth:`finish` ran.
+    def create(cls, out: Path, *, force: bool = False) -> Iterator[BundleWriter]:
+        """A locked writer over a fresh temporary directory beside ``out``, removed unless :meth:`finish` ran.
 
         Raises:
+            OutputExistsError: another conversion holds the output's lock.
             MarlinPackError: the parent of ``out`` is not writable, or writing failed (disk full, ...).
         """
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a vLLM run by another user must read it
-        except OSError as e:
-            raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror}); choose a writable location with -o") from e
-        writer = cls(out, tmp)
-        try:
-            yield writer
-            if not writer._published:
-                raise RuntimeError("internal error: the bundle was never finished")
-        except BaseException as e:
-            writer._abort()
-            if isinstance(e, OSError):
-                raise MarlinPackError(
-                    f"writing the bundle under {out.parent} failed ({e.strerror or e}); free space or choose another place with -o"
-                ) from e
-            raise
+        with contextlib.ExitStack() as stack:
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                stack.enter_context(_output_lock(out))
+                _remove_stale_temp_dirs(out)
+                tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a vLLM run by another user must read it
+            except OSError as e:
+                raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror}); choose a writable location with -o") from e
+            writer = cls(out, tmp, force)
+            try:
+                with _signals_interrupt():
+                    yield writer
+                    if not writer._published:
+                        raise RuntimeError("internal error: the bundle was never finished")
+            except BaseException as e:
+                writer._abort()
+                if isinstance(e, OSError):
+                    raise _write_failed(out, e) from e
+                raise
 
     def write_common(self, specs: list[TensorSpec], read: Callable[[str], torch.Tensor]) -> FileEntry:
         """Write ``common.safetensors``: the checkpoint's non-quantized tensors, as they are."""
@@ -103,8 +223,9 @@ class BundleWriter:
 
     def open_rank(self, tp_size: int, rank: int, specs: list[TensorSpec]) -> StreamWriter:
         """Start one rank file; write its tensors, in ``specs`` order, to the returned writer."""
-        (self.tmp / rank_file_path(tp_size, rank)).parent.mkdir(exist_ok=True)
-        w = self._track(StreamWriter(self.tmp / rank_file_path(tp_size, rank), specs, rank_metadata(tp_size, rank)))
+        path = self.tmp / rank_file_path(tp_size, rank)
+        path.parent.mkdir(exist_ok=True)
+        w = self._track(StreamWriter(path, specs, rank_metadata(tp_size, rank)))
         self._ranks[(tp_size, rank)] = w
         return w
 
@@ -115,7 +236,8 @@ class BundleWriter:
             ranks = []
             for rank in range(tp):
                 size, sha = self._close(self._ranks[(tp, rank)])
-                ranks.append(RankEntry(rank=rank, file=FileEntry(path=rank_file_path(tp, rank), size=size, sha256=sha)))
+                entry = FileEntry(path=rank_file_path(tp, rank), size=size, sha256=sha)
+                ranks.append(RankEntry(rank=rank, file=entry))
             sets.append(TensorParallelSet(tp_size=tp, ranks=ranks, layers=layers[tp]))
         return sets
 
@@ -125,6 +247,9 @@ class BundleWriter:
         Args:
             source_stamps: ``(stamp key, path, sha256)`` of source files hashed while converting,
                 so the loader's first start need not hash them again.
+
+        Raises:
+            OutputExistsError: something that may not be replaced appeared at ``out`` meanwhile.
         """
         with open(self.tmp / MANIFEST_NAME, "w") as f:
             f.write(manifest.to_json())
@@ -137,7 +262,7 @@ class BundleWriter:
         for key, path, sha in source_stamps:
             stamps.record(key, path, sha)
         stamps.save()
-        self._swap_into_place()
+        self._publish()
         self._published = True
 
     def _track(self, w: StreamWriter) -> StreamWriter:
@@ -149,13 +274,24 @@ class BundleWriter:
         self._open.remove(w)
         return result
 
-    def _swap_into_place(self) -> None:
-        """Rename ``tmp`` to ``out``; an existing ``out`` (``--force``) is moved aside first, then removed."""
+    def _publish(self) -> None:
+        """Rename ``tmp`` onto nothing; with ``force``, an existing bundle is moved aside first, then removed."""
         old = None
-        if self.out.exists():
+        if os.path.lexists(self.out):
+            if not self.force:
+                raise OutputExistsError(f"{self.out} appeared while converting; nothing was replaced, pass --force or -o")
             old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
-            os.replace(self.out, old)
-        os.replace(self.tmp, self.out)
+            os.rename(self.out, old)
+            why = foreign_entry(old)  # re-checked on what was actually moved: it may have changed since
+            if why is not None:
+                os.rename(old, self.out)
+                raise OutputExistsError(f"{self.out} changed while converting and {why}; nothing was replaced")
+        try:
+            rename_no_replace(self.tmp, self.out)
+        except FileExistsError as e:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            raise OutputExistsError(f"{self.out} appeared while converting; nothing was replaced, pass --force or -o") from e
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -6,26 +6,35 @@ import json
 from pathlib import Path
 
 from marlin_pack.errors import CheckpointError
+from marlin_pack.io.files import NotRegularFileError, read_limited
 
 __all__ = ["INDEX_NAME", "read_json", "weight_files"]
 
 INDEX_NAME = "model.safetensors.index.json"
+# config.json and index files are small; anything larger is not one (and is not read whole).
+MAX_JSON_BYTES = 64 << 20
 
 
 def read_json(path: Path, what: str) -> dict:
     """A JSON object from ``path``, or a one-line :class:`CheckpointError`."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_limited(path, MAX_JSON_BYTES).decode())
     except FileNotFoundError:
         raise CheckpointError(
             f"{path} not found: expected the checkpoint's {what}; point MODEL_DIR at a HuggingFace checkpoint directory"
         ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"cannot read {path} ({e}); check the file's permissions") from None
+    except NotRegularFileError as e:
+        raise CheckpointError(f"{path} {e.strerror}; expected the checkpoint's {what} as a file") from e
+    except PermissionError as e:
+        raise CheckpointError(f"cannot read {path} ({e.strerror}); check the file's permissions") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path} ({e.strerror or e}); expected the checkpoint's {what}") from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); restore the file") from e
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); restore the file") from None
-    except RecursionError:
-        raise CheckpointError(f"{path} nests JSON too deeply to be a {what}; restore the file") from None
+        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); restore the file") from e
+    except RecursionError as e:
+        raise CheckpointError(f"{path} nests JSON too deeply to be a {what}; restore the file") from e
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, expected an object")
     return data

@@ -1,9 +1,12 @@
 """SHA-256 of files and bytes, and the local stamp cache.
 
 Hashing a 40 GB checkpoint at every engine start would cost more than the start
-itself, so a full hash is remembered as a *stamp*: ``(size, mtime_ns)`` of a file
-whose SHA-256 was checked. A later check trusts a file whose stat still matches its
-stamp and hashes it again otherwise (an edited or copied file gets a new mtime).
+itself, so a full hash is remembered as a *stamp*: the identity and state of a file
+whose SHA-256 was checked, ``(size, mtime_ns, ctime_ns, inode, device)``. A later check
+trusts a file whose stat still matches its stamp and hashes it again otherwise. The
+change time cannot be set by users (``touch -r`` and ``utime`` update it), and a file
+replaced by another (rename, copy, another checkpoint with equal mtimes) has another
+inode, so what fools a ``(size, mtime)`` stamp does not fool this one.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["sha256_file", "sha256_bytes", "StampCache"]
+from marlin_pack.io.files import open_regular, read_limited
+
+__all__ = ["sha256_file", "sha256_bytes", "file_identity", "StampCache"]
 
 _CHUNK = 8 << 20
 
@@ -26,7 +31,7 @@ def sha256_bytes(data: bytes) -> str:
 def sha256_file(path: Path) -> str:
     """Full SHA-256 of a file, read in 8 MiB chunks."""
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    with open(open_regular(path), "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
@@ -34,39 +39,61 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+_MAX_STAMPS_BYTES = 16 << 20
+
+
+def file_identity(path: Path) -> list[int]:
+    """``[size, mtime_ns, ctime_ns, inode, device]``: what a stamp binds (symlinks followed)."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
 class StampCache:
-    """``{file name: [size, mtime_ns, sha256]}`` kept in a JSON file; best effort only.
+    """``{key: [size, mtime_ns, ctime_ns, inode, device, sha256]}`` in a JSON file; best effort only.
 
     The cache is an optimisation, never a source of truth: a stamp only lets a check
-    skip hashing when the file's stat is unchanged *and* the recorded hash equals the
-    expected one. Unwritable locations are silently ignored.
+    skip hashing when the file's identity and stat are unchanged *and* the recorded hash
+    equals the expected one. A missing, unreadable, oversized or malformed cache is
+    ignored (as if empty), and unwritable locations are silently skipped.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._stamps: dict[str, list[object]] = {}
         try:
-            raw = json.loads(path.read_text())
-            self._stamps: dict[str, list[object]] = raw if isinstance(raw, dict) else {}
-        except (OSError, ValueError):
-            self._stamps = {}
+            raw = json.loads(read_limited(path, _MAX_STAMPS_BYTES))
+        except (OSError, ValueError, RecursionError):
+            raw = {}
+        if isinstance(raw, dict):
+            self._stamps = {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, list)}
         self._dirty = False
 
     def trusted(self, key: str, file: Path, expected_sha256: str) -> bool:
-        st = file.stat()
-        return self._stamps.get(key) == [st.st_size, st.st_mtime_ns, expected_sha256]
+        """Whether ``file`` is, unchanged, the file whose hash ``expected_sha256`` was checked."""
+        try:
+            return self._stamps.get(key) == [*file_identity(file), expected_sha256]
+        except OSError:
+            return False
 
     def record(self, key: str, file: Path, sha256: str) -> None:
-        st = file.stat()
-        self._stamps[key] = [st.st_size, st.st_mtime_ns, sha256]
+        """Remember that ``file``, as it is now, hashed to ``sha256``."""
+        try:
+            self._stamps[key] = [*file_identity(file), sha256]
+        except OSError:
+            return
         self._dirty = True
 
     def save(self) -> None:
+        """Write the cache atomically; never raises, never leaves a temporary file behind."""
         if not self._dirty:
             return
+        tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
         try:
-            tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(self._stamps, indent=1, sort_keys=True))
             os.replace(tmp, self.path)
             self._dirty = False
         except OSError:
-            pass
+            try:
+                tmp.unlink()
+            except OSError:
+                pass

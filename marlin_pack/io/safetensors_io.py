@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from marlin_pack.io.files import open_regular
+
 if TYPE_CHECKING:
     import torch
 
@@ -55,10 +57,16 @@ _DTYPES: dict[str, tuple[str, int]] = {
     "I32": ("int32", 4),
     "I16": ("int16", 2),
     "I8": ("int8", 1),
+    "U64": ("uint64", 8),
+    "U32": ("uint32", 4),
+    "U16": ("uint16", 2),
     "U8": ("uint8", 1),
     "BOOL": ("bool", 1),
     "F8_E4M3": ("float8_e4m3fn", 1),
     "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+    "C64": ("complex64", 8),
 }
 
 
@@ -120,9 +128,13 @@ def read_header_bytes(path: Path) -> bytes:
 
     Raises:
         SafetensorsFormatError: too short, or an implausible or truncated header.
-        OSError: the file cannot be opened or read.
+        OSError: the file cannot be opened or read, or is not a regular file.
     """
-    with open(path, "rb") as f:
+    return _read_header_bytes(path)[0]
+
+
+def _read_header_bytes(path: Path) -> tuple[bytes, int]:
+    with open(open_regular(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
@@ -135,7 +147,7 @@ def read_header_bytes(path: Path) -> bytes:
         header = f.read(n)
         if len(header) != n:
             raise SafetensorsFormatError(f"{path.name} ends inside its safetensors header; the file is truncated")
-    return prefix + header
+    return prefix + header, size
 
 
 def _corrupt(path: Path, why: str = "") -> SafetensorsFormatError:
@@ -150,8 +162,7 @@ def read_header(path: Path) -> SafetensorsHeader:
             dimension, offsets outside the data or not sized to the shape, overlapping tensors.
         OSError: the file cannot be opened or read.
     """
-    raw = read_header_bytes(path)
-    size = path.stat().st_size
+    raw, size = _read_header_bytes(path)
     try:
         header = json.loads(raw[8:])
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:

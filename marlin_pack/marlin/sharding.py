@@ -98,10 +98,16 @@ class RankSlice:
     n: int
 
 
+# Far above any real model's dimension, far below what would make planning loop for hours.
+_MAX_CONFIG_DIM = 1 << 24
+
+
 def _int(config: dict, key: str) -> int:
     value = config.get(key)
-    if not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise UnsupportedCheckpointError(f"config.json {key} is {value!r}, expected a positive integer")
+    if value > _MAX_CONFIG_DIM:
+        raise UnsupportedCheckpointError(f"config.json {key} is {value}, expected at most {_MAX_CONFIG_DIM}; the config is corrupt")
     return value
 
 

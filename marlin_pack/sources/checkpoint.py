@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from marlin_pack.errors import CheckpointError
 from marlin_pack.io.checkpoint_files import read_json, weight_files
+from marlin_pack.io.hashing import file_identity
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, TensorInfo, read_header
 
 __all__ = ["Checkpoint"]
@@ -35,11 +36,21 @@ class Checkpoint:
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir} is not a directory; pass a checkpoint directory holding config.json")
+        try:  # safetensors (Rust) opens UTF-8 paths only; say so instead of "the file is corrupt"
+            str(self.dir.resolve()).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise CheckpointError(
+                f"{self.dir!s} is not a UTF-8 path ({e.reason}); safetensors cannot open files there, rename the directory"
+            ) from e
         self.config = read_json(self.dir / "config.json", "config.json")
         self.files = weight_files(self.dir)
         self.tensors: dict[str, TensorInfo] = {}
+        # Identity of each file as its header was read: a file that changes later is caught by
+        # unchanged_since_opened(), so a bundle never pairs one file's header with another's data.
+        self.identities: dict[str, list[int]] = {}
         for f in self.files:
             try:
+                self.identities[f] = file_identity(self.dir / f)
                 header = read_header(self.dir / f)
             except SafetensorsFormatError as e:
                 raise CheckpointError(f"{e}; download the file again") from e
@@ -74,6 +85,23 @@ class Checkpoint:
             return handle.get_tensor(name)  # type: ignore[attr-defined]
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read tensor {name} from {info.file} ({e}); the file is corrupt, download it again") from e
+
+    def check_unchanged(self) -> None:
+        """Refuse if any weight file was replaced or modified since this checkpoint was opened.
+
+        Raises:
+            CheckpointError: naming the first file that moved.
+        """
+        for f, before in self.identities.items():
+            try:
+                now = file_identity(self.dir / f)
+            except OSError as e:
+                raise CheckpointError(f"{f} disappeared while converting ({e.strerror}); re-run when the checkpoint is complete") from e
+            if now != before:
+                raise CheckpointError(
+                    f"{f} changed while converting (size, time or inode differ); nothing was written, "
+                    "re-run when the checkpoint is no longer being written"
+                )
 
     def close(self) -> None:
         """Drop the memory maps."""

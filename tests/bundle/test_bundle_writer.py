@@ -113,3 +113,103 @@ def test_writer_removes_its_directory_on_error(tmp_path: Path) -> None:
         w.write("a", torch.zeros(4, dtype=torch.int32))
         raise ValueError("boom")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_force_never_deletes_a_foreign_directory_with_a_manifest(awq: Path, tmp_path: Path) -> None:
+    # Issue: a web app's manifest.json made its whole directory look like a bundle to --force.
+    site = tmp_path / "site"
+    (site / "src").mkdir(parents=True)
+    (site / "manifest.json").write_text('{"name": "pwa"}')
+    (site / "src" / "app.js").write_text("x")
+    with pytest.raises(OutputExistsError, match=r"is not a marlin-pack bundle .*refusing to replace it"):
+        convert(awq, site, force=True)
+    assert (site / "src" / "app.js").read_text() == "x"
+
+
+def test_force_never_deletes_files_a_bundle_did_not_write(awq: Path) -> None:
+    convert(awq)
+    (awq / "marlin-pack" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match=r"holds notes.txt, which no conversion writes"):
+        convert(awq, force=True)
+    assert (awq / "marlin-pack" / "notes.txt").read_text() == "mine"
+
+
+def test_output_created_during_the_run_is_never_replaced(awq: Path) -> None:
+    out = awq / "marlin-pack"
+
+    def squatter(done: int, total: int, name: str) -> None:
+        if done == 1:
+            out.mkdir()  # an empty directory: a plain rename would silently replace it
+
+    with pytest.raises(OutputExistsError, match=r"appeared while converting; nothing was replaced"):
+        convert(awq, progress=squatter)
+    assert out.is_dir() and list(out.iterdir()) == []
+    assert not [p for p in awq.iterdir() if p.name.startswith(".marlin-pack")]
+
+
+def test_concurrent_conversion_to_one_output_is_refused(awq: Path) -> None:
+    import subprocess
+    import sys
+
+    # The second conversion starts while the first (in this process) holds the lock.
+    code = "import sys; from marlin_pack import convert; convert(sys.argv[1])"
+
+    def second(done: int, total: int, name: str) -> None:
+        if done == 1:
+            r = subprocess.run([sys.executable, "-c", code, str(awq)], capture_output=True, text=True, timeout=120)
+            assert r.returncode != 0 and "another marlin-pack conversion is writing" in r.stderr, r.stderr
+
+    convert(awq, progress=second)
+    assert (awq / "marlin-pack" / "manifest.json").is_file()
+    assert not [p for p in awq.iterdir() if p.name.startswith(".marlin-pack.")]  # lock file and temp dir gone
+
+
+def test_force_through_a_symlink_replaces_its_target(awq: Path, tmp_path: Path) -> None:
+    target = tmp_path / "fast-disk" / "bundle"
+    convert(awq, target)
+    link = awq / "marlin-pack"
+    link.symlink_to(target)
+    before = (target / "manifest.json").stat().st_ino
+    convert(awq, force=True)
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert (target / "manifest.json").stat().st_ino != before  # a fresh bundle at the target
+    assert not [p for p in awq.iterdir() if ".old-" in p.name or p.name.startswith(".marlin-pack.")]
+    assert not [p for p in target.parent.iterdir() if p.name != "bundle"]
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_signals_clean_up_and_say_interrupted(awq: Path, tmp_path: Path, signame: str) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out" / "bundle"
+    # Slow the conversion down (progress sleeps) so the signal lands mid-run.
+    code = (
+        "import sys, time, marlin_pack.conversion as c; orig = c.convert;"
+        "c.convert = lambda *a, **k: orig(*a, **{**k, 'progress': lambda *x: time.sleep(0.5)});"
+        "from marlin_pack.cli import main; sys.argv = ['marlin-pack', 'convert', sys.argv[1], '-o', sys.argv[2]]; main()"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code, str(awq), str(out)], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(out.parent.glob(".bundle.tmp-*")):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    p.send_signal(getattr(signal, signame))
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == 128 + getattr(signal, signame), stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert list(out.parent.iterdir()) == []
+
+
+def test_stale_temp_dirs_of_dead_conversions_are_removed(awq: Path) -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = awq / f".marlin-pack.tmp-{int(dead.stdout)}-abcd"
+    (stale / "tp1").mkdir(parents=True)
+    (stale / "tp1" / "rank-0.safetensors").write_bytes(b"partial")
+    convert(awq)
+    assert not stale.exists()

@@ -27,8 +27,8 @@ time from the bundle vs from the checkpoint, and engines' model-loading time.
 The processes come from ``_harness.Cluster``. Daemons run in their own session (``setsid``),
 each with its own short socket directory (readiness: its socket accepts a connection); their
 process groups are killed at the end. Engines are subprocesses (``_harness.py`` run as a
-script) with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-and an explicit ``kv_cache_memory_bytes``, so that all of them start concurrently on one GPU.
+script) with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and an explicit ``kv_cache_memory_bytes``,
+so that all of them start concurrently on one GPU.
 ``MARLIN_PACK_TEST_BENCH_PRESET`` (e.g. ``llama-1gb``) times the fills on a larger AWQ model
 (default: the awq4 checkpoint).
 

@@ -143,3 +143,63 @@ def test_deeply_nested_config(awq: Path) -> None:
     (awq / "config.json").write_text("[" * 200_000)
     with pytest.raises(CheckpointError, match=r"nests JSON too deeply"):
         convert(awq)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_fifo_instead_of_a_file_is_refused_without_blocking(awq: Path, name: str) -> None:
+    import os
+
+    (awq / name).unlink()
+    os.mkfifo(awq / name)
+    with pytest.raises(CheckpointError, match=r"is a FIFO, not a regular file"):
+        convert(awq)
+
+
+def test_device_file_instead_of_config_is_refused(awq: Path) -> None:
+    (awq / "config.json").unlink()
+    (awq / "config.json").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match=r"is a character device, not a regular file"):
+        convert(awq)
+
+
+def test_absurd_layer_count_is_refused_at_once(awq: Path, edit_config) -> None:
+    edit_config(awq, num_hidden_layers=10**9)
+    with pytest.raises(UnsupportedCheckpointError, match=r"num_hidden_layers is 1000000000, expected at most"):
+        convert(awq)
+    edit_config(awq, num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers is 3, the checkpoint holds decoder layers 0..1; .*layer 2 is missing"):
+        convert(awq)
+
+
+def test_module_with_no_tensors_is_refused(awq: Path, no_leftovers) -> None:
+    tensors = load_file(awq / "model.safetensors")
+    for suffix in ("qweight", "qzeros", "scales"):
+        del tensors[f"model.layers.1.self_attn.o_proj.{suffix}"]
+    save_file(tensors, awq / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"module model.layers.1.self_attn.o_proj has no weights .*neither qweight nor weight"):
+        convert(awq)
+    no_leftovers(awq)
+
+
+def test_missing_decoder_layer_is_refused(awq: Path) -> None:
+    tensors = {k: v for k, v in load_file(awq / "model.safetensors").items() if not k.startswith("model.layers.1.")}
+    save_file(tensors, awq / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"layer 1 is missing"):
+        convert(awq)
+
+
+def test_non_utf8_path_says_so(awq: Path, tmp_path: Path) -> None:
+    import os
+
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9"))
+    awq.rename(odd)
+    with pytest.raises(CheckpointError, match=r"is not a UTF-8 path .*rename the directory"):
+        convert(odd)
+
+
+def test_unusual_dtypes_travel_in_common(awq: Path) -> None:
+    tensors = load_file(awq / "model.safetensors")
+    tensors["model.extra_u16"] = torch.arange(4, dtype=torch.int32).to(torch.uint16)
+    save_file(tensors, awq / "model.safetensors")
+    convert(awq)
+    assert torch.equal(load_file(awq / "marlin-pack" / "common.safetensors")["model.extra_u16"], tensors["model.extra_u16"])

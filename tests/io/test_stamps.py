@@ -1,0 +1,75 @@
+"""The stamp cache: bound to each file's identity, ignored when corrupt, never littering."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from marlin_pack.io.hashing import StampCache, sha256_file
+
+
+def _file(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def test_same_size_edit_with_restored_mtime_is_not_trusted(tmp_path: Path) -> None:
+    # `touch -r` (or utime) restores size and mtime after an edit; the change time still moves.
+    f = _file(tmp_path / "a.bin", b"0123456789")
+    stamps = StampCache(tmp_path / ".stamps.json")
+    stamps.record("a", f, sha256_file(f))
+    assert stamps.trusted("a", f, sha256_file(f))
+    st = f.stat()
+    old_sha = sha256_file(f)
+    f.write_bytes(b"9876543210")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
+    assert not stamps.trusted("a", f, old_sha)
+
+
+def test_swapped_files_written_in_one_tick_are_not_trusted(tmp_path: Path) -> None:
+    a, b = _file(tmp_path / "a", b"A" * 64), _file(tmp_path / "b", b"B" * 64)
+    t = a.stat().st_mtime_ns
+    os.utime(b, ns=(t, t))
+    stamps = StampCache(tmp_path / ".stamps.json")
+    sha_a, sha_b = sha256_file(a), sha256_file(b)
+    stamps.record("a", a, sha_a)
+    stamps.record("b", b, sha_b)
+    os.rename(a, tmp_path / "tmp")
+    os.rename(b, a)
+    os.rename(tmp_path / "tmp", b)
+    assert not stamps.trusted("a", a, sha_a) and not stamps.trusted("b", b, sha_b)
+
+
+def test_a_copy_with_equal_mtime_is_not_trusted(tmp_path: Path) -> None:
+    a = _file(tmp_path / "a", b"x" * 100)
+    stamps = StampCache(tmp_path / ".stamps.json")
+    stamps.record("a", a, sha256_file(a))
+    copy = tmp_path / "copy"
+    shutil.copy2(a, copy)
+    os.replace(copy, a)  # same bytes, size and mtime, another file
+    assert not stamps.trusted("a", a, sha256_file(a))
+
+
+@pytest.mark.parametrize("damage", ["nested", "directory", "list", "garbage", "fifo"])
+def test_corrupt_cache_is_ignored_and_rewritten(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / ".stamps.json"
+    if damage == "nested":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif damage == "directory":
+        path.mkdir()
+    elif damage == "list":
+        path.write_text("[1, 2]")
+    elif damage == "garbage":
+        path.write_bytes(b"\xff\xfe{")
+    else:
+        os.mkfifo(path)
+    f = _file(tmp_path / "a", b"data")
+    stamps = StampCache(path)  # never raises, never blocks
+    assert not stamps.trusted("a", f, sha256_file(f))
+    stamps.record("a", f, sha256_file(f))
+    stamps.save()  # may fail to replace a directory or FIFO: silently, and without leftovers
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".stamps.json", "a"]

@@ -1,0 +1,72 @@
+"""Fixtures of the vLLM plugin tests.
+
+marlin-pack's patches are process-global, so every test here starts and ends with stock
+vLLM (all patches uninstalled, originals restored); a test that needs them asks for
+``patched``. ``register()`` runs once per session: its success is cached and vLLM's loader
+registry keeps the loader, so neither is undone between tests (a fresh process is used where
+a test needs an unregistered plugin).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def stock_vllm() -> Iterator[None]:
+    """No marlin-pack patch is installed before or after the test (importing this does not import vLLM)."""
+    from marlin_pack.vllm_plugin import patches
+
+    patches.uninstall_all()
+    yield
+    patches.uninstall_all()
+
+
+@pytest.fixture(scope="session")
+def registered() -> None:
+    """The ``marlin_prepacked`` load format is registered with vLLM in this process."""
+    from marlin_pack.vllm_plugin import is_registered, register
+
+    register()
+    assert is_registered(), "register() failed: see the log"
+
+
+@pytest.fixture
+def patched(registered: None, stock_vllm: None) -> Iterator[ModuleType]:
+    """marlin-pack registered and every patch installed for this test; all undone afterwards."""
+    from marlin_pack.vllm_plugin import patches
+
+    assert patches.install()
+    yield patches
+
+
+@pytest.fixture
+def awq_bundle(make_bundle) -> Path:  # type: ignore[no-untyped-def]
+    """The tiny AWQ checkpoint with a float16 bundle for TP 1 and 2 (shared, read-only)."""
+    return make_bundle("awq", "tiny", tp_sizes=(1, 2))
+
+
+@pytest.fixture
+def marlin_log() -> Iterator[list[str]]:
+    """Messages logged to ``vllm.marlin_pack`` (INFO and up) during the test, whatever vLLM's logging config."""
+    import logging
+
+    messages: list[str] = []
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger("vllm.marlin_pack")
+    handler, level = Record(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -1,0 +1,312 @@
+"""``decision``: bundle discovery, the engine and file checks, the refuse/fall-back decision and
+the layer checks, as pure functions over plain facts (no vLLM). Also the rank-file header check
+(``bundle.rank_files``) the loader runs on the selected bundle."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from marlin_pack.bundle.reader import read_manifest
+from marlin_pack.bundle.rank_files import check_rank_header, rank_file_path
+from marlin_pack.errors import BundleMismatchError, LoadRefusedError, MismatchField
+from marlin_pack.io.safetensors_io import read_header
+from marlin_pack.vllm_plugin.decision import (
+    SUPPORTED_METHODS,
+    EngineFacts,
+    LayerFacts,
+    check_engine,
+    check_layers,
+    decide,
+    refusal,
+    resolve_bundle_dir,
+    select_bundle,
+)
+from marlin_pack.vllm_plugin.options import LoaderOptions, parse_extra_config
+
+VLLM_VERSION = "0.33.0"
+
+
+def facts(model: Path | str, **kw: object) -> EngineFacts:
+    base: dict[str, object] = dict(model=str(model), vllm_version=VLLM_VERSION, quantization="auto_awq")
+    base.update(kw)
+    return EngineFacts(**base)  # type: ignore[arg-type]
+
+
+def flip_last_byte(path: Path) -> None:
+    """Change one byte and give the file a new mtime, as an edit does (same size)."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size - 1)
+        b = f.read(1)
+        f.seek(st.st_size - 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+# --- bundle discovery -------------------------------------------------------------------------
+
+
+def test_bundle_discovery(tmp_path: Path) -> None:
+    assert resolve_bundle_dir(LoaderOptions(), str(tmp_path)) == tmp_path / "marlin-pack"
+    assert resolve_bundle_dir(LoaderOptions(bundle=Path("/x")), "org/model") == Path("/x")
+    with pytest.raises(BundleMismatchError, match="not a local directory") as e:
+        resolve_bundle_dir(LoaderOptions(), "org/model")
+    assert e.value.field == "bundle" and e.value.field is MismatchField.bundle
+
+
+@pytest.mark.parametrize(("tp_size", "rank"), [(1, 0), (2, 0), (2, 1)])
+def test_select_bundle_for_each_rank(awq_bundle: Path, tp_size: int, rank: int) -> None:
+    selected = select_bundle(LoaderOptions(), facts(awq_bundle, tp_size=tp_size, tp_rank=rank))
+    assert selected.bundle_dir == awq_bundle / "marlin-pack" and selected.tp_set.tp_size == tp_size
+    assert selected.rank == rank
+    assert selected.rank_file == (awq_bundle / "marlin-pack" / rank_file_path(tp_size, rank)).resolve()
+    assert selected.rank_file == (awq_bundle / f"marlin-pack/tp{tp_size}/rank-{rank}.safetensors").resolve()
+    assert selected.common_file.name == "common.safetensors"
+    check_rank_header(selected.manifest, selected.tp_set, selected.rank, read_header(selected.rank_file))
+
+
+def test_explicit_bundle_path(awq_bundle: Path) -> None:
+    opts = parse_extra_config({"bundle": str(awq_bundle / "marlin-pack")})
+    assert select_bundle(opts, facts(awq_bundle)).bundle_dir == awq_bundle / "marlin-pack"
+
+
+# --- the engine checks ------------------------------------------------------------------------
+
+ENGINE_MISMATCHES = [
+    (dict(tp_size=4, tp_rank=1), "tp_size", r"bundle has tp_size \[1, 2\], the engine runs tensor_parallel_size=4"),
+    (dict(tp_size=2, tp_rank=2), "tp_rank", r"rank 2 is outside tp_size 2"),
+    (dict(dtype="bfloat16"), "serving_dtype", r"bundle holds float16 scales, the engine runs bfloat16"),
+    (dict(vllm_version="0.34.0"), "vllm_version", r"made for vLLM 0\.33\.0, this engine runs 0\.34\.0"),
+    (dict(quantization="auto_gptq"), "quant_method", r"engine quantization is auto_gptq"),
+    (dict(marlin_input_dtype="int8"), "activation_dtype", r"VLLM_MARLIN_INPUT_DTYPE=int8 .* 8 bits"),
+    (dict(marlin_input_dtype="FP8"), "activation_dtype", r"VLLM_MARLIN_INPUT_DTYPE=FP8"),
+    (dict(pp_size=2), "pp_size", r"pipeline_parallel_size=2"),
+    (dict(batch_invariant=True), "kernel", r"VLLM_BATCH_INVARIANT=1 disables Marlin"),
+    (dict(disabled_kernels=("MarlinLinearKernel",)), "kernel", r"VLLM_DISABLED_KERNELS disables MarlinLinearKernel"),
+    (dict(linear_backend="machete"), "linear_backend", r"--linear-backend is 'machete'"),
+    (
+        dict(linear_backend="marlin", linear_backend_per_quant={"mixed_precision": "conch"}),
+        "linear_backend",
+        r"linear_backend_per_quant.mixed_precision is 'conch'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("engine", "field", "match"), ENGINE_MISMATCHES)
+def test_engine_mismatch_names_the_field(awq_bundle: Path, engine: dict, field: str, match: str) -> None:
+    manifest = read_manifest(awq_bundle / "marlin-pack")
+    with pytest.raises(BundleMismatchError, match=match) as e:
+        check_engine(manifest, facts(awq_bundle, **engine))
+    assert e.value.field == field and isinstance(e.value.field, MismatchField)
+    with pytest.raises(BundleMismatchError, match=match) as e:  # select_bundle checks the engine first
+        select_bundle(LoaderOptions(), facts(awq_bundle, **engine))
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        dict(linear_backend="marlin"),
+        dict(linear_backend_per_quant={"mixed_precision": "marlin"}),
+        dict(linear_backend="cutlass", linear_backend_per_quant={"mixed_precision": "marlin"}),
+        dict(linear_backend_per_quant={"fp8": "cutlass"}),
+        dict(marlin_input_dtype="bf16"),  # not an 8-bit type: vLLM ignores it
+        dict(disabled_kernels=("MacheteLinearKernel",)),
+        dict(quantization=None),
+        dict(quantization="awq_marlin"),
+    ],
+)
+def test_engine_settings_that_fit(awq_bundle: Path, engine: dict) -> None:
+    manifest = read_manifest(awq_bundle / "marlin-pack")
+    assert check_engine(manifest, facts(awq_bundle, **engine)).tp_size == 1
+    select_bundle(LoaderOptions(), facts(awq_bundle, **engine))
+
+
+# --- source and bundle files ------------------------------------------------------------------
+
+
+def test_changed_source_file_is_refused(awq_bundle: Path, damaged_copy) -> None:  # type: ignore[no-untyped-def]
+    model = damaged_copy(awq_bundle, lambda d: flip_last_byte(d / "model.safetensors"))
+    with pytest.raises(BundleMismatchError, match=r"source file model.safetensors changed") as e:
+        select_bundle(LoaderOptions(), facts(model))
+    assert e.value.field == "source.sha256"
+    select_bundle(LoaderOptions(verify="size"), facts(model))  # verify="size" trusts sizes and headers only
+
+
+def test_extra_source_file_is_refused(awq_bundle: Path, damaged_copy) -> None:  # type: ignore[no-untyped-def]
+    model = damaged_copy(awq_bundle, lambda d: save_file({"x": torch.zeros(1)}, str(d / "extra.safetensors")))
+    with pytest.raises(BundleMismatchError, match=r"holds safetensors files \['extra.safetensors'") as e:
+        select_bundle(LoaderOptions(), facts(model))
+    assert e.value.field == "source.files"
+
+
+def test_edited_rank_file_is_refused(awq_bundle: Path, damaged_copy) -> None:  # type: ignore[no-untyped-def]
+    model = damaged_copy(awq_bundle, lambda d: flip_last_byte(d / "marlin-pack/tp1/rank-0.safetensors"))
+    with pytest.raises(BundleMismatchError, match=r"bundle file tp1/rank-0.safetensors has sha256 .* modified") as e:
+        select_bundle(LoaderOptions(), facts(model))
+    assert e.value.field == "files"
+    select_bundle(LoaderOptions(), facts(model, tp_size=2, tp_rank=0))  # another rank's file is not this rank's business
+    with pytest.raises(BundleMismatchError, match="modified"):
+        select_bundle(LoaderOptions(verify="full"), facts(model))
+
+
+def test_truncated_common_file_is_refused(awq_bundle: Path, damaged_copy) -> None:  # type: ignore[no-untyped-def]
+    def truncate(d: Path) -> None:
+        path = d / "marlin-pack/common.safetensors"
+        path.write_bytes(path.read_bytes()[:-4])
+
+    model = damaged_copy(awq_bundle, truncate)
+    with pytest.raises(BundleMismatchError, match=r"common.safetensors is \d+ bytes, manifest says") as e:
+        select_bundle(LoaderOptions(), facts(model))
+    assert e.value.field == "files"
+
+
+def test_missing_or_foreign_bundle(tmp_path: Path, awq_bundle: Path, damaged_copy) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(BundleMismatchError, match=r"no bundle at") as e:
+        select_bundle(LoaderOptions(), facts(tmp_path))
+    assert e.value.field == "manifest"
+
+    def bump_format_version(d: Path) -> None:
+        manifest = d / "marlin-pack/manifest.json"
+        raw = json.loads(manifest.read_text())
+        raw["format_version"] = 2
+        manifest.write_text(json.dumps(raw))
+
+    with pytest.raises(BundleMismatchError) as e:
+        select_bundle(LoaderOptions(), facts(damaged_copy(awq_bundle, bump_format_version)))
+    assert e.value.field == "format_version"
+
+
+# --- the fallback decision --------------------------------------------------------------------
+
+
+def test_decide_selects_when_everything_fits(awq_bundle: Path) -> None:
+    d = decide(LoaderOptions(), facts(awq_bundle))
+    assert not d.fallback and d.bundle is not None and d.field is None and d.reason is None
+    assert d.bundle.rank_file.name == "rank-0.safetensors"
+
+
+def test_decide_refuses_with_field_and_hint(awq_bundle: Path) -> None:
+    with pytest.raises(LoadRefusedError) as e:
+        decide(LoaderOptions(), facts(awq_bundle, dtype="bfloat16"))
+    msg = str(e.value)
+    assert e.value.field == "serving_dtype"
+    assert msg.startswith(f"marlin-pack cannot serve {awq_bundle} from bundle {awq_bundle / 'marlin-pack'}: [serving_dtype]")
+    assert """pass --model-loader-extra-config '{"fallback": true}'""" in msg
+    assert isinstance(e.value, BundleMismatchError) and isinstance(e.value.__cause__, BundleMismatchError)
+
+
+def test_refusal_message() -> None:
+    e = refusal(MismatchField.tp_size, "why", "org/model", None)
+    assert isinstance(e, LoadRefusedError) and e.field is MismatchField.tp_size
+    assert str(e).startswith("marlin-pack cannot serve org/model from its bundle: [tp_size] why. Fix it, or pass")
+
+
+def test_decide_falls_back_with_field_and_reason(awq_bundle: Path, tmp_path: Path) -> None:
+    d = decide(LoaderOptions(fallback=True), facts(awq_bundle, tp_size=8))
+    assert d.fallback and d.bundle is None and d.field == "tp_size" and "tensor_parallel_size=8" in (d.reason or "")
+    d = decide(LoaderOptions(fallback=True), facts(tmp_path))  # no bundle at all
+    assert d.fallback and d.field == "manifest"
+
+
+def test_decide_only_catches_bundle_errors(awq_bundle: Path) -> None:
+    def selector(options: LoaderOptions, f: EngineFacts):  # noqa: ANN202
+        raise RuntimeError("bug")
+
+    with pytest.raises(RuntimeError, match="bug"):
+        decide(LoaderOptions(fallback=True), facts(awq_bundle), selector=selector)
+
+
+# --- layer checks -----------------------------------------------------------------------------
+
+
+def _good_layer_facts(model: Path) -> tuple[object, object, dict[str, LayerFacts]]:
+    manifest = read_manifest(model / "marlin-pack")
+    tp_set = manifest.tensor_parallel_set(1)
+    found = {
+        e.name: LayerFacts(
+            method="AutoAWQMarlinLinearMethod",
+            kernel="MarlinLinearKernel",
+            partition_shape=(e.size_k, e.size_n),
+            padded_nk=(e.padded_n, e.padded_k),
+            group_size=manifest.quant.group_size,
+            weight_type=manifest.quant.weight_type.value,
+            act_dtype="float16",
+            zero_points=True,
+            has_bias=e.has_bias,
+        )
+        for e in tp_set.layers
+    }
+    return manifest, tp_set, found
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "match"),
+    [
+        (dict(kernel="MacheteLinearKernel"), "kernel", r"vLLM chose MacheteLinearKernel for layer .*qkv_proj"),
+        (dict(method="AutoAWQLinearMethod", kernel=None), "kernel", r"uses AutoAWQLinearMethod"),
+        (dict(skips_when_marked=False), "kernel", r"not patched by marlin-pack"),
+        (dict(partition_shape=(128, 512)), "layers", r"per-rank \(K, N\) is \(128, 512\)"),
+        (dict(padded_nk=(1024, 256)), "layout", r"Marlin padded \(N, K\)"),
+        (dict(group_size=64), "group_size", r"group size is 64, the bundle's is 128"),
+        (dict(weight_type="uint4b8"), "weight_type", r"weight type is uint4b8"),
+        (dict(act_dtype="int8"), "activation_dtype", r"activation dtype is int8"),
+        (dict(zero_points=False), "zero_points", r"zero points is False"),
+        (dict(has_bias=True), "layers", r"bias is True"),
+    ],
+)
+def test_layer_mismatch_names_the_field(awq_bundle: Path, change: dict, field: str, match: str) -> None:
+    manifest, tp_set, found = _good_layer_facts(awq_bundle)
+    check_layers(manifest, tp_set, found)  # type: ignore[arg-type]
+    name = "model.layers.1.self_attn.qkv_proj"
+    found[name] = dataclasses.replace(found[name], **change)
+    with pytest.raises(BundleMismatchError, match=match) as e:
+        check_layers(manifest, tp_set, found)  # type: ignore[arg-type]
+    assert e.value.field == field
+
+
+def test_layer_set_mismatch(awq_bundle: Path) -> None:
+    manifest, tp_set, found = _good_layer_facts(awq_bundle)
+    del found["model.layers.0.mlp.down_proj"]
+    found["lm_head"] = found["model.layers.1.mlp.down_proj"]
+    with pytest.raises(
+        BundleMismatchError,
+        match=r"1 only in the bundle \(model.layers.0.mlp.down_proj\); 1 only in the engine \(lm_head\)",
+    ) as e:
+        check_layers(manifest, tp_set, found)  # type: ignore[arg-type]
+    assert e.value.field == "layers"
+
+
+def test_supported_methods_are_the_patched_quant_methods() -> None:
+    from marlin_pack.vllm_plugin.patches.post_processing import QUANT_METHODS
+
+    assert SUPPORTED_METHODS == tuple(target.rsplit(":", 1)[1] for target in QUANT_METHODS)
+
+
+# --- the rank file's header -------------------------------------------------------------------
+
+
+def test_rank_header_mismatch(awq_bundle: Path) -> None:
+    s = select_bundle(LoaderOptions(), facts(awq_bundle))
+    header = read_header(s.rank_file)
+    with pytest.raises(BundleMismatchError, match=r"has metadata .* expected") as e:
+        check_rank_header(s.manifest, s.tp_set, s.rank, dataclasses.replace(header, metadata={**header.metadata, "rank": "1"}))
+    assert e.value.field == "files"
+    with pytest.raises(BundleMismatchError, match=r"has metadata .* expected"):  # rank 1's file is not rank 0's
+        check_rank_header(s.manifest, s.manifest.tensor_parallel_set(2), 0, header)
+    name = "model.layers.0.self_attn.o_proj.scales"
+    tensors = dict(header.tensors)
+    bf16 = {**tensors, name: dataclasses.replace(tensors[name], dtype="BF16")}
+    with pytest.raises(BundleMismatchError, match=r"tensor model.layers.0.self_attn.o_proj.scales is \('BF16'") as e:
+        check_rank_header(s.manifest, s.tp_set, s.rank, dataclasses.replace(header, tensors=bf16))
+    assert e.value.field == "files"
+    missing = {k: v for k, v in tensors.items() if k != name}
+    with pytest.raises(BundleMismatchError, match=r"lacks model.layers.0.self_attn.o_proj.scales"):
+        check_rank_header(s.manifest, s.tp_set, s.rank, dataclasses.replace(header, tensors=missing))

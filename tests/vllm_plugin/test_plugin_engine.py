@@ -1,0 +1,85 @@
+"""``engine``: the facts read from vLLM, and forcing vLLM to choose MarlinLinearKernel."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import plugin_fakes as fakes
+
+
+def test_force_marlin_makes_vllm_choose_marlin(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.config as vllm_config_mod
+    from vllm.config.kernel import KernelConfig
+    from vllm.model_executor.kernels.linear import _POSSIBLE_KERNELS, _resolve_backend_kernels
+    from vllm.platforms import PlatformEnum
+
+    from marlin_pack.vllm_plugin.engine import force_marlin
+
+    kc = KernelConfig()
+    monkeypatch.setattr(vllm_config_mod, "get_current_vllm_config_or_none", lambda: SimpleNamespace(kernel_config=kc))
+
+    def candidates() -> list[str]:
+        kernels = _resolve_backend_kernels(
+            list(_POSSIBLE_KERNELS[PlatformEnum.CUDA]),
+            "mixed-precision",
+            quantization="mixed_precision",
+            compute_capability=90,
+        )
+        return [k.__name__ for k in kernels]
+
+    assert candidates().index("MacheteLinearKernel") < candidates().index("MarlinLinearKernel")  # H200 default
+    kc.linear_backend_per_quant = {"fp8": "cutlass"}
+    force_marlin(kc)
+    assert kc.linear_backend_per_quant == {"fp8": "cutlass", "mixed_precision": "marlin"}
+    assert candidates() == ["MarlinLinearKernel"]
+    assert kc.compute_hash() != KernelConfig(linear_backend_per_quant={"fp8": "cutlass"}).compute_hash()
+
+
+def test_engine_facts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+    from vllm.config.kernel import KernelConfig
+
+    from marlin_pack.vllm_plugin.decision import EngineFacts
+    from marlin_pack.vllm_plugin.engine import engine_facts
+
+    for name in ("VLLM_MARLIN_INPUT_DTYPE", "VLLM_BATCH_INVARIANT", "VLLM_DISABLED_KERNELS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.33.0+cu130")
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
+        kernel_config=KernelConfig(linear_backend_per_quant={"fp8": "cutlass"}),
+    )
+    model_config = SimpleNamespace(model="/m", dtype=torch.bfloat16, quantization="auto_gptq")
+    assert engine_facts(vllm_config, model_config) == EngineFacts(  # type: ignore[arg-type]
+        model="/m",
+        vllm_version="0.33.0",
+        tp_size=2,
+        tp_rank=0,  # distributed not initialised: rank 0 of the configured size
+        pp_size=1,
+        dtype="bfloat16",
+        quantization="auto_gptq",
+        linear_backend="auto",
+        linear_backend_per_quant={"fp8": "cutlass"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("kernel", "act", "ok"),
+    [
+        ("Marlin", torch.float16, True),
+        ("Marlin", torch.bfloat16, True),
+        ("Marlin", torch.int8, False),
+        ("Marlin", torch.float8_e4m3fn, False),
+        ("Machete", torch.float16, False),
+        ("Exllama", torch.float16, False),
+    ],
+)
+def test_is_marlin_16bit(kernel: str, act: torch.dtype, ok: bool) -> None:
+    from marlin_pack.vllm_plugin.engine import is_marlin_16bit
+
+    method = fakes.quant_method("gptq", fakes.fake_kernel(fakes.kernel_cls(kernel), fakes.mp_config("uint4b8", act)))
+    assert is_marlin_16bit(method) is ok
+    assert not is_marlin_16bit(SimpleNamespace())  # no kernel yet

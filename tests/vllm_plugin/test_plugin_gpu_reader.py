@@ -1,0 +1,60 @@
+"""``gpu_reader``: byte ranges of a bundle file into tensors (CPU destinations here), and the
+safetensors headers (``io.safetensors_io.read_header``) that locate them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from marlin_pack.errors import BundleError
+from marlin_pack.io.safetensors_io import SafetensorsFormatError, read_header
+from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_reader_reads_every_tensor_to_cpu(awq_bundle: Path, threads: int) -> None:
+    path = awq_bundle / "marlin-pack/tp1/rank-0.safetensors"
+    header = read_header(path)
+    want = load_file(str(path))
+    out = {n: torch.empty(i.shape, dtype=i.torch_dtype) for n, i in header.tensors.items()}
+    with ParallelReader(threads=threads, chunk_bytes=1 << 16) as r:  # small chunks: tensors split
+        n = r.copy(path, [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()])
+        assert r.copy(path, []) == 0
+    assert n == sum(i.nbytes for i in header.tensors.values()) == r.bytes_read
+    assert want.keys() == out.keys()
+    for name, t in want.items():
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
+
+
+def test_reader_errors(tmp_path: Path) -> None:
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.arange(10, dtype=torch.int32)}, str(path))
+    info = read_header(path).tensors["a"]
+    with pytest.raises(ValueError, match="destination holds 36 bytes"):
+        ParallelReader().copy(path, [CopyItem(info.start, info.nbytes, torch.empty(9, dtype=torch.int32))])
+    with pytest.raises(ValueError, match="destination tensors must be contiguous"):
+        ParallelReader().copy(path, [CopyItem(info.start, info.nbytes, torch.empty(20, dtype=torch.int32)[::2])])
+    with pytest.raises(BundleError, match="truncated"):
+        ParallelReader().copy(path, [CopyItem(info.start + 8, info.nbytes, torch.empty(10, dtype=torch.int32))])
+
+
+def test_read_header_errors(tmp_path: Path) -> None:
+    """The one header parser raises SafetensorsFormatError (a ValueError); the loader turns it
+    into a BundleError (see test_plugin_loader)."""
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.arange(10, dtype=torch.int32)}, str(path), metadata={"k": "v"})
+    header = read_header(path)
+    assert header.metadata == {"k": "v"} and header.tensors["a"].shape == (10,) and header.tensors["a"].dtype == "I32"
+    assert header.tensors["a"].end == path.stat().st_size and header.tensors["a"].torch_dtype == torch.int32
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(SafetensorsFormatError, match=r"tensor a spans bytes 0\.\.40 of 36"):
+        read_header(path)
+    path.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]")
+    with pytest.raises(SafetensorsFormatError, match="corrupt safetensors header"):
+        read_header(path)
+    assert issubclass(SafetensorsFormatError, ValueError)
+    with pytest.raises(OSError):
+        read_header(tmp_path / "missing.safetensors")

@@ -1,0 +1,42 @@
+"""``options``: the ``--model-loader-extra-config`` of the ``marlin_prepacked`` load format."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from marlin_pack.vllm_plugin.options import OPTION_KEYS, LoaderOptions, parse_extra_config
+
+
+def test_parse_extra_config_defaults_and_values() -> None:
+    assert parse_extra_config({}) == LoaderOptions()
+    o = parse_extra_config({"bundle": "~/b", "fallback": True, "verify": "full", "io_threads": 3, "chunk_mb": 16})
+    assert o.bundle == Path("~/b").expanduser() and o.fallback and o.full_hash is True
+    assert (o.io_threads, o.chunk_mb) == (3, 16)
+    assert parse_extra_config({"verify": "size"}).full_hash is False
+    assert parse_extra_config({}).full_hash is None
+
+
+def test_option_keys_are_the_options() -> None:
+    assert OPTION_KEYS == tuple(f.name for f in dataclasses.fields(LoaderOptions))
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ("x", r"must be a dict for load format marlin_prepacked, got str"),
+        ({"bundel": "/b"}, r"Unexpected extra config keys for load format marlin_prepacked: \['bundel'\]"),
+        ({"bundle": ""}, r"\['bundle'\] must be a directory path"),
+        ({"bundle": 3}, r"\['bundle'\] must be a directory path"),
+        ({"fallback": "yes"}, r"\['fallback'\] must be true or false"),
+        ({"verify": "some"}, r"\['verify'\] must be one of \['auto', 'full', 'size'\]"),
+        ({"io_threads": 0}, r"\['io_threads'\] must be an integer in 1\.\.64"),
+        ({"io_threads": True}, r"\['io_threads'\] must be an integer"),
+        ({"chunk_mb": 4096}, r"\['chunk_mb'\] must be an integer in 1\.\.1024"),
+    ],
+)
+def test_parse_extra_config_refuses(extra: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_extra_config(extra)
