@@ -145,6 +145,56 @@ def verify(
 
 
 @app.command()
+def check(
+    model_dir: ModelDirArg,
+    bundle: Annotated[Path | None, typer.Option("--bundle", help="Bundle directory \\[default: MODEL_DIR/marlin-pack].")] = None,
+    tp: Annotated[int, typer.Option("--tp", min=1, max=1024, help="The engine's --tensor-parallel-size.")] = 1,
+    rank: Annotated[int | None, typer.Option("--rank", min=0, help="Check one rank only \\[default: every rank].")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="The engine's --dtype: float16 or bfloat16 \\[default: what --dtype auto picks].")] = None,
+    verify_mode: Annotated[str, typer.Option("--verify", help="auto (hash what changed), full or size, as the loader.")] = "auto",
+    fallback: Annotated[bool, typer.Option("--fallback", help="As the loader's fallback: a bad bundle means loading ordinarily.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Decide, as the marlin_prepacked loader would, whether an engine can serve MODEL_DIR from its bundle.
+
+    Runs the loader's own pre-GPU checks for every rank (no GPU, no vLLM start): manifest, engine fit, source binding, file integrity, rank headers.
+
+    Exit 0 to load (or, with --fallback, to fall back), 1 to refuse.
+    """
+    from marlin_pack.vllm_plugin.preflight import preflight
+
+    if rank is not None and rank >= tp:
+        raise typer.BadParameter(f"--rank {rank} is outside --tp {tp}", param_hint="--rank")
+    try:
+        report = preflight(
+            model_dir, bundle=bundle, tp_size=tp, rank=rank, dtype=dtype or _engine_dtype(model_dir),
+            verify=verify_mode, fallback=fallback,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+    else:
+        colour = {"load": "green", "fallback": "yellow", "refuse": "red"}
+        for r in report.ranks:
+            out.print(f"rank {r.rank}/{report.tp_size}: [{colour[r.decision]}]{r.decision}[/] {escape(r.message)}", soft_wrap=True)
+    if report.decision == "refuse":
+        raise typer.Exit(1)
+
+
+def _engine_dtype(model_dir: Path) -> str:
+    """The dtype a default `vllm serve MODEL_DIR` runs in (what --dtype auto picks)."""
+    from marlin_pack.errors import CheckpointError
+    from marlin_pack.io.checkpoint_files import read_json
+    from marlin_pack.schemas import default_serving_dtype
+
+    try:
+        return default_serving_dtype(read_json(model_dir / "config.json", "config.json")).value
+    except CheckpointError:
+        return "float16"  # the source check reports what is wrong with the checkpoint
+
+
+@app.command()
 def inspect(bundle: BundleArg, as_json: JsonOpt = False) -> None:
     """Show what a bundle holds."""
     from marlin_pack.bundle.reader import read_manifest

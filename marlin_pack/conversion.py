@@ -42,6 +42,7 @@ from marlin_pack.schemas import (
     Source,
     SourceFile,
     Target,
+    default_serving_dtype,
     torch_dtype,
 )
 from marlin_pack.sources import Checkpoint, QuantSource, source_from_quant_config
@@ -59,8 +60,7 @@ def resolve_dtype(config: dict, dtype: str | None) -> ServingDtype:
             return ServingDtype(_DTYPE_ALIASES.get(dtype, dtype))
         except ValueError as e:
             raise MarlinPackError(f"--dtype {dtype!r} is not supported; expected float16 or bfloat16") from e
-    found = config.get("torch_dtype") or config.get("dtype")
-    return ServingDtype(found) if found in {d.value for d in ServingDtype} else ServingDtype.float16
+    return default_serving_dtype(config)
 
 
 @dataclass

@@ -31,6 +31,7 @@ __all__ = [
     "WeightType",
     "ServingDtype",
     "torch_dtype",
+    "default_serving_dtype",
     "LayerKind",
     "FileEntry",
     "SourceFile",
@@ -88,6 +89,12 @@ class ServingDtype(str, Enum):
 
     float16 = "float16"
     bfloat16 = "bfloat16"
+
+
+def default_serving_dtype(config: dict) -> ServingDtype:
+    """The dtype a default ``vllm serve`` runs a checkpoint in: its config's 16-bit dtype, else float16."""
+    found = config.get("torch_dtype") or config.get("dtype")
+    return ServingDtype(found) if found in {d.value for d in ServingDtype} else ServingDtype.float16
 
 
 def torch_dtype(dtype: ServingDtype | str) -> torch.dtype:

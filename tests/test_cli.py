@@ -74,3 +74,35 @@ def test_convert_path_never_imports_vllm(make_checkpoint, tmp_path: Path) -> Non
     )
     r = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120)
     assert "VLLM False" in r.stdout, r.stderr
+
+
+def test_verify_exit_code_contract(make_checkpoint, tmp_path: Path) -> None:
+    # Exit 0 only when every check ran: a bundle away from its checkpoint needs --source or --integrity-only.
+    d = _ckpt(make_checkpoint, tmp_path)
+    assert _run("convert", str(d)).returncode == 0
+    moved = tmp_path / "moved"
+    shutil.copytree(d / "marlin-pack", moved)
+    r = _run("verify", str(moved))
+    assert r.returncode == 1 and "skipped" in r.stdout and "pass --source MODEL_DIR" in r.stderr, r.stderr
+    assert _run("verify", str(moved), "--integrity-only").returncode == 0
+    assert _run("verify", str(moved), "--source", str(d)).returncode == 0
+    r = runner.invoke(app, ["verify", str(moved), "--json"])
+    data = json.loads(r.stdout)
+    assert r.exit_code == 1 and data["ok"] is False
+    assert {c["name"]: c["status"] for c in data["checks"]}["round-trip"] == "skipped"
+
+
+def test_strict_manifest_refuses_coerced_values(make_checkpoint, tmp_path: Path) -> None:
+    d = _ckpt(make_checkpoint, tmp_path)
+    assert _run("convert", str(d)).returncode == 0
+    path = d / "marlin-pack" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["common"]["size"] = str(m["common"]["size"])
+    path.write_text(json.dumps(m))
+    r = _run("inspect", str(d / "marlin-pack"))
+    assert r.returncode == 1 and "field common.size" in r.stderr
+
+
+def test_help_shows_defaults_in_brackets() -> None:
+    r = runner.invoke(app, ["convert", "--help"], env={"COLUMNS": "200"})
+    assert "[default: MODEL_DIR/marlin-pack]" in r.stdout and "[default: the checkpoint's]" in r.stdout

@@ -3,7 +3,7 @@
 ``marlin-pack daemon MODEL_DIR [vllm preload flags...]`` runs ``vllm preload --model
 MODEL_DIR --load-format marlin_prepacked [flags...]`` in this process, after registering
 marlin-pack with vLLM and making every daemon process vLLM spawns register it too (see
-:mod:`marlin_pack.vllm_plugin.ipc`). It works without the ``vllm.general_plugins`` entry
+:mod:`marlin_pack.vllm_plugin.patches.weight_cache`). It works without the ``vllm.general_plugins`` entry
 point (and whatever ``VLLM_PLUGINS`` says), and checks the obvious mistakes before vLLM
 starts. Engines then attach with ``vllm serve MODEL_DIR --load-format ipc_cache``.
 
@@ -111,7 +111,7 @@ def run(argv: Sequence[str]) -> None:
     """
     import importlib
 
-    from marlin_pack.vllm_plugin import is_registered, register
+    from marlin_pack.vllm_plugin import is_registered, patches, register
     from marlin_pack.vllm_plugin.patches.weight_cache import DAEMON_MODULE
 
     register()
@@ -120,6 +120,7 @@ def run(argv: Sequence[str]) -> None:
             f"could not register the {LOAD_FORMAT} load format with vLLM (see the log above); "
             f"is vLLM {TARGET_VLLM_VERSION} installed?"
         )
+    patches.install()  # idempotent; also where register() ran before and its patches were removed
     importlib.import_module(DAEMON_MODULE)  # vllm preload imports it later; the registry patches it on import
 
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from marlin_pack.bundle.reader import read_manifest
 from marlin_pack.bundle.rank_files import check_rank_header, rank_file_path
+from marlin_pack.bundle.reader import read_manifest
 from marlin_pack.errors import BundleMismatchError, LoadRefusedError, MismatchField
 from marlin_pack.io.safetensors_io import read_header
 from marlin_pack.vllm_plugin.decision import (
@@ -287,7 +287,7 @@ def test_layer_set_mismatch(awq_bundle: Path) -> None:
 def test_supported_methods_are_the_patched_quant_methods() -> None:
     from marlin_pack.vllm_plugin.patches.post_processing import QUANT_METHODS
 
-    assert SUPPORTED_METHODS == tuple(target.rsplit(":", 1)[1] for target in QUANT_METHODS)
+    assert tuple(target.rsplit(":", 1)[1] for target in QUANT_METHODS) == SUPPORTED_METHODS
 
 
 # --- the rank file's header -------------------------------------------------------------------

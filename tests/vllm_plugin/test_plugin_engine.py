@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import plugin_fakes as fakes
 import pytest
 import torch
-
-import plugin_fakes as fakes
 
 
 def test_force_marlin_makes_vllm_choose_marlin(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -102,11 +102,12 @@ def test_cli_daemon_help_does_not_import_vllm() -> None:
     assert "vllm preload" in r.stdout and "ipc_cache" in r.stdout
 
 
-def test_run_installs_marlin_pack_before_vllm_cli(patched: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With marlin-pack registered (and its patches installed, as register() leaves them), run()
-    has vLLM's daemon module patched before vLLM's CLI runs."""
+def test_run_installs_marlin_pack_before_vllm_cli(registered: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run() registers marlin-pack and installs its patches (even where register() already ran),
+    so vLLM's daemon module spawns marlin-pack's target before vLLM's CLI runs."""
     import vllm.entrypoints.cli.main as vllm_cli
 
+    from marlin_pack.vllm_plugin import patches
     from marlin_pack.vllm_plugin.patches.weight_cache import run_daemon
 
     seen: dict[str, Any] = {}
@@ -125,6 +126,7 @@ def test_run_installs_marlin_pack_before_vllm_cli(patched: Any, monkeypatch: pyt
     assert seen["argv"] == ["vllm", *argv]
     assert seen["spawn_target"] is run_daemon  # what PreloadSubcommand.cmd hands to spawn
     assert "marlin_prepacked" in seen["formats"]
+    assert {p.target for p in patches.PATCHES} == set(patches.installed())
 
 
 def test_run_reports_vllm_errors_in_one_line(registered: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ def test_parse_extra_config_defaults_and_values() -> None:
 
 
 def test_option_keys_are_the_options() -> None:
-    assert OPTION_KEYS == tuple(f.name for f in dataclasses.fields(LoaderOptions))
+    assert tuple(f.name for f in dataclasses.fields(LoaderOptions)) == OPTION_KEYS
 
 
 @pytest.mark.parametrize(

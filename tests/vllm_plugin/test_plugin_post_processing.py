@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import plugin_fakes as fakes
 import pytest
 import torch
 from torch import nn
 
-import plugin_fakes as fakes
 from marlin_pack.vllm_plugin.patches import registry
 from marlin_pack.vllm_plugin.patches.post_processing import (
     QUANT_METHODS,

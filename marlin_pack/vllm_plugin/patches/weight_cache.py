@@ -167,6 +167,9 @@ def run_daemon(*args: Any, **kwargs: Any) -> Any:
 
         configure_logging(logging_config)
     register()
+    from marlin_pack.vllm_plugin import patches
+
+    patches.install()  # idempotent; also where register() ran before and its patches were removed
     module = importlib.import_module(DAEMON_MODULE)  # patched on import (or already)
     target = registry.original(RUN_DAEMON) if RUN_DAEMON in registry.installed() else module._run_daemon
     if target is run_daemon:  # never recurse, whatever state the registry is in

@@ -1,0 +1,124 @@
+"""``marlin-pack check``: the loader's own decision, made without a GPU and without starting vLLM.
+
+For every rank of a tensor-parallel size (or one rank), :func:`preflight` runs
+:func:`~marlin_pack.vllm_plugin.decision.decide`, the function the ``marlin_prepacked``
+loader calls before it allocates anything: manifest, engine fit (as given), source binding,
+file integrity per ``verify``, rank-file headers and metadata. Sharing that function is what
+keeps ``check`` from drifting from what an engine does. No vLLM import (its version is read
+from the installed package's metadata).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Literal
+
+from marlin_pack._constants import TARGET_VLLM_VERSION
+from marlin_pack.errors import LoadRefusedError
+from marlin_pack.vllm_plugin.decision import EngineFacts, decide
+from marlin_pack.vllm_plugin.options import parse_extra_config
+
+__all__ = ["Outcome", "RankOutcome", "PreflightReport", "installed_vllm_version", "preflight"]
+
+Outcome = Literal["load", "refuse", "fallback"]
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What the loader would do on one rank."""
+
+    rank: int
+    decision: Outcome
+    field: str | None
+    message: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"rank": self.rank, "decision": self.decision, "field": self.field, "message": self.message}
+
+
+@dataclass
+class PreflightReport:
+    """The loader's decision for every rank asked for; the worst one decides the whole."""
+
+    tp_size: int
+    vllm_version: str
+    ranks: list[RankOutcome] = field(default_factory=list)
+
+    @property
+    def first_problem(self) -> RankOutcome | None:
+        for kind in ("refuse", "fallback"):
+            found = next((r for r in self.ranks if r.decision == kind), None)
+            if found is not None:
+                return found
+        return None
+
+    @property
+    def decision(self) -> Outcome:
+        problem = self.first_problem
+        return "load" if problem is None else problem.decision
+
+    def to_dict(self) -> dict[str, object]:
+        problem = self.first_problem
+        return {
+            "decision": self.decision,
+            "field": problem.field if problem else None,
+            "message": problem.message if problem else f"every rank of tp {self.tp_size} loads from the bundle",
+            "tp_size": self.tp_size,
+            "vllm_version": self.vllm_version,
+            "ranks": [r.to_dict() for r in self.ranks],
+        }
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM's release, read without importing it; the targeted one if none is installed."""
+    try:
+        return metadata.version("vllm").split("+")[0]
+    except metadata.PackageNotFoundError:
+        return TARGET_VLLM_VERSION
+
+
+def preflight(
+    model_dir: str | Path,
+    *,
+    bundle: str | Path | None = None,
+    tp_size: int = 1,
+    rank: int | None = None,
+    dtype: str = "float16",
+    verify: str = "auto",
+    fallback: bool = False,
+    vllm_version: str | None = None,
+) -> PreflightReport:
+    """What ``vllm serve MODEL_DIR --load-format marlin_prepacked`` would decide, per rank.
+
+    Args:
+        model_dir: the checkpoint directory the engine would serve.
+        bundle, verify, fallback: as the loader's ``--model-loader-extra-config``.
+        tp_size: the engine's ``--tensor-parallel-size``; ``rank``: one rank only (default: all).
+        dtype: the engine's ``--dtype`` (``float16``/``bfloat16``).
+        vllm_version: the engine's vLLM (default: the installed one).
+
+    Raises:
+        ValueError: an option the loader itself would refuse (unknown ``verify``, ...).
+    """
+    extra: dict[str, object] = {"fallback": fallback, "verify": verify}
+    if bundle is not None:
+        extra["bundle"] = str(bundle)
+    options = parse_extra_config(extra)
+    version = vllm_version or installed_vllm_version()
+    report = PreflightReport(tp_size=tp_size, vllm_version=version)
+    for r in range(tp_size) if rank is None else [rank]:
+        facts = EngineFacts(model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, dtype=dtype)
+        try:
+            decision = decide(options, facts)
+        except LoadRefusedError as e:
+            report.ranks.append(RankOutcome(r, "refuse", str(e.field), str(e)))
+            continue
+        if decision.bundle is None:
+            message = f"[{decision.field}] {decision.reason}; the engine would load the checkpoint the ordinary way"
+            report.ranks.append(RankOutcome(r, "fallback", str(decision.field), message))
+        else:
+            sel = decision.bundle
+            report.ranks.append(RankOutcome(r, "load", None, f"{sel.rank_file} ({len(sel.tp_set.layers)} layers) and {sel.common_file}"))
+    return report

@@ -1,0 +1,221 @@
+"""``loader.MarlinPrepackedLoader`` on the CPU: model creation is faked with real vLLM layers
+(built as ``vllm_reference`` builds them), everything else is the loader's and vLLM's own code;
+the placed and post-processed layers are compared with stock vLLM's (``vllm_reference``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from marlin_pack.errors import BundleError, LoadRefusedError
+from marlin_pack.vllm_plugin import LOAD_FORMAT
+from marlin_pack.vllm_plugin.decision import LayerFacts
+from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked
+
+vr = pytest.importorskip("vllm_reference")
+
+
+def fake_engine(
+    model: Path, quantization: str, monkeypatch: pytest.MonkeyPatch, tp_size: int = 1, rank: int = 0
+) -> tuple[SimpleNamespace, SimpleNamespace]:
+    """A vllm_config / model_config pair with what the loader reads; this worker is ``rank`` of ``tp_size``."""
+    from vllm.config.kernel import KernelConfig
+    from vllm.distributed import parallel_state as ps
+
+    if tp_size > 1:  # as if distributed were up: engine_facts asks parallel_state for the rank
+        monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: True)
+        monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: tp_size)
+        monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: rank)
+    vllm_config = SimpleNamespace(
+        kernel_config=KernelConfig(),
+        speculative_config=None,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1),
+        device_config=SimpleNamespace(device=torch.device("cpu")),
+    )
+    model_config = SimpleNamespace(
+        model=str(model), dtype=torch.float16, quantization=quantization, word_embeddings_untied_by_checkpoint=False
+    )
+    return vllm_config, model_config
+
+
+def fake_create_model(monkeypatch: pytest.MonkeyPatch, model: Path, tp_size: int = 1) -> list[dict]:
+    """BaseModelLoader.create_model -> the four linears per decoder layer, built by vLLM's real
+    classes; ``model.load_weights`` records the common tensors. Returns the kernel settings seen."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    cfg = json.loads((model / "config.json").read_text())
+    seen: list[dict] = []
+
+    def create_model(self: object, vllm_config: SimpleNamespace, model_config: object, prefix: str = "") -> object:
+        seen.append(dict(vllm_config.kernel_config.linear_backend_per_quant or {}))
+        v = vr._vllm()
+        qc = vr._quant_config(v, model, cfg["quantization_config"], v.default_model_class)
+        root = vr._build_layers(v, vr._model_facts(cfg), qc, set(), tp_size)
+        root.common = []
+        root.load_weights = lambda weights: {root.common.append((n, t.device)) or n for n, t in weights}
+        return root
+
+    monkeypatch.setattr(BaseModelLoader, "create_model", create_model)
+    return seen
+
+
+def make_loader(**extra: object) -> Any:
+    from vllm.config.load import LoadConfig
+
+    from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
+
+    return MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config=dict(extra)))
+
+
+def quantization_of(fmt: str) -> str:
+    return "auto_awq" if fmt == "awq" else "auto_gptq"
+
+
+# --- placement equals stock vLLM -------------------------------------------------------------
+
+# case -> (make_bundle arguments, tp_size, rank)
+CASES: dict[str, tuple[dict, int, int]] = {
+    "awq4": (dict(fmt="awq", preset="tiny", tp_sizes=(1, 2)), 1, 0),
+    "gptq4": (dict(fmt="gptq", preset="tiny", tp_sizes=(1, 2)), 1, 0),
+    "gptq8": (dict(fmt="gptq", preset="tiny", bits=8), 1, 0),
+    "awq4-padded": (dict(fmt="awq", preset="tiny-padded", group_size=32), 1, 0),
+    "gptq4-padded": (dict(fmt="gptq", preset="tiny-padded", group_size=32), 1, 0),
+    "gptq4-tp2-rank1": (dict(fmt="gptq", preset="tiny", tp_sizes=(1, 2)), 2, 1),
+    "awq4-tp2-rank0": (dict(fmt="awq", preset="tiny", tp_sizes=(1, 2)), 2, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_placed_layers_equal_stock_vllm_post_processing(make_bundle: Any, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """The daemon's path: create_model (checks), load_weights (placement, marks, common tensors),
+    then vLLM's patched post-processing; the layers hold stock vLLM's post-processed tensors."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from marlin_pack.vllm_plugin.engine import quantized_layers
+
+    bundle_args, tp_size, rank = CASES[case]
+    model_dir = make_bundle(**bundle_args)
+    reference = vr.reference_rank_tensors(model_dir, tp_size, rank, torch.float16)
+    fake_create_model(monkeypatch, model_dir, tp_size)
+    vllm_config, model_config = fake_engine(model_dir, quantization_of(bundle_args["fmt"]), monkeypatch, tp_size, rank)
+    loader = make_loader(io_threads=2, chunk_mb=1)
+    with vr._patched(tp_size, rank), vr._vllm().set_default_torch_dtype(torch.float16):
+        model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+        layers = quantized_layers(model)
+        assert all(is_patched(m.quant_method) for m in layers.values())  # create_model installs the patches
+        loader.load_weights(model, model_config)  # type: ignore[arg-type]
+        assert all(is_prepacked(m) for m in layers.values())
+        process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
+    assert not any(is_prepacked(m) for m in layers.values())
+    assert all(m.input_global_scale is None for m in layers.values())
+    common = load_file(str(model_dir / "marlin-pack/common.safetensors"))
+    assert sorted(n for n, _ in model.common) == sorted(common)
+    got = {f"{n}.{p}": t for n, m in layers.items() for p, t in m.named_parameters(recurse=False)}
+    assert got.keys() == reference.keys()
+    for name, want in reference.items():
+        t = got[name]
+        assert isinstance(t, torch.nn.Parameter), name
+        assert t.dtype == want.dtype and t.shape == want.shape and t.is_contiguous(), name
+        assert torch.equal(t.detach(), want), name
+
+
+# --- the loader's own flow -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_load_model_flow_on_cpu(make_bundle: Any, monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """load_model: forced Marlin at creation, checks, placement, marks, common tensors through
+    model.load_weights, vLLM's real process_weights_after_loading (finishing the layers only)."""
+    model_dir = make_bundle(fmt, "tiny", tp_sizes=(1, 2))
+    reference = vr.reference_rank_tensors(model_dir, 1, 0, torch.float16)
+    seen = fake_create_model(monkeypatch, model_dir)
+    vllm_config, model_config = fake_engine(model_dir, quantization_of(fmt), monkeypatch)
+    loader = make_loader(io_threads=2)
+    with vr._patched(1, 0):
+        model = loader.load_model(vllm_config, model_config)  # type: ignore[arg-type]
+    assert seen == [{"mixed_precision": "marlin"}]
+    assert vllm_config.kernel_config.linear_backend_per_quant == {"mixed_precision": "marlin"}  # stays set
+    common = load_file(str(model_dir / "marlin-pack/common.safetensors"))
+    assert sorted(n for n, _ in model.common) == sorted(common)
+    for name, want in reference.items():
+        layer, _, pname = name.rpartition(".")
+        got = getattr(model.get_submodule(layer), pname)
+        assert torch.equal(got.detach(), want), name
+    assert not any(is_prepacked(m) for m in model.modules())
+    assert not model.training
+
+
+def test_create_model_kernel_mismatch_refuses_or_falls_back(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin.engine import layer_facts
+
+    def machete_for_down_proj(module: torch.nn.Module, skips_when_marked: bool) -> LayerFacts:
+        f = layer_facts(module, skips_when_marked)
+        return dataclasses.replace(f, kernel="MacheteLinearKernel") if module.prefix.endswith("down_proj") else f
+
+    monkeypatch.setattr(loader_mod, "layer_facts", machete_for_down_proj)
+    fake_create_model(monkeypatch, awq_bundle)
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+
+    fp16 = vr._vllm().set_default_torch_dtype(torch.float16)  # as the daemon and load_model do
+    with fp16, vr._patched(1, 0), pytest.raises(LoadRefusedError, match=r"\[kernel\] vLLM chose MacheteLinearKernel") as e:
+        make_loader().create_model(vllm_config, model_config)
+    assert e.value.field == "kernel"
+
+    calls: list = []
+    monkeypatch.setattr(DefaultModelLoader, "load_weights", lambda self, m, c: calls.append(m))
+    fallback = make_loader(fallback=True)
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        model = fallback.create_model(vllm_config, model_config)
+        fallback.load_weights(model, model_config)
+    assert calls == [model]  # the ordinary loader loads the checkpoint
+    assert not any(is_prepacked(m) for m in model.modules())
+
+
+def test_fallback_decision_loads_the_ordinary_way(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bundle that does not fit the engine (here: bfloat16) with fallback on: vLLM's default
+    loader loads the checkpoint; without fallback the load is refused before the model is built."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    seen = fake_create_model(monkeypatch, awq_bundle)
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    model_config.dtype = torch.bfloat16
+    with pytest.raises(LoadRefusedError, match=r"\[serving_dtype\]"):
+        make_loader().create_model(vllm_config, model_config)
+    assert seen == []
+
+    calls: list = []
+    monkeypatch.setattr(DefaultModelLoader, "load_model", lambda self, **kw: calls.append(kw) or "ordinary")
+    assert make_loader(fallback=True).load_model(vllm_config, model_config) == "ordinary"
+    assert [c["model_config"] for c in calls] == [model_config]
+    assert vllm_config.kernel_config.linear_backend_per_quant is None  # Marlin not forced
+
+
+def test_unreadable_rank_file_is_a_bundle_error(awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank file changes after the bundle was selected: the safetensors format error
+    (a ValueError of io.safetensors_io) reaches the engine as a BundleError naming the file."""
+    model_dir = damaged_copy(awq_bundle)
+    fake_create_model(monkeypatch, model_dir)
+    vllm_config, model_config = fake_engine(model_dir, "auto_awq", monkeypatch)
+    loader = make_loader()
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        model = loader.create_model(vllm_config, model_config)
+        rank_file = model_dir / "marlin-pack/tp1/rank-0.safetensors"
+        data = rank_file.read_bytes()
+        rank_file.write_bytes(b"\xff" * 8 + data[8:])  # an impossible header length
+        with pytest.raises(BundleError, match=r"cannot read the safetensors header of .*rank-0.safetensors: .*truncated"):
+            loader.load_weights(model, model_config)
+
+
+def test_load_weights_needs_its_own_model() -> None:
+    with pytest.raises(RuntimeError, match="only load weights into a model built by its own create_model"):
+        make_loader().load_weights(torch.nn.Module(), SimpleNamespace())
