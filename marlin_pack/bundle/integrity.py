@@ -91,7 +91,13 @@ def check_files(
             )
         if full_hash is False or (full_hash is None and stamps.trusted(entry.path, path, entry.sha256)):
             continue
-        digest = sha256_file(path)
+        try:
+            digest = sha256_file(path)
+        except OSError as e:
+            raise BundleError(
+                f"bundle file {entry.path} cannot be read ({e.strerror or e}); the serving user must be able to read "
+                "the bundle (check its permissions), or re-run `marlin-pack convert --force`"
+            ) from e
         if digest != entry.sha256:
             raise BundleError(
                 f"bundle file {entry.path} has sha256 {digest[:16]}…, manifest says "
@@ -130,7 +136,13 @@ def check_source(
     stamps = StampCache(Path(bundle_dir) / STAMPS_NAME)
     for f in manifest.source.files:
         path = model_dir / f.name
-        size = path.stat().st_size
+        try:
+            size = path.stat().st_size
+        except OSError as e:  # e.g. a dangling symlink: a pruned Hugging Face cache blob
+            raise BundleMismatchError(
+                MismatchField.source_files,
+                f"source file {f.name} cannot be read ({e.strerror or e}); restore the checkpoint (download it again)",
+            ) from e
         if size != f.size:
             raise BundleMismatchError(
                 MismatchField.source_size,
@@ -150,7 +162,12 @@ def check_source(
         key = source_stamp_key(f.name)
         if full_hash is False or (full_hash is None and stamps.trusted(key, path, f.sha256)):
             continue
-        digest = sha256_file(path)
+        try:
+            digest = sha256_file(path)
+        except OSError as e:
+            raise BundleMismatchError(
+                MismatchField.source_sha256, f"source file {f.name} cannot be read ({e.strerror or e}); check its permissions"
+            ) from e
         if digest != f.sha256:
             raise BundleMismatchError(
                 MismatchField.source_sha256,

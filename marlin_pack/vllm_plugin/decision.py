@@ -15,8 +15,10 @@ from typing import Any
 
 from marlin_pack._constants import KERNEL_NAME, LAYOUT_VERSION
 from marlin_pack.bundle.integrity import check_files, check_source
+from marlin_pack.bundle.rank_files import check_rank_header
 from marlin_pack.bundle.reader import default_bundle_dir, read_manifest, resolve_file
 from marlin_pack.errors import BundleError, BundleMismatchError, LoadRefusedError, MismatchField
+from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
 from marlin_pack.schemas import Manifest, TensorParallelSet
 from marlin_pack.vllm_plugin.options import LoaderOptions
 
@@ -63,7 +65,7 @@ class EngineFacts:
 
 @dataclass(frozen=True)
 class SelectedBundle:
-    """A bundle checked against the engine: what this rank loads."""
+    """A bundle checked against the engine: what this rank loads, headers already checked."""
 
     bundle_dir: Path
     manifest: Manifest
@@ -71,6 +73,8 @@ class SelectedBundle:
     rank: int
     rank_file: Path
     common_file: Path
+    rank_header: SafetensorsHeader
+    common_header: SafetensorsHeader
 
 
 @dataclass(frozen=True)
@@ -194,21 +198,40 @@ def check_engine(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
 
 
 def _with_field(field: MismatchField, fn: Callable[[], Any]) -> Any:
-    """Run a check; a :class:`BundleError` without a field gets ``field``."""
+    """Run a check; any failure becomes a :class:`BundleMismatchError` naming ``field``.
+
+    Files that cannot be read (a dangling symlink, a permission the serving user lacks, a
+    malformed header) are refusals like any other, so that ``fallback`` covers them.
+    """
     try:
         return fn()
     except BundleMismatchError:
         raise
     except BundleError as e:
         raise BundleMismatchError(field, str(e)) from e
+    except SafetensorsFormatError as e:
+        raise BundleMismatchError(field, f"{e}; re-run `marlin-pack convert --force`") from e
+    except OSError as e:
+        where = e.filename or "a file"
+        advice = "the serving user must be able to read it" if isinstance(e, PermissionError) else "re-convert"
+        raise BundleMismatchError(field, f"cannot read {where} ({e.strerror or e}); {advice}") from e
+    except (ValueError, RecursionError) as e:
+        raise BundleMismatchError(field, f"{type(e).__name__}: {e}") from e
+
+
+def _checked_header(manifest: Manifest, tp_set: TensorParallelSet, rank: int, path: Path) -> SafetensorsHeader:
+    header = read_header(path)
+    check_rank_header(manifest, tp_set, rank, header)
+    return header
 
 
 def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     """Find and check the bundle for this engine and rank, before anything touches the GPU.
 
     Order: manifest (format version), engine fit (vLLM version, dtype, TP, kernel
-    settings), the source checkpoint (files, sizes, headers, hashes by stamp), then this
-    rank's file and the common file (sizes, hashes by stamp).
+    settings), the source checkpoint (quantization config, files, sizes, headers, hashes
+    by stamp), then this rank's file and the common file (sizes, hashes by stamp,
+    readable, headers and metadata exactly as the manifest implies).
 
     Raises:
         BundleMismatchError: naming the field that does not fit.
@@ -224,13 +247,17 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     rank_entry = tp_set.ranks[facts.tp_rank].file
     entries = [manifest.common, rank_entry]
     _with_field(F.files, lambda: check_files(bundle_dir, manifest, entries, full_hash=options.full_hash))
+    rank_file = _with_field(F.files, lambda: resolve_file(bundle_dir, rank_entry))
+    common_file = _with_field(F.files, lambda: resolve_file(bundle_dir, manifest.common))
     return SelectedBundle(
         bundle_dir=bundle_dir,
         manifest=manifest,
         tp_set=tp_set,
         rank=facts.tp_rank,
-        rank_file=_with_field(F.files, lambda: resolve_file(bundle_dir, rank_entry)),
-        common_file=_with_field(F.files, lambda: resolve_file(bundle_dir, manifest.common)),
+        rank_file=rank_file,
+        common_file=common_file,
+        rank_header=_with_field(F.files, lambda: _checked_header(manifest, tp_set, facts.tp_rank, rank_file)),
+        common_header=_with_field(F.files, lambda: read_header(common_file)),
     )
 
 

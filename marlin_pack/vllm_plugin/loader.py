@@ -32,7 +32,6 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -45,9 +44,8 @@ from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
-from marlin_pack.bundle.rank_files import check_rank_header
 from marlin_pack.errors import BundleError, MismatchField
-from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
+from marlin_pack.io.safetensors_io import SafetensorsHeader
 from marlin_pack.marlin.rank_tensors import tensor_specs
 from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin import patches
@@ -88,13 +86,6 @@ class _Timings:
             f"({layers} prepacked layers, tp {bundle.tp_set.tp_size} rank {bundle.rank}, "
             f"bundle {bundle.bundle_dir})"
         )
-
-
-def _read_bundle_header(path: Path) -> SafetensorsHeader:
-    try:
-        return read_header(path)
-    except (SafetensorsFormatError, OSError) as e:
-        raise BundleError(f"cannot read the safetensors header of {path}: {e}") from e
 
 
 class MarlinPrepackedLoader(BaseModelLoader):
@@ -206,9 +197,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         bundle = state.bundle
         with ParallelReader(self.options.io_threads, self.options.chunk_mb << 20) as reader:
             t0 = time.perf_counter()
-            header = _read_bundle_header(bundle.rank_file)
-            check_rank_header(bundle.manifest, bundle.tp_set, bundle.rank, header)
-            items = self._place(state, header)
+            items = self._place(state, bundle.rank_header)  # header checked before the GPU, by decide()
             self._timings.copy_bytes = reader.copy(bundle.rank_file, items)
             for layer in state.layers.values():
                 mark_prepacked(layer)
@@ -259,8 +248,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         reader: ParallelReader, bundle: SelectedBundle, device: torch.device
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``common.safetensors`` in file order: via GPU staging at TP=1, else as CPU tensors."""
-        header = _read_bundle_header(bundle.common_file)
-        ordered = sorted(header.tensors.items(), key=lambda kv: kv[1].start)
+        ordered = sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start)
         if device.type == "cuda" and bundle.tp_set.tp_size == 1:
             # Whole tensors are used at TP=1, so read them straight to the GPU (pinned, threaded).
             for name, info in ordered:

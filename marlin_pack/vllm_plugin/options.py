@@ -82,8 +82,12 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         raise ValueError(
             f"model_loader_extra_config['verify'] must be one of {list(_FULL_HASH)}, got {verify!r}"
         )
+    try:
+        bundle_dir = Path(bundle).expanduser() if bundle is not None else None
+    except RuntimeError as e:  # "~nosuchuser/x": no such user's home
+        raise ValueError(f"model_loader_extra_config['bundle'] is {bundle!r}: {e}") from e
     return LoaderOptions(
-        bundle=Path(bundle).expanduser() if bundle is not None else None,
+        bundle=bundle_dir,
         fallback=fallback,
         verify=verify,
         io_threads=_int_option(extra, "io_threads", 8, 64),

@@ -120,5 +120,7 @@ def preflight(
             report.ranks.append(RankOutcome(r, "fallback", str(decision.field), message))
         else:
             sel = decision.bundle
-            report.ranks.append(RankOutcome(r, "load", None, f"{sel.rank_file} ({len(sel.tp_set.layers)} layers) and {sel.common_file}"))
+            entry = sel.tp_set.ranks[r].file
+            message = f"{entry.path} ({len(sel.tp_set.layers)} layers, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} from {sel.bundle_dir}"
+            report.ranks.append(RankOutcome(r, "load", None, message))
     return report

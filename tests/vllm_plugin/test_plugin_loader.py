@@ -200,20 +200,29 @@ def test_fallback_decision_loads_the_ordinary_way(awq_bundle: Path, monkeypatch:
     assert vllm_config.kernel_config.linear_backend_per_quant is None  # Marlin not forced
 
 
-def test_unreadable_rank_file_is_a_bundle_error(awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rank file changes after the bundle was selected: the safetensors format error
-    (a ValueError of io.safetensors_io) reaches the engine as a BundleError naming the file."""
-    model_dir = damaged_copy(awq_bundle)
-    fake_create_model(monkeypatch, model_dir)
-    vllm_config, model_config = fake_engine(model_dir, "auto_awq", monkeypatch)
-    loader = make_loader()
-    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
-        model = loader.create_model(vllm_config, model_config)
+def test_malformed_rank_header_is_refused_before_the_gpu(awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank file whose header is broken (its hash recorded anew) is refused by create_model, naming the file,
+    before any layer is built; with fallback the engine loads the checkpoint instead."""
+    import json
+
+    from marlin_pack.errors import LoadRefusedError
+    from marlin_pack.io.hashing import sha256_file
+
+    def damage(model_dir: Path) -> None:
         rank_file = model_dir / "marlin-pack/tp1/rank-0.safetensors"
         data = rank_file.read_bytes()
         rank_file.write_bytes(b"\xff" * 8 + data[8:])  # an impossible header length
-        with pytest.raises(BundleError, match=r"cannot read the safetensors header of .*rank-0.safetensors: .*truncated"):
-            loader.load_weights(model, model_config)
+        m = json.loads((model_dir / "marlin-pack/manifest.json").read_text())
+        m["tensor_parallel"][0]["ranks"][0]["file"]["sha256"] = sha256_file(rank_file)
+        (model_dir / "marlin-pack/manifest.json").write_text(json.dumps(m))
+
+    model_dir = damaged_copy(awq_bundle, damage)
+    fake_create_model(monkeypatch, model_dir)
+    vllm_config, model_config = fake_engine(model_dir, "auto_awq", monkeypatch)
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        with pytest.raises(LoadRefusedError, match=r"\[files\] rank-0.safetensors declares a .*-byte header") as e:
+            make_loader().create_model(vllm_config, model_config)
+        assert e.value.field == "files"
 
 
 def test_load_weights_needs_its_own_model() -> None:

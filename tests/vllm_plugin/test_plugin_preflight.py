@@ -1,0 +1,113 @@
+"""``marlin-pack check`` and the loader's pre-GPU path it shares: every failure a refusal naming its field."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from marlin_pack.cli import app
+from marlin_pack.vllm_plugin.preflight import preflight
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def model(make_bundle: Any, damaged_copy: Any) -> Path:
+    return damaged_copy(make_bundle("gptq", "tiny", tp_sizes=(1, 2)))
+
+
+def _check(*args: str) -> tuple[int, dict]:
+    r = runner.invoke(app, ["check", *args, "--json"])
+    return r.exit_code, json.loads(r.stdout)
+
+
+def test_intact_bundle_loads_on_every_rank(model: Path) -> None:
+    code, data = _check(str(model), "--tp", "2")
+    assert code == 0 and data["decision"] == "load" and data["field"] is None
+    assert [r["rank"] for r in data["ranks"]] == [0, 1] and all(r["decision"] == "load" for r in data["ranks"])
+    r = runner.invoke(app, ["check", str(model), "--tp", "2"])
+    lines = r.stdout.splitlines()
+    assert r.exit_code == 0 and len(lines) == 2, r.stdout
+    assert lines[0].startswith("rank 0/2: load tp2/rank-0.safetensors (8 layers") and lines[1].startswith("rank 1/2: load tp2/rank-1")
+
+
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["--tp", "4"], "tp_size"),
+        (["--dtype", "bfloat16"], "serving_dtype"),
+        (["--bundle", "/nonexistent/bundle"], "manifest"),
+    ],
+)
+def test_engine_mismatch_is_refused_naming_the_field(model: Path, args: list[str], field: str) -> None:
+    code, data = _check(str(model), *args)
+    assert code == 1 and data["decision"] == "refuse" and data["field"] == field
+    assert f"[{field}]" in data["message"] and '{"fallback": true}' in data["message"]
+
+
+def test_fallback_is_reported_and_exits_0(model: Path) -> None:
+    code, data = _check(str(model), "--tp", "4", "--fallback")
+    assert code == 0 and data["decision"] == "fallback" and data["field"] == "tp_size"
+
+
+def test_one_rank(model: Path) -> None:
+    (model / "marlin-pack" / "tp2" / "rank-1.safetensors").write_bytes(b"broken")
+    assert _check(str(model), "--tp", "2", "--rank", "0")[0] == 0
+    code, data = _check(str(model), "--tp", "2", "--rank", "1")
+    assert code == 1 and data["field"] == "files" and [r["rank"] for r in data["ranks"]] == [1]
+
+
+def test_dangling_source_symlink_is_a_refusal_and_fallback_works(model: Path) -> None:
+    # A pruned Hugging Face cache: the snapshot's symlink points at a blob that is gone.
+    shard = model / "model.safetensors"
+    blob = model / "blob"
+    shard.rename(blob)
+    shard.symlink_to(blob)
+    blob.unlink()
+    code, data = _check(str(model))
+    assert code == 1 and data["field"] == "source.files" and "cannot be read" in data["message"]
+    assert preflight(model, fallback=True).decision == "fallback"
+
+
+def test_unreadable_bundle_file_is_a_refusal(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The serving user cannot read a file root converted with umask 077 (simulated: tests may run as root).
+    import marlin_pack.io.files as files
+
+    real = files.os.open
+    rank_file = str(model / "marlin-pack" / "tp1" / "rank-0.safetensors")
+
+    def deny(path: Any, flags: int, *args: Any) -> int:
+        if os.fspath(path) == rank_file:
+            raise PermissionError(13, "Permission denied", rank_file)
+        return real(path, flags, *args)
+
+    monkeypatch.setattr(files.os, "open", deny)
+    report = preflight(model, verify="full")
+    assert report.decision == "refuse" and report.ranks[0].field == "files"
+    assert "the serving user must be able to read" in report.ranks[0].message
+    # with stamps trusted (no hashing), the header read before the GPU still finds it
+    report = preflight(model, verify="size")
+    assert report.decision == "refuse" and "Permission denied" in report.ranks[0].message
+    assert preflight(model, verify="size", fallback=True).decision == "fallback"
+
+
+@pytest.mark.parametrize("damage", ["nested", "directory"])
+def test_corrupt_stamps_never_refuse_an_intact_bundle(model: Path, damage: str) -> None:
+    stamps = model / "marlin-pack" / ".stamps.json"
+    stamps.unlink()
+    if damage == "nested":
+        stamps.write_text("[" * 100_000)
+    else:
+        stamps.mkdir()
+    assert preflight(model).decision == "load"
+    assert not [p for p in (model / "marlin-pack").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_bundle_option_with_unknown_user_is_an_option_error(model: Path) -> None:
+    r = runner.invoke(app, ["check", str(model), "--bundle", "~nosuchuser-marlin/x"])
+    assert r.exit_code == 2 and "nosuchuser" in r.output
