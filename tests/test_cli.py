@@ -106,3 +106,12 @@ def test_strict_manifest_refuses_coerced_values(make_checkpoint, tmp_path: Path)
 def test_help_shows_defaults_in_brackets() -> None:
     r = runner.invoke(app, ["convert", "--help"], env={"COLUMNS": "200"})
     assert "[default: MODEL_DIR/marlin-pack]" in r.stdout and "[default: the checkpoint's]" in r.stdout
+
+
+def test_check_path_never_imports_vllm(make_bundle) -> None:
+    code = (
+        "import sys; from marlin_pack.cli import main; sys.argv=['marlin-pack','check',sys.argv[1]];\n"
+        "try: main()\nexcept SystemExit as e: print('RC', e.code)\nprint('VLLM', 'vllm' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(make_bundle("awq"))], capture_output=True, text=True, timeout=120)
+    assert "VLLM False" in r.stdout and "RC 0" in r.stdout, r.stdout + r.stderr

@@ -224,3 +224,15 @@ def test_deeply_nested_manifest(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text("[" * 200_000)
     name, detail = _failure(tmp_path)
     assert name == "manifest" and "RecursionError" in detail
+
+
+@pytest.mark.parametrize("special", ["fifo", "dev-zero"])
+def test_manifest_that_is_not_a_regular_file_is_refused_without_blocking(bundle: Path, special: str) -> None:
+    m = bundle / "manifest.json"
+    m.unlink()
+    if special == "fifo":
+        os.mkfifo(m)
+    else:
+        m.symlink_to("/dev/zero")  # stat says 0 bytes; reading never ends
+    name, detail = _failure(bundle)
+    assert name == "manifest" and "not a regular file" in detail

@@ -18,7 +18,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_empty, marlin_padded_nk
 
-from marlin_pack.vllm_plugin.decision import EngineFacts, LayerFacts
+from marlin_pack.vllm_plugin.decision import EngineFacts
+from marlin_pack.vllm_plugin.layer_check import LayerFacts
 from marlin_pack.vllm_plugin.version_guard import vllm_version
 
 __all__ = [

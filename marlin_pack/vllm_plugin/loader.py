@@ -49,9 +49,10 @@ from marlin_pack.io.safetensors_io import SafetensorsHeader
 from marlin_pack.marlin.rank_tensors import tensor_specs
 from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin import patches
-from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, check_layers, decide, refusal
+from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
+from marlin_pack.vllm_plugin.layer_check import check_layers
 from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 

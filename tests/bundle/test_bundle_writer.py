@@ -213,3 +213,17 @@ def test_stale_temp_dirs_of_dead_conversions_are_removed(awq: Path) -> None:
     (stale / "tp1" / "rank-0.safetensors").write_bytes(b"partial")
     convert(awq)
     assert not stale.exists()
+
+
+def test_write_failures_other_than_space_do_not_blame_space(awq: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import marlin_pack.bundle.writer as writer
+
+    def fail(src: Path, dst: Path) -> None:
+        raise OSError(errno.EMFILE, "Too many open files", str(dst))
+
+    monkeypatch.setattr(writer, "rename_no_replace", fail)
+    with pytest.raises(MarlinPackError, match=r"failed \(Too many open files\); check that location") as e:
+        convert(awq)
+    assert "free space" not in str(e.value)

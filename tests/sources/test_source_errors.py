@@ -203,3 +203,26 @@ def test_unusual_dtypes_travel_in_common(awq: Path) -> None:
     save_file(tensors, awq / "model.safetensors")
     convert(awq)
     assert torch.equal(load_file(awq / "marlin-pack" / "common.safetensors")["model.extra_u16"], tensors["model.extra_u16"])
+
+
+def test_config_that_is_not_utf8_says_so(awq: Path) -> None:
+    (awq / "config.json").write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(CheckpointError, match=r"config.json is not UTF-8 text .*restore the file"):
+        convert(awq)
+
+
+def test_source_changed_while_converting_is_refused(awq: Path, no_leftovers) -> None:
+    # Hashes are taken while the tensors are read: a file rewritten meanwhile must not be stamped as hashed.
+    shard = awq / "model.safetensors"
+
+    def rewrite(done: int, total: int, name: str) -> None:
+        if done == 1:
+            data = bytearray(shard.read_bytes())
+            data[-1] ^= 0xFF
+            tmp = awq / "partial"
+            tmp.write_bytes(bytes(data))
+            tmp.replace(shard)  # what a download tool does
+
+    with pytest.raises(CheckpointError, match=r"model.safetensors changed while converting"):
+        convert(awq, progress=rewrite)
+    no_leftovers(awq)

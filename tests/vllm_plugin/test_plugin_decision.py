@@ -18,16 +18,14 @@ from marlin_pack.bundle.reader import read_manifest
 from marlin_pack.errors import BundleMismatchError, LoadRefusedError, MismatchField
 from marlin_pack.io.safetensors_io import read_header
 from marlin_pack.vllm_plugin.decision import (
-    SUPPORTED_METHODS,
     EngineFacts,
-    LayerFacts,
     check_engine,
-    check_layers,
     decide,
     refusal,
     resolve_bundle_dir,
     select_bundle,
 )
+from marlin_pack.vllm_plugin.layer_check import SUPPORTED_METHODS, LayerFacts, check_layers
 from marlin_pack.vllm_plugin.options import LoaderOptions, parse_extra_config
 
 VLLM_VERSION = "0.33.0"

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from marlin_pack.errors import BundleError, LoadRefusedError
+from marlin_pack.errors import LoadRefusedError
 from marlin_pack.vllm_plugin import LOAD_FORMAT
-from marlin_pack.vllm_plugin.decision import LayerFacts
+from marlin_pack.vllm_plugin.layer_check import LayerFacts
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked
 
 vr = pytest.importorskip("vllm_reference")

@@ -22,6 +22,8 @@ def test_importing_the_plugin_does_not_import_vllm() -> None:
         "marlin_pack.vllm_plugin",
         "marlin_pack.vllm_plugin.options",
         "marlin_pack.vllm_plugin.decision",
+        "marlin_pack.vllm_plugin.layer_check",
+        "marlin_pack.vllm_plugin.preflight",
         "marlin_pack.vllm_plugin.gpu_reader",
         "marlin_pack.vllm_plugin.version_guard",
         "marlin_pack.vllm_plugin.launcher",

@@ -1,0 +1,88 @@
+"""Did vLLM build exactly the layers a bundle holds, each on Marlin with the bundle's configuration?
+
+A pure function over :class:`LayerFacts` (gathered from the built model by
+``engine.layer_facts``); no vLLM import, so every message is testable on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from marlin_pack._constants import KERNEL_NAME
+from marlin_pack.errors import BundleMismatchError, MismatchField
+from marlin_pack.schemas import Manifest, TensorParallelSet
+
+__all__ = ["SUPPORTED_METHODS", "LayerFacts", "check_layers"]
+
+# The quant methods whose layers a bundle can fill (vLLM 0.33.0 dense AWQ / GPTQ).
+SUPPORTED_METHODS = ("AutoAWQMarlinLinearMethod", "AutoGPTQLinearMethod")
+F = MismatchField
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """One quantized layer as vLLM built it (see ``engine.layer_facts``)."""
+
+    method: str
+    kernel: str | None = None
+    partition_shape: tuple[int, int] | None = None  # (size_k, size_n) per rank
+    padded_nk: tuple[int, int] | None = None  # vLLM's marlin_padded_nk(size_n, size_k, group_size)
+    group_size: int | None = None
+    weight_type: str | None = None
+    act_dtype: str | None = None
+    zero_points: bool | None = None
+    has_bias: bool = False
+    skips_when_marked: bool = True  # its post-processing honours the prepacked mark
+
+
+def _sample(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+
+
+def check_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mapping[str, LayerFacts]) -> None:
+    """Check that vLLM built exactly the bundle's layers, each with Marlin and its configuration.
+
+    Raises:
+        BundleMismatchError: ``layers`` (set, shapes, bias), ``kernel``, ``layout``,
+            ``group_size``, ``weight_type``, ``activation_dtype`` or ``zero_points``.
+    """
+    expected = {entry.name: entry for entry in tp_set.layers}
+    only_bundle = sorted(set(expected) - set(found))
+    only_engine = sorted(set(found) - set(expected))
+    if only_bundle or only_engine:
+        parts = []
+        if only_bundle:
+            parts.append(f"{len(only_bundle)} only in the bundle ({_sample(only_bundle)})")
+        if only_engine:
+            parts.append(f"{len(only_engine)} only in the engine ({_sample(only_engine)})")
+        raise BundleMismatchError(
+            F.layers, "the engine's quantized layers differ from the bundle's: " + "; ".join(parts) + "; re-convert"
+        )
+    q = manifest.quant
+    for name, entry in expected.items():
+        f = found[name]
+        if f.method not in SUPPORTED_METHODS:
+            raise BundleMismatchError(
+                F.kernel, f"layer {name} uses {f.method}, expected one of {list(SUPPORTED_METHODS)} with {KERNEL_NAME}"
+            )
+        if f.kernel != KERNEL_NAME:
+            raise BundleMismatchError(
+                F.kernel, f"vLLM chose {f.kernel} for layer {name}; the bundle holds the {KERNEL_NAME} layout"
+            )
+        if not f.skips_when_marked:
+            raise BundleMismatchError(
+                F.kernel, f"layer {name}: {f.method}.process_weights_after_loading is not patched by marlin-pack"
+            )
+        checks: list[tuple[MismatchField, object, object, str]] = [
+            (F.layers, f.partition_shape, (entry.size_k, entry.size_n), "per-rank (K, N)"),
+            (F.layout, f.padded_nk, (entry.padded_n, entry.padded_k), "Marlin padded (N, K)"),
+            (F.group_size, f.group_size, q.group_size, "group size"),
+            (F.weight_type, f.weight_type, q.weight_type.value, "weight type"),
+            (F.activation_dtype, f.act_dtype, manifest.activation_dtype.value, "activation dtype"),
+            (F.zero_points, f.zero_points, q.zero_points, "zero points"),
+            (F.layers, f.has_bias, entry.has_bias, "bias"),
+        ]
+        for field, got, want, what in checks:
+            if got != want:
+                raise BundleMismatchError(field, f"layer {name}: the engine's {what} is {got}, the bundle's is {want}")
