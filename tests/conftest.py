@@ -39,6 +39,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 CheckpointFactory = Callable[..., Path]
 
 
+def _write_checkpoint(
+    d: Path, fmt: str, preset: str, bits: int, group_size: int, dtype: torch.dtype, sharded: bool, seed: int
+) -> Path:
+    kw = dict(group_size=group_size, dtype=dtype, seed=seed, max_shard_bytes=200_000 if sharded else None, tokenizer=False)
+    if fmt == "awq":
+        return write_awq_checkpoint(d, SHAPES[preset], **kw)
+    return write_gptq_checkpoint(d, SHAPES[preset], bits=bits, **kw)
+
+
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
     """``make_checkpoint(fmt, preset, bits=4, group_size=128, dtype=float16, sharded=False)``, cached."""
@@ -57,12 +66,7 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFacto
         key = (fmt, preset, bits, group_size, dtype, sharded, seed)
         if key not in cache:
             d = tmp_path_factory.mktemp(f"{fmt}{bits}-{preset}-g{group_size}".replace("-1", "ch"))
-            shard = 200_000 if sharded else None
-            kw = dict(group_size=group_size, dtype=dtype, seed=seed, max_shard_bytes=shard, tokenizer=False)
-            if fmt == "awq":
-                cache[key] = write_awq_checkpoint(d, SHAPES[preset], **kw)
-            else:
-                cache[key] = write_gptq_checkpoint(d, SHAPES[preset], bits=bits, **kw)
+            cache[key] = _write_checkpoint(d, fmt, preset, bits, group_size, dtype, sharded, seed)
         return cache[key]
 
     return make
@@ -89,13 +93,9 @@ def make_bundle(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
     ) -> Path:
         key = (fmt, preset, tuple(tp_sizes), bits, group_size, dtype, sharded, seed)
         if key not in cache:
-            d = tmp_path_factory.mktemp(f"bundle-{fmt}{bits}-{preset}")
-            shard = 200_000 if sharded else None
-            kw = dict(group_size=group_size, dtype=dtype, seed=seed, max_shard_bytes=shard, tokenizer=False)
-            if fmt == "awq":
-                model = write_awq_checkpoint(d, SHAPES[preset], **kw)
-            else:
-                model = write_gptq_checkpoint(d, SHAPES[preset], bits=bits, **kw)
+            model = _write_checkpoint(
+                tmp_path_factory.mktemp(f"bundle-{fmt}{bits}-{preset}"), fmt, preset, bits, group_size, dtype, sharded, seed
+            )
             convert(model, tp_sizes=tp_sizes)
             cache[key] = model
         return cache[key]

@@ -74,6 +74,10 @@ def foreign_entry(out: Path) -> str | None:
         rel = path.relative_to(out).as_posix()
         if rel in allowed and path.is_file() and not path.is_symlink():
             continue
+        if rel == STAMPS_NAME and not path.is_symlink() and (not path.is_dir() or not any(path.iterdir())):
+            continue  # a damaged stamp cache (FIFO, empty directory) is still only a cache
+        if rel.startswith(f"{STAMPS_NAME}.") and rel.endswith(".tmp") and path.is_file():
+            continue  # a stamp-cache write interrupted by a crash
         if rel in folders and path.is_dir() and not path.is_symlink():
             continue
         return f"it holds {rel}, which no conversion writes"

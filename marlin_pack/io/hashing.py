@@ -11,6 +11,7 @@ inode, so what fools a ``(size, mtime)`` stamp does not fool this one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -93,7 +94,5 @@ class StampCache:
             os.replace(tmp, self.path)
             self._dirty = False
         except OSError:
-            try:
+            with contextlib.suppress(OSError):
                 tmp.unlink()
-            except OSError:
-                pass

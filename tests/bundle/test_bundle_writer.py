@@ -227,3 +227,12 @@ def test_write_failures_other_than_space_do_not_blame_space(awq: Path, monkeypat
     with pytest.raises(MarlinPackError, match=r"failed \(Too many open files\); check that location") as e:
         convert(awq)
     assert "free space" not in str(e.value)
+
+
+def test_force_replaces_a_bundle_whose_stamp_cache_is_damaged(awq: Path) -> None:
+    convert(awq)
+    stamps = awq / "marlin-pack" / ".stamps.json"
+    stamps.unlink()
+    stamps.mkdir()  # a cache, even a broken one, is the bundle's own
+    convert(awq, force=True)
+    assert stamps.is_file()
