@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from marlin_pack.errors import CheckpointError
 from marlin_pack.io.checkpoint_files import read_json, weight_files
+from marlin_pack.io.files import NotRegularFileError
 from marlin_pack.io.hashing import file_identity
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, TensorInfo, read_header
 
@@ -54,8 +55,12 @@ class Checkpoint:
                 header = read_header(self.dir / f)
             except SafetensorsFormatError as e:
                 raise CheckpointError(f"{e}; download the file again") from e
+            except NotRegularFileError as e:
+                raise CheckpointError(f"{self.dir / f} {e.strerror}; expected a safetensors weight file") from e
+            except PermissionError as e:
+                raise CheckpointError(f"cannot read {self.dir / f} ({e.strerror}); check the file's permissions") from e
             except OSError as e:
-                raise CheckpointError(f"cannot read {self.dir / f} ({e}); check the file's permissions") from e
+                raise CheckpointError(f"cannot read {self.dir / f} ({e.strerror or e}); restore the checkpoint") from e
             for name, info in header.tensors.items():
                 if name in self.tensors:
                     raise CheckpointError(f"tensor {name} is in both {self.tensors[name].file} and {f}; remove the duplicate file")

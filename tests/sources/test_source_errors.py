@@ -226,3 +226,10 @@ def test_source_changed_while_converting_is_refused(awq: Path, no_leftovers) -> 
     with pytest.raises(CheckpointError, match=r"model.safetensors changed while converting"):
         convert(awq, progress=rewrite)
     no_leftovers(awq)
+
+
+def test_shard_that_is_a_device_is_refused_as_such(awq: Path) -> None:
+    (awq / "model.safetensors").unlink()
+    (awq / "model.safetensors").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match=r"model.safetensors is a character device, not a regular file; expected a safetensors"):
+        convert(awq)
