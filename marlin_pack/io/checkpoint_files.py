@@ -8,11 +8,20 @@ from pathlib import Path
 from marlin_pack.errors import CheckpointError
 from marlin_pack.io.files import NotRegularFileError, read_limited
 
-__all__ = ["INDEX_NAME", "read_json", "weight_files"]
+__all__ = ["INDEX_NAME", "unreadable", "read_json", "weight_files"]
 
 INDEX_NAME = "model.safetensors.index.json"
 # config.json and index files are small; anything larger is not one (and is not read whole).
 MAX_JSON_BYTES = 64 << 20
+
+
+def unreadable(path: Path, e: OSError, expected: str) -> CheckpointError:
+    """The one-line error for a checkpoint file that cannot be read, with the advice that fits the cause."""
+    if isinstance(e, NotRegularFileError):
+        return CheckpointError(f"{path} {e.strerror}; expected {expected} as a file")
+    if isinstance(e, PermissionError):
+        return CheckpointError(f"cannot read {path} ({e.strerror}); check the file's permissions")
+    return CheckpointError(f"cannot read {path} ({e.strerror or e}); expected {expected}, restore the checkpoint")
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -23,12 +32,8 @@ def read_json(path: Path, what: str) -> dict:
         raise CheckpointError(
             f"{path} not found: expected the checkpoint's {what}; point MODEL_DIR at a HuggingFace checkpoint directory"
         ) from None
-    except NotRegularFileError as e:
-        raise CheckpointError(f"{path} {e.strerror}; expected the checkpoint's {what} as a file") from e
-    except PermissionError as e:
-        raise CheckpointError(f"cannot read {path} ({e.strerror}); check the file's permissions") from e
     except OSError as e:
-        raise CheckpointError(f"cannot read {path} ({e.strerror or e}); expected the checkpoint's {what}") from e
+        raise unreadable(path, e, f"the checkpoint's {what}") from e
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); restore the file") from e
     except json.JSONDecodeError as e:

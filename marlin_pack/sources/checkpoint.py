@@ -13,8 +13,7 @@ import torch
 from safetensors import safe_open
 
 from marlin_pack.errors import CheckpointError
-from marlin_pack.io.checkpoint_files import read_json, weight_files
-from marlin_pack.io.files import NotRegularFileError
+from marlin_pack.io.checkpoint_files import read_json, unreadable, weight_files
 from marlin_pack.io.hashing import file_identity
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, TensorInfo, read_header
 
@@ -47,7 +46,7 @@ class Checkpoint:
         self.files = weight_files(self.dir)
         self.tensors: dict[str, TensorInfo] = {}
         # Identity of each file as its header was read: a file that changes later is caught by
-        # unchanged_since_opened(), so a bundle never pairs one file's header with another's data.
+        # check_unchanged(), so a bundle never pairs one file's header with another's data.
         self.identities: dict[str, list[int]] = {}
         for f in self.files:
             try:
@@ -55,12 +54,8 @@ class Checkpoint:
                 header = read_header(self.dir / f)
             except SafetensorsFormatError as e:
                 raise CheckpointError(f"{e}; download the file again") from e
-            except NotRegularFileError as e:
-                raise CheckpointError(f"{self.dir / f} {e.strerror}; expected a safetensors weight file") from e
-            except PermissionError as e:
-                raise CheckpointError(f"cannot read {self.dir / f} ({e.strerror}); check the file's permissions") from e
             except OSError as e:
-                raise CheckpointError(f"cannot read {self.dir / f} ({e.strerror or e}); restore the checkpoint") from e
+                raise unreadable(self.dir / f, e, "a safetensors weight file") from e
             for name, info in header.tensors.items():
                 if name in self.tensors:
                     raise CheckpointError(f"tensor {name} is in both {self.tensors[name].file} and {f}; remove the duplicate file")
