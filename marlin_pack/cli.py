@@ -83,7 +83,9 @@ def convert(
     model_dir: ModelDirArg,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Bundle directory \\[default: MODEL_DIR/marlin-pack].")] = None,
     tp: Annotated[str, typer.Option("--tp", help="Tensor-parallel sizes to write, e.g. 1,2,4,8.")] = "1",
-    dtype: Annotated[str | None, typer.Option("--dtype", help="Serving dtype: float16 or bfloat16 \\[default: the checkpoint's].")] = None,
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="Serving dtype: float16 or bfloat16 \\[default: what vllm serve --dtype auto picks].")
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle.")] = False,
     device: Annotated[str, typer.Option("--device", help="Where to do the tensor work: cpu or cuda.")] = "cpu",
     as_json: JsonOpt = False,
@@ -185,13 +187,16 @@ def check(
 def _engine_dtype(model_dir: Path) -> str:
     """The dtype a default `vllm serve MODEL_DIR` runs in (what --dtype auto picks)."""
     from marlin_pack.errors import CheckpointError
-    from marlin_pack.io.checkpoint_files import read_json
+    from marlin_pack.io.checkpoint_files import read_json, weight_files
+    from marlin_pack.io.safetensors_io import read_header
     from marlin_pack.schemas import default_serving_dtype
 
     try:
-        return default_serving_dtype(read_json(model_dir / "config.json", "config.json")).value
-    except CheckpointError:
+        config = read_json(model_dir / "config.json", "config.json")
+        codes = {t.dtype for f in weight_files(model_dir) for t in read_header(model_dir / f).tensors.values()}
+    except (CheckpointError, OSError, ValueError):
         return "float16"  # the source check reports what is wrong with the checkpoint
+    return default_serving_dtype(config, codes).value
 
 
 @app.command()

@@ -9,7 +9,7 @@ A thin orchestration: :func:`plan_conversion` validates everything it can from h
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,14 +53,15 @@ ProgressFn = Callable[[int, int, str], None]
 _DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 
 
-def resolve_dtype(config: dict, dtype: str | None) -> ServingDtype:
-    """The serving dtype: ``dtype`` if given, else the checkpoint's 16-bit dtype, else float16."""
+def resolve_dtype(config: dict, dtype: str | None, weight_dtypes: Iterable[str] = ()) -> ServingDtype:
+    """The serving dtype: ``dtype`` if given, else what ``vllm serve --dtype auto`` picks (see
+    :func:`~marlin_pack.schemas.default_serving_dtype`), so a default bundle fits a default engine."""
     if dtype is not None:
         try:
             return ServingDtype(_DTYPE_ALIASES.get(dtype, dtype))
         except ValueError as e:
             raise MarlinPackError(f"--dtype {dtype!r} is not supported; expected float16 or bfloat16") from e
-    return default_serving_dtype(config)
+    return default_serving_dtype(config, weight_dtypes)
 
 
 @dataclass
@@ -224,7 +225,7 @@ def convert(
 
     ckpt = Checkpoint(model_dir)
     source = source_from_quant_config(ckpt.quantization_config())
-    serving_dtype = resolve_dtype(ckpt.config, dtype)
+    serving_dtype = resolve_dtype(ckpt.config, dtype, {t.dtype for t in ckpt.tensors.values()})
     tdtype = torch_dtype(serving_dtype)
     plan = plan_conversion(ckpt, source, tps, tdtype)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from enum import Enum, unique
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -32,6 +33,7 @@ __all__ = [
     "ServingDtype",
     "torch_dtype",
     "default_serving_dtype",
+    "FLOAT16_UNSUPPORTED_MODEL_TYPES",
     "LayerKind",
     "FileEntry",
     "SourceFile",
@@ -91,10 +93,40 @@ class ServingDtype(str, Enum):
     bfloat16 = "bfloat16"
 
 
-def default_serving_dtype(config: dict) -> ServingDtype:
-    """The dtype a default ``vllm serve`` runs a checkpoint in: its config's 16-bit dtype, else float16."""
-    found = config.get("torch_dtype") or config.get("dtype")
-    return ServingDtype(found) if found in {d.value for d in ServingDtype} else ServingDtype.float16
+# vLLM 0.33.0 refuses float16 for these model types (config/model.py _FLOAT16_NOT_SUPPORTED_MODELS).
+FLOAT16_UNSUPPORTED_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
+_FLOAT_CODES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+def _config_dtype(config: dict) -> str | None:
+    """The dtype a HuggingFace config declares: its own, else its text or vision sub-config's (as vLLM reads it)."""
+    for cfg in (config, config.get("text_config"), config.get("vision_config")):
+        if isinstance(cfg, dict):
+            found = cfg.get("dtype") or cfg.get("torch_dtype")
+            if isinstance(found, str):
+                return found.removeprefix("torch.")
+    return None
+
+
+def default_serving_dtype(config: dict, weight_dtypes: Iterable[str] = ()) -> ServingDtype:
+    """The dtype ``vllm serve --dtype auto`` (vLLM 0.33.0) runs a checkpoint in on a bfloat16-capable GPU.
+
+    The config's dtype (``dtype`` or ``torch_dtype``; else the text or vision sub-config's) is kept
+    if it is float16 or bfloat16 and the model type allows it; float32 (and anything else) becomes
+    bfloat16, vLLM's preferred dtype there; float16 becomes bfloat16 for the model types vLLM refuses
+    float16 for (Gemma 2/3, GLM-4). Without a config dtype, vLLM reads the weights' dtypes: here the
+    16-bit float dtype of the non-quantized weights, if they agree on one, else bfloat16.
+
+    Args:
+        weight_dtypes: safetensors dtype codes of the checkpoint's tensors (used only without a config dtype).
+    """
+    found = _config_dtype(config)
+    if found is None:
+        floats = {_FLOAT_CODES[c] for c in weight_dtypes if c in _FLOAT_CODES}
+        found = floats.pop() if len(floats) == 1 else "float32"
+    if found == "float16" and config.get("model_type") in FLOAT16_UNSUPPORTED_MODEL_TYPES:
+        return ServingDtype.bfloat16
+    return ServingDtype(found) if found in {d.value for d in ServingDtype} else ServingDtype.bfloat16
 
 
 def torch_dtype(dtype: ServingDtype | str) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""The ``convert`` API: argument checks that come before any file is read."""
+"""The ``convert`` API: argument checks, and the defaults and refusals decided from the config alone."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from marlin_pack import MarlinPackError, convert
+from marlin_pack import MarlinPackError, UnsupportedCheckpointError, convert
 
 
 @pytest.fixture
@@ -19,3 +19,55 @@ def test_unsupported_device(awq: Path, device: str, no_leftovers) -> None:
     with pytest.raises(MarlinPackError, match=rf"--device '{device}' is not supported; expected cpu or cuda"):
         convert(awq, device=device)
     no_leftovers(awq)
+
+
+_DTYPES = [None, "float16", "bfloat16", "float32"]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma2", "gemma3", "gemma3_text", "glm4"])
+@pytest.mark.parametrize("config_dtype", [d for d in _DTYPES if d])
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+def test_default_dtype_is_what_vllm_auto_picks(model_type: str, config_dtype: str, key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The oracle is vLLM 0.33.0's own --dtype auto resolution on a bfloat16-capable platform.
+    import torch
+
+    vllm_model = pytest.importorskip("vllm.config.model")
+    from vllm.platforms import current_platform
+
+    from marlin_pack.schemas import default_serving_dtype
+
+    monkeypatch.setattr(type(current_platform), "supported_dtypes", property(lambda self: [torch.bfloat16, torch.float16, torch.float32]))
+    monkeypatch.setattr(current_platform, "get_device_name", lambda *a, **k: "H200", raising=False)
+    monkeypatch.setattr(current_platform, "get_device_capability", lambda *a, **k: None, raising=False)
+    want = vllm_model._resolve_auto_dtype(model_type, getattr(torch, config_dtype), is_pooling_model=False)
+    got = default_serving_dtype({"model_type": model_type, key: config_dtype})
+    assert got.value == str(want).removeprefix("torch.")
+
+
+def test_default_dtype_from_sub_config_or_weights() -> None:
+    from marlin_pack.schemas import default_serving_dtype
+
+    assert default_serving_dtype({"text_config": {"torch_dtype": "bfloat16"}}).value == "bfloat16"
+    assert default_serving_dtype({}, {"I32", "F16"}).value == "float16"  # quantized words are not a dtype choice
+    assert default_serving_dtype({}, {"BF16", "F16"}).value == "bfloat16"
+    assert default_serving_dtype({}).value == "bfloat16"  # vLLM: float32, downcast to bfloat16
+
+
+def test_float32_checkpoint_converts_to_bfloat16_by_default(awq_copy: Path, edit_config) -> None:
+    edit_config(awq_copy, torch_dtype="float32")
+    assert convert(awq_copy).serving_dtype.value == "bfloat16"
+
+
+def test_awq_dynamic_overrides_are_refused(awq_copy: Path, edit_config) -> None:
+    edit_config(awq_copy, q_dynamic={"-:.*down_proj.*": {}})
+    with pytest.raises(UnsupportedCheckpointError, match=r"AWQ 'dynamic' per-module overrides .*cannot load"):
+        convert(awq_copy)
+
+
+def test_gptq_quantized_lm_head_is_named_as_such(tmp_path: Path, edit_config) -> None:
+    from marlin_pack.testing.synthetic import PRESETS, write_gptq_checkpoint
+
+    d = write_gptq_checkpoint(tmp_path / "g", PRESETS["tiny"], tokenizer=False)
+    edit_config(d, q_lm_head=True, q_dynamic={"lm_head": {"bits": 4}})
+    with pytest.raises(UnsupportedCheckpointError, match=r"GPTQ lm_head is true"):
+        convert(d)

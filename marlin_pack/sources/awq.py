@@ -35,6 +35,11 @@ class AwqGemmSource:
             raise UnsupportedCheckpointError(
                 f"AWQ zero_point is {qc.get('zero_point')!r}, expected true: vLLM 0.33.0 does not run AWQ without zero points on Marlin"
             )
+        if qc.get("dynamic"):
+            raise UnsupportedCheckpointError(
+                "AWQ 'dynamic' per-module overrides (written by GPTQModel): vLLM 0.33.0's AutoAWQ ignores them and "
+                "cannot load such a checkpoint; use a uniform checkpoint"
+            )
         gs = check_group_size(qc.get("group_size", qc.get("q_group_size")), "AWQ")
         return cls(gs)
 

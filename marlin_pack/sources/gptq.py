@@ -47,10 +47,10 @@ class GptqV1Source:
                 "GPTQ desc_act is true with group_size "
                 f"{gs}: vLLM 0.33.0 no longer supports act-order groups; use a checkpoint quantized with desc_act=false"
             )
+        if qc.get("lm_head"):  # GPTQModel writes a quantized lm_head as a dynamic override too: name the cause
+            raise UnsupportedCheckpointError("GPTQ lm_head is true (quantized lm_head); only decoder-layer linears are supported")
         if qc.get("dynamic"):
             raise UnsupportedCheckpointError("GPTQ 'dynamic' per-module overrides are not supported; use a uniform checkpoint")
-        if qc.get("lm_head"):
-            raise UnsupportedCheckpointError("GPTQ lm_head is true (quantized lm_head); only decoder-layer linears are supported")
         fmt = str(qc.get("checkpoint_format") or "gptq").lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise UnsupportedCheckpointError(f"GPTQ checkpoint_format is {fmt!r}, expected 'gptq' or 'gptq_v2'")
