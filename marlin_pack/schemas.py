@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from enum import Enum, unique
 from collections.abc import Iterable
+from enum import Enum, unique
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator

@@ -71,3 +71,31 @@ def test_gptq_quantized_lm_head_is_named_as_such(tmp_path: Path, edit_config) ->
     edit_config(d, q_lm_head=True, q_dynamic={"lm_head": {"bits": 4}})
     with pytest.raises(UnsupportedCheckpointError, match=r"GPTQ lm_head is true"):
         convert(d)
+
+
+def test_gptq_settings_only_in_quantize_config_json(tmp_path: Path, edit_config) -> None:
+    # Older AutoGPTQ: config.json has no quantization_config; vLLM reads quantize_config.json.
+    import json
+
+    from safetensors.torch import load_file
+
+    from marlin_pack import verify
+    from marlin_pack.testing.synthetic import PRESETS, write_gptq_checkpoint
+    from marlin_pack.vllm_plugin.preflight import preflight
+
+    d = write_gptq_checkpoint(tmp_path / "g", PRESETS["tiny"], group_size=64, tokenizer=False)
+    ref = convert(d, tmp_path / "ref")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["quantization_config"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    qc = json.loads((d / "quantize_config.json").read_text())
+    del qc["quant_method"]
+    (d / "quantize_config.json").write_text(json.dumps(qc))
+    m = convert(d)
+    assert m.quant == ref.quant and m.source.quantization_config["quant_method"] == "gptq"
+    got, want = load_file(d / "marlin-pack/tp1/rank-0.safetensors"), load_file(tmp_path / "ref/tp1/rank-0.safetensors")
+    assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in got)
+    assert verify(d / "marlin-pack").ok
+    assert preflight(d).decision == "load"
+    (d / "quantize_config.json").write_text(json.dumps({**qc, "group_size": 128}))
+    assert preflight(d).ranks[0].field == "source.quantization_config"

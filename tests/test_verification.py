@@ -182,7 +182,7 @@ def test_changed_config_quantization_fails(bundle: Path) -> None:
     cfg["quantization_config"]["damp_percent"] = 0.5
     (bundle.parent / "config.json").write_text(json.dumps(cfg))
     name, detail = _failure(bundle)
-    assert name == "source" and "another quantization_config" in detail
+    assert name == "source" and "other quantization settings" in detail
 
 
 def test_overlapping_tensors_fail(bundle: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from marlin_pack._constants import STAMPS_NAME
 from marlin_pack.bundle.reader import resolve_file
 from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, MismatchField
-from marlin_pack.io.checkpoint_files import read_json, weight_files
+from marlin_pack.io.checkpoint_files import quantization_config, read_json, weight_files
 from marlin_pack.io.hashing import StampCache, sha256_bytes, sha256_file
 from marlin_pack.io.safetensors_io import read_header_bytes
 from marlin_pack.schemas import FileEntry, Manifest
@@ -45,14 +45,13 @@ def _check_source_config(manifest: Manifest, model_dir: Path) -> None:
             "source.digest does not match the recorded files and config; the manifest was edited, re-convert",
         )
     try:
-        config = read_json(model_dir / "config.json", "config.json")
+        found = quantization_config(model_dir, read_json(model_dir / "config.json", "config.json"))
     except CheckpointError as e:
         raise BundleMismatchError(MismatchField.source_config, str(e)) from e
-    found = config.get("quantization_config")
-    if not isinstance(found, dict) or canonical_json(found) != canonical_json(src.quantization_config):
+    if found is None or canonical_json(found) != canonical_json(src.quantization_config):
         raise BundleMismatchError(
             MismatchField.source_config,
-            f"{model_dir / 'config.json'} holds another quantization_config than the bundle was made from; re-convert",
+            f"{model_dir} holds other quantization settings than the bundle was made from; re-convert",
         )
 
 

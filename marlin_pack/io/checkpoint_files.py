@@ -8,9 +8,11 @@ from pathlib import Path
 from marlin_pack.errors import CheckpointError
 from marlin_pack.io.files import NotRegularFileError, read_limited
 
-__all__ = ["INDEX_NAME", "unreadable", "read_json", "weight_files"]
+__all__ = ["INDEX_NAME", "QUANTIZE_CONFIG_NAME", "unreadable", "read_json", "quantization_config", "weight_files"]
 
 INDEX_NAME = "model.safetensors.index.json"
+# Older AutoGPTQ keeps the settings only here; vLLM 0.33.0 reads it (with --quantization gptq).
+QUANTIZE_CONFIG_NAME = "quantize_config.json"
 # config.json and index files are small; anything larger is not one (and is not read whole).
 MAX_JSON_BYTES = 64 << 20
 
@@ -43,6 +45,19 @@ def read_json(path: Path, what: str) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, expected an object")
     return data
+
+
+def quantization_config(model_dir: Path, config: dict) -> dict | None:
+    """A checkpoint's quantization settings: ``config.json``'s ``quantization_config``, else
+    ``quantize_config.json`` (older AutoGPTQ: ``quant_method`` gptq unless it says otherwise), else None."""
+    found = config.get("quantization_config")
+    if isinstance(found, dict):
+        return found
+    path = model_dir / QUANTIZE_CONFIG_NAME
+    if not path.exists():
+        return None
+    settings = read_json(path, QUANTIZE_CONFIG_NAME)
+    return {"quant_method": "gptq", **settings}
 
 
 def weight_files(model_dir: Path) -> list[str]:

@@ -23,7 +23,7 @@ def source_from_quant_config(qc: dict | None) -> QuantSource:
     """
     if qc is None:
         raise UnsupportedCheckpointError(
-            "config.json has no quantization_config: the checkpoint is not quantized; "
+            "config.json has no quantization_config (and there is no quantize_config.json): the checkpoint is not quantized; "
             "marlin-pack converts AWQ (GEMM) and GPTQ checkpoints only"
         )
     method = str(qc.get("quant_method", "")).lower()

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from marlin_pack.errors import CheckpointError
-from marlin_pack.io.checkpoint_files import read_json, unreadable, weight_files
+from marlin_pack.io.checkpoint_files import quantization_config, read_json, unreadable, weight_files
 from marlin_pack.io.hashing import file_identity
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, TensorInfo, read_header
 
@@ -63,9 +63,8 @@ class Checkpoint:
         self._handles: dict[str, object] = {}
 
     def quantization_config(self) -> dict | None:
-        """``config.json``'s ``quantization_config``, or None if the checkpoint is not quantized."""
-        qc = self.config.get("quantization_config")
-        return qc if isinstance(qc, dict) else None
+        """The quantization settings (``config.json``, else ``quantize_config.json``), or None if not quantized."""
+        return quantization_config(self.dir, self.config)
 
     def info(self, name: str) -> TensorInfo:
         """Header facts of one tensor; a one-line error if the checkpoint lacks it."""
