@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from marlin_pack._constants import BUNDLE_DIRNAME, DEBUG_ENV
+from marlin_pack._constants import DEBUG_ENV
 from marlin_pack._version import __version__
 from marlin_pack.errors import MarlinPackError
 
@@ -38,9 +38,10 @@ app = typer.Typer(
 out = Console()
 err = Console(stderr=True)
 
-ModelDirArg = Annotated[
-    Path, typer.Argument(exists=True, file_okay=False, dir_okay=True, readable=True, resolve_path=True, help="HuggingFace checkpoint directory.")
+ModelArg = Annotated[
+    str, typer.Argument(metavar="MODEL", help="Checkpoint directory, or a Hugging Face model id (org/name) as given to vllm serve.")
 ]
+RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Branch, tag or commit of a model id \\[default: main].")]
 BundleArg = Annotated[Path, typer.Argument(help="Bundle directory (default location: MODEL_DIR/marlin-pack).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
 
@@ -80,7 +81,7 @@ def _progress(enabled: bool, what: str) -> Iterator[Callable[[int, int, str], No
 
 @app.command()
 def convert(
-    model_dir: ModelDirArg,
+    model_dir: ModelArg,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Bundle directory \\[default: MODEL_DIR/marlin-pack].")] = None,
     tp: Annotated[str, typer.Option("--tp", help="Tensor-parallel sizes to write, e.g. 1,2,4,8.")] = "1",
     dtype: Annotated[
@@ -88,19 +89,23 @@ def convert(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle.")] = False,
     device: Annotated[str, typer.Option("--device", help="Where to do the tensor work: cpu or cuda.")] = "cpu",
+    revision: RevisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write a Marlin bundle for MODEL_DIR (engine-free; CPU is enough)."""
+    """Write a Marlin bundle for MODEL (engine-free; CPU is enough)."""
     from marlin_pack.conversion import convert as run_convert
 
+    model_dir = _absolute_if_local(model_dir)
     try:
         with _progress(not as_json, "converting") as progress:
-            manifest = run_convert(model_dir, output, tp_sizes=_parse_tp(tp), dtype=dtype, force=force, device=device, progress=progress)
+            manifest = run_convert(
+                model_dir, output, tp_sizes=_parse_tp(tp), dtype=dtype, force=force, device=device, revision=revision, progress=progress
+            )
     except KeyboardInterrupt as e:  # SIGINT, or SIGTERM/SIGHUP (Interrupted): the writer removed its files
         signum = getattr(e, "signum", 2)
         err.print(f"[red]interrupted[/] ({e or 'SIGINT'}): nothing was written (partial output removed)", highlight=False)
         raise typer.Exit(128 + signum) from None
-    bundle = output or model_dir / BUNDLE_DIRNAME
+    bundle = output or _default_bundle(model_dir, revision)
     if as_json:
         out.print_json(json.dumps({"bundle": str(bundle), "manifest": manifest.model_dump(mode="json")}))
         return
@@ -148,13 +153,14 @@ def verify(
 
 @app.command()
 def check(
-    model_dir: ModelDirArg,
+    model_dir: ModelArg,
     bundle: Annotated[Path | None, typer.Option("--bundle", help="Bundle directory \\[default: MODEL_DIR/marlin-pack].")] = None,
     tp: Annotated[int, typer.Option("--tp", min=1, max=1024, help="The engine's --tensor-parallel-size.")] = 1,
     rank: Annotated[int | None, typer.Option("--rank", min=0, help="Check one rank only \\[default: every rank].")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="The engine's --dtype: float16 or bfloat16 \\[default: what --dtype auto picks].")] = None,
     verify_mode: Annotated[str, typer.Option("--verify", help="auto (hash what changed), full or size, as the loader.")] = "auto",
     fallback: Annotated[bool, typer.Option("--fallback", help="As the loader's fallback: a bad bundle means loading ordinarily.")] = False,
+    revision: RevisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Decide, as the marlin_prepacked loader would, whether an engine can serve MODEL_DIR from its bundle.
@@ -165,12 +171,13 @@ def check(
     """
     from marlin_pack.vllm_plugin.preflight import preflight
 
+    model_dir = _absolute_if_local(model_dir)
     if rank is not None and rank >= tp:
         raise typer.BadParameter(f"--rank {rank} is outside --tp {tp}", param_hint="--rank")
     try:
         report = preflight(
-            model_dir, bundle=bundle, tp_size=tp, rank=rank, dtype=dtype or _engine_dtype(model_dir),
-            verify=verify_mode, fallback=fallback,
+            model_dir, bundle=bundle, tp_size=tp, rank=rank, dtype=dtype or _engine_dtype(model_dir, revision),
+            verify=verify_mode, fallback=fallback, revision=revision,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -184,14 +191,27 @@ def check(
         raise typer.Exit(1)
 
 
-def _engine_dtype(model_dir: Path) -> str:
-    """The dtype a default `vllm serve MODEL_DIR` runs in (what --dtype auto picks)."""
+def _absolute_if_local(model: str) -> str:
+    """A local directory as an absolute path (what vLLM and the bundle record see); a repo id as it is."""
+    return str(Path(model).resolve()) if Path(model).is_dir() else model
+
+
+def _default_bundle(model: str, revision: str | None) -> Path:
+    from marlin_pack.sources.hub import bundle_dir_for, resolve_model
+
+    return bundle_dir_for(resolve_model(model, revision, download=False))
+
+
+def _engine_dtype(model: str, revision: str | None) -> str:
+    """The dtype a default `vllm serve MODEL` runs in (what --dtype auto picks)."""
     from marlin_pack.errors import CheckpointError
     from marlin_pack.io.checkpoint_files import read_json, weight_files
     from marlin_pack.io.safetensors_io import read_header
     from marlin_pack.schemas import default_serving_dtype
+    from marlin_pack.sources.hub import resolve_model
 
     try:
+        model_dir = resolve_model(model, revision, download=False).dir
         config = read_json(model_dir / "config.json", "config.json")
         codes = {t.dtype for f in weight_files(model_dir) for t in read_header(model_dir / f).tensors.values()}
     except (CheckpointError, OSError, ValueError):
@@ -212,7 +232,7 @@ def inspect(bundle: BundleArg, as_json: JsonOpt = False) -> None:
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def daemon(ctx: typer.Context, model_dir: ModelDirArg) -> None:
+def daemon(ctx: typer.Context, model_dir: ModelArg) -> None:
     """Run vLLM's weight-cache daemon (vllm preload) for MODEL_DIR, filled from its bundle.
 
     MODEL_DIR comes first; every other argument goes to `vllm preload` unchanged
@@ -221,7 +241,7 @@ def daemon(ctx: typer.Context, model_dir: ModelDirArg) -> None:
     """
     from marlin_pack.vllm_plugin.launcher import preload_argv, run
 
-    argv = preload_argv(model_dir, ctx.args)
+    argv = preload_argv(_absolute_if_local(model_dir), ctx.args)
     err.print(f"marlin-pack: vllm {shlex.join(argv)}", highlight=False, soft_wrap=True, markup=False)
     run(argv)
 

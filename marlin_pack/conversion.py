@@ -19,7 +19,6 @@ import torch
 from marlin_pack._constants import TARGET_VLLM_VERSION
 from marlin_pack._version import __version__
 from marlin_pack.bundle.integrity import canonical_json, source_digest, source_stamp_key
-from marlin_pack.bundle.reader import default_bundle_dir
 from marlin_pack.bundle.writer import BundleWriter, check_output
 from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedCheckpointError
 from marlin_pack.io.hashing import sha256_bytes, sha256_file
@@ -46,6 +45,7 @@ from marlin_pack.schemas import (
     torch_dtype,
 )
 from marlin_pack.sources import Checkpoint, QuantSource, source_from_quant_config
+from marlin_pack.sources.hub import bundle_dir_for, resolve_model
 
 __all__ = ["convert", "resolve_dtype", "plan_conversion", "ConversionPlan", "ProgressFn"]
 
@@ -186,6 +186,7 @@ def convert(
     dtype: str | None = None,
     force: bool = False,
     device: str = "cpu",
+    revision: str | None = None,
     progress: ProgressFn | None = None,
 ) -> Manifest:
     """Convert an AWQ (GEMM) or GPTQ (v1) checkpoint into a Marlin bundle.
@@ -196,12 +197,15 @@ def convert(
     written to a temporary directory and renamed into place at the end.
 
     Args:
-        model_dir: HuggingFace checkpoint directory.
-        out_dir: bundle directory; default ``MODEL_DIR/marlin-pack`` (where the loader looks).
+        model_dir: HuggingFace checkpoint directory, or a Hugging Face model id (``org/name``),
+            resolved through the hub's cache (downloading unless ``HF_HUB_OFFLINE``).
+        out_dir: bundle directory; default ``MODEL_DIR/marlin-pack``, or for a model id marlin-pack's
+            cache entry of that repo and commit (where the loader looks).
         tp_sizes: tensor-parallel sizes to write.
         dtype: serving dtype (``float16``/``bfloat16``); default from config.json.
         force: replace an existing ``out_dir``.
         device: ``cpu`` or ``cuda`` for the tensor work.
+        revision: branch, tag or commit of a model id.
         progress: called as ``progress(done, total, layer_name)``.
 
     Returns:
@@ -215,8 +219,9 @@ def convert(
         >>> manifest.tp_sizes
         [1, 2]
     """
-    model_dir = Path(model_dir)
-    out = Path(out_dir) if out_dir is not None else default_bundle_dir(model_dir)
+    resolved = resolve_model(model_dir, revision)
+    model_dir = resolved.dir
+    out = Path(out_dir) if out_dir is not None else bundle_dir_for(resolved)
     tps = sorted(set(int(t) for t in tp_sizes))
     if not tps or tps[0] < 1:
         raise MarlinPackError(f"--tp {tp_sizes} is invalid; expected positive sizes such as 1,2,4,8")

@@ -21,13 +21,14 @@ from marlin_pack.bundle.integrity import check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header, rank_tensor_specs
 from marlin_pack.bundle.reader import read_manifest, resolve_file
 from marlin_pack.conversion import ConversionPlan, plan_conversion
-from marlin_pack.errors import BundleError, MarlinPackError
+from marlin_pack.errors import BundleError, CheckpointError, MarlinPackError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
 from marlin_pack.marlin.rank_tensors import decode_rank_tensors, tensor_specs
 from marlin_pack.marlin.repack import awq_to_natural
 from marlin_pack.marlin.sharding import fuse_rank_slices, rank_slices
 from marlin_pack.schemas import Manifest, torch_dtype
 from marlin_pack.sources import Checkpoint, source_from_quant_config
+from marlin_pack.sources.hub import cache_root, resolve_model
 
 __all__ = ["Check", "VerifyReport", "verify"]
 
@@ -83,10 +84,27 @@ class _Failed(Exception):
     pass
 
 
+def _source(source: str | Path) -> Path:
+    """``--source``: a directory, or a repo id in the Hugging Face cache (never downloaded by verify)."""
+    try:
+        return resolve_model(source, download=False).dir
+    except CheckpointError:
+        return Path(source)  # the source check reports what is wrong with it
+
+
 def _default_source(bundle: Path) -> Path | None:
-    parent = bundle.resolve().parent
-    if bundle.resolve().name == BUNDLE_DIRNAME and (parent / "config.json").is_file():
+    """The checkpoint of a bundle at a default location: ``MODEL_DIR/marlin-pack``, or the
+    marlin-pack cache entry ``models--ORG--NAME/COMMIT`` of a repo id in the Hugging Face cache."""
+    resolved = bundle.resolve()
+    parent = resolved.parent
+    if resolved.name == BUNDLE_DIRNAME and (parent / "config.json").is_file():
         return parent
+    if parent.name.startswith("models--") and parent.parent == cache_root().resolve():
+        repo = parent.name.removeprefix("models--").replace("--", "/", 1)
+        try:
+            return resolve_model(repo, resolved.name, download=False).dir
+        except CheckpointError:
+            return None
     return None
 
 
@@ -101,8 +119,9 @@ def verify(
 
     Args:
         bundle_dir: the bundle directory.
-        source_dir: the checkpoint it was made from; default: the bundle's parent
-            when the bundle sits at its default location ``MODEL_DIR/marlin-pack``.
+        source_dir: the checkpoint it was made from (a directory, or a repo id in the Hugging
+            Face cache); default: the bundle's parent when the bundle sits at its default location
+            ``MODEL_DIR/marlin-pack``, or the cached repo snapshot of a bundle in marlin-pack's cache.
         integrity_only: check the bundle alone (manifest, files, tensors); the source
             checks are reported as skipped and do not make the report fail. Without it, a
             bundle whose source is unknown fails as incomplete.
@@ -112,7 +131,7 @@ def verify(
         A :class:`VerifyReport`; ``report.ok`` is True only if every check asked for ran and passed.
     """
     bundle = Path(bundle_dir)
-    source = None if integrity_only else Path(source_dir) if source_dir is not None else _default_source(bundle)
+    source = None if integrity_only else _source(source_dir) if source_dir is not None else _default_source(bundle)
     report = VerifyReport(bundle=bundle, source=source, integrity_only=integrity_only)
 
     def stage(name: str, fn: Callable[[], str]) -> None:

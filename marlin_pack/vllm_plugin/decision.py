@@ -17,10 +17,11 @@ from typing import Any
 from marlin_pack._constants import KERNEL_NAME, LAYOUT_VERSION
 from marlin_pack.bundle.integrity import check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header
-from marlin_pack.bundle.reader import default_bundle_dir, read_manifest, resolve_file
-from marlin_pack.errors import BundleError, BundleMismatchError, LoadRefusedError, MismatchField
+from marlin_pack.bundle.reader import read_manifest, resolve_file
+from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, LoadRefusedError, MismatchField
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
 from marlin_pack.schemas import Manifest, TensorParallelSet
+from marlin_pack.sources.hub import ResolvedModel, bundle_dir_for, resolve_model
 from marlin_pack.vllm_plugin.options import LoaderOptions
 
 __all__ = [
@@ -57,6 +58,7 @@ class EngineFacts:
     disabled_kernels: tuple[str, ...] = ()
     linear_backend: str = "auto"
     linear_backend_per_quant: Mapping[str, str] | None = None
+    revision: str | None = None  # of a Hugging Face model id
 
 
 @dataclass(frozen=True)
@@ -86,18 +88,29 @@ class Decision:
         return self.bundle is None
 
 
-def resolve_bundle_dir(options: LoaderOptions, model: str) -> Path:
-    """The explicit ``bundle`` option, else ``MODEL_DIR/marlin-pack``."""
+def _resolve(model: str, revision: str | None) -> ResolvedModel:
+    """The engine's model as a local checkpoint: a directory, or a repo id found in the Hugging Face cache.
+
+    Never downloads: vLLM has fetched the checkpoint before it builds the model.
+    """
+    try:
+        return resolve_model(model, revision, download=False)
+    except CheckpointError as e:
+        raise BundleMismatchError(F.source, str(e)) from e
+
+
+def resolve_bundle_dir(options: LoaderOptions, model: str, revision: str | None = None) -> Path:
+    """The explicit ``bundle`` option, else ``MODEL_DIR/marlin-pack``, else (a repo id) its marlin-pack cache entry."""
     if options.bundle is not None:
         return options.bundle
-    if not Path(model).is_dir():
+    try:
+        return bundle_dir_for(resolve_model(model, revision, download=False))
+    except CheckpointError as e:
         raise BundleMismatchError(
             F.bundle,
-            f"model {model!r} is not a local directory, so it has no marlin-pack bundle; serve the local "
-            "checkpoint directory or name the bundle with "
+            f"{e}; so it has no marlin-pack bundle: convert it first (`marlin-pack convert {model}`) or name the bundle with "
             '--model-loader-extra-config \'{"bundle": "/path"}\'',
-        )
-    return default_bundle_dir(model)
+        ) from e
 
 
 def _check_target(manifest: Manifest, facts: EngineFacts) -> None:
@@ -232,14 +245,11 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     Raises:
         BundleMismatchError: naming the field that does not fit.
     """
-    bundle_dir = resolve_bundle_dir(options, facts.model)
+    bundle_dir = resolve_bundle_dir(options, facts.model, facts.revision)
     manifest: Manifest = _with_field(F.manifest, lambda: read_manifest(bundle_dir))
     tp_set = check_engine(manifest, facts)
-    if not Path(facts.model).is_dir():
-        raise BundleMismatchError(
-            F.source, f"model {facts.model!r} is not a local directory: cannot check it is the bundle's source"
-        )
-    _with_field(F.source, lambda: check_source(manifest, facts.model, bundle_dir, full_hash=options.full_hash))
+    model_dir = _resolve(facts.model, facts.revision).dir
+    _with_field(F.source, lambda: check_source(manifest, model_dir, bundle_dir, full_hash=options.full_hash))
     rank_entry = tp_set.ranks[facts.tp_rank].file
     entries = [manifest.common, rank_entry]
     _with_field(F.files, lambda: check_files(bundle_dir, manifest, entries, full_hash=options.full_hash))
@@ -284,7 +294,7 @@ def decide(
             return Decision(None, field, str(e))
         bundle: Path | str | None
         try:
-            bundle = resolve_bundle_dir(options, facts.model)
+            bundle = resolve_bundle_dir(options, facts.model, facts.revision)
         except BundleError:
             bundle = options.bundle
         raise refusal(field, str(e), facts.model, bundle) from e

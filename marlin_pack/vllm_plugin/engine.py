@@ -56,6 +56,7 @@ def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFa
         disabled_kernels=tuple(envs.VLLM_DISABLED_KERNELS or ()),
         linear_backend=str(kc.linear_backend),
         linear_backend_per_quant=dict(kc.linear_backend_per_quant or {}) or None,
+        revision=getattr(model_config, "revision", None),
     )
 
 

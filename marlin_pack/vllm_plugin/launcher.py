@@ -17,8 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from marlin_pack._constants import BUNDLE_DIRNAME, LOAD_FORMAT, MANIFEST_NAME, TARGET_VLLM_VERSION
-from marlin_pack.errors import BundleError, MarlinPackError
+from marlin_pack._constants import LOAD_FORMAT, MANIFEST_NAME, TARGET_VLLM_VERSION
+from marlin_pack.errors import BundleError, CheckpointError, MarlinPackError
+from marlin_pack.sources.hub import bundle_dir_for, resolve_model
 
 __all__ = ["preload_argv", "run"]
 
@@ -45,7 +46,7 @@ def _option(args: Sequence[str], flag: str) -> tuple[bool, str | None]:
     return found, value
 
 
-def _check_bundle(model_dir: Path, extra: Sequence[str]) -> None:
+def _check_bundle(model: str, extra: Sequence[str]) -> None:
     """A daemon filled from a bundle needs one (unless the loader may fall back)."""
     _, raw = _option(extra, "--model-loader-extra-config")
     options: dict[str, object] = {}
@@ -59,10 +60,16 @@ def _check_bundle(model_dir: Path, extra: Sequence[str]) -> None:
         options = parsed
     if options.get("fallback") is True:
         return
-    bundle = Path(str(options["bundle"])) if options.get("bundle") else model_dir / BUNDLE_DIRNAME
+    if options.get("bundle"):
+        bundle = Path(str(options["bundle"]))
+    else:
+        try:  # a directory's MODEL_DIR/marlin-pack, or a cached repo id's marlin-pack cache entry
+            bundle = bundle_dir_for(resolve_model(model, _option(extra, "--revision")[1], download=False))
+        except CheckpointError as e:
+            raise BundleError(f"{e}; `marlin-pack convert {model}` first, or fill the daemon with --load-format auto") from e
     if not (bundle / MANIFEST_NAME).is_file():
         raise BundleError(
-            f"no marlin-pack bundle at {bundle} (no {MANIFEST_NAME}): run `marlin-pack convert {model_dir}` "
+            f"no marlin-pack bundle at {bundle} (no {MANIFEST_NAME}): run `marlin-pack convert {model}` "
             "first, or fill the daemon from the checkpoint with --load-format auto"
         )
 
@@ -77,7 +84,7 @@ def preload_argv(model_dir: str | Path, extra: Sequence[str] = ()) -> list[str]:
         MarlinPackError: ``--model`` given (MODEL_DIR is the model), ``--load-format ipc_cache``
             (the daemon loads from disk), or no bundle where the load format needs one.
     """
-    model_dir = Path(model_dir)
+    model_dir = str(model_dir)
     extra = list(extra)
     if _option(extra, "--model")[0]:
         raise MarlinPackError(

@@ -89,11 +89,12 @@ def preflight(
     verify: str = "auto",
     fallback: bool = False,
     vllm_version: str | None = None,
+    revision: str | None = None,
 ) -> PreflightReport:
     """What ``vllm serve MODEL_DIR --load-format marlin_prepacked`` would decide, per rank.
 
     Args:
-        model_dir: the checkpoint directory the engine would serve.
+        model_dir: the checkpoint directory, or the Hugging Face model id (``revision``), the engine would serve.
         bundle, verify, fallback: as the loader's ``--model-loader-extra-config``.
         tp_size: the engine's ``--tensor-parallel-size``; ``rank``: one rank only (default: all).
         dtype: the engine's ``--dtype`` (``float16``/``bfloat16``).
@@ -109,7 +110,7 @@ def preflight(
     version = vllm_version or installed_vllm_version()
     report = PreflightReport(tp_size=tp_size, vllm_version=version)
     for r in range(tp_size) if rank is None else [rank]:
-        facts = EngineFacts(model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, dtype=dtype)
+        facts = EngineFacts(model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, dtype=dtype, revision=revision)
         try:
             decision = decide(options, facts)
         except LoadRefusedError as e:

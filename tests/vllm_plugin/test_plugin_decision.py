@@ -54,7 +54,7 @@ def flip_last_byte(path: Path) -> None:
 def test_bundle_discovery(tmp_path: Path) -> None:
     assert resolve_bundle_dir(LoaderOptions(), str(tmp_path)) == tmp_path / "marlin-pack"
     assert resolve_bundle_dir(LoaderOptions(bundle=Path("/x")), "org/model") == Path("/x")
-    with pytest.raises(BundleMismatchError, match="not a local directory") as e:
+    with pytest.raises(BundleMismatchError, match="org/model is not in the Hugging Face cache .*has no marlin-pack bundle") as e:
         resolve_bundle_dir(LoaderOptions(), "org/model")
     assert e.value.field == "bundle" and e.value.field is MismatchField.bundle
 

@@ -69,8 +69,14 @@ def test_preload_argv_bundle_options(tmp_path: Path) -> None:
     ],
 )
 def test_preload_argv_refuses(tmp_path: Path, extra: list[str], error: type, match: str) -> None:
+    (tmp_path / "model").mkdir()  # a checkpoint directory without a bundle
     with pytest.raises(error, match=match):
         preload_argv(tmp_path / "model", extra)
+
+
+def test_preload_argv_names_a_model_that_is_nowhere(tmp_path: Path) -> None:
+    with pytest.raises(BundleError, match=r"neither a checkpoint directory nor a Hugging Face model id"):
+        preload_argv(tmp_path / "missing")
 
 
 def test_cli_daemon_forwards_every_other_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,94 @@
+"""Hugging Face model ids: the checkpoint in the hub's local cache, and where its bundle lives.
+
+``vllm serve Qwen/Qwen2.5-7B-Instruct-AWQ`` is how most people start vLLM. A model given as a
+repo id resolves, through ``huggingface_hub`` (its cache, ``HF_HOME`` / ``HF_HUB_CACHE``,
+``HF_HUB_OFFLINE``), to a snapshot folder and the commit it holds. Its bundle is written to
+marlin-pack's own cache, keyed by repo id and commit (never inside the hub's snapshot
+folders): ``$MARLIN_PACK_CACHE`` or ``$XDG_CACHE_HOME/marlin-pack`` (default
+``~/.cache/marlin-pack``), then ``models--ORG--NAME/COMMIT``. A local directory keeps its
+bundle at ``MODEL_DIR/marlin-pack``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from marlin_pack._constants import BUNDLE_DIRNAME
+from marlin_pack.errors import CheckpointError
+
+__all__ = ["CACHE_ENV", "ResolvedModel", "is_repo_id", "cache_root", "resolve_model", "bundle_dir_for"]
+
+CACHE_ENV = "MARLIN_PACK_CACHE"
+# What conversion reads of a repo: config, index, quantize_config.json and the weights.
+_PATTERNS = ["*.json", "*.safetensors"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model as given to vLLM, resolved: the local checkpoint directory and, for a repo id, which commit."""
+
+    dir: Path
+    repo_id: str | None = None
+    commit: str | None = None
+
+
+def is_repo_id(model: str) -> bool:
+    """``org/name``, as vLLM and the hub take it (not an existing path)."""
+    return bool(_REPO_ID.match(model)) and ".." not in model and not Path(model).exists()
+
+
+def cache_root() -> Path:
+    """Where bundles of repo ids live: ``$MARLIN_PACK_CACHE``, else ``$XDG_CACHE_HOME/marlin-pack``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "marlin-pack"
+
+
+def bundle_dir_for(model: ResolvedModel) -> Path:
+    """The default bundle of a resolved model: ``MODEL_DIR/marlin-pack``, or the cache entry of a repo id."""
+    if model.repo_id is None:
+        return model.dir / BUNDLE_DIRNAME
+    return cache_root() / f"models--{model.repo_id.replace('/', '--')}" / str(model.commit)
+
+
+def resolve_model(model: str | Path, revision: str | None = None, *, download: bool = True) -> ResolvedModel:
+    """A local checkpoint directory as it is, or a repo id resolved through the Hugging Face cache.
+
+    Args:
+        model: a directory, or a Hugging Face model id ``org/name``.
+        revision: branch, tag or commit of a repo id (default ``main``).
+        download: fetch what the cache lacks (unless ``HF_HUB_OFFLINE``); False uses the cache only.
+
+    Raises:
+        CheckpointError: neither a directory nor a repo id, or the repo is not available.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return ResolvedModel(path)
+    name = str(model)
+    if not is_repo_id(name):
+        raise CheckpointError(
+            f"{name} is neither a checkpoint directory nor a Hugging Face model id (org/name); "
+            "pass a local directory holding config.json, or a repo id"
+        )
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError as e:
+        raise CheckpointError(f"{name} looks like a Hugging Face model id, but huggingface_hub is not installed") from e
+    offline = bool(constants.HF_HUB_OFFLINE) or not download
+    try:
+        snapshot = Path(snapshot_download(name, revision=revision, allow_patterns=_PATTERNS, local_files_only=offline))
+    except Exception as e:  # the hub's own error types (not found, gated, offline miss, network)
+        where = f"{name}@{revision}" if revision else name
+        if offline:
+            raise CheckpointError(
+                f"{where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and downloading is off; "
+                f"download it once (`hf download {name}`), unset HF_HUB_OFFLINE, or pass a local directory"
+            ) from e
+        raise CheckpointError(f"cannot fetch {where} from the Hugging Face hub ({type(e).__name__}: {e})") from e
+    return ResolvedModel(snapshot, name, snapshot.name)

@@ -1,0 +1,94 @@
+"""Hugging Face model ids: converted from a hand-made hub cache (offline), found by check, verify and the loader's decision."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from marlin_pack import CheckpointError, convert, verify
+from marlin_pack.vllm_plugin.preflight import preflight
+
+REPO = "acme/tiny-awq"
+
+
+def _cache_repo(hub: Path, repo: str, source: Path, commit: str, *, ref: str = "main") -> Path:
+    """The hub's cache layout: refs/REF -> COMMIT, snapshots/COMMIT/* -> ../../blobs/SHA."""
+    root = hub / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir(exist_ok=True)
+    for f in sorted(source.iterdir()):
+        if not f.is_file():
+            continue
+        blob = root / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blob)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def hub(tmp_path: Path, make_checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> Path:
+    pytest.importorskip("huggingface_hub")
+    import huggingface_hub.constants
+    cache = tmp_path / "hf"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("MARLIN_PACK_CACHE", str(tmp_path / "mp-cache"))
+    _cache_repo(cache, REPO, make_checkpoint("awq"), "a" * 40)
+    return cache
+
+
+def test_convert_a_repo_id_into_marlin_packs_cache(hub: Path, tmp_path: Path) -> None:
+    before = sorted(p.relative_to(hub) for p in hub.rglob("*"))
+    m = convert(REPO, tp_sizes=(1, 2))
+    bundle = tmp_path / "mp-cache" / "models--acme--tiny-awq" / ("a" * 40)
+    assert (bundle / "manifest.json").is_file() and m.tp_sizes == [1, 2]
+    assert sorted(p.relative_to(hub) for p in hub.rglob("*")) == before  # nothing written into the hub's cache
+    assert verify(bundle).ok  # its source (the cached snapshot) is found from the cache entry
+    assert verify(bundle, REPO).ok
+    report = preflight(REPO, tp_size=2)
+    assert report.decision == "load", report.to_dict()
+
+
+def test_a_new_commit_needs_its_own_bundle(hub: Path, make_checkpoint: Any) -> None:
+    convert(REPO)
+    root = hub / "models--acme--tiny-awq"
+    _cache_repo(hub, REPO, make_checkpoint("awq", seed=1), "b" * 40)  # main now points at a new commit
+    report = preflight(REPO)
+    assert report.decision == "refuse" and report.ranks[0].field == "manifest"
+    assert "b" * 40 in report.ranks[0].message
+    assert preflight(REPO, revision="a" * 40).decision == "load"
+    assert (root / "refs" / "main").read_text() == "b" * 40
+
+
+def test_uncached_repo_offline_is_one_clear_error(hub: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"acme/missing is not in the Hugging Face cache .*HF_HUB_OFFLINE"):
+        convert("acme/missing")
+    report = preflight("acme/missing")
+    assert report.decision == "refuse" and report.ranks[0].field == "bundle"
+
+
+def test_cli_check_and_convert_take_a_repo_id(hub: Path) -> None:
+    from typer.testing import CliRunner
+
+    from marlin_pack.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["convert", REPO, "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["bundle"].endswith("models--acme--tiny-awq/" + "a" * 40)
+    r = runner.invoke(app, ["check", REPO, "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["decision"] == "load", r.output
+
+
+def test_not_a_directory_nor_a_repo_id(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"neither a checkpoint directory nor a Hugging Face model id"):
+        convert(tmp_path / "nowhere")
