@@ -69,6 +69,12 @@ def resolve_model(model: str | Path, revision: str | None = None, *, download: b
     """
     path = Path(model).expanduser()
     if path.is_dir():
+        # A snapshot folder of the hub's cache (vLLM hands those to the loader, e.g. offline) is that repo
+        # and commit: its bundle lives in marlin-pack's cache, never inside the hub's cache.
+        snapshots = path.resolve().parent
+        if snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
+            repo = snapshots.parent.name.removeprefix("models--").replace("--", "/", 1)
+            return ResolvedModel(path, repo, path.resolve().name)
         return ResolvedModel(path)
     name = str(model)
     if not is_repo_id(name):

@@ -92,3 +92,14 @@ def test_cli_check_and_convert_take_a_repo_id(hub: Path) -> None:
 def test_not_a_directory_nor_a_repo_id(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"neither a checkpoint directory nor a Hugging Face model id"):
         convert(tmp_path / "nowhere")
+
+
+def test_a_snapshot_folder_is_its_repo_and_commit(hub: Path, tmp_path: Path) -> None:
+    # vLLM hands the loader the snapshot path (offline): the bundle is the repo's cache entry, not snapshot/marlin-pack.
+    snapshot = hub / "models--acme--tiny-awq" / "snapshots" / ("a" * 40)
+    convert(REPO)
+    assert preflight(str(snapshot)).decision == "load"
+    assert not (snapshot / "marlin-pack").exists()
+    m = convert(snapshot, force=True)  # converting the snapshot path writes the same cache entry
+    assert m.tp_sizes == [1] and not (snapshot / "marlin-pack").exists()
+    assert (tmp_path / "mp-cache" / "models--acme--tiny-awq" / ("a" * 40) / "manifest.json").is_file()
