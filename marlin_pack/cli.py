@@ -289,9 +289,6 @@ def main() -> None:
         err.print(f"[red]error:[/] {e}", soft_wrap=True, highlight=False)
         err.print(f"[dim](set {DEBUG_ENV}=1 for a traceback)[/]")
         sys.exit(1)
-    except KeyboardInterrupt:
-        err.print("[red]interrupted[/]: nothing was written (partial output removed)")
-        sys.exit(130)
     except Exception as e:  # a bug, not bad input: still one line, but say so
         if os.environ.get(DEBUG_ENV):
             raise

@@ -60,6 +60,13 @@ def source_stamp_key(file_name: str) -> str:
     return f"source:{file_name}"
 
 
+def _hash_unless_stamped(stamps: StampCache, key: str, path: Path, expected: str, full_hash: bool | None) -> str | None:
+    """The file's SHA-256, or None when ``full_hash`` (see :func:`check_files`) lets it go unhashed."""
+    if full_hash is False or (full_hash is None and stamps.trusted(key, path, expected)):
+        return None
+    return sha256_file(path)
+
+
 def check_files(
     bundle_dir: Path,
     manifest: Manifest,
@@ -88,15 +95,15 @@ def check_files(
                 f"bundle file {entry.path} is {size} bytes, manifest says {entry.size}: "
                 "truncated or replaced; re-run `marlin-pack convert --force`"
             )
-        if full_hash is False or (full_hash is None and stamps.trusted(entry.path, path, entry.sha256)):
-            continue
         try:
-            digest = sha256_file(path)
+            digest = _hash_unless_stamped(stamps, entry.path, path, entry.sha256, full_hash)
         except OSError as e:
             raise BundleError(
                 f"bundle file {entry.path} cannot be read ({e.strerror or e}); the serving user must be able to read "
                 "the bundle (check its permissions), or re-run `marlin-pack convert --force`"
             ) from e
+        if digest is None:
+            continue
         if digest != entry.sha256:
             raise BundleError(
                 f"bundle file {entry.path} has sha256 {digest[:16]}…, manifest says "
@@ -159,14 +166,14 @@ def check_source(
                 f"source file {f.name} has other tensors than when the bundle was made; re-convert",
             )
         key = source_stamp_key(f.name)
-        if full_hash is False or (full_hash is None and stamps.trusted(key, path, f.sha256)):
-            continue
         try:
-            digest = sha256_file(path)
+            digest = _hash_unless_stamped(stamps, key, path, f.sha256, full_hash)
         except OSError as e:
             raise BundleMismatchError(
                 MismatchField.source_sha256, f"source file {f.name} cannot be read ({e.strerror or e}); check its permissions"
             ) from e
+        if digest is None:
+            continue
         if digest != f.sha256:
             raise BundleMismatchError(
                 MismatchField.source_sha256,
