@@ -27,11 +27,13 @@ from marlin_pack.marlin.rank_tensors import build_rank_tensors, tensor_specs
 from marlin_pack.marlin.sharding import (
     LayerSpec,
     ModelDims,
+    checkpoint_modules,
     fuse_rank_slices,
     layer_entry,
     layer_specs,
     model_dims,
     rank_slices,
+    read_layer_parts,
 )
 from marlin_pack.schemas import (
     LayerEntry,
@@ -83,35 +85,36 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
     Raises:
         CheckpointError, UnsupportedCheckpointError: naming the first tensor or setting at fault.
     """
-    plan = ConversionPlan(dims=model_dims(ckpt.config), source=source, dtype=dtype)
+    plan = ConversionPlan(dims=model_dims(ckpt.config, ckpt.tensors), source=source, dtype=dtype)
     _check_layer_count(ckpt, plan.dims)
     owned: set[str] = set()
     for i in range(plan.dims.num_layers):
         for spec in layer_specs(plan.dims, i):
-            quantized = [f"{p.prefix}.qweight" in ckpt.tensors for p in spec.parts]
+            modules = checkpoint_modules(spec)
+            quantized = [f"{m.prefix}.qweight" in ckpt.tensors for m in modules]
             if not any(quantized):
                 # Left unquantized (modules_to_not_convert): loaded by vLLM from common, if it is there.
-                missing = next((p.prefix for p in spec.parts if f"{p.prefix}.weight" not in ckpt.tensors), None)
+                missing = next((m.prefix for m in modules if f"{m.prefix}.weight" not in ckpt.tensors), None)
                 if missing is not None:
                     raise CheckpointError(
                         f"module {missing} has no weights in the checkpoint (neither qweight nor weight); "
-                        "the checkpoint is incomplete, download it again"
+                        f"the checkpoint is incomplete or not a {plan.dims.architecture} checkpoint"
                     )
                 continue
             if not all(quantized):
-                missing = next(p.prefix for p, q in zip(spec.parts, quantized, strict=True) if not q)
+                missing = next(m.prefix for m, q in zip(modules, quantized, strict=True) if not q)
                 raise CheckpointError(f"tensor {missing}.qweight is missing although its fused siblings are quantized; the checkpoint is incomplete")
-            biases = [f"{p.prefix}.bias" in ckpt.tensors for p in spec.parts]
+            biases = [f"{m.prefix}.bias" in ckpt.tensors for m in modules]
             if any(biases) and not all(biases):
                 raise UnsupportedCheckpointError(f"{spec.name}: only some fused parts have a bias; vLLM needs all or none")
-            for p in spec.parts:
-                source.validate(ckpt, p.prefix, p.size_k, p.size_n)
-                owned.update(n for n in source.tensor_names(p.prefix) if n in ckpt.tensors)
+            for m in modules:
+                source.validate(ckpt, m.prefix, m.size_k, m.size_n)
+                owned.update(n for n in source.tensor_names(m.prefix) if n in ckpt.tensors)
                 if biases[0]:
-                    owned.add(f"{p.prefix}.bias")
-                    bias_info = ckpt.info(f"{p.prefix}.bias")
-                    if bias_info.shape != (p.size_n,):
-                        raise CheckpointError(f"tensor {p.prefix}.bias has shape {list(bias_info.shape)}, expected [{p.size_n}]")
+                    owned.add(f"{m.prefix}.bias")
+                    bias_info = ckpt.info(f"{m.prefix}.bias")
+                    if bias_info.shape != (m.size_n,):
+                        raise CheckpointError(f"tensor {m.prefix}.bias has shape {list(bias_info.shape)}, expected [{m.size_n}]")
             plan.layers.append(spec)
             plan.bias[spec.name] = biases[0]
     if not plan.layers:
@@ -129,12 +132,10 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
     return plan
 
 
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
-
-
 def _check_layer_count(ckpt: Checkpoint, dims: ModelDims) -> None:
     """config.json's layer count against the layers the weights hold (before any per-layer work)."""
-    present = {int(m.group(1)) for name in ckpt.tensors if (m := _LAYER_INDEX.match(name))}
+    layer_index = re.compile(rf"^{re.escape(dims.checkpoint_layers)}\.(\d+)\.")
+    present = {int(m.group(1)) for name in ckpt.tensors if (m := layer_index.match(name))}
     held = max(present) + 1 if present else 0
     if dims.num_layers > held:
         raise CheckpointError(
@@ -245,7 +246,7 @@ def convert(
                 for rank in range(tp)
             }
             for li, spec in enumerate(plan.layers):
-                parts = {p.name: source.read(ckpt, p.prefix, p.size_k, p.size_n, dev) for p in spec.parts}
+                parts = read_layer_parts(spec, lambda prefix, k, n: source.read(ckpt, prefix, k, n, dev))
                 slots = parts[spec.parts[0].name].column_slots
                 for tp in tps:
                     entry = plan.entries[tp][li]

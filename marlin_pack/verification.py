@@ -25,7 +25,7 @@ from marlin_pack.errors import BundleError, CheckpointError, MarlinPackError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
 from marlin_pack.marlin.rank_tensors import decode_rank_tensors, tensor_specs
 from marlin_pack.marlin.repack import awq_to_natural
-from marlin_pack.marlin.sharding import fuse_rank_slices, rank_slices
+from marlin_pack.marlin.sharding import fuse_rank_slices, rank_slices, read_layer_parts
 from marlin_pack.schemas import Manifest, torch_dtype
 from marlin_pack.sources import Checkpoint, source_from_quant_config
 from marlin_pack.sources.hub import cache_root, resolve_model
@@ -243,7 +243,7 @@ def _round_trip(
     }
     checked = 0
     for li, spec in enumerate(plan.layers):
-        parts = {p.name: plan.source.read(ckpt, p.prefix, p.size_k, p.size_n, torch.device("cpu")) for p in spec.parts}
+        parts = read_layer_parts(spec, lambda prefix, k, n: plan.source.read(ckpt, prefix, k, n, torch.device("cpu")))
         for tp_set in m.tensor_parallel:
             entry = tp_set.layers[li]
             for rank in range(tp_set.tp_size):

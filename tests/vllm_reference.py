@@ -8,62 +8,56 @@ It deliberately does not import or mirror marlin-pack. Everything that decides t
 vLLM's real code, run on the CPU:
 
 real (unmodified) vLLM code
-  * quant config: ``AutoGPTQConfig`` / ``AutoAWQConfig`` chosen through their own
-    ``override_quantization_method`` and built with ``from_config(quantization_config)``,
-    ``maybe_update_config(model_dir)`` (safetensors metadata -> quantized-module lists),
-    ``apply_vllm_mapper`` and the model class's ``packed_modules_mapping``, as ``VllmConfig``
-    and ``SupportsQuant`` do;
-  * layers: ``QKVParallelLinear``, ``MergedColumnParallelLinear``, ``RowParallelLinear`` built
-    with the same arguments as ``LlamaAttention`` / ``LlamaMLP`` (Qwen2 identical), under
-    ``set_default_torch_dtype(dtype)``; their ``quant_method`` comes from
-    ``resolve_quant_method`` -> ``get_quant_method`` (including AWQ's Marlin/Triton choice and
-    ``check_marlin_supports_layer``), and ``create_weights`` creates the real vLLM parameters;
-  * loading: vLLM's ``AutoWeightsLoader`` with the model class's ``hf_to_vllm_mapper``
-    (``.q_proj -> (.qkv_proj, "q")`` ... ``.up_proj -> (.gate_up_proj, 1)``) and the quant
-    config's checkpoint mapper (drops ``g_idx``); it dispatches to the layers'
-    ``load_weights`` / ``weight_loader`` / ``weight_loader_v2`` and the parameters'
-    ``load_qkv_weight`` / ``load_merged_column_weight`` / ``load_row_parallel_weight``;
-    checkpoint files are selected with ``filter_duplicate_safetensors_files``;
-  * post-processing: ``quant_method.process_weights_after_loading(layer)`` (AWQ:
-    ``_convert_awq_to_standard_format``; then ``MarlinLinearKernel.process_weights_after_loading``
+  * configuration: ``ModelConfig(model_dir, dtype, trust_remote_code=True)`` (transformers'
+    config class for the checkpoint, vLLM's quantization detection incl. ``quantize_config.json``,
+    ``override_quantization_method``) and ``VllmConfig`` (the quant config through
+    ``from_config`` and ``maybe_update_config``);
+  * the model: ``initialize_model(vllm_config)``, i.e. **the model class vLLM's registry picks
+    for the checkpoint's architecture** (``LlamaForCausalLM``, ``Gemma2ForCausalLM``,
+    ``Phi3ForCausalLM``, ``Qwen2_5_VLForConditionalGeneration``, ...), built under
+    ``set_default_torch_dtype(dtype)`` with ``configure_quant_config`` / ``SupportsQuant``'s
+    mappings; every linear layer's ``quant_method`` comes from the real quant config
+    (AWQ's Marlin/Triton choice, ``check_marlin_supports_layer``, ``modules_to_not_convert``);
+  * loading: the model's own ``load_weights`` over every tensor of the checkpoint files that
+    vLLM's default loader reads (``filter_duplicate_safetensors_files``): its
+    ``hf_to_vllm_mapper``, stacked-parameter mapping, fused-in-checkpoint sharding (Phi3's
+    ``qkv_proj``), KV-head replication, tied embeddings;
+  * post-processing: ``model_loader.utils.process_weights_after_loading(model, ...)`` (AWQ:
+    ``_convert_awq_to_standard_format``; ``MarlinLinearKernel.process_weights_after_loading``
     with ``marlin_padded_nk``, padding, ``marlin_permute_scales``, ``marlin_zero_points``,
-    ``marlin_make_empty``, ``marlin_permute_bias``), then ``update_param_tp_status`` as in
-    ``model_loader.utils.process_weights_after_loading``.
+    ``marlin_make_empty``, ``marlin_permute_bias``).
 
 patched, for the duration of one call only (everything is restored afterwards)
-  * TP: ``get_tensor_model_parallel_rank`` / ``get_tensor_model_parallel_world_size`` as
-    looked up by ``vllm.model_executor.layers.linear`` and ``vllm.model_executor.parameter``
-    return ``rank`` / ``tp_size`` (no process group is created). The layers' own
-    ``update_param_tp_status`` re-stamps every parameter from the layer, so the rank that
-    matters is the one ``linear.py`` sees;
-  * platform: ``current_platform._enum = PlatformEnum.CUDA`` and
-    ``current_platform.get_device_capability() -> DeviceCapability(9, 0)`` (an H200), so
-    ``is_cuda()`` is true and ``is_cpu()`` / ``is_xpu()`` / ``is_rocm()`` false for
-    ``verify_marlin_supported``, ``query_marlin_supported_quant_types``,
-    ``AutoAWQConfig.get_quant_method`` and ``MarlinLinearKernel.can_implement``;
+  * TP/PP: ``parallel_state._TP`` / ``_PP`` are stand-in groups saying "rank ``rank`` of
+    ``tp_size``" / "the only pipeline stage" (no process group; nothing communicates while
+    a model is built and loaded);
+  * platform, as seen by the quantization code only (``auto_awq``, ``auto_gptq``,
+    ``marlin_utils`` and the Marlin kernel module): CUDA, capability 9.0 (an H200). The rest of
+    vLLM keeps this machine's platform, so activations and norms pick their native forwards;
+  * attention: ``get_attn_backend`` returns vLLM's CPU attention backend (it holds no weights;
+    the CUDA selector refuses a machine without a GPU);
   * kernel choice: ``choose_mp_linear_kernel`` (as looked up by ``auto_awq`` / ``auto_gptq``)
     returns ``MarlinLinearKernel`` after running its real ``get_min_capability`` and
     ``can_implement`` checks, i.e. ``--linear-backend marlin`` without the fallback to another
     kernel; if Marlin cannot implement the layer, :class:`VllmRefusedError` is raised;
-  * ``ops.gptq_marlin_repack`` (CUDA only) as looked up by
-    ``vllm.model_executor.kernels.linear.mixed_precision.marlin.ops``: replaced by vLLM's
-    pure-torch test reference ``marlin_utils_test.marlin_weights(codes, size_k, size_n,
-    num_bits, get_weight_perm(num_bits, is_a_8bit), is_a_8bit)`` over the codes unpacked with
-    ``quant_utils.unpack_quantized_values_into_int32`` (reported bit-identical to the CUDA op);
+  * ``ops.gptq_marlin_repack`` (CUDA only) as looked up by the Marlin kernel module: replaced
+    by vLLM's pure-torch test reference ``marlin_utils_test.marlin_weights(codes, size_k,
+    size_n, num_bits, get_weight_perm(num_bits, is_a_8bit), is_a_8bit)`` over the codes
+    unpacked with ``quant_utils.unpack_quantized_values_into_int32`` (bit-identical to the
+    CUDA op);
   * environment: ``VLLM_MARLIN_INPUT_DTYPE`` (int8/fp8 activations) and
-    ``VLLM_BATCH_INVARIANT`` (no Marlin) are removed from ``os.environ`` while the layers are
+    ``VLLM_BATCH_INVARIANT`` (no Marlin) are removed from ``os.environ`` while the model is
     built, so the reference is always the 16-bit-activation Marlin layout; vLLM's logger is
-    lowered to ERROR (it warns about fp16 scales loaded into bf16 and about tile padding).
-
-written here (not vLLM code): the ``nn.Module`` tree that stands for
-``LlamaForCausalLM``/``LlamaModel``/decoder layer (only the four linear layers, built with
-Llama's arguments; ``bias`` from the presence of ``<module>.bias`` in the checkpoint), the
-choice of checkpoint tensors fed to the loader (``qweight``/``qzeros``/``scales``/``g_idx``/
-``bias`` of quantized q/k/v/o/gate/up/down projections) and the final ``.clone()``.
+    lowered to ERROR.
 
 If vLLM itself refuses a case (a group straddling the TP shard, heads not divisible by the TP
 size, AWQ falling back to its Triton method, AWQ ``group_size=-1`` on a row-parallel layer at
-TP > 1, ...), :class:`VllmRefusedError` is raised with vLLM's own message chained.
+TP > 1, a quantization config it rejects, ...), :class:`VllmRefusedError` is raised with
+vLLM's own message chained.
+
+``_build_layers`` / ``_quant_config`` / ``_model_facts`` build only the four linear layers of a
+Llama decoder (vLLM's real layer classes, Llama's arguments); the loader and weight-cache
+tests use that smaller tree as a stand-in for ``create_model``.
 """
 
 from __future__ import annotations
@@ -80,7 +74,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["VllmRefusedError", "reference_rank_tensors", "vllm_layer_names"]
+__all__ = ["VllmRefusedError", "reference_rank_tensors", "vllm_layer_names", "vllm_model"]
 
 
 class VllmRefusedError(RuntimeError):
@@ -122,7 +116,13 @@ def _vllm() -> Any:
     from vllm.model_executor.model_loader.weight_utils import (
         filter_duplicate_safetensors_files,
     )
+    import vllm.model_executor.layers.attention.attention as attention_mod
+    import vllm.model_executor.layers.quantization.utils.marlin_utils as marlin_utils
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.model_executor.models import llama, qwen2, qwen3
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.model_executor.models.utils import AutoWeightsLoader
     from vllm.platforms import PlatformEnum, current_platform
     from vllm.platforms.interface import DeviceCapability
@@ -139,6 +139,16 @@ def _vllm() -> Any:
     import vllm.model_executor.model_loader.reload.torchao_decorator  # noqa: F401
     return types.SimpleNamespace(
         version=vllm.__version__,
+        attention=attention_mod,
+        cpu_attention_backend=CPUAttentionBackend,
+        marlin_utils=marlin_utils,
+        parallel_state=parallel_state,
+        ModelConfig=ModelConfig,
+        VllmConfig=VllmConfig,
+        DeviceConfig=DeviceConfig,
+        LoadConfig=LoadConfig,
+        initialize_model=initialize_model,
+        process_weights_after_loading=process_weights_after_loading,
         envs=envs,
         marlin_mod=marlin_mod,
         linear=linear_mod,
@@ -230,6 +240,55 @@ def _choose_marlin(config: Any, compute_capability: int | None = None) -> type:
     return kernel
 
 
+class _CudaView:
+    """The platform as the quantization code sees it in the oracle: an H200 (CUDA, SM 9.0).
+
+    Everything else is this machine's platform object, so only the Marlin support checks and
+    AWQ's Marlin choice see CUDA; activations, norms and rotary embeddings stay native.
+    """
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def is_cuda(self) -> bool:
+        return True
+
+    def is_cuda_alike(self) -> bool:
+        return True
+
+    def is_cpu(self) -> bool:
+        return False
+
+    def is_rocm(self) -> bool:
+        return False
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def get_device_capability(self, device_id: int = 0) -> Any:
+        return _vllm().DeviceCapability(*_CAPABILITY)
+
+    def has_device_capability(self, capability: Any, device_id: int = 0) -> bool:
+        if isinstance(capability, tuple):
+            capability = capability[0] * 10 + capability[1]
+        return _CAPABILITY[0] * 10 + _CAPABILITY[1] >= capability
+
+
+class _Group:
+    """Stand-in for a vLLM GroupCoordinator: rank ``rank`` of ``size``; no communication."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.world_size, self.rank_in_group, self.rank, self.local_rank = size, rank, rank, rank
+        self.ranks = list(range(size))
+        self.is_first_rank, self.is_last_rank = rank == 0, rank == size - 1
+
+    def __getattr__(self, name: str) -> Any:
+        raise _OracleBug(f"the oracle's stand-in process group has no {name!r} (vLLM communicated at load time?)")
+
+
 @contextlib.contextmanager
 def _patched(tp_size: int, rank: int):
     v = _vllm()
@@ -240,25 +299,22 @@ def _patched(tp_size: int, rank: int):
         setattr(obj, name, value)
 
     env_saved = {k: os.environ.pop(k) for k in _ENV_OFF if k in os.environ}
-    plat = v.platform
     # vLLM warns once per row-parallel layer that fp16 checkpoint scales are loaded into
     # bf16 parameters, and about tile padding; both are expected here.
     vllm_logger = logging.getLogger("vllm")
     old_level = vllm_logger.level
     vllm_logger.setLevel(logging.ERROR)
     try:
-        for mod in (v.linear, v.parameter):
-            setattr_saved(mod, "get_tensor_model_parallel_rank", lambda: rank)
-            setattr_saved(mod, "get_tensor_model_parallel_world_size", lambda: tp_size)
-        setattr_saved(plat, "_enum", v.PlatformEnum.CUDA)
-        setattr_saved(
-            plat,
-            "get_device_capability",
-            lambda device_id=0: v.DeviceCapability(*_CAPABILITY),
-        )
+        setattr_saved(v.parallel_state, "_TP", _Group(tp_size, rank))
+        setattr_saved(v.parallel_state, "_PP", _Group(1, 0))
+        view = _CudaView(v.platform)
+        for mod in (v.auto_awq, v.auto_gptq, v.marlin_utils, v.marlin_mod):
+            if "current_platform" in mod.__dict__:
+                setattr_saved(mod, "current_platform", view)
         for mod in (v.auto_awq, v.auto_gptq):
             setattr_saved(mod, "choose_mp_linear_kernel", _choose_marlin)
         setattr_saved(v.marlin_mod, "ops", _OpsProxy(v.marlin_mod.ops))
+        setattr_saved(v.attention, "get_attn_backend", lambda *a, **k: v.cpu_attention_backend)
         if v.envs.VLLM_MARLIN_INPUT_DTYPE is not None or v.envs.VLLM_BATCH_INVARIANT:
             raise RuntimeError("could not clear VLLM_MARLIN_INPUT_DTYPE / VLLM_BATCH_INVARIANT")
         yield v
@@ -290,19 +346,6 @@ def _weight_files(model_dir: Path) -> list[str]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     return v.filter_dup(files, str(model_dir), "model.safetensors.index.json")
-
-
-def _read_checkpoint(model_dir: Path, wanted_modules: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    for f in _weight_files(model_dir):
-        with safe_open(f, framework="pt") as fh:
-            for name in fh.keys():
-                module, _, suffix = name.rpartition(".")
-                if module in wanted_modules and suffix in _QUANT_SUFFIXES:
-                    out[name] = fh.get_tensor(name)
-    return out
 
 
 def _model_facts(cfg: dict[str, Any]) -> dict[str, int]:
@@ -421,15 +464,75 @@ def _build_layers(v: Any, facts: dict[str, int], qc: Any, biases: set[str], tp_s
     return root
 
 
+def _all_tensors(model_dir: Path):
+    """Every tensor of the files vLLM's default loader reads, in file order (as it streams them)."""
+    from safetensors import safe_open
+
+    for f in _weight_files(model_dir):
+        with safe_open(f, framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+_REFUSALS = (AssertionError, ValueError, RuntimeError, KeyError, NotImplementedError, TypeError)
+
+
+def vllm_model(model_dir: Path, tp_size: int, rank: int, dtype: torch.dtype, v: Any) -> Any:
+    """vLLM's own model for the checkpoint, built (not loaded) for TP rank ``rank`` of ``tp_size``.
+
+    Call inside ``_patched(tp_size, rank)`` and ``set_default_torch_dtype(dtype)``.
+    """
+    try:
+        model_config = v.ModelConfig(
+            model=str(model_dir),
+            dtype=str(dtype).removeprefix("torch."),
+            trust_remote_code=True,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+        )
+        vllm_config = v.VllmConfig(
+            model_config=model_config, device_config=v.DeviceConfig("cpu"), load_config=v.LoadConfig()
+        )
+        with torch.device("cpu"):
+            model = v.initialize_model(vllm_config)
+    except VllmRefusedError as e:
+        raise VllmRefusedError(f"tp_size={tp_size}: {e}") from e
+    except _OracleBug:
+        raise
+    except _REFUSALS as e:
+        raise VllmRefusedError(
+            f"vLLM refuses to build the model at tp_size={tp_size}: {type(e).__name__}: {e}"
+        ) from e
+    return model, model_config
+
+
+def _marlin_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Modules vLLM gave an AWQ/GPTQ method; refuses where that method is not Marlin."""
+    out = {}
+    for name, module in model.named_modules():
+        method = type(getattr(module, "quant_method", None)).__name__
+        if method in ("NoneType",) or method.startswith("Unquantized") or "KVCache" in method:
+            continue
+        if method not in ("AutoAWQMarlinLinearMethod", "AutoGPTQLinearMethod"):
+            raise VllmRefusedError(f"{name}: vLLM would use {method}, not MarlinLinearKernel")
+        kernel = getattr(module.quant_method, "kernel", None)
+        if type(kernel).__name__ != "MarlinLinearKernel":
+            raise VllmRefusedError(f"{name}: kernel is {type(kernel).__name__}")
+        out[name] = module
+    return out
+
+
 def reference_rank_tensors(
-    model_dir: Path, tp_size: int, rank: int, dtype: torch.dtype
+    model_dir: Path, tp_size: int, rank: int, dtype: torch.dtype, *, model_class: list[str] | None = None
 ) -> dict[str, torch.Tensor]:
     """What stock vLLM 0.33.0 holds, on TP rank ``rank`` of ``tp_size``, for every AWQ/GPTQ
     Marlin linear layer of the checkpoint in ``model_dir``, after
     ``process_weights_after_loading``: ``{"<layer>.qweight", "<layer>.scales",
     "<layer>.qzeros" (AWQ: Marlin zero points; GPTQ: the empty ``int32[0]`` placeholder),
-    "<layer>.bias" (if the layer has one)}`` under vLLM's fused names (``qkv_proj``,
-    ``o_proj``, ``gate_up_proj``, ``down_proj``). Tensors are CPU copies.
+    "<layer>.bias" (if the layer has one)}`` under vLLM's parameter names (e.g.
+    ``model.layers.0.self_attn.qkv_proj``, ``language_model.model.layers.0.mlp.gate_up_proj``).
+    Tensors are CPU copies. If ``model_class`` is a list, the name of the vLLM model class
+    that was instantiated is appended to it.
 
     Raises :class:`VllmRefusedError` where vLLM would not use Marlin for a layer or fails.
     """
@@ -438,108 +541,41 @@ def reference_rank_tensors(
         raise ValueError(f"serving dtype must be float16 or bfloat16, not {dtype}")
     if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= rank < tp_size):
         raise ValueError(f"bad tp_size/rank {tp_size}/{rank}")
-    cfg = json.loads((model_dir / "config.json").read_text())
-    hf_quant = cfg.get("quantization_config")
-    if not hf_quant:
-        raise ValueError(f"{model_dir}/config.json has no quantization_config")
-    facts = _model_facts(cfg)
-    v = _vllm()
-    arch = (cfg.get("architectures") or [None])[0]
-    model_cls = v.model_classes.get(arch, v.default_model_class)
-
-    # Which checkpoint modules are quantized (have qweight) and which have a bias.
-    names = vllm_layer_names(facts["num_hidden_layers"])
-    ckpt_modules: dict[str, tuple[str, ...]] = {}
-    for fused in names:
-        parent, _, layer = fused.rpartition(".")
-        parts = {**_ATTN[1], **_MLP[1]}[layer]
-        ckpt_modules[fused] = tuple(f"{parent}.{p}" for p in parts)
-    wanted = {m for parts in ckpt_modules.values() for m in parts}
-
-    with _LOCK:
-        tensors = _read_checkpoint(model_dir, wanted)
-        quantized = {m for m in wanted if f"{m}.qweight" in tensors}
-        if not quantized:
-            raise ValueError(f"no quantized q/k/v/o/gate/up/down_proj in {model_dir}")
-        biases = set()
-        for fused, parts in ckpt_modules.items():
-            has_q = [p in quantized for p in parts]
-            if any(has_q) and not all(has_q):
-                raise VllmRefusedError(f"{fused}: only some of {parts} are quantized")
-            has_b = [f"{p}.bias" in tensors for p in parts]
-            if all(has_b):
-                biases.add(fused)
-            elif any(has_b):
-                # vLLM's layers take one `bias` flag per fused layer; a missing part's bias
-                # would stay uninitialised (torch.empty) in vLLM.
-                raise ValueError(f"{fused}: only some of {parts} have a bias")
-
-        with _patched(tp_size, rank), v.set_default_torch_dtype(dtype):
-            qc = _quant_config(v, model_dir, hf_quant, model_cls)
-            root = _build_layers(v, facts, qc, biases, tp_size)
-
-            marlin_layers: dict[str, torch.nn.Module] = {}
-            for fused in names:
-                layer = root.get_submodule(fused)
-                if ckpt_modules[fused][0] not in quantized:
-                    continue  # not quantized in the checkpoint: not a Marlin layer
-                method = type(layer.quant_method).__name__
-                if method not in ("AutoAWQMarlinLinearMethod", "AutoGPTQLinearMethod"):
-                    raise VllmRefusedError(
-                        f"{fused}: vLLM would use {method}, not MarlinLinearKernel"
-                    )
-                kernel = getattr(layer.quant_method, "kernel", None)
-                if type(kernel).__name__ != "MarlinLinearKernel":
-                    raise VllmRefusedError(f"{fused}: kernel is {type(kernel).__name__}")
-                marlin_layers[fused] = layer
-
-            # Real loading path: LlamaForCausalLM.load_weights -> AutoWeightsLoader ->
-            # LlamaModel.load_weights(mapper=hf_to_vllm_mapper) -> layer.load_weights /
-            # param.weight_loader(param, w[, shard_id]).
-            mapper = model_cls.hf_to_vllm_mapper
-
-            def model_load_weights(weights, _model=root.model):
-                return v.AutoWeightsLoader(_model).load_weights(weights, mapper=mapper)
-
-            root.model.load_weights = model_load_weights
-            weights = [
-                (n, t)
-                for n, t in tensors.items()
-                if n.rpartition(".")[0] in quantized
-            ]
-            try:
-                loaded = v.AutoWeightsLoader(root).load_weights(iter(weights))
-            except AssertionError as e:
-                raise VllmRefusedError(
-                    f"vLLM's weight loader fails for tp_size={tp_size}, rank={rank}: {e!r}"
-                ) from e
-
-            expected = set()
-            for fused, layer in marlin_layers.items():
-                for pname, _ in layer.named_parameters(recurse=False):
-                    expected.add(f"{fused}.{pname}")
-            missing = expected - set(loaded)
-            if missing:
-                raise ValueError(f"checkpoint lacks tensors for {sorted(missing)}")
-
-            out: dict[str, torch.Tensor] = {}
-            for fused, layer in marlin_layers.items():
-                try:
-                    layer.quant_method.process_weights_after_loading(layer)
-                except _OracleBug:
-                    raise
-                except (AssertionError, ValueError, RuntimeError) as e:
-                    raise VllmRefusedError(
-                        f"{fused}: vLLM's process_weights_after_loading fails "
-                        f"(tp_size={tp_size}, rank={rank}): {type(e).__name__}: {e}"
-                    ) from e
-                layer.update_param_tp_status()
-                out[f"{fused}.qweight"] = layer.qweight.data.detach().clone()
-                out[f"{fused}.scales"] = layer.scales.data.detach().clone()
-                out[f"{fused}.qzeros"] = layer.qzeros.data.detach().clone()
-                if layer.bias is not None:
-                    out[f"{fused}.bias"] = layer.bias.data.detach().clone()
-                extra = getattr(layer, "input_global_scale", None)
-                if extra is not None:  # int8 activations only; must not happen here
-                    raise RuntimeError(f"{fused}: unexpected input_global_scale")
-            return out
+    with _LOCK, _patched(tp_size, rank) as v, v.set_default_torch_dtype(dtype):
+        model, model_config = vllm_model(model_dir, tp_size, rank, dtype, v)
+        if model_class is not None:
+            model_class.append(type(model).__name__)
+        marlin_layers = _marlin_layers(model)
+        if not marlin_layers:
+            raise ValueError(f"vLLM builds no AWQ/GPTQ layer for {model_dir}")
+        try:
+            loaded = set(model.load_weights(_all_tensors(model_dir)) or ())
+        except _OracleBug:
+            raise
+        except _REFUSALS as e:
+            raise VllmRefusedError(
+                f"vLLM's weight loading fails for tp_size={tp_size}, rank={rank}: {type(e).__name__}: {e}"
+            ) from e
+        expected = {f"{n}.{p}" for n, layer in marlin_layers.items() for p, _ in layer.named_parameters(recurse=False)}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for {sorted(missing)[:4]}")
+        try:
+            v.process_weights_after_loading(model, model_config, torch.device("cpu"))
+        except _OracleBug:
+            raise
+        except _REFUSALS as e:
+            raise VllmRefusedError(
+                f"vLLM's process_weights_after_loading fails (tp_size={tp_size}, rank={rank}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        out: dict[str, torch.Tensor] = {}
+        for name, layer in marlin_layers.items():
+            out[f"{name}.qweight"] = layer.qweight.data.detach().clone()
+            out[f"{name}.scales"] = layer.scales.data.detach().clone()
+            out[f"{name}.qzeros"] = layer.qzeros.data.detach().clone()
+            if layer.bias is not None:
+                out[f"{name}.bias"] = layer.bias.data.detach().clone()
+            if getattr(layer, "input_global_scale", None) is not None:  # int8 activations only
+                raise RuntimeError(f"{name}: unexpected input_global_scale")
+        return out

@@ -1,16 +1,23 @@
 """Which layers vLLM fuses, and how it splits each across tensor-parallel ranks.
 
-This mirrors, for the supported decoder architectures, what vLLM 0.33.0's
-``QKVParallelLinear``, ``MergedColumnParallelLinear`` and ``RowParallelLinear`` load on
-each rank, and where ``MarlinLinearKernel`` refuses a shard.
+This mirrors, for the architectures of :mod:`marlin_pack.marlin.architectures`, what vLLM
+0.33.0's ``QKVParallelLinear``, ``MergedColumnParallelLinear``, ``ColumnParallelLinear`` and
+``RowParallelLinear`` load on each rank, and where ``MarlinLinearKernel`` refuses a shard.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.marlin.architectures import (
+    SUPPORTED_ARCHITECTURES,
+    UNSUPPORTED_ARCHITECTURES,
+    Architecture,
+    architecture_for,
+)
 from marlin_pack.marlin.repack import padded_nk
 from marlin_pack.schemas import LayerEntry, LayerKind, LayerPart
 
@@ -30,9 +37,10 @@ __all__ = [
     "rank_slices",
     "fuse_rank_slices",
     "layer_entry",
+    "read_layer_parts",
+    "checkpoint_modules",
 ]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
@@ -42,6 +50,8 @@ class ModelDims:
 
     architecture: str
     model_type: str
+    arch: Architecture
+    checkpoint_layers: str  # prefix of decoder layer i in the checkpoint: f"{checkpoint_layers}.{i}"
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -52,12 +62,24 @@ class ModelDims:
 
 @dataclass(frozen=True)
 class PartSpec:
-    """One checkpoint module, e.g. ``model.layers.0.self_attn.k_proj``: full shape."""
+    """One part of a fused layer: full shape, and where it is in the checkpoint.
 
-    name: str  # short name: q_proj, k_proj, ...
-    prefix: str
+    Usually a whole checkpoint module (``model.layers.0.self_attn.k_proj``); for modules the
+    checkpoint stores fused (Phi-3's ``qkv_proj``) the output columns
+    ``[offset, offset + size_n)`` of a module with ``module_n`` outputs.
+    """
+
+    name: str  # manifest name: the module's leaf (k_proj), or module[role] for a fused module (qkv_proj[k])
+    role: str  # q / k / v / gate / up / out
+    prefix: str  # checkpoint module
     size_k: int
     size_n: int
+    offset: int = 0
+    module_n: int = 0  # 0: size_n (the part is the whole module)
+
+    @property
+    def module_size_n(self) -> int:
+        return self.module_n or self.size_n
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,21 @@ class ModuleTensors:
     bias: torch.Tensor | None  # [N]
     column_slots: tuple[int, ...] | None = None
 
+    def columns(self, n0: int, n: int, where: str) -> ModuleTensors:
+        """Output columns ``[n0, n0 + n)``: one part of a module the checkpoint stores fused."""
+        if self.column_slots is not None and (n0 % 8 or n % 8):
+            raise UnsupportedCheckpointError(
+                f"{where}: a fused part starts at column {n0} with {n} columns, not whole 8-column AWQ words; "
+                "vLLM cannot split this module either"
+            )
+        return ModuleTensors(
+            codes=self.codes[:, n0 : n0 + n],
+            scales=self.scales[:, n0 : n0 + n],
+            zeros=None if self.zeros is None else self.zeros[:, n0 : n0 + n],
+            bias=None if self.bias is None else self.bias[n0 : n0 + n],
+            column_slots=self.column_slots,
+        )
+
 
 @dataclass(frozen=True)
 class RankSlice:
@@ -111,51 +148,99 @@ def _int(config: dict, key: str) -> int:
     return value
 
 
-def model_dims(config: dict) -> ModelDims:
-    """Dimensions of a supported dense decoder from ``config.json``."""
+def _text_config(config: dict, arch: Architecture) -> dict:
+    """The dictionary the language model's dimensions come from (as transformers builds it)."""
+    if not arch.text_config or config.get("text_config") is None:
+        return config
+    text = config["text_config"]
+    if not isinstance(text, dict):
+        raise UnsupportedCheckpointError(f"config.json text_config is {type(text).__name__}, expected an object")
+    return text
+
+
+def _checkpoint_layers(arch: Architecture, tensor_names: Iterable[str]) -> str:
+    """Which of the architecture's accepted checkpoint prefixes this checkpoint uses."""
+    names = list(tensor_names)
+    for prefix in arch.checkpoint_layers:
+        if any(n.startswith(f"{prefix}.0.") for n in names):
+            return prefix
+    return arch.checkpoint_layers[0]
+
+
+def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
+    """Dimensions of a supported dense decoder from ``config.json`` (and the checkpoint's tensor names,
+    which say where its decoder layers are)."""
     archs = config.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and archs else None
-    if any(config.get(k) for k in _MOE_KEYS):
+    name = archs[0] if isinstance(archs, list) and archs else None
+    arch = architecture_for(name)
+    text = _text_config(config, arch) if arch else config
+    if any(text.get(k) or config.get(k) for k in _MOE_KEYS):
         raise UnsupportedCheckpointError(
-            f"{arch or 'this model'} is a mixture-of-experts model; marlin-pack converts dense models only"
+            f"{name or 'this model'} is a mixture-of-experts model; marlin-pack converts dense models only"
         )
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch is None:
+        why = f" ({UNSUPPORTED_ARCHITECTURES[name]})" if name in UNSUPPORTED_ARCHITECTURES else ""
         raise UnsupportedCheckpointError(
-            f"architecture is {arch!r}, expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"architecture is {name!r}{why}, expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    heads = _int(config, "num_attention_heads")
-    hidden = _int(config, "hidden_size")
-    head_dim = _int(config, "head_dim") if config.get("head_dim") is not None else hidden // heads
+    cfg = {**arch.defaults, **{k: v for k, v in text.items() if v is not None}}
+    heads = _int(cfg, "num_attention_heads")
+    hidden = _int(cfg, "hidden_size")
+    # hidden / heads is what vLLM computes without config.head_dim (Qwen2 and InternLM2 always do)
+    head_dim = hidden // heads if arch.head_dim == "derived" or cfg.get("head_dim") is None else _int(cfg, "head_dim")
     return ModelDims(
-        architecture=arch,
-        model_type=str(config.get("model_type", "")),
+        architecture=name,
+        model_type=str(text.get("model_type") or config.get("model_type", "")),
+        arch=arch,
+        checkpoint_layers=_checkpoint_layers(arch, tensor_names),
         hidden_size=hidden,
-        intermediate_size=_int(config, "intermediate_size"),
+        intermediate_size=_int(cfg, "intermediate_size"),
         num_heads=heads,
-        num_kv_heads=_int(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads,
+        num_kv_heads=_int(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads,
         head_dim=int(head_dim),
-        num_layers=_int(config, "num_hidden_layers"),
+        num_layers=_int(cfg, "num_hidden_layers"),
     )
 
 
 def layer_specs(d: ModelDims, layer: int) -> list[LayerSpec]:
-    """The four fused linear layers of decoder layer ``layer``, in vLLM's names."""
-    attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
-    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-    h, i = d.hidden_size, d.intermediate_size
-    return [
-        LayerSpec(f"{attn}.qkv_proj", LayerKind.qkv, (
-            PartSpec("q_proj", f"{attn}.q_proj", h, q),
-            PartSpec("k_proj", f"{attn}.k_proj", h, kv),
-            PartSpec("v_proj", f"{attn}.v_proj", h, kv),
-        )),
-        LayerSpec(f"{attn}.o_proj", LayerKind.row, (PartSpec("o_proj", f"{attn}.o_proj", q, h),)),
-        LayerSpec(f"{mlp}.gate_up_proj", LayerKind.merged_column, (
-            PartSpec("gate_proj", f"{mlp}.gate_proj", h, i),
-            PartSpec("up_proj", f"{mlp}.up_proj", h, i),
-        )),
-        LayerSpec(f"{mlp}.down_proj", LayerKind.row, (PartSpec("down_proj", f"{mlp}.down_proj", i, h),)),
-    ]
+    """The quantized vLLM layers of decoder layer ``layer``, in vLLM's names, from the architecture table."""
+    sizes = {
+        "h": d.hidden_size,
+        "i": d.intermediate_size,
+        "q": d.num_heads * d.head_dim,
+        "kv": d.num_kv_heads * d.head_dim,
+    }
+    checkpoint, vllm = f"{d.checkpoint_layers}.{layer}", f"{d.arch.layers}.{layer}"
+    specs = []
+    for lin in d.arch.linears:
+        fused = len(lin.parts) > 1 and len({p.module for p in lin.parts}) == 1  # stored fused in the checkpoint
+        module_n = sum(sizes[p.size] for p in lin.parts) if fused else 0
+        parts, offset = [], 0
+        for p in lin.parts:
+            leaf = p.module.rsplit(".", 1)[-1]
+            n = sizes[p.size]
+            parts.append(PartSpec(
+                name=f"{leaf}[{p.role}]" if fused else leaf,
+                role=p.role,
+                prefix=f"{checkpoint}.{p.module}",
+                size_k=sizes[lin.input],
+                size_n=n,
+                offset=offset if fused else 0,
+                module_n=module_n,
+            ))
+            offset += n
+        specs.append(LayerSpec(f"{vllm}.{lin.name}", lin.kind, tuple(parts)))
+    return specs
+
+
+def checkpoint_modules(spec: LayerSpec) -> list[PartSpec]:
+    """The distinct checkpoint modules of a layer (one per part, or one for a module stored fused),
+    each as a PartSpec of the whole module."""
+    seen: dict[str, PartSpec] = {}
+    for p in spec.parts:
+        if p.prefix not in seen:
+            seen[p.prefix] = PartSpec(p.prefix.rsplit(".", 1)[-1], p.role, p.prefix, p.size_k, p.module_size_n)
+    return list(seen.values())
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -185,7 +270,7 @@ def rank_slices(spec: LayerSpec, d: ModelDims, tp: int, rank: int) -> list[RankS
         return [RankSlice(p, rank * k, k, 0, p.size_n)]
     out = []
     for p in spec.parts:
-        if spec.kind is LayerKind.qkv and p.name != "q_proj":
+        if spec.kind is LayerKind.qkv and p.role in ("k", "v"):
             reps = kv_replicas(d, tp)
             heads = max(1, d.num_kv_heads // tp)
             shard = rank // reps if reps > 1 else rank
@@ -248,3 +333,19 @@ def fuse_rank_slices(slices: list[RankSlice], parts: dict[str, ModuleTensors], g
     if parts[slices[0].part.name].bias is not None:
         bias = torch.cat([parts[s.part.name].bias[s.n0 : s.n0 + s.n] for s in slices])  # type: ignore[index]
     return codes, scales, zeros, bias
+
+
+ReadModule = Callable[[str, int, int], ModuleTensors]
+
+
+def read_layer_parts(spec: LayerSpec, read: ReadModule) -> dict[str, ModuleTensors]:
+    """Every part of a layer, by part name, reading each checkpoint module once.
+
+    ``read(prefix, size_k, size_n)`` reads one whole checkpoint module; parts of a module stored
+    fused are its column blocks.
+    """
+    modules = {m.prefix: read(m.prefix, m.size_k, m.size_n) for m in checkpoint_modules(spec)}
+    return {
+        p.name: modules[p.prefix].columns(p.offset, p.size_n, p.prefix) if p.module_n else modules[p.prefix]
+        for p in spec.parts
+    }

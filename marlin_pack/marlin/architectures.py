@@ -1,0 +1,170 @@
+"""The supported architectures, as data: which checkpoint modules vLLM 0.33.0 fuses into which layer.
+
+Each :class:`Architecture` says, for one Hugging Face ``architectures[0]`` value, what vLLM's
+model class for it builds per decoder layer (``QKVParallelLinear``, ``MergedColumnParallelLinear``,
+``ColumnParallelLinear``, ``RowParallelLinear``, under vLLM's parameter names), which checkpoint
+modules feed each of them (one module per part, or one module already holding all parts, as
+Phi-3's ``qkv_proj``), where the decoder layers live in the checkpoint and in vLLM, and how the
+dimensions are read from ``config.json``. Adding an architecture is adding a row here, plus
+a test against vLLM's own model class (``tests/test_architectures_exact.py``).
+
+Sizes are symbols resolved per model: ``h`` hidden size, ``i`` intermediate size, ``q`` query
+heads x head_dim, ``kv`` KV heads x head_dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from marlin_pack.schemas import LayerKind
+
+__all__ = [
+    "Part",
+    "Linear",
+    "Architecture",
+    "ARCHITECTURES",
+    "UNSUPPORTED_ARCHITECTURES",
+    "SUPPORTED_ARCHITECTURES",
+    "architecture_for",
+]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a vLLM layer's output: its role and size symbol, and the checkpoint module holding it."""
+
+    role: str  # q / k / v (attention heads), gate / up, or out (a layer of one part)
+    size: str  # size symbol of its output columns
+    module: str  # checkpoint module under the layer prefix, e.g. "self_attn.q_proj"
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One quantized vLLM layer of a decoder layer."""
+
+    name: str  # vLLM's module name under the layer prefix, e.g. "self_attn.qkv_proj"
+    kind: LayerKind
+    input: str  # size symbol of its input features
+    parts: tuple[Part, ...]
+
+
+def _qkv(name: str, q: str, k: str, v: str) -> Linear:
+    return Linear(name, LayerKind.qkv, "h", (Part("q", "q", q), Part("k", "kv", k), Part("v", "kv", v)))
+
+
+def _merged(name: str, gate: str, up: str) -> Linear:
+    return Linear(name, LayerKind.merged_column, "h", (Part("gate", "i", gate), Part("up", "i", up)))
+
+
+def _row(name: str, input_size: str, module: str | None = None) -> Linear:
+    return Linear(name, LayerKind.row, input_size, (Part("out", "h", module or name),))
+
+
+# The Llama layout: separate q/k/v and gate/up modules, fused by vLLM.
+LLAMA_LINEARS = (
+    _qkv("self_attn.qkv_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    _row("self_attn.o_proj", "q"),
+    _merged("mlp.gate_up_proj", "mlp.gate_proj", "mlp.up_proj"),
+    _row("mlp.down_proj", "i"),
+)
+# Phi-3: the checkpoint already stores qkv_proj and gate_up_proj fused; vLLM shards them per rank.
+PHI3_LINEARS = (
+    _qkv("self_attn.qkv_proj", "self_attn.qkv_proj", "self_attn.qkv_proj", "self_attn.qkv_proj"),
+    _row("self_attn.o_proj", "q"),
+    _merged("mlp.gate_up_proj", "mlp.gate_up_proj", "mlp.gate_up_proj"),
+    _row("mlp.down_proj", "i"),
+)
+# InternLM2: wqkv is stored fused (grouped per KV head); vLLM 0.33.0 loads it as one QKV
+# tensor cut into [q | k | v] column blocks and regroups the heads at run time (split_qkv).
+INTERNLM2_LINEARS = (
+    _qkv("attention.wqkv", "attention.wqkv", "attention.wqkv", "attention.wqkv"),
+    _row("attention.wo", "q"),
+    _merged("feed_forward.gate_up_proj", "feed_forward.w1", "feed_forward.w3"),
+    _row("feed_forward.w2", "i"),
+)
+
+# Where decoder layers live in multimodal checkpoints: transformers >= 4.52 writes
+# model.language_model.layers, older versions language_model.model.layers (Gemma 3, Mistral 3)
+# or model.layers (Qwen2-VL, Qwen2.5-VL).
+_MM_PREFIXES = ("model.language_model.layers", "language_model.model.layers")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How vLLM 0.33.0's model class for one Hugging Face architecture lays out its quantized layers."""
+
+    name: str  # config.json architectures[0]
+    vllm_class: str  # vLLM's model class (module.Class), for docs and error messages
+    linears: tuple[Linear, ...]
+    layers: str = "model.layers"  # vLLM's prefix of decoder layer i: f"{layers}.{i}"
+    checkpoint_layers: tuple[str, ...] = ("model.layers",)  # accepted checkpoint prefixes, in order
+    text_config: bool = False  # dimensions are under config["text_config"] (top level as fallback)
+    # head_dim: "config" uses config.head_dim when set, else hidden/heads (vLLM's Llama, Gemma, ...);
+    # "derived" ignores config.head_dim (vLLM's Qwen2Attention and InternLM2Attention compute it).
+    head_dim: str = "config"
+    # transformers' defaults for keys a config.json may omit (vLLM reads transformers' config
+    # object, which fills them); num_key_value_heads defaults to num_attention_heads otherwise.
+    defaults: dict[str, object] = field(default_factory=dict)
+    multimodal: bool = False
+
+
+_GEMMA_DEFAULTS = {"head_dim": 256, "tie_word_embeddings": True}
+_GEMMA3_TEXT_DEFAULTS = {
+    "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True,
+}
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("LlamaForCausalLM", "llama.LlamaForCausalLM", LLAMA_LINEARS),
+        Architecture("MistralForCausalLM", "llama.LlamaForCausalLM", LLAMA_LINEARS),
+        Architecture("Qwen2ForCausalLM", "qwen2.Qwen2ForCausalLM", LLAMA_LINEARS, head_dim="derived"),
+        Architecture("Qwen3ForCausalLM", "qwen3.Qwen3ForCausalLM", LLAMA_LINEARS),
+        Architecture("GemmaForCausalLM", "gemma.GemmaForCausalLM", LLAMA_LINEARS, defaults=_GEMMA_DEFAULTS),
+        Architecture("Gemma2ForCausalLM", "gemma2.Gemma2ForCausalLM", LLAMA_LINEARS, defaults=_GEMMA_DEFAULTS),
+        Architecture("Gemma3ForCausalLM", "gemma3.Gemma3ForCausalLM", LLAMA_LINEARS, defaults=_GEMMA3_TEXT_DEFAULTS),
+        Architecture("Phi3ForCausalLM", "phi3.Phi3ForCausalLM", PHI3_LINEARS),
+        Architecture("GraniteForCausalLM", "granite.GraniteForCausalLM", LLAMA_LINEARS),
+        Architecture("CohereForCausalLM", "commandr.CohereForCausalLM", LLAMA_LINEARS, defaults={"tie_word_embeddings": True}),
+        Architecture("Cohere2ForCausalLM", "commandr.CohereForCausalLM", LLAMA_LINEARS, defaults={"tie_word_embeddings": True}),
+        Architecture("InternLM2ForCausalLM", "internlm2.InternLM2ForCausalLM", INTERNLM2_LINEARS, head_dim="derived"),
+        Architecture(
+            "Qwen2VLForConditionalGeneration", "qwen2_vl.Qwen2VLForConditionalGeneration", LLAMA_LINEARS,
+            layers="language_model.model.layers", checkpoint_layers=(*_MM_PREFIXES, "model.layers"),
+            text_config=True, head_dim="derived", multimodal=True,
+        ),
+        Architecture(
+            "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration", LLAMA_LINEARS,
+            layers="language_model.model.layers", checkpoint_layers=(*_MM_PREFIXES, "model.layers"),
+            text_config=True, head_dim="derived", multimodal=True,
+        ),
+        Architecture(
+            "Gemma3ForConditionalGeneration", "gemma3_mm.Gemma3ForConditionalGeneration", LLAMA_LINEARS,
+            layers="language_model.model.layers", checkpoint_layers=_MM_PREFIXES,
+            text_config=True, defaults=_GEMMA3_TEXT_DEFAULTS, multimodal=True,
+        ),
+        Architecture(
+            "Mistral3ForConditionalGeneration", "mistral3.Mistral3ForConditionalGeneration", LLAMA_LINEARS,
+            layers="language_model.model.layers", checkpoint_layers=_MM_PREFIXES,
+            text_config=True, multimodal=True,
+        ),
+    )
+}
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+
+# Architectures users ask for that vLLM 0.33.0 does not serve through a fixed model class of its own.
+UNSUPPORTED_ARCHITECTURES = {
+    "Olmo2ForCausalLM": "vLLM 0.33.0 serves it through its Transformers backend "
+    "(models/registry.py _TRANSFORMERS_SUPPORTED_MODELS), whose layers are traced from the installed "
+    "transformers at engine start (models/transformers/fuser.py), so there is no fixed layout to prepack",
+    "Starcoder2ForCausalLM": "vLLM 0.33.0 serves it through its Transformers backend "
+    "(models/registry.py _TRANSFORMERS_SUPPORTED_MODELS), whose layers are traced from the installed "
+    "transformers at engine start (models/transformers/fuser.py), so there is no fixed layout to prepack",
+}
+
+
+def architecture_for(name: str | None) -> Architecture | None:
+    """The table row for ``config.json``'s ``architectures[0]``, or None if unsupported."""
+    return ARCHITECTURES.get(name) if isinstance(name, str) else None
