@@ -409,3 +409,16 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int, *, model_max_length: i
     _write_json(out / "tokenizer_config.json", {**special_map, "tokenizer_class": "PreTrainedTokenizerFast",
                                                 "model_max_length": model_max_length,
                                                 "clean_up_tokenization_spaces": False})
+
+
+def quantized_linear_tensors(prefix: str, in_features: int, out_features: int, qc: dict[str, Any],
+                             seed: int = 0) -> dict[str, torch.Tensor]:
+    """The quantized tensors (no bias) of one linear module as the quantizer named in ``qc`` writes them.
+
+    For writers of other architectures (``tests/arch_checkpoints.py``): the same tensors, dtypes,
+    packing and per-name seeding as :func:`write_awq_checkpoint` / :func:`write_gptq_checkpoint`.
+    ``qc`` holds ``quant_method`` (awq/gptq), ``bits``, ``group_size`` and for GPTQ ``sym``,
+    ``desc_act`` and ``checkpoint_format``.
+    """
+    specs = [s for s in _linear_specs(prefix, in_features, out_features, False, qc, torch.float16)]
+    return {s.name: _fill(s, _generator(seed, s.name, "cpu")) for s in specs}

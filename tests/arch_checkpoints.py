@@ -1,0 +1,229 @@
+"""Tiny AWQ/GPTQ checkpoints of every supported architecture, for the oracle and GPU tests.
+
+The unquantized part of each checkpoint (embeddings, norms, vision tower, projector, their
+names and shapes) comes from **transformers' own model class** for the architecture, built
+from a tiny config with random weights and saved under its state-dict names (as
+``save_pretrained`` writes them). The decoder's linear modules are then replaced by random
+AWQ (GEMM) or GPTQ tensors (``marlin_pack.testing.synthetic.quantized_linear_tensors``).
+Which modules are quantized is decided here, independently of marlin-pack's architecture
+table: every ``nn.Linear`` inside the language model's decoder layers.
+
+InternLM2 is not in transformers (remote code): its tensors are listed by hand from the
+published ``modeling_internlm2.py`` and a minimal ``configuration_internlm2.py`` is written
+next to ``config.json`` for ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from marlin_pack.testing.synthetic import quantized_linear_tensors, write_tokenizer
+
+__all__ = ["ARCH_CONFIGS", "write_arch_checkpoint", "quant_config"]
+
+_TEXT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
+
+# architecture -> config.json (without quantization_config); tiny, but each arch's quirks kept:
+# Gemma's explicit head_dim differs from hidden/heads, Gemma 3's text_config omits defaults.
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "GemmaForCausalLM": dict(model_type="gemma", **_TEXT, head_dim=128, tie_word_embeddings=True),
+    "Gemma2ForCausalLM": dict(model_type="gemma2", **_TEXT, head_dim=128, tie_word_embeddings=True,
+                              query_pre_attn_scalar=128, sliding_window=64),
+    "Gemma3ForCausalLM": dict(model_type="gemma3_text", **_TEXT, head_dim=128, tie_word_embeddings=True,
+                              query_pre_attn_scalar=128, sliding_window=64),
+    "Phi3ForCausalLM": dict(model_type="phi3", **_TEXT, tie_word_embeddings=False, pad_token_id=0),
+    "GraniteForCausalLM": dict(model_type="granite", **_TEXT, tie_word_embeddings=True),
+    "CohereForCausalLM": dict(model_type="cohere", **_TEXT, tie_word_embeddings=True),
+    "Cohere2ForCausalLM": dict(model_type="cohere2", **_TEXT, tie_word_embeddings=True, sliding_window=64,
+                               layer_types=["sliding_attention", "full_attention"]),
+    "InternLM2ForCausalLM": dict(model_type="internlm2", **_TEXT, tie_word_embeddings=False, bias=False,
+                                 rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu",
+                                 auto_map={"AutoConfig": "configuration_internlm2.InternLM2Config"}),
+    "Qwen2_5_VLForConditionalGeneration": dict(
+        model_type="qwen2_5_vl", tie_word_embeddings=True,
+        text_config=dict(model_type="qwen2_5_vl_text", **_TEXT, rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]}),
+        vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=256,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[0], in_chans=3),
+        image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503),
+    "Qwen2VLForConditionalGeneration": dict(
+        model_type="qwen2_vl", tie_word_embeddings=False,
+        text_config=dict(model_type="qwen2_vl_text", **_TEXT, rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]}),
+        vision_config=dict(depth=1, embed_dim=64, hidden_size=256, mlp_ratio=2, num_heads=4, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
+        image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503),
+    "Gemma3ForConditionalGeneration": dict(
+        model_type="gemma3", mm_tokens_per_image=4, image_token_index=500, boi_token_index=501, eoi_token_index=502,
+        text_config=dict(model_type="gemma3_text", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         vocab_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                         query_pre_attn_scalar=128, sliding_window=64),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=1, num_attention_heads=4, image_size=56, patch_size=14)),
+    "Mistral3ForConditionalGeneration": dict(
+        model_type="mistral3", image_token_index=500, spatial_merge_size=2, projector_hidden_act="gelu",
+        vision_feature_layer=-1, multimodal_projector_bias=False,
+        text_config=dict(model_type="mistral", **_TEXT, head_dim=64, tie_word_embeddings=False),
+        vision_config=dict(model_type="pixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=4, head_dim=16, image_size=56, patch_size=14, num_channels=3)),
+}
+
+
+# Unquantized vision parts of multimodal checkpoints (AutoAWQ lists them in modules_to_not_convert).
+_VISION_MODULES = {
+    "Qwen2_5_VLForConditionalGeneration": ("visual",),
+    "Qwen2VLForConditionalGeneration": ("visual",),
+    "Gemma3ForConditionalGeneration": ("vision_tower", "multi_modal_projector"),
+    "Mistral3ForConditionalGeneration": ("vision_tower", "multi_modal_projector"),
+}
+
+
+def quant_config(fmt: str, bits: int = 4, group_size: int = 128) -> dict[str, Any]:
+    """The quantization_config AutoAWQ (GEMM) or GPTQModel (v1, symmetric) writes."""
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": False, "sym": True,
+            "checkpoint_format": "gptq"}
+
+
+def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """Random weights of transformers' model class for ``config``, under the names ``save_pretrained``
+    writes (tied copies dropped, on-disk renames applied), and the decoder layers' linear modules
+    (on-disk names) with their (in, out) features."""
+    import tempfile
+
+    import transformers
+    from safetensors.torch import load_file
+
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model(**config)
+    cfg.architectures = config["architectures"]
+    model_cls = getattr(transformers, config["architectures"][0])
+    with torch.device("cpu"):
+        model = model_cls._from_config(cfg, torch_dtype=dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        sd = {}
+        for f in sorted(Path(tmp).glob("*.safetensors")):
+            sd.update(load_file(str(f)))
+    shapes = {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = {}
+    for name in sd:
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or sd[name].dim() != 2 or not re.search(r"(^|\.)layers\.\d+\.", module):
+            continue
+        if any(v in module for v in ("vision", "visual", "multi_modal_projector")):
+            continue
+        if "norm" in module or "embed" in module:
+            continue
+        n, k = sd[name].shape
+        linears[module] = (k, n)
+    assert linears and all(kn in shapes.values() for kn in linears.values()), "no decoder linears found"
+    return sd, linears
+
+
+def _internlm2_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> tuple[dict, dict]:
+    g = torch.Generator().manual_seed(seed)
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    d = h // config["num_attention_heads"]
+    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * d
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+
+    sd = {"model.tok_embeddings.weight": rnd(v, h), "model.norm.weight": torch.ones(h, dtype=dtype), "output.weight": rnd(v, h)}
+    linears = {}
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}"
+        sd[f"{p}.attention_norm.weight"] = torch.ones(h, dtype=dtype)
+        sd[f"{p}.ffn_norm.weight"] = torch.ones(h, dtype=dtype)
+        linears.update({f"{p}.attention.wqkv": (h, qkv), f"{p}.attention.wo": (h, h),
+                        f"{p}.feed_forward.w1": (h, i), f"{p}.feed_forward.w3": (h, i), f"{p}.feed_forward.w2": (i, h)})
+    sd.update({f"{m}.weight": torch.empty(0) for m in linears})  # replaced by quantized tensors
+    return sd, linears
+
+
+_INTERNLM2_CONFIG_PY = '''from transformers import PretrainedConfig
+
+
+class InternLM2Config(PretrainedConfig):
+    model_type = "internlm2"
+
+    def __init__(self, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096,
+                 initializer_range=0.02, rms_norm_eps=1e-5, use_cache=True, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2, tie_word_embeddings=False, bias=False, rope_theta=10000, rope_scaling=None,
+                 attn_implementation="eager", **kwargs):
+        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        self.hidden_act, self.max_position_embeddings = hidden_act, max_position_embeddings
+        self.initializer_range, self.rms_norm_eps, self.use_cache = initializer_range, rms_norm_eps, use_cache
+        self.bias, self.rope_theta, self.rope_scaling = bias, rope_theta, rope_scaling
+        self.attn_implementation = attn_implementation
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+'''
+
+
+def write_arch_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bits: int = 4, group_size: int = 128,
+                          dtype: torch.dtype = torch.float16, seed: int = 0, tokenizer: bool = False,
+                          legacy_names: bool = False, **config_overrides: Any) -> Path:
+    """Write a tiny quantized checkpoint of ``architecture`` to ``out``.
+
+    ``legacy_names``: for multimodal models, rename the language model's tensors the way
+    transformers < 4.52 wrote them (``model.layers`` for Qwen2-VL / Qwen2.5-VL,
+    ``language_model.model.layers`` for Gemma 3 / Mistral 3).
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads(json.dumps(ARCH_CONFIGS[architecture]))
+    text = config.get("text_config", config)
+    text.update({k: v for k, v in config_overrides.items()})
+    config["architectures"] = [architecture]
+    config["torch_dtype"] = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    if architecture == "InternLM2ForCausalLM":
+        sd, linears = _internlm2_state_dict(config, dtype, seed)
+        (out / "configuration_internlm2.py").write_text(_INTERNLM2_CONFIG_PY)
+    else:
+        sd, linears = _hf_state_dict(config, dtype, seed)
+    qc = quant_config(fmt, bits, group_size)
+    if fmt == "awq" and architecture in _VISION_MODULES:  # as AutoAWQ writes for multimodal models
+        qc["modules_to_not_convert"] = list(_VISION_MODULES[architecture])
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        module, _, leaf = name.rpartition(".")
+        if module in linears and leaf == "weight":
+            k, n = linears[module]
+            tensors.update(quantized_linear_tensors(module, k, n, qc, seed))
+        elif module in linears and leaf == "bias":
+            tensors[name] = t.to(torch.float16)  # quantizers keep biases in fp16, like scales
+        else:
+            tensors[name] = t
+    if architecture == "Gemma3ForConditionalGeneration":  # as published Gemma 3 checkpoints name SigLIP
+        tensors = {re.sub(r"^(model\.)?vision_tower\.(?!vision_model\.)", r"\1vision_tower.vision_model.", n): t
+                   for n, t in tensors.items()}
+    if legacy_names:
+        tensors = {_legacy(architecture, n): t for n, t in tensors.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer:
+        write_tokenizer(out, text["vocab_size"])
+    return out
+
+
+def _legacy(architecture: str, name: str) -> str:
+    if architecture.startswith("Qwen2"):
+        return name.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)
+    if name.startswith("model.language_model."):
+        return "language_model.model." + name.removeprefix("model.language_model.")
+    if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+        return name.removeprefix("model.")
+    return name
