@@ -18,7 +18,7 @@ import torch
 
 from marlin_pack._constants import TARGET_VLLM_VERSION
 from marlin_pack._version import __version__
-from marlin_pack.bundle.integrity import canonical_json, source_digest, source_stamp_key
+from marlin_pack.bundle.integrity import source_digest, source_stamp_key
 from marlin_pack.bundle.writer import BundleWriter, check_output
 from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedCheckpointError
 from marlin_pack.io.hashing import sha256_bytes, sha256_file
@@ -145,7 +145,9 @@ def _check_layer_count(ckpt: Checkpoint, dims: ModelDims) -> None:
 
 
 def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str, Future[str]]]) -> Source:
-    qc = ckpt.quantization_config() or {}
+    found = ckpt.quant_settings()
+    if found is None:  # plan.source was read from these settings: unreachable unless the config changed meanwhile
+        raise CheckpointError(f"{ckpt.dir}'s quantization settings disappeared while converting; re-run when the checkpoint is complete")
     files = [
         SourceFile(
             name=name,
@@ -155,15 +157,16 @@ def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str
         )
         for name, fut in hashes
     ]
-    qc_sha = sha256_bytes(canonical_json(qc))
-    digest = source_digest([(f.name, f.sha256) for f in files], qc)
+    # Only the settings that decide the bundle: the rest of quantization_config (calibration
+    # data, paths, dates) neither goes into the manifest nor makes the bundle stale.
+    digest = source_digest([(f.name, f.sha256) for f in files], found.settings, found.file)
     return Source(
         format=plan.source.format,
         architecture=plan.dims.architecture,
         model_type=plan.dims.model_type,
         files=files,
-        quantization_config=qc,
-        quantization_config_sha256=qc_sha,
+        quant_settings=found.settings,
+        quant_settings_file=found.file,
         digest=digest,
     )
 

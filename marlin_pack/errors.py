@@ -40,7 +40,7 @@ class MismatchField(str, Enum):
     manifest = "manifest"
     files = "files"  # the bundle's own files: sizes, hashes, headers
     source = "source"
-    source_config = "source.quantization_config"
+    source_settings = "source.quant_settings"
     source_files = "source.files"
     source_size = "source.size"
     source_header = "source.header"

@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Iterable
 from enum import Enum, unique
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -37,6 +37,10 @@ __all__ = [
     "LayerKind",
     "FileEntry",
     "SourceFile",
+    "AwqSettings",
+    "GptqSettings",
+    "QuantSettings",
+    "SettingsFile",
     "Source",
     "Producer",
     "Target",
@@ -191,20 +195,65 @@ class SourceFile(_Strict):
     _h = field_validator("sha256", "header_sha256")(classmethod(lambda cls, v: _check_hex(v)))
 
 
+class AwqSettings(_Strict):
+    """The AWQ settings a bundle depends on: what marlin-pack's reader and vLLM 0.33.0's
+    ``AutoAWQConfig.from_config`` read, as they read them (aliases resolved, defaults applied).
+
+    ``null``: the checkpoint does not set it (the reader then refuses the checkpoint).
+    """
+
+    quant_method: Literal["awq"] = "awq"
+    bits: int | None = Field(description="w_bit, else bits (vLLM's order)")
+    group_size: int | None = Field(description="q_group_size, else group_size (vLLM's order)")
+    zero_point: bool | None
+    version: str = Field(description="AutoAWQ kernel, lowercase; gemm when absent")
+    lm_head: bool
+    modules_to_not_convert: list[str]
+    dynamic: bool = Field(description="per-module overrides present (GPTQModel's dynamic)")
+
+
+class GptqSettings(_Strict):
+    """The GPTQ settings a bundle depends on: what marlin-pack's reader and vLLM 0.33.0's
+    ``AutoGPTQConfig.from_config`` read, as they read them (defaults applied).
+
+    ``null``: the checkpoint does not set it.
+    """
+
+    quant_method: Literal["gptq"] = "gptq"
+    bits: int | None
+    group_size: int | None
+    sym: bool | None
+    desc_act: bool | None
+    checkpoint_format: str = Field(description="gptq or gptq_v2, lowercase; gptq when absent")
+    lm_head: bool
+    modules_in_block_to_quantize: list[str] = Field(description="flattened, as vLLM reads it")
+    dynamic: bool = Field(description="per-module overrides present (GPTQModel's dynamic)")
+
+
+QuantSettings = Annotated[AwqSettings | GptqSettings, Field(discriminator="quant_method")]
+# Where the settings were found: config.json's quantization_config, else (older AutoGPTQ) quantize_config.json.
+SettingsFile = Literal["config.json", "quantize_config.json"]
+
+
 class Source(_Strict):
-    """What the bundle was made from."""
+    """What the bundle was made from.
+
+    Only the quantization settings that decide the bundle are recorded, not the whole
+    ``quantization_config``: quantizers also store calibration data, paths, dates and tool
+    versions there, which change nothing a bundle holds.
+    """
 
     format: SourceFormat
     architecture: str
     model_type: str
     files: list[SourceFile] = Field(min_length=1)
-    quantization_config: dict[str, object]
-    quantization_config_sha256: str
-    digest: str = Field(description="sha256 over every file's name and sha256 and the quantization config")
-
-    _h = field_validator("quantization_config_sha256", "digest")(
-        classmethod(lambda cls, v: _check_hex(v))
+    quant_settings: QuantSettings
+    quant_settings_file: SettingsFile
+    digest: str = Field(
+        description="sha256 over every file's name and sha256, the quantization settings and the file they came from"
     )
+
+    _h = field_validator("digest")(classmethod(lambda cls, v: _check_hex(v)))
 
 
 class Producer(_Strict):
@@ -296,7 +345,7 @@ class Manifest(_Strict):
     """
 
     format: Literal["marlin-pack"] = FORMAT_NAME  # type: ignore[assignment]
-    format_version: Literal[1] = FORMAT_VERSION  # type: ignore[assignment]
+    format_version: Literal[2] = FORMAT_VERSION  # type: ignore[assignment]
     producer: Producer
     target: Target
     quant: QuantScheme

@@ -92,10 +92,11 @@ def test_gptq_settings_only_in_quantize_config_json(tmp_path: Path, edit_config)
     del qc["quant_method"]
     (d / "quantize_config.json").write_text(json.dumps(qc))
     m = convert(d)
-    assert m.quant == ref.quant and m.source.quantization_config["quant_method"] == "gptq"
+    assert m.quant == ref.quant and m.source.quant_settings.quant_method == "gptq"
+    assert (m.source.quant_settings_file, ref.source.quant_settings_file) == ("quantize_config.json", "config.json")
     got, want = load_file(d / "marlin-pack/tp1/rank-0.safetensors"), load_file(tmp_path / "ref/tp1/rank-0.safetensors")
     assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in got)
     assert verify(d / "marlin-pack").ok
     assert preflight(d).decision == "load"
     (d / "quantize_config.json").write_text(json.dumps({**qc, "group_size": 128}))
-    assert preflight(d).ranks[0].field == "source.quantization_config"
+    assert preflight(d).ranks[0].field == "source.quant_settings"

@@ -11,6 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from marlin_pack import convert, verify
+from marlin_pack._constants import FORMAT_VERSION
 from marlin_pack.io.hashing import sha256_file
 
 
@@ -67,7 +68,7 @@ def test_rank_file_of_another_rank_fails_tensors(bundle: Path) -> None:
     assert name == "tensors" and "has metadata" in detail and "'rank': '0'" in detail
 
 
-RANK_0_OF_1 = {"format": "marlin-pack", "format_version": "1", "tp_size": "1", "rank": "0"}
+RANK_0_OF_1 = {"format": "marlin-pack", "format_version": str(FORMAT_VERSION), "tp_size": "1", "rank": "0"}
 
 
 def _rehash(bundle: Path, path: Path) -> None:
@@ -114,7 +115,7 @@ def test_symlink_escape_refused(bundle: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "edit,match",
     [
-        (lambda m: m.update(format_version=2), "format_version is 2"),
+        (lambda m: m.update(format_version=FORMAT_VERSION + 1), f"has format_version {FORMAT_VERSION + 1}"),
         (lambda m: m.update(format="other"), "has format 'other'"),
         (lambda m: m.update(extra_field=1), "field extra_field: Extra inputs are not permitted"),
         (lambda m: m["common"].update(size=-5), "field common.size"),
@@ -160,29 +161,35 @@ def test_integrity_only_checks_the_bundle_alone(bundle: Path, tmp_path: Path) ->
 @pytest.mark.parametrize(
     "forge",
     [
-        lambda m: m["source"]["quantization_config"].update(group_size=64),  # config edited, hashes left
-        lambda m: (
-            m["source"]["quantization_config"].update(group_size=64),
-            m["source"].update(quantization_config_sha256="0" * 64),
-        ),
+        lambda m: m["source"]["quant_settings"].update(group_size=64),  # settings edited, digest left
+        lambda m: m["source"].update(quant_settings_file="quantize_config.json"),
         lambda m: m["source"].update(digest="f" * 64),
     ],
-    ids=["config", "config-and-its-hash", "digest"],
+    ids=["settings", "settings-file", "digest"],
 )
 def test_forged_source_record_fails(bundle: Path, forge) -> None:
     m = json.loads((bundle / "manifest.json").read_text())
     forge(m)
     (bundle / "manifest.json").write_text(json.dumps(m))
     name, detail = _failure(bundle)
-    assert name == "source" and "source." in detail and "re-convert" in detail
+    assert name == "source" and "source.digest does not match" in detail and "re-convert" in detail
 
 
-def test_changed_config_quantization_fails(bundle: Path) -> None:
+def test_changed_irrelevant_quantization_key_passes(bundle: Path) -> None:
+    # Calibration settings change nothing the bundle holds (nor what vLLM reads): not stale.
     cfg = json.loads((bundle.parent / "config.json").read_text())
-    cfg["quantization_config"]["damp_percent"] = 0.5
+    cfg["quantization_config"].update(damp_percent=0.5, dataset=["other calibration text"])
+    (bundle.parent / "config.json").write_text(json.dumps(cfg))
+    report = verify(bundle)
+    assert report.ok, report.first_failure
+
+
+def test_changed_relevant_quantization_key_fails(bundle: Path) -> None:
+    cfg = json.loads((bundle.parent / "config.json").read_text())
+    cfg["quantization_config"]["group_size"] = 128
     (bundle.parent / "config.json").write_text(json.dumps(cfg))
     name, detail = _failure(bundle)
-    assert name == "source" and "other quantization settings" in detail
+    assert name == "source" and "config.json: quantization setting group_size is 128, the bundle was made with 32" in detail
 
 
 def test_overlapping_tensors_fail(bundle: Path) -> None:

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from marlin_pack._constants import STAMPS_NAME
 from marlin_pack.bundle.reader import resolve_file
-from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, MismatchField
-from marlin_pack.io.checkpoint_files import quantization_config, read_json, weight_files
+from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, MismatchField, UnsupportedCheckpointError
+from marlin_pack.io.checkpoint_files import QUANTIZE_CONFIG_NAME, quant_settings, read_json, weight_files
 from marlin_pack.io.hashing import StampCache, sha256_bytes, sha256_file
 from marlin_pack.io.safetensors_io import read_header_bytes
-from marlin_pack.schemas import FileEntry, Manifest
+from marlin_pack.schemas import FileEntry, Manifest, QuantSettings
 
 __all__ = ["canonical_json", "source_digest", "check_files", "check_source", "source_stamp_key"]
 
@@ -26,32 +26,49 @@ def canonical_json(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-def source_digest(files: list[tuple[str, str]], quantization_config: dict) -> str:
-    """``source.digest``: SHA-256 over every ``(file name, sha256)`` and the quantization config."""
-    return sha256_bytes("".join(f"{name} {sha}\n" for name, sha in files).encode() + canonical_json(quantization_config))
+def source_digest(files: list[tuple[str, str]], settings: QuantSettings, settings_file: str) -> str:
+    """``source.digest``: SHA-256 over every ``(file name, sha256)``, the quantization settings and their file."""
+    quant = {"quant_settings": settings.model_dump(mode="json"), "quant_settings_file": settings_file}
+    return sha256_bytes("".join(f"{name} {sha}\n" for name, sha in files).encode() + canonical_json(quant))
 
 
-def _check_source_config(manifest: Manifest, model_dir: Path) -> None:
-    """The manifest's record of the source is self-consistent and matches the checkpoint's config."""
+def _first_difference(found: dict, recorded: dict) -> str:
+    """``key is X, the bundle was made with Y`` for the first setting that differs."""
+    keys = sorted(found.keys() | recorded.keys(), key=lambda k: (k != "quant_method", k))  # another method first
+    key = next(k for k in keys if found.get(k) != recorded.get(k))
+    return f"{key} is {json.dumps(found.get(key))}, the bundle was made with {json.dumps(recorded.get(key))}"
+
+
+def _check_source_settings(manifest: Manifest, model_dir: Path) -> None:
+    """The manifest's record of the source is self-consistent, and the checkpoint's relevant
+    quantization settings are the recorded ones (other keys of its quantization_config may change)."""
     src = manifest.source
-    if sha256_bytes(canonical_json(src.quantization_config)) != src.quantization_config_sha256:
+    if source_digest([(f.name, f.sha256) for f in src.files], src.quant_settings, src.quant_settings_file) != src.digest:
         raise BundleMismatchError(
-            MismatchField.source_config,
-            "source.quantization_config does not hash to source.quantization_config_sha256; the manifest was edited, re-convert",
-        )
-    if source_digest([(f.name, f.sha256) for f in src.files], src.quantization_config) != src.digest:
-        raise BundleMismatchError(
-            MismatchField.source_config,
-            "source.digest does not match the recorded files and config; the manifest was edited, re-convert",
+            MismatchField.source_settings,
+            "source.digest does not match the recorded files and quantization settings; the manifest was edited, re-convert",
         )
     try:
-        found = quantization_config(model_dir, read_json(model_dir / "config.json", "config.json"))
-    except CheckpointError as e:
-        raise BundleMismatchError(MismatchField.source_config, str(e)) from e
-    if found is None or canonical_json(found) != canonical_json(src.quantization_config):
+        found = quant_settings(model_dir, read_json(model_dir / "config.json", "config.json"))
+    except (CheckpointError, UnsupportedCheckpointError) as e:
+        raise BundleMismatchError(MismatchField.source_settings, str(e)) from e
+    if found is None:
         raise BundleMismatchError(
-            MismatchField.source_config,
-            f"{model_dir} holds other quantization settings than the bundle was made from; re-convert",
+            MismatchField.source_settings,
+            f"{model_dir} has no quantization settings (no quantization_config, no {QUANTIZE_CONFIG_NAME}), the bundle was "
+            f"made from {src.quant_settings_file}'s; restore the checkpoint's config",
+        )
+    if found.file != src.quant_settings_file:
+        raise BundleMismatchError(
+            MismatchField.source_settings,
+            f"{model_dir}'s quantization settings are in {found.file}, the bundle was made from {src.quant_settings_file}'s; "
+            "re-run `marlin-pack convert --force`",
+        )
+    if found.settings != src.quant_settings:
+        diff = _first_difference(found.settings.model_dump(mode="json"), src.quant_settings.model_dump(mode="json"))
+        raise BundleMismatchError(
+            MismatchField.source_settings,
+            f"{model_dir / found.file}: quantization setting {diff}; re-run `marlin-pack convert --force`",
         )
 
 
@@ -118,16 +135,16 @@ def check_source(
 ) -> None:
     """Check that ``model_dir`` holds the checkpoint the bundle was made from.
 
-    Compares the quantization config (and the manifest's digests of it), the set of
+    Compares the quantization settings that decide the bundle (and the manifest's digest), the set of
     ``*.safetensors`` files, their sizes and header digests, and (per ``full_hash``, as in
     :func:`check_files`) their full SHA-256. Stamps of checked files are kept in ``bundle_dir``.
 
     Raises:
-        BundleMismatchError: with ``field`` ``source.quantization_config`` / ``source.files`` /
+        BundleMismatchError: with ``field`` ``source.quant_settings`` / ``source.files`` /
             ``source.size`` / ``source.header`` / ``source.sha256``.
     """
     model_dir = Path(model_dir)
-    _check_source_config(manifest, model_dir)
+    _check_source_settings(manifest, model_dir)
     try:
         found = weight_files(model_dir)
     except CheckpointError as e:

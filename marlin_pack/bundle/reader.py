@@ -12,7 +12,7 @@ from marlin_pack.errors import BundleError, BundleMismatchError, MismatchField
 from marlin_pack.io.files import FileTooLargeError, NotRegularFileError, read_limited
 from marlin_pack.schemas import FileEntry, Manifest
 
-__all__ = ["MAX_MANIFEST_BYTES", "default_bundle_dir", "read_manifest", "resolve_file"]
+__all__ = ["MAX_MANIFEST_BYTES", "default_bundle_dir", "read_manifest", "listed_files", "resolve_file"]
 
 MAX_MANIFEST_BYTES = 64 << 20
 
@@ -22,14 +22,8 @@ def default_bundle_dir(model_dir: str | Path) -> Path:
     return Path(model_dir) / BUNDLE_DIRNAME
 
 
-def read_manifest(bundle_dir: str | Path) -> Manifest:
-    """Parse and validate ``bundle_dir/manifest.json``.
-
-    Raises:
-        BundleError: missing, oversized, not JSON, another format or version, or
-            failing the schema; the message names the first problem.
-    """
-    bundle_dir = Path(bundle_dir)
+def _read_raw(bundle_dir: Path) -> tuple[Path, bytes, dict]:
+    """``manifest.json``'s path, bytes and JSON object, if it is a marlin-pack manifest of any version."""
     path = bundle_dir / MANIFEST_NAME
     if not bundle_dir.is_dir():
         raise BundleError(
@@ -54,18 +48,64 @@ def read_manifest(bundle_dir: str | Path) -> Manifest:
         raise BundleError(f"{path} holds a JSON {type(raw).__name__}, expected an object")
     if raw.get("format") != FORMAT_NAME:
         raise BundleError(f"{path} has format {raw.get('format')!r}, expected {FORMAT_NAME!r}")
+    return path, text, raw
+
+
+def read_manifest(bundle_dir: str | Path) -> Manifest:
+    """Parse and validate ``bundle_dir/manifest.json``.
+
+    Raises:
+        BundleError: missing, oversized, not JSON, another format or version, or
+            failing the schema; the message names the first problem.
+    """
+    bundle_dir = Path(bundle_dir)
+    path, text, raw = _read_raw(bundle_dir)
     if raw.get("format_version") != FORMAT_VERSION:
-        raise BundleMismatchError(
-            MismatchField.format_version,
-            f"bundle format_version is {raw.get('format_version')!r}, this marlin-pack reads "
-            f"{FORMAT_VERSION}; re-convert the checkpoint with this version",
-        )
+        raise BundleMismatchError(MismatchField.format_version, _version_advice(bundle_dir, raw.get("format_version")))
     try:  # strict: "462056", true or 1.0 are not sizes or counts
         return Manifest.model_validate_json(text, strict=True)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or "manifest"
         raise BundleError(f"{path}: field {where}: {err['msg']}; the manifest is corrupt, re-convert") from e
+
+
+def listed_files(bundle_dir: str | Path) -> list[str]:
+    """Paths of the bundle files its manifest lists, whatever its format version: what ``convert --force`` may replace.
+
+    A bundle of another format version must stay replaceable, since re-converting is the advice
+    for it; every format version so far lists ``common`` and ``tensor_parallel[].ranks[].file``.
+
+    Raises:
+        BundleError: not a marlin-pack manifest, or (this version) failing the schema, or (another
+            version) no file entries that parse.
+    """
+    bundle_dir = Path(bundle_dir)
+    path, _, raw = _read_raw(bundle_dir)
+    if raw.get("format_version") == FORMAT_VERSION:
+        return [f.path for f in read_manifest(bundle_dir).files()]
+    try:
+        entries = [raw["common"], *(r["file"] for s in raw["tensor_parallel"] for r in s["ranks"])]
+        return [FileEntry.model_validate(e, strict=True).path for e in entries]
+    except (KeyError, TypeError, ValidationError) as e:
+        raise BundleError(
+            f"{path} (format_version {raw.get('format_version')!r}) lists no bundle files this marlin-pack can read; "
+            "remove the directory yourself"
+        ) from e
+
+
+def _version_advice(bundle_dir: Path, found: object) -> str:
+    """One line for a bundle of another format version: found, expected, and the command that replaces it."""
+    if bundle_dir.name == BUNDLE_DIRNAME:  # the default location: the checkpoint is its parent
+        command = f"marlin-pack convert {bundle_dir.parent} --force"
+    else:
+        command = f"marlin-pack convert MODEL --output {bundle_dir} --force"
+    older = isinstance(found, int) and not isinstance(found, bool) and found < FORMAT_VERSION
+    why = "made by an older marlin-pack" if older else "not a format this marlin-pack knows (a newer one may)"
+    return (
+        f"bundle {bundle_dir} has format_version {found!r}, this marlin-pack reads {FORMAT_VERSION} ({why}); "
+        f"re-convert it with `{command}`"
+    )
 
 
 def resolve_file(bundle_dir: Path, entry: FileEntry) -> Path:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from marlin_pack._constants import COMMON_FILE, MANIFEST_NAME, STAMPS_NAME
 from marlin_pack.bundle.rank_files import common_metadata, rank_file_path, rank_metadata
-from marlin_pack.bundle.reader import read_manifest
+from marlin_pack.bundle.reader import listed_files
 from marlin_pack.errors import BundleError, MarlinPackError, OutputExistsError
 from marlin_pack.io.files import rename_no_replace
 from marlin_pack.io.hashing import StampCache
@@ -61,14 +61,15 @@ class Interrupted(KeyboardInterrupt):
 def foreign_entry(out: Path) -> str | None:
     """Why ``out`` is not a bundle that ``--force`` may replace, or None if it is one.
 
-    A replaceable bundle parses as a marlin-pack manifest and holds only what a conversion
-    writes: the manifest, the stamp cache, the common file and the rank files (and their folders).
+    A replaceable bundle parses as a marlin-pack manifest (of any format version: re-converting
+    is how an older bundle is upgraded) and holds only what a conversion writes: the manifest,
+    the stamp cache, the common file and the rank files (and their folders).
     """
     try:
-        manifest = read_manifest(out)
+        files = listed_files(out)
     except BundleError as e:
         return f"it is not a marlin-pack bundle ({e})"
-    allowed = {MANIFEST_NAME, STAMPS_NAME, *(f.path for f in manifest.files())}
+    allowed = {MANIFEST_NAME, STAMPS_NAME, *files}
     folders = {str(Path(p).parent) for p in allowed} - {"."}
     for path in sorted(out.rglob("*")):
         rel = path.relative_to(out).as_posix()

@@ -1,14 +1,29 @@
-"""Which ``*.safetensors`` files make up a checkpoint (torch-free: also used by the loader's checks)."""
+"""Which ``*.safetensors`` files make up a checkpoint, and its quantization settings.
+
+Torch-free: also used by the loader's checks.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
-from marlin_pack.errors import CheckpointError
+from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
 from marlin_pack.io.files import NotRegularFileError, read_limited
+from marlin_pack.schemas import AwqSettings, GptqSettings, QuantSettings, SettingsFile
 
-__all__ = ["INDEX_NAME", "QUANTIZE_CONFIG_NAME", "unreadable", "read_json", "quantization_config", "weight_files"]
+__all__ = [
+    "INDEX_NAME",
+    "QUANTIZE_CONFIG_NAME",
+    "FoundSettings",
+    "unreadable",
+    "read_json",
+    "quantization_config",
+    "parse_quant_settings",
+    "quant_settings",
+    "weight_files",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 # Older AutoGPTQ keeps the settings only here; vLLM 0.33.0 reads it (with --quantization gptq).
@@ -47,17 +62,125 @@ def read_json(path: Path, what: str) -> dict:
     return data
 
 
-def quantization_config(model_dir: Path, config: dict) -> dict | None:
-    """A checkpoint's quantization settings: ``config.json``'s ``quantization_config``, else
-    ``quantize_config.json`` (older AutoGPTQ: ``quant_method`` gptq unless it says otherwise), else None."""
+def _find_quantization_config(model_dir: Path, config: dict) -> tuple[dict, SettingsFile] | None:
+    """The raw quantization settings and the file they came from, or None if not quantized."""
     found = config.get("quantization_config")
     if isinstance(found, dict):
-        return found
+        return found, "config.json"
     path = model_dir / QUANTIZE_CONFIG_NAME
     if not path.exists():
         return None
     settings = read_json(path, QUANTIZE_CONFIG_NAME)
-    return {"quant_method": "gptq", **settings}
+    return {"quant_method": "gptq", **settings}, QUANTIZE_CONFIG_NAME
+
+
+def quantization_config(model_dir: Path, config: dict) -> dict | None:
+    """A checkpoint's quantization settings: ``config.json``'s ``quantization_config``, else
+    ``quantize_config.json`` (older AutoGPTQ: ``quant_method`` gptq unless it says otherwise), else None."""
+    found = _find_quantization_config(model_dir, config)
+    return None if found is None else found[0]
+
+
+def _typed(key: str, value: object, expected: type, what: str) -> None:
+    # bool is an int to Python, not to a quantizer: "bits": true is malformed, not 1.
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise UnsupportedCheckpointError(
+            f"quantization_config {key} is {value!r}, expected {what}; the checkpoint's quantization settings are "
+            "malformed, restore its config"
+        )
+
+
+def _setting(qc: dict, keys: tuple[str, ...], expected: type, what: str, default: object = None) -> object:
+    """The first of ``keys`` that ``qc`` holds (vLLM's ``get_from_keys`` order), type-checked;
+    ``default`` if it holds none of them, or null."""
+    key = next((k for k in keys if k in qc), None)
+    if key is None or qc[key] is None:
+        return default
+    _typed(key, qc[key], expected, what)
+    return qc[key]
+
+
+def _names(qc: dict, key: str) -> list[str]:
+    """A list of module names, nested lists flattened (as vLLM reads them); empty when unset."""
+    out: list[str] = []
+
+    def walk(value: object) -> None:
+        _typed(key, value, list, "a list of module names")
+        for item in value:  # type: ignore[attr-defined]
+            if isinstance(item, list):
+                walk(item)
+            else:
+                _typed(key, item, str, "a list of module names")
+                out.append(item)
+
+    if qc.get(key) is not None:
+        walk(qc[key])
+    return out
+
+
+def _lower(qc: dict, key: str, default: str) -> str:
+    return str(_setting(qc, (key,), str, "a string", default)).lower()
+
+
+def parse_quant_settings(qc: dict) -> QuantSettings:
+    """The settings of a ``quantization_config`` that decide a bundle; everything else is dropped.
+
+    The one place that knows which keys matter and under which names: what vLLM 0.33.0's
+    ``AutoAWQConfig.from_config`` / ``AutoGPTQConfig.from_config`` and marlin-pack's readers
+    read. Calibration data, paths, dates and tool versions are left out, so that they neither
+    bloat the manifest nor make a bundle stale. Values are type-checked, not range-checked:
+    the source readers decide what is supported.
+
+    Raises:
+        UnsupportedCheckpointError: ``quant_method`` is not awq or gptq, or a setting has the wrong JSON type.
+    """
+    method = _lower(qc, "quant_method", "")
+    # Only their truth matters, to vLLM and to the readers alike (absent or null: false); a
+    # dynamic table is recorded as present or not, since any override is refused.
+    common = {
+        "lm_head": bool(qc.get("lm_head")),
+        "dynamic": bool(qc.get("dynamic")),
+    }
+    if method == "awq":
+        return AwqSettings(
+            bits=_setting(qc, ("w_bit", "bits"), int, "an integer"),  # type: ignore[arg-type]
+            group_size=_setting(qc, ("q_group_size", "group_size"), int, "an integer"),  # type: ignore[arg-type]
+            zero_point=_setting(qc, ("zero_point",), bool, "true or false"),  # type: ignore[arg-type]
+            version=_lower(qc, "version", "gemm"),
+            modules_to_not_convert=_names(qc, "modules_to_not_convert"),
+            **common,
+        )
+    if method == "gptq":
+        return GptqSettings(
+            bits=_setting(qc, ("bits",), int, "an integer"),  # type: ignore[arg-type]
+            group_size=_setting(qc, ("group_size",), int, "an integer"),  # type: ignore[arg-type]
+            sym=_setting(qc, ("sym",), bool, "true or false"),  # type: ignore[arg-type]
+            desc_act=_setting(qc, ("desc_act",), bool, "true or false"),  # type: ignore[arg-type]
+            checkpoint_format=_lower(qc, "checkpoint_format", "gptq"),
+            modules_in_block_to_quantize=_names(qc, "modules_in_block_to_quantize"),
+            **common,
+        )
+    raise UnsupportedCheckpointError(
+        f"quant_method is {method or 'missing'!r}, expected 'awq' or 'gptq'; other methods do not use this Marlin path"
+    )
+
+
+class FoundSettings(NamedTuple):
+    """A checkpoint's relevant quantization settings and the file they came from."""
+
+    settings: QuantSettings
+    file: SettingsFile
+
+
+def quant_settings(model_dir: Path, config: dict) -> FoundSettings | None:
+    """The settings that decide a bundle (:func:`parse_quant_settings`) and their file, or None if not quantized.
+
+    Raises:
+        CheckpointError: ``quantize_config.json`` unreadable.
+        UnsupportedCheckpointError: as :func:`parse_quant_settings`.
+    """
+    found = _find_quantization_config(model_dir, config)
+    return None if found is None else FoundSettings(parse_quant_settings(found[0]), found[1])
 
 
 def weight_files(model_dir: Path) -> list[str]:

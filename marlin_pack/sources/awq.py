@@ -6,7 +6,7 @@ import torch
 
 from marlin_pack.errors import UnsupportedCheckpointError
 from marlin_pack.marlin.repack import AWQ_SLOTS, unpack_awq_cols
-from marlin_pack.schemas import QuantScheme, SourceFormat, WeightType
+from marlin_pack.schemas import AwqSettings, QuantScheme, SourceFormat, WeightType
 from marlin_pack.sources.base import ModuleTensors
 from marlin_pack.sources.checkpoint import Checkpoint
 from marlin_pack.sources.expect import check_group_size, expect, expect_scales, num_groups
@@ -24,24 +24,24 @@ class AwqGemmSource:
         self.scheme = QuantScheme(weight_type=WeightType.uint4, bits=4, group_size=group_size, zero_points=True)
 
     @classmethod
-    def from_quant_config(cls, qc: dict) -> AwqGemmSource:
-        bits = qc.get("bits", qc.get("w_bit"))
-        if bits != 4:
-            raise UnsupportedCheckpointError(f"AWQ bits is {bits!r}, expected 4: vLLM 0.33.0 serves only 4-bit AWQ through Marlin")
-        version = str(qc.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise UnsupportedCheckpointError(f"AWQ version is {version!r}, expected 'gemm'; re-export the model with AutoAWQ's GEMM kernel")
-        if qc.get("zero_point") is not True:
+    def from_settings(cls, s: AwqSettings) -> AwqGemmSource:
+        """The reader for these settings, or a one-line refusal if vLLM 0.33.0 would not serve them through Marlin."""
+        if s.bits != 4:
+            raise UnsupportedCheckpointError(f"AWQ bits is {s.bits!r}, expected 4: vLLM 0.33.0 serves only 4-bit AWQ through Marlin")
+        if s.version != "gemm":
             raise UnsupportedCheckpointError(
-                f"AWQ zero_point is {qc.get('zero_point')!r}, expected true: vLLM 0.33.0 does not run AWQ without zero points on Marlin"
+                f"AWQ version is {s.version!r}, expected 'gemm'; re-export the model with AutoAWQ's GEMM kernel"
             )
-        if qc.get("dynamic"):
+        if s.zero_point is not True:
+            raise UnsupportedCheckpointError(
+                f"AWQ zero_point is {s.zero_point!r}, expected true: vLLM 0.33.0 does not run AWQ without zero points on Marlin"
+            )
+        if s.dynamic:
             raise UnsupportedCheckpointError(
                 "AWQ 'dynamic' per-module overrides (written by GPTQModel): vLLM 0.33.0's AutoAWQ ignores them and "
                 "cannot load such a checkpoint; use a uniform checkpoint"
             )
-        gs = check_group_size(qc.get("group_size", qc.get("q_group_size")), "AWQ")
-        return cls(gs)
+        return cls(check_group_size(s.group_size, "AWQ"))
 
     def describe(self) -> str:
         return f"AWQ GEMM 4-bit, group size {self.group_size}, zero points"

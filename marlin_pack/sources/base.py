@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -20,7 +20,9 @@ class QuantSource(Protocol):
     scheme: QuantScheme
 
     @classmethod
-    def from_quant_config(cls, qc: dict) -> QuantSource: ...
+    def from_settings(cls, s: Any) -> QuantSource:
+        """The reader for a checkpoint's settings (its format's ``*Settings``), or an ``UnsupportedCheckpointError``."""
+        ...
 
     def tensor_names(self, prefix: str) -> list[str]:
         """Checkpoint tensor names owned by a quantized module (bias excluded)."""

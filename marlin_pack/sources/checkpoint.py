@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from marlin_pack.errors import CheckpointError
-from marlin_pack.io.checkpoint_files import quantization_config, read_json, unreadable, weight_files
+from marlin_pack.io.checkpoint_files import FoundSettings, quant_settings, quantization_config, read_json, unreadable, weight_files
 from marlin_pack.io.hashing import file_identity
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, TensorInfo, read_header
 
@@ -65,6 +65,10 @@ class Checkpoint:
     def quantization_config(self) -> dict | None:
         """The quantization settings (``config.json``, else ``quantize_config.json``), or None if not quantized."""
         return quantization_config(self.dir, self.config)
+
+    def quant_settings(self) -> FoundSettings | None:
+        """The quantization settings that decide a bundle, and the file they came from; None if not quantized."""
+        return quant_settings(self.dir, self.config)
 
     def info(self, name: str) -> TensorInfo:
         """Header facts of one tensor; a one-line error if the checkpoint lacks it."""

@@ -6,7 +6,7 @@ import torch
 
 from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
 from marlin_pack.marlin.repack import unpack_gptq_qweight
-from marlin_pack.schemas import QuantScheme, SourceFormat, WeightType
+from marlin_pack.schemas import GptqSettings, QuantScheme, SourceFormat, WeightType
 from marlin_pack.sources.base import ModuleTensors
 from marlin_pack.sources.checkpoint import Checkpoint
 from marlin_pack.sources.expect import check_group_size, expect, expect_scales, num_groups
@@ -33,28 +33,27 @@ class GptqV1Source:
         self.scheme = QuantScheme(weight_type=wt, bits=bits, group_size=group_size, zero_points=False)
 
     @classmethod
-    def from_quant_config(cls, qc: dict) -> GptqV1Source:
-        bits = qc.get("bits")
-        if bits not in (4, 8):
-            raise UnsupportedCheckpointError(f"GPTQ bits is {bits!r}, expected 4 or 8 (vLLM 0.33.0 Marlin)")
-        if qc.get("sym") is not True:
+    def from_settings(cls, s: GptqSettings) -> GptqV1Source:
+        """The reader for these settings, or a one-line refusal if vLLM 0.33.0 would not serve them through Marlin."""
+        if s.bits not in (4, 8):
+            raise UnsupportedCheckpointError(f"GPTQ bits is {s.bits!r}, expected 4 or 8 (vLLM 0.33.0 Marlin)")
+        if s.sym is not True:
             raise UnsupportedCheckpointError(
-                f"GPTQ sym is {qc.get('sym')!r}, expected true: vLLM 0.33.0 does not serve asymmetric GPTQ; use a symmetric checkpoint"
+                f"GPTQ sym is {s.sym!r}, expected true: vLLM 0.33.0 does not serve asymmetric GPTQ; use a symmetric checkpoint"
             )
-        gs = check_group_size(qc.get("group_size"), "GPTQ")
-        if qc.get("desc_act") and gs != -1:
+        gs = check_group_size(s.group_size, "GPTQ")
+        if s.desc_act and gs != -1:
             raise UnsupportedCheckpointError(
                 "GPTQ desc_act is true with group_size "
                 f"{gs}: vLLM 0.33.0 no longer supports act-order groups; use a checkpoint quantized with desc_act=false"
             )
-        if qc.get("lm_head"):  # GPTQModel writes a quantized lm_head as a dynamic override too: name the cause
+        if s.lm_head:  # GPTQModel writes a quantized lm_head as a dynamic override too: name the cause
             raise UnsupportedCheckpointError("GPTQ lm_head is true (quantized lm_head); only decoder-layer linears are supported")
-        if qc.get("dynamic"):
+        if s.dynamic:
             raise UnsupportedCheckpointError("GPTQ 'dynamic' per-module overrides are not supported; use a uniform checkpoint")
-        fmt = str(qc.get("checkpoint_format") or "gptq").lower()
-        if fmt not in ("gptq", "gptq_v2"):
-            raise UnsupportedCheckpointError(f"GPTQ checkpoint_format is {fmt!r}, expected 'gptq' or 'gptq_v2'")
-        return cls(int(bits), gs, 1 if fmt == "gptq" else 0)
+        if s.checkpoint_format not in ("gptq", "gptq_v2"):
+            raise UnsupportedCheckpointError(f"GPTQ checkpoint_format is {s.checkpoint_format!r}, expected 'gptq' or 'gptq_v2'")
+        return cls(s.bits, gs, 1 if s.checkpoint_format == "gptq" else 0)
 
     def describe(self) -> str:
         return f"GPTQ {self.bits}-bit symmetric, group size {self.group_size}"

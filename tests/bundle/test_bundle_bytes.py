@@ -4,7 +4,7 @@
 for a matrix of synthetic checkpoints (AWQ, GPTQ 4/8-bit, v1/v2, group sizes -1/32/64/128,
 padding, biases, fp16/bf16, sharded, TP 1/2/4/8). Any change to the bytes a bundle holds
 (tensor layout, file order, header, manifest) fails here. A deliberate format change
-regenerates the file with ``MARLIN_PACK_UPDATE_DIGESTS=1 pytest tests/test_bundle_bytes.py``
+regenerates the file with ``MARLIN_PACK_UPDATE_DIGESTS=1 pytest tests/bundle/test_bundle_bytes.py``
 and says so in its commit.
 """
 

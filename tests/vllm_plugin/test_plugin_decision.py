@@ -174,12 +174,17 @@ def test_missing_or_foreign_bundle(tmp_path: Path, awq_bundle: Path, damaged_cop
     def bump_format_version(d: Path) -> None:
         manifest = d / "marlin-pack/manifest.json"
         raw = json.loads(manifest.read_text())
-        raw["format_version"] = 2
+        raw["format_version"] = 1  # an older marlin-pack's bundle
         manifest.write_text(json.dumps(raw))
 
+    model = damaged_copy(awq_bundle, bump_format_version)
     with pytest.raises(BundleMismatchError) as e:
-        select_bundle(LoaderOptions(), facts(damaged_copy(awq_bundle, bump_format_version)))
+        select_bundle(LoaderOptions(), facts(model))
     assert e.value.field == "format_version"
+    assert (
+        f"has format_version 1, this marlin-pack reads 2 (made by an older marlin-pack); "
+        f"re-convert it with `marlin-pack convert {model} --force`"
+    ) in str(e.value)
 
 
 # --- the fallback decision --------------------------------------------------------------------
