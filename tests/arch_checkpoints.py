@@ -84,6 +84,21 @@ _VISION_MODULES = {
 }
 
 
+# The special tokens and image processor a multimodal processor needs (ids as in ARCH_CONFIGS).
+_MM_TOKENS = {
+    "Qwen2_5_VLForConditionalGeneration": {"<|image_pad|>": 500, "<|video_pad|>": 501,
+                                           "<|vision_start|>": 502, "<|vision_end|>": 503},
+}
+_PROCESSORS = {
+    "Qwen2_5_VLForConditionalGeneration": {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 3136, "max_pixels": 50176,
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+        "rescale_factor": 0.00392156862745098,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]},
+}
+
+
 def quant_config(fmt: str, bits: int = 4, group_size: int = 128) -> dict[str, Any]:
     """The quantization_config AutoAWQ (GEMM) or GPTQModel (v1, symmetric) writes."""
     if fmt == "awq":
@@ -215,7 +230,9 @@ def write_arch_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bi
     config["quantization_config"] = qc
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer:
-        write_tokenizer(out, text["vocab_size"])
+        write_tokenizer(out, text["vocab_size"], named_tokens=_MM_TOKENS.get(architecture))
+        if architecture in _PROCESSORS:
+            (out / "preprocessor_config.json").write_text(json.dumps(_PROCESSORS[architecture], indent=2) + "\n")
     return out
 
 

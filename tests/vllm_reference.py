@@ -65,7 +65,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import glob
-import json
 import logging
 import os
 import threading
@@ -103,31 +102,31 @@ def _vllm() -> Any:
 
     import vllm  # noqa: F401
     import vllm.model_executor.kernels.linear.mixed_precision.marlin as marlin_mod
+    import vllm.model_executor.layers.attention.attention as attention_mod
     import vllm.model_executor.layers.linear as linear_mod
     import vllm.model_executor.layers.quantization.auto_awq as auto_awq
     import vllm.model_executor.layers.quantization.auto_gptq as auto_gptq
+    import vllm.model_executor.layers.quantization.utils.marlin_utils as marlin_utils
     import vllm.model_executor.parameter as parameter_mod
     from vllm import envs
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
+    from vllm.distributed import parallel_state
     from vllm.model_executor.layers.quantization import get_quantization_config
     from vllm.model_executor.layers.quantization.utils import marlin_utils_test
     from vllm.model_executor.layers.quantization.utils.quant_utils import (
         unpack_quantized_values_into_int32,
     )
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.model_executor.model_loader.weight_utils import (
         filter_duplicate_safetensors_files,
     )
-    import vllm.model_executor.layers.attention.attention as attention_mod
-    import vllm.model_executor.layers.quantization.utils.marlin_utils as marlin_utils
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
-    from vllm.distributed import parallel_state
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.model_executor.models import llama, qwen2, qwen3
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.model_executor.models.utils import AutoWeightsLoader
     from vllm.platforms import PlatformEnum, current_platform
     from vllm.platforms.interface import DeviceCapability
     from vllm.scalar_type import scalar_types
     from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     # Resolve the platform object now (it is lazy) so every module shares it, and run the
     # lazy imports of the code paths used below while the platform is still unpatched

@@ -372,7 +372,8 @@ def write_unquantized_checkpoint(out_dir: str | Path, shape: ModelShape, *,
     return _write_checkpoint(out_dir, shape, None, dtype, seed, None, "cpu", tokenizer, None)
 
 
-def write_tokenizer(out_dir: str | Path, vocab_size: int, *, model_max_length: int = 4096) -> None:
+def write_tokenizer(out_dir: str | Path, vocab_size: int, *, model_max_length: int = 4096,
+                    named_tokens: dict[str, int] | None = None) -> None:
     """Writes a byte-level BPE tokenizer of exactly ``vocab_size`` tokens.
 
     Ids 0-2 are ``<unk>``, ``<s>``, ``</s>``; then the 256 symbols of GPT-2's byte-level
@@ -384,6 +385,8 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int, *, model_max_length: i
             ``special_tokens_map.json``.
         vocab_size: number of tokens, at least 259.
         model_max_length: written to ``tokenizer_config.json``.
+        named_tokens: special tokens put in place of fillers at the given ids (e.g. a multimodal
+            model's ``<|image_pad|>``), so a processor finds them.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
@@ -393,14 +396,17 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int, *, model_max_length: i
     if vocab_size < len(symbols):
         raise ValueError(f"vocab_size={vocab_size} is too small for a byte-level tokenizer; "
                          f"need >= {len(symbols)}")
-    fillers = [f"<extra_{i}>" for i in range(len(symbols), vocab_size)]
+    names = {i: t for t, i in (named_tokens or {}).items()}
+    if any(not len(symbols) <= i < vocab_size for i in names):
+        raise ValueError(f"named_tokens ids must be in [{len(symbols)}, {vocab_size})")
+    fillers = [names.get(i, f"<extra_{i}>") for i in range(len(symbols), vocab_size)]
     vocab = {tok: i for i, tok in enumerate(symbols + fillers)}
     tok = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                        special_tokens=[("<s>", 1)])
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in [*specials, *names.values()]])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))

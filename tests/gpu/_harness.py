@@ -334,6 +334,7 @@ class Cluster:
         serve: bool = False,
         digests: bool = False,
         env: dict[str, str] | None = None,
+        layers: list[str] | None = None,
         **kwargs: Any,
     ) -> Proc:
         d = self.workdir / name
@@ -341,7 +342,7 @@ class Cluster:
         spec = {
             "model": str(model),
             "kwargs": {**ENGINE_KWARGS, **kwargs},
-            "layers": FUSED,
+            "layers": FUSED if layers is None else layers,
             "out": str(d / "out.json"),
             "serve": serve,
             "digests": digests,
