@@ -18,6 +18,8 @@ class AwqGemmSource:
     """Reader for ``quant_method: awq``, ``version: gemm``, ``zero_point: true``, 4-bit."""
 
     format = SourceFormat.awq_gemm
+    # One row of the README's source-format table (marlin_pack/_docs.py).
+    support = ("AutoAWQ GEMM", "`quant_method: awq`, `version: gemm`, `zero_point: true`", "4", "uint4 with zero points")
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size

@@ -23,6 +23,13 @@ class GptqV1Source:
     """
 
     format = SourceFormat.gptq_v1
+    # One row of the README's source-format table (marlin_pack/_docs.py).
+    support = (
+        "AutoGPTQ / GPTQModel / optimum",
+        "`quant_method: gptq`, `sym: true`, `checkpoint_format` gptq or gptq_v2 (config.json or quantize_config.json)",
+        "4, 8",
+        "uint4b8 / uint8b128 (symmetric)",
+    )
 
     def __init__(self, bits: int, group_size: int, zero_offset: int) -> None:
         self.bits = bits

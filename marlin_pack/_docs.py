@@ -1,0 +1,77 @@
+"""The README's tables of supported architectures and source formats, generated from the code.
+
+``python -m marlin_pack._docs README.md`` rewrites the blocks between ``<!-- NAME:begin -->`` and
+``<!-- NAME:end -->``; ``tests/test_docs.py`` fails when the README and the code disagree.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from marlin_pack._constants import SUPPORTED_GROUP_SIZES
+from marlin_pack.marlin.architectures import ARCHITECTURES, UNSUPPORTED_ARCHITECTURES, Architecture
+
+__all__ = ["architecture_table", "format_table", "render", "main"]
+
+
+def _layers(arch: Architecture) -> str:
+    out = []
+    for lin in arch.linears:
+        modules = list(dict.fromkeys(p.module.rsplit(".", 1)[-1] for p in lin.parts))
+        leaf = lin.name.rsplit(".", 1)[-1]
+        if len(modules) == 1 and len(lin.parts) > 1:  # stored fused: vLLM cuts it into column blocks
+            out.append(f"{leaf} ← {modules[0]} (stored fused: {'+'.join(p.role for p in lin.parts)})")
+        else:
+            out.append(leaf if modules == [leaf] else f"{leaf} ← {'+'.join(modules)}")
+    return ", ".join(out)
+
+
+def architecture_table() -> str:
+    """Markdown: one row per supported architecture, then the refused ones with vLLM's reason."""
+    rows = [
+        "| architecture (`config.json`) | vLLM 0.33.0 class | quantized layers (vLLM ← checkpoint) | decoder layers in checkpoint → in vLLM |",
+        "|---|---|---|---|",
+    ]
+    for a in ARCHITECTURES.values():
+        prefixes = " or ".join(f"`{p}`" for p in a.checkpoint_layers)
+        rows.append(f"| `{a.name}` | `{a.vllm_class}` | {_layers(a)} | {prefixes} → `{a.layers}` |")
+    rows.append("")
+    rows += [f"- `{name}` is refused: {why}." for name, why in UNSUPPORTED_ARCHITECTURES.items()]
+    return "\n".join(rows)
+
+
+def format_table() -> str:
+    """Markdown: one row per source format reader."""
+    from marlin_pack.sources import AwqGemmSource, GptqV1Source
+
+    groups = ", ".join(str(g) for g in SUPPORTED_GROUP_SIZES)
+    rows = ["| written by | `quantization_config` | bits | Marlin weight type | group sizes |", "|---|---|---|---|---|"]
+    for reader in (AwqGemmSource, GptqV1Source):
+        who, qc, bits, wtype = reader.support
+        rows.append(f"| {who} | {qc} | {bits} | {wtype} | {groups} |")
+    return "\n".join(rows)
+
+
+BLOCKS = {"architectures": architecture_table, "formats": format_table}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block replaced by the current table."""
+    for name, make in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"no <!-- {name}:begin --> ... <!-- {name}:end --> block")
+        text = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text)
+    return text
+
+
+def main(argv: list[str]) -> int:
+    for path in map(Path, argv or ["README.md"]):
+        path.write_text(render(path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
