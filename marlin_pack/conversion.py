@@ -144,6 +144,33 @@ def _check_layer_count(ckpt: Checkpoint, dims: ModelDims) -> None:
         )
 
 
+def tied_copies(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, str]:
+    """Non-quantized tensors that repeat another's bytes exactly: ``{copy: original}``.
+
+    Quantizers often save a tied ``lm_head`` as a copy of the input embeddings; vLLM 0.33.0 loads
+    it, finds it equal and ties the two again. The bundle stores it once and feeds it under both
+    names. Only candidates of equal dtype and shape are read.
+    """
+    groups: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+    for name in plan.common:
+        info = ckpt.tensors[name]
+        groups.setdefault((info.dtype, tuple(info.shape)), []).append(name)
+    copies: dict[str, str] = {}
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        names.sort(key=lambda n: n.endswith(("lm_head.weight", "output.weight")))  # keep the embeddings
+        originals: list[tuple[str, torch.Tensor]] = []
+        for name in names:
+            t = ckpt.get(name)
+            match = next((o for o, ot in originals if torch.equal(ot.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))), None)
+            if match is None:
+                originals.append((name, t))
+            else:
+                copies[name] = match
+    return copies
+
+
 def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str, Future[str]]]) -> Source:
     found = ckpt.quant_settings()
     if found is None:  # plan.source was read from these settings: unreachable unless the config changed meanwhile
@@ -242,7 +269,9 @@ def convert(
     try:
         with BundleWriter.create(out, force=force) as bundle:
             hashes = [(f, pool.submit(sha256_file, ckpt.dir / f)) for f in ckpt.files]
-            common = bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in plan.common], ckpt.get)
+            aliases = tied_copies(ckpt, plan) if plan.dims.tie_word_embeddings else {}
+            stored = [n for n in plan.common if n not in aliases]
+            common = bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
             ranks = {
                 (tp, rank): bundle.open_rank(tp, rank, [s for e in plan.entries[tp] for s in tensor_specs(e, source.scheme, tdtype)])
                 for tp in tps
@@ -268,6 +297,7 @@ def convert(
                 activation_dtype=serving_dtype,
                 source=_source_entry(ckpt, plan, hashes),
                 common=common,
+                common_aliases=aliases,
                 tensor_parallel=bundle.close_ranks(plan.entries),
             )
             ckpt.check_unchanged()  # after hashing and reading: the hashes describe the data converted

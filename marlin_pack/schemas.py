@@ -353,6 +353,11 @@ class Manifest(_Strict):
     activation_dtype: ServingDtype
     source: Source
     common: FileEntry = Field(description="non-quantized tensors, unchanged, under checkpoint names")
+    common_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="checkpoint tensors stored once: name -> the common tensor with the same bytes "
+        "(a tied lm_head saved as a copy of the input embeddings)",
+    )
     tensor_parallel: list[TensorParallelSet] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -362,6 +367,8 @@ class Manifest(_Strict):
             raise ValueError(f"tensor_parallel sizes must be unique and ascending, found {sizes}")
         if self.activation_dtype != self.serving_dtype:
             raise ValueError("activation_dtype must equal serving_dtype (16-bit activations only)")
+        if set(self.common_aliases) & set(self.common_aliases.values()):
+            raise ValueError("common_aliases must point at stored tensors, not at other aliases")
         paths = [self.common.path] + [r.file.path for s in self.tensor_parallel for r in s.ranks]
         if len(paths) != len(set(paths)):
             raise ValueError("a file is listed twice")

@@ -214,15 +214,21 @@ def _check_layout(m: Manifest, plan: ConversionPlan) -> str:
 
 def _check_common(bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan) -> str:
     path = resolve_file(bundle, m.common)
-    found = _header(path).tensors
-    if sorted(found) != plan.common:
-        missing = sorted(set(plan.common) - set(found)) or sorted(set(found) - set(plan.common))
+    found = set(_header(path).tensors)
+    aliases = m.common_aliases
+    if found & set(aliases) or sorted(found | set(aliases)) != plan.common:
+        names = found | set(aliases)
+        missing = sorted(set(plan.common) - names) or sorted(names - set(plan.common)) or sorted(found & set(aliases))
         raise MarlinPackError(f"{COMMON_FILE}: tensor set differs from the checkpoint's non-quantized tensors ({missing[0]})")
     with safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
         for name in plan.common:
-            if not _bitwise_equal(f.get_tensor(name), ckpt.get(name)):
+            stored = aliases.get(name, name)
+            if stored not in found:
+                raise MarlinPackError(f"{COMMON_FILE}: common_aliases maps {name} to {stored}, which the file does not hold")
+            if not _bitwise_equal(f.get_tensor(stored), ckpt.get(name)):
                 raise MarlinPackError(f"{COMMON_FILE}: tensor {name} differs from the checkpoint")
-    return f"{len(plan.common)} non-quantized tensors equal the checkpoint's"
+    once = f", {len(aliases)} stored once for two names" if aliases else ""
+    return f"{len(plan.common)} non-quantized tensors equal the checkpoint's{once}"
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

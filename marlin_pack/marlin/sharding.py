@@ -58,6 +58,7 @@ class ModelDims:
     num_kv_heads: int
     head_dim: int
     num_layers: int
+    tie_word_embeddings: bool = False
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,7 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
         num_kv_heads=_int(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads,
         head_dim=int(head_dim),
         num_layers=_int(cfg, "num_hidden_layers"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
     )
 
 

@@ -255,6 +255,7 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     _with_field(F.files, lambda: check_files(bundle_dir, manifest, entries, full_hash=options.full_hash))
     rank_file = _with_field(F.files, lambda: resolve_file(bundle_dir, rank_entry))
     common_file = _with_field(F.files, lambda: resolve_file(bundle_dir, manifest.common))
+    common_header = _with_field(F.files, lambda: _checked_common_header(manifest, common_file))
     return SelectedBundle(
         bundle_dir=bundle_dir,
         manifest=manifest,
@@ -263,8 +264,20 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
         rank_file=rank_file,
         common_file=common_file,
         rank_header=_with_field(F.files, lambda: _checked_header(manifest, tp_set, facts.tp_rank, rank_file)),
-        common_header=_with_field(F.files, lambda: read_header(common_file)),
+        common_header=common_header,
     )
+
+
+def _checked_common_header(manifest: Manifest, common_file: Path) -> SafetensorsHeader:
+    """The common file's header; every alias must name a tensor stored there (and not be one)."""
+    header = read_header(common_file)
+    for alias, original in manifest.common_aliases.items():
+        if original not in header.tensors or alias in header.tensors:
+            raise BundleError(
+                f"{manifest.common.path}: common_aliases maps {alias} to {original}, which the file "
+                f"{'does not hold' if original not in header.tensors else 'holds under both names'}; re-convert"
+            )
+    return header
 
 
 def refusal(field: MismatchField, reason: str, model: str, bundle: Path | str | None) -> LoadRefusedError:

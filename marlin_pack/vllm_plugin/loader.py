@@ -248,21 +248,33 @@ class MarlinPrepackedLoader(BaseModelLoader):
     def _common_weights(
         reader: ParallelReader, bundle: SelectedBundle, device: torch.device
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``common.safetensors`` in file order: via GPU staging at TP=1, else as CPU tensors."""
+        """``common.safetensors`` in file order: via GPU staging at TP=1, else as CPU tensors.
+
+        A tensor stored once for several checkpoint names (``common_aliases``) is yielded under
+        each of them, as the checkpoint's loader would have.
+        """
         ordered = sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start)
+        copies: dict[str, list[str]] = {}
+        for alias, original in bundle.manifest.common_aliases.items():
+            copies.setdefault(original, []).append(alias)
         if device.type == "cuda" and bundle.tp_set.tp_size == 1:
             # Whole tensors are used at TP=1, so read them straight to the GPU (pinned, threaded).
             for name, info in ordered:
                 t = torch.empty(info.shape, dtype=info.torch_dtype, device=device)
                 reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t)])
                 yield name, t
+                for alias in copies.get(name, ()):
+                    yield alias, t
             return
         # At TP > 1 each rank copies only its shard: let vLLM's weight loaders narrow CPU tensors.
         from safetensors import safe_open
 
         with safe_open(str(bundle.common_file), framework="pt") as f:
             for name, _ in ordered:
-                yield name, f.get_tensor(name)
+                t = f.get_tensor(name)
+                yield name, t
+                for alias in copies.get(name, ()):
+                    yield alias, t
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """The engine path: create, place, vLLM post-processing (no-op for prepacked layers), timings."""
