@@ -371,15 +371,17 @@ def test_vllm_refusals(tmp_path: Path, fmt, group, tp, kw, match) -> None:
 
 def test_patches_are_undone(tmp_path: Path) -> None:
     import vllm.model_executor.kernels.linear.mixed_precision.marlin as marlin_mod
-    import vllm.model_executor.layers.linear as linear_mod
-    from vllm.distributed import get_tensor_model_parallel_rank
-    from vllm.platforms import current_platform
+    import vllm.model_executor.layers.attention.attention as attention_mod
+    import vllm.model_executor.layers.quantization.auto_awq as auto_awq
+    from vllm.distributed import parallel_state as ps
 
     write_ckpt(tmp_path)
-    before = (current_platform.is_cuda(), current_platform.get_device_capability(), marlin_mod.ops)
+    watched = [(ps, "_TP"), (ps, "_PP"), (auto_awq, "current_platform"), (auto_awq, "choose_mp_linear_kernel"),
+               (marlin_mod, "ops"), (marlin_mod, "current_platform"), (attention_mod, "get_attn_backend")]
+    before = [getattr(obj, name) for obj, name in watched]
     reference_rank_tensors(tmp_path, 2, 1, torch.float16)
-    assert (current_platform.is_cuda(), current_platform.get_device_capability(), marlin_mod.ops) == before
-    assert linear_mod.get_tensor_model_parallel_rank is get_tensor_model_parallel_rank
+    assert [getattr(obj, name) for obj, name in watched] == before
+    assert not auto_awq.current_platform.is_cuda() or torch.cuda.is_available()
     assert torch.get_default_dtype() == torch.float32
 
 
