@@ -92,6 +92,7 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
         for spec in layer_specs(plan.dims, i):
             modules = checkpoint_modules(spec)
             quantized = [f"{m.prefix}.qweight" in ckpt.tensors for m in modules]
+            source.check_layer(spec.name, any(quantized))
             if not any(quantized):
                 # Left unquantized (modules_to_not_convert): loaded by vLLM from common, if it is there.
                 missing = next((m.prefix for m in modules if f"{m.prefix}.weight" not in ckpt.tensors), None)

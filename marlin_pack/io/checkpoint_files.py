@@ -118,6 +118,20 @@ def _names(qc: dict, key: str) -> list[str]:
     return out
 
 
+def _dynamic(qc: dict) -> dict[str, dict]:
+    """GPTQModel's ``dynamic`` rules, in order (vLLM applies the first that matches); empty when unset."""
+    rules = qc.get("dynamic")
+    if rules is None:
+        return {}
+    _typed("dynamic", rules, dict, "an object of regex -> settings")
+    for pattern, overrides in rules.items():
+        _typed(f"dynamic[{pattern!r}]", overrides, dict, "an object of settings")
+        for key, value in overrides.items():
+            if value is not None and not isinstance(value, (int, bool, str)):
+                _typed(f"dynamic[{pattern!r}].{key}", value, int, "a number, boolean or string")
+    return rules
+
+
 def _lower(qc: dict, key: str, default: str) -> str:
     return str(_setting(qc, (key,), str, "a string", default)).lower()
 
@@ -135,12 +149,8 @@ def parse_quant_settings(qc: dict) -> QuantSettings:
         UnsupportedCheckpointError: ``quant_method`` is not awq or gptq, or a setting has the wrong JSON type.
     """
     method = _lower(qc, "quant_method", "")
-    # Only their truth matters, to vLLM and to the readers alike (absent or null: false); a
-    # dynamic table is recorded as present or not, since any override is refused.
-    common = {
-        "lm_head": bool(qc.get("lm_head")),
-        "dynamic": bool(qc.get("dynamic")),
-    }
+    # Only its truth matters, to vLLM and to the readers alike (absent or null: false).
+    common = {"lm_head": bool(qc.get("lm_head"))}
     if method == "awq":
         return AwqSettings(
             bits=_setting(qc, ("w_bit", "bits"), int, "an integer"),  # type: ignore[arg-type]
@@ -148,6 +158,7 @@ def parse_quant_settings(qc: dict) -> QuantSettings:
             zero_point=_setting(qc, ("zero_point",), bool, "true or false"),  # type: ignore[arg-type]
             version=_lower(qc, "version", "gemm"),
             modules_to_not_convert=_names(qc, "modules_to_not_convert"),
+            dynamic=bool(qc.get("dynamic")),  # AutoAWQ ignores it; its presence is refused
             **common,
         )
     if method == "gptq":
@@ -158,6 +169,7 @@ def parse_quant_settings(qc: dict) -> QuantSettings:
             desc_act=_setting(qc, ("desc_act",), bool, "true or false"),  # type: ignore[arg-type]
             checkpoint_format=_lower(qc, "checkpoint_format", "gptq"),
             modules_in_block_to_quantize=_names(qc, "modules_in_block_to_quantize"),
+            dynamic=_dynamic(qc),
             **common,
         )
     raise UnsupportedCheckpointError(

@@ -45,6 +45,9 @@ class AwqGemmSource:
             )
         return cls(check_group_size(s.group_size, "AWQ"))
 
+    def check_layer(self, name: str, quantized: bool) -> None:
+        """AutoAWQ has no per-module rules marlin-pack accepts (``dynamic`` is refused up front)."""
+
     def describe(self) -> str:
         return f"AWQ GEMM 4-bit, group size {self.group_size}, zero points"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
@@ -31,8 +33,9 @@ class GptqV1Source:
         "uint4b8 / uint8b128 (symmetric)",
     )
 
-    def __init__(self, bits: int, group_size: int, zero_offset: int) -> None:
+    def __init__(self, bits: int, group_size: int, zero_offset: int, dynamic: dict[str, dict] | None = None) -> None:
         self.bits = bits
+        self.dynamic = dynamic or {}
         self.group_size = group_size
         # Stored zero point: v1 stores zero - 1, v2 the zero itself.
         self.stored_zero = (1 << (bits - 1)) - zero_offset
@@ -56,14 +59,27 @@ class GptqV1Source:
             )
         if s.lm_head:  # GPTQModel writes a quantized lm_head as a dynamic override too: name the cause
             raise UnsupportedCheckpointError("GPTQ lm_head is true (quantized lm_head); only decoder-layer linears are supported")
-        if s.dynamic:
-            raise UnsupportedCheckpointError("GPTQ 'dynamic' per-module overrides are not supported; use a uniform checkpoint")
         if s.checkpoint_format not in ("gptq", "gptq_v2"):
             raise UnsupportedCheckpointError(f"GPTQ checkpoint_format is {s.checkpoint_format!r}, expected 'gptq' or 'gptq_v2'")
-        return cls(s.bits, gs, 1 if s.checkpoint_format == "gptq" else 0)
+        _check_uniform(s, gs)
+        return cls(s.bits, gs, 1 if s.checkpoint_format == "gptq" else 0, s.dynamic)
+
+    def check_layer(self, name: str, quantized: bool) -> None:
+        """Refuse a quantized layer that a ``dynamic`` exclusion ('-:REGEX') leaves unquantized in vLLM.
+
+        ``name`` is vLLM's layer name, which is what vLLM 0.33.0 matches the rules against (the
+        first matching rule decides).
+        """
+        rule = next((p for p in self.dynamic if re.match(p.removeprefix("-:").removeprefix("+:"), name)), None)
+        if quantized and rule is not None and rule.startswith("-:"):
+            raise UnsupportedCheckpointError(
+                f"GPTQ dynamic rule {rule!r} leaves {name} unquantized in vLLM 0.33.0, but the checkpoint stores it "
+                "quantized; vLLM could not load it either, fix the rule or the checkpoint"
+            )
 
     def describe(self) -> str:
         return f"GPTQ {self.bits}-bit symmetric, group size {self.group_size}"
+
 
     def tensor_names(self, prefix: str) -> list[str]:
         return [f"{prefix}.qweight", f"{prefix}.qzeros", f"{prefix}.scales", f"{prefix}.g_idx"]
@@ -110,3 +126,31 @@ class GptqV1Source:
             zeros=None,
             bias=bias,
         )
+
+
+# dynamic override keys vLLM 0.33.0 applies per layer (gptq_utils.override_config).
+_OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")
+
+
+def _check_uniform(s: GptqSettings, group_size: int) -> None:
+    """Accept ``dynamic`` rules only where every quantized layer keeps the base scheme.
+
+    Exclusions ('-:REGEX') are fine (those layers stay unquantized, checked per layer by
+    ``check_layer``); an override that restates the base value is a no-op; one that changes it
+    would give layers different Marlin schemes, which a bundle does not hold.
+    """
+    base = {"bits": s.bits, "group_size": group_size, "desc_act": bool(s.desc_act), "sym": s.sym}
+    for pattern, overrides in s.dynamic.items():
+        try:
+            re.compile(pattern.removeprefix("-:").removeprefix("+:"))
+        except re.error as e:
+            raise UnsupportedCheckpointError(f"GPTQ dynamic rule {pattern!r} is not a valid regular expression ({e})") from e
+        if pattern.startswith("-:"):
+            continue
+        for key in _OVERRIDABLE:
+            value = overrides.get(key)
+            if value is not None and value != base[key] and not (key == "desc_act" and group_size == -1):
+                raise UnsupportedCheckpointError(
+                    f"GPTQ dynamic rule {pattern!r} sets {key} {value!r} for some layers (the rest use {base[key]!r}); "
+                    "layers with different schemes are not supported, use a uniform checkpoint"
+                )

@@ -41,7 +41,7 @@ def test_gptq_keeps_only_what_decides_the_bundle() -> None:
         checkpoint_format="gptq",
         lm_head=False,
         modules_in_block_to_quantize=["self_attn.q_proj", "mlp.down_proj"],
-        dynamic=False,
+        dynamic={},
     )
 
 
@@ -54,7 +54,7 @@ def test_awq_aliases_in_vllms_order() -> None:
 def test_defaults_and_nulls() -> None:
     s = parse_quant_settings({"quant_method": "gptq", "bits": 8, "checkpoint_format": None, "lm_head": None, "dynamic": None})
     assert isinstance(s, GptqSettings)
-    assert (s.group_size, s.sym, s.desc_act, s.checkpoint_format, s.lm_head, s.dynamic) == (None, None, None, "gptq", False, False)
+    assert (s.group_size, s.sym, s.desc_act, s.checkpoint_format, s.lm_head, s.dynamic) == (None, None, None, "gptq", False, {})
 
 
 @pytest.mark.parametrize(
@@ -98,6 +98,7 @@ def test_awq_settings_are_what_vllm_reads(qc: dict) -> None:
         GPTQ,
         {**GPTQ, "bits": 8, "group_size": -1, "desc_act": True, "lm_head": False, **JUNK},
         {**GPTQ, "modules_in_block_to_quantize": [["self_attn.k_proj", "self_attn.v_proj"], ["mlp.up_proj"]]},
+        {**GPTQ, "dynamic": {r"-:.*visual.*": {}, r"+:.*layers\.1\..*": {"bits": 4}}},
     ],
 )
 def test_gptq_settings_are_what_vllm_reads(qc: dict) -> None:
@@ -109,6 +110,12 @@ def test_gptq_settings_are_what_vllm_reads(qc: dict) -> None:
     assert isinstance(s, GptqSettings)
     # vLLM normalises desc_act (a no-op with one group per channel); the recorded value is the checkpoint's.
     assert (s.bits, s.group_size, s.sym, s.lm_head, s.dynamic, s.modules_in_block_to_quantize) == (
-        cfg.weight_bits, cfg.group_size, cfg.is_sym, cfg.lm_head_quantized, bool(cfg.dynamic),
+        cfg.weight_bits, cfg.group_size, cfg.is_sym, cfg.lm_head_quantized, cfg.dynamic,
         flatten_list(cfg.modules_in_block_to_quantize),
     )
+
+
+@pytest.mark.parametrize("dynamic", [["-:x"], {"-:x": []}, {"+:x": {"bits": [8]}}])
+def test_malformed_dynamic_is_refused(dynamic: object) -> None:
+    with pytest.raises(UnsupportedCheckpointError, match="dynamic"):
+        parse_quant_settings({**GPTQ, "dynamic": dynamic})
