@@ -320,10 +320,8 @@ def _patched(tp_size: int, rank: int):
     finally:
         for obj, name, old in reversed(saved):
             if old is _MISSING:
-                try:
+                with contextlib.suppress(AttributeError):
                     delattr(obj, name)
-                except AttributeError:
-                    pass
             else:
                 setattr(obj, name, old)
         os.environ.update(env_saved)
@@ -469,7 +467,7 @@ def _all_tensors(model_dir: Path):
 
     for f in _weight_files(model_dir):
         with safe_open(f, framework="pt") as fh:
-            for name in fh.keys():
+            for name in fh.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 yield name, fh.get_tensor(name)
 
 
