@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from marlin_pack import convert, verify
 
 pytest.importorskip("vllm")
-from vllm_reference import reference_rank_tensors  # noqa: E402
+from bundle_vs_vllm import assert_bundle_equals_vllm  # noqa: E402
 
 FORMATS = [("awq", 4), ("gptq", 4), ("gptq", 8)]
 
@@ -35,29 +34,6 @@ def _valid_tps(fmt: str, group_size: int, row_k: int, candidates: tuple[int, ...
     return tuple(ok)
 
 
-def _bits_of(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 else t.view(torch.int16)
-
-
-def _assert_bundle_equals_vllm(model: Path, bundle: Path, tps: tuple[int, ...], dtype: torch.dtype) -> int:
-    compared = 0
-    for tp in tps:
-        for rank in range(tp):
-            want = reference_rank_tensors(model, tp, rank, dtype)
-            got = load_file(bundle / f"tp{tp}" / f"rank-{rank}.safetensors")
-            for name, ref in want.items():
-                if name.endswith(".qzeros") and ref.numel() == 0:
-                    assert name not in got, f"{name}: GPTQ keeps no zero points in vLLM"
-                    continue
-                assert name in got, f"{name} missing (tp {tp} rank {rank})"
-                assert got[name].dtype == ref.dtype and got[name].shape == ref.shape, name
-                assert torch.equal(_bits_of(got[name]), _bits_of(ref)), f"{name} differs (tp {tp} rank {rank})"
-                compared += 1
-            extra = set(got) - set(want)
-            assert not extra, f"unexpected tensors {sorted(extra)[:3]}"
-    return compared
-
-
 def _check(make_checkpoint, tmp_path: Path, fmt: str, bits: int, preset: str, group_size: int,
            dtype: torch.dtype, candidates: tuple[int, ...], row_k: int, sharded: bool = False) -> None:
     tps = _valid_tps(fmt, group_size, row_k, candidates)
@@ -65,7 +41,7 @@ def _check(make_checkpoint, tmp_path: Path, fmt: str, bits: int, preset: str, gr
     model = tmp_path / "model"
     shutil.copytree(src, model)
     convert(model, tp_sizes=tps, dtype=str(dtype).removeprefix("torch."))
-    n = _assert_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
+    n = assert_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
     assert n > 0
     report = verify(model / "marlin-pack")
     assert report.ok, report.first_failure
