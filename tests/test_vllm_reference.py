@@ -292,7 +292,7 @@ def test_kv_replication(tmp_path: Path) -> None:
         return qw[:, lo:hi], o[f"{name}.scales"][:, lo * 64 : hi * 64]
 
     for a, b in ((0, 1), (2, 3)):
-        for x, y in zip(tiles(outs[a], q_tiles, q_tiles + 2), tiles(outs[b], q_tiles, q_tiles + 2)):
+        for x, y in zip(tiles(outs[a], q_tiles, q_tiles + 2), tiles(outs[b], q_tiles, q_tiles + 2), strict=True):
             assert torch.equal(x, y)
         assert not torch.equal(tiles(outs[a], 0, q_tiles)[0], tiles(outs[b], 0, q_tiles)[0])
     assert not torch.equal(tiles(outs[0], q_tiles, q_tiles + 2)[0], tiles(outs[2], q_tiles, q_tiles + 2)[0])

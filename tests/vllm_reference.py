@@ -265,10 +265,8 @@ def _patched(tp_size: int, rank: int):
     finally:
         for obj, name, old in reversed(saved):
             if old is _MISSING:
-                try:
+                with contextlib.suppress(AttributeError):
                     delattr(obj, name)
-                except AttributeError:
-                    pass
             else:
                 setattr(obj, name, old)
         os.environ.update(env_saved)
@@ -298,7 +296,7 @@ def _read_checkpoint(model_dir: Path, wanted_modules: set[str]) -> dict[str, tor
     out: dict[str, torch.Tensor] = {}
     for f in _weight_files(model_dir):
         with safe_open(f, framework="pt") as fh:
-            for name in fh.keys():
+            for name in fh.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 module, _, suffix = name.rpartition(".")
                 if module in wanted_modules and suffix in _QUANT_SUFFIXES:
                     out[name] = fh.get_tensor(name)
