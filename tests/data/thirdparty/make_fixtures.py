@@ -78,8 +78,8 @@ def _tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def random_model(out: Path, arch: str = "llama", **overrides) -> Path:
-    """A randomly initialised fp16 model (fixed seed) saved with its tiny tokenizer."""
+def random_model(out: Path, arch: str = "llama", dtype: str = "float16", **overrides) -> Path:
+    """A randomly initialised fp16 (or ``dtype``) model (fixed seed) saved with its tiny tokenizer."""
     import torch
     import transformers
 
@@ -105,7 +105,7 @@ def random_model(out: Path, arch: str = "llama", **overrides) -> Path:
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.05)
-    model = model.to(torch.float16)
+    model = model.to(getattr(torch, dtype))
     model.save_pretrained(out)
     _tokenizer(out)
     return out
@@ -139,18 +139,36 @@ def keep_only_vllm_files(src: Path, name: str) -> Path:
 GPTQMODEL = {
     # name: (arch, model overrides, QuantizeConfig kwargs[, save kwargs])
     "gptqmodel-llama-4bit-g128": ("llama", {}, dict(bits=4, group_size=128, desc_act=False)),
-    "gptqmodel-llama-4bit-g128-descact": ("llama", {}, dict(bits=4, group_size=128, desc_act=True)),
+    "gptqmodel-llama-4bit-g128-descact": ("llama", {"num_hidden_layers": 1}, dict(bits=4, group_size=128, desc_act=True)),
     "gptqmodel-llama-4bit-gch-descact": (
         "llama", {}, dict(bits=4, group_size=-1, desc_act=True, act_group_aware=False)
     ),
-    "gptqmodel-llama-8bit-g32": ("llama", {"tie_word_embeddings": True}, dict(bits=8, group_size=32, desc_act=False)),
+    "gptqmodel-llama-8bit-g32": (
+        "llama", {"tie_word_embeddings": True, "num_hidden_layers": 1}, dict(bits=8, group_size=32, desc_act=False)
+    ),
     # intermediate 688 (= 16 * 43): Marlin pads down_proj's K at every TP size
     "gptqmodel-llama-8bit-gch-688": (
-        "llama", {"intermediate_size": 688}, dict(bits=8, group_size=-1, desc_act=False, act_group_aware=False)
+        "llama", {"intermediate_size": 688, "num_hidden_layers": 1}, dict(bits=8, group_size=-1, desc_act=False, act_group_aware=False)
     ),
     # sharded: model-0000N-of-0000M.safetensors + model.safetensors.index.json
     "gptqmodel-qwen2-4bit-g64": ("qwen2", {}, dict(bits=4, group_size=64, desc_act=False), {"max_shard_size": "300KB"}),
     "gptqmodel-phi3-4bit-g64": ("phi3", {}, dict(bits=4, group_size=64, desc_act=False)),
+    # One decoder layer each from here on (size).
+    # bf16 model: bf16 scales and bias-free bf16 tensors, config dtype bfloat16
+    "gptqmodel-llama-4bit-g64-bf16": (
+        "llama", {"num_hidden_layers": 1, "dtype": "bfloat16"}, dict(bits=4, group_size=64, desc_act=False)
+    ),
+    # sym=False: real zero points, which vLLM 0.33.0's GPTQ Marlin path does not serve
+    "gptqmodel-llama-4bit-g128-asym": ("llama", {"num_hidden_layers": 1}, dict(bits=4, group_size=128, sym=False)),
+    # AWQ written by GPTQModel (method awq, format gemm): sym=False gives zero points ...
+    "gptqmodel-awq-llama-4bit-g128": (
+        "llama", {"num_hidden_layers": 1}, dict(method="awq", format="gemm", bits=4, group_size=128, sym=False)
+    ),
+    # ... its default (sym=True) writes zero_point: false, which vLLM 0.33.0 does not serve with Marlin
+    "gptqmodel-awq-llama-4bit-g128-nozp": (
+        "llama", {"num_hidden_layers": 1}, dict(method="awq", format="gemm", bits=4, group_size=128)
+    ),
+    "gptqmodel-gemma2-4bit-g64": ("gemma2", {"num_hidden_layers": 1}, dict(bits=4, group_size=64, desc_act=False)),
 }
 
 
@@ -163,7 +181,8 @@ def make_gptqmodel(names: list[str]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             base = random_model(Path(tmp) / "base", arch, **over)
             qc = QuantizeConfig(**qkw)
-            model = GPTQModel.load(str(base), qc, device="cpu", torch_dtype=torch.float16)
+            dtype = getattr(torch, over.get("dtype", "float16"))
+            model = GPTQModel.load(str(base), qc, device="cpu", torch_dtype=dtype)
             calib = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration()]
             model.quantize(calib, batch_size=4)
             out = Path(tmp) / "out"
