@@ -45,15 +45,23 @@ ACCEPTED: dict[str, tuple[int, ...]] = {
     "autoawq-llama-4bit-g64": (1, 2),
     # intermediate 576: 144 input features per rank at TP 4 split a group of 32.
     "optimum-llama-4bit-g32": (1, 2),
+    "autoawq-qwen2-4bit-g64": (1, 2, 4),
 }
 # TP sizes vLLM 0.33.0 serves that marlin-pack refuses (a refusal, never wrong bytes): strict xfails.
-GAPS: dict[str, tuple[int, str]] = {
+GAPS: dict[str, tuple[tuple[int, ...], str]] = {
     "gptqmodel-llama-8bit-gch-688": (
-        4,
+        (4,),
         (
             "marlin-pack refuses row-parallel shards whose input features per rank are not a multiple of 8 "
             "(marlin/sharding.py layer_entry); 8-bit GPTQ packs 4 codes per int32, so vLLM serves down_proj's "
             "172 features per rank at TP 4"
+        ),
+    ),
+    "gptqmodel-llama-4bit-g128-lmhead": (
+        (1, 2),
+        (
+            "GPTQModel's lm_head=True writes lm_head: true and dynamic {lm_head: 8-bit g32}; vLLM serves the decoder "
+            "layers (and a Marlin lm_head), marlin-pack refuses the whole checkpoint (decoder-layer linears only)"
         ),
     ),
 }
@@ -88,7 +96,7 @@ def _copy(name: str, tmp_path: Path) -> Path:
 def test_every_fixture_is_listed_and_small() -> None:
     found = _fixture_dirs()
     assert found, f"no fixtures under {DATA}"
-    assert sorted(found) == sorted([*ACCEPTED, *REFUSED, *PENDING])
+    assert sorted(found) == sorted({*ACCEPTED, *REFUSED, *PENDING, *GAPS})
     total = sum(f.stat().st_size for f in DATA.rglob("*") if f.is_file())
     assert total < 12_000_000, f"third-party fixtures take {total} bytes"
     assert {p.name for p in DATA.iterdir() if p.name != "__pycache__"} == {*found, "README.md", "make_fixtures.py"}
@@ -118,6 +126,7 @@ def test_fixtures_carry_the_quantizers_quirks() -> None:
     g_idx = load_file(DATA / "gptqmodel-llama-4bit-g128-descact" / "model.safetensors")["model.layers.0.mlp.down_proj.g_idx"]
     assert not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // 128)  # act-order: what vLLM refuses
     assert cfg["gptqmodel-qwen2-4bit-g64"]["model_type"] == "qwen2"
+    assert qc["gptqmodel-llama-4bit-g128-lmhead"]["dynamic"]["lm_head"]["bits"] == 8
     assert qc["gptqmodel-awq-llama-4bit-g128"]["checkpoint_format"] == "gemm" and "meta" in qc["gptqmodel-awq-llama-4bit-g128"]
     # bf16 model, fp16 scales: what GPTQModel writes for a bf16 model
     bf16 = load_file(DATA / "gptqmodel-llama-4bit-g64-bf16" / "model.safetensors")
@@ -142,7 +151,7 @@ def test_convert_is_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path:
 @pytest.mark.parametrize("name", list(ACCEPTED))  # PENDING: marlin-pack refuses the architecture at any TP size
 def test_other_tp_sizes_refused_by_both(name: str, tmp_path: Path) -> None:
     accepted = ACCEPTED[name]
-    refused = [tp for tp in CANDIDATE_TPS if tp not in accepted and tp != GAPS.get(name, (0,))[0]]
+    refused = [tp for tp in CANDIDATE_TPS if tp not in accepted and tp not in GAPS.get(name, ((), ""))[0]]
     model = _copy(name, tmp_path)
     for tp in refused:
         # _OracleBug: vLLM hands gptq_marlin_repack a shape the CUDA op rejects (a load failure in vLLM).
@@ -153,16 +162,17 @@ def test_other_tp_sizes_refused_by_both(name: str, tmp_path: Path) -> None:
         assert not (model / "marlin-pack").exists()
 
 
-def _gap(name: str, tp: int, why: str) -> object:
-    return pytest.param(name, tp, marks=pytest.mark.xfail(strict=True, raises=UnsupportedCheckpointError, reason=why))
+def _gap(name: str, tps: tuple[int, ...], why: str) -> object:
+    return pytest.param(name, tps, marks=pytest.mark.xfail(strict=True, raises=UnsupportedCheckpointError, reason=why))
 
 
-@pytest.mark.parametrize("name,tp", [_gap(n, tp, why) for n, (tp, why) in GAPS.items()])
-def test_tp_sizes_vllm_serves_but_marlin_pack_refuses(name: str, tp: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name,tps", [_gap(n, tps, why) for n, (tps, why) in GAPS.items()])
+def test_what_vllm_serves_but_marlin_pack_refuses(name: str, tps: tuple[int, ...], tmp_path: Path) -> None:
     model = _copy(name, tmp_path)
-    assert reference_rank_tensors(model, tp, 0, torch.float16)  # vLLM serves this TP size
-    convert(model, tp_sizes=(tp,), dtype="float16")
-    assert assert_bundle_equals_vllm(model, model / "marlin-pack", (tp,), torch.float16) > 0
+    for tp in tps:
+        assert reference_rank_tensors(model, tp, 0, torch.float16)  # vLLM serves these TP sizes
+    convert(model, tp_sizes=tps, dtype="float16")
+    assert assert_bundle_equals_vllm(model, model / "marlin-pack", tps, torch.float16) > 0
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

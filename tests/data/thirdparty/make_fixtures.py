@@ -169,6 +169,8 @@ GPTQMODEL = {
         "llama", {"num_hidden_layers": 1}, dict(method="awq", format="gemm", bits=4, group_size=128)
     ),
     "gptqmodel-gemma2-4bit-g64": ("gemma2", {"num_hidden_layers": 1}, dict(bits=4, group_size=64, desc_act=False)),
+    # quantized lm_head (GPTQ lm_head: true): vLLM serves it, marlin-pack converts decoder layers only
+    "gptqmodel-llama-4bit-g128-lmhead": ("llama", {"num_hidden_layers": 1}, dict(bits=4, group_size=128, lm_head=True)),
 }
 
 
@@ -199,6 +201,8 @@ AUTOAWQ = {
     # intermediate 640: down_proj has 320 input features per rank at TP 2, padded by Marlin
     # ... and sharded by AutoAWQ (shard_size), with its index
     "autoawq-llama-4bit-g64": ("llama", {"intermediate_size": 640}, 64, {"shard_size": "300KB"}),
+    # q/k/v biases next to AWQ tensors
+    "autoawq-qwen2-4bit-g64": ("qwen2", {"num_hidden_layers": 1}, 64),
 }
 
 
