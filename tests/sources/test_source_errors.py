@@ -128,7 +128,8 @@ def test_moe_expert_tensors(awq: Path) -> None:
 
 def test_not_quantized(tmp_path: Path) -> None:
     d = write_unquantized_checkpoint(tmp_path / "u", PRESETS["tiny"], tokenizer=False)
-    with pytest.raises(UnsupportedCheckpointError, match=r"no quantization_config \(and there is no quantize_config.json\): the checkpoint is not quantized"):
+    msg = r"no quantization_config \(and there is no quantize_config.json\): the checkpoint is not quantized"
+    with pytest.raises(UnsupportedCheckpointError, match=msg):
         convert(d)
 
 
