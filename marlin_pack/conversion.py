@@ -87,6 +87,12 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
     """
     plan = ConversionPlan(dims=model_dims(ckpt.config, ckpt.tensors), source=source, dtype=dtype)
     _check_layer_count(ckpt, plan.dims)
+    if not plan.dims.arch.loads_lm_head and "lm_head.weight" in ckpt.tensors:
+        name = plan.dims.architecture
+        raise UnsupportedCheckpointError(
+            f"the checkpoint stores lm_head.weight, but vLLM 0.33.0's {name} has no lm_head (logits come from the "
+            f"embeddings) and refuses to load it; if it is a copy of the embeddings (GPTQModel saves one), remove it"
+        )
     owned: set[str] = set()
     for i in range(plan.dims.num_layers):
         for spec in layer_specs(plan.dims, i):
@@ -97,10 +103,7 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
                 # Left unquantized (modules_to_not_convert): loaded by vLLM from common, if it is there.
                 missing = next((m.prefix for m in modules if f"{m.prefix}.weight" not in ckpt.tensors), None)
                 if missing is not None:
-                    raise CheckpointError(
-                        f"module {missing} has no weights in the checkpoint (neither qweight nor weight); "
-                        f"the checkpoint is incomplete or not a {plan.dims.architecture} checkpoint"
-                    )
+                    _missing_module(ckpt, plan.dims, missing)
                 continue
             if not all(quantized):
                 missing = next(m.prefix for m, q in zip(modules, quantized, strict=True) if not q)
@@ -127,10 +130,27 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
     awq = source.scheme.zero_points
     for tp in tp_sizes:
         plan.entries[tp] = [
-            layer_entry(s, plan.dims, tp, source.scheme.group_size, awq, plan.bias[s.name]) for s in plan.layers
+            layer_entry(s, plan.dims, tp, source.scheme.group_size, awq, plan.bias[s.name], source.scheme.bits)
+            for s in plan.layers
         ]
     plan.common = sorted(n for n in ckpt.tensors if n not in owned)
     return plan
+
+
+def _missing_module(ckpt: Checkpoint, dims: ModelDims, module: str) -> None:
+    """Refuse a module the architecture needs; name what the checkpoint has there instead."""
+    parent = module.rsplit(".", 1)[0]
+    instead = sorted({n[len(parent) + 1 :].split(".")[0] for n in ckpt.tensors if n.startswith(f"{parent}.")})
+    if instead:
+        raise UnsupportedCheckpointError(
+            f"module {module} is not in the checkpoint, which has {', '.join(instead)} under {parent}: "
+            f"not the layout vLLM 0.33.0's {dims.arch.vllm_class.split('.')[-1]} loads for {dims.architecture}, "
+            "so vLLM cannot serve it either"
+        )
+    raise CheckpointError(
+        f"module {module} has no weights in the checkpoint (neither qweight nor weight); "
+        f"the checkpoint is incomplete or not a {dims.architecture} checkpoint"
+    )
 
 
 def _check_layer_count(ckpt: Checkpoint, dims: ModelDims) -> None:

@@ -471,7 +471,7 @@ def _all_tensors(model_dir: Path):
                 yield name, fh.get_tensor(name)
 
 
-_REFUSALS = (AssertionError, ValueError, RuntimeError, KeyError, NotImplementedError, TypeError)
+_REFUSALS = (AssertionError, ValueError, RuntimeError, KeyError, NotImplementedError, TypeError, AttributeError)
 
 
 def vllm_model(model_dir: Path, tp_size: int, rank: int, dtype: torch.dtype, v: Any) -> Any:

@@ -106,6 +106,9 @@ class Architecture:
     # object, which fills them); num_key_value_heads defaults to num_attention_heads otherwise.
     defaults: dict[str, object] = field(default_factory=dict)
     multimodal: bool = False
+    # False: vLLM's class has no lm_head at all (logits always from the embeddings) and its
+    # load_weights refuses a checkpoint that stores one (gemma2.py has no lm_head).
+    loads_lm_head: bool = True
 
 
 _GEMMA_DEFAULTS = {"head_dim": 256, "tie_word_embeddings": True}
@@ -122,7 +125,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen2ForCausalLM", "qwen2.Qwen2ForCausalLM", LLAMA_LINEARS, head_dim="derived"),
         Architecture("Qwen3ForCausalLM", "qwen3.Qwen3ForCausalLM", LLAMA_LINEARS),
         Architecture("GemmaForCausalLM", "gemma.GemmaForCausalLM", LLAMA_LINEARS, defaults=_GEMMA_DEFAULTS),
-        Architecture("Gemma2ForCausalLM", "gemma2.Gemma2ForCausalLM", LLAMA_LINEARS, defaults=_GEMMA_DEFAULTS),
+        Architecture("Gemma2ForCausalLM", "gemma2.Gemma2ForCausalLM", LLAMA_LINEARS, defaults=_GEMMA_DEFAULTS,
+                     loads_lm_head=False),
         Architecture("Gemma3ForCausalLM", "gemma3.Gemma3ForCausalLM", LLAMA_LINEARS, defaults=_GEMMA3_TEXT_DEFAULTS),
         Architecture("Phi3ForCausalLM", "phi3.Phi3ForCausalLM", PHI3_LINEARS),
         Architecture("GraniteForCausalLM", "granite.GraniteForCausalLM", LLAMA_LINEARS),

@@ -284,7 +284,7 @@ def rank_slices(spec: LayerSpec, d: ModelDims, tp: int, rank: int) -> list[RankS
     return out
 
 
-def layer_entry(spec: LayerSpec, d: ModelDims, tp: int, group_size: int, awq: bool, has_bias: bool) -> LayerEntry:
+def layer_entry(spec: LayerSpec, d: ModelDims, tp: int, group_size: int, awq: bool, has_bias: bool, bits: int = 4) -> LayerEntry:
     """Per-rank shapes of a layer; refuses shards Marlin in vLLM 0.33.0 would not take."""
     slices = rank_slices(spec, d, tp, 0)
     size_k = slices[0].k
@@ -300,8 +300,11 @@ def layer_entry(spec: LayerSpec, d: ModelDims, tp: int, group_size: int, awq: bo
             f"{spec.name}: group_size {group_size} leaves no whole group per rank at --tp {tp} "
             f"(vLLM 0.33.0 allocates zero scale rows there); use --tp 1"
         )
-    if spec.kind is LayerKind.row and size_k % 8:
-        raise UnsupportedCheckpointError(f"{spec.name}: {size_k} input features per rank are not a multiple of 8; choose another --tp")
+    per_word = 32 // bits  # vLLM packs (or, for AWQ, repacks) input rows this many per int32
+    if spec.kind is LayerKind.row and size_k % per_word:
+        raise UnsupportedCheckpointError(
+            f"{spec.name}: {size_k} input features per rank are not a multiple of {per_word} ({bits}-bit packing); choose another --tp"
+        )
     padded_n, padded_k = padded_nk(size_n, size_k, group_size)
     return LayerEntry(
         name=spec.name,

@@ -26,7 +26,6 @@ from vllm_reference import VllmRefusedError, _OracleBug, reference_rank_tensors 
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "thirdparty"
 CANDIDATE_TPS = (1, 2, 4, 8)
-ARCH_PENDING = pytest.mark.xfail(strict=False, reason="architecture pending")
 
 # fixture -> the TP sizes vLLM 0.33.0 serves with Marlin (hidden 256, 8 heads, 2 KV heads).
 ACCEPTED: dict[str, tuple[int, ...]] = {
@@ -34,9 +33,9 @@ ACCEPTED: dict[str, tuple[int, ...]] = {
     "gptqmodel-llama-4bit-g128": (1, 2),
     "gptqmodel-llama-4bit-gch-descact": (1, 2, 4, 8),
     "gptqmodel-llama-8bit-g32": (1, 2, 4, 8),
-    # TP 4 (172 input features per rank for down_proj) is served by vLLM but refused by
-    # marlin-pack: see GAPS. At TP 8 (86 per rank, 21.5 packed rows) vLLM's repack op fails.
-    "gptqmodel-llama-8bit-gch-688": (1, 2),
+    # TP 4: 172 input features per rank for down_proj, 43 packed 8-bit rows. At TP 8 (86 per
+    # rank, 21.5 packed rows) vLLM's repack op fails.
+    "gptqmodel-llama-8bit-gch-688": (1, 2, 4),
     "gptqmodel-qwen2-4bit-g64": (1, 2, 4),
     "gptqmodel-llama-4bit-g64-bf16": (1, 2, 4),
     "gptqmodel-awq-llama-4bit-g128": (1, 2),
@@ -49,14 +48,6 @@ ACCEPTED: dict[str, tuple[int, ...]] = {
 }
 # TP sizes vLLM 0.33.0 serves that marlin-pack refuses (a refusal, never wrong bytes): strict xfails.
 GAPS: dict[str, tuple[tuple[int, ...], str]] = {
-    "gptqmodel-llama-8bit-gch-688": (
-        (4,),
-        (
-            "marlin-pack refuses row-parallel shards whose input features per rank are not a multiple of 8 "
-            "(marlin/sharding.py layer_entry); 8-bit GPTQ packs 4 codes per int32, so vLLM serves down_proj's "
-            "172 features per rank at TP 4"
-        ),
-    ),
     "gptqmodel-llama-4bit-g128-lmhead": (
         (1, 2),
         (
@@ -70,21 +61,14 @@ REFUSED: dict[str, str] = {
     "gptqmodel-llama-4bit-g128-descact": "desc_act",
     "gptqmodel-llama-4bit-g128-asym": "sym is False",
     "gptqmodel-awq-llama-4bit-g128-nozp": "zero_point is False",
+    # GPTQModel writes Phi-3 with a fused qkv_proj but separate gate_proj / up_proj: vLLM's
+    # Phi3ForCausalLM expects gate_up_proj (its packed_modules_mapping) and fails to load it.
+    "gptqmodel-phi3-4bit-g64": "mlp.gate_up_proj is not in the checkpoint, which has down_proj, gate_proj, up_proj",
+    # GPTQModel saves the tied lm_head; vLLM's Gemma2ForCausalLM has none and refuses the tensor.
+    "gptqmodel-gemma2-4bit-g64": "stores lm_head.weight, but vLLM 0.33.0's Gemma2ForCausalLM has no lm_head",
 }
-# Architectures another branch is adding (Phi3 stores a fused qkv_proj). vllm_reference.py builds
-# Llama-style q/k/v layers only, so Phi3 also needs the oracle extended before these can pass.
-PENDING: dict[str, tuple[int, ...]] = {
-    "gptqmodel-phi3-4bit-g64": (1, 2, 4),
-    "gptqmodel-gemma2-4bit-g64": (1, 2, 4),
-}
-
-
 def _fixture_dirs() -> list[str]:
     return sorted(p.parent.name for p in DATA.glob("*/config.json"))
-
-
-def _param(name: str) -> object:
-    return pytest.param(name, marks=ARCH_PENDING) if name in PENDING else name
 
 
 def _copy(name: str, tmp_path: Path) -> Path:
@@ -96,7 +80,7 @@ def _copy(name: str, tmp_path: Path) -> Path:
 def test_every_fixture_is_listed_and_small() -> None:
     found = _fixture_dirs()
     assert found, f"no fixtures under {DATA}"
-    assert sorted(found) == sorted({*ACCEPTED, *REFUSED, *PENDING, *GAPS})
+    assert sorted(found) == sorted({*ACCEPTED, *REFUSED, *GAPS})
     total = sum(f.stat().st_size for f in DATA.rglob("*") if f.is_file())
     assert total < 12_000_000, f"third-party fixtures take {total} bytes"
     assert {p.name for p in DATA.iterdir() if p.name != "__pycache__"} == {*found, "README.md", "make_fixtures.py"}
@@ -136,9 +120,9 @@ def test_fixtures_carry_the_quantizers_quirks() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("name", [_param(n) for n in [*ACCEPTED, *PENDING]])
+@pytest.mark.parametrize("name", list(ACCEPTED))
 def test_convert_is_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path: Path) -> None:
-    tps = ACCEPTED.get(name) or PENDING[name]
+    tps = ACCEPTED[name]
     model = _copy(name, tmp_path)
     convert(model, tp_sizes=tps, dtype=str(dtype).removeprefix("torch."))
     n = assert_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
@@ -148,7 +132,7 @@ def test_convert_is_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path:
     assert report.ok, report.first_failure
 
 
-@pytest.mark.parametrize("name", list(ACCEPTED))  # PENDING: marlin-pack refuses the architecture at any TP size
+@pytest.mark.parametrize("name", list(ACCEPTED))
 def test_other_tp_sizes_refused_by_both(name: str, tmp_path: Path) -> None:
     accepted = ACCEPTED[name]
     refused = [tp for tp in CANDIDATE_TPS if tp not in accepted and tp not in GAPS.get(name, ((), ""))[0]]
