@@ -141,7 +141,8 @@ def _missing_module(ckpt: Checkpoint, dims: ModelDims, module: str) -> None:
     """Refuse a module the architecture needs; name what the checkpoint has there instead."""
     parent = module.rsplit(".", 1)[0]
     instead = sorted({n[len(parent) + 1 :].split(".")[0] for n in ckpt.tensors if n.startswith(f"{parent}.")})
-    if instead:
+    known = {p.module.rsplit(".", 1)[-1] for lin in dims.arch.linears for p in lin.parts}
+    if any(name not in known for name in instead):  # other modules stand where this one should
         raise UnsupportedCheckpointError(
             f"module {module} is not in the checkpoint, which has {', '.join(instead)} under {parent}: "
             f"not the layout vLLM 0.33.0's {dims.arch.vllm_class.split('.')[-1]} loads for {dims.architecture}, "
