@@ -166,30 +166,27 @@ def _check_layer_count(ckpt: Checkpoint, dims: ModelDims) -> None:
         )
 
 
-def tied_copies(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, str]:
-    """Non-quantized tensors that repeat another's bytes exactly: ``{copy: original}``.
+_HEADS = ("lm_head.weight", "output.weight")  # the output projection's checkpoint names (InternLM2: output)
 
-    Quantizers often save a tied ``lm_head`` as a copy of the input embeddings; vLLM 0.33.0 loads
-    it, finds it equal and ties the two again. The bundle stores it once and feeds it under both
-    names. Only candidates of equal dtype and shape are read.
+
+def tied_copies(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, str]:
+    """A tied output head saved as a byte-identical copy of the input embeddings: ``{head: embeddings}``.
+
+    Quantizers often save the tied ``lm_head`` anyway; vLLM 0.33.0 loads it, finds it equal and
+    ties the two again. The bundle stores it once and feeds it under both names. Only the head is
+    considered (never, say, two norms that happen to be equal: a weight loader may change what it
+    is given in place), and only against tensors of its dtype and shape whose name says embedding.
     """
-    groups: dict[tuple[str, tuple[int, ...]], list[str]] = {}
-    for name in plan.common:
-        info = ckpt.tensors[name]
-        groups.setdefault((info.dtype, tuple(info.shape)), []).append(name)
     copies: dict[str, str] = {}
-    for names in groups.values():
-        if len(names) < 2:
-            continue
-        names.sort(key=lambda n: n.endswith(("lm_head.weight", "output.weight")))  # keep the embeddings
-        originals: list[tuple[str, torch.Tensor]] = []
-        for name in names:
-            t = ckpt.get(name)
-            match = next((o for o, ot in originals if torch.equal(ot.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))), None)
-            if match is None:
-                originals.append((name, t))
-            else:
-                copies[name] = match
+    for head in (n for n in plan.common if n.endswith(_HEADS)):
+        info = ckpt.tensors[head]
+        for name in plan.common:
+            other = ckpt.tensors[name]
+            if "embed" not in name or (other.dtype, tuple(other.shape)) != (info.dtype, tuple(info.shape)):
+                continue
+            if torch.equal(ckpt.get(name).reshape(-1).view(torch.uint8), ckpt.get(head).reshape(-1).view(torch.uint8)):
+                copies[head] = name
+                break
     return copies
 
 

@@ -86,3 +86,13 @@ def test_loader_feeds_the_tensor_under_both_names(make_checkpoint, tmp_path: Pat
     assert fed["lm_head.weight"] is fed["model.embed_tokens.weight"]
     want = load_file(str(model / "model.safetensors"))
     assert torch.equal(fed["lm_head.weight"], want["lm_head.weight"])
+
+
+def test_only_the_head_is_deduplicated(make_checkpoint, tmp_path: Path) -> None:
+    """Equal norms stay two tensors: a weight loader may change what it is given in place."""
+    model = _tied_copy(make_checkpoint("awq", "tiny"), tmp_path / "m")
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.layers.0.input_layernorm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    assert convert(model).common_aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert {"model.norm.weight", "model.layers.0.input_layernorm.weight"} <= _common_names(model)
