@@ -21,7 +21,7 @@ from marlin_pack._version import __version__
 from marlin_pack.bundle.integrity import source_digest, source_stamp_key
 from marlin_pack.bundle.writer import BundleWriter, check_output
 from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedCheckpointError
-from marlin_pack.io.hashing import sha256_bytes, sha256_file
+from marlin_pack.io.hashing import hash_workers, sha256_bytes, sha256_file
 from marlin_pack.io.safetensors_io import read_header_bytes
 from marlin_pack.marlin.rank_tensors import build_rank_tensors, tensor_specs
 from marlin_pack.marlin.sharding import (
@@ -284,7 +284,8 @@ def convert(
     tdtype = torch_dtype(serving_dtype)
     plan = plan_conversion(ckpt, source, tps, tdtype)
 
-    pool = ThreadPoolExecutor(max_workers=2)
+    # Source files hash on their own threads while the main thread converts (hashlib releases the GIL).
+    pool = ThreadPoolExecutor(max_workers=hash_workers(len(ckpt.files)))
     try:
         with BundleWriter.create(out, force=force) as bundle:
             hashes = [(f, pool.submit(sha256_file, ckpt.dir / f)) for f in ckpt.files]

@@ -14,9 +14,9 @@ from marlin_pack._constants import STAMPS_NAME
 from marlin_pack.bundle.reader import resolve_file
 from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, MismatchField, UnsupportedCheckpointError
 from marlin_pack.io.checkpoint_files import QUANTIZE_CONFIG_NAME, quant_settings, read_json, weight_files
-from marlin_pack.io.hashing import StampCache, sha256_bytes, sha256_file
+from marlin_pack.io.hashing import StampCache, sha256_bytes, sha256_files
 from marlin_pack.io.safetensors_io import read_header_bytes
-from marlin_pack.schemas import FileEntry, Manifest, QuantSettings
+from marlin_pack.schemas import FileEntry, Manifest, QuantSettings, SourceFile
 
 __all__ = ["canonical_json", "source_digest", "check_files", "check_source", "source_stamp_key"]
 
@@ -77,11 +77,9 @@ def source_stamp_key(file_name: str) -> str:
     return f"source:{file_name}"
 
 
-def _hash_unless_stamped(stamps: StampCache, key: str, path: Path, expected: str, full_hash: bool | None) -> str | None:
-    """The file's SHA-256, or None when ``full_hash`` (see :func:`check_files`) lets it go unhashed."""
-    if full_hash is False or (full_hash is None and stamps.trusted(key, path, expected)):
-        return None
-    return sha256_file(path)
+def _needs_hash(stamps: StampCache, key: str, path: Path, expected: str, full_hash: bool | None) -> bool:
+    """Whether ``full_hash`` (see :func:`check_files`) and the stamps call for hashing the file."""
+    return not (full_hash is False or (full_hash is None and stamps.trusted(key, path, expected)))
 
 
 def check_files(
@@ -102,7 +100,8 @@ def check_files(
         BundleError: a file is missing, has another size, or another hash.
     """
     stamps = StampCache(bundle_dir / STAMPS_NAME)
-    for entry in manifest.files() if entries is None else entries:
+    to_hash: list[tuple[FileEntry, Path]] = []
+    for entry in manifest.files() if entries is None else entries:  # cheap checks first, every file
         path = resolve_file(bundle_dir, entry)
         if not path.is_file():
             raise BundleError(f"bundle file {entry.path} is missing; re-run `marlin-pack convert --force`")
@@ -112,15 +111,15 @@ def check_files(
                 f"bundle file {entry.path} is {size} bytes, manifest says {entry.size}: "
                 "truncated or replaced; re-run `marlin-pack convert --force`"
             )
-        try:
-            digest = _hash_unless_stamped(stamps, entry.path, path, entry.sha256, full_hash)
-        except OSError as e:
+        if _needs_hash(stamps, entry.path, path, entry.sha256, full_hash):
+            to_hash.append((entry, path))
+    # Then the hashes, in parallel; a failure is reported for the first file in manifest order.
+    for (entry, path), digest in zip(to_hash, sha256_files([p for _, p in to_hash]), strict=True):
+        if isinstance(digest, OSError):
             raise BundleError(
-                f"bundle file {entry.path} cannot be read ({e.strerror or e}); the serving user must be able to read "
-                "the bundle (check its permissions), or re-run `marlin-pack convert --force`"
-            ) from e
-        if digest is None:
-            continue
+                f"bundle file {entry.path} cannot be read ({digest.strerror or digest}); the serving user must be able to "
+                "read the bundle (check its permissions), or re-run `marlin-pack convert --force`"
+            ) from digest
         if digest != entry.sha256:
             raise BundleError(
                 f"bundle file {entry.path} has sha256 {digest[:16]}…, manifest says "
@@ -157,6 +156,7 @@ def check_source(
             "re-convert this checkpoint",
         )
     stamps = StampCache(Path(bundle_dir) / STAMPS_NAME)
+    to_hash: list[tuple[SourceFile, Path]] = []
     for f in manifest.source.files:
         path = model_dir / f.name
         try:
@@ -182,20 +182,19 @@ def check_source(
                 MismatchField.source_header,
                 f"source file {f.name} has other tensors than when the bundle was made; re-convert",
             )
-        key = source_stamp_key(f.name)
-        try:
-            digest = _hash_unless_stamped(stamps, key, path, f.sha256, full_hash)
-        except OSError as e:
+        if _needs_hash(stamps, source_stamp_key(f.name), path, f.sha256, full_hash):
+            to_hash.append((f, path))
+    for (f, path), digest in zip(to_hash, sha256_files([p for _, p in to_hash]), strict=True):
+        if isinstance(digest, OSError):
             raise BundleMismatchError(
-                MismatchField.source_sha256, f"source file {f.name} cannot be read ({e.strerror or e}); check its permissions"
-            ) from e
-        if digest is None:
-            continue
+                MismatchField.source_sha256,
+                f"source file {f.name} cannot be read ({digest.strerror or digest}); check its permissions",
+            ) from digest
         if digest != f.sha256:
             raise BundleMismatchError(
                 MismatchField.source_sha256,
                 f"source file {f.name} changed since the bundle was made (sha256 {digest[:16]}…, "
                 f"expected {f.sha256[:16]}…); re-run `marlin-pack convert --force`",
             )
-        stamps.record(key, path, digest)
+        stamps.record(source_stamp_key(f.name), path, digest)
     stamps.save()

@@ -73,3 +73,20 @@ def test_corrupt_cache_is_ignored_and_rewritten(tmp_path: Path, damage: str) -> 
     stamps.record("a", f, sha256_file(f))
     stamps.save()  # may fail to replace a directory or FIFO: silently, and without leftovers
     assert sorted(p.name for p in tmp_path.iterdir()) == [".stamps.json", "a"]
+
+
+def test_sha256_files_in_parallel_keeps_order_and_errors(tmp_path) -> None:
+    import hashlib
+
+    from marlin_pack.io.hashing import sha256_files
+
+    paths = []
+    for i in range(5):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(bytes([i]) * (1 << 20) * (i + 1))
+        paths.append(p)
+    paths.insert(2, tmp_path / "missing")
+    got = sha256_files(paths)
+    assert isinstance(got[2], OSError)
+    want = [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths if p.exists()]
+    assert [g for g in got if not isinstance(g, OSError)] == want
