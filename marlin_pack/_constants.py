@@ -18,7 +18,7 @@ __all__ = [
 FORMAT_NAME = "marlin-pack"
 # Bumped whenever the manifest or the files change in a way an older reader would misread.
 # 2: the manifest records the source's relevant quantization settings, not its whole quantization_config.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Bumped whenever the tensor layout written for a (kernel, vLLM version) changes.
 LAYOUT_VERSION = 1
 TARGET_VLLM_VERSION = "0.33.0"

@@ -21,7 +21,7 @@ from marlin_pack._version import __version__
 from marlin_pack.bundle.integrity import source_digest, source_stamp_key
 from marlin_pack.bundle.writer import BundleWriter, check_output
 from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedCheckpointError
-from marlin_pack.io.hashing import hash_workers, sha256_bytes, sha256_file
+from marlin_pack.io.hashing import file_digest, hash_workers, sha256_bytes
 from marlin_pack.io.safetensors_io import read_header_bytes
 from marlin_pack.marlin.rank_tensors import build_rank_tensors, tensor_specs
 from marlin_pack.marlin.sharding import (
@@ -198,14 +198,14 @@ def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str
         SourceFile(
             name=name,
             size=(ckpt.dir / name).stat().st_size,
-            sha256=fut.result(),
+            blake3=fut.result(),
             header_sha256=sha256_bytes(read_header_bytes(ckpt.dir / name)),
         )
         for name, fut in hashes
     ]
     # Only the settings that decide the bundle: the rest of quantization_config (calibration
     # data, paths, dates) neither goes into the manifest nor makes the bundle stale.
-    digest = source_digest([(f.name, f.sha256) for f in files], found.settings, found.file)
+    digest = source_digest([(f.name, f.blake3) for f in files], found.settings, found.file)
     return Source(
         format=plan.source.format,
         architecture=plan.dims.architecture,
@@ -288,7 +288,7 @@ def convert(
     pool = ThreadPoolExecutor(max_workers=hash_workers(len(ckpt.files)))
     try:
         with BundleWriter.create(out, force=force) as bundle:
-            hashes = [(f, pool.submit(sha256_file, ckpt.dir / f)) for f in ckpt.files]
+            hashes = [(f, pool.submit(file_digest, ckpt.dir / f, 1)) for f in ckpt.files]
             aliases = tied_copies(ckpt, plan) if plan.dims.tie_word_embeddings else {}
             stored = [n for n in plan.common if n not in aliases]
             common = bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
@@ -321,7 +321,7 @@ def convert(
                 tensor_parallel=bundle.close_ranks(plan.entries),
             )
             ckpt.check_unchanged()  # after hashing and reading: the hashes describe the data converted
-            stamps = [(source_stamp_key(f.name), ckpt.dir / f.name, f.sha256) for f in manifest.source.files]
+            stamps = [(source_stamp_key(f.name), ckpt.dir / f.name, f.blake3) for f in manifest.source.files]
             bundle.finish(manifest, stamps)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

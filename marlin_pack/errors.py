@@ -44,7 +44,7 @@ class MismatchField(str, Enum):
     source_files = "source.files"
     source_size = "source.size"
     source_header = "source.header"
-    source_sha256 = "source.sha256"
+    source_blake3 = "source.blake3"
     format_version = "format_version"
     vllm_version = "vllm_version"
     kernel = "kernel"

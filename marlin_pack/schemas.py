@@ -171,10 +171,10 @@ class FileEntry(_Strict):
 
     path: str
     size: int = Field(ge=0, le=_MAX_BYTES)
-    sha256: str
+    blake3: str = Field(description="BLAKE3 of the whole file, hex")
 
     _p = field_validator("path")(classmethod(lambda cls, v: _check_path(v)))
-    _h = field_validator("sha256")(classmethod(lambda cls, v: _check_hex(v)))
+    _h = field_validator("blake3")(classmethod(lambda cls, v: _check_hex(v)))
 
 
 class SourceFile(_Strict):
@@ -182,7 +182,7 @@ class SourceFile(_Strict):
 
     name: str
     size: int = Field(ge=0, le=_MAX_BYTES)
-    sha256: str
+    blake3: str = Field(description="BLAKE3 of the whole file, hex")
     header_sha256: str
 
     @field_validator("name")
@@ -192,7 +192,7 @@ class SourceFile(_Strict):
             raise ValueError(f"source file {v!r} must be a plain file name")
         return v
 
-    _h = field_validator("sha256", "header_sha256")(classmethod(lambda cls, v: _check_hex(v)))
+    _h = field_validator("blake3", "header_sha256")(classmethod(lambda cls, v: _check_hex(v)))
 
 
 class AwqSettings(_Strict):
@@ -253,7 +253,7 @@ class Source(_Strict):
     quant_settings: QuantSettings
     quant_settings_file: SettingsFile
     digest: str = Field(
-        description="sha256 over every file's name and sha256, the quantization settings and the file they came from"
+        description="sha256 over every file's name and BLAKE3, the quantization settings and the file they came from"
     )
 
     _h = field_validator("digest")(classmethod(lambda cls, v: _check_hex(v)))
@@ -348,7 +348,7 @@ class Manifest(_Strict):
     """
 
     format: Literal["marlin-pack"] = FORMAT_NAME  # type: ignore[assignment]
-    format_version: Literal[2] = FORMAT_VERSION  # type: ignore[assignment]
+    format_version: Literal[3] = FORMAT_VERSION  # type: ignore[assignment]
     producer: Producer
     target: Target
     quant: QuantScheme

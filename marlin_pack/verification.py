@@ -155,7 +155,7 @@ def verify(
         stage("manifest", _manifest)
         assert manifest is not None
         m = manifest
-        stage("files", lambda: (check_files(bundle, m, full_hash=True), f"{len(m.files())} files, sizes and sha256 match")[1])
+        stage("files", lambda: (check_files(bundle, m, full_hash=True), f"{len(m.files())} files, sizes and BLAKE3 digests match")[1])
         stage("tensors", lambda: _check_tensor_specs(bundle, m))
         if source is None:
             why = (

@@ -57,7 +57,7 @@ def test_verify_failure_exit_1(make_checkpoint, tmp_path: Path) -> None:
     f.write_bytes(bytes(data))
     r = _run("verify", str(d / "marlin-pack"))
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "verify failed at files: bundle file common.safetensors has sha256" in r.stderr
+    assert "verify failed at files: bundle file common.safetensors has blake3" in r.stderr
 
 
 def test_cli_does_not_import_vllm_or_torch_for_help() -> None:

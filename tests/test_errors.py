@@ -8,9 +8,9 @@ from marlin_pack.errors import BundleMismatchError, LoadRefusedError, MismatchFi
 
 
 def test_mismatch_field_formats_as_its_value() -> None:
-    e = BundleMismatchError("source.sha256", "changed")
-    assert e.field is MismatchField.source_sha256 and e.field == "source.sha256"
-    assert f"[{e.field}]" == "[source.sha256]" and str(MismatchField.tp_size) == "tp_size"
+    e = BundleMismatchError("source.blake3", "changed")
+    assert e.field is MismatchField.source_blake3 and e.field == "source.blake3"
+    assert f"[{e.field}]" == "[source.blake3]" and str(MismatchField.tp_size) == "tp_size"
 
 
 def test_unknown_field_is_a_programming_error() -> None:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from marlin_pack import convert, verify
 from marlin_pack._constants import FORMAT_VERSION
-from marlin_pack.io.hashing import sha256_file
+from marlin_pack.io.hashing import file_digest
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_flipped_byte_fails(bundle: Path) -> None:
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
     name, detail = _failure(bundle)
-    assert name == "files" and "tp2/rank-1.safetensors has sha256" in detail and "was modified" in detail
+    assert name == "files" and "tp2/rank-1.safetensors has blake3" in detail and "was modified" in detail
 
 
 def test_tampered_tensor_with_updated_hash_fails_round_trip(bundle: Path) -> None:
@@ -75,7 +75,7 @@ def _rehash(bundle: Path, path: Path) -> None:
     """Record a rewritten rank file's new size and hash in the manifest (as an attacker would)."""
     m = json.loads((bundle / "manifest.json").read_text())
     entry = m["tensor_parallel"][0]["ranks"][0]["file"]
-    entry["size"], entry["sha256"] = path.stat().st_size, sha256_file(path)
+    entry["size"], entry["blake3"] = path.stat().st_size, file_digest(path)
     (bundle / "manifest.json").write_text(json.dumps(m))
 
 
@@ -221,7 +221,7 @@ def test_malformed_file_with_matching_hash_is_reported_not_raised(bundle: Path) 
     f = bundle / "common.safetensors"
     f.write_bytes(f.read_bytes() + bytes(8))  # trailing bytes: safetensors refuses the file
     m = json.loads((bundle / "manifest.json").read_text())
-    m["common"]["size"], m["common"]["sha256"] = f.stat().st_size, sha256_file(f)
+    m["common"]["size"], m["common"]["blake3"] = f.stat().st_size, file_digest(f)
     (bundle / "manifest.json").write_text(json.dumps(m))
     name, detail = _failure(bundle)
     assert name == "common" and "SafetensorError" in detail

@@ -14,7 +14,7 @@ from marlin_pack._constants import STAMPS_NAME
 from marlin_pack.bundle.reader import resolve_file
 from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, MismatchField, UnsupportedCheckpointError
 from marlin_pack.io.checkpoint_files import QUANTIZE_CONFIG_NAME, quant_settings, read_json, weight_files
-from marlin_pack.io.hashing import StampCache, sha256_bytes, sha256_files
+from marlin_pack.io.hashing import StampCache, file_digests, sha256_bytes
 from marlin_pack.io.safetensors_io import read_header_bytes
 from marlin_pack.schemas import FileEntry, Manifest, QuantSettings, SourceFile
 
@@ -27,7 +27,7 @@ def canonical_json(obj: object) -> bytes:
 
 
 def source_digest(files: list[tuple[str, str]], settings: QuantSettings, settings_file: str) -> str:
-    """``source.digest``: SHA-256 over every ``(file name, sha256)``, the quantization settings and their file."""
+    """``source.digest``: SHA-256 over every ``(file name, blake3)``, the quantization settings and their file."""
     quant = {"quant_settings": settings.model_dump(mode="json"), "quant_settings_file": settings_file}
     return sha256_bytes("".join(f"{name} {sha}\n" for name, sha in files).encode() + canonical_json(quant))
 
@@ -43,7 +43,7 @@ def _check_source_settings(manifest: Manifest, model_dir: Path) -> None:
     """The manifest's record of the source is self-consistent, and the checkpoint's relevant
     quantization settings are the recorded ones (other keys of its quantization_config may change)."""
     src = manifest.source
-    if source_digest([(f.name, f.sha256) for f in src.files], src.quant_settings, src.quant_settings_file) != src.digest:
+    if source_digest([(f.name, f.blake3) for f in src.files], src.quant_settings, src.quant_settings_file) != src.digest:
         raise BundleMismatchError(
             MismatchField.source_settings,
             "source.digest does not match the recorded files and quantization settings; the manifest was edited, re-convert",
@@ -111,19 +111,19 @@ def check_files(
                 f"bundle file {entry.path} is {size} bytes, manifest says {entry.size}: "
                 "truncated or replaced; re-run `marlin-pack convert --force`"
             )
-        if _needs_hash(stamps, entry.path, path, entry.sha256, full_hash):
+        if _needs_hash(stamps, entry.path, path, entry.blake3, full_hash):
             to_hash.append((entry, path))
     # Then the hashes, in parallel; a failure is reported for the first file in manifest order.
-    for (entry, path), digest in zip(to_hash, sha256_files([p for _, p in to_hash]), strict=True):
+    for (entry, path), digest in zip(to_hash, file_digests([p for _, p in to_hash]), strict=True):
         if isinstance(digest, OSError):
             raise BundleError(
                 f"bundle file {entry.path} cannot be read ({digest.strerror or digest}); the serving user must be able to "
                 "read the bundle (check its permissions), or re-run `marlin-pack convert --force`"
             ) from digest
-        if digest != entry.sha256:
+        if digest != entry.blake3:
             raise BundleError(
-                f"bundle file {entry.path} has sha256 {digest[:16]}…, manifest says "
-                f"{entry.sha256[:16]}…: the file was modified; re-run `marlin-pack convert --force`"
+                f"bundle file {entry.path} has blake3 {digest[:16]}…, manifest says "
+                f"{entry.blake3[:16]}…: the file was modified; re-run `marlin-pack convert --force`"
             )
         stamps.record(entry.path, path, digest)
     stamps.save()
@@ -140,7 +140,7 @@ def check_source(
 
     Raises:
         BundleMismatchError: with ``field`` ``source.quant_settings`` / ``source.files`` /
-            ``source.size`` / ``source.header`` / ``source.sha256``.
+            ``source.size`` / ``source.header`` / ``source.blake3``.
     """
     model_dir = Path(model_dir)
     _check_source_settings(manifest, model_dir)
@@ -182,19 +182,19 @@ def check_source(
                 MismatchField.source_header,
                 f"source file {f.name} has other tensors than when the bundle was made; re-convert",
             )
-        if _needs_hash(stamps, source_stamp_key(f.name), path, f.sha256, full_hash):
+        if _needs_hash(stamps, source_stamp_key(f.name), path, f.blake3, full_hash):
             to_hash.append((f, path))
-    for (f, path), digest in zip(to_hash, sha256_files([p for _, p in to_hash]), strict=True):
+    for (f, path), digest in zip(to_hash, file_digests([p for _, p in to_hash]), strict=True):
         if isinstance(digest, OSError):
             raise BundleMismatchError(
-                MismatchField.source_sha256,
+                MismatchField.source_blake3,
                 f"source file {f.name} cannot be read ({digest.strerror or digest}); check its permissions",
             ) from digest
-        if digest != f.sha256:
+        if digest != f.blake3:
             raise BundleMismatchError(
-                MismatchField.source_sha256,
-                f"source file {f.name} changed since the bundle was made (sha256 {digest[:16]}…, "
-                f"expected {f.sha256[:16]}…); re-run `marlin-pack convert --force`",
+                MismatchField.source_blake3,
+                f"source file {f.name} changed since the bundle was made (blake3 {digest[:16]}…, "
+                f"expected {f.blake3[:16]}…); re-run `marlin-pack convert --force`",
             )
         stamps.record(source_stamp_key(f.name), path, digest)
     stamps.save()

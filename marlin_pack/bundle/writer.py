@@ -224,7 +224,7 @@ class BundleWriter:
         for name, _, _ in specs:
             w.write(name, read(name))
         size, sha = self._close(w)
-        return FileEntry(path=COMMON_FILE, size=size, sha256=sha)
+        return FileEntry(path=COMMON_FILE, size=size, blake3=sha)
 
     def open_rank(self, tp_size: int, rank: int, specs: list[TensorSpec]) -> StreamWriter:
         """Start one rank file; write its tensors, in ``specs`` order, to the returned writer."""
@@ -241,7 +241,7 @@ class BundleWriter:
             ranks = []
             for rank in range(tp):
                 size, sha = self._close(self._ranks[(tp, rank)])
-                entry = FileEntry(path=rank_file_path(tp, rank), size=size, sha256=sha)
+                entry = FileEntry(path=rank_file_path(tp, rank), size=size, blake3=sha)
                 ranks.append(RankEntry(rank=rank, file=entry))
             sets.append(TensorParallelSet(tp_size=tp, ranks=ranks, layers=layers[tp]))
         return sets
@@ -250,7 +250,7 @@ class BundleWriter:
         """Write the manifest and the stamp cache, then publish the bundle at ``out``.
 
         Args:
-            source_stamps: ``(stamp key, path, sha256)`` of source files hashed while converting,
+            source_stamps: ``(stamp key, path, blake3)`` of source files hashed while converting,
                 so the loader's first start need not hash them again.
 
         Raises:
@@ -263,7 +263,7 @@ class BundleWriter:
         # The hashes were just computed from these exact files: let the first start skip re-hashing.
         stamps = StampCache(self.tmp / STAMPS_NAME)
         for entry in manifest.files():
-            stamps.record(entry.path, self.tmp / entry.path, entry.sha256)
+            stamps.record(entry.path, self.tmp / entry.path, entry.blake3)
         for key, path, sha in source_stamps:
             stamps.record(key, path, sha)
         stamps.save()

@@ -17,7 +17,6 @@ Importing this module does not import torch (the CLI's ``inspect`` reads manifes
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import struct
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marlin_pack.io.files import open_regular
+from marlin_pack.io.hashing import new_file_hasher
 
 if TYPE_CHECKING:
     import torch
@@ -211,7 +211,7 @@ class StreamWriter:
         metadata: string-to-string ``__metadata__``.
 
     ``write`` must then be called once per entry, in order; ``close`` returns
-    ``(size, sha256)`` and refuses a file with tensors missing. Writing and hashing run
+    ``(size, blake3)`` and refuses a file with tensors missing. Writing and hashing run
     on a background thread (both release the GIL), overlapping the next tensor's
     computation; at most two tensors are in flight.
     """
@@ -234,7 +234,7 @@ class StreamWriter:
             offset += n
         raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns tensor data to 8 bytes
-        self._hash = hashlib.sha256()
+        self._hash = new_file_hasher()
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._size = 0
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marlin-pack-write")
@@ -264,7 +264,7 @@ class StreamWriter:
         self._next += 1
 
     def close(self) -> tuple[int, str]:
-        """Flush and fsync; return ``(size, sha256)``."""
+        """Flush and fsync; return ``(size, blake3)``."""
         if self._next != len(self._expected):
             self.abort()
             raise RuntimeError(f"internal error: {self.path.name} closed after {self._next} of {len(self._expected)} tensors")

@@ -302,7 +302,7 @@ def _mismatch(case: str, src: Path, tmp: Path) -> tuple[Path, dict[str, Any]]:
         return model, {"model_loader_extra_config": {"bundle": str(tmp / "bundle-tp2")}}
     if case == "serving_dtype":
         return model, {"dtype": "bfloat16"}
-    if case == "source.sha256":
+    if case == "source.blake3":
         _flip_qweight_byte(model / "model.safetensors")
         return model, {}
     if case == "files":
@@ -311,7 +311,7 @@ def _mismatch(case: str, src: Path, tmp: Path) -> tuple[Path, dict[str, Any]]:
     raise ValueError(case)
 
 
-MISMATCHES = ["tp_size", "serving_dtype", "source.sha256", "files"]
+MISMATCHES = ["tp_size", "serving_dtype", "source.blake3", "files"]
 
 
 @pytest.mark.parametrize("case", MISMATCHES)
@@ -324,7 +324,7 @@ def test_mismatched_bundle_is_refused(workdir: Path, checkpoints: dict[str, Path
     assert '"fallback": true' in log
 
 
-@pytest.mark.parametrize("case", ["tp_size", "source.sha256"])  # the same code path for every field
+@pytest.mark.parametrize("case", ["tp_size", "source.blake3"])  # the same code path for every field
 def test_mismatched_bundle_falls_back(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], case: str
 ) -> None:

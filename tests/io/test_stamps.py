@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from marlin_pack.io.hashing import StampCache, sha256_file
+from marlin_pack.io.hashing import StampCache, file_digest
 
 
 def _file(path: Path, data: bytes) -> Path:
@@ -20,10 +20,10 @@ def test_same_size_edit_with_restored_mtime_is_not_trusted(tmp_path: Path) -> No
     # `touch -r` (or utime) restores size and mtime after an edit; the change time still moves.
     f = _file(tmp_path / "a.bin", b"0123456789")
     stamps = StampCache(tmp_path / ".stamps.json")
-    stamps.record("a", f, sha256_file(f))
-    assert stamps.trusted("a", f, sha256_file(f))
+    stamps.record("a", f, file_digest(f))
+    assert stamps.trusted("a", f, file_digest(f))
     st = f.stat()
-    old_sha = sha256_file(f)
+    old_sha = file_digest(f)
     f.write_bytes(b"9876543210")
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
@@ -35,7 +35,7 @@ def test_swapped_files_written_in_one_tick_are_not_trusted(tmp_path: Path) -> No
     t = a.stat().st_mtime_ns
     os.utime(b, ns=(t, t))
     stamps = StampCache(tmp_path / ".stamps.json")
-    sha_a, sha_b = sha256_file(a), sha256_file(b)
+    sha_a, sha_b = file_digest(a), file_digest(b)
     stamps.record("a", a, sha_a)
     stamps.record("b", b, sha_b)
     os.rename(a, tmp_path / "tmp")
@@ -47,11 +47,11 @@ def test_swapped_files_written_in_one_tick_are_not_trusted(tmp_path: Path) -> No
 def test_a_copy_with_equal_mtime_is_not_trusted(tmp_path: Path) -> None:
     a = _file(tmp_path / "a", b"x" * 100)
     stamps = StampCache(tmp_path / ".stamps.json")
-    stamps.record("a", a, sha256_file(a))
+    stamps.record("a", a, file_digest(a))
     copy = tmp_path / "copy"
     shutil.copy2(a, copy)
     os.replace(copy, a)  # same bytes, size and mtime, another file
-    assert not stamps.trusted("a", a, sha256_file(a))
+    assert not stamps.trusted("a", a, file_digest(a))
 
 
 @pytest.mark.parametrize("damage", ["nested", "directory", "list", "garbage", "fifo"])
@@ -69,16 +69,16 @@ def test_corrupt_cache_is_ignored_and_rewritten(tmp_path: Path, damage: str) -> 
         os.mkfifo(path)
     f = _file(tmp_path / "a", b"data")
     stamps = StampCache(path)  # never raises, never blocks
-    assert not stamps.trusted("a", f, sha256_file(f))
-    stamps.record("a", f, sha256_file(f))
+    assert not stamps.trusted("a", f, file_digest(f))
+    stamps.record("a", f, file_digest(f))
     stamps.save()  # may fail to replace a directory or FIFO: silently, and without leftovers
     assert sorted(p.name for p in tmp_path.iterdir()) == [".stamps.json", "a"]
 
 
-def test_sha256_files_in_parallel_keeps_order_and_errors(tmp_path) -> None:
-    import hashlib
+def test_file_digests_in_parallel_keep_order_and_errors(tmp_path) -> None:
+    import blake3
 
-    from marlin_pack.io.hashing import sha256_files
+    from marlin_pack.io.hashing import file_digests
 
     paths = []
     for i in range(5):
@@ -86,7 +86,17 @@ def test_sha256_files_in_parallel_keeps_order_and_errors(tmp_path) -> None:
         p.write_bytes(bytes([i]) * (1 << 20) * (i + 1))
         paths.append(p)
     paths.insert(2, tmp_path / "missing")
-    got = sha256_files(paths)
+    got = file_digests(paths)
     assert isinstance(got[2], OSError)
-    want = [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths if p.exists()]
+    want = [blake3.blake3(p.read_bytes()).hexdigest() for p in paths if p.exists()]
     assert [g for g in got if not isinstance(g, OSError)] == want
+
+
+def test_file_digest_of_an_empty_file_and_threads(tmp_path) -> None:
+    import blake3
+
+    empty, big = tmp_path / "empty", tmp_path / "big"
+    empty.write_bytes(b"")
+    big.write_bytes(bytes(range(256)) * (1 << 16))
+    assert file_digest(empty) == blake3.blake3(b"").hexdigest()
+    assert file_digest(big, threads=1) == file_digest(big) == blake3.blake3(big.read_bytes()).hexdigest()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from marlin_pack._constants import FORMAT_VERSION
 from marlin_pack.bundle.rank_files import check_rank_header, rank_file_path
 from marlin_pack.bundle.reader import read_manifest
 from marlin_pack.errors import BundleMismatchError, LoadRefusedError, MismatchField
@@ -134,7 +135,7 @@ def test_changed_source_file_is_refused(awq_bundle: Path, damaged_copy) -> None:
     model = damaged_copy(awq_bundle, lambda d: flip_last_byte(d / "model.safetensors"))
     with pytest.raises(BundleMismatchError, match=r"source file model.safetensors changed") as e:
         select_bundle(LoaderOptions(), facts(model))
-    assert e.value.field == "source.sha256"
+    assert e.value.field == "source.blake3"
     select_bundle(LoaderOptions(verify="size"), facts(model))  # verify="size" trusts sizes and headers only
 
 
@@ -147,7 +148,7 @@ def test_extra_source_file_is_refused(awq_bundle: Path, damaged_copy) -> None:  
 
 def test_edited_rank_file_is_refused(awq_bundle: Path, damaged_copy) -> None:  # type: ignore[no-untyped-def]
     model = damaged_copy(awq_bundle, lambda d: flip_last_byte(d / "marlin-pack/tp1/rank-0.safetensors"))
-    with pytest.raises(BundleMismatchError, match=r"bundle file tp1/rank-0.safetensors has sha256 .* modified") as e:
+    with pytest.raises(BundleMismatchError, match=r"bundle file tp1/rank-0.safetensors has blake3 .* modified") as e:
         select_bundle(LoaderOptions(), facts(model))
     assert e.value.field == "files"
     select_bundle(LoaderOptions(), facts(model, tp_size=2, tp_rank=0))  # another rank's file is not this rank's business
@@ -182,7 +183,7 @@ def test_missing_or_foreign_bundle(tmp_path: Path, awq_bundle: Path, damaged_cop
         select_bundle(LoaderOptions(), facts(model))
     assert e.value.field == "format_version"
     assert (
-        f"has format_version 1, this marlin-pack reads 2 (made by an older marlin-pack); "
+        f"has format_version 1, this marlin-pack reads {FORMAT_VERSION} (made by an older marlin-pack); "
         f"re-convert it with `marlin-pack convert {model} --force`"
     ) in str(e.value)
 

@@ -206,14 +206,14 @@ def test_malformed_rank_header_is_refused_before_the_gpu(awq_bundle: Path, damag
     import json
 
     from marlin_pack.errors import LoadRefusedError
-    from marlin_pack.io.hashing import sha256_file
+    from marlin_pack.io.hashing import file_digest
 
     def damage(model_dir: Path) -> None:
         rank_file = model_dir / "marlin-pack/tp1/rank-0.safetensors"
         data = rank_file.read_bytes()
         rank_file.write_bytes(b"\xff" * 8 + data[8:])  # an impossible header length
         m = json.loads((model_dir / "marlin-pack/manifest.json").read_text())
-        m["tensor_parallel"][0]["ranks"][0]["file"]["sha256"] = sha256_file(rank_file)
+        m["tensor_parallel"][0]["ranks"][0]["file"]["blake3"] = file_digest(rank_file)
         (model_dir / "marlin-pack/manifest.json").write_text(json.dumps(m))
 
     model_dir = damaged_copy(awq_bundle, damage)
