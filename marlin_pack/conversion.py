@@ -42,6 +42,7 @@ from marlin_pack.schemas import (
     ServingDtype,
     Source,
     SourceFile,
+    SourceFormat,
     Target,
     default_serving_dtype,
     torch_dtype,
@@ -108,7 +109,8 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
             if not all(quantized):
                 missing = next(m.prefix for m, q in zip(modules, quantized, strict=True) if not q)
                 raise CheckpointError(
-                    f"tensor {missing}.{source.packed_weight} is missing although its fused siblings are quantized; the checkpoint is incomplete"
+                    f"tensor {missing}.{source.packed_weight} is missing although its fused siblings are quantized; "
+                    "the checkpoint is incomplete"
                 )
             biases = [f"{m.prefix}.bias" in ckpt.tensors for m in modules]
             if any(biases) and not all(biases):
@@ -129,7 +131,7 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
     if stray:
         kind = "MoE expert" if ".experts." in stray[0] else "unsupported"
         raise UnsupportedCheckpointError(f"{stray[0]} is an {kind} quantized module; marlin-pack converts dense decoder linears only")
-    awq = source.scheme.zero_points
+    awq = source.format is SourceFormat.awq_gemm  # AWQ keeps no scales for channel-wise row shards at TP > 1
     for tp in tp_sizes:
         plan.entries[tp] = [
             layer_entry(s, plan.dims, tp, source.scheme.group_size, awq, plan.bias[s.name], source.scheme.bits)
@@ -321,7 +323,9 @@ def convert(
             stored = [n for n in plan.common if n not in aliases]
             common = bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
             ranks = {
-                (tp, rank): bundle.open_rank(tp, rank, [s for e in plan.entries[tp] for s in tensor_specs(e, source.scheme, tdtype, source.format)])
+                (tp, rank): bundle.open_rank(
+                    tp, rank, [s for e in plan.entries[tp] for s in tensor_specs(e, source.scheme, tdtype, source.format)]
+                )
                 for tp in tps
                 for rank in range(tp)
             }

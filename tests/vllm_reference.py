@@ -374,11 +374,11 @@ def _model_facts(cfg: dict[str, Any]) -> dict[str, int]:
 
 def _quant_config(v: Any, model_dir: Path, hf_quant: dict[str, Any], model_cls: type) -> Any:
     """As ``ModelConfig._verify_quantization`` + ``get_quant_config`` + ``VllmConfig``."""
-    name = None
+    name = "compressed-tensors" if hf_quant.get("quant_method") == "compressed-tensors" else None
     for cls in (v.auto_gptq.AutoGPTQConfig, v.auto_awq.AutoAWQConfig):
-        name = cls.override_quantization_method(dict(hf_quant), None)
         if name is not None:
             break
+        name = cls.override_quantization_method(dict(hf_quant), None)
     if name is None:
         raise ValueError(
             f"quantization_config.quant_method={hf_quant.get('quant_method')!r} is not AWQ/GPTQ"
