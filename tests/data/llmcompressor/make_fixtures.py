@@ -75,8 +75,8 @@ def main(root: Path) -> None:
     ignore = ["lm_head"]
     make(root / "gptq-w4a16-g128", 2, GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore))
     make(root / "awq-w4a16-asym", 2, AWQModifier(targets="Linear", scheme="W4A16_ASYM", ignore=ignore))
-    make(root / "rtn-w8a16-channel", 1, QuantizationModifier(targets="Linear", scheme="W8A16", ignore=ignore))
-    # Ignore list and actorder: layer 1's MLP kept in 16 bits, GPTQ with static activation ordering.
+    make(root / "rtn-w8a16-g128", 1, QuantizationModifier(targets="Linear", scheme="W8A16", ignore=ignore))
+    # Ignore list and actorder: layer 1's o_proj kept in 16 bits, GPTQ with static activation ordering.
     make(
         root / "gptq-w4a16-actorder-ignore",
         2,
@@ -84,7 +84,7 @@ def main(root: Path) -> None:
             config_groups={"g": {"targets": ["Linear"], "weights": {
                 "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64,
                 "actorder": "static"}}},
-            ignore=["lm_head", "re:.*layers\\.1\\.mlp\\..*"],
+            ignore=["lm_head", "re:.*layers\\.1\\.self_attn\\.o_proj$"],
         ),
     )
 
