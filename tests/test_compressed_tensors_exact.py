@@ -39,8 +39,10 @@ def _check(make_checkpoint, tmp_path: Path, fmt: str, bits: int, preset: str, gr
 @pytest.mark.parametrize("fmt,bits", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tp_1_2_4(make_checkpoint, tmp_path, fmt, bits, group_size, dtype) -> None:
-    # tiny: 4 query heads, 2 KV heads (TP 4 replicates them); o_proj K=256, down_proj K=512.
-    assert _check(make_checkpoint, tmp_path, fmt, bits, "tiny", group_size, dtype, (1, 2, 4)) > 0
+    # tiny: 4 query heads, 2 KV heads (TP 4 replicates them); o_proj K=256, down_proj K=512. A group of 128
+    # would straddle o_proj's TP-4 shard (64 rows): vLLM refuses that, so TP 4 is left out there.
+    tps = (1, 2) if group_size == 128 else (1, 2, 4)
+    assert _check(make_checkpoint, tmp_path, fmt, bits, "tiny", group_size, dtype, tps) > 0
 
 
 @pytest.mark.parametrize("fmt,bits", SCHEMES)

@@ -62,8 +62,10 @@ class CompressedTensorsSource:
     # One row of the README's source-format table (marlin_pack/_docs.py).
     support = (
         "llm-compressor (compressed-tensors)",
-        "`quant_method: compressed-tensors`, `format: pack-quantized`, int weights, no activation quantization, "
-        "`actorder` none or static",
+        (
+            "`quant_method: compressed-tensors`, `format: pack-quantized`, int weights, no activation quantization, "
+            "`actorder` none or static"
+        ),
         "4, 8",
         "uint4b8 / uint8b128 (symmetric), uint4 with zero points (4-bit asymmetric)",
     )
@@ -73,10 +75,7 @@ class CompressedTensorsSource:
         self.group_size = group_size
         self.symmetric = symmetric
         self.settings = s
-        if symmetric:
-            wt = WeightType.uint4b8 if bits == 4 else WeightType.uint8b128
-        else:
-            wt = WeightType.uint4
+        wt = (WeightType.uint4b8 if bits == 4 else WeightType.uint8b128) if symmetric else WeightType.uint4
         self.scheme = QuantScheme(weight_type=wt, bits=bits, group_size=group_size, zero_points=not symmetric)
 
     @classmethod

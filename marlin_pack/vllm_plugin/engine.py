@@ -128,9 +128,9 @@ def layer_facts(module: nn.Module, skips_when_marked: bool) -> LayerFacts:
 def is_marlin_16bit(quant_method: Any, layer: nn.Module | None = None) -> bool:
     """True when the layer's kernel is exactly MarlinLinearKernel with fp16/bf16 activations
     (compressed-tensors: only its weight-only WNA16 scheme)."""
-    if layer is not None and getattr(layer, "scheme", None) is not None:
-        if method_name(quant_method, layer) not in SUPPORTED_METHODS:
-            return False
+    scheme = getattr(layer, "scheme", None) if layer is not None else None
+    if scheme is not None and method_name(quant_method, layer) not in SUPPORTED_METHODS:
+        return False
     kernel = marlin_kernel(quant_method, layer)
     if type(kernel) is not MarlinLinearKernel:
         return False

@@ -58,7 +58,8 @@ def _edit(edit) -> dict:
 @pytest.mark.parametrize(
     "edit,message",
     [
-        (lambda qc: _weights(qc).update(num_bits=8, symmetric=False), "8-bit asymmetric: vLLM 0.33.0's Marlin runs zero points only for 4-bit"),
+        (lambda qc: _weights(qc).update(num_bits=8, symmetric=False),
+         "8-bit asymmetric: vLLM 0.33.0's Marlin runs zero points only for 4-bit"),
         (lambda qc: _weights(qc).update(num_bits=2), "num_bits is 2, expected 4 or 8"),
         (lambda qc: _weights(qc).update(group_size=256), "group_size is 256, expected one of -1, 32, 64, 128"),
         (lambda qc: _weights(qc).update(group_size=16), "group_size is 16"),
@@ -97,7 +98,8 @@ def test_ignore_and_targets_per_layer() -> None:
     with pytest.raises(UnsupportedCheckpointError, match="some shards of model.layers.0.self_attn.qkv_proj"):
         src.vllm_quantizes("model.layers.0.self_attn.qkv_proj")
     src.check_layer("model.layers.1.mlp.down_proj", quantized=False)
-    with pytest.raises(UnsupportedCheckpointError, match="make model.layers.0.mlp.down_proj quantized in vLLM 0.33.0, but the checkpoint stores it unquantized"):
+    stored = "make model.layers.0.mlp.down_proj quantized in vLLM 0.33.0, but the checkpoint stores it unquantized"
+    with pytest.raises(UnsupportedCheckpointError, match=stored):
         src.check_layer("model.layers.0.mlp.down_proj", quantized=False)
     # Targets by name: only the MLP is quantized.
     qc = compressed_tensors_config(4, 128, True)

@@ -288,7 +288,7 @@ def test_compressed_tensors_wna16_opts_in_to_the_weight_cache(patched: Any, make
     layers = _ct_layers(make_checkpoint, fmt)
     assert layers
     root = torch.nn.Module()
-    for i, (name, m) in enumerate(layers.items()):
+    for i, m in enumerate(layers.values()):
         assert type(m.quant_method).__name__ == "CompressedTensorsLinearMethod"
         assert type(marlin_kernel(m.quant_method, m)).__name__ == "MarlinLinearKernel"
         assert m.quant_method.supports_pre_processed_weights is True
