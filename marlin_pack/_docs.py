@@ -44,11 +44,11 @@ def architecture_table() -> str:
 
 def format_table() -> str:
     """Markdown: one row per source format reader."""
-    from marlin_pack.sources import AwqGemmSource, GptqV1Source
+    from marlin_pack.sources import AwqGemmSource, CompressedTensorsSource, GptqV1Source
 
     groups = ", ".join(str(g) for g in SUPPORTED_GROUP_SIZES)
     rows = ["| written by | `quantization_config` | bits | Marlin weight type | group sizes |", "|---|---|---|---|---|"]
-    for reader in (AwqGemmSource, GptqV1Source):
+    for reader in (AwqGemmSource, GptqV1Source, CompressedTensorsSource):
         who, qc, bits, wtype = reader.support
         rows.append(f"| {who} | {qc} | {bits} | {wtype} | {groups} |")
     return "\n".join(rows)

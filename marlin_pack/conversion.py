@@ -42,6 +42,7 @@ from marlin_pack.schemas import (
     ServingDtype,
     Source,
     SourceFile,
+    SourceFormat,
     Target,
     default_serving_dtype,
     torch_dtype,
@@ -97,7 +98,7 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
     for i in range(plan.dims.num_layers):
         for spec in layer_specs(plan.dims, i):
             modules = checkpoint_modules(spec)
-            quantized = [f"{m.prefix}.qweight" in ckpt.tensors for m in modules]
+            quantized = [f"{m.prefix}.{source.packed_weight}" in ckpt.tensors for m in modules]
             source.check_layer(spec.name, any(quantized))
             if not any(quantized):
                 # Left unquantized (modules_to_not_convert): loaded by vLLM from common, if it is there.
@@ -107,7 +108,10 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
                 continue
             if not all(quantized):
                 missing = next(m.prefix for m, q in zip(modules, quantized, strict=True) if not q)
-                raise CheckpointError(f"tensor {missing}.qweight is missing although its fused siblings are quantized; the checkpoint is incomplete")
+                raise CheckpointError(
+                    f"tensor {missing}.{source.packed_weight} is missing although its fused siblings are quantized; "
+                    "the checkpoint is incomplete"
+                )
             biases = [f"{m.prefix}.bias" in ckpt.tensors for m in modules]
             if any(biases) and not all(biases):
                 raise UnsupportedCheckpointError(f"{spec.name}: only some fused parts have a bias; vLLM needs all or none")
@@ -122,12 +126,12 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
             plan.layers.append(spec)
             plan.bias[spec.name] = biases[0]
     if not plan.layers:
-        raise UnsupportedCheckpointError("no quantized decoder linear layers (…qweight) found; nothing to convert")
-    stray = sorted(n for n in ckpt.tensors if n.endswith(".qweight") and n not in owned)
+        raise UnsupportedCheckpointError(f"no quantized decoder linear layers (…{source.packed_weight}) found; nothing to convert")
+    stray = sorted(n for n in ckpt.tensors if n.endswith(f".{source.packed_weight}") and n not in owned)
     if stray:
         kind = "MoE expert" if ".experts." in stray[0] else "unsupported"
         raise UnsupportedCheckpointError(f"{stray[0]} is an {kind} quantized module; marlin-pack converts dense decoder linears only")
-    awq = source.scheme.zero_points
+    awq = source.format is SourceFormat.awq_gemm  # AWQ keeps no scales for channel-wise row shards at TP > 1
     for tp in tp_sizes:
         plan.entries[tp] = [
             layer_entry(s, plan.dims, tp, source.scheme.group_size, awq, plan.bias[s.name], source.scheme.bits)
@@ -135,6 +139,30 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
         ]
     plan.common = sorted(n for n in ckpt.tensors if n not in owned)
     return plan
+
+
+def _natural_key(name: str) -> list[int | str]:
+    """vLLM's ``_natural_sort_key`` of weight files (the order its default loader streams them)."""
+    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name)]
+
+
+def layer_weight_shape(ckpt: Checkpoint, spec: LayerSpec, parts: dict) -> torch.Tensor | None:
+    """compressed-tensors: the ``weight_shape`` vLLM's fused layer holds after loading.
+
+    vLLM loads each part's ``[N, K]`` whole into the one ``int64[2]`` parameter, so the part it
+    streams last wins: files in natural order, tensors by name within a file (``safe_open.keys()``).
+    """
+    first = parts[spec.parts[0].name]
+    if first.weight_shape is None:
+        return None
+    files = sorted(ckpt.files, key=_natural_key)
+
+    def key(p: object) -> tuple[int, str]:
+        name = f"{p.prefix}.weight_shape"  # type: ignore[attr-defined]
+        return files.index(ckpt.info(name).file), name
+
+    last = max(spec.parts, key=key)
+    return parts[last.name].weight_shape  # type: ignore[no-any-return]
 
 
 def _missing_module(ckpt: Checkpoint, dims: ModelDims, module: str) -> None:
@@ -239,7 +267,7 @@ def convert(
     revision: str | None = None,
     progress: ProgressFn | None = None,
 ) -> Manifest:
-    """Convert an AWQ (GEMM) or GPTQ (v1) checkpoint into a Marlin bundle.
+    """Convert an AWQ (GEMM), GPTQ (v1) or compressed-tensors (pack-quantized) checkpoint into a Marlin bundle.
 
     The bundle holds, for every tensor-parallel size in ``tp_sizes`` and every rank,
     the tensors stock vLLM 0.33.0 holds after ``process_weights_after_loading`` with
@@ -293,18 +321,22 @@ def convert(
             stored = [n for n in plan.common if n not in aliases]
             common = bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
             ranks = {
-                (tp, rank): bundle.open_rank(tp, rank, [s for e in plan.entries[tp] for s in tensor_specs(e, source.scheme, tdtype)])
+                (tp, rank): bundle.open_rank(
+                    tp, rank, [s for e in plan.entries[tp] for s in tensor_specs(e, source.scheme, tdtype, source.format)]
+                )
                 for tp in tps
                 for rank in range(tp)
             }
             for li, spec in enumerate(plan.layers):
                 parts = read_layer_parts(spec, lambda prefix, k, n: source.read(ckpt, prefix, k, n, dev))
                 slots = parts[spec.parts[0].name].column_slots
+                shape = layer_weight_shape(ckpt, spec, parts)
                 for tp in tps:
                     entry = plan.entries[tp][li]
                     for rank in range(tp):
                         fused = fuse_rank_slices(rank_slices(spec, plan.dims, tp, rank), parts, source.scheme.group_size)
-                        for name, t in build_rank_tensors(entry, source.scheme, tdtype, *fused, slots).items():
+                        built = build_rank_tensors(entry, source.scheme, tdtype, *fused, slots, source.format, shape)
+                        for name, t in built.items():
                             ranks[(tp, rank)].write(name, t)
                 del parts
                 if progress:

@@ -39,6 +39,9 @@ __all__ = [
     "SourceFile",
     "AwqSettings",
     "GptqSettings",
+    "CompressedTensorsWeights",
+    "CompressedTensorsGroup",
+    "CompressedTensorsSettings",
     "QuantSettings",
     "SettingsFile",
     "Source",
@@ -70,6 +73,7 @@ class SourceFormat(str, Enum):
 
     awq_gemm = "awq-gemm"
     gptq_v1 = "gptq-v1"
+    compressed_tensors = "compressed-tensors"  # llm-compressor pack-quantized (WNA16)
 
 
 @unique
@@ -78,7 +82,7 @@ class WeightType(str, Enum):
 
     uint4 = "uint4"  # AWQ: unsigned 4-bit with zero points
     uint4b8 = "uint4b8"  # GPTQ 4-bit symmetric (bias 8)
-    uint8b128 = "uint8b128"  # GPTQ 8-bit symmetric (bias 128)
+    uint8b128 = "uint8b128"  # GPTQ / compressed-tensors 8-bit symmetric (bias 128)
 
     @property
     def bits(self) -> int:
@@ -233,7 +237,48 @@ class GptqSettings(_Strict):
     )
 
 
-QuantSettings = Annotated[AwqSettings | GptqSettings, Field(discriminator="quant_method")]
+class CompressedTensorsWeights(_Strict):
+    """One config group's ``weights`` quantization arguments, as compressed-tensors' ``QuantizationArgs``
+    reads them (``strategy`` inferred from ``group_size`` when unset, ``actorder`` aliases resolved:
+    static -> weight, dynamic/true -> group). ``null``: not set."""
+
+    num_bits: int | None
+    type: str | None = Field(description="int or float, lowercase")
+    symmetric: bool | None
+    strategy: str | None = Field(description="tensor, channel, group, block, ..., lowercase")
+    group_size: int | None
+    actorder: str | None = Field(description="weight or group; null without activation ordering")
+    dynamic: bool = Field(description="dynamic (runtime) weight quantization")
+
+
+class CompressedTensorsGroup(_Strict):
+    """One entry of ``config_groups``: what it targets and how it quantizes weights."""
+
+    targets: list[str]
+    format: str | None = Field(description="per-group compression format; null: the config's format")
+    weights: CompressedTensorsWeights | None
+    input_activations: bool = Field(description="activations are quantized too (not weight-only)")
+    output_activations: bool
+
+
+class CompressedTensorsSettings(_Strict):
+    """The compressed-tensors (llm-compressor) settings a bundle depends on: what marlin-pack's
+    reader and vLLM 0.33.0's ``CompressedTensorsConfig.from_config`` read. Calibration details,
+    observers, versions and the KV-cache scheme are left out.
+    """
+
+    quant_method: Literal["compressed-tensors"] = "compressed-tensors"
+    format: str | None = Field(description="compression format of the config (pack-quantized for WNA16)")
+    config_groups: dict[str, CompressedTensorsGroup] = Field(
+        description="groups vLLM reads (groups targeting only an attention module are skipped, as vLLM does)"
+    )
+    ignore: list[str] = Field(description="modules left unquantized (names or 're:' regexes)")
+    sparsity: bool = Field(description="a sparsity_config with targets is present")
+    transform: bool = Field(description="a transform_config (rotations) is present")
+    lm_head: bool
+
+
+QuantSettings = Annotated[AwqSettings | GptqSettings | CompressedTensorsSettings, Field(discriminator="quant_method")]
 # Where the settings were found: config.json's quantization_config, else (older AutoGPTQ) quantize_config.json.
 SettingsFile = Literal["config.json", "quantize_config.json"]
 

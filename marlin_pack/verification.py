@@ -20,10 +20,10 @@ from marlin_pack._constants import BUNDLE_DIRNAME, COMMON_FILE
 from marlin_pack.bundle.integrity import check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header, rank_tensor_specs
 from marlin_pack.bundle.reader import read_manifest, resolve_file
-from marlin_pack.conversion import ConversionPlan, plan_conversion
+from marlin_pack.conversion import ConversionPlan, layer_weight_shape, plan_conversion
 from marlin_pack.errors import BundleError, CheckpointError, MarlinPackError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
-from marlin_pack.marlin.rank_tensors import decode_rank_tensors, tensor_specs
+from marlin_pack.marlin.rank_tensors import decode_rank_tensors, param_names, tensor_specs
 from marlin_pack.marlin.repack import awq_to_natural
 from marlin_pack.marlin.sharding import fuse_rank_slices, rank_slices, read_layer_parts
 from marlin_pack.schemas import Manifest, torch_dtype
@@ -198,7 +198,7 @@ def _check_tensor_specs(bundle: Path, m: Manifest) -> str:
     for tp_set in m.tensor_parallel:
         for r in tp_set.ranks:
             check_rank_header(m, tp_set, r.rank, _header(resolve_file(bundle, r.file)))
-        n += len(tp_set.ranks) * len(rank_tensor_specs(tp_set, m.quant, m.serving_dtype))
+        n += len(tp_set.ranks) * len(rank_tensor_specs(tp_set, m.quant, m.serving_dtype, m.source.format))
     _header(resolve_file(bundle, m.common))
     return f"{n} layer tensors present with the declared dtype and shape"
 
@@ -254,8 +254,8 @@ def _round_trip(
             entry = tp_set.layers[li]
             for rank in range(tp_set.tp_size):
                 f = handles[(tp_set.tp_size, rank)]
-                tensors = {n: f.get_tensor(n) for n, _, _ in tensor_specs(entry, m.quant, dtype)}
-                got = decode_rank_tensors(entry, m.quant, tensors)
+                tensors = {n: f.get_tensor(n) for n, _, _ in tensor_specs(entry, m.quant, dtype, m.source.format)}
+                got = decode_rank_tensors(entry, m.quant, tensors, m.source.format)
                 codes, scales, zeros, bias = fuse_rank_slices(rank_slices(spec, plan.dims, tp_set.tp_size, rank), parts, g)
                 if parts[spec.parts[0].name].column_slots is not None:  # AWQ slot order -> natural
                     codes, zeros = awq_to_natural(codes), awq_to_natural(zeros)
@@ -266,6 +266,11 @@ def _round_trip(
                     _compare_padded(got["zeros"], zeros, f"{where}: zero points")
                 if bias is not None:
                     _compare_padded(got["bias"].view(1, -1), bias.to(dtype).view(1, -1), f"{where}: bias")
+                shape_name = param_names(m.source.format).shape
+                if shape_name is not None:
+                    want_shape = layer_weight_shape(ckpt, spec, parts)
+                    if want_shape is None or not torch.equal(tensors[f"{entry.name}.{shape_name}"], want_shape.to(torch.int64)):
+                        raise MarlinPackError(f"{where}: {shape_name} differs from the checkpoint's")
                 checked += 1
         if progress:
             progress(li + 1, len(plan.layers), spec.name)

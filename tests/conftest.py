@@ -1,6 +1,7 @@
 """Shared fixtures: tiny checkpoints and bundles written by the project's own tools, cached per session.
 
-* ``make_checkpoint(fmt, preset, ...)``: a synthetic AWQ/GPTQ checkpoint (read-only, cached).
+* ``make_checkpoint(fmt, preset, ...)``: a synthetic AWQ/GPTQ/compressed-tensors (``ct``, ``ct-asym``)
+  checkpoint (read-only, cached).
 * ``make_bundle(fmt, preset, tp_sizes=..., ...)``: that checkpoint with its bundle at
   ``MODEL_DIR/marlin-pack`` (read-only, cached).
 * ``damaged_copy(model_dir, damage)``: a private copy of a checkpoint (and its bundle) for one
@@ -18,7 +19,13 @@ import pytest
 import torch
 
 from marlin_pack import convert
-from marlin_pack.testing.synthetic import PRESETS, ModelShape, write_awq_checkpoint, write_gptq_checkpoint
+from marlin_pack.testing.synthetic import (
+    PRESETS,
+    ModelShape,
+    write_awq_checkpoint,
+    write_compressed_tensors_checkpoint,
+    write_gptq_checkpoint,
+)
 
 # Eight query heads, two KV heads: TP 8 replicates each KV head on four ranks.
 WIDE = ModelShape(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
@@ -45,6 +52,8 @@ def _write_checkpoint(
     kw = dict(group_size=group_size, dtype=dtype, seed=seed, max_shard_bytes=200_000 if sharded else None, tokenizer=False)
     if fmt == "awq":
         return write_awq_checkpoint(d, SHAPES[preset], **kw)
+    if fmt in ("ct", "ct-asym"):  # compressed-tensors pack-quantized (llm-compressor), symmetric or with zero points
+        return write_compressed_tensors_checkpoint(d, SHAPES[preset], bits=bits, symmetric=fmt == "ct", **kw)
     return write_gptq_checkpoint(d, SHAPES[preset], bits=bits, **kw)
 
 

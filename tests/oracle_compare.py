@@ -12,7 +12,7 @@ __all__ = ["assert_bundle_equals_vllm"]
 
 
 def _bits_of(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 else t.view(torch.int16)
+    return t if t.dtype in (torch.int32, torch.int64) else t.view(torch.int16)
 
 
 def assert_bundle_equals_vllm(model: Path, bundle: Path, tps: tuple[int, ...], dtype: torch.dtype,
@@ -27,7 +27,7 @@ def assert_bundle_equals_vllm(model: Path, bundle: Path, tps: tuple[int, ...], d
             want = reference_rank_tensors(model, tp, rank, dtype, model_class=model_class)
             got = load_file(bundle / f"tp{tp}" / f"rank-{rank}.safetensors")
             for name, ref in want.items():
-                if name.endswith(".qzeros") and ref.numel() == 0:
+                if name.endswith((".qzeros", ".weight_zero_point")) and ref.numel() == 0:
                     assert name not in got, f"{name}: GPTQ keeps no zero points in vLLM"
                     continue
                 assert name in got, f"{name} missing (tp {tp} rank {rank})"

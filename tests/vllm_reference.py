@@ -106,6 +106,8 @@ def _vllm() -> Any:
     import vllm.model_executor.layers.linear as linear_mod
     import vllm.model_executor.layers.quantization.auto_awq as auto_awq
     import vllm.model_executor.layers.quantization.auto_gptq as auto_gptq
+    import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors as ct_config
+    import vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16 as ct_wna16
     import vllm.model_executor.layers.quantization.utils.marlin_utils as marlin_utils
     import vllm.model_executor.parameter as parameter_mod
     from vllm import envs
@@ -154,6 +156,8 @@ def _vllm() -> Any:
         parameter=parameter_mod,
         auto_awq=auto_awq,
         auto_gptq=auto_gptq,
+        ct_config=ct_config,
+        ct_wna16=ct_wna16,
         get_quantization_config=get_quantization_config,
         marlin_utils_test=marlin_utils_test,
         unpack=unpack_quantized_values_into_int32,
@@ -307,10 +311,10 @@ def _patched(tp_size: int, rank: int):
         setattr_saved(v.parallel_state, "_TP", _Group(tp_size, rank))
         setattr_saved(v.parallel_state, "_PP", _Group(1, 0))
         view = _CudaView(v.platform)
-        for mod in (v.auto_awq, v.auto_gptq, v.marlin_utils, v.marlin_mod):
+        for mod in (v.auto_awq, v.auto_gptq, v.marlin_utils, v.marlin_mod, v.ct_config, v.ct_wna16):
             if "current_platform" in mod.__dict__:
                 setattr_saved(mod, "current_platform", view)
-        for mod in (v.auto_awq, v.auto_gptq):
+        for mod in (v.auto_awq, v.auto_gptq, v.ct_wna16):
             setattr_saved(mod, "choose_mp_linear_kernel", _choose_marlin)
         setattr_saved(v.marlin_mod, "ops", _OpsProxy(v.marlin_mod.ops))
         setattr_saved(v.attention, "get_attn_backend", lambda *a, **k: v.cpu_attention_backend)
@@ -370,11 +374,11 @@ def _model_facts(cfg: dict[str, Any]) -> dict[str, int]:
 
 def _quant_config(v: Any, model_dir: Path, hf_quant: dict[str, Any], model_cls: type) -> Any:
     """As ``ModelConfig._verify_quantization`` + ``get_quant_config`` + ``VllmConfig``."""
-    name = None
+    name = "compressed-tensors" if hf_quant.get("quant_method") == "compressed-tensors" else None
     for cls in (v.auto_gptq.AutoGPTQConfig, v.auto_awq.AutoAWQConfig):
-        name = cls.override_quantization_method(dict(hf_quant), None)
         if name is not None:
             break
+        name = cls.override_quantization_method(dict(hf_quant), None)
     if name is None:
         raise ValueError(
             f"quantization_config.quant_method={hf_quant.get('quant_method')!r} is not AWQ/GPTQ"
@@ -503,16 +507,34 @@ def vllm_model(model_dir: Path, tp_size: int, rank: int, dtype: torch.dtype, v: 
     return model, model_config
 
 
+# Quant methods whose layers hold Marlin tensors, and where their kernel sits ("scheme": on layer.scheme).
+_MARLIN_METHODS = {"AutoAWQMarlinLinearMethod": "method", "AutoGPTQLinearMethod": "method",
+                   "CompressedTensorsLinearMethod": "scheme"}
+
+
+def _kernel(module: torch.nn.Module) -> Any:
+    method = type(module.quant_method).__name__
+    if _MARLIN_METHODS[method] == "scheme":
+        scheme = getattr(module, "scheme", None)
+        if type(scheme).__name__ != "CompressedTensorsWNA16":
+            raise VllmRefusedError(f"vLLM would use {type(scheme).__name__}, not CompressedTensorsWNA16 (Marlin)")
+        return getattr(scheme, "kernel", None)
+    return getattr(module.quant_method, "kernel", None)
+
+
 def _marlin_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Modules vLLM gave an AWQ/GPTQ method; refuses where that method is not Marlin."""
+    """Modules vLLM gave an AWQ/GPTQ/compressed-tensors WNA16 method; refuses where that method is not Marlin."""
     out = {}
     for name, module in model.named_modules():
         method = type(getattr(module, "quant_method", None)).__name__
         if method in ("NoneType",) or method.startswith("Unquantized") or "KVCache" in method:
             continue
-        if method not in ("AutoAWQMarlinLinearMethod", "AutoGPTQLinearMethod"):
+        if method not in _MARLIN_METHODS:
             raise VllmRefusedError(f"{name}: vLLM would use {method}, not MarlinLinearKernel")
-        kernel = getattr(module.quant_method, "kernel", None)
+        try:
+            kernel = _kernel(module)
+        except VllmRefusedError as e:
+            raise VllmRefusedError(f"{name}: {e}") from e
         if type(kernel).__name__ != "MarlinLinearKernel":
             raise VllmRefusedError(f"{name}: kernel is {type(kernel).__name__}")
         out[name] = module
@@ -526,7 +548,9 @@ def reference_rank_tensors(
     Marlin linear layer of the checkpoint in ``model_dir``, after
     ``process_weights_after_loading``: ``{"<layer>.qweight", "<layer>.scales",
     "<layer>.qzeros" (AWQ: Marlin zero points; GPTQ: the empty ``int32[0]`` placeholder),
-    "<layer>.bias" (if the layer has one)}`` under vLLM's parameter names (e.g.
+    "<layer>.bias" (if the layer has one)}`` under vLLM's parameter names (compressed-tensors
+    WNA16: ``weight_packed``, ``weight_scale``, ``weight_zero_point`` (empty when symmetric)
+    and the untouched ``weight_shape``) (e.g.
     ``model.layers.0.self_attn.qkv_proj``, ``language_model.model.layers.0.mlp.gate_up_proj``).
     Tensors are CPU copies. If ``model_class`` is a list, the name of the vLLM model class
     that was instantiated is appended to it.
@@ -568,9 +592,13 @@ def reference_rank_tensors(
             ) from e
         out: dict[str, torch.Tensor] = {}
         for name, layer in marlin_layers.items():
-            out[f"{name}.qweight"] = layer.qweight.data.detach().clone()
-            out[f"{name}.scales"] = layer.scales.data.detach().clone()
-            out[f"{name}.qzeros"] = layer.qzeros.data.detach().clone()
+            kernel = _kernel(layer)
+            # The kernel's parameter names: qweight/scales/qzeros (AWQ, GPTQ) or weight_packed/
+            # weight_scale/weight_zero_point (compressed-tensors, which also keeps weight_shape).
+            for pname in (kernel.w_q_name, kernel.w_s_name, kernel.w_zp_name):
+                out[f"{name}.{pname}"] = getattr(layer, pname).data.detach().clone()
+            if isinstance(getattr(layer, "weight_shape", None), torch.Tensor):
+                out[f"{name}.weight_shape"] = layer.weight_shape.data.detach().clone()
             if layer.bias is not None:
                 out[f"{name}.bias"] = layer.bias.data.detach().clone()
             if getattr(layer, "input_global_scale", None) is not None:  # int8 activations only

@@ -12,7 +12,7 @@ from marlin_pack._constants import FORMAT_NAME, FORMAT_VERSION
 from marlin_pack.errors import BundleMismatchError, MismatchField
 from marlin_pack.io.safetensors_io import SafetensorsHeader, dtype_code
 from marlin_pack.marlin.rank_tensors import TensorSpec, tensor_specs
-from marlin_pack.schemas import Manifest, QuantScheme, ServingDtype, TensorParallelSet, torch_dtype
+from marlin_pack.schemas import Manifest, QuantScheme, ServingDtype, SourceFormat, TensorParallelSet, torch_dtype
 
 __all__ = ["rank_file_path", "rank_metadata", "common_metadata", "rank_tensor_specs", "check_rank_header"]
 
@@ -32,10 +32,12 @@ def rank_metadata(tp_size: int, rank: int) -> dict[str, str]:
     return {**common_metadata(), "tp_size": str(tp_size), "rank": str(rank)}
 
 
-def rank_tensor_specs(tp_set: TensorParallelSet, quant: QuantScheme, serving_dtype: ServingDtype) -> list[TensorSpec]:
+def rank_tensor_specs(
+    tp_set: TensorParallelSet, quant: QuantScheme, serving_dtype: ServingDtype, fmt: SourceFormat | None = None
+) -> list[TensorSpec]:
     """``(name, dtype, shape)`` of every tensor of one rank file of ``tp_set``, in file order."""
     dtype = torch_dtype(serving_dtype)
-    return [spec for entry in tp_set.layers for spec in tensor_specs(entry, quant, dtype)]
+    return [spec for entry in tp_set.layers for spec in tensor_specs(entry, quant, dtype, fmt)]
 
 
 def _sample(names: list[str]) -> str:
@@ -56,7 +58,7 @@ def check_rank_header(manifest: Manifest, tp_set: TensorParallelSet, rank: int, 
         )
     want = {
         name: (dtype_code(dtype), tuple(shape))
-        for name, dtype, shape in rank_tensor_specs(tp_set, manifest.quant, manifest.serving_dtype)
+        for name, dtype, shape in rank_tensor_specs(tp_set, manifest.quant, manifest.serving_dtype, manifest.source.format)
     }
     found: Mapping[str, tuple[str, tuple[int, ...]]] = {n: (i.dtype, i.shape) for n, i in header.tensors.items()}
     missing = sorted(set(want) - set(found))

@@ -11,7 +11,15 @@ from typing import NamedTuple
 
 from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
 from marlin_pack.io.files import NotRegularFileError, read_limited
-from marlin_pack.schemas import AwqSettings, GptqSettings, QuantSettings, SettingsFile
+from marlin_pack.schemas import (
+    AwqSettings,
+    CompressedTensorsGroup,
+    CompressedTensorsSettings,
+    CompressedTensorsWeights,
+    GptqSettings,
+    QuantSettings,
+    SettingsFile,
+)
 
 __all__ = [
     "INDEX_NAME",
@@ -172,8 +180,73 @@ def parse_quant_settings(qc: dict) -> QuantSettings:
             dynamic=_dynamic(qc),
             **common,
         )
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc, common["lm_head"])
     raise UnsupportedCheckpointError(
-        f"quant_method is {method or 'missing'!r}, expected 'awq' or 'gptq'; other methods do not use this Marlin path"
+        f"quant_method is {method or 'missing'!r}, expected 'awq', 'gptq' or 'compressed-tensors'; "
+        "other methods do not use this Marlin path"
+    )
+
+
+# compressed-tensors' ActivationOrdering aliases (and a bare true: group ordering).
+_ACTORDER = {"static": "weight", "dynamic": "group", "weight": "weight", "group": "group"}
+
+
+def _ct_weights(where: str, w: object) -> CompressedTensorsWeights | None:
+    """A group's ``weights`` as compressed-tensors' ``QuantizationArgs`` reads them (defaults, aliases, inferred strategy)."""
+    if w is None:
+        return None
+    _typed(where, w, dict, "an object of quantization arguments")
+    assert isinstance(w, dict)
+    bits = _setting(w, ("num_bits",), int, "an integer", 8)
+    group_size = _setting(w, ("group_size",), int, "an integer")
+    strategy = _setting(w, ("strategy",), str, "a string")
+    if strategy is None:  # QuantizationArgs.validate_model_after
+        strategy = "tensor" if group_size is None else "group" if group_size > 0 else "channel" if group_size == -1 else None  # type: ignore[operator]
+    actorder = w.get("actorder")
+    if isinstance(actorder, bool):
+        actorder = "group" if actorder else None
+    elif actorder is not None:
+        _typed(f"{where}.actorder", actorder, str, "a string, true or false")
+        actorder = _ACTORDER.get(actorder.lower(), actorder.lower())
+    dynamic = w.get("dynamic", False)
+    return CompressedTensorsWeights(
+        num_bits=bits,  # type: ignore[arg-type]
+        type=_lower(w, "type", "int"),
+        symmetric=_setting(w, ("symmetric",), bool, "true or false", True),  # type: ignore[arg-type]
+        strategy=None if strategy is None else str(strategy).lower(),
+        group_size=group_size,  # type: ignore[arg-type]
+        actorder=actorder,
+        dynamic=dynamic is not False and dynamic is not None,
+    )
+
+
+def _compressed_tensors(qc: dict, lm_head: bool) -> CompressedTensorsSettings:
+    """compressed-tensors settings, read as ``CompressedTensorsConfig.from_config`` reads them."""
+    groups_raw = qc.get("config_groups") or {}
+    _typed("config_groups", groups_raw, dict, "an object of name -> group")
+    groups: dict[str, CompressedTensorsGroup] = {}
+    for name, g in groups_raw.items():
+        _typed(f"config_groups[{name!r}]", g, dict, "an object")
+        targets = _names(g, "targets")
+        # vLLM skips a group whose only target is an attention module (KV-cache quantization).
+        if len(targets) == 1 and targets[0].endswith("Attention"):
+            continue
+        groups[name] = CompressedTensorsGroup(
+            targets=targets,
+            format=_setting(g, ("format",), str, "a string"),  # type: ignore[arg-type]
+            weights=_ct_weights(f"config_groups[{name!r}].weights", g.get("weights")),
+            input_activations=bool(g.get("input_activations")),
+            output_activations=bool(g.get("output_activations")),
+        )
+    sparsity = qc.get("sparsity_config")
+    return CompressedTensorsSettings(
+        format=_setting(qc, ("format",), str, "a string"),  # type: ignore[arg-type]
+        config_groups=groups,
+        ignore=_names(qc, "ignore"),
+        sparsity=bool(isinstance(sparsity, dict) and sparsity.get("targets")),
+        transform=bool(qc.get("transform_config")),
+        lm_head=lm_head,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from marlin_pack.marlin.repack import (
@@ -15,11 +17,30 @@ from marlin_pack.marlin.repack import (
     unpermute_bias,
     unpermute_scales,
 )
-from marlin_pack.schemas import LayerEntry, QuantScheme
+from marlin_pack.schemas import LayerEntry, QuantScheme, SourceFormat
 
-__all__ = ["TensorSpec", "tensor_specs", "build_rank_tensors", "decode_rank_tensors", "padded_groups"]
+__all__ = ["TensorSpec", "ParamNames", "param_names", "tensor_specs", "build_rank_tensors", "decode_rank_tensors", "padded_groups"]
 
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+class ParamNames(NamedTuple):
+    """vLLM 0.33.0's parameter names of one quant method's Marlin layers (as the kernel's
+    ``w_q_name``/``w_s_name``/``w_zp_name``), plus parameters it keeps untouched."""
+
+    weight: str
+    scales: str
+    zeros: str
+    shape: str | None = None  # compressed-tensors' weight_shape: int64 [2], kept as loaded
+
+
+_AUTO = ParamNames("qweight", "scales", "qzeros")
+_COMPRESSED_TENSORS = ParamNames("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+
+def param_names(fmt: SourceFormat | None = None) -> ParamNames:
+    """The parameter names of the layers vLLM builds for checkpoints of ``fmt`` (AWQ/GPTQ when None)."""
+    return _COMPRESSED_TENSORS if fmt is SourceFormat.compressed_tensors else _AUTO
 
 
 def padded_groups(entry: LayerEntry, group_size: int) -> int:
@@ -27,18 +48,21 @@ def padded_groups(entry: LayerEntry, group_size: int) -> int:
     return 1 if group_size == -1 else entry.padded_k // group_size
 
 
-def tensor_specs(entry: LayerEntry, scheme: QuantScheme, dtype: torch.dtype) -> list[TensorSpec]:
-    """Names, dtypes and shapes of a layer's tensors in a rank file, in file order."""
+def tensor_specs(entry: LayerEntry, scheme: QuantScheme, dtype: torch.dtype, fmt: SourceFormat | None = None) -> list[TensorSpec]:
+    """Names, dtypes and shapes of a layer's tensors in a rank file, in file order (names: :func:`param_names`)."""
     kp, np_ = entry.padded_k, entry.padded_n
     gp = padded_groups(entry, scheme.group_size)
+    pn = param_names(fmt)
     specs: list[TensorSpec] = [
-        (f"{entry.name}.qweight", torch.int32, (kp // 16, np_ * 16 * scheme.bits // 32)),
-        (f"{entry.name}.scales", dtype, (gp, np_)),
+        (f"{entry.name}.{pn.weight}", torch.int32, (kp // 16, np_ * 16 * scheme.bits // 32)),
+        (f"{entry.name}.{pn.scales}", dtype, (gp, np_)),
     ]
     if scheme.zero_points:
-        specs.append((f"{entry.name}.qzeros", torch.int32, (gp, np_ // 8)))
+        specs.append((f"{entry.name}.{pn.zeros}", torch.int32, (gp, np_ // 8)))
     if entry.has_bias:
         specs.append((f"{entry.name}.bias", dtype, (np_,)))
+    if pn.shape is not None:
+        specs.append((f"{entry.name}.{pn.shape}", torch.int64, (2,)))
     return specs
 
 
@@ -51,38 +75,46 @@ def build_rank_tensors(
     zeros: torch.Tensor | None,
     bias: torch.Tensor | None,
     source_slots: tuple[int, ...] | None = None,
+    fmt: SourceFormat | None = None,
+    weight_shape: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Pad and Marlin-transform one rank's fused, sliced layer (``[K, N]`` codes etc.).
 
     ``source_slots``: column order of ``codes``/``zeros`` within each 8 (AWQ), see ModuleTensors.
+    ``weight_shape``: compressed-tensors only, the value vLLM's ``weight_shape`` parameter holds.
     """
     kp, np_ = entry.padded_k, entry.padded_n
     gp = padded_groups(entry, scheme.group_size)
+    pn = param_names(fmt)
     # vLLM copies checkpoint scales/bias into params_dtype parameters before processing.
     out = {
-        f"{entry.name}.qweight": pack_marlin_weights(pad2d(codes, kp, np_), scheme.bits, source_slots),
-        f"{entry.name}.scales": permute_scales(pad2d(scales.to(dtype), gp, np_), scheme.group_size, kp),
+        f"{entry.name}.{pn.weight}": pack_marlin_weights(pad2d(codes, kp, np_), scheme.bits, source_slots),
+        f"{entry.name}.{pn.scales}": permute_scales(pad2d(scales.to(dtype), gp, np_), scheme.group_size, kp),
     }
     if scheme.zero_points:
         assert zeros is not None
-        out[f"{entry.name}.qzeros"] = pack_marlin_zero_points(pad2d(zeros, gp, np_), scheme.bits, source_slots)
+        out[f"{entry.name}.{pn.zeros}"] = pack_marlin_zero_points(pad2d(zeros, gp, np_), scheme.bits, source_slots)
     if entry.has_bias:
         assert bias is not None
         out[f"{entry.name}.bias"] = permute_bias(pad2d(bias.to(dtype).view(1, -1), 1, np_).view(-1))
+    if pn.shape is not None:
+        assert weight_shape is not None
+        out[f"{entry.name}.{pn.shape}"] = weight_shape.to(torch.int64).reshape(2)
     return out
 
 
 def decode_rank_tensors(
-    entry: LayerEntry, scheme: QuantScheme, tensors: dict[str, torch.Tensor]
+    entry: LayerEntry, scheme: QuantScheme, tensors: dict[str, torch.Tensor], fmt: SourceFormat | None = None
 ) -> dict[str, torch.Tensor]:
     """Invert :func:`build_rank_tensors` back to padded ``codes``, ``scales``, ``zeros``, ``bias``."""
     kp = entry.padded_k
+    pn = param_names(fmt)
     out = {
-        "codes": unpack_marlin_weights(tensors[f"{entry.name}.qweight"], scheme.bits),
-        "scales": unpermute_scales(tensors[f"{entry.name}.scales"], scheme.group_size, kp),
+        "codes": unpack_marlin_weights(tensors[f"{entry.name}.{pn.weight}"], scheme.bits),
+        "scales": unpermute_scales(tensors[f"{entry.name}.{pn.scales}"], scheme.group_size, kp),
     }
     if scheme.zero_points:
-        out["zeros"] = unpack_marlin_zero_points(tensors[f"{entry.name}.qzeros"], scheme.bits)
+        out["zeros"] = unpack_marlin_zero_points(tensors[f"{entry.name}.{pn.zeros}"], scheme.bits)
     if entry.has_bias:
         out["bias"] = unpermute_bias(tensors[f"{entry.name}.bias"])
     return out

@@ -108,6 +108,8 @@ class ModuleTensors:
     zeros: torch.Tensor | None  # [G, N] uint8
     bias: torch.Tensor | None  # [N]
     column_slots: tuple[int, ...] | None = None
+    # compressed-tensors' weight_shape as stored (vLLM keeps it as a parameter); None for other formats.
+    weight_shape: torch.Tensor | None = None
 
     def columns(self, n0: int, n: int, where: str) -> ModuleTensors:
         """Output columns ``[n0, n0 + n)``: one part of a module the checkpoint stores fused."""
@@ -122,6 +124,7 @@ class ModuleTensors:
             zeros=None if self.zeros is None else self.zeros[:, n0 : n0 + n],
             bias=None if self.bias is None else self.bias[n0 : n0 + n],
             column_slots=self.column_slots,
+            weight_shape=self.weight_shape,
         )
 
 

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 from marlin_pack.errors import UnsupportedCheckpointError
 from marlin_pack.io.checkpoint_files import parse_quant_settings
-from marlin_pack.schemas import AwqSettings, QuantSettings
+from marlin_pack.schemas import AwqSettings, CompressedTensorsSettings, QuantSettings
 from marlin_pack.sources.awq import AwqGemmSource
 from marlin_pack.sources.base import ModuleTensors, QuantSource
 from marlin_pack.sources.checkpoint import Checkpoint
+from marlin_pack.sources.compressed_tensors import CompressedTensorsSource
 from marlin_pack.sources.gptq import GptqV1Source
 
 __all__ = [
     "Checkpoint",
     "AwqGemmSource",
+    "CompressedTensorsSource",
     "GptqV1Source",
     "ModuleTensors",
     "QuantSource",
@@ -34,6 +36,8 @@ def source_for(settings: QuantSettings) -> QuantSource:
     """
     if isinstance(settings, AwqSettings):
         return AwqGemmSource.from_settings(settings)
+    if isinstance(settings, CompressedTensorsSettings):
+        return CompressedTensorsSource.from_settings(settings)
     return GptqV1Source.from_settings(settings)
 
 
@@ -47,6 +51,6 @@ def source_from_quant_config(qc: dict | None) -> QuantSource:
     if qc is None:
         raise UnsupportedCheckpointError(
             "config.json has no quantization_config (and there is no quantize_config.json): the checkpoint is not quantized; "
-            "marlin-pack converts AWQ (GEMM) and GPTQ checkpoints only"
+            "marlin-pack converts AWQ (GEMM), GPTQ and compressed-tensors (pack-quantized) checkpoints only"
         )
     return source_for(parse_quant_settings(qc))

@@ -18,6 +18,7 @@ class AwqGemmSource:
     """Reader for ``quant_method: awq``, ``version: gemm``, ``zero_point: true``, 4-bit."""
 
     format = SourceFormat.awq_gemm
+    packed_weight = "qweight"  # the tensor whose presence marks a quantized module
     # One row of the README's source-format table (marlin_pack/_docs.py).
     support = ("AutoAWQ GEMM", "`quant_method: awq`, `version: gemm`, `zero_point: true`", "4", "uint4 with zero points")
 

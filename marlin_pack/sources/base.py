@@ -18,6 +18,7 @@ class QuantSource(Protocol):
 
     format: SourceFormat
     scheme: QuantScheme
+    packed_weight: str  # suffix of the tensor that marks a quantized module (qweight, weight_packed)
 
     @classmethod
     def from_settings(cls, s: Any) -> QuantSource:

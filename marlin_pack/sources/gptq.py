@@ -25,6 +25,7 @@ class GptqV1Source:
     """
 
     format = SourceFormat.gptq_v1
+    packed_weight = "qweight"  # the tensor whose presence marks a quantized module
     # One row of the README's source-format table (marlin_pack/_docs.py).
     support = (
         "AutoGPTQ / GPTQModel / optimum",

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
-    "ModelShape", "PRESETS", "write_awq_checkpoint", "write_gptq_checkpoint", "write_unquantized_checkpoint",
-    "write_tokenizer",
+    "ModelShape", "PRESETS", "write_awq_checkpoint", "write_gptq_checkpoint", "write_compressed_tensors_checkpoint",
+    "write_unquantized_checkpoint", "write_tokenizer", "compressed_tensors_config",
 ]
 
 Progress = Callable[[int, int], None]
@@ -83,7 +83,7 @@ _ROPE_THETA = {"llama": 500000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwe
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # safetensors' writer orders tensors by dtype (descending in its enum), then name; doing the
 # same makes our files byte-identical to what ``safetensors.torch.save_file`` would write.
-_ST_DTYPES = {torch.float32: ("F32", 3), torch.int32: ("I32", 2), torch.bfloat16: ("BF16", 1),
+_ST_DTYPES = {torch.int64: ("I64", 4), torch.float32: ("F32", 3), torch.int32: ("I32", 2), torch.bfloat16: ("BF16", 1),
               torch.float16: ("F16", 0)}
 
 
@@ -115,6 +115,8 @@ def _fill(s: _Spec, g: torch.Generator) -> torch.Tensor:
         return torch.rand(s.shape, **kw).mul_(2.5e-3).add_(0.5e-3)
     if s.kind == "const":
         return torch.full(s.shape, s.arg, dtype=s.dtype, device=g.device)
+    if s.kind == "shape":  # compressed-tensors' weight_shape [N, K], packed into arg as N << 24 | K
+        return torch.tensor([s.arg >> 24, s.arg & ((1 << 24) - 1)], dtype=s.dtype, device=g.device)
     k = s.shape[0]
     idx = torch.arange(k, dtype=s.dtype, device=g.device) // (k if s.arg == -1 else s.arg)
     # act-order: a permutation of the static g_idx, so every group still holds g rows.
@@ -128,10 +130,25 @@ def _sym_zero_word(bits: int, checkpoint_format: str) -> int:
     return word - 2**32 if word >= 2**31 else word
 
 
+def _ct_params(qc: dict[str, Any]) -> dict[str, Any]:
+    """bits, group_size and sym of a compressed-tensors config written by this module (its one config group)."""
+    w = next(iter(qc["config_groups"].values()))["weights"]
+    return {"quant_method": "compressed-tensors", "bits": w["num_bits"], "sym": w["symmetric"],
+            "group_size": -1 if w["strategy"] == "channel" else w["group_size"]}
+
+
 def _linear_specs(p: str, k: int, n: int, bias: bool, qc: dict[str, Any] | None,
                   dtype: torch.dtype) -> list[_Spec]:
     if qc is None:
         specs = [_Spec(f"{p}.weight", (n, k), dtype, "normal")]
+    elif qc["quant_method"] == "compressed-tensors":  # llm-compressor pack-quantized: [N, K] like nn.Linear
+        q = _ct_params(qc)
+        groups, pack = 1 if q["group_size"] == -1 else k // q["group_size"], 32 // q["bits"]
+        specs = [_Spec(f"{p}.weight_packed", (n, k // pack), torch.int32, "words"),
+                 _Spec(f"{p}.weight_scale", (n, groups), dtype, "scales"),
+                 _Spec(f"{p}.weight_shape", (2,), torch.int64, "shape", n << 24 | k)]
+        if not q["sym"]:
+            specs.append(_Spec(f"{p}.weight_zero_point", (n // pack, groups), torch.int32, "words"))
     else:
         g, bits, i32 = qc["group_size"], qc["bits"], torch.int32
         groups, pack = 1 if g == -1 else k // g, 32 // bits
@@ -169,6 +186,8 @@ def _model_specs(shape: ModelShape, qc: dict[str, Any] | None, dtype: torch.dtyp
 
 
 def _check(shape: ModelShape, qc: dict[str, Any]) -> None:
+    if qc["quant_method"] == "compressed-tensors":
+        qc = _ct_params(qc)
     method, bits, g = qc["quant_method"], qc["bits"], qc["group_size"]
     pack, ks = 32 // bits, sorted({k for _, k, _, _ in shape.linears()})
     for suffix, k, n, _ in shape.linears():
@@ -176,7 +195,7 @@ def _check(shape: ModelShape, qc: dict[str, Any]) -> None:
         if g != -1 and (g <= 0 or k % g):
             raise ValueError(f"group_size={g} does not divide the in_features of {where}; "
                              f"use -1 or a group size dividing every in_features {ks}")
-        if n % pack or (method == "gptq" and k % pack):
+        if n % pack or (method != "awq" and k % pack):
             raise ValueError(f"{bits}-bit {method} packs {pack} values per int32, but {where} "
                              f"is not a multiple of {pack}")
 
@@ -352,6 +371,47 @@ def write_gptq_checkpoint(out_dir: str | Path, shape: ModelShape, *, bits: int =
     out = _write_checkpoint(out_dir, shape, qc, dtype, seed, max_shard_bytes, device, tokenizer, progress)
     _write_json(out / "quantize_config.json", qc)  # AutoGPTQ reads this file, not config.json
     return out
+
+
+def compressed_tensors_config(bits: int = 4, group_size: int = 128, symmetric: bool = True,
+                              ignore: list[str] | None = None, actorder: str | None = None) -> dict[str, Any]:
+    """The ``quantization_config`` llm-compressor writes for a pack-quantized WNA16 scheme (one config group)."""
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric,
+               "strategy": "channel" if group_size == -1 else "group",
+               "group_size": None if group_size == -1 else group_size, "block_structure": None,
+               "dynamic": False, "actorder": actorder, "scale_dtype": None,
+               "zp_dtype": None if symmetric else "torch.int8", "observer": "minmax", "observer_kwargs": {}}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": "pack-quantized"}},
+            "ignore": ["lm_head"] if ignore is None else ignore, "kv_cache_scheme": None,
+            "global_compression_ratio": None, "sparsity_config": {}, "transform_config": {},
+            "version": "0.19.0"}
+
+
+def write_compressed_tensors_checkpoint(out_dir: str | Path, shape: ModelShape, *, bits: int = 4,
+                                        group_size: int = 128, symmetric: bool = True,
+                                        dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                                        max_shard_bytes: int | None = None, device: str | torch.device = "cpu",
+                                        tokenizer: bool = True, progress: Progress | None = None) -> Path:
+    """Writes a random compressed-tensors ``pack-quantized`` checkpoint, as llm-compressor saves W4A16/W8A16.
+
+    Per linear: ``weight_packed`` int32 ``[N, K/P]`` (P = 32/bits; bits ``bits*i`` of word ``j`` hold
+    input column ``jP + i``, stored ``+2**(bits-1)``), ``weight_scale`` ``[N, G]`` in the model dtype,
+    ``weight_shape`` int64 ``[N, K]`` and, when not ``symmetric``, ``weight_zero_point`` int32
+    ``[N/P, G]`` packed along N.
+
+    Args:
+        bits: 4 or 8 (vLLM 0.33.0's Marlin: 4 and 8 symmetric, 4 asymmetric).
+        group_size: group size along K, or -1 for channel-wise (strategy ``channel``).
+        symmetric: False writes random zero points.
+        out_dir, shape, dtype, seed, max_shard_bytes, device, tokenizer, progress: as in `write_awq_checkpoint`.
+
+    Returns:
+        The checkpoint directory.
+    """
+    qc = compressed_tensors_config(bits, group_size, symmetric)
+    return _write_checkpoint(out_dir, shape, qc, dtype, seed, max_shard_bytes, device, tokenizer, progress)
 
 
 def write_unquantized_checkpoint(out_dir: str | Path, shape: ModelShape, *,

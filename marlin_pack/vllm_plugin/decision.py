@@ -135,7 +135,8 @@ def _check_target(manifest: Manifest, facts: EngineFacts) -> None:
     if facts.quantization is not None:
         method = facts.quantization
         family = "awq" if "awq" in method else "gptq" if "gptq" in method else method
-        want = "awq" if manifest.source.format.value.startswith("awq") else "gptq"
+        fmt = manifest.source.format.value
+        want = "awq" if fmt.startswith("awq") else "compressed-tensors" if fmt == "compressed-tensors" else "gptq"
         if family != want:
             raise BundleMismatchError(F.quant_method, f"engine quantization is {method}, the bundle holds {want} weights")
 

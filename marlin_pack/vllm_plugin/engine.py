@@ -19,11 +19,13 @@ from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_empty, marlin_padded_nk
 
 from marlin_pack.vllm_plugin.decision import EngineFacts
-from marlin_pack.vllm_plugin.layer_check import LayerFacts
+from marlin_pack.vllm_plugin.layer_check import SUPPORTED_METHODS, LayerFacts
 from marlin_pack.vllm_plugin.version_guard import vllm_version
 
 __all__ = [
     "engine_facts",
+    "marlin_kernel",
+    "method_name",
     "force_marlin",
     "quantized_layers",
     "layer_facts",
@@ -84,17 +86,33 @@ def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def marlin_kernel(quant_method: Any, layer: nn.Module | None) -> Any:
+    """The layer's MPLinear kernel: on the quant method (AWQ/GPTQ), or on ``layer.scheme``
+    (compressed-tensors, whose linear method delegates to a per-layer scheme); None if neither has one."""
+    kernel = getattr(quant_method, "kernel", None)
+    if kernel is None and layer is not None:
+        kernel = getattr(getattr(layer, "scheme", None), "kernel", None)
+    return kernel
+
+
+def method_name(quant_method: Any, layer: nn.Module | None) -> str:
+    """The quant method's class name; ``Method:Scheme`` where the method delegates to ``layer.scheme``."""
+    scheme = getattr(layer, "scheme", None) if layer is not None else None
+    name = type(quant_method).__name__
+    return f"{name}:{type(scheme).__name__}" if scheme is not None and name.startswith("CompressedTensors") else name
+
+
 def layer_facts(module: nn.Module, skips_when_marked: bool) -> LayerFacts:
     """The kernel configuration vLLM chose for one quantized layer."""
     qm = module.quant_method
-    kernel = getattr(qm, "kernel", None)
+    kernel = marlin_kernel(qm, module)
     c = getattr(kernel, "config", None)
     has_bias = getattr(module, "bias", None) is not None
     if c is None:
-        return LayerFacts(method=type(qm).__name__, has_bias=has_bias, skips_when_marked=skips_when_marked)
+        return LayerFacts(method=method_name(qm, module), has_bias=has_bias, skips_when_marked=skips_when_marked)
     size_k, size_n = c.partition_weight_shape
     return LayerFacts(
-        method=type(qm).__name__,
+        method=method_name(qm, module),
         kernel=type(kernel).__name__,
         partition_shape=(int(size_k), int(size_n)),
         padded_nk=tuple(marlin_padded_nk(size_n, size_k, c.group_size)),
@@ -107,9 +125,13 @@ def layer_facts(module: nn.Module, skips_when_marked: bool) -> LayerFacts:
     )
 
 
-def is_marlin_16bit(quant_method: Any) -> bool:
-    """True when the layer's kernel is exactly MarlinLinearKernel with fp16/bf16 activations."""
-    kernel = getattr(quant_method, "kernel", None)
+def is_marlin_16bit(quant_method: Any, layer: nn.Module | None = None) -> bool:
+    """True when the layer's kernel is exactly MarlinLinearKernel with fp16/bf16 activations
+    (compressed-tensors: only its weight-only WNA16 scheme)."""
+    scheme = getattr(layer, "scheme", None) if layer is not None else None
+    if scheme is not None and method_name(quant_method, layer) not in SUPPORTED_METHODS:
+        return False
+    kernel = marlin_kernel(quant_method, layer)
     if type(kernel) is not MarlinLinearKernel:
         return False
     return getattr(getattr(kernel, "config", None), "act_type", None) in (torch.float16, torch.bfloat16)
@@ -126,7 +148,7 @@ def check_marlin_layout(quant_method: Any, layer: nn.Module) -> None:
         RuntimeError: a tensor is missing (still on ``meta``) or not in the Marlin layout
             this layer's kernel configuration implies.
     """
-    kernel = quant_method.kernel
+    kernel = marlin_kernel(quant_method, layer)
     c = kernel.config
     size_k, size_n = c.partition_weight_shape
     padded_n, padded_k = marlin_padded_nk(size_n, size_k, c.group_size)
@@ -158,10 +180,11 @@ def finish_marlin_layer(quant_method: Any, layer: nn.Module) -> None:
     """Set what MarlinLinearKernel's post-processing sets besides the tensors it transforms.
 
     With 16-bit activations that is ``input_global_scale = None`` and, without zero points
-    (GPTQ), the empty ``int32[0]`` zero-point parameter (``marlin_make_empty``). Called for
-    every layer whose tensors arrived final (from a bundle or the weight cache).
+    (GPTQ, symmetric compressed-tensors), the empty ``int32[0]`` zero-point parameter
+    (``marlin_make_empty``). Called for every layer whose tensors arrived final (from a bundle
+    or the weight cache).
     """
-    kernel = quant_method.kernel
+    kernel = marlin_kernel(quant_method, layer)
     if kernel.w_zp_name is None:  # as the kernel does: Marlin needs a zero-point parameter
         kernel.w_zp_name = "w_zp"
     if not kernel.config.zero_points:

@@ -15,8 +15,13 @@ from marlin_pack.schemas import Manifest, TensorParallelSet
 
 __all__ = ["SUPPORTED_METHODS", "LayerFacts", "check_layers"]
 
-# The quant methods whose layers a bundle can fill (vLLM 0.33.0 dense AWQ / GPTQ).
-SUPPORTED_METHODS = ("AutoAWQMarlinLinearMethod", "AutoGPTQLinearMethod")
+# The quant methods whose layers a bundle can fill (vLLM 0.33.0 dense AWQ / GPTQ, and compressed-tensors'
+# linear method with its weight-only WNA16 scheme, named "method:scheme" as engine.layer_facts reports it).
+SUPPORTED_METHODS = (
+    "AutoAWQMarlinLinearMethod",
+    "AutoGPTQLinearMethod",
+    "CompressedTensorsLinearMethod:CompressedTensorsWNA16",
+)
 F = MismatchField
 
 

@@ -203,7 +203,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             for layer in state.layers.values():
                 mark_prepacked(layer)
             t1 = time.perf_counter()
-            device = next(iter(state.layers.values())).qweight.device
+            device = next(next(iter(state.layers.values())).parameters()).device
             model.load_weights(self._common_weights(reader, bundle, device))
             t2 = time.perf_counter()
         self._timings.copy, self._timings.common = t1 - t0, t2 - t1
@@ -225,7 +225,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         items: list[CopyItem] = []
         for entry in bundle.tp_set.layers:
             layer = state.layers[entry.name]
-            for name, tdtype, shape in tensor_specs(entry, bundle.manifest.quant, dtype):
+            for name, tdtype, shape in tensor_specs(entry, bundle.manifest.quant, dtype, bundle.manifest.source.format):
                 param = getattr(layer, name.rsplit(".", 1)[1])
                 if not isinstance(param, nn.Parameter) or param.dtype != tdtype:
                     raise BundleError(

@@ -65,8 +65,8 @@ def test_defaults_and_nulls() -> None:
         ({**GPTQ, "sym": "true"}, r"quantization_config sym is 'true', expected true or false"),
         ({**AWQ, "modules_to_not_convert": "lm_head"}, r"modules_to_not_convert is 'lm_head', expected a list of module names"),
         ({**GPTQ, "modules_in_block_to_quantize": [["q_proj", 3]]}, r"modules_in_block_to_quantize is 3, expected a list"),
-        ({"quant_method": "fp8"}, r"quant_method is 'fp8', expected 'awq' or 'gptq'"),
-        ({"bits": 4}, r"quant_method is 'missing', expected 'awq' or 'gptq'"),
+        ({"quant_method": "fp8"}, r"quant_method is 'fp8', expected 'awq', 'gptq' or 'compressed-tensors'"),
+        ({"bits": 4}, r"quant_method is 'missing', expected 'awq', 'gptq' or 'compressed-tensors'"),
     ],
 )
 def test_malformed_settings_refused(qc: dict, match: str) -> None:

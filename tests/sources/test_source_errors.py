@@ -85,7 +85,7 @@ def test_wrong_dtype(awq: Path) -> None:
         ({"q_bits": 8}, r"AWQ bits is 8, expected 4"),
         ({"q_group_size": 16}, r"AWQ group_size is 16, expected one of -1, 32, 64, 128"),
         ({"q_version": "gemv"}, r"AWQ version is 'gemv', expected 'gemm'"),
-        ({"q_quant_method": "fp8"}, r"quant_method is 'fp8', expected 'awq' or 'gptq'"),
+        ({"q_quant_method": "fp8"}, r"quant_method is 'fp8', expected 'awq', 'gptq' or 'compressed-tensors'"),
         ({"num_local_experts": 8}, r"mixture-of-experts model"),
         ({"architectures": ["GPT2LMHeadModel"]}, r"architecture is 'GPT2LMHeadModel', expected one of"),
     ],

@@ -75,6 +75,8 @@ def make_loader(**extra: object) -> Any:
 
 
 def quantization_of(fmt: str) -> str:
+    if fmt.startswith("ct"):
+        return "compressed-tensors"
     return "auto_awq" if fmt == "awq" else "auto_gptq"
 
 
@@ -89,6 +91,12 @@ CASES: dict[str, tuple[dict, int, int]] = {
     "gptq4-padded": (dict(fmt="gptq", preset="tiny-padded", group_size=32), 1, 0),
     "gptq4-tp2-rank1": (dict(fmt="gptq", preset="tiny", tp_sizes=(1, 2)), 2, 1),
     "awq4-tp2-rank0": (dict(fmt="awq", preset="tiny", tp_sizes=(1, 2)), 2, 0),
+    # compressed-tensors WNA16: weight_packed / weight_scale / weight_zero_point / weight_shape.
+    "ct4": (dict(fmt="ct", preset="tiny", tp_sizes=(1, 2)), 1, 0),
+    "ct8-channel": (dict(fmt="ct", preset="tiny", bits=8, group_size=-1), 1, 0),
+    "ct4-asym": (dict(fmt="ct-asym", preset="tiny", group_size=64, tp_sizes=(1, 2)), 1, 0),
+    "ct4-asym-padded": (dict(fmt="ct-asym", preset="tiny-padded", group_size=32), 1, 0),
+    "ct4-asym-tp2-rank1": (dict(fmt="ct-asym", preset="tiny", group_size=64, tp_sizes=(1, 2)), 2, 1),
 }
 
 
@@ -129,7 +137,7 @@ def test_placed_layers_equal_stock_vllm_post_processing(make_bundle: Any, monkey
 # --- the loader's own flow -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "ct", "ct-asym"])
 def test_load_model_flow_on_cpu(make_bundle: Any, monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
     """load_model: forced Marlin at creation, checks, placement, marks, common tensors through
     model.load_weights, vLLM's real process_weights_after_loading (finishing the layers only)."""

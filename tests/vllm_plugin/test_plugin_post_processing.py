@@ -259,3 +259,52 @@ def test_one_wrapper_takes_the_decisions_in_order(patched: Any) -> None:
     assert calls == []
     method.process_weights_after_loading(layer)
     assert calls == [layer]
+
+
+# --- compressed-tensors WNA16 (kernel on layer.scheme) ----------------------------------------
+
+
+def _ct_layers(make_checkpoint: Any, fmt: str) -> dict[str, torch.nn.Module]:
+    """Real vLLM linear layers with CompressedTensorsLinearMethod + CompressedTensorsWNA16 on Marlin."""
+    import json
+
+    import vllm_reference as vr
+
+    model = make_checkpoint(fmt, "tiny", group_size=64)
+    cfg = json.loads((model / "config.json").read_text())
+    v = vr._vllm()
+    with vr._patched(1, 0), v.set_default_torch_dtype(torch.float16):
+        qc = vr._quant_config(v, model, cfg["quantization_config"], v.default_model_class)
+        root = vr._build_layers(v, vr._model_facts(cfg), qc, set(), 1)
+    return {n: m for n, m in root.named_modules() if hasattr(m, "scheme")}
+
+
+@pytest.mark.parametrize("fmt", ["ct", "ct-asym"])
+def test_compressed_tensors_wna16_opts_in_to_the_weight_cache(patched: Any, make_checkpoint: Any, fmt: str) -> None:
+    from vllm.model_executor.model_loader.weight_cache.protocol import check_ipc_quant_support
+
+    from marlin_pack.vllm_plugin.engine import layer_facts, marlin_kernel
+
+    layers = _ct_layers(make_checkpoint, fmt)
+    assert layers
+    root = torch.nn.Module()
+    for i, m in enumerate(layers.values()):
+        assert type(m.quant_method).__name__ == "CompressedTensorsLinearMethod"
+        assert type(marlin_kernel(m.quant_method, m)).__name__ == "MarlinLinearKernel"
+        assert m.quant_method.supports_pre_processed_weights is True
+        assert supports_pre_processed(m.quant_method, m)
+        assert layer_facts(m, True).method == "CompressedTensorsLinearMethod:CompressedTensorsWNA16"
+        root.add_module(f"l{i}", m)
+    check_ipc_quant_support(root)  # vLLM's own check passes: every layer declares the opt-in
+    # Another scheme on the same method: no opt-in.
+    m = next(iter(layers.values()))
+    m.scheme = type("CompressedTensorsW8A8Int8", (), {"kernel": None})()
+    assert m.quant_method.supports_pre_processed_weights is False
+
+
+def test_compressed_tensors_not_bound_to_a_layer_does_not_opt_in(patched: Any) -> None:
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsLinearMethod,
+    )
+
+    assert CompressedTensorsLinearMethod(None).supports_pre_processed_weights is False  # type: ignore[arg-type]

@@ -16,11 +16,15 @@ from marlin_pack.vllm_plugin.patches.weight_cache import DAEMON_MODULE, RUN_DAEM
 
 _MISSING = object()
 
+_CT = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:CompressedTensorsLinearMethod"
 EXPECTED_TARGETS = {
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod.process_weights_after_loading",
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod.supports_pre_processed_weights",
     "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQLinearMethod.process_weights_after_loading",
     "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQLinearMethod.supports_pre_processed_weights",
+    f"{_CT}.process_weights_after_loading",
+    f"{_CT}.supports_pre_processed_weights",
+    f"{_CT}.create_weights",
     "vllm.model_executor.model_loader.weight_cache.protocol:WeightCacheKey.from_model_config",
     "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader._build_model",
     "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader._fallback_load",

@@ -1,4 +1,4 @@
-"""Post-processing of AWQ/GPTQ Marlin layers whose tensors are already final.
+"""Post-processing of AWQ/GPTQ/compressed-tensors (WNA16) Marlin layers whose tensors are already final.
 
 Two sources deliver final tensors: the ``marlin_prepacked`` loader (which *marks* the layers
 it filled from a bundle) and vLLM's weight cache (``weights_already_processed()``, which
@@ -18,6 +18,7 @@ weights into the same layer is post-processed normally. ``apply()`` is never tou
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,13 @@ _MARK = "_marlin_pack_prepacked"
 QUANT_METHODS = (
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod",
     "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQLinearMethod",
+    # Delegates to the layer's scheme; only CompressedTensorsWNA16 on Marlin is finished here.
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:CompressedTensorsLinearMethod",
 )
+_CT_METHOD = QUANT_METHODS[2]
+# compressed-tensors' linear method holds no kernel and does not know its layer (the kernel is on
+# layer.scheme; vLLM makes one method object per layer): create_weights records the layer here.
+_LAYER_REF = "_marlin_pack_layer"
 
 
 def mark_prepacked(layer: nn.Module) -> None:
@@ -63,11 +70,21 @@ def is_patched(quant_method: object) -> bool:
     return is_replacement(getattr(type(quant_method), "process_weights_after_loading", None))
 
 
-def supports_pre_processed(quant_method: Any) -> bool:
-    """The weight cache may hand this layer final tensors: MarlinLinearKernel with 16-bit activations."""
+def _recorded_layer(quant_method: Any) -> nn.Module | None:
+    ref = getattr(quant_method, "__dict__", {}).get(_LAYER_REF)
+    return ref() if ref is not None else None
+
+
+def supports_pre_processed(quant_method: Any, layer: nn.Module | None = None) -> bool:
+    """The weight cache may hand this layer final tensors: MarlinLinearKernel with 16-bit activations
+    (compressed-tensors: the WNA16 scheme of the layer its ``create_weights`` saw)."""
     from marlin_pack.vllm_plugin.engine import is_marlin_16bit
 
-    return is_marlin_16bit(quant_method)
+    if layer is None:
+        layer = _recorded_layer(quant_method)
+    if layer is None and getattr(quant_method, "kernel", None) is None:
+        return False  # a compressed-tensors method not bound to a layer yet
+    return is_marlin_16bit(quant_method, layer)
 
 
 def _process_weights_after_loading(original: Callable[[Any, nn.Module], None]) -> Callable[[Any, nn.Module], None]:
@@ -80,7 +97,7 @@ def _process_weights_after_loading(original: Callable[[Any, nn.Module], None]) -
         if take_prepacked_mark(layer):
             finish_marlin_layer(self, layer)
         elif is_weights_pre_processed():
-            if not supports_pre_processed(self):  # vLLM checks the flag first; keep the promise anyway
+            if not supports_pre_processed(self, layer):  # vLLM checks the flag first; keep the promise anyway
                 raise RuntimeError(f"{type(getattr(self, 'kernel', None)).__name__} cannot use pre-processed weights")
             check_marlin_layout(self, layer)
             finish_marlin_layer(self, layer)
@@ -93,6 +110,16 @@ def _process_weights_after_loading(original: Callable[[Any, nn.Module], None]) -
 _SUPPORTS = property(
     supports_pre_processed, doc="marlin-pack: True when served by MarlinLinearKernel with fp16/bf16 activations."
 )
+
+
+def _record_layer(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def create_weights(self: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.__dict__[_LAYER_REF] = weakref.ref(layer)
+        original(self, layer, *args, **kwargs)
+
+    return create_weights
+
 
 PATCHES = tuple(
     patch
@@ -111,4 +138,11 @@ PATCHES = tuple(
             "MarlinLinearKernel (the weight cache then shares their layers)",
         ),
     )
+) + (
+    Patch(
+        f"{_CT_METHOD}.create_weights",
+        _record_layer,
+        remove_when="vLLM's compressed-tensors linear method declares supports_pre_processed_weights per scheme "
+        "(then it need not know its layer)",
+    ),
 )

@@ -42,8 +42,11 @@ logger = logging.getLogger("vllm.marlin_pack")
 DAEMON_MODULE = "vllm.model_executor.model_loader.weight_cache.daemon"
 RUN_DAEMON = f"{DAEMON_MODULE}:_run_daemon"
 _IPC_LOADER = "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader"
-# ModelConfig.quantization of AWQ/GPTQ checkpoints (vLLM resolves them to auto_awq/auto_gptq).
-CACHE_QUANTIZATIONS = frozenset({"auto_awq", "auto_gptq", "awq", "awq_marlin", "gptq", "gptq_marlin"})
+# ModelConfig.quantization of AWQ/GPTQ checkpoints (vLLM resolves them to auto_awq/auto_gptq), and of
+# compressed-tensors ones (only their WNA16 Marlin layers accept pre-processed weights).
+CACHE_QUANTIZATIONS = frozenset(
+    {"auto_awq", "auto_gptq", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors"}
+)
 _UNSUPPORTED_HINT = (
     "marlin-pack: the weight cache shares AWQ/GPTQ linear layers only when vLLM serves them with "
     "MarlinLinearKernel and 16-bit activations. Check --linear-backend / --kernel-config "
