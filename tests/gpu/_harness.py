@@ -111,7 +111,8 @@ def _layer_info(model: torch.nn.Module, names: list[str], digests: bool = False)
     info: dict[str, Any] = {"kernels": {}, "tensors": {}}
     for layer in names:
         qm = modules[layer].quant_method
-        kernel = getattr(qm, "kernel", None)
+        # AWQ/GPTQ keep the kernel on the method; compressed-tensors on the layer's scheme.
+        kernel = getattr(qm, "kernel", None) or getattr(getattr(modules[layer], "scheme", None), "kernel", None)
         info["kernels"][layer] = {
             "method": type(qm).__name__,
             "kernel": type(kernel).__name__,

@@ -1,0 +1,61 @@
+"""GPU: compressed-tensors WNA16 (llm-compressor's pack-quantized format) served from its bundle.
+
+For a symmetric 4-bit (group 128) and an asymmetric 4-bit (zero points, group 128) checkpoint
+written by ``write_compressed_tensors_checkpoint`` (bf16, tiny Llama, with a tokenizer): engine (a)
+loads it the ordinary way with Marlin forced, engine (b) with ``--load-format marlin_prepacked``.
+Every parameter of (b) is bit-identical to (a) (sha256 of each, ``weight_shape`` and the empty
+``weight_zero_point`` of the symmetric scheme included), and tokens and logprobs are equal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch  # noqa: F401  (the skip condition evaluates it)
+from _harness import Cluster
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")]
+
+CASES = {"ct-w4a16-sym": True, "ct-w4a16-asym": False}
+LAYER = "model.layers.0.self_attn.qkv_proj"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ct-gpu")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prepacked_equals_ordinary(workdir: Path, case: str) -> None:
+    import marlin_pack
+    from marlin_pack.testing.synthetic import PRESETS, write_compressed_tensors_checkpoint
+
+    model = write_compressed_tensors_checkpoint(workdir / case, PRESETS["tiny"], group_size=128, symmetric=CASES[case])
+    manifest = marlin_pack.convert(model, tp_sizes=(1,))
+    assert manifest.serving_dtype.value == "bfloat16"
+    cluster = Cluster(workdir / f"{case}-engines", logs=f"ct-gpu-logs-{case}")
+    try:
+        kw: dict = dict(dtype="bfloat16", digests=True, layers=[LAYER])
+        a_proc = cluster.engine(f"{case}-ordinary", model, linear_backend="marlin", **kw)
+        a = a_proc.result()
+        assert a is not None, a_proc.tail()
+        b_proc = cluster.engine(f"{case}-prepacked", model, load_format="marlin_prepacked", **kw)
+        b = b_proc.result()
+        assert b is not None, b_proc.tail()
+        log = b_proc.log()
+    finally:
+        cluster.stop()
+    assert "marlin-pack: validate" in log and "prepacked layers" in log, log[-4000:]
+    assert a["layers"]["kernels"][LAYER]["kernel"] == b["layers"]["kernels"][LAYER]["kernel"] == "MarlinLinearKernel"
+    da, db = a["layers"]["digests"], b["layers"]["digests"]
+    assert da.keys() == db.keys()
+    differ = [n for n in da if da[n] != db[n]]
+    assert not differ, f"{len(differ)} parameters differ, e.g. {differ[:3]}"
+    packed = {n.rsplit(".", 1)[0] for n in da if n.endswith(".weight_packed")}
+    assert packed == {e.name for e in manifest.tensor_parallel[0].layers}
+    for oa, ob in zip(a["outputs"], b["outputs"], strict=True):
+        assert oa["token_ids"] == ob["token_ids"] and oa["prompt_token_ids"] == ob["prompt_token_ids"]
+        assert oa["logprobs"] == ob["logprobs"] and oa["prompt_logprobs"] == ob["prompt_logprobs"]
+    print(f"{case}: {len(da)} parameters bit-identical, {len(packed)} prepacked layers, tokens and logprobs equal; "
+          f"start {a['start_s']:.1f} s ordinary vs {b['start_s']:.1f} s prepacked")
