@@ -119,7 +119,7 @@ def _layer_info(model: torch.nn.Module, names: list[str], digests: bool = False)
             "act_type": str(getattr(getattr(kernel, "config", None), "act_type", None)),
             "input_global_scale": repr(getattr(modules[layer], "input_global_scale", "<missing>")),
         }
-        for leaf in ("qweight", "scales", "qzeros", "bias"):
+        for leaf in ("qweight", "scales", "qzeros", "weight_packed", "weight_scale", "weight_zero_point", "bias"):
             p = params.get(f"{layer}.{leaf}")
             if p is None:
                 continue

@@ -61,12 +61,25 @@ pytestmark = [
     pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU"),
 ]
 
-MODELS = {  # name -> (format, preset, bits, group size)
+ALL_MODELS = {  # name -> (format, preset, bits, group size)
     "awq4": ("awq", "tiny", 4, 128),
     "gptq4": ("gptq", "tiny-padded", 4, 32),
     "gptq8": ("gptq", "tiny-qwen2", 8, 128),
+    "ct4": ("ct", "tiny", 4, 128),  # compressed-tensors W4A16, symmetric (empty weight_zero_point)
+    "ct4-asym": ("ct-asym", "tiny", 4, 64),  # compressed-tensors W4A16_ASYM: zero points
 }
+# MARLIN_PACK_TEST_DAEMON_MODELS=ct4,ct4-asym runs a subset (the Machete and int8 refusals need
+# awq4 and gptq4, plain `vllm preload` gptq8; their tests skip when those are left out).
+_SELECTED = os.environ.get("MARLIN_PACK_TEST_DAEMON_MODELS")
+MODELS = {n: v for n, v in ALL_MODELS.items() if not _SELECTED or n in _SELECTED.split(",")}
 STARTS = ["ordinary", "fallback", "attach1", "attach2"]
+
+
+def _leaves(name: str) -> tuple[str, str, str]:
+    """The (weight, scales, zero points) parameter names vLLM keeps for this model's Marlin layers."""
+    if ALL_MODELS[name][0].startswith("ct"):
+        return ("weight_packed", "weight_scale", "weight_zero_point")
+    return ("qweight", "scales", "qzeros")
 
 
 def _seconds(pattern: str, log: str) -> float | None:
@@ -83,12 +96,20 @@ LOAD_RE = r"Model loading took [0-9.]+ GiB memory and ([0-9.]+) seconds"
 
 def _write(name: str, out: Path, preset: str | None = None) -> Path:
     import marlin_pack
-    from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
+    from marlin_pack.testing.synthetic import (
+        PRESETS,
+        write_awq_checkpoint,
+        write_compressed_tensors_checkpoint,
+        write_gptq_checkpoint,
+    )
 
     fmt, default_preset, bits, group = MODELS.get(name, ("awq", preset, 4, 128))
     shape = PRESETS[preset or default_preset]
     device = "cuda" if preset else "cpu"
-    if fmt == "awq":
+    if fmt.startswith("ct"):
+        d = write_compressed_tensors_checkpoint(out, shape, bits=bits, group_size=group, symmetric=fmt == "ct",
+                                                dtype=torch.float16, device=device)
+    elif fmt == "awq":
         d = write_awq_checkpoint(out, shape, group_size=group, device=device)
     else:
         d = write_gptq_checkpoint(out, shape, bits=bits, group_size=group, device=device)
@@ -105,7 +126,7 @@ class Results:
     engines: dict[tuple[str, str], Proc]
     results: dict[tuple[str, str], dict[str, Any]]
     machete: Proc | None
-    int8: Proc
+    int8: Proc | None
     vllm_cli_daemon: bool
     timings: dict[str, Any] = field(default_factory=dict)
 
@@ -129,7 +150,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         hopper = torch.cuda.get_device_capability() == (9, 0)
         machete = (
             None
-            if not hopper
+            if not hopper or "awq4" not in models
             else cluster.daemon(
                 "daemon-machete",
                 models["awq4"],
@@ -160,7 +181,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         ready = {name: wait_socket(daemons[name], sdirs[name]) for name in MODELS}
         assert all(ready.values()), "\n".join(daemons[n].tail() for n, ok in ready.items() if not ok)
         # int8 activations attach to a ready daemon with fallback on: refused all the same.
-        int8 = cluster.engine(
+        int8 = None if "gptq4" not in models else cluster.engine(
             "gptq4-int8",
             models["gptq4"],
             env={"VLLM_MARLIN_INPUT_DTYPE": "int8"},
@@ -217,7 +238,7 @@ def test_attachments_share_the_daemon_tensors(run: Results, name: str) -> None:
     a2 = run.results[name, "attach2"]["layers"]["tensors"]
     assert a1.keys() == a2.keys() == ref.keys()
     leaves = {n.rsplit(".", 1)[1] for n in ref}
-    assert {"qweight", "scales", "qzeros"} <= leaves
+    assert set(_leaves(name)) <= leaves
     if name == "gptq8":
         assert "model.layers.0.self_attn.qkv_proj.bias" in ref
     for tensor, want in ref.items():
@@ -228,12 +249,12 @@ def test_attachments_share_the_daemon_tensors(run: Results, name: str) -> None:
                 want["sha256"],
             ), tensor
             assert got["device"].startswith("cuda")
-            assert got["own_memory"] in (False, None), tensor  # None: GPTQ's empty qzeros
+            assert got["own_memory"] in (False, None), tensor  # None: the empty zero points of symmetric schemes
     same_ptr = all(a1[t]["ptr"] == a2[t]["ptr"] for t in a1)
     print(f"{name}: attachments' data_ptr equal in both processes: {same_ptr}")
     # The same physical memory: a write through attach1's mapping is read back by attach2.
     e1, e2 = run.engines[name, "attach1"], run.engines[name, "attach2"]
-    target = f"{FUSED[1]}.qweight"
+    target = f"{FUSED[1]}.{_leaves(name)[0]}"
     old = e1.command(target, XOR)
     try:
         assert e2.command(target, 0) == old ^ XOR, "attach2 does not see attach1's write"
@@ -260,8 +281,8 @@ def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
 
 
 def test_plain_vllm_preload_gets_the_plugin(run: Results) -> None:
-    if not run.vllm_cli_daemon:
-        pytest.skip("marlin-pack's vllm.general_plugins entry point is not installed (pip install -e .)")
+    if not run.vllm_cli_daemon or "gptq8" not in run.daemons:
+        pytest.skip("marlin-pack's entry point is not installed (pip install -e .), or gptq8 is not selected")
     log = run.daemons["gptq8"].log()
     assert "plugin active in weight-cache daemon process" in log, run.daemons["gptq8"].tail()
 
@@ -278,6 +299,8 @@ def test_machete_layer_is_refused(run: Results) -> None:
 
 
 def test_int8_activations_are_refused(run: Results) -> None:
+    if run.int8 is None:
+        pytest.skip("gptq4 is not among MARLIN_PACK_TEST_DAEMON_MODELS")
     code = run.int8.wait_exit()
     log = run.int8.log()
     assert code not in (None, 0), run.int8.tail()
@@ -298,7 +321,7 @@ def test_fill_and_load_timings(run: Results) -> None:
     (run.workdir / "bench").mkdir(exist_ok=True)
     try:
         model = (
-            _write("bench", run.workdir / "bench-model", BENCH_PRESET) if BENCH_PRESET else run.models["awq4"]
+            _write("bench", run.workdir / "bench-model", BENCH_PRESET) if BENCH_PRESET else next(iter(run.models.values()))
         )
         s_bundle, s_ckpt = cluster.socket_dir(), cluster.socket_dir()
         bundle = cluster.daemon("bench-daemon-bundle", model, s_bundle)
@@ -316,7 +339,7 @@ def test_fill_and_load_timings(run: Results) -> None:
         assert wait_socket(ckpt, s_ckpt), ckpt.tail()
         run.timings.update(
             {
-                "bench model": BENCH_PRESET or "awq4 (tiny)",
+                "bench model": BENCH_PRESET or f"{next(iter(run.models))} (tiny)",
                 "daemon fill from the bundle s": _seconds(FILL_RE, bundle.log()),
                 "daemon fill from the checkpoint (auto + marlin) s": _seconds(FILL_RE, ckpt.log()),
                 "engine model loading through IPC s": _seconds(LOAD_RE, engine.log()),
