@@ -185,6 +185,33 @@ def run_daemon(*args: Any, **kwargs: Any) -> Any:
     return target(*args, **kwargs)
 
 
+def _ct_kv_cache_post_processing(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``CompressedTensorsKVCacheMethod.process_weights_after_loading`` for an ``ipc_cache`` engine.
+
+    Every compressed-tensors model gives its attention layers this method, even without a KV-cache
+    scheme. vLLM 0.33.0's override reads the ``k_scale``/``v_scale``/``q_scale`` placeholders with
+    ``.item()``, which in an engine built on ``meta`` and filled from the daemon never received
+    data (the daemon consumed and deleted them; it exported the ``_k_scale``... buffers). The
+    base class has the pre-processed branch for exactly this; use it, and drop the zero-point
+    placeholders the override would have dropped.
+    """
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self: Any, layer: nn.Module) -> None:
+        from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+        from vllm.model_executor.utils import is_weights_pre_processed
+
+        if not is_weights_pre_processed():
+            return original(self, layer)
+        BaseKVCacheMethod.process_weights_after_loading(self, layer)
+        for name in ("k_zero_point", "v_zero_point", "q_zero_point"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        return None
+
+    return process_weights_after_loading
+
+
 _FORCE_MARLIN = "the weight cache picks the mixed-precision kernel whose processed weights it can share"
 PATCHES = (
     Patch(
@@ -195,6 +222,12 @@ PATCHES = (
     Patch(f"{_IPC_LOADER}._build_model", _ipc_loader_step, remove_when=_FORCE_MARLIN),
     Patch(f"{_IPC_LOADER}._fallback_load", _ipc_loader_step, remove_when=_FORCE_MARLIN),
     Patch(f"{DAEMON_MODULE}:WeightCacheDaemon.get_model", _daemon_get_model, remove_when=_FORCE_MARLIN, deferred=True),
+    Patch(
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
+        "CompressedTensorsKVCacheMethod.process_weights_after_loading",
+        _ct_kv_cache_post_processing,
+        remove_when="CompressedTensorsKVCacheMethod handles pre-processed (weight-cache) weights like BaseKVCacheMethod",
+    ),
     Patch(
         RUN_DAEMON,
         lambda _original: run_daemon,
