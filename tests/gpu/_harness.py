@@ -392,6 +392,45 @@ def wait_socket(proc: Proc, sdir: Path, timeout: float = START_TIMEOUT_S) -> boo
     return False
 
 
+# --- ordinary vs prepacked ---------------------------------------------------------------------
+
+
+def ordinary_and_prepacked(workdir: Path, case: str, model: Path, layer: str, **kwargs: Any) -> tuple[dict, dict]:
+    """Engine (a): ``model`` loaded the ordinary way with Marlin forced; engine (b): from its bundle.
+
+    Both report every parameter's digest and ``layer``'s kernel; (b) must log the loader's timing
+    line. Returns their results.
+    """
+    cluster = Cluster(workdir / f"{case}-engines", logs=f"gpu-logs-{case}")
+    try:
+        kw: dict[str, Any] = dict(digests=True, layers=[layer], **kwargs)
+        a_proc = cluster.engine(f"{case}-ordinary", model, linear_backend="marlin", **kw)
+        a = a_proc.result()
+        assert a is not None, a_proc.tail()
+        b_proc = cluster.engine(f"{case}-prepacked", model, load_format="marlin_prepacked", **kw)
+        b = b_proc.result()
+        assert b is not None, b_proc.tail()
+        log = b_proc.log()
+    finally:
+        cluster.stop()
+    assert "marlin-pack: validate" in log and "prepacked layers" in log, log[-4000:]
+    return a, b
+
+
+def assert_engines_identical(a: dict, b: dict, layer: str) -> int:
+    """Both engines ran ``layer`` on Marlin, hold bit-identical parameters (every digest), and
+    generated the same tokens with exactly the same logprobs. Returns the number of parameters."""
+    assert a["layers"]["kernels"][layer]["kernel"] == b["layers"]["kernels"][layer]["kernel"] == "MarlinLinearKernel"
+    da, db = a["layers"]["digests"], b["layers"]["digests"]
+    assert da.keys() == db.keys()
+    differ = [n for n in da if da[n] != db[n]]
+    assert not differ, f"{len(differ)} parameters differ, e.g. {differ[:3]}"
+    for oa, ob in zip(a["outputs"], b["outputs"], strict=True):
+        assert oa["token_ids"] == ob["token_ids"] and oa["prompt_token_ids"] == ob["prompt_token_ids"]
+        assert oa["logprobs"] == ob["logprobs"] and oa["prompt_logprobs"] == ob["prompt_logprobs"]
+    return len(da)
+
+
 # --- comparisons -----------------------------------------------------------------------------
 
 

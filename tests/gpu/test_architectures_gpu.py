@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch  # noqa: F401  (the skip condition evaluates it)
-from _harness import Cluster
+from _harness import assert_engines_identical, ordinary_and_prepacked
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for arch_checkpoints
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")]
@@ -48,32 +48,14 @@ def test_prepacked_equals_ordinary(workdir: Path, case: str) -> None:
     manifest = marlin_pack.convert(model, tp_sizes=(1,))
     assert manifest.serving_dtype.value == dtype  # what --dtype auto picks, as the engines below
     bundle_layers = {e.name for e in manifest.tensor_parallel[0].layers}
-    cluster = Cluster(workdir / f"{case}-engines", logs=f"arch-gpu-logs-{case}")
-    try:
-        kw: dict = dict(dtype=dtype, digests=True, layers=[layer])
-        if arch.endswith("ConditionalGeneration"):  # flash-attn is not carried to the GPU machine
-            kw["mm_encoder_attn_backend"] = os.environ.get("MARLIN_PACK_TEST_MM_ATTN", "TORCH_SDPA")
-        a_proc = cluster.engine(f"{case}-ordinary", model, linear_backend="marlin", **kw)
-        a = a_proc.result()
-        assert a is not None, a_proc.tail()
-        b_proc = cluster.engine(f"{case}-prepacked", model, load_format="marlin_prepacked", **kw)
-        b = b_proc.result()
-        assert b is not None, b_proc.tail()
-        log = b_proc.log()
-    finally:
-        cluster.stop()
-    assert "marlin-pack: validate" in log and "prepacked layers" in log, log[-4000:]
-    assert a["layers"]["kernels"][layer]["kernel"] == b["layers"]["kernels"][layer]["kernel"] == "MarlinLinearKernel"
-    da, db = a["layers"]["digests"], b["layers"]["digests"]
-    assert da.keys() == db.keys()
-    differ = [n for n in da if da[n] != db[n]]
-    assert not differ, f"{len(differ)} parameters differ, e.g. {differ[:3]}"
-    engine_quantized = {n.rsplit(".", 1)[0] for n in da if n.endswith(".qweight")}
-    assert engine_quantized == bundle_layers
+    kw: dict = dict(dtype=dtype)
+    if arch.endswith("ConditionalGeneration"):  # flash-attn is not carried to the GPU machine
+        kw["mm_encoder_attn_backend"] = os.environ.get("MARLIN_PACK_TEST_MM_ATTN", "TORCH_SDPA")
+    a, b = ordinary_and_prepacked(workdir, case, model, layer, **kw)
+    n = assert_engines_identical(a, b, layer)
+    digests = a["layers"]["digests"]
+    assert {name.rsplit(".", 1)[0] for name in digests if name.endswith(".qweight")} == bundle_layers
     if arch.endswith("ConditionalGeneration"):  # the vision tower came from common, bit-identical
-        assert any(n.startswith("visual.") for n in da)
-    for oa, ob in zip(a["outputs"], b["outputs"], strict=True):
-        assert oa["token_ids"] == ob["token_ids"] and oa["prompt_token_ids"] == ob["prompt_token_ids"]
-        assert oa["logprobs"] == ob["logprobs"] and oa["prompt_logprobs"] == ob["prompt_logprobs"]
-    print(f"{case}: {len(da)} parameters bit-identical, {len(bundle_layers)} prepacked layers, "
+        assert any(name.startswith("visual.") for name in digests)
+    print(f"{case}: {n} parameters bit-identical, {len(bundle_layers)} prepacked layers, "
           f"tokens and logprobs equal; start {a['start_s']:.1f} s ordinary vs {b['start_s']:.1f} s prepacked")

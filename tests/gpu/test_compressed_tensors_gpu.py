@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch  # noqa: F401  (the skip condition evaluates it)
-from _harness import Cluster
+from _harness import assert_engines_identical, ordinary_and_prepacked
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")]
 
@@ -34,28 +34,9 @@ def test_prepacked_equals_ordinary(workdir: Path, case: str) -> None:
     model = write_compressed_tensors_checkpoint(workdir / case, PRESETS["tiny"], group_size=128, symmetric=CASES[case])
     manifest = marlin_pack.convert(model, tp_sizes=(1,))
     assert manifest.serving_dtype.value == "bfloat16"
-    cluster = Cluster(workdir / f"{case}-engines", logs=f"ct-gpu-logs-{case}")
-    try:
-        kw: dict = dict(dtype="bfloat16", digests=True, layers=[LAYER])
-        a_proc = cluster.engine(f"{case}-ordinary", model, linear_backend="marlin", **kw)
-        a = a_proc.result()
-        assert a is not None, a_proc.tail()
-        b_proc = cluster.engine(f"{case}-prepacked", model, load_format="marlin_prepacked", **kw)
-        b = b_proc.result()
-        assert b is not None, b_proc.tail()
-        log = b_proc.log()
-    finally:
-        cluster.stop()
-    assert "marlin-pack: validate" in log and "prepacked layers" in log, log[-4000:]
-    assert a["layers"]["kernels"][LAYER]["kernel"] == b["layers"]["kernels"][LAYER]["kernel"] == "MarlinLinearKernel"
-    da, db = a["layers"]["digests"], b["layers"]["digests"]
-    assert da.keys() == db.keys()
-    differ = [n for n in da if da[n] != db[n]]
-    assert not differ, f"{len(differ)} parameters differ, e.g. {differ[:3]}"
-    packed = {n.rsplit(".", 1)[0] for n in da if n.endswith(".weight_packed")}
+    a, b = ordinary_and_prepacked(workdir, case, model, LAYER, dtype="bfloat16")
+    n = assert_engines_identical(a, b, LAYER)
+    packed = {name.rsplit(".", 1)[0] for name in a["layers"]["digests"] if name.endswith(".weight_packed")}
     assert packed == {e.name for e in manifest.tensor_parallel[0].layers}
-    for oa, ob in zip(a["outputs"], b["outputs"], strict=True):
-        assert oa["token_ids"] == ob["token_ids"] and oa["prompt_token_ids"] == ob["prompt_token_ids"]
-        assert oa["logprobs"] == ob["logprobs"] and oa["prompt_logprobs"] == ob["prompt_logprobs"]
-    print(f"{case}: {len(da)} parameters bit-identical, {len(packed)} prepacked layers, tokens and logprobs equal; "
+    print(f"{case}: {n} parameters bit-identical, {len(packed)} prepacked layers, tokens and logprobs equal; "
           f"start {a['start_s']:.1f} s ordinary vs {b['start_s']:.1f} s prepacked")
