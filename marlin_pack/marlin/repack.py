@@ -126,24 +126,6 @@ def _pair_gather_index(padded_n: int, source_slots: tuple[int, ...] | None = Non
     return ((2 * b + lo) * padded_n + col[64 * c + 16 * j + 8 * block + a]).reshape(-1)
 
 
-def _permute_pairs(pairs: torch.Tensor, padded_n: int, awq_slots: bool) -> torch.Tensor:
-    """:func:`_pair_gather_index`'s byte order as one strided copy (no index tensor): 3-4x faster.
-
-    A strip's pair bytes ``[8, Np]`` are ``[b, l, c, j, block, a]`` for pair row ``2b + l`` and
-    column ``64c + 16j + 8 block + a``; the output wants ``(c, a, b, j, l, block)``. AWQ's slot
-    order (:data:`AWQ_SLOTS`: natural column ``a = 2 a_hi + a_lo`` sits at ``4 a_lo + a_hi``) is
-    a transpose of ``a``'s two factors, folded into the same copy.
-    """
-    rows, c = pairs.shape[0], padded_n // 64
-    if awq_slots:
-        v = pairs.view(rows, 4, 2, c, 4, 2, 2, 4)  # ..., a as (a_lo, a_hi)
-        out = v.permute(0, 3, 7, 6, 1, 4, 2, 5)
-    else:
-        v = pairs.view(rows, 4, 2, c, 4, 2, 8)
-        out = v.permute(0, 3, 6, 1, 4, 2, 5)
-    return out.contiguous().view(rows, -1).view(torch.int32)
-
-
 def _pack_codes_into_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 codes along the last dim, ``32/bits`` per int32 word, lowest first."""
     if bits == 4:
@@ -176,8 +158,6 @@ def pack_marlin_weights(codes: torch.Tensor, bits: int, source_slots: tuple[int,
     if bits == 4:
         halves = codes.view(kp // TILE, 2, TILE // 2, np_)
         pairs = (halves[:, 0] | (halves[:, 1] << 4)).reshape(kp // TILE, TILE // 2 * np_)
-        if source_slots in (None, AWQ_SLOTS):
-            return _permute_pairs(pairs, np_, source_slots is not None)
         return pairs.index_select(1, _pair_gather_index(np_, source_slots).to(codes.device)).view(torch.int32)
     idx = _strip_gather_index(bits, np_, source_slots).to(codes.device)
     return _pack_codes_into_words(codes.reshape(kp // TILE, TILE * np_).index_select(1, idx), bits)
