@@ -205,16 +205,21 @@ def tied_copies(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, str]:
     considered (never, say, two norms that happen to be equal: a weight loader may change what it
     is given in place), and only against tensors of its dtype and shape whose name says embedding.
     """
+    def raw(name: str) -> torch.Tensor:
+        return ckpt.get(name).reshape(-1).view(torch.uint8)
+
+    def spec(name: str) -> tuple[str, tuple[int, ...]]:
+        return ckpt.tensors[name].dtype, tuple(ckpt.tensors[name].shape)
+
     copies: dict[str, str] = {}
     for head in (n for n in plan.common if n.endswith(_HEADS)):
-        info = ckpt.tensors[head]
-        for name in plan.common:
-            other = ckpt.tensors[name]
-            if "embed" not in name or (other.dtype, tuple(other.shape)) != (info.dtype, tuple(info.shape)):
-                continue
-            if torch.equal(ckpt.get(name).reshape(-1).view(torch.uint8), ckpt.get(head).reshape(-1).view(torch.uint8)):
-                copies[head] = name
-                break
+        candidates = [n for n in plan.common if "embed" in n and spec(n) == spec(head)]
+        if not candidates:
+            continue
+        head_bytes = raw(head)  # read once, whatever the number of candidates
+        match = next((n for n in candidates if torch.equal(raw(n), head_bytes)), None)
+        if match is not None:
+            copies[head] = match
     return copies
 
 
