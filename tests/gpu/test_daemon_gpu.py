@@ -220,7 +220,7 @@ def test_four_starts_agree(run: Results, name: str) -> None:
 def test_engines_loaded_as_intended(run: Results, name: str) -> None:
     fb, a1, a2 = (run.engines[name, s].log() for s in ("fallback", "attach1", "attach2"))
     assert "falling back to disk loading" in fb, run.engines[name, "fallback"].tail()
-    assert "ipc_cache engine: AWQ/GPTQ linear layers use MarlinLinearKernel" in fb
+    assert "ipc_cache engine: AWQ/GPTQ/compressed-tensors linear layers use MarlinLinearKernel" in fb
     for log, proc in ((a1, run.engines[name, "attach1"]), (a2, run.engines[name, "attach2"])):
         assert "Mapped" in log and "from the weight cache daemon (zero_copy mode)" in log, proc.tail()
         assert "falling back" not in log and "marlin-pack: ipc_cache engine" in log, proc.tail()

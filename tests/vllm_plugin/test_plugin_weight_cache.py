@@ -153,7 +153,7 @@ def test_ipc_loader_steps_force_marlin_and_hint_on_refusal(marlin_log: list[str]
         vllm_config, model_config = _configs("auto_gptq")
         assert wrapped(None, vllm_config, model_config, "") == "model"
     assert seen == [{"mixed_precision": "marlin"}] * 2  # forced before vLLM builds the model
-    assert any("ipc_cache engine: AWQ/GPTQ linear layers use MarlinLinearKernel" in m for m in marlin_log)
+    assert any("ipc_cache engine: AWQ/GPTQ/compressed-tensors linear layers use MarlinLinearKernel" in m for m in marlin_log)
 
     def refuse(self: Any, vllm_config: Any, model_config: Any) -> Any:
         raise UnsupportedQuantForIPCError("layer x: AutoGPTQLinearMethod does not support ...")

@@ -48,7 +48,7 @@ CACHE_QUANTIZATIONS = frozenset(
     {"auto_awq", "auto_gptq", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors"}
 )
 _UNSUPPORTED_HINT = (
-    "marlin-pack: the weight cache shares AWQ/GPTQ linear layers only when vLLM serves them with "
+    "marlin-pack: the weight cache shares AWQ/GPTQ/compressed-tensors linear layers only when vLLM serves them with "
     "MarlinLinearKernel and 16-bit activations. Check --linear-backend / --kernel-config "
     "(an explicit non-Marlin backend is kept), VLLM_MARLIN_INPUT_DTYPE (must be unset), "
     "VLLM_DISABLED_KERNELS and VLLM_BATCH_INVARIANT; AWQ/GPTQ MoE layers are never shared"
@@ -84,7 +84,7 @@ def force_marlin_for_cache(vllm_config: Any, model_config: Any, role: str = "wei
 
     force_marlin(kc)
     logger.info(
-        "marlin-pack: %s: AWQ/GPTQ linear layers use MarlinLinearKernel, the only kernel whose processed "
+        "marlin-pack: %s: AWQ/GPTQ/compressed-tensors linear layers use MarlinLinearKernel, the only kernel whose processed "
         "weights the weight cache shares (linear_backend_per_quant mixed_precision=marlin)",
         role,
     )
