@@ -1,57 +1,81 @@
-"""Engine model-loading time: ordinary loading (Marlin forced) vs ``--load-format marlin_prepacked``.
+"""Every start path of a quantized model, side by side in one sitting, with vLLM's own timings.
 
 Runs on a GPU machine with vLLM 0.33.0 and marlin-pack installed:
 
-    python benchmarks/bench_load.py --preset llama-70b --formats awq,gptq --workdir /tmp/bench
+    python benchmarks/bench_load.py --preset llama-70b --formats gptq,awq --workdir /tmp/bench \\
+        --bundle-root /dev/shm/bench --daemon gptq
 
-For each format it generates a synthetic checkpoint (random packed words are valid quantized
-values), converts it (``--device cuda``), warms the page cache with both the checkpoint and the
-bundle, then starts one engine per load format in its own subprocess, side by side, and reports
-vLLM's "Model loading took" seconds, the ratio, the bundle read bandwidth the loader logged, and
-the peak GPU memory allocated by torch during model loading.
+For each format it generates a synthetic checkpoint on the GPU (random packed words are valid
+quantized values) under ``--workdir``, converts it (``--device cuda``, timed) into a bundle under
+``--bundle-root`` (a 70B checkpoint and its bundle do not both fit a 64 GiB disk: put the bundle
+on ``/dev/shm``), warms the page cache with both, then starts, one engine per process:
+
+* ``ordinary``: vLLM's own loading of the checkpoint, Marlin forced;
+* ``prepacked``: ``--load-format marlin_prepacked``, once per ``--io`` loader configuration;
+* with ``--daemon FMT``: ``marlin-pack daemon`` filled from the bundle, then two engines with
+  ``--load-format ipc_cache`` attaching to it, one after the other.
+
+It prints vLLM's "Model loading took" seconds for each engine, the ratios to ordinary, the
+loader's own phase line, the daemon's fill time, the peak GPU memory torch allocated during
+loading, and, measured in the same run, the pinned host-to-GPU bandwidth that the loader's
+read+copy rate is compared with. ``--profile`` adds the top of a cProfile of the loader's
+``load_model`` for the prepacked and attach engines.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 CHILD = r"""
-import json, sys, time
+import cProfile, io, json, os, pstats, sys, time
 import torch
-model, mode, attn, extra = sys.argv[1:5]
+model, mode, attn, extra, profile = sys.argv[1:6]
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 import marlin_pack.vllm_plugin as plugin
 plugin.register()
 from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
+from vllm.model_executor.model_loader.weight_cache.ipc_loader import IpcModelLoader
 peak = {}
 def wrap(cls):
     orig = cls.load_model
     def load_model(self, *a, **k):
         torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
-        t = time.perf_counter(); m = orig(self, *a, **k); torch.cuda.synchronize()
+        prof = cProfile.Profile() if profile == '1' else None
+        t = time.perf_counter()
+        if prof: prof.enable()
+        m = orig(self, *a, **k); torch.cuda.synchronize()
+        if prof:
+            prof.disable(); s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats('cumulative').print_stats(35)
+            print('PROFILE-BEGIN\n' + s.getvalue() + 'PROFILE-END', flush=True)
         peak['load_model_s'] = time.perf_counter() - t
         peak['peak_alloc_gb'] = torch.cuda.max_memory_allocated() / 1e9
         peak['weights_gb'] = (torch.cuda.memory_allocated() - base) / 1e9
         return m
     cls.load_model = load_model
-wrap(BaseModelLoader); wrap(MarlinPrepackedLoader)
+wrap(BaseModelLoader); wrap(MarlinPrepackedLoader); wrap(IpcModelLoader)
 from vllm import LLM, SamplingParams
-kw = dict(model=model, enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.92,
-          attention_backend=attn, dtype='float16', skip_tokenizer_init=True, seed=0)
+kw = dict(model=model, enforce_eager=True, max_model_len=512, attention_backend=attn, dtype='float16',
+          skip_tokenizer_init=True, seed=0)
+extra = json.loads(extra)
 if mode == 'ordinary':
-    kw['linear_backend'] = 'marlin'
-else:
-    kw['load_format'] = 'marlin_prepacked'
-    if json.loads(extra):
-        kw['model_loader_extra_config'] = json.loads(extra)
+    kw.update(linear_backend='marlin', gpu_memory_utilization=0.92)
+elif mode == 'prepacked':
+    kw.update(load_format='marlin_prepacked', gpu_memory_utilization=0.92, model_loader_extra_config=extra)
+else:  # an ipc_cache engine beside its daemon: no memory profiling
+    kw.update(load_format='ipc_cache', kv_cache_memory_bytes=1 << 30, model_loader_extra_config=extra)
 t = time.perf_counter()
 llm = LLM(**kw)
 start_s = time.perf_counter() - t
@@ -59,22 +83,85 @@ out = llm.generate([{'prompt_token_ids': [1, 2, 3, 4]}], SamplingParams(max_toke
 print('RESULT ' + json.dumps({'engine_start_s': start_s, 'tokens': list(out[0].outputs[0].token_ids), **peak}))
 """
 
+LOAD_RE = r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds"
+FILL_RE = r"filled its model in ([\d.]+) s"
+DAEMON_FLAGS = ["--dtype", "float16", "--enforce-eager", "--max-model-len", "512", "--gpu-memory-utilization", "0.05",
+                "--kernel-config", '{"enable_flashinfer_autotune": false}']
+_PORT = [23000]
 
-def _engine(model: Path, mode: str, attn: str, extra: dict | None = None) -> dict:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    p = subprocess.run([sys.executable, "-c", CHILD, str(model), mode, attn, json.dumps(extra or {})],
-                       capture_output=True, text=True, env=env)
+
+def _env() -> dict[str, str]:
+    _PORT[0] += 50
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+            "VLLM_PORT": str(_PORT[0])}
+
+
+def _marlin_lines(log: str) -> list[str]:
+    return [x[x.index("marlin-pack:"):] for x in log.splitlines()
+            if "marlin-pack: validate" in x or "marlin-pack: placed" in x]
+
+
+def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profile: bool = False) -> dict:
+    p = subprocess.run([sys.executable, "-c", CHILD, str(model), mode, attn, json.dumps(extra or {}), str(int(profile))],
+                       capture_output=True, text=True, env=_env())
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if p.returncode or line is None:
         sys.stderr.write(p.stdout[-3000:] + p.stderr[-6000:])
         raise SystemExit(f"{mode} engine failed (exit {p.returncode})")
     result = json.loads(line[len("RESULT "):])
     log = p.stdout + p.stderr  # vLLM logs to stdout/stderr; parse its own timing line
-    m = re.search(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds", log)
+    m = re.search(LOAD_RE, log)
     result["model_loading_s"] = float(m.group(2)) if m else None
-    result["model_loading_gib"] = float(m.group(1)) if m else None
-    result["marlin_pack_log"] = [x[x.index("marlin-pack: validate"):] for x in log.splitlines() if "marlin-pack: validate" in x]
+    result["marlin_pack_log"] = _marlin_lines(log)
+    prof = re.search(r"PROFILE-BEGIN\n(.*?)PROFILE-END", p.stdout, re.S)
+    result["profile"] = prof.group(1) if prof else ""
     return result
+
+
+def _wait_socket(proc: subprocess.Popen, sdir: Path, timeout: float = 600) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for path in glob.glob(str(sdir / "*.sock")):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(path)
+                return True
+            except OSError:
+                pass
+            finally:
+                s.close()
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.1)
+    return False
+
+
+def _daemon_rows(model: Path, bundle: Path, attn: str, profile: bool, log_dir: Path) -> dict:
+    """Fill a daemon from the bundle, then attach two ipc_cache engines one after the other."""
+    sdir = Path(tempfile.mkdtemp(prefix="mpb-", dir="/tmp"))
+    log_path = log_dir / f"daemon-{model.name}.log"
+    argv = [sys.executable, "-m", "marlin_pack.cli", "daemon", str(model), *DAEMON_FLAGS,
+            "--weight-cache-socket-dir", str(sdir), "--model-loader-extra-config", json.dumps({"bundle": str(bundle)})]
+    with open(log_path, "w") as log:
+        daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+    try:
+        if not _wait_socket(daemon, sdir):
+            sys.stderr.write(log_path.read_text()[-6000:])
+            raise SystemExit("the daemon did not come up")
+        text = log_path.read_text()
+        m = re.search(FILL_RE, text)
+        rows = {"fill_s": float(m.group(1)) if m else None, "daemon_log": _marlin_lines(text)}
+        extra = {"socket_dir": str(sdir), "fallback": False, "state_timeout_s": 600}
+        for k in (1, 2):
+            rows[f"attach{k}"] = _engine(model, "ipc", attn, extra, profile=profile and k == 2)
+        return rows
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+        shutil.rmtree(sdir, ignore_errors=True)
 
 
 def _warm(paths: list[Path]) -> float:
@@ -87,62 +174,112 @@ def _warm(paths: list[Path]) -> float:
     return n / 1e9
 
 
+def _pinned_h2d_gbps(gb: float = 4.0, reps: int = 3) -> float:
+    import torch
+
+    n = int(gb * 1e9)
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    rate = n * reps / (time.perf_counter() - t) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return rate
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-70b")
-    ap.add_argument("--formats", default="awq,gptq")
+    ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    ap.add_argument("--formats", default="gptq,awq")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench"))
+    ap.add_argument("--bundle-root", type=Path, default=None, help="where bundles go (default: in the checkpoint)")
     ap.add_argument("--attention-backend", default=os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN"))
+    ap.add_argument("--io", default="{}", help="';'-separated loader extra configs, one prepacked engine each")
+    ap.add_argument("--daemon", default="", help="formats (comma-separated) that also get the daemon rows")
+    ap.add_argument("--no-ordinary", action="store_true", help="skip the ordinary engine")
+    ap.add_argument("--profile", action="store_true", help="cProfile the prepacked and 2nd attach load_model")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and bundles (disk!)")
-    ap.add_argument("--tuned", default='{"io_threads": 8, "chunk_mb": 64}',
-                    help="extra config of a third engine, marlin_prepacked with these loader options ('' to skip)")
     args = ap.parse_args()
+
+    import dataclasses
 
     import torch
 
     from marlin_pack.conversion import convert
     from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
 
-    rows = []
+    shape = PRESETS[args.preset]
+    if args.layers:
+        shape = dataclasses.replace(shape, num_hidden_layers=args.layers)
+    pinned = _pinned_h2d_gbps()
+    print(f"pinned host->GPU bandwidth: {pinned:.1f} GB/s", flush=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    report = []
     for fmt in args.formats.split(","):
         model = args.workdir / f"{args.preset}-{fmt}"
+        bundle = (args.bundle_root / model.name) if args.bundle_root else model / "marlin-pack"
         t = time.perf_counter()
         writer = write_awq_checkpoint if fmt == "awq" else write_gptq_checkpoint
-        writer(model, PRESETS[args.preset], group_size=128, max_shard_bytes=5 << 30, device="cuda")
+        writer(model, shape, group_size=128, max_shard_bytes=5 << 30, device="cuda")
         gen_s = time.perf_counter() - t
         t = time.perf_counter()
-        manifest = convert(model, tp_sizes=(1,), dtype="float16", device="cuda", force=True)
+        manifest = convert(model, bundle, tp_sizes=(1,), dtype="float16", device="cuda", force=True)
         conv_s = time.perf_counter() - t
-        rank_bytes = manifest.tensor_parallel[0].ranks[0].file.size
         torch.cuda.empty_cache()
-        warm_gb = _warm([model])
-        print(f"{fmt}: generated in {gen_s:.1f} s, converted in {conv_s:.1f} s (cuda), warmed {warm_gb:.1f} GB", flush=True)
-        ordinary = _engine(model, "ordinary", args.attention_backend)
-        prepacked = _engine(model, "prepacked", args.attention_backend)
-        same = ordinary["tokens"] == prepacked["tokens"]
-        rows.append((fmt, warm_gb, rank_bytes, conv_s, ordinary, prepacked, same))
-        print(json.dumps({"format": fmt, "ordinary": ordinary, "prepacked": prepacked}, indent=1), flush=True)
-        if args.tuned:
-            tuned = _engine(model, "prepacked", args.attention_backend, json.loads(args.tuned))
-            rows.append((f"{fmt}*", warm_gb, rank_bytes, conv_s, ordinary, tuned, ordinary["tokens"] == tuned["tokens"]))
-            print(json.dumps({"format": fmt, "tuned": args.tuned, "prepacked": tuned}, indent=1), flush=True)
+        warm_gb = _warm([model, bundle])
+        rank_gb = manifest.tensor_parallel[0].ranks[0].file.size / 1e9
+        print(f"{fmt}: generated in {gen_s:.1f} s; convert --device cuda {conv_s:.1f} s; rank file {rank_gb:.1f} GB; "
+              f"warmed {warm_gb:.1f} GB", flush=True)
+        rows: dict = {"convert_s": conv_s}
+        if not args.no_ordinary:
+            rows["ordinary"] = _engine(model, "ordinary", args.attention_backend)
+        for i, io in enumerate(args.io.split(";")):
+            extra = {**json.loads(io), "bundle": str(bundle)}
+            rows[f"prepacked {io}"] = _engine(model, "prepacked", args.attention_backend, extra, profile=args.profile and i == 0)
+        if fmt in args.daemon.split(","):
+            rows.update(_daemon_rows(model, bundle, args.attention_backend, args.profile, args.workdir))
+        report.append((fmt, rows))
+        print(json.dumps({"format": fmt, **{k: v for k, v in rows.items()}}, indent=1, default=str)[:20000], flush=True)
         if not args.keep:
             shutil.rmtree(model)
-    print(f"\n{args.preset}, TP=1, page cache warm, one engine per load format (subprocess each)")
-    print(f"{'format':6} {'ckpt+bundle GB':>14} {'ordinary s':>10} {'prepacked s':>11} {'ratio':>6} "
-          f"{'peak GPU ord GB':>15} {'peak GPU pre GB':>15} {'same tokens':>11} {'load_model ord/pre s':>20}")
-    if args.tuned:
-        print(f"(rows marked * use --model-loader-extra-config {args.tuned})")
-    for fmt, gb, _, _, o, p, same in rows:
-        ratio = (p["model_loading_s"] or float("nan")) / (o["model_loading_s"] or float("nan"))
-        print(f"{fmt:6} {gb:14.1f} {o['model_loading_s'] or -1:10.2f} {p['model_loading_s'] or -1:11.2f} {ratio:6.3f} "
-              f"{o['peak_alloc_gb']:15.1f} {p['peak_alloc_gb']:15.1f} {str(same):>11} "
-              f"{o['load_model_s']:9.2f}/{p['load_model_s']:.2f}")
-        for line in p["marlin_pack_log"]:
-            print(f"  {fmt} {line}")
-        bw = re.search(r"\(([\d.]+) GB/s\)", " ".join(p["marlin_pack_log"]))
-        if bw:
-            print(f"  {fmt} bundle read bandwidth logged by the loader: {bw.group(1)} GB/s")
+            shutil.rmtree(bundle, ignore_errors=True)
+
+    print(f"\n{args.preset}{f' ({args.layers} layers)' if args.layers else ''}, TP=1, page cache warm, "
+          f"one engine per process; pinned host->GPU {pinned:.1f} GB/s")
+    print(f"{'format':6} {'start':40} {'Model loading took s':>20} {'/ ordinary':>10} {'peak GPU GB':>11} {'tokens':>8}")
+    for fmt, rows in report:
+        base = rows.get("ordinary", {}).get("model_loading_s")
+        tokens = rows.get("ordinary", {}).get("tokens")
+        print(f"{fmt:6} {'convert --device cuda':40} {rows['convert_s']:20.2f}")
+        if rows.get("fill_s") is not None:
+            print(f"{fmt:6} {'daemon fill from the bundle':40} {rows['fill_s']:20.2f}")
+        for key, r in rows.items():
+            if not isinstance(r, dict) or "model_loading_s" not in r:
+                continue
+            same = "same" if tokens is None or r["tokens"] == tokens else "DIFFER"
+            print(f"{fmt:6} {key:40} {r['model_loading_s'] or -1:20.2f} {_ratio(r['model_loading_s'], base):>10} "
+                  f"{r['peak_alloc_gb']:11.1f} {same:>8}")
+            for line in r["marlin_pack_log"]:
+                bw = re.search(r"\(([\d.]+) GB, ([\d.]+) GB/s\)", line)
+                share = f"  [{float(bw.group(2)) / pinned:.2f} of pinned H2D]" if bw else ""
+                print(f"         {line}{share}")
+        for line in rows.get("daemon_log", []):
+            print(f"  daemon {line}")
+    if args.profile:
+        for fmt, rows in report:
+            for key, r in rows.items():
+                if isinstance(r, dict) and r.get("profile"):
+                    print(f"\n--- profile {fmt} {key} ---\n{r['profile']}")
 
 
 if __name__ == "__main__":

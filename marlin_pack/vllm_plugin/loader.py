@@ -93,7 +93,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
     """Serve an AWQ/GPTQ checkpoint from its marlin-pack bundle (no repack at start).
 
     Extra config (``--model-loader-extra-config``): ``bundle``, ``fallback``, ``verify``,
-    ``io_threads``, ``chunk_mb``; see :class:`~marlin_pack.vllm_plugin.options.LoaderOptions`.
+    ``io_threads``, ``chunk_mb``, ``io_mode``; see :class:`~marlin_pack.vllm_plugin.options.LoaderOptions`.
     """
 
     def __init__(self, load_config: LoadConfig) -> None:
@@ -196,7 +196,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             self._default_loader().load_weights(model, model_config)
             return
         bundle = state.bundle
-        with ParallelReader(self.options.io_threads, self.options.chunk_mb << 20) as reader:
+        with ParallelReader(self.options.io_threads, self.options.chunk_mb << 20, self.options.io_mode) as reader:
             t0 = time.perf_counter()
             items = self._place(state, bundle.rank_header)  # header checked before the GPU, by decide()
             self._timings.copy_bytes = reader.copy(bundle.rank_file, items)
@@ -209,12 +209,17 @@ class MarlinPrepackedLoader(BaseModelLoader):
         self._timings.copy, self._timings.common = t1 - t0, t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
         logger.info(
-            "marlin-pack: placed %d tensors (%.2f GB) from %s for tp %d rank %d",
+            "marlin-pack: placed %d tensors from %s for tp %d rank %d: read+copy %.2f s (%.2f GB, %.1f GB/s, "
+            "io_mode %s), load common %.2f s",
             len(items),
-            self._timings.copy_bytes / 1e9,
             bundle.rank_file,
             bundle.tp_set.tp_size,
             bundle.rank,
+            self._timings.copy,
+            self._timings.copy_bytes / 1e9,
+            self._timings.copy_bytes / max(self._timings.copy, 1e-9) / 1e9,
+            self.options.io_mode,
+            self._timings.common,
         )
 
     def _place(self, state: _ModelState, header: SafetensorsHeader) -> list[CopyItem]:

@@ -13,9 +13,11 @@ from typing import Any, Literal
 
 from marlin_pack._constants import LOAD_FORMAT
 
-__all__ = ["LoaderOptions", "OPTION_KEYS", "parse_extra_config"]
+__all__ = ["IO_MODES", "IoMode", "LoaderOptions", "OPTION_KEYS", "parse_extra_config"]
 
 Verify = Literal["auto", "full", "size"]
+IoMode = Literal["staged", "registered", "hybrid"]
+IO_MODES: tuple[str, ...] = ("staged", "registered", "hybrid")  # see vllm_plugin/gpu_reader.py
 _FULL_HASH: dict[str, bool | None] = {"auto": None, "full": True, "size": False}
 
 
@@ -30,7 +32,10 @@ class LoaderOptions:
         verify: ``auto`` hashes files whose (size, mtime) stamp changed since the last
             check, ``full`` hashes everything, ``size`` checks sizes and headers only.
         io_threads: reader threads (each with its own pinned buffers and CUDA stream).
-        chunk_mb: size of one read / host-to-device copy, in MiB.
+        chunk_mb: size of one read / host-to-device copy window, in MiB.
+        io_mode: how a window reaches the GPU: ``staged`` (read into pinned buffers),
+            ``registered`` (page-lock the mapped file in place) or ``hybrid`` (half the
+            threads each way).
     """
 
     bundle: Path | None = None
@@ -38,13 +43,14 @@ class LoaderOptions:
     verify: Verify = "auto"
     io_threads: int = 8
     chunk_mb: int = 64
+    io_mode: IoMode = "staged"
 
     @property
     def full_hash(self) -> bool | None:
         return _FULL_HASH[self.verify]
 
 
-OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb")
+OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode")
 
 
 def _int_option(extra: Mapping[str, Any], key: str, default: int, high: int) -> int:
@@ -82,6 +88,9 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         raise ValueError(
             f"model_loader_extra_config['verify'] must be one of {list(_FULL_HASH)}, got {verify!r}"
         )
+    io_mode = extra.get("io_mode", LoaderOptions.io_mode)
+    if io_mode not in IO_MODES:
+        raise ValueError(f"model_loader_extra_config['io_mode'] must be one of {list(IO_MODES)}, got {io_mode!r}")
     try:
         bundle_dir = Path(bundle).expanduser() if bundle is not None else None
     except RuntimeError as e:  # "~nosuchuser/x": no such user's home
@@ -92,4 +101,5 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         verify=verify,
         io_threads=_int_option(extra, "io_threads", 8, 64),
         chunk_mb=_int_option(extra, "chunk_mb", 64, 1024),
+        io_mode=io_mode,
     )

@@ -58,3 +58,32 @@ def test_read_header_errors(tmp_path: Path) -> None:
     assert issubclass(SafetensorsFormatError, ValueError)
     with pytest.raises(OSError):
         read_header(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize("chunk", [1 << 16, 3 << 16, 1 << 30])
+def test_windows_are_page_aligned_and_cover_every_byte(awq_bundle: Path, chunk: int) -> None:
+    """Registered windows must never share a page (two threads would register it twice) and
+    the pieces must cover each destination exactly once."""
+    from marlin_pack.vllm_plugin.gpu_reader import _PAGE, _windows
+
+    path = awq_bundle / "marlin-pack/tp1/rank-0.safetensors"
+    header = read_header(path)
+    dsts = {n: torch.zeros(i.nbytes, dtype=torch.uint8) for n, i in header.tensors.items()}
+    reader = ParallelReader(chunk_bytes=chunk)
+    assert reader.chunk % _PAGE == 0
+    wins = _windows([CopyItem(i.start, i.nbytes, dsts[n]) for n, i in header.tensors.items()], reader.chunk,
+                    path.stat().st_size)
+    pages = [(w.lo // _PAGE, -(-w.hi // _PAGE)) for w in wins]
+    assert all(a[1] <= b[0] for a, b in zip(pages, pages[1:], strict=False)), "windows share a page"
+    for w in wins:
+        assert w.hi - w.lo <= reader.chunk
+        for off, n, dst in w.pieces:
+            assert w.lo <= off and off + n <= w.hi and dst.numel() == n
+            dst += 1
+    assert all(bool((d == 1).all()) for d in dsts.values())
+    assert len(wins) >= (1 if chunk > path.stat().st_size else 2)
+
+
+def test_unknown_io_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="io mode 'fast': expected one of staged, registered, hybrid"):
+        ParallelReader(mode="fast")  # type: ignore[arg-type]

@@ -12,9 +12,10 @@ from marlin_pack.vllm_plugin.options import OPTION_KEYS, LoaderOptions, parse_ex
 
 def test_parse_extra_config_defaults_and_values() -> None:
     assert parse_extra_config({}) == LoaderOptions()
-    o = parse_extra_config({"bundle": "~/b", "fallback": True, "verify": "full", "io_threads": 3, "chunk_mb": 16})
+    o = parse_extra_config({"bundle": "~/b", "fallback": True, "verify": "full", "io_threads": 3, "chunk_mb": 16,
+                            "io_mode": "hybrid"})
     assert o.bundle == Path("~/b").expanduser() and o.fallback and o.full_hash is True
-    assert (o.io_threads, o.chunk_mb) == (3, 16)
+    assert (o.io_threads, o.chunk_mb, o.io_mode) == (3, 16, "hybrid")
     assert parse_extra_config({"verify": "size"}).full_hash is False
     assert parse_extra_config({}).full_hash is None
 
@@ -35,6 +36,7 @@ def test_option_keys_are_the_options() -> None:
         ({"io_threads": 0}, r"\['io_threads'\] must be an integer in 1\.\.64"),
         ({"io_threads": True}, r"\['io_threads'\] must be an integer"),
         ({"chunk_mb": 4096}, r"\['chunk_mb'\] must be an integer in 1\.\.1024"),
+        ({"io_mode": "direct"}, r"\['io_mode'\] must be one of \['staged', 'registered', 'hybrid'\]"),
     ],
 )
 def test_parse_extra_config_refuses(extra: object, match: str) -> None:

@@ -1,0 +1,132 @@
+"""Host-to-GPU bandwidth of the loader's reader modes, side by side with the hardware limits.
+
+    python benchmarks/bench_h2d.py --dir /tmp/h2d --gb 16
+
+On a GPU machine: writes one file of ``--gb`` GB, then in one run prints
+
+* the pinned host -> GPU copy bandwidth (the PCIe limit the loader is measured against) and a
+  pageable one (what a plain ``param.copy_(cpu_tensor)`` gets);
+* page cache warm: ``ParallelReader`` (the ``marlin_prepacked`` loader's reader) in each
+  ``io_mode`` at several thread counts and window sizes, each as GB/s and as a fraction of
+  the pinned bandwidth;
+* page cache cold (``posix_fadvise(DONTNEED)`` on the file, which drops its clean pages):
+  a plain sequential read, a BLAKE3 file digest (what a first start without stamps does),
+  and the reader, so each can be compared with the plain read.
+
+The file's destination is one GPU tensor cut into 64 MB pieces, like a bundle rank file's tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from marlin_pack.io.hashing import file_digest
+from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
+
+PIECE = 64 << 20
+
+
+def _write(path: Path, nbytes: int) -> None:
+    if path.exists() and path.stat().st_size == nbytes:
+        return
+    block = torch.randint(0, 256, (PIECE,), dtype=torch.uint8).numpy().tobytes()
+    with open(path, "wb") as f:
+        for off in range(0, nbytes, PIECE):
+            f.write(block[: min(PIECE, nbytes - off)])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _drop(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _warm(path: Path) -> float:
+    t = time.perf_counter()
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(PIECE)
+        while (k := f.readinto(buf)) > 0:
+            n += k
+    return n / (time.perf_counter() - t) / 1e9
+
+
+def _h2d(pinned: bool, gb: float = 4.0, reps: int = 3) -> float:
+    n = int(gb * 1e9)
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+    src.fill_(1)
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=pinned)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=pinned)
+    torch.cuda.synchronize()
+    return n * reps / (time.perf_counter() - t) / 1e9
+
+
+def _reader(path: Path, dst: torch.Tensor, mode: str, threads: int, chunk_mb: int) -> float:
+    n = dst.numel()
+    items = [CopyItem(off, min(PIECE, n - off), dst[off : off + PIECE]) for off in range(0, n, PIECE)]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with ParallelReader(threads, chunk_mb << 20, mode) as r:  # type: ignore[arg-type]
+        r.copy(path, items)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/h2d"))
+    ap.add_argument("--gb", type=float, default=16.0)
+    ap.add_argument("--configs", default="staged:8:64,staged:16:64,staged:16:128,registered:4:256,registered:8:256,"
+                    "registered:16:256,registered:8:64,registered:16:1024,hybrid:16:128,hybrid:16:256,hybrid:24:256")
+    ap.add_argument("--cold", default="staged:16:64,registered:16:256,hybrid:16:256")
+    args = ap.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    path = args.dir / "h2d.bin"
+    nbytes = int(args.gb * 1e9) // 4096 * 4096
+    t = time.perf_counter()
+    _write(path, nbytes)
+    print(f"file {path}: {nbytes / 1e9:.1f} GB written in {time.perf_counter() - t:.1f} s", flush=True)
+    pinned, pageable = _h2d(True), _h2d(False)
+    print(f"pinned host->GPU {pinned:.1f} GB/s; pageable host->GPU {pageable:.1f} GB/s", flush=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    print(f"page cache warm: plain sequential read {_warm(path):.1f} GB/s (1 thread)", flush=True)
+    want = None
+    for cfg in args.configs.split(","):
+        mode, threads, chunk = cfg.split(":")
+        rate = _reader(path, dst, mode, int(threads), int(chunk))
+        check = int(dst[:: 1 << 20].sum())
+        want = check if want is None else want
+        print(f"warm  {mode:10} threads {threads:>2} window {chunk:>4} MiB: {rate:5.1f} GB/s = {rate / pinned:.2f} of pinned"
+              f"{'' if check == want else '  (DIFFERENT BYTES)'}", flush=True)
+    for cfg in ["plain", "blake3", *args.cold.split(",")]:
+        _drop(path)
+        t = time.perf_counter()
+        if cfg == "plain":
+            rate = _warm(path)
+            plain = rate
+        elif cfg == "blake3":
+            file_digest(path)
+            rate = nbytes / (time.perf_counter() - t) / 1e9
+        else:
+            mode, threads, chunk = cfg.split(":")
+            rate = _reader(path, dst, mode, int(threads), int(chunk))
+        print(f"cold  {cfg:28}: {rate:5.1f} GB/s = {nbytes / rate / 1e9:.2f} s, {plain / rate:.2f}x the plain read time",
+              flush=True)
+    _drop(path)
+
+
+if __name__ == "__main__":
+    main()
