@@ -106,7 +106,11 @@ def main() -> None:
     want = None
     for cfg in args.configs.split(","):
         mode, threads, chunk = cfg.split(":")
-        rate = _reader(path, dst, mode, int(threads), int(chunk))
+        try:
+            rate = _reader(path, dst, mode, int(threads), int(chunk))
+        except Exception as e:  # noqa: BLE001 - report and go on with the other configurations
+            print(f"warm  {cfg}: failed: {e}", flush=True)
+            continue
         check = int(dst[:: 1 << 20].sum())
         want = check if want is None else want
         print(f"warm  {mode:10} threads {threads:>2} window {chunk:>4} MiB: {rate:5.1f} GB/s = {rate / pinned:.2f} of pinned"
@@ -122,7 +126,11 @@ def main() -> None:
             rate = nbytes / (time.perf_counter() - t) / 1e9
         else:
             mode, threads, chunk = cfg.split(":")
-            rate = _reader(path, dst, mode, int(threads), int(chunk))
+            try:
+                rate = _reader(path, dst, mode, int(threads), int(chunk))
+            except Exception as e:  # noqa: BLE001
+                print(f"cold  {cfg}: failed: {e}", flush=True)
+                continue
         print(f"cold  {cfg:28}: {rate:5.1f} GB/s = {nbytes / rate / 1e9:.2f} s, {plain / rate:.2f}x the plain read time",
               flush=True)
     _drop(path)

@@ -245,7 +245,11 @@ def main() -> None:
             rows["ordinary"] = _engine(model, "ordinary", args.attention_backend)
         for i, io in enumerate(args.io.split(";")):
             extra = {**json.loads(io), "bundle": str(bundle)}
-            rows[f"prepacked {io}"] = _engine(model, "prepacked", args.attention_backend, extra, profile=args.profile and i == 0)
+            try:
+                rows[f"prepacked {io}"] = _engine(model, "prepacked", args.attention_backend, extra,
+                                                  profile=args.profile and i == 0)
+            except SystemExit as e:  # one loader configuration failing should not end the sitting
+                print(f"prepacked {io}: {e}", flush=True)
         if fmt in args.daemon.split(","):
             rows.update(_daemon_rows(model, bundle, args.attention_backend, args.profile, args.workdir))
         report.append((fmt, rows))
