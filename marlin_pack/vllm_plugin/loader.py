@@ -26,7 +26,6 @@ checkpoint is loaded by vLLM's ``DefaultModelLoader``; without it the load stops
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import time
 import weakref
@@ -50,7 +49,7 @@ from marlin_pack.marlin.rank_tensors import tensor_specs
 from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin import patches
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
-from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, layer_facts, quantized_layers
+from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
 from marlin_pack.vllm_plugin.layer_check import check_layers
 from marlin_pack.vllm_plugin.options import parse_extra_config
@@ -291,12 +290,11 @@ class MarlinPrepackedLoader(BaseModelLoader):
             vllm_config.device_config.device if self.load_config.device is None else self.load_config.device
         )
         target_device = torch.device(load_device)
+        freeze_gc_heap()  # no gc.collect() here: see freeze_gc_heap
         with set_default_torch_dtype(model_config.dtype):
             with target_device:
                 model = self.create_model(vllm_config, model_config, prefix)
             self.load_weights(model, model_config)
-            gc.collect()
-            torch.accelerator.empty_cache()
             t0 = time.perf_counter()
             process_weights_after_loading(model, model_config, target_device)
             self._timings.post = time.perf_counter() - t0
@@ -307,8 +305,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     f"marlin-pack: vLLM's post-processing did not run the patched method for {len(left)} "
                     f"prepacked layers (e.g. {left[0]}); their tensors may be corrupt"
                 )
-            gc.collect()
-            torch.accelerator.empty_cache()
+            torch.accelerator.empty_cache()  # placeholders replaced by bundle tensors of another size
         if state.bundle is not None:
             logger.info(self._timings.line(state.bundle, len(state.layers)))
         return model.eval()

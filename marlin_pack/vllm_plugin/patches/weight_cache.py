@@ -122,6 +122,9 @@ def _ipc_loader_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, vllm_config: Any, model_config: Any, *args: Any, **kwargs: Any) -> Any:
         force_marlin_for_cache(vllm_config, model_config, role="ipc_cache engine")
+        from marlin_pack.vllm_plugin.engine import freeze_gc_heap
+
+        freeze_gc_heap()  # as the marlin_prepacked loader does: vLLM's later gc.collect() calls stay short
         try:
             return original(self, vllm_config, model_config, *args, **kwargs)
         except Exception as e:
