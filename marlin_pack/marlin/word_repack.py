@@ -20,12 +20,35 @@ one temporary; all ops are ordinary torch ops, so the same code runs on CPU and 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.marlin.repack import AWQ_SLOTS, pack_marlin_weights, pad2d
 
 __all__ = ["marlin_weights", "marlin_from_k_words", "marlin_from_awq_words"]
+
+
+_scratch = threading.local()
+
+
+def _workspace(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable temporary of ``shape`` (per thread, per ``slot``), grown as needed, never shrunk.
+
+    Fresh multi-megabyte allocations are returned to the OS when freed and fault in page by page
+    the next time (on a VM, first touches dominated the conversion's system time); a converter
+    reuses the same few shapes layer after layer. The contents are garbage; callers overwrite them.
+    """
+    cache: dict[tuple[str, torch.device], torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * dtype.itemsize
+    buf = cache.get((slot, device))
+    if buf is None or buf.numel() < nbytes:
+        buf = cache[(slot, device)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes].view(dtype).view(shape)
 
 
 def _delta_swap(x: torch.Tensor, y: torch.Tensor, shift: int, mask: int, tmp: torch.Tensor) -> None:
@@ -59,9 +82,9 @@ def marlin_from_k_words(words: torch.Tensor) -> torch.Tensor:
     rows, np_ = words.shape
     s, c = rows // 2, np_ // 64
     # Slots outermost within each 64-column block, so every swap works on contiguous halves.
-    buf = torch.empty((s, c, 2, 2, 4, 8), dtype=torch.int32, device=words.device)  # s c h bl j a
+    buf = _workspace("buf", (s, c, 2, 2, 4, 8), torch.int32, words.device)  # s c h bl j a
     buf.copy_(words.contiguous().view(s, 2, c, 4, 2, 8).permute(0, 2, 1, 4, 3, 5))
-    tmp = torch.empty((s, c, 2, 4, 8), dtype=torch.int32, device=words.device)
+    tmp = _workspace("tmp", (s, c, 2, 4, 8), torch.int32, words.device)
     _delta_swap(buf[:, :, 0], buf[:, :, 1], 4, 0x0F0F0F0F, tmp)  # h <-> nibble bit 0
     _delta_swap(buf[:, :, :, 0], buf[:, :, :, 1], 8, 0x00FF00FF, tmp)  # bl <-> nibble bit 1
     _delta_swap(buf[:, :, 0], buf[:, :, 1], 16, 0x0000FFFF, tmp)  # h <-> nibble bit 2
@@ -80,8 +103,9 @@ def marlin_from_awq_words(words: torch.Tensor) -> torch.Tensor:
     """
     kp, cols = words.shape
     s, c = kp // 16, cols // 8
-    buf = words.contiguous().clone()
-    tmp = torch.empty((kp // 2, cols), dtype=torch.int32, device=words.device)
+    buf = _workspace("buf", (kp, cols), torch.int32, words.device)
+    buf.copy_(words)
+    tmp = _workspace("tmp", (kp // 2, cols), torch.int32, words.device)
     rows = buf.view(s, 2, 4, 2, cols)  # s h b l: row 8h + 2b + l
     _delta_swap(rows[:, :, :, 0], rows[:, :, :, 1], 16, 0xFFFF, tmp.view(s, 2, 4, cols))  # l <-> nibble bit 2
     # bl is the lowest word bit: the pair (bl=0, bl=1) is one int64, so swap within it (by halves, as tmp is half).
@@ -90,7 +114,7 @@ def marlin_from_awq_words(words: torch.Tensor) -> torch.Tensor:
     _delta_swap(rows[:, 0], rows[:, 1], 4, 0x0F0F0F0F, tmp.view(s, 4, 2, cols))  # h <-> nibble bit 0
     # buf is now [s, a1, b1, b0, a0, c, j, a2]; Marlin wants [s, c, a2, a1, a0, b1, b0, j].
     # Two moves with long runs: int64 pairs (j, a2) into (s, c) blocks, then a batched 64x2 transpose.
-    pairs = torch.empty((s, c, 2, 2, 2, 2, 4), dtype=torch.int64, device=words.device)  # s c a1 a0 b1 b0 j
+    pairs = _workspace("pairs", (s, c, 2, 2, 2, 2, 4), torch.int64, words.device)  # s c a1 a0 b1 b0 j
     pairs.copy_(buf.view(torch.int64).view(s, 2, 2, 2, 2, c, 4).permute(0, 5, 1, 4, 2, 3, 6))
     out = torch.empty((s * c, 2, 64), dtype=torch.int32, device=words.device)
     out.copy_(pairs.view(torch.int32).view(s * c, 64, 2).transpose(1, 2))
