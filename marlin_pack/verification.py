@@ -256,9 +256,10 @@ def _round_trip(
                 f = handles[(tp_set.tp_size, rank)]
                 tensors = {n: f.get_tensor(n) for n, _, _ in tensor_specs(entry, m.quant, dtype, m.source.format)}
                 got = decode_rank_tensors(entry, m.quant, tensors, m.source.format)
-                codes, scales, zeros, bias = fuse_rank_slices(rank_slices(spec, plan.dims, tp_set.tp_size, rank), parts, g)
-                if parts[spec.parts[0].name].column_slots is not None:  # AWQ slot order -> natural
-                    codes, zeros = awq_to_natural(codes), awq_to_natural(zeros)
+                packed, scales, zeros, bias = fuse_rank_slices(rank_slices(spec, plan.dims, tp_set.tp_size, rank), parts, g)
+                codes = packed.unpack()
+                if parts[spec.parts[0].name].column_slots is not None:  # AWQ zero points' slot order -> natural
+                    zeros = awq_to_natural(zeros)
                 where = f"{entry.name} (tp {tp_set.tp_size} rank {rank})"
                 _compare_padded(got["codes"], codes.to(torch.uint8), f"{where}: integer codes")
                 _compare_padded(got["scales"], scales.to(dtype), f"{where}: scales")

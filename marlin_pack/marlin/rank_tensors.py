@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.marlin.repack import (
-    pack_marlin_weights,
     pack_marlin_zero_points,
     pad2d,
     permute_bias,
@@ -17,6 +17,7 @@ from marlin_pack.marlin.repack import (
     unpermute_bias,
     unpermute_scales,
 )
+from marlin_pack.marlin.word_repack import marlin_weights
 from marlin_pack.schemas import LayerEntry, QuantScheme, SourceFormat
 
 __all__ = ["TensorSpec", "ParamNames", "param_names", "tensor_specs", "build_rank_tensors", "decode_rank_tensors", "padded_groups"]
@@ -70,7 +71,7 @@ def build_rank_tensors(
     entry: LayerEntry,
     scheme: QuantScheme,
     dtype: torch.dtype,
-    codes: torch.Tensor,
+    codes: PackedCodes,
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     bias: torch.Tensor | None,
@@ -80,7 +81,7 @@ def build_rank_tensors(
 ) -> dict[str, torch.Tensor]:
     """Pad and Marlin-transform one rank's fused, sliced layer (``[K, N]`` codes etc.).
 
-    ``source_slots``: column order of ``codes``/``zeros`` within each 8 (AWQ), see ModuleTensors.
+    ``source_slots``: column order of ``zeros`` within each 8 (AWQ), see ModuleTensors.
     ``weight_shape``: compressed-tensors only, the value vLLM's ``weight_shape`` parameter holds.
     """
     kp, np_ = entry.padded_k, entry.padded_n
@@ -88,7 +89,7 @@ def build_rank_tensors(
     pn = param_names(fmt)
     # vLLM copies checkpoint scales/bias into params_dtype parameters before processing.
     out = {
-        f"{entry.name}.{pn.weight}": pack_marlin_weights(pad2d(codes, kp, np_), scheme.bits, source_slots),
+        f"{entry.name}.{pn.weight}": marlin_weights(codes, kp, np_),
         f"{entry.name}.{pn.scales}": permute_scales(pad2d(scales.to(dtype), gp, np_), scheme.group_size, kp),
     }
     if scheme.zero_points:

@@ -24,6 +24,8 @@ from marlin_pack.schemas import LayerEntry, LayerKind, LayerPart
 if TYPE_CHECKING:
     import torch
 
+    from marlin_pack.marlin.packed_codes import PackedCodes
+
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelDims",
@@ -94,16 +96,17 @@ class LayerSpec:
 
 @dataclass
 class ModuleTensors:
-    """One checkpoint linear module in canonical form (natural ``[K, N]`` order).
+    """One checkpoint linear module in canonical form (``[K, N]``: input rows, output columns).
 
-    ``codes`` are unsigned weights (uint8); ``zeros`` the unsigned zero points (AWQ)
-    or None; ``scales`` and ``bias`` as stored in the checkpoint. When ``column_slots``
-    is set, the columns of ``codes`` and ``zeros`` are in that order within each aligned
-    8 (AWQ's packing order, left in place to save a pass; see ``repack.AWQ_SLOTS``).
+    ``codes`` are the unsigned weights, still in the checkpoint's int32 words (see
+    :class:`~marlin_pack.marlin.packed_codes.PackedCodes`); ``zeros`` the unsigned zero points
+    (uint8) or None; ``scales`` and ``bias`` as stored in the checkpoint. When ``column_slots``
+    is set, the columns of ``zeros`` are in that order within each aligned 8 (AWQ's packing
+    order, left in place to save a pass; see ``repack.AWQ_SLOTS``).
     Source readers (``marlin_pack.sources``) produce it; :func:`fuse_rank_slices` consumes it.
     """
 
-    codes: torch.Tensor  # [K, N] uint8
+    codes: PackedCodes  # [K, N]
     scales: torch.Tensor  # [G, N]
     zeros: torch.Tensor | None  # [G, N] uint8
     bias: torch.Tensor | None  # [N]
@@ -119,7 +122,7 @@ class ModuleTensors:
                 "vLLM cannot split this module either"
             )
         return ModuleTensors(
-            codes=self.codes[:, n0 : n0 + n],
+            codes=self.codes.block(0, self.codes.shape[0], n0, n),
             scales=self.scales[:, n0 : n0 + n],
             zeros=None if self.zeros is None else self.zeros[:, n0 : n0 + n],
             bias=None if self.bias is None else self.bias[n0 : n0 + n],
@@ -322,17 +325,19 @@ def layer_entry(spec: LayerSpec, d: ModelDims, tp: int, group_size: int, awq: bo
     )
 
 
-FusedSlices = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None", "torch.Tensor | None"]
+FusedSlices = tuple["PackedCodes", "torch.Tensor", "torch.Tensor | None", "torch.Tensor | None"]
 
 
 def fuse_rank_slices(slices: list[RankSlice], parts: dict[str, ModuleTensors], group_size: int) -> FusedSlices:
     """One rank's ``(codes, scales, zeros, bias)`` of a fused layer: its slices concatenated along N."""
     import torch
 
+    from marlin_pack.marlin.packed_codes import cat_columns
+
     def rows(t: torch.Tensor, s: RankSlice) -> torch.Tensor:  # scale/zero rows of a K slice
         return t if group_size == -1 else t[s.k0 // group_size : (s.k0 + s.k) // group_size]
 
-    codes = torch.cat([parts[s.part.name].codes[s.k0 : s.k0 + s.k, s.n0 : s.n0 + s.n] for s in slices], 1)
+    codes = cat_columns([parts[s.part.name].codes.block(s.k0, s.k, s.n0, s.n) for s in slices])
     scales = torch.cat([rows(parts[s.part.name].scales, s)[:, s.n0 : s.n0 + s.n] for s in slices], 1)
     zeros = None
     if parts[slices[0].part.name].zeros is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.marlin.repack import AWQ_SLOTS, unpack_awq_cols
 from marlin_pack.schemas import AwqSettings, QuantScheme, SourceFormat, WeightType
 from marlin_pack.sources.base import ModuleTensors
@@ -68,7 +69,7 @@ class AwqGemmSource:
         qzeros = ckpt.get(f"{prefix}.qzeros").to(device)
         bias = ckpt.get(f"{prefix}.bias").to(device) if f"{prefix}.bias" in ckpt.tensors else None
         return ModuleTensors(
-            codes=unpack_awq_cols(qweight),
+            codes=PackedCodes(qweight, 4, "n", AWQ_SLOTS),
             scales=ckpt.get(f"{prefix}.scales").to(device),
             zeros=unpack_awq_cols(qzeros),
             bias=bias,

@@ -16,6 +16,7 @@ import re
 import torch
 
 from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
+from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.schemas import CompressedTensorsSettings, CompressedTensorsWeights, QuantScheme, SourceFormat, WeightType
 from marlin_pack.sources.base import ModuleTensors
 from marlin_pack.sources.checkpoint import Checkpoint
@@ -183,7 +184,8 @@ class CompressedTensorsSource:
                 f"tensor {prefix}.weight_shape is {shape.tolist()}, expected [{size_n}, {size_k}] from config.json; "
                 "the checkpoint does not match its config"
             )
-        codes = unpack_ct(ckpt.get(f"{prefix}.weight_packed").to(device), self.bits, 1).t()
+        # weight_packed [N, K/per] is GPTQ's packing along K, transposed: a view, no copy.
+        codes = PackedCodes(ckpt.get(f"{prefix}.weight_packed").to(device).t(), self.bits, "k")
         zeros = None
         if not self.symmetric:
             zeros = unpack_ct(ckpt.get(f"{prefix}.weight_zero_point").to(device), self.bits, 0).t()

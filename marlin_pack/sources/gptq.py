@@ -7,7 +7,7 @@ import re
 import torch
 
 from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
-from marlin_pack.marlin.repack import unpack_gptq_qweight
+from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.schemas import GptqSettings, QuantScheme, SourceFormat, WeightType
 from marlin_pack.sources.base import ModuleTensors
 from marlin_pack.sources.checkpoint import Checkpoint
@@ -122,7 +122,7 @@ class GptqV1Source:
         self._check_side_tensors(ckpt, prefix, size_k, device)
         bias = ckpt.get(f"{prefix}.bias").to(device) if f"{prefix}.bias" in ckpt.tensors else None
         return ModuleTensors(
-            codes=unpack_gptq_qweight(ckpt.get(f"{prefix}.qweight").to(device), self.bits),
+            codes=PackedCodes(ckpt.get(f"{prefix}.qweight").to(device), self.bits, "k"),
             scales=ckpt.get(f"{prefix}.scales").to(device),
             zeros=None,
             bias=bias,

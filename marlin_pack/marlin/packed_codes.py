@@ -1,0 +1,88 @@
+"""Quantized weights as the checkpoint stores them: unsigned codes packed into int32 words.
+
+Unpacking a 4-bit checkpoint into one code per byte and packing it again for Marlin moves
+eight times the data the conversion needs. :class:`PackedCodes` keeps the checkpoint's words
+instead and slices, concatenates and pads them as words; ``marlin.word_repack`` then builds
+the Marlin words from them with integer arithmetic. Unpacked codes (:meth:`PackedCodes.unpack`)
+remain available for the generic path and for verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from marlin_pack.marlin.repack import awq_to_natural, unpack_awq_cols, unpack_gptq_qweight
+
+__all__ = ["PackedCodes", "cat_columns"]
+
+Along = Literal["k", "n", "none"]
+
+
+@dataclass(frozen=True)
+class PackedCodes:
+    """Unsigned ``bits``-bit codes ``[K, N]`` in one of three layouts (``along``):
+
+    - ``"k"``: int32 ``words [K*bits/32, N]``, code ``k`` in bits ``(k % per) * bits`` of word row
+      ``k // per`` (GPTQ ``qweight``; compressed-tensors ``weight_packed`` transposed, as a view);
+    - ``"n"``: int32 ``words [K, N*bits/32]``, packed along N with column ``c`` of each word in
+      nibble slot ``slots[c]`` (AutoAWQ ``qweight``, ``slots`` = ``repack.AWQ_SLOTS``);
+    - ``"none"``: uint8 ``words [K, N]``, one code per element in natural order (what is left when
+      a slice does not fall on word boundaries).
+    """
+
+    words: torch.Tensor
+    bits: int
+    along: Along
+    slots: tuple[int, ...] | None = None
+
+    @property
+    def per_word(self) -> int:
+        return 32 // self.bits
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.words.shape
+        if self.along == "k":
+            return rows * self.per_word, cols
+        if self.along == "n":
+            return rows, cols * self.per_word
+        return rows, cols
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, bits: int) -> PackedCodes:
+        """Unpacked codes ``[K, N]`` (natural order) as ``along="none"``."""
+        return cls(codes.to(torch.uint8), bits, "none")
+
+    def unpack(self) -> torch.Tensor:
+        """The codes as uint8 ``[K, N]``, natural column order."""
+        if self.along == "k":
+            return unpack_gptq_qweight(self.words, self.bits)
+        if self.along == "n":
+            codes = unpack_awq_cols(self.words)
+            return codes if self.slots is None else awq_to_natural(codes)
+        return self.words
+
+    def block(self, k0: int, k: int, n0: int, n: int) -> PackedCodes:
+        """Codes ``[k0:k0+k, n0:n0+n]``: a view of the words when the block falls on word
+        boundaries along the packed dimension, else unpacked (``along="none"``)."""
+        per = self.per_word
+        if self.along == "k" and k0 % per == 0 and k % per == 0:
+            return PackedCodes(self.words[k0 // per : (k0 + k) // per, n0 : n0 + n], self.bits, "k")
+        if self.along == "n" and n0 % per == 0 and n % per == 0:
+            return PackedCodes(self.words[k0 : k0 + k, n0 // per : (n0 + n) // per], self.bits, "n", self.slots)
+        if self.along == "none":
+            return PackedCodes(self.words[k0 : k0 + k, n0 : n0 + n], self.bits, "none")
+        return PackedCodes.from_codes(self.unpack()[k0 : k0 + k, n0 : n0 + n], self.bits)
+
+
+def cat_columns(parts: list[PackedCodes]) -> PackedCodes:
+    """Concatenate along N (fused layers): as words when every part shares one packed layout."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if all(p.along == first.along and p.slots == first.slots for p in parts) and first.along != "none":
+        return PackedCodes(torch.cat([p.words for p in parts], 1), first.bits, first.along, first.slots)
+    return PackedCodes.from_codes(torch.cat([p.unpack() for p in parts], 1), first.bits)

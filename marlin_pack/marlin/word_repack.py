@@ -1,0 +1,135 @@
+"""Marlin 4-bit weights built straight from the checkpoint's int32 words, with integer arithmetic.
+
+:func:`~marlin_pack.marlin.repack.pack_marlin_weights` is the readable definition (codes, one
+per byte, gathered by index); this module computes the same bytes about ten times faster by
+never unpacking: every code is a nibble, and moving nibbles between words is a *delta swap*.
+
+Why a delta swap is enough. Within one 16-row strip, index a nibble by its word and its position
+in the word (3 bits: nibbles 0..7). Marlin's 4-bit order puts, in output word ``(c, a, b, j)`` of a
+strip (column ``n0 = 64c + 16j + a``), nibble ``4l + 2bl + h`` = code (row ``8h + 2b + l``, column
+``n0 + 8bl``). So the repack is a permutation of *address bits*: some bits that select the word in
+the source select the nibble position in Marlin, and back. A delta swap between two word slots
+``x``, ``y`` (differing in one word-address bit) with shift ``4 * 2^i`` exchanges that word bit with
+nibble bit ``i``; three swaps exchange all three nibble bits, which is a whole 8x8 nibble
+transpose. What remains is moving whole words into Marlin's order: plain copies of int32
+(or int64) tensors with permuted strides, which torch does without index tensors.
+
+Each swap runs on whole tensor halves (contiguous runs of thousands of words), in place, with
+one temporary; all ops are ordinary torch ops, so the same code runs on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from marlin_pack.marlin.packed_codes import PackedCodes
+from marlin_pack.marlin.repack import AWQ_SLOTS, pack_marlin_weights, pad2d
+
+__all__ = ["marlin_weights", "marlin_from_k_words", "marlin_from_awq_words"]
+
+
+_scratch = threading.local()
+
+
+def _workspace(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable temporary of ``shape`` (per thread, per ``slot``), grown as needed, never shrunk.
+
+    Fresh multi-megabyte allocations are returned to the OS when freed and fault in page by page
+    the next time (on a VM, first touches dominated the conversion's system time); a converter
+    reuses the same few shapes layer after layer. The contents are garbage; callers overwrite them.
+    """
+    cache: dict[tuple[str, torch.device], torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * dtype.itemsize
+    buf = cache.get((slot, device))
+    if buf is None or buf.numel() < nbytes:
+        buf = cache[(slot, device)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes].view(dtype).view(shape)
+
+
+def _delta_swap(x: torch.Tensor, y: torch.Tensor, shift: int, mask: int, tmp: torch.Tensor) -> None:
+    """Swap the bits of ``x`` at ``mask << shift`` with the bits of ``y`` at ``mask``, in place.
+
+    ``mask`` has its top ``shift`` bits clear, so the sign bits of the arithmetic right shift
+    of int32/int64 never reach the result.
+    """
+    torch.bitwise_right_shift(x, shift, out=tmp)
+    tmp.bitwise_xor_(y).bitwise_and_(mask)
+    y.bitwise_xor_(tmp)
+    x.bitwise_xor_(tmp.bitwise_left_shift_(shift))
+
+
+def _delta_swap_within(v: torch.Tensor, shift: int, mask: int, tmp: torch.Tensor) -> None:
+    """Swap the bits of ``v`` at ``mask`` with those at ``mask << shift`` (same element), in place."""
+    torch.bitwise_right_shift(v, shift, out=tmp)
+    tmp.bitwise_xor_(v).bitwise_and_(mask)
+    v.bitwise_xor_(tmp)
+    v.bitwise_xor_(tmp.bitwise_left_shift_(shift))
+
+
+def marlin_from_k_words(words: torch.Tensor) -> torch.Tensor:
+    """4-bit codes packed along K (GPTQ), ``[Kp/8, Np]`` int32, into Marlin's ``[Kp/16, 2*Np]``.
+
+    A strip's source words are ``(h, n)``: rows ``8h..8h+7`` of column ``n``, nibble ``i`` = row
+    ``8h + i``. With ``n = 64c + 16j + 8bl + a``, the four slots ``(h, bl)`` of each ``(c, j, a)``
+    become Marlin words ``b = 2h + bl`` after swapping word bit h with nibble bit 0 (rows r/r+8),
+    bl with nibble bit 1 and h with nibble bit 2.
+    """
+    rows, np_ = words.shape
+    s, c = rows // 2, np_ // 64
+    # Slots outermost within each 64-column block, so every swap works on contiguous halves.
+    buf = _workspace("buf", (s, c, 2, 2, 4, 8), torch.int32, words.device)  # s c h bl j a
+    buf.copy_(words.contiguous().view(s, 2, c, 4, 2, 8).permute(0, 2, 1, 4, 3, 5))
+    tmp = _workspace("tmp", (s, c, 2, 4, 8), torch.int32, words.device)
+    _delta_swap(buf[:, :, 0], buf[:, :, 1], 4, 0x0F0F0F0F, tmp)  # h <-> nibble bit 0
+    _delta_swap(buf[:, :, :, 0], buf[:, :, :, 1], 8, 0x00FF00FF, tmp)  # bl <-> nibble bit 1
+    _delta_swap(buf[:, :, 0], buf[:, :, 1], 16, 0x0000FFFF, tmp)  # h <-> nibble bit 2
+    # Slot (h, bl) of (c, j, a) is Marlin word (c, a, b = 2h + bl, j): a batched 16x8 transpose.
+    out = torch.empty((s * c, 8, 16), dtype=torch.int32, device=words.device)
+    out.copy_(buf.view(s * c, 16, 8).transpose(1, 2))
+    return out.view(s, 2 * np_)
+
+
+def marlin_from_awq_words(words: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ 4-bit words (packed along N in :data:`AWQ_SLOTS` order), ``[Kp, Np/8]``, into ``[Kp/16, 2*Np]``.
+
+    Source word ``(row 8h + 2b + l, column word 8c + 2j + bl)`` holds column ``a`` at nibble
+    ``p`` with ``(p2, p1, p0) = (a0, a2, a1)``. Swapping word bits l, bl, h with nibble bits 2, 1, 0
+    leaves Marlin word ``(c, a, b, j)`` in slot ``(h, l, bl) = (a1, a0, a2)``.
+    """
+    kp, cols = words.shape
+    s, c = kp // 16, cols // 8
+    buf = _workspace("buf", (kp, cols), torch.int32, words.device)
+    buf.copy_(words)
+    tmp = _workspace("tmp", (kp // 2, cols), torch.int32, words.device)
+    rows = buf.view(s, 2, 4, 2, cols)  # s h b l: row 8h + 2b + l
+    _delta_swap(rows[:, :, :, 0], rows[:, :, :, 1], 16, 0xFFFF, tmp.view(s, 2, 4, cols))  # l <-> nibble bit 2
+    # bl is the lowest word bit: the pair (bl=0, bl=1) is one int64, so swap within it (by halves, as tmp is half).
+    for half in buf.view(torch.int64).chunk(2):
+        _delta_swap_within(half, 24, 0xFF00FF00, tmp.view(torch.int64))  # bl <-> nibble bit 1
+    _delta_swap(rows[:, 0], rows[:, 1], 4, 0x0F0F0F0F, tmp.view(s, 4, 2, cols))  # h <-> nibble bit 0
+    # buf is now [s, a1, b1, b0, a0, c, j, a2]; Marlin wants [s, c, a2, a1, a0, b1, b0, j].
+    # Two moves with long runs: int64 pairs (j, a2) into (s, c) blocks, then a batched 64x2 transpose.
+    pairs = _workspace("pairs", (s, c, 2, 2, 2, 2, 4), torch.int64, words.device)  # s c a1 a0 b1 b0 j
+    pairs.copy_(buf.view(torch.int64).view(s, 2, 2, 2, 2, c, 4).permute(0, 5, 1, 4, 2, 3, 6))
+    out = torch.empty((s * c, 2, 64), dtype=torch.int32, device=words.device)
+    out.copy_(pairs.view(torch.int32).view(s * c, 64, 2).transpose(1, 2))
+    return out.view(s, 2 * cols * 8)
+
+
+def marlin_weights(codes: PackedCodes, padded_k: int, padded_n: int) -> torch.Tensor:
+    """Marlin-repacked weights ``[Kp/16, Np*bits/2]`` of ``codes`` zero-padded to ``[Kp, Np]``.
+
+    4-bit words packed along K, or AWQ's words, take the word-level path; anything else (8-bit,
+    unpacked codes) the generic :func:`~marlin_pack.marlin.repack.pack_marlin_weights`. Both give
+    the same bytes (tests/marlin).
+    """
+    if codes.bits == 4 and codes.along == "k":
+        return marlin_from_k_words(pad2d(codes.words, padded_k // 8, padded_n))
+    if codes.bits == 4 and codes.along == "n" and codes.slots == AWQ_SLOTS:
+        return marlin_from_awq_words(pad2d(codes.words, padded_k, padded_n // 8))
+    return pack_marlin_weights(pad2d(codes.unpack(), padded_k, padded_n), codes.bits)

@@ -1,0 +1,71 @@
+"""The word-level Marlin repack (marlin.word_repack) against vLLM 0.33.0's pure-torch helpers, bit for bit,
+and the packed-codes layouts (slicing, concatenation) against unpacked codes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from marlin_pack.marlin import repack
+from marlin_pack.marlin.packed_codes import PackedCodes, cat_columns
+from marlin_pack.marlin.word_repack import marlin_weights
+
+mut = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils_test")
+qu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.quant_utils")
+
+
+def _codes(k: int, n: int, bits: int = 4, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + k * n)
+    return torch.randint(0, 1 << bits, (k, n), generator=g, dtype=torch.int32)
+
+
+def _awq_words(codes: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ packing by hand: column c of each 8 in nibble slot AWQ_SLOTS[c]."""
+    words = torch.zeros(codes.shape[0], codes.shape[1] // 8, dtype=torch.int64)
+    for c, slot in enumerate(repack.AWQ_SLOTS):
+        words |= codes[:, c::8].long() << (4 * slot)
+    return torch.tensor(words.numpy().astype("uint32").view("int32"))
+
+
+def _layouts(codes: torch.Tensor, bits: int) -> dict[str, PackedCodes]:
+    k, n = codes.shape
+    gptq = qu.pack_rows(codes, bits, k, n)
+    out = {
+        "gptq": PackedCodes(gptq, bits, "k"),
+        # compressed-tensors: [N, K/per] words, handed over transposed (a strided view)
+        "compressed-tensors": PackedCodes(gptq.t().contiguous().t(), bits, "k"),
+        "unpacked": PackedCodes.from_codes(codes, bits),
+    }
+    if bits == 4:
+        out["awq"] = PackedCodes(_awq_words(codes), bits, "n", repack.AWQ_SLOTS)
+    return out
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k,n,kp,np_", [(16, 64, 16, 64), (128, 64, 128, 128), (256, 192, 256, 192), (384, 320, 512, 384),
+                                        (1408, 960, 1408, 960), (2048, 2560, 2048, 2560)])
+def test_word_repack_matches_marlin_weights(bits: int, k: int, n: int, kp: int, np_: int) -> None:
+    codes = _codes(k, n, bits)
+    padded = torch.zeros(kp, np_, dtype=torch.int32)
+    padded[:k, :n] = codes
+    want = mut.marlin_weights(padded, kp, np_, bits, mut.get_weight_perm(bits))
+    for layout, packed in _layouts(codes, bits).items():
+        assert packed.shape == (k, n)
+        assert torch.equal(packed.unpack(), codes.to(torch.uint8)), layout
+        got = marlin_weights(packed, kp, np_)
+        assert got.dtype == torch.int32 and torch.equal(got, want), layout
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_blocks_and_concatenation_match_unpacked_codes(bits: int) -> None:
+    a, b = _codes(256, 192, bits, 1), _codes(256, 128, bits, 2)
+    for layout in _layouts(a, bits):
+        pa, pb = _layouts(a, bits)[layout], _layouts(b, bits)[layout]
+        # word-aligned (rows of 64, columns of 64) and unaligned (columns 3..) blocks
+        for k0, k, n0, n in [(0, 256, 0, 192), (64, 128, 64, 64), (0, 256, 3, 101)]:
+            got = cat_columns([pa.block(k0, k, n0, n), pb.block(k0, k, 0, 64)])
+            want = torch.cat([a[k0 : k0 + k, n0 : n0 + n], b[k0 : k0 + k, :64]], 1).to(torch.uint8)
+            assert got.shape == tuple(want.shape)
+            assert torch.equal(got.unpack(), want), (layout, k0, k, n0, n)
+            np_, kp = repack.padded_nk(want.shape[1], k, -1)
+            assert torch.equal(marlin_weights(got, kp, np_), repack.pack_marlin_weights(repack.pad2d(want, kp, np_), bits))
