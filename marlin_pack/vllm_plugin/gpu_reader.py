@@ -16,11 +16,15 @@ hands them to a few threads. Each thread moves a window to the GPU in one of two
 
 ``hybrid`` gives half the threads each way, pulling from the same queue of windows.
 
-Measured on an H200 host (16 cores, 16 GB file in the page cache, ``benchmarks/bench_h2d.py``,
+Measured on an H200 host (16 cores, 16 GB file on disk in the page cache, ``benchmarks/bench_h2d.py``,
 pinned host-to-GPU 55.5 GB/s): registered 16 threads x 256 MiB 25.9 GB/s, 8 x 256 MiB
 25.5 GB/s; staged 8 x 64 MiB 11.2 GB/s (allocating its pinned buffers included); hybrid
-4.7-9.7 GB/s. Hence the default: registered, 16 threads, 256 MiB windows. A thread whose
-registration fails stages its windows instead (with a warning). File reads, registration and copies
+4.7-9.7 GB/s. Hence :data:`MODE_DEFAULTS` (registered: 16 threads, 256 MiB windows). A thread whose
+registration fails stages its windows instead (with a warning).
+
+A bundle on tmpfs (``/dev/shm``) behaves differently: a 70B rank file there measured 10.1 GB/s
+registered against 12.7-19.7 GB/s staged, so ``auto`` (the default) stages files on tmpfs and
+registers the others. File reads, registration and copies
 release the GIL, so Python overhead is per window, not per byte. CPU destinations are
 read into directly (no staging), which is also what the CPU tests exercise.
 
@@ -145,24 +149,81 @@ class _Mapping:
         self.mm.close()
 
 
+# (threads, window bytes) per mode when the caller does not say: measured, see the module docstring.
+MODE_DEFAULTS: dict[str, tuple[int, int]] = {
+    "staged": (8, 64 << 20),  # more or larger pinned buffers cost more to allocate than they gain
+    "registered": (16, 256 << 20),
+    "hybrid": (16, 64 << 20),
+}
+# Filesystems whose pages are shmem: pinning them in place measured slower than staging.
+_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "shm"})
+
+
+def filesystem_type(path: str | Path, mounts: str | Path = "/proc/self/mounts") -> str | None:
+    """The type of the filesystem ``path`` is on (the longest mount point above it), or None if unknown."""
+    try:
+        target = os.path.realpath(path)
+        best, fstype = "", None
+        with open(mounts) as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, fstype = mount, fields[2]
+        return fstype
+    except OSError:
+        return None
+
+
+def resolve_mode(mode: str, path: str | Path) -> str:
+    """``auto``: ``staged`` for a file in memory (tmpfs), else ``registered``."""
+    if mode != "auto":
+        return mode
+    return "staged" if filesystem_type(path) in _MEMORY_FILESYSTEMS else "registered"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    mode: str
+    threads: int
+    chunk: int
+
+
 class ParallelReader:
-    """Reads byte ranges of files into tensors with ``threads`` threads.
+    """Reads byte ranges of files into tensors with several threads.
+
+    ``threads`` and ``chunk_bytes`` default to :data:`MODE_DEFAULTS` of the mode chosen for
+    each file (``auto``: see :func:`resolve_mode`).
 
     Example:
-        >>> with ParallelReader(threads=8, chunk_bytes=64 << 20, mode="hybrid") as r:
+        >>> with ParallelReader(mode="auto") as r:
         ...     r.copy(path, [CopyItem(info.start, info.nbytes, gpu_tensor)])
     """
 
-    def __init__(self, threads: int = 4, chunk_bytes: int = 32 << 20, mode: IoMode = "staged") -> None:
+    def __init__(self, threads: int | None = None, chunk_bytes: int | None = None, mode: IoMode = "auto") -> None:
         if mode not in IO_MODES:
             raise ValueError(f"io mode {mode!r}: expected one of {', '.join(IO_MODES)}")
-        self.threads = max(1, threads)
-        self.chunk = max(1 << 16, -(-chunk_bytes // _PAGE) * _PAGE)
+        self.threads = None if threads is None else max(1, threads)
+        self.chunk = None if chunk_bytes is None else self._round(chunk_bytes)
         self.mode = mode
+        self.modes_used: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
-        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._slots: dict[tuple[int, int, int], _Slot] = {}
         self._registration_failed = False
         self.bytes_read = 0
+
+    @staticmethod
+    def _round(chunk_bytes: int) -> int:
+        return max(1 << 16, -(-chunk_bytes // _PAGE) * _PAGE)
+
+    def plan(self, path: str | Path) -> _Plan:
+        """The mode, threads and window size used for ``path``."""
+        mode = resolve_mode(self.mode, path)
+        threads, chunk = MODE_DEFAULTS[mode]
+        return _Plan(mode, self.threads or threads, self.chunk or self._round(chunk))
 
     def __enter__(self) -> ParallelReader:
         return self
@@ -179,17 +240,17 @@ class ParallelReader:
         if had_pinned and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # give the staging buffers back to the OS
 
-    def _registers(self, worker: int) -> bool:
+    def _registers(self, plan: _Plan, worker: int) -> bool:
         """Whether this worker registers windows in place (else it stages them)."""
         if self._registration_failed:
             return False
-        return self.mode == "registered" or (self.mode == "hybrid" and worker % 2 == 1)
+        return plan.mode == "registered" or (plan.mode == "hybrid" and worker % 2 == 1)
 
-    def _slot(self, worker: int, device: torch.device) -> _Slot:
-        key = (worker, device.index if device.index is not None else torch.cuda.current_device())
+    def _slot(self, worker: int, device: torch.device, chunk: int) -> _Slot:
+        key = (worker, device.index if device.index is not None else torch.cuda.current_device(), chunk)
         slot = self._slots.get(key)
         if slot is None:
-            bufs = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             slot = _Slot(
                 stream=torch.cuda.Stream(device=device),
                 bufs=bufs,
@@ -205,11 +266,12 @@ class ParallelReader:
         All copies are complete when this returns. Destinations may be on one CUDA
         device or on the CPU.
         """
+        plan = self.plan(path)
         fd = os.open(path, os.O_RDONLY)
         mapping: _Mapping | None = None
         try:
             file_size = os.fstat(fd).st_size
-            windows = _windows(items, self.chunk, file_size)
+            windows = _windows(items, plan.chunk, file_size)
             if not windows:
                 return 0
             devices = {p[2].device for w in windows for p in w.pieces if p[2].device.type != "cpu"}
@@ -217,12 +279,13 @@ class ParallelReader:
                 raise ValueError(f"destinations span several devices: {sorted(map(str, devices))}")
             device = devices.pop() if devices else None
             start_event = None
-            workers = min(self.threads, len(windows))
+            workers = min(plan.threads, len(windows))
             if device is not None:
+                self.modes_used.add(plan.mode)
                 # Destinations were allocated on the caller's stream: order our copies after it.
                 start_event = torch.cuda.Event()
                 start_event.record(torch.cuda.current_stream(device))
-                if any(self._registers(w) for w in range(workers)):
+                if any(self._registers(plan, w) for w in range(workers)):
                     mapping = _Mapping(fd, file_size)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -237,12 +300,15 @@ class ParallelReader:
                     return next(queue, None)
 
             if workers == 1:
-                self._work(0, fd, mapping, take, device, start_event, in_pool=False)
+                self._work(plan, 0, fd, mapping, take, device, start_event, in_pool=False)
             else:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="marlin-pack-io")
+                if self._pool is None or self._pool._max_workers < workers:
+                    if self._pool is not None:
+                        self._pool.shutdown(wait=True)
+                    self._pool = ThreadPoolExecutor(workers, thread_name_prefix="marlin-pack-io")
                 futures = [
-                    self._pool.submit(self._work, w, fd, mapping, take, device, start_event) for w in range(workers)
+                    self._pool.submit(self._work, plan, w, fd, mapping, take, device, start_event)
+                    for w in range(workers)
                 ]
                 for f in futures:
                     f.add_done_callback(lambda f: f.exception() is not None and failed.set())
@@ -259,6 +325,7 @@ class ParallelReader:
 
     def _work(
         self,
+        plan: _Plan,
         worker: int,
         fd: int,
         mapping: _Mapping | None,
@@ -274,14 +341,15 @@ class ParallelReader:
             return
         if in_pool:
             torch.cuda.set_device(device)  # the current device is per thread
-        if self._registers(worker):
+        if self._registers(plan, worker):
             assert mapping is not None
-            self._work_registered(worker, fd, mapping, take, device, start_event)
+            self._work_registered(plan, worker, fd, mapping, take, device, start_event)
         else:
-            self._work_staged(worker, fd, take, device, start_event)
+            self._work_staged(plan, worker, fd, take, device, start_event)
 
     def _work_staged(
         self,
+        plan: _Plan,
         worker: int,
         fd: int,
         take: Callable[[], _Window | None],
@@ -289,7 +357,7 @@ class ParallelReader:
         start_event: torch.cuda.Event | None,
         first: _Window | None = None,
     ) -> None:
-        slot = self._slot(worker, device)
+        slot = self._slot(worker, device, plan.chunk)
         slot.stream.wait_event(start_event)
         k = 0
         try:
@@ -311,6 +379,7 @@ class ParallelReader:
 
     def _work_registered(
         self,
+        plan: _Plan,
         worker: int,
         fd: int,
         mapping: _Mapping,
@@ -341,7 +410,7 @@ class ParallelReader:
                     # this thread stages the rest of its windows instead.
                     logger.warning("marlin-pack: cudaHostRegister of the bundle map failed (%s); staging instead", err)
                     self._registration_failed = True
-                    self._work_staged(worker, fd, take, device, start_event, first=window)
+                    self._work_staged(plan, worker, fd, take, device, start_event, first=window)
                     return
                 event = torch.cuda.Event()
                 in_flight.append((ptr, event))

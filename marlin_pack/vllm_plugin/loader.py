@@ -195,7 +195,11 @@ class MarlinPrepackedLoader(BaseModelLoader):
             self._default_loader().load_weights(model, model_config)
             return
         bundle = state.bundle
-        with ParallelReader(self.options.io_threads, self.options.chunk_mb << 20, self.options.io_mode) as reader:
+        with ParallelReader(
+            self.options.io_threads,
+            None if self.options.chunk_mb is None else self.options.chunk_mb << 20,
+            self.options.io_mode,
+        ) as reader:
             t0 = time.perf_counter()
             items = self._place(state, bundle.rank_header)  # header checked before the GPU, by decide()
             self._timings.copy_bytes = reader.copy(bundle.rank_file, items)
@@ -217,7 +221,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             self._timings.copy,
             self._timings.copy_bytes / 1e9,
             self._timings.copy_bytes / max(self._timings.copy, 1e-9) / 1e9,
-            self.options.io_mode,
+            "/".join(sorted(reader.modes_used)) or "-",
             self._timings.common,
         )
 

@@ -16,8 +16,8 @@ from marlin_pack._constants import LOAD_FORMAT
 __all__ = ["IO_MODES", "IoMode", "LoaderOptions", "OPTION_KEYS", "parse_extra_config"]
 
 Verify = Literal["auto", "full", "size"]
-IoMode = Literal["staged", "registered", "hybrid"]
-IO_MODES: tuple[str, ...] = ("staged", "registered", "hybrid")  # see vllm_plugin/gpu_reader.py
+IoMode = Literal["auto", "staged", "registered", "hybrid"]
+IO_MODES: tuple[str, ...] = ("auto", "staged", "registered", "hybrid")  # see vllm_plugin/gpu_reader.py
 _FULL_HASH: dict[str, bool | None] = {"auto": None, "full": True, "size": False}
 
 
@@ -31,20 +31,20 @@ class LoaderOptions:
             refusing a missing, stale or mismatched bundle.
         verify: ``auto`` hashes files whose (size, mtime) stamp changed since the last
             check, ``full`` hashes everything, ``size`` checks sizes and headers only.
-        io_threads: reader threads (each with its own CUDA stream).
-        chunk_mb: size of one read / host-to-device copy window, in MiB.
+        io_threads: reader threads (each with its own CUDA stream); default per mode.
+        chunk_mb: size of one read / host-to-device copy window, in MiB; default per mode.
         io_mode: how a window reaches the GPU: ``staged`` (read into pinned buffers),
-            ``registered`` (page-lock the mapped file in place) or ``hybrid`` (half the
-            threads each way).
+            ``registered`` (page-lock the mapped file in place), ``hybrid`` (half the
+            threads each way) or ``auto`` (staged for a file on tmpfs, else registered).
     """
 
     bundle: Path | None = None
     fallback: bool = False
     verify: Verify = "auto"
-    # Defaults measured on an H200 host: see vllm_plugin/gpu_reader.py.
-    io_threads: int = 16
-    chunk_mb: int = 256
-    io_mode: IoMode = "registered"
+    # None: the measured defaults of the mode used (vllm_plugin/gpu_reader.py MODE_DEFAULTS).
+    io_threads: int | None = None
+    chunk_mb: int | None = None
+    io_mode: IoMode = "auto"
 
     @property
     def full_hash(self) -> bool | None:
@@ -54,8 +54,10 @@ class LoaderOptions:
 OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode")
 
 
-def _int_option(extra: Mapping[str, Any], key: str, default: int, high: int) -> int:
+def _int_option(extra: Mapping[str, Any], key: str, default: int | None, high: int) -> int | None:
     value = extra.get(key, default)
+    if value is None and default is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
         raise ValueError(f"model_loader_extra_config[{key!r}] must be an integer in 1..{high}, got {value!r}")
     return value

@@ -28,7 +28,7 @@ def tensor_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("mode", ["staged", "registered", "hybrid"])
+@pytest.mark.parametrize("mode", ["auto", "staged", "registered", "hybrid"])
 @pytest.mark.parametrize(("threads", "chunk"), [(1, 1 << 16), (4, 1 << 16), (3, 1 << 30)])
 def test_reader_modes_copy_every_byte_to_the_gpu(tensor_file: Path, mode: str, threads: int, chunk: int) -> None:
     header = read_header(tensor_file)

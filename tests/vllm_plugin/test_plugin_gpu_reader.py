@@ -85,5 +85,26 @@ def test_windows_are_page_aligned_and_cover_every_byte(awq_bundle: Path, chunk: 
 
 
 def test_unknown_io_mode_is_refused() -> None:
-    with pytest.raises(ValueError, match="io mode 'fast': expected one of staged, registered, hybrid"):
+    with pytest.raises(ValueError, match="io mode 'fast': expected one of auto, staged, registered, hybrid"):
         ParallelReader(mode="fast")  # type: ignore[arg-type]
+
+
+def test_auto_mode_stages_files_in_memory_and_registers_the_rest(tmp_path: Path) -> None:
+    from marlin_pack.vllm_plugin.gpu_reader import MODE_DEFAULTS, filesystem_type, resolve_mode
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/vda1 / ext4 rw 0 0\nproc /proc proc rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\n"
+        "/dev/vdb /data xfs rw 0 0\nnone /data/shm\\040x tmpfs rw 0 0\n"
+    )
+    assert filesystem_type("/dev/shm/b/rank-0.safetensors", mounts) == "tmpfs"
+    assert filesystem_type("/data/b", mounts) == "xfs"
+    assert filesystem_type("/data/shm x/b", mounts) == "tmpfs"  # octal escapes in mount points
+    assert filesystem_type("/database/b", mounts) == "ext4"  # a prefix of a name is not a parent
+    assert filesystem_type("/x", tmp_path / "missing") is None
+    assert resolve_mode("staged", "/dev/shm/x") == "staged"
+    here = resolve_mode("auto", tmp_path / "f")
+    assert here == ("staged" if filesystem_type(tmp_path) in ("tmpfs", "ramfs") else "registered")
+    plan = ParallelReader(mode="auto").plan(tmp_path / "f")
+    assert (plan.threads, plan.chunk) == MODE_DEFAULTS[plan.mode]
+    assert ParallelReader(threads=3, chunk_bytes=5000, mode="staged").plan(tmp_path / "f").chunk == 1 << 16
