@@ -7,8 +7,7 @@ Runs on a GPU machine with vLLM 0.33.0 and marlin-pack installed:
 
 For each format it generates a synthetic checkpoint on the GPU (random packed words are valid
 quantized values) under ``--workdir``, converts it (``--device cuda``, timed) into a bundle under
-``--bundle-root`` (a 70B checkpoint and its bundle do not both fit a 64 GiB disk: put the bundle
-on ``/dev/shm``), warms the page cache with both, then starts, one engine per process:
+``--bundle-root``, warms the page cache with both, then starts, one engine per process:
 
 * ``ordinary``: vLLM's own loading of the checkpoint, Marlin forced;
 * ``prepacked``: ``--load-format marlin_prepacked``, once per ``--io`` loader configuration;
@@ -20,6 +19,11 @@ loader's own phase line, the daemon's fill time, the peak GPU memory torch alloc
 loading, and, measured in the same run, the pinned host-to-GPU bandwidth that the loader's
 read+copy rate is compared with. ``--profile`` adds the top of a cProfile of the loader's
 ``load_model`` for the prepacked and attach engines.
+
+A 70B checkpoint (40 GB) and its bundle (38 GB) do not both fit a 64 GiB disk. The loader's
+reader behaves differently on tmpfs (``io_mode`` ``auto`` stages there and pins page-cache
+pages in place elsewhere), so to measure what a server with the bundle on disk gets, put the
+checkpoint on tmpfs and the bundle on disk: ``--workdir /dev/shm/bench --bundle-root /tmp/bench``.
 """
 
 from __future__ import annotations
