@@ -60,7 +60,8 @@ def _warm(path: Path) -> float:
     return n / (time.perf_counter() - t) / 1e9
 
 
-def _h2d(pinned: bool, gb: float = 4.0, reps: int = 3) -> float:
+def h2d_gbps(pinned: bool = True, gb: float = 4.0, reps: int = 3) -> float:
+    """Host-to-GPU copy bandwidth from one ``gb`` GB host buffer (pinned or pageable), in GB/s."""
     n = int(gb * 1e9)
     src = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
     src.fill_(1)
@@ -71,7 +72,10 @@ def _h2d(pinned: bool, gb: float = 4.0, reps: int = 3) -> float:
     for _ in range(reps):
         dst.copy_(src, non_blocking=pinned)
     torch.cuda.synchronize()
-    return n * reps / (time.perf_counter() - t) / 1e9
+    rate = n * reps / (time.perf_counter() - t) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return rate
 
 
 def _reader(path: Path, dst: torch.Tensor, mode: str, threads: int, chunk_mb: int) -> float:
@@ -99,7 +103,7 @@ def main() -> None:
     t = time.perf_counter()
     _write(path, nbytes)
     print(f"file {path}: {nbytes / 1e9:.1f} GB written in {time.perf_counter() - t:.1f} s", flush=True)
-    pinned, pageable = _h2d(True), _h2d(False)
+    pinned, pageable = h2d_gbps(True), h2d_gbps(False)
     print(f"pinned host->GPU {pinned:.1f} GB/s; pageable host->GPU {pageable:.1f} GB/s", flush=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     print(f"page cache warm: plain sequential read {_warm(path):.1f} GB/s (1 thread)", flush=True)

@@ -178,24 +178,6 @@ def _warm(paths: list[Path]) -> float:
     return n / 1e9
 
 
-def _pinned_h2d_gbps(gb: float = 4.0, reps: int = 3) -> float:
-    import torch
-
-    n = int(gb * 1e9)
-    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    rate = n * reps / (time.perf_counter() - t) / 1e9
-    del src, dst
-    torch.cuda.empty_cache()
-    return rate
-
-
 def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
@@ -225,7 +207,9 @@ def main() -> None:
     shape = PRESETS[args.preset]
     if args.layers:
         shape = dataclasses.replace(shape, num_hidden_layers=args.layers)
-    pinned = _pinned_h2d_gbps()
+    from bench_h2d import h2d_gbps  # this folder is on sys.path when run as a script
+
+    pinned = h2d_gbps(pinned=True)
     print(f"pinned host->GPU bandwidth: {pinned:.1f} GB/s", flush=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     report = []
