@@ -1,0 +1,98 @@
+"""Tiny AWQ/GPTQ mixture-of-experts checkpoints (Mixtral, Qwen3-MoE), for the MoE oracle.
+
+As in ``arch_checkpoints``, the unquantized tensors (embeddings, norms, router) and all
+names come from **transformers' own model class**, built from a tiny config and saved with
+``save_pretrained`` (which writes one tensor per expert: ``experts.<e>.w1`` / ``gate_proj``
+...). Then every decoder ``nn.Linear``-shaped weight except the router is replaced by random
+AWQ (GEMM) or GPTQ tensors, as the quantizers write them: attention and each expert's
+gate/up/down projections quantized, the router (``block_sparse_moe.gate`` / ``mlp.gate``)
+kept in 16-bit.
+
+``random_gptq_zeros``: symmetric GPTQ checkpoints carry constant zero points that vLLM's
+kernel ignores, but vLLM's MoE path still permutes and keeps them; random words make a
+wrong zero-point permutation visible in comparisons.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from arch_checkpoints import quant_config
+from safetensors.torch import load_file, save_file
+
+from marlin_pack.testing.synthetic import quantized_linear_tensors
+
+__all__ = ["MOE_CONFIGS", "ROUTERS", "write_moe_checkpoint"]
+
+_TEXT = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+             vocab_size=512, max_position_embeddings=4096)
+
+MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "MixtralForCausalLM": dict(model_type="mixtral", **_TEXT, intermediate_size=512, num_local_experts=4,
+                               num_experts_per_tok=2, tie_word_embeddings=False),
+    "Qwen3MoeForCausalLM": dict(model_type="qwen3_moe", **_TEXT, head_dim=64, intermediate_size=512,
+                                moe_intermediate_size=512, num_experts=4, num_experts_per_tok=2,
+                                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                tie_word_embeddings=False),
+}
+
+# The router module's last name per architecture: never quantized by AutoAWQ / GPTQModel.
+ROUTERS = {"MixtralForCausalLM": "block_sparse_moe.gate", "Qwen3MoeForCausalLM": "mlp.gate"}
+
+
+def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model(**config)
+    cfg.architectures = config["architectures"]
+    model = getattr(transformers, config["architectures"][0])._from_config(cfg, dtype=dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        sd: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(tmp).glob("*.safetensors")):
+            sd.update(load_file(str(f)))
+    return sd
+
+
+def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bits: int = 4, group_size: int = 128,
+                         dtype: torch.dtype = torch.float16, seed: int = 0, random_gptq_zeros: bool = False,
+                         quant_overrides: dict[str, Any] | None = None, **config_overrides: Any) -> Path:
+    """Write a tiny quantized MoE checkpoint of ``architecture`` to ``out``; returns ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads(json.dumps(MOE_CONFIGS[architecture]))
+    config.update(config_overrides)
+    config["architectures"] = [architecture]
+    config["torch_dtype"] = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    sd = _hf_state_dict(config, dtype, seed)
+    qc = {**quant_config(fmt, bits, group_size), **(quant_overrides or {})}
+    router = ROUTERS[architecture]
+    tensors: dict[str, torch.Tensor] = {}
+    n_quantized = 0
+    for name, t in sd.items():
+        module, _, leaf = name.rpartition(".")
+        is_linear = (leaf == "weight" and t.dim() == 2 and re.search(r"(^|\.)layers\.\d+\.", module)
+                     and "norm" not in module and not module.endswith(router))
+        if not is_linear:
+            tensors[name] = t
+            continue
+        n, k = t.shape
+        q = quantized_linear_tensors(module, k, n, qc, seed)
+        if random_gptq_zeros and fmt == "gptq":
+            g = torch.Generator().manual_seed(zlib.crc32(module.encode()) + seed)
+            z = q[f"{module}.qzeros"]
+            q[f"{module}.qzeros"] = torch.randint(-2**31, 2**31 - 1, z.shape, generator=g, dtype=torch.int32)
+        tensors.update(q)
+        n_quantized += 1
+    assert n_quantized and any(".experts." in n for n in tensors), "no experts quantized"
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
