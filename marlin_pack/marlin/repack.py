@@ -35,6 +35,7 @@ __all__ = [
     "unpermute_bias",
     "unpack_gptq_qweight",
     "unpack_awq_cols",
+    "unpack_cols",
     "awq_to_natural",
     "AWQ_SLOTS",
 ]
@@ -252,6 +253,11 @@ def unpack_awq_cols(packed: torch.Tensor) -> torch.Tensor:
     ``source_slots`` to the packers, or :func:`awq_to_natural` to reorder.
     """
     return _unpack_words_into_codes(packed, 4)
+
+
+def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[R, N*bits/32]`` int32 packed along N, lowest bits first (GPTQ ``qzeros``), into ``[R, N]`` uint8."""
+    return _unpack_words_into_codes(packed, bits)
 
 
 def awq_to_natural(codes: torch.Tensor) -> torch.Tensor:

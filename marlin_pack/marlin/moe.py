@@ -1,0 +1,232 @@
+"""Mixture-of-experts layers: the stacked Marlin expert tensors vLLM 0.33.0 holds per rank.
+
+vLLM 0.33.0 serves AWQ (GEMM, zero points) and symmetric GPTQ (4/8-bit) experts through
+``AutoAWQMoEMethod`` / ``AutoGPTQMoEMethod`` on the Marlin MoE backend (``--moe-backend
+marlin``; also what ``auto`` picks on SM90 without the optional ``humming`` package). With
+tensor parallelism and no expert parallelism every rank holds **all** experts and a slice of
+each expert's intermediate size ``I``: ``I_r = I / tp`` rows of ``gate``/``up`` output and of
+``down`` input. Per experts layer it keeps, stacked over experts ``E``:
+
+- ``w13_qweight`` int32 ``[E, H/16, 2*Ip*bits/2]``: per expert the Marlin repack of
+  ``[gate_r | up_r]`` (``[H, 2*Ip]`` codes), each shard zero-padded from ``I_r`` to ``Ip``;
+- ``w2_qweight`` int32 ``[E, Ip/16, H*bits/2]``: the Marlin repack of ``down_r`` (``[Ip, H]``,
+  rows zero-padded);
+- ``w13_scales`` / ``w2_scales`` (serving dtype) ``[E, G13, 2*Ip]`` / ``[E, G2, H]``, padded like
+  the weights and Marlin-permuted per expert;
+- ``w13_qzeros`` / ``w2_qzeros`` int32 ``[E, G13, 2*Ip*bits/32]`` / ``[E, G2, H*bits/32]``: the
+  checkpoint zero points in Marlin's zero-point layout, **for GPTQ too** (vLLM converts and
+  keeps symmetric GPTQ's stored zero points although its kernel does not read them);
+- no bias (the supported architectures have none; vLLM drops the never-loaded placeholders).
+
+``Ip`` is ``I_r`` rounded up to a multiple of ``lcm(64, group_size)``. The scale permutation
+(64-column or 32-column "single") is chosen by ``group_size < size_k`` with vLLM's own
+``size_k``: ``I_r`` for ``w13`` (not the hidden size, an upstream quirk kept for bit-identity),
+``Ip`` for GPTQ's ``w2`` and ``I_r`` for AWQ's ``w2``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.marlin.packed_codes import PackedCodes, cat_columns
+from marlin_pack.marlin.repack import pack_marlin_zero_points, pad2d, permute_scales, unpack_cols
+from marlin_pack.marlin.sharding import ModuleTensors
+from marlin_pack.marlin.word_repack import marlin_weights
+from marlin_pack.schemas import QuantScheme, SourceFormat
+
+__all__ = [
+    "MoeArchitecture",
+    "MOE_ARCHITECTURES",
+    "MoeRankShape",
+    "ExpertTensors",
+    "moe_padded_intermediate",
+    "moe_rank_shape",
+    "moe_tensor_specs",
+    "build_moe_rank_tensors",
+    "read_expert",
+]
+
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
+_MARLIN_GROUPS = (-1, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class MoeArchitecture:
+    """Where one architecture's routed experts live, in the checkpoint and in vLLM 0.33.0."""
+
+    name: str
+    vllm_class: str
+    block: str  # checkpoint module of the sparse block under a decoder layer
+    gate: str  # per-expert leaf names under f"{block}.experts.{e}"
+    up: str
+    down: str
+    num_experts_key: str
+    intermediate_key: str
+    vllm_experts: str  # vLLM's experts module under a decoder layer
+
+    def checkpoint_expert(self, layers: str, layer: int, expert: int) -> str:
+        return f"{layers}.{layer}.{self.block}.experts.{expert}"
+
+    def vllm_prefix(self, layers: str, layer: int) -> str:
+        return f"{layers}.{layer}.{self.vllm_experts}"
+
+
+MOE_ARCHITECTURES: dict[str, MoeArchitecture] = {
+    a.name: a
+    for a in (
+        MoeArchitecture("MixtralForCausalLM", "mixtral.MixtralForCausalLM", "block_sparse_moe", "w1", "w3", "w2",
+                        "num_local_experts", "intermediate_size", "block_sparse_moe.experts.routed_experts"),
+        MoeArchitecture("Qwen3MoeForCausalLM", "qwen3_moe.Qwen3MoeForCausalLM", "mlp", "gate_proj", "up_proj", "down_proj",
+                        "num_experts", "moe_intermediate_size", "mlp.experts.routed_experts"),
+    )
+}
+
+
+def moe_padded_intermediate(i_part: int, group_size: int) -> int:
+    """The per-rank intermediate size after Marlin MoE tile padding (a multiple of 64 and of the group)."""
+    unit = math.lcm(64, group_size if group_size > 0 else 1)
+    return -(-i_part // unit) * unit
+
+
+@dataclass(frozen=True)
+class MoeRankShape:
+    """Per-rank shapes of one experts layer (identical on every rank of a TP set)."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int  # per expert, whole model
+    tp: int
+    i_part: int  # I / tp
+    padded: int  # i_part after tile padding
+
+    def groups(self, scheme: QuantScheme) -> tuple[int, int]:
+        """Scale rows of w13 and w2."""
+        g = scheme.group_size
+        return (1, 1) if g == -1 else (self.hidden // g, self.padded // g)
+
+
+def moe_rank_shape(num_experts: int, hidden: int, intermediate: int, tp: int, scheme: QuantScheme, awq: bool) -> MoeRankShape:
+    """The shapes of an experts layer at ``--tp tp``; refuses what vLLM 0.33.0 would not run on Marlin MoE."""
+    g = scheme.group_size
+    if g not in _MARLIN_GROUPS:
+        raise UnsupportedCheckpointError(f"experts: group_size {g} is not one of {_MARLIN_GROUPS} (Marlin MoE)")
+    if awq and g == -1:
+        raise UnsupportedCheckpointError("experts: AWQ with group_size -1 cannot be loaded by vLLM 0.33.0's AutoAWQMoEMethod")
+    if hidden % 128:
+        raise UnsupportedCheckpointError(f"experts: hidden_size {hidden} is not a multiple of 128; vLLM 0.33.0's Marlin MoE refuses it")
+    if intermediate % tp:
+        raise UnsupportedCheckpointError(f"experts: intermediate size {intermediate} is not divisible by --tp {tp}")
+    i_part = intermediate // tp
+    if g > 0 and i_part % g:
+        raise UnsupportedCheckpointError(
+            f"experts: {i_part} intermediate features per rank at --tp {tp} split a quantization group of {g}; "
+            "vLLM 0.33.0 would use its MoeWNA16 kernels, not Marlin, choose a smaller --tp"
+        )
+    per_word = 8 if awq else 32 // scheme.bits
+    if i_part % per_word:
+        raise UnsupportedCheckpointError(
+            f"experts: {i_part} intermediate features per rank are not a multiple of {per_word} (packing); choose another --tp"
+        )
+    return MoeRankShape(num_experts, hidden, intermediate, tp, i_part, moe_padded_intermediate(i_part, g))
+
+
+def moe_tensor_specs(prefix: str, s: MoeRankShape, scheme: QuantScheme, dtype: torch.dtype) -> list[TensorSpec]:
+    """Names, dtypes and shapes of one experts layer's tensors in a rank file, in vLLM's parameter order."""
+    e, h, ip, b = s.num_experts, s.hidden, s.padded, scheme.bits
+    g13, g2 = s.groups(scheme)
+    return [
+        (f"{prefix}.w13_qweight", torch.int32, (e, h // 16, 2 * ip * b // 2)),
+        (f"{prefix}.w2_qweight", torch.int32, (e, ip // 16, h * b // 2)),
+        (f"{prefix}.w13_scales", dtype, (e, g13, 2 * ip)),
+        (f"{prefix}.w2_scales", dtype, (e, g2, h)),
+        (f"{prefix}.w13_qzeros", torch.int32, (e, g13, 2 * ip * b // 32)),
+        (f"{prefix}.w2_qzeros", torch.int32, (e, g2, h * b // 32)),
+    ]
+
+
+@dataclass
+class ExpertTensors:
+    """One expert's three checkpoint modules in canonical form (``zeros`` required: uint8 ``[G, N]``)."""
+
+    gate: ModuleTensors
+    up: ModuleTensors
+    down: ModuleTensors
+
+
+def _pad_code_cols(codes: PackedCodes, n: int) -> PackedCodes:
+    rows = codes.words.shape[0]
+    cols = n // codes.per_word if codes.along == "n" else n
+    return PackedCodes(pad2d(codes.words, rows, cols), codes.bits, codes.along, codes.slots)
+
+
+def _shard_cols(m: ModuleTensors, s: MoeRankShape, rank: int) -> tuple[PackedCodes, torch.Tensor, torch.Tensor]:
+    """gate or up: this rank's output columns, zero-padded to ``s.padded``."""
+    n0, n = rank * s.i_part, s.i_part
+    assert m.zeros is not None
+    codes = _pad_code_cols(m.codes.block(0, m.codes.shape[0], n0, n), s.padded)
+    scales = pad2d(m.scales[:, n0 : n0 + n], m.scales.shape[0], s.padded)
+    zeros = pad2d(m.zeros[:, n0 : n0 + n], m.zeros.shape[0], s.padded)
+    return codes, scales, zeros
+
+
+def build_moe_rank_tensors(prefix: str, s: MoeRankShape, scheme: QuantScheme, dtype: torch.dtype, rank: int,
+                           experts: Iterable[ExpertTensors], awq: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of one experts layer on rank ``rank``, expert by expert (names: :func:`moe_tensor_specs`)."""
+    specs = moe_tensor_specs(prefix, s, scheme, dtype)
+    out = {name: torch.empty(shape, dtype=dt) for name, dt, shape in specs}
+    g, b = scheme.group_size, scheme.bits
+    _, g2 = s.groups(scheme)
+    w2_size_k = s.i_part if awq else s.padded  # vLLM's size_k for the w2 scale permutation
+    slots = None
+    n_experts = 0
+    for e, ex in enumerate(experts):
+        if e >= s.num_experts:
+            raise UnsupportedCheckpointError(f"{prefix}: more than {s.num_experts} experts")
+        gate, up = _shard_cols(ex.gate, s, rank), _shard_cols(ex.up, s, rank)
+        slots = ex.gate.column_slots
+        codes13 = cat_columns([gate[0], up[0]])
+        out[f"{prefix}.w13_qweight"][e] = marlin_weights(codes13, s.hidden, 2 * s.padded)
+        scales13 = torch.cat([gate[1], up[1]], 1).to(dtype)
+        out[f"{prefix}.w13_scales"][e] = permute_scales(scales13, g, s.i_part)
+        zeros13 = torch.cat([gate[2], up[2]], 1)
+        out[f"{prefix}.w13_qzeros"][e] = pack_marlin_zero_points(zeros13, b, slots)
+
+        down, k0, k = ex.down, rank * s.i_part, s.i_part
+        assert down.zeros is not None
+        out[f"{prefix}.w2_qweight"][e] = marlin_weights(down.codes.block(k0, k, 0, s.hidden), s.padded, s.hidden)
+        rows = slice(None) if g == -1 else slice(k0 // g, (k0 + k) // g)
+        scales2 = pad2d(down.scales[rows], g2, s.hidden).to(dtype)
+        out[f"{prefix}.w2_scales"][e] = permute_scales(scales2, g, w2_size_k)
+        out[f"{prefix}.w2_qzeros"][e] = pack_marlin_zero_points(pad2d(down.zeros[rows], g2, s.hidden), b, down.column_slots)
+        n_experts += 1
+    if n_experts != s.num_experts:
+        raise UnsupportedCheckpointError(f"{prefix}: {n_experts} experts read, expected {s.num_experts}")
+    return out
+
+
+def read_expert(source: Any, ckpt: Any, arch: MoeArchitecture, prefix: str, hidden: int, intermediate: int,
+                device: torch.device) -> ExpertTensors:
+    """One expert's gate/up/down through the format's reader (its checks included), with zero points.
+
+    GPTQ readers drop ``qzeros`` (dense Marlin ignores them); vLLM's MoE path keeps them in
+    Marlin layout, so they are unpacked here (the reader has already checked they are the
+    symmetric constant).
+    """
+    dims = {arch.gate: (hidden, intermediate), arch.up: (hidden, intermediate), arch.down: (intermediate, hidden)}
+    mods = {}
+    for leaf, (k, n) in dims.items():
+        name = f"{prefix}.{leaf}"
+        source.validate(ckpt, name, k, n)
+        m = source.read(ckpt, name, k, n, device)
+        if m.bias is not None:
+            raise UnsupportedCheckpointError(f"{name}.bias: expert biases are not supported")
+        if source.format is SourceFormat.gptq_v1:
+            m.zeros = unpack_cols(ckpt.get(f"{name}.qzeros").to(device), source.bits)
+        mods[leaf] = m
+    return ExpertTensors(mods[arch.gate], mods[arch.up], mods[arch.down])
