@@ -1,4 +1,4 @@
-"""Tiny AWQ/GPTQ mixture-of-experts checkpoints (Mixtral, Qwen3-MoE), for the MoE oracle.
+"""Tiny AWQ/GPTQ mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE), for the MoE oracle.
 
 As in ``arch_checkpoints``, the unquantized tensors (embeddings, norms, router) and all
 names come from **transformers' own model class**, built from a tiny config and saved with
@@ -40,10 +40,17 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
                                 moe_intermediate_size=512, num_experts=4, num_experts_per_tok=2,
                                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                                 tie_word_embeddings=False),
+    # Qwen2-MoE: routed experts plus one dense shared expert (gate_proj/up_proj/down_proj) behind a
+    # sigmoid gate with one output (shared_expert_gate, never quantized).
+    "Qwen2MoeForCausalLM": dict(model_type="qwen2_moe", **_TEXT, intermediate_size=512, moe_intermediate_size=512,
+                                shared_expert_intermediate_size=1024, num_experts=4, num_experts_per_tok=2,
+                                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
+                                tie_word_embeddings=False),
 }
 
-# The router module's last name per architecture: never quantized by AutoAWQ / GPTQModel.
-ROUTERS = {"MixtralForCausalLM": "block_sparse_moe.gate", "Qwen3MoeForCausalLM": "mlp.gate"}
+# The router modules' last names per architecture: never quantized by AutoAWQ / GPTQModel.
+ROUTERS = {"MixtralForCausalLM": ("block_sparse_moe.gate",), "Qwen3MoeForCausalLM": ("mlp.gate",),
+           "Qwen2MoeForCausalLM": ("mlp.gate", "mlp.shared_expert_gate")}
 
 
 def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
@@ -73,13 +80,13 @@ def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bit
     config["torch_dtype"] = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     sd = _hf_state_dict(config, dtype, seed)
     qc = {**quant_config(fmt, bits, group_size), **(quant_overrides or {})}
-    router = ROUTERS[architecture]
+    routers = ROUTERS[architecture]
     tensors: dict[str, torch.Tensor] = {}
     n_quantized = 0
     for name, t in sd.items():
         module, _, leaf = name.rpartition(".")
         is_linear = (leaf == "weight" and t.dim() == 2 and re.search(r"(^|\.)layers\.\d+\.", module)
-                     and "norm" not in module and not module.endswith(router))
+                     and "norm" not in module and not module.endswith(routers))
         if not is_linear:
             tensors[name] = t
             continue

@@ -27,7 +27,8 @@ from vllm_moe_reference import VllmRefusedError, reference_moe_rank_tensors  # n
 
 # Checkpoint tensor names of gate / up / down per architecture, and the experts module vLLM builds.
 _PROJ = {"MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
-         "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj")}
+         "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+         "Qwen2MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj")}
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +198,8 @@ CASES = [  # arch, fmt, checkpoint kwargs, serving dtype
     ("MixtralForCausalLM", "awq", {}, torch.bfloat16),
     ("Qwen3MoeForCausalLM", "gptq", {"random_gptq_zeros": True}, torch.bfloat16),
     ("Qwen3MoeForCausalLM", "awq", {}, torch.float16),
+    ("Qwen2MoeForCausalLM", "gptq", {"random_gptq_zeros": True}, torch.float16),
+    ("Qwen2MoeForCausalLM", "awq", {}, torch.bfloat16),
 ]
 
 
@@ -218,8 +221,11 @@ def test_oracle_stacks_experts_per_rank(ckpt, arch: str, fmt: str, kw: dict, dty
             got = {k.removeprefix(pre + "."): (v.dtype, tuple(v.shape)) for k, v in ref.items() if k.startswith(pre + ".")}
             assert got == want, (tp, rank, layer)
             assert info["aliases"][f"{pre}.w13_weight"] == f"{pre}.w13_qweight"
-            for dense in ("self_attn.qkv_proj", "self_attn.o_proj"):
-                assert f"model.layers.{layer}.{dense}.qweight" in ref
+            dense = ["self_attn.qkv_proj", "self_attn.o_proj"]
+            if arch == "Qwen2MoeForCausalLM":  # the shared expert is a dense Marlin MLP beside the routed experts
+                dense += ["mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj"]
+            for name in dense:
+                assert f"model.layers.{layer}.{name}.qweight" in ref, name
         # nothing else quantized: the router stays 16-bit (not a Marlin layer)
         assert not [k for k in ref if ".gate." in k or k.endswith(".gate")]
         assert _check_contents(arch, fmt, 128, tp, rank, dtype, ref, sd) == 2 * 4

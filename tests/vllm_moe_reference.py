@@ -2,7 +2,7 @@
 
 ``reference_moe_rank_tensors(model_dir, tp_size, rank, dtype)`` returns what stock vLLM 0.33.0
 holds on one tensor-parallel rank after ``process_weights_after_loading``, for every AWQ/GPTQ
-layer of an MoE checkpoint (Mixtral, Qwen3-MoE): the dense Marlin linear layers exactly as
+layer of an MoE checkpoint (Mixtral, Qwen3-MoE, Qwen2-MoE): the dense Marlin linear layers exactly as
 :func:`vllm_reference.reference_rank_tensors` reports them, plus every parameter of each
 routed-experts layer run by ``AutoAWQMoEMethod`` / ``AutoGPTQMoEMethod`` on the Marlin MoE
 backend (``w13_qweight``, ``w2_qweight``, ``w13_scales``, ``w2_scales``, ``w13_qzeros``,

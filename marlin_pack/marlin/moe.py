@@ -84,6 +84,9 @@ MOE_ARCHITECTURES: dict[str, MoeArchitecture] = {
                         "num_local_experts", "intermediate_size", "block_sparse_moe.experts.routed_experts"),
         MoeArchitecture("Qwen3MoeForCausalLM", "qwen3_moe.Qwen3MoeForCausalLM", "mlp", "gate_proj", "up_proj", "down_proj",
                         "num_experts", "moe_intermediate_size", "mlp.experts.routed_experts"),
+        # Qwen2-MoE's shared expert (mlp.shared_expert.*) is a dense MLP: ordinary Marlin linears.
+        MoeArchitecture("Qwen2MoeForCausalLM", "qwen2_moe.Qwen2MoeForCausalLM", "mlp", "gate_proj", "up_proj", "down_proj",
+                        "num_experts", "moe_intermediate_size", "mlp.experts.routed_experts"),
     )
 }
 

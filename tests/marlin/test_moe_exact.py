@@ -93,6 +93,8 @@ CASES = [
     ("MixtralForCausalLM", "awq", {}, torch.bfloat16),
     ("Qwen3MoeForCausalLM", "gptq", {}, torch.bfloat16),
     ("Qwen3MoeForCausalLM", "awq", {}, torch.float16),
+    ("Qwen2MoeForCausalLM", "awq", {}, torch.bfloat16),
+    ("Qwen2MoeForCausalLM", "gptq", {}, torch.float16),
 ]
 
 
