@@ -36,7 +36,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory):
     cache: dict[tuple, Path] = {}
 
     def make(arch: str, fmt: str, **kw) -> Path:
-        key = (arch, fmt, tuple(sorted(kw.items())))
+        key = (arch, fmt, repr(sorted(kw.items())))
         if key not in cache:
             d = tmp_path_factory.mktemp(f"{arch}-{fmt}")
             cache[key] = write_moe_checkpoint(d, arch, fmt, **kw)
@@ -269,3 +269,19 @@ def test_oracle_refuses_a_group_straddling_the_rank_intermediate(ckpt, fmt: str)
     model = ckpt("Qwen3MoeForCausalLM", fmt, group_size=32, moe_intermediate_size=192)
     with pytest.raises(VllmRefusedError, match="MoeWNA16"):
         reference_moe_rank_tensors(model, 4, 0, torch.float16)
+
+
+@pytest.mark.parametrize("arch,loads", [("MixtralForCausalLM", True), ("Qwen2MoeForCausalLM", False)])
+def test_awq_modules_to_not_convert_gate_is_a_substring_rule(ckpt, arch: str, loads: bool) -> None:
+    """AutoAWQ-style ``modules_to_not_convert: ["gate"]``: vLLM matches it as a substring of layer names.
+
+    Mixtral's layers hold no "gate" besides the router, so it loads; Qwen2-MoE's shared expert
+    ``mlp.shared_expert.gate_up_proj`` becomes unquantized and its quantized tensors fail to load.
+    """
+    model = ckpt(arch, "awq", quant_overrides={"modules_to_not_convert": ["gate"]})
+    if loads:
+        ref = reference_moe_rank_tensors(model, 1, 0, torch.float16)
+        assert f"{_experts_prefix(arch, 0)}.w13_qweight" in ref
+    else:
+        with pytest.raises(VllmRefusedError, match="weight loading fails"):
+            reference_moe_rank_tensors(model, 1, 0, torch.float16)
