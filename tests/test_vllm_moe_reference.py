@@ -285,3 +285,18 @@ def test_awq_modules_to_not_convert_gate_is_a_substring_rule(ckpt, arch: str, lo
     else:
         with pytest.raises(VllmRefusedError, match="weight loading fails"):
             reference_moe_rank_tensors(model, 1, 0, torch.float16)
+
+
+@pytest.mark.parametrize("humming", [False, True])
+def test_what_auto_picks_on_sm90(ckpt, humming: bool) -> None:
+    """``--moe-backend auto`` on SM90: FLASHINFER_TRTLLM is skipped (AWQ/GPTQ may carry zero points
+    and bias), Humming is moved ahead of Marlin but needs the optional ``humming`` package; without
+    it vLLM runs the experts on Marlin, with it on Humming (which the oracle refuses)."""
+    model = ckpt("MixtralForCausalLM", "gptq")
+    if not humming:
+        info: dict = {}
+        reference_moe_rank_tensors(model, 1, 0, torch.float16, info=info, moe_backend="auto")
+        assert {v["backend"] for v in info["layers"].values()} == {"MARLIN"}
+    else:
+        with pytest.raises(VllmRefusedError, match="backend is WNA16MoEBackend.HUMMING"):
+            reference_moe_rank_tensors(model, 1, 0, torch.float16, moe_backend="auto", humming_installed=True)

@@ -55,6 +55,7 @@ from vllm_reference import VllmRefusedError
 __all__ = ["MOE_METHODS", "VllmRefusedError", "moe_layers", "reference_moe_rank_tensors"]
 
 MOE_METHODS = ("AutoAWQMoEMethod", "AutoGPTQMoEMethod")
+_SM90 = vr._CAPABILITY[0] * 10 + vr._CAPABILITY[1]
 
 
 @functools.lru_cache(maxsize=1)
@@ -161,7 +162,7 @@ class _GroupWithDevice(vr._Group):
 
 
 @contextlib.contextmanager
-def _moe_patched(tp_size: int, rank: int):
+def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False):
     m = _moe_vllm()
     v = m.base
     saved: list[tuple[Any, str, Any]] = []
@@ -181,6 +182,14 @@ def _moe_patched(tp_size: int, rank: int):
                 if "current_platform" in mod.__dict__:
                     setattr_saved(mod, "current_platform", view)
             setattr_saved(m.int_wna16, "ops", _MoEOpsProxy(m.custom_ops))
+            # Humming's priority asks the real platform for the capability (a local import): give it SM90's.
+            real_priority = m.int_wna16.prioritize_humming
+            setattr_saved(m.int_wna16, "prioritize_humming", lambda kernels, cc=None: real_priority(kernels, cc or _SM90))
+            if humming_installed:
+                import vllm.model_executor.layers.fused_moe.experts.fused_humming_moe as humming_moe
+
+                setattr_saved(humming_moe, "current_platform", view)
+                setattr_saved(humming_moe, "has_humming", lambda: True)
             yield m
         finally:
             for obj, name, old in reversed(saved):
@@ -196,14 +205,14 @@ def _moe_patched(tp_size: int, rank: int):
 # --------------------------------------------------------------------------------------
 
 
-def _build(model_dir: Path, tp_size: int, dtype: torch.dtype, m: Any) -> tuple[Any, Any]:
-    """As ``vllm_reference.vllm_model``, with ``KernelConfig(moe_backend="marlin")``."""
+def _build(model_dir: Path, tp_size: int, dtype: torch.dtype, m: Any, moe_backend: str) -> tuple[Any, Any]:
+    """As ``vllm_reference.vllm_model``, with ``KernelConfig(moe_backend=moe_backend)``."""
     v = m.base
     try:
         model_config = v.ModelConfig(model=str(model_dir), dtype=str(dtype).removeprefix("torch."),
                                      trust_remote_code=True, skip_tokenizer_init=True, enforce_eager=True)
         vllm_config = v.VllmConfig(model_config=model_config, device_config=v.DeviceConfig("cpu"),
-                                   load_config=v.LoadConfig(), kernel_config=m.KernelConfig(moe_backend="marlin"))
+                                   load_config=v.LoadConfig(), kernel_config=m.KernelConfig(moe_backend=moe_backend))
         with torch.device("cpu"):
             model = v.initialize_model(vllm_config)
     except vr._OracleBug:
@@ -250,7 +259,8 @@ def _dense_layers(model: torch.nn.Module, experts: dict[str, torch.nn.Module]) -
 
 
 def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: torch.dtype, *,
-                               info: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+                               info: dict[str, Any] | None = None, moe_backend: str = "marlin",
+                               humming_installed: bool = False) -> dict[str, torch.Tensor]:
     """What stock vLLM 0.33.0 holds on TP rank ``rank`` of ``tp_size`` for every AWQ/GPTQ layer
     (dense Marlin linears and Marlin MoE experts) of the MoE checkpoint in ``model_dir``, after
     ``process_weights_after_loading``. Expert tensors are every parameter of the experts module
@@ -259,6 +269,9 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
 
     ``info``, if given, receives ``model_class``, per-experts-layer ``method`` / ``backend`` /
     ``experts_class`` / ``intermediate_size_per_partition``, and ``aliases`` (alias -> parameter).
+    ``moe_backend``: vLLM's ``--moe-backend`` ("marlin" by default; "auto" shows vLLM's own
+    choice on SM90). ``humming_installed``: pretend the optional ``humming`` package is present
+    (as far as the Humming MoE experts' device check asks), to show what ``auto`` picks then.
     Raises :class:`VllmRefusedError` where vLLM would not serve a layer through Marlin or fails.
     """
     model_dir = Path(model_dir)
@@ -266,9 +279,9 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
         raise ValueError(f"serving dtype must be float16 or bfloat16, not {dtype}")
     if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= rank < tp_size):
         raise ValueError(f"bad tp_size/rank {tp_size}/{rank}")
-    with vr._LOCK, _moe_patched(tp_size, rank) as m, m.base.set_default_torch_dtype(dtype):
+    with vr._LOCK, _moe_patched(tp_size, rank, humming_installed) as m, m.base.set_default_torch_dtype(dtype):
         v = m.base
-        model, model_config = _build(model_dir, tp_size, dtype, m)
+        model, model_config = _build(model_dir, tp_size, dtype, m, moe_backend)
         experts = moe_layers(model)
         if not experts:
             raise ValueError(f"vLLM builds no quantized MoE layer for {model_dir}")
