@@ -343,7 +343,7 @@ def convert(
             hashes = [(f, pool.submit(file_digest, ckpt.dir / f, 1)) for f in ckpt.files]
             aliases = tied_copies(ckpt, plan) if plan.dims.tie_word_embeddings else {}
             stored = [n for n in plan.common if n not in aliases]
-            common = bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
+            bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
             ranks = {
                 (tp, rank): bundle.open_rank(
                     tp, rank, [s for e in plan.entries[tp] for s in tensor_specs(e, source.scheme, tdtype, source.format)]
@@ -372,7 +372,7 @@ def convert(
                 serving_dtype=serving_dtype,
                 activation_dtype=serving_dtype,
                 source=_source_entry(ckpt, plan, hashes),
-                common=common,
+                common=bundle.close_common(),
                 common_aliases=aliases,
                 tensor_parallel=bundle.close_ranks(plan.entries),
             )

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from marlin_pack.io.files import open_regular
+from marlin_pack.io.files import open_regular, start_writeback
 from marlin_pack.io.hashing import new_file_hasher
 
 if TYPE_CHECKING:
@@ -209,19 +209,28 @@ class StreamWriter:
         path: output file.
         entries: ``(name, dtype, shape)`` in the order tensors will be written.
         metadata: string-to-string ``__metadata__``.
+        max_in_flight: tensors queued for the writer thread before ``write`` waits; None for no
+            limit, only for tensors that cost no memory of their own (views of a memory map).
 
     ``write`` must then be called once per entry, in order; ``close`` returns
     ``(size, blake3)`` and refuses a file with tensors missing. Writing and hashing run
     on a background thread (both release the GIL), overlapping the next tensor's
-    computation; at most two tensors are in flight.
+    computation; by default at most two tensors are in flight. Every :attr:`WRITEBACK_BYTES` written, the
+    thread asks the kernel to start writing them to disk, so that the fsync in ``close`` waits
+    only for the tail, not for the whole file (measured on llama-1gb: 0.36 s of fsync at the end).
     """
 
-    _MAX_IN_FLIGHT = 2
+    WRITEBACK_BYTES = 64 << 20
 
     def __init__(
-        self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
+        self,
+        path: Path,
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str],
+        max_in_flight: int | None = 2,
     ) -> None:
         self.path = path
+        self._max_in_flight = max_in_flight
         self._expected = entries
         self._next = 0
         header: dict[str, object] = {"__metadata__": dict(metadata)}
@@ -237,6 +246,7 @@ class StreamWriter:
         self._hash = new_file_hasher()
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._size = 0
+        self._written_back = 0  # bytes handed to start_writeback so far
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marlin-pack-write")
         self._pending: deque[Future[None]] = deque()
         self._emit(struct.pack("<Q", len(raw)) + raw)
@@ -245,6 +255,10 @@ class StreamWriter:
         self._file.write(data)
         self._hash.update(data)
         self._size += len(data)
+        if self._size - self._written_back >= self.WRITEBACK_BYTES:
+            self._file.flush()
+            start_writeback(self._file.fileno(), self._written_back, self._size - self._written_back)
+            self._written_back = self._size
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next declared tensor (moved to CPU, made contiguous)."""
@@ -257,7 +271,7 @@ class StreamWriter:
             )
         t = tensor.detach().to("cpu").contiguous()
         if t.numel():
-            while len(self._pending) >= self._MAX_IN_FLIGHT:
+            while self._max_in_flight is not None and len(self._pending) >= self._max_in_flight:
                 self._pending.popleft().result()
             # The tensor is kept alive by the closure until its bytes are written.
             self._pending.append(self._io.submit(self._emit, memoryview(t.view(torch.uint8).reshape(-1).numpy())))
