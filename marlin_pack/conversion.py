@@ -359,9 +359,12 @@ def convert(
                     entry = plan.entries[tp][li]
                     for rank in range(tp):
                         fused = fuse_rank_slices(rank_slices(spec, plan.dims, tp, rank), parts, source.scheme.group_size)
-                        built = build_rank_tensors(entry, source.scheme, tdtype, *fused, slots, source.format, shape)
+                        w = ranks[(tp, rank)]
+                        # On the CPU the weight is built straight into the writer's recycled buffer.
+                        empty = w.empty if dev.type == "cpu" else None
+                        built = build_rank_tensors(entry, source.scheme, tdtype, *fused, slots, source.format, shape, empty)
                         for name, t in built.items():
-                            ranks[(tp, rank)].write(name, t)
+                            w.write(name, t)
                 del parts
                 if progress:
                     progress(li + 1, len(plan.layers), spec.name)

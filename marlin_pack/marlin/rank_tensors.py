@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -78,18 +79,22 @@ def build_rank_tensors(
     source_slots: tuple[int, ...] | None = None,
     fmt: SourceFormat | None = None,
     weight_shape: torch.Tensor | None = None,
+    empty: Callable[[str], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Pad and Marlin-transform one rank's fused, sliced layer (``[K, N]`` codes etc.).
 
     ``source_slots``: column order of ``zeros`` within each 8 (AWQ), see ModuleTensors.
     ``weight_shape``: compressed-tensors only, the value vLLM's ``weight_shape`` parameter holds.
+    ``empty``: gives, by name, the memory to build the (large) weight tensor in, on the codes'
+    device (a writer's recycled buffer: :meth:`~marlin_pack.io.safetensors_io.StreamWriter.empty`);
+    None for fresh memory.
     """
     kp, np_ = entry.padded_k, entry.padded_n
     gp = padded_groups(entry, scheme.group_size)
     pn = param_names(fmt)
     # vLLM copies checkpoint scales/bias into params_dtype parameters before processing.
     out = {
-        f"{entry.name}.{pn.weight}": marlin_weights(codes, kp, np_),
+        f"{entry.name}.{pn.weight}": marlin_weights(codes, kp, np_, empty(f"{entry.name}.{pn.weight}") if empty else None),
         f"{entry.name}.{pn.scales}": permute_scales(pad2d(scales.to(dtype), gp, np_), scheme.group_size, kp),
     }
     if scheme.zero_points:

@@ -71,13 +71,22 @@ def _delta_swap_within(v: torch.Tensor, shift: int, mask: int, tmp: torch.Tensor
     v.bitwise_xor_(tmp.bitwise_left_shift_(shift))
 
 
-def marlin_from_k_words(words: torch.Tensor) -> torch.Tensor:
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``out`` (a caller's buffer, e.g. a writer's recycled one), checked, or a fresh int32 tensor of ``shape``."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.int32, device=device)
+    if out.dtype != torch.int32 or tuple(out.shape) != shape or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"internal error: output {out.dtype} {list(out.shape)} on {out.device}, need int32 {list(shape)} on {device}")
+    return out
+
+
+def marlin_from_k_words(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """4-bit codes packed along K (GPTQ), ``[Kp/8, Np]`` int32, into Marlin's ``[Kp/16, 2*Np]``.
 
     A strip's source words are ``(h, n)``: rows ``8h..8h+7`` of column ``n``, nibble ``i`` = row
     ``8h + i``. With ``n = 64c + 16j + 8bl + a``, the four slots ``(h, bl)`` of each ``(c, j, a)``
     become Marlin words ``b = 2h + bl`` after swapping word bit h with nibble bit 0 (rows r/r+8),
-    bl with nibble bit 1 and h with nibble bit 2.
+    bl with nibble bit 1 and h with nibble bit 2. ``out``: where to write the result (else fresh).
     """
     rows, np_ = words.shape
     s, c = rows // 2, np_ // 64
@@ -89,17 +98,18 @@ def marlin_from_k_words(words: torch.Tensor) -> torch.Tensor:
     _delta_swap(buf[:, :, :, 0], buf[:, :, :, 1], 8, 0x00FF00FF, tmp)  # bl <-> nibble bit 1
     _delta_swap(buf[:, :, 0], buf[:, :, 1], 16, 0x0000FFFF, tmp)  # h <-> nibble bit 2
     # Slot (h, bl) of (c, j, a) is Marlin word (c, a, b = 2h + bl, j): a batched 16x8 transpose.
-    out = torch.empty((s * c, 8, 16), dtype=torch.int32, device=words.device)
-    out.copy_(buf.view(s * c, 16, 8).transpose(1, 2))
-    return out.view(s, 2 * np_)
+    result = _output(out, (s, 2 * np_), words.device)
+    result.view(s * c, 8, 16).copy_(buf.view(s * c, 16, 8).transpose(1, 2))
+    return result
 
 
-def marlin_from_awq_words(words: torch.Tensor) -> torch.Tensor:
+def marlin_from_awq_words(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """AutoAWQ 4-bit words (packed along N in :data:`AWQ_SLOTS` order), ``[Kp, Np/8]``, into ``[Kp/16, 2*Np]``.
 
     Source word ``(row 8h + 2b + l, column word 8c + 2j + bl)`` holds column ``a`` at nibble
     ``p`` with ``(p2, p1, p0) = (a0, a2, a1)``. Swapping word bits l, bl, h with nibble bits 2, 1, 0
-    leaves Marlin word ``(c, a, b, j)`` in slot ``(h, l, bl) = (a1, a0, a2)``.
+    leaves Marlin word ``(c, a, b, j)`` in slot ``(h, l, bl) = (a1, a0, a2)``. ``out``: as
+    :func:`marlin_from_k_words`.
     """
     kp, cols = words.shape
     s, c = kp // 16, cols // 8
@@ -116,20 +126,24 @@ def marlin_from_awq_words(words: torch.Tensor) -> torch.Tensor:
     # Two moves with long runs: int64 pairs (j, a2) into (s, c) blocks, then a batched 64x2 transpose.
     pairs = _workspace("pairs", (s, c, 2, 2, 2, 2, 4), torch.int64, words.device)  # s c a1 a0 b1 b0 j
     pairs.copy_(buf.view(torch.int64).view(s, 2, 2, 2, 2, c, 4).permute(0, 5, 1, 4, 2, 3, 6))
-    out = torch.empty((s * c, 2, 64), dtype=torch.int32, device=words.device)
-    out.copy_(pairs.view(torch.int32).view(s * c, 64, 2).transpose(1, 2))
-    return out.view(s, 2 * cols * 8)
+    result = _output(out, (s, 2 * cols * 8), words.device)
+    result.view(s * c, 2, 64).copy_(pairs.view(torch.int32).view(s * c, 64, 2).transpose(1, 2))
+    return result
 
 
-def marlin_weights(codes: PackedCodes, padded_k: int, padded_n: int) -> torch.Tensor:
+def marlin_weights(codes: PackedCodes, padded_k: int, padded_n: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Marlin-repacked weights ``[Kp/16, Np*bits/2]`` of ``codes`` zero-padded to ``[Kp, Np]``.
 
     4-bit words packed along K, or AWQ's words, take the word-level path; anything else (8-bit,
     unpacked codes) the generic :func:`~marlin_pack.marlin.repack.pack_marlin_weights`. Both give
-    the same bytes (tests/marlin).
+    the same bytes (tests/marlin). ``out``: an int32 tensor of that shape to write the result
+    into (returned), else the result is fresh memory.
     """
     if codes.bits == 4 and codes.along == "k":
-        return marlin_from_k_words(pad2d(codes.words, padded_k // 8, padded_n))
+        return marlin_from_k_words(pad2d(codes.words, padded_k // 8, padded_n), out)
     if codes.bits == 4 and codes.along == "n" and codes.slots == AWQ_SLOTS:
-        return marlin_from_awq_words(pad2d(codes.words, padded_k, padded_n // 8))
-    return pack_marlin_weights(pad2d(codes.unpack(), padded_k, padded_n), codes.bits)
+        return marlin_from_awq_words(pad2d(codes.words, padded_k, padded_n // 8), out)
+    packed = pack_marlin_weights(pad2d(codes.unpack(), padded_k, padded_n), codes.bits)
+    if out is None:
+        return packed
+    return _output(out, tuple(packed.shape), packed.device).copy_(packed)

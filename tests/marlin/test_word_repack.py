@@ -54,6 +54,9 @@ def test_word_repack_matches_marlin_weights(bits: int, k: int, n: int, kp: int, 
         assert torch.equal(packed.unpack(), codes.to(torch.uint8)), layout
         got = marlin_weights(packed, kp, np_)
         assert got.dtype == torch.int32 and torch.equal(got, want), layout
+        # Into a caller's buffer (a writer's recycled one) holding garbage: the same bytes, in that buffer.
+        out = torch.full_like(want, -1)
+        assert marlin_weights(packed, kp, np_, out).data_ptr() == out.data_ptr() and torch.equal(out, want), layout
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -69,3 +72,9 @@ def test_blocks_and_concatenation_match_unpacked_codes(bits: int) -> None:
             assert torch.equal(got.unpack(), want), (layout, k0, k, n0, n)
             np_, kp = repack.padded_nk(want.shape[1], k, -1)
             assert torch.equal(marlin_weights(got, kp, np_), repack.pack_marlin_weights(repack.pad2d(want, kp, np_), bits))
+
+
+def test_marlin_weights_refuses_an_output_of_another_shape() -> None:
+    packed = PackedCodes.from_codes(_codes(16, 64).to(torch.uint8), 4)
+    with pytest.raises(ValueError, match="internal error: output"):
+        marlin_weights(packed, 16, 64, torch.empty(1, 127, dtype=torch.int32))
