@@ -8,13 +8,11 @@ which opens without blocking and refuses anything but a regular file.
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import stat
-from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["NotRegularFileError", "FileTooLargeError", "open_regular", "read_limited", "rename_no_replace", "start_writeback"]
+__all__ = ["NotRegularFileError", "FileTooLargeError", "open_regular", "read_limited", "rename_no_replace"]
 
 
 class NotRegularFileError(OSError):
@@ -70,35 +68,6 @@ def read_limited(path: Path, limit: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
-
-
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
-
-
-@functools.cache
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's ``sync_file_range`` (Linux only; Python's ``os`` does not expose it), or None."""
-    import ctypes
-
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing ``length`` bytes of ``fd`` at ``offset`` to disk, without waiting.
-
-    Only a hint, for a file that will be fsynced later: the pages written back now are not left
-    for the fsync, which then waits only for the tail. Never raises; does nothing where
-    ``sync_file_range`` is missing (not Linux) or refused (some file systems).
-    """
-    fn = _sync_file_range()
-    if fn is not None:
-        fn(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def rename_no_replace(src: Path, dst: Path) -> None:

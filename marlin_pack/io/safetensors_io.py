@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marlin_pack.io.buffers import BufferPool
-from marlin_pack.io.files import open_regular, start_writeback
+from marlin_pack.io.files import open_regular
 from marlin_pack.io.hashing import new_file_hasher
 
 if TYPE_CHECKING:
@@ -214,17 +214,20 @@ class StreamWriter:
             limit, only for tensors that cost no memory of their own (views of a memory map).
 
     ``write`` must then be called once per entry, in order; ``close`` returns
-    ``(size, blake3)`` and refuses a file with tensors missing. Writing and hashing run
-    on a background thread (both release the GIL), overlapping the next tensor's
-    computation; by default at most two tensors are in flight. Every :attr:`WRITEBACK_BYTES` written, the
-    thread asks the kernel to start writing them to disk, so that the fsync in ``close`` waits
-    only for the tail, not for the whole file (measured on llama-1gb: 0.36 s of fsync at the end).
+    ``(size, blake3)`` and refuses a file with tensors missing. Writing and hashing run on
+    two background threads of their own (both release the GIL), overlapping each other and
+    the next tensor's computation (on one thread, the copy into the page cache plus BLAKE3
+    made the writer the conversion's bottleneck); by default at most two tensors are in
+    flight.
+
+    Nothing asks the kernel to write back early: ``close`` fsyncs the whole file. Starting
+    writeback every 64 MiB while converting (``sync_file_range``) cut that fsync from ~0.38 s
+    to ~0.03 s on llama-1gb, but slowed the writes themselves more (conversion 0.5 s slower,
+    3 runs out of 3, on a 2-core VM whose disk I/O competes with the conversion for the CPU).
 
     A caller that computes a tensor on the CPU can compute it into :meth:`empty`, a buffer the
     writer recycles once it is written (see :mod:`marlin_pack.io.buffers`), instead of fresh memory.
     """
-
-    WRITEBACK_BYTES = 64 << 20
 
     def __init__(
         self,
@@ -252,19 +255,18 @@ class StreamWriter:
         self._hash = new_file_hasher()
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._size = 0
-        self._written_back = 0  # bytes handed to start_writeback so far
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marlin-pack-write")
-        self._pending: deque[Future[None]] = deque()
-        self._emit(struct.pack("<Q", len(raw)) + raw)
+        self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marlin-pack-hash")
+        # Per tensor in flight: the tensor (kept alive until written and hashed), its write, its hash.
+        self._pending: deque[tuple[torch.Tensor, Future[None], Future[None]]] = deque()
+        prefix = struct.pack("<Q", len(raw)) + raw
+        self._hash.update(prefix)
+        self._emit(prefix)
 
     def _emit(self, data: bytes | memoryview) -> None:
+        """Append ``data`` to the file (the writer thread; hashing is the caller's)."""
         self._file.write(data)
-        self._hash.update(data)
         self._size += len(data)
-        if self._size - self._written_back >= self.WRITEBACK_BYTES:
-            self._file.flush()
-            start_writeback(self._file.fileno(), self._written_back, self._size - self._written_back)
-            self._written_back = self._size
 
     def empty(self, name: str) -> torch.Tensor:
         """An uninitialized CPU tensor of the declared ``name``'s dtype and shape, to compute into and pass to :meth:`write`.
@@ -278,6 +280,8 @@ class StreamWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next declared tensor (moved to CPU, made contiguous)."""
+        import torch
+
         want_name, dtype, shape = self._expected[self._next]
         if name != want_name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
             raise RuntimeError(
@@ -286,25 +290,20 @@ class StreamWriter:
         t = tensor.detach().to("cpu").contiguous()
         if t.numel():
             while self._max_in_flight is not None and len(self._pending) >= self._max_in_flight:
-                self._pending.popleft().result()
-            # The tensor is kept alive by the task until its bytes are written.
-            self._pending.append(self._io.submit(self._write_tensor, t))
+                self._retire()
+            data = memoryview(t.view(torch.uint8).reshape(-1).numpy())
+            # Both threads take tensors in file order: the file and its hash see the same bytes in the same order.
+            self._pending.append((t, self._io.submit(self._emit, data), self._hashing.submit(self._hash.update, data)))
         else:
             self._pool.give_back(t)
         self._next += 1
 
-    def _write_tensor(self, t: torch.Tensor) -> None:
-        """On the writer thread: write and hash ``t``, then recycle its buffer if it is the pool's.
-
-        Given back inside the task, not in a done-callback, so it is free again before the
-        future completes and ``write``'s wait for a slot also frees a buffer (the bound holds).
-        """
-        import torch
-
-        try:
-            self._emit(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
-        finally:
-            self._pool.give_back(t)
+    def _retire(self) -> None:
+        """Wait for the oldest tensor in flight to be written and hashed; recycle its buffer if it is the pool's."""
+        t, written, hashed = self._pending.popleft()
+        written.result()
+        hashed.result()
+        self._pool.give_back(t)
 
     def close(self) -> tuple[int, str]:
         """Flush and fsync; return ``(size, blake3)``."""
@@ -312,8 +311,9 @@ class StreamWriter:
             self.abort()
             raise RuntimeError(f"internal error: {self.path.name} closed after {self._next} of {len(self._expected)} tensors")
         while self._pending:
-            self._pending.popleft().result()
+            self._retire()
         self._io.shutdown()
+        self._hashing.shutdown()
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
@@ -322,6 +322,7 @@ class StreamWriter:
     def abort(self) -> None:
         """Stop writing and close the file (the caller removes it)."""
         self._io.shutdown(wait=True, cancel_futures=True)
+        self._hashing.shutdown(wait=True, cancel_futures=True)
         if not self._file.closed:
             # Closing flushes: on a full disk that fails again, and must not mask the first error.
             with contextlib.suppress(OSError):
