@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Interrupted", "check_output", "foreign_entry", "BundleWriter"]
 
+# The common file's tensors queued for writing at most (see BundleWriter.write_common).
+_COMMON_BYTES_IN_FLIGHT = 1 << 30
+
 # errnos for which "free space" is the right advice
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -227,8 +230,10 @@ class BundleWriter:
         caller converts layers; :meth:`close_common` waits for it. Closing here instead kept
         the first layer waiting for the embeddings' write and fsync (~0.5 s of llama-1gb's ~3 s).
         """
-        # No in-flight limit: ``read`` gives views of the checkpoint's memory map, which cost page cache, not heap.
-        w = self._track(StreamWriter(self.tmp / COMMON_FILE, specs, common_metadata(), max_in_flight=None))
+        # Limited by bytes, not by count: llama-1gb's two embeddings (262 MB) go into flight at once,
+        # so the first layer does not wait for them. safetensors >= 0.8 reads them as views of the
+        # memory map (page cache, not heap); the byte limit bounds memory where it copies them.
+        w = self._track(StreamWriter(self.tmp / COMMON_FILE, specs, common_metadata(), None, _COMMON_BYTES_IN_FLIGHT))
         for name, _, _ in specs:
             w.write(name, read(name))
         self._common = w

@@ -210,8 +210,9 @@ class StreamWriter:
         path: output file.
         entries: ``(name, dtype, shape)`` in the order tensors will be written.
         metadata: string-to-string ``__metadata__``.
-        max_in_flight: tensors queued for the writer thread before ``write`` waits; None for no
-            limit, only for tensors that cost no memory of their own (views of a memory map).
+        max_in_flight: tensors queued for the writer threads before ``write`` waits (None: no limit).
+        max_bytes_in_flight: bytes of tensors queued before ``write`` waits (None: no limit); one
+            tensor larger than this is still written, alone.
 
     ``write`` must then be called once per entry, in order; ``close`` returns
     ``(size, blake3)`` and refuses a file with tensors missing. Writing and hashing run on
@@ -235,9 +236,12 @@ class StreamWriter:
         entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
         metadata: dict[str, str],
         max_in_flight: int | None = 2,
+        max_bytes_in_flight: int | None = None,
     ) -> None:
         self.path = path
         self._max_in_flight = max_in_flight
+        self._max_bytes = max_bytes_in_flight
+        self._bytes_in_flight = 0
         self._expected = entries
         self._next = 0
         header: dict[str, object] = {"__metadata__": dict(metadata)}
@@ -289,8 +293,9 @@ class StreamWriter:
             )
         t = tensor.detach().to("cpu").contiguous()
         if t.numel():
-            while self._max_in_flight is not None and len(self._pending) >= self._max_in_flight:
+            while self._pending and self._slot_wanted(t.nbytes):
                 self._retire()
+            self._bytes_in_flight += t.nbytes
             data = memoryview(t.view(torch.uint8).reshape(-1).numpy())
             # Both threads take tensors in file order: the file and its hash see the same bytes in the same order.
             self._pending.append((t, self._io.submit(self._emit, data), self._hashing.submit(self._hash.update, data)))
@@ -298,11 +303,18 @@ class StreamWriter:
             self._pool.give_back(t)
         self._next += 1
 
+    def _slot_wanted(self, nbytes: int) -> bool:
+        """Whether queueing ``nbytes`` more would exceed a limit on what is in flight."""
+        too_many = self._max_in_flight is not None and len(self._pending) >= self._max_in_flight
+        too_big = self._max_bytes is not None and self._bytes_in_flight + nbytes > self._max_bytes
+        return too_many or too_big
+
     def _retire(self) -> None:
         """Wait for the oldest tensor in flight to be written and hashed; recycle its buffer if it is the pool's."""
         t, written, hashed = self._pending.popleft()
         written.result()
         hashed.result()
+        self._bytes_in_flight -= t.nbytes
         self._pool.give_back(t)
 
     def close(self) -> tuple[int, str]:

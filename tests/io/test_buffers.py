@@ -51,3 +51,15 @@ def test_stream_writer_empty_names_a_tensor_still_to_write(tmp_path: Path) -> No
             w.empty("b")
     finally:
         w.abort()
+
+
+def test_stream_writer_bounds_the_bytes_in_flight(tmp_path: Path) -> None:
+    specs = [(f"t{i}", torch.uint8, (100,)) for i in range(10)] + [("big", torch.uint8, (1000,))]
+    w = StreamWriter(tmp_path / "b.safetensors", specs, {}, max_in_flight=None, max_bytes_in_flight=250)
+    most = 0
+    for name, _, shape in specs:
+        w.write(name, torch.ones(shape, dtype=torch.uint8))
+        most = max(most, w._bytes_in_flight)
+        assert w._bytes_in_flight <= 250 or len(w._pending) == 1  # a tensor over the limit goes alone
+    w.close()
+    assert most == 1000
