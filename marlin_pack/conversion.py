@@ -9,6 +9,9 @@ A thin orchestration: :func:`plan_conversion` validates everything it can from h
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,11 +26,12 @@ from marlin_pack.bundle.integrity import source_digest, source_stamp_key
 from marlin_pack.bundle.writer import BundleWriter, check_output
 from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedCheckpointError
 from marlin_pack.io.hashing import file_digest, hash_workers, sha256_bytes
-from marlin_pack.io.safetensors_io import read_header_bytes
+from marlin_pack.io.safetensors_io import StreamWriter, read_header_bytes
 from marlin_pack.marlin.rank_tensors import build_rank_tensors, tensor_specs
 from marlin_pack.marlin.sharding import (
     LayerSpec,
     ModelDims,
+    ModuleTensors,
     checkpoint_modules,
     fuse_rank_slices,
     layer_entry,
@@ -50,6 +54,7 @@ from marlin_pack.schemas import (
 )
 from marlin_pack.sources import Checkpoint, QuantSource, source_from_quant_config
 from marlin_pack.sources.hub import bundle_dir_for, resolve_model
+from marlin_pack.stages import Device, ReadAhead
 
 __all__ = ["convert", "resolve_dtype", "plan_conversion", "ConversionPlan", "ProgressFn"]
 
@@ -280,6 +285,67 @@ def _torch_threads(n: int | None) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def _layer_tensors(parts: dict[str, ModuleTensors]) -> Iterator[torch.Tensor]:
+    """Every tensor a layer's parts hold (views included): what the repack's stream takes over from the read's."""
+    for m in parts.values():
+        yield m.codes.words
+        yield m.scales
+        yield from (t for t in (m.zeros, m.bias, m.weight_shape) if t is not None)
+
+
+def _writer_hash_threads(n_writers: int) -> int:
+    """BLAKE3 threads per rank writer: one on small machines (the cores are busy converting); on large
+    ones a few, so that hashing a 70B model's single rank file is not one core's work."""
+    return max(1, min(8, (os.cpu_count() or 1) // (4 * n_writers)))
+
+
+def _convert_layers(
+    ckpt: Checkpoint, plan: ConversionPlan, tps: list[int], dev: torch.device, bundle: BundleWriter, progress: ProgressFn | None
+) -> None:
+    """Read, repack and write every layer into the rank files, the three stages overlapping (see :mod:`marlin_pack.stages`).
+
+    Layer N+1 is read on a thread while layer N is repacked here, and the rank writers' threads
+    write and hash what came before, each holding at most two layers of output in flight.
+    """
+    source, scheme, tdtype = plan.source, plan.source.scheme, plan.dtype
+    device = Device(dev)
+    ranks: dict[tuple[int, int], StreamWriter] = {}
+    for tp in tps:
+        specs = [tensor_specs(e, scheme, tdtype, source.format) for e in plan.entries[tp]]
+        layer_bytes = max(sum(d.itemsize * math.prod(shape) for _, d, shape in layer) for layer in specs)
+        for rank in range(tp):
+            ranks[(tp, rank)] = bundle.open_rank(
+                tp, rank, [s for layer in specs for s in layer], max_bytes_in_flight=2 * layer_bytes,
+                pin_memory=device.cuda, hash_threads=_writer_hash_threads(sum(tps)),
+            )
+
+    def read(li: int) -> tuple[dict[str, ModuleTensors], object]:
+        with device.reading():
+            parts = read_layer_parts(plan.layers[li], lambda prefix, k, n: source.read(ckpt, prefix, k, n, dev))
+            return parts, device.read_done()
+
+    with ReadAhead(read, len(plan.layers), depth=1) as layers:
+        for li, (parts, done) in enumerate(layers):
+            spec = plan.layers[li]
+            device.receive(done, _layer_tensors(parts))  # type: ignore[arg-type]
+            slots = parts[spec.parts[0].name].column_slots
+            shape = layer_weight_shape(ckpt, spec, parts)
+            for tp in tps:
+                entry = plan.entries[tp][li]
+                for rank in range(tp):
+                    fused = fuse_rank_slices(rank_slices(spec, plan.dims, tp, rank), parts, scheme.group_size)
+                    w = ranks[(tp, rank)]
+                    # On the CPU the weight is built straight into the writer's recycled buffer.
+                    empty = None if device.cuda else w.empty
+                    built = build_rank_tensors(entry, scheme, tdtype, *fused, slots, source.format, shape, empty)
+                    for name, t in built.items():
+                        host, ready = device.to_host(t, functools.partial(w.empty, name))
+                        w.write(name, host, ready)
+            del parts, fused, built
+            if progress:
+                progress(li + 1, len(plan.layers), spec.name)
+
+
 def convert(
     model_dir: str | Path,
     out_dir: str | Path | None = None,
@@ -344,30 +410,7 @@ def convert(
             aliases = tied_copies(ckpt, plan) if plan.dims.tie_word_embeddings else {}
             stored = [n for n in plan.common if n not in aliases]
             bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
-            ranks = {
-                (tp, rank): bundle.open_rank(
-                    tp, rank, [s for e in plan.entries[tp] for s in tensor_specs(e, source.scheme, tdtype, source.format)]
-                )
-                for tp in tps
-                for rank in range(tp)
-            }
-            for li, spec in enumerate(plan.layers):
-                parts = read_layer_parts(spec, lambda prefix, k, n: source.read(ckpt, prefix, k, n, dev))
-                slots = parts[spec.parts[0].name].column_slots
-                shape = layer_weight_shape(ckpt, spec, parts)
-                for tp in tps:
-                    entry = plan.entries[tp][li]
-                    for rank in range(tp):
-                        fused = fuse_rank_slices(rank_slices(spec, plan.dims, tp, rank), parts, source.scheme.group_size)
-                        w = ranks[(tp, rank)]
-                        # On the CPU the weight is built straight into the writer's recycled buffer.
-                        empty = w.empty if dev.type == "cpu" else None
-                        built = build_rank_tensors(entry, source.scheme, tdtype, *fused, slots, source.format, shape, empty)
-                        for name, t in built.items():
-                            w.write(name, t)
-                del parts
-                if progress:
-                    progress(li + 1, len(plan.layers), spec.name)
+            _convert_layers(ckpt, plan, tps, dev, bundle, progress)
             manifest = Manifest(
                 producer=Producer(version=__version__),
                 target=Target(vllm_version=TARGET_VLLM_VERSION),

@@ -29,7 +29,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from marlin_pack._constants import COMMON_FILE, MANIFEST_NAME, STAMPS_NAME
 from marlin_pack.bundle.rank_files import common_metadata, rank_file_path, rank_metadata
@@ -245,11 +245,14 @@ class BundleWriter:
         size, sha = self._close(self._common)
         return FileEntry(path=COMMON_FILE, size=size, blake3=sha)
 
-    def open_rank(self, tp_size: int, rank: int, specs: list[TensorSpec]) -> StreamWriter:
-        """Start one rank file; write its tensors, in ``specs`` order, to the returned writer."""
+    def open_rank(self, tp_size: int, rank: int, specs: list[TensorSpec], **options: Any) -> StreamWriter:
+        """Start one rank file; write its tensors, in ``specs`` order, to the returned writer.
+
+        ``options``: the :class:`~marlin_pack.io.safetensors_io.StreamWriter`'s (in-flight limits, pinned buffers, hash threads).
+        """
         path = self.tmp / rank_file_path(tp_size, rank)
         path.parent.mkdir(exist_ok=True)
-        w = self._track(StreamWriter(path, specs, rank_metadata(tp_size, rank)))
+        w = self._track(StreamWriter(path, specs, rank_metadata(tp_size, rank), **options))
         self._ranks[(tp_size, rank)] = w
         return w
 

@@ -21,6 +21,7 @@ import json
 import os
 import struct
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,13 @@ def read_header(path: Path) -> SafetensorsHeader:
     return SafetensorsHeader(path, raw, tensors, dict(metadata))
 
 
+def _when_ready(ready: Callable[[], object] | None, fn: Callable[[memoryview], object], data: memoryview) -> None:
+    """``fn(data)`` once ``ready()`` returned (a writer thread's task)."""
+    if ready is not None:
+        ready()
+    fn(data)
+
+
 class StreamWriter:
     """Write a safetensors file whose tensors are declared up front.
 
@@ -228,6 +236,13 @@ class StreamWriter:
 
     A caller that computes a tensor on the CPU can compute it into :meth:`empty`, a buffer the
     writer recycles once it is written (see :mod:`marlin_pack.io.buffers`), instead of fresh memory.
+    A caller whose tensor is still being filled (a non-blocking copy from a GPU into a pinned
+    :meth:`empty` buffer) passes ``ready``: the writer threads wait on it before reading the bytes,
+    so the caller's thread never waits for the copy.
+
+    ``pin_memory``: :meth:`empty` gives page-locked buffers. ``hash_threads``: BLAKE3 threads per
+    tensor (its tree hash splits one buffer across them; the digest does not depend on it), for
+    machines whose cores would otherwise leave one hashing thread the bottleneck.
     """
 
     def __init__(
@@ -237,6 +252,9 @@ class StreamWriter:
         metadata: dict[str, str],
         max_in_flight: int | None = 2,
         max_bytes_in_flight: int | None = None,
+        *,
+        pin_memory: bool = False,
+        hash_threads: int = 1,
     ) -> None:
         self.path = path
         self._max_in_flight = max_in_flight
@@ -253,10 +271,10 @@ class StreamWriter:
             header[name] = {"dtype": dtype_code(dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
             largest = max(largest, n)
-        self._pool = BufferPool(largest)
+        self._pool = BufferPool(largest, pin_memory)
         raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns tensor data to 8 bytes
-        self._hash = new_file_hasher()
+        self._hash = new_file_hasher(hash_threads)
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._size = 0
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marlin-pack-write")
@@ -282,8 +300,12 @@ class StreamWriter:
             raise RuntimeError(f"internal error: {name} is not a tensor still to be written to {self.path.name}")
         return self._pool.take(entry[1], tuple(entry[2]))
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append the next declared tensor (moved to CPU, made contiguous)."""
+    def write(self, name: str, tensor: torch.Tensor, ready: Callable[[], object] | None = None) -> None:
+        """Append the next declared tensor (moved to CPU, made contiguous).
+
+        ``ready``: the tensor is a CPU buffer (from :meth:`empty`) still being filled; the writer
+        threads call ``ready()`` (e.g. a CUDA event's ``synchronize``) before reading it.
+        """
         import torch
 
         want_name, dtype, shape = self._expected[self._next]
@@ -291,6 +313,8 @@ class StreamWriter:
             raise RuntimeError(
                 f"internal error: writing {name} {tensor.dtype} {list(tensor.shape)}, declared {want_name} {dtype} {list(shape)}"
             )
+        if ready is not None and (tensor.device.type != "cpu" or not tensor.is_contiguous()):
+            raise RuntimeError(f"internal error: {name} is written when ready, but is not a contiguous CPU buffer")
         t = tensor.detach().to("cpu").contiguous()
         if t.numel():
             while self._pending and self._slot_wanted(t.nbytes):
@@ -298,7 +322,8 @@ class StreamWriter:
             self._bytes_in_flight += t.nbytes
             data = memoryview(t.view(torch.uint8).reshape(-1).numpy())
             # Both threads take tensors in file order: the file and its hash see the same bytes in the same order.
-            self._pending.append((t, self._io.submit(self._emit, data), self._hashing.submit(self._hash.update, data)))
+            written = self._io.submit(_when_ready, ready, self._emit, data)
+            self._pending.append((t, written, self._hashing.submit(_when_ready, ready, self._hash.update, data)))
         else:
             self._pool.give_back(t)
         self._next += 1

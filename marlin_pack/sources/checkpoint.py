@@ -7,6 +7,7 @@ lazily through memory maps, one tensor at a time.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -61,6 +62,7 @@ class Checkpoint:
                     raise CheckpointError(f"tensor {name} is in both {self.tensors[name].file} and {f}; remove the duplicate file")
                 self.tensors[name] = info
         self._handles: dict[str, object] = {}
+        self._lock = threading.Lock()  # conversion reads ahead on a thread of its own
 
     def quantization_config(self) -> dict | None:
         """The quantization settings (``config.json``, else ``quantize_config.json``), or None if not quantized."""
@@ -80,11 +82,12 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor (CPU) through a memory map."""
         info = self.info(name)
-        handle = self._handles.get(info.file)
         try:
-            if handle is None:
-                handle = safe_open(str(self.dir / info.file), framework="pt")  # type: ignore[no-untyped-call]
-                self._handles[info.file] = handle
+            with self._lock:
+                handle = self._handles.get(info.file)
+                if handle is None:
+                    handle = safe_open(str(self.dir / info.file), framework="pt")  # type: ignore[no-untyped-call]
+                    self._handles[info.file] = handle
             return handle.get_tensor(name)  # type: ignore[attr-defined]
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read tensor {name} from {info.file} ({e}); the file is corrupt, download it again") from e
