@@ -233,7 +233,7 @@ class BundleWriter:
         # Limited by bytes, not by count: llama-1gb's two embeddings (262 MB) go into flight at once,
         # so the first layer does not wait for them. safetensors >= 0.8 reads them as views of the
         # memory map (page cache, not heap); the byte limit bounds memory where it copies them.
-        w = self._track(StreamWriter(self.tmp / COMMON_FILE, specs, common_metadata(), None, _COMMON_BYTES_IN_FLIGHT))
+        w = self._track(StreamWriter(self.tmp / COMMON_FILE, specs, common_metadata(), None, _COMMON_BYTES_IN_FLIGHT, direct=True))
         for name, _, _ in specs:
             w.write(name, read(name))
         self._common = w
@@ -248,11 +248,12 @@ class BundleWriter:
     def open_rank(self, tp_size: int, rank: int, specs: list[TensorSpec], **options: Any) -> StreamWriter:
         """Start one rank file; write its tensors, in ``specs`` order, to the returned writer.
 
-        ``options``: the :class:`~marlin_pack.io.safetensors_io.StreamWriter`'s (in-flight limits, pinned buffers, hash threads).
+        ``options``: the :class:`~marlin_pack.io.safetensors_io.StreamWriter`'s (in-flight limits, pinned buffers, hash threads);
+        bundle files are written around the page cache unless ``direct=False`` (see :mod:`marlin_pack.io.direct_file`).
         """
         path = self.tmp / rank_file_path(tp_size, rank)
         path.parent.mkdir(exist_ok=True)
-        w = self._track(StreamWriter(path, specs, rank_metadata(tp_size, rank), **options))
+        w = self._track(StreamWriter(path, specs, rank_metadata(tp_size, rank), **{"direct": True, **options}))
         self._ranks[(tp_size, rank)] = w
         return w
 

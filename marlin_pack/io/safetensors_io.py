@@ -16,7 +16,6 @@ Importing this module does not import torch (the CLI's ``inspect`` reads manifes
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import struct
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marlin_pack.io.buffers import BufferPool
+from marlin_pack.io.direct_file import SequentialFile
 from marlin_pack.io.files import open_regular
 from marlin_pack.io.hashing import new_file_hasher
 
@@ -233,6 +233,8 @@ class StreamWriter:
     writeback every 64 MiB while converting (``sync_file_range``) cut that fsync from ~0.38 s
     to ~0.03 s on llama-1gb, but slowed the writes themselves more (conversion 0.5 s slower,
     3 runs out of 3, on a 2-core VM whose disk I/O competes with the conversion for the CPU).
+    Writing around the page cache (``direct``) removes both the copy into the cache and the
+    wait in the fsync.
 
     A caller that computes a tensor on the CPU can compute it into :meth:`empty`, a buffer the
     writer recycles once it is written (see :mod:`marlin_pack.io.buffers`), instead of fresh memory.
@@ -242,7 +244,8 @@ class StreamWriter:
 
     ``pin_memory``: :meth:`empty` gives page-locked buffers. ``hash_threads``: BLAKE3 threads per
     tensor (its tree hash splits one buffer across them; the digest does not depend on it), for
-    machines whose cores would otherwise leave one hashing thread the bottleneck.
+    machines whose cores would otherwise leave one hashing thread the bottleneck. ``direct``:
+    write around the page cache where possible (:mod:`marlin_pack.io.direct_file`).
     """
 
     def __init__(
@@ -255,6 +258,7 @@ class StreamWriter:
         *,
         pin_memory: bool = False,
         hash_threads: int = 1,
+        direct: bool = False,
     ) -> None:
         self.path = path
         self._max_in_flight = max_in_flight
@@ -275,8 +279,7 @@ class StreamWriter:
         raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns tensor data to 8 bytes
         self._hash = new_file_hasher(hash_threads)
-        self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._size = 0
+        self._file = SequentialFile(path, direct)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marlin-pack-write")
         self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marlin-pack-hash")
         # Per tensor in flight: the tensor (kept alive until written and hashed), its write, its hash.
@@ -288,7 +291,6 @@ class StreamWriter:
     def _emit(self, data: bytes | memoryview) -> None:
         """Append ``data`` to the file (the writer thread; hashing is the caller's)."""
         self._file.write(data)
-        self._size += len(data)
 
     def empty(self, name: str) -> torch.Tensor:
         """An uninitialized CPU tensor of the declared ``name``'s dtype and shape, to compute into and pass to :meth:`write`.
@@ -351,16 +353,12 @@ class StreamWriter:
             self._retire()
         self._io.shutdown()
         self._hashing.shutdown()
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
-        return self._size, self._hash.hexdigest()
+        return self._file.size, self._hash.hexdigest()
 
     def abort(self) -> None:
         """Stop writing and close the file (the caller removes it)."""
         self._io.shutdown(wait=True, cancel_futures=True)
         self._hashing.shutdown(wait=True, cancel_futures=True)
-        if not self._file.closed:
-            # Closing flushes: on a full disk that fails again, and must not mask the first error.
-            with contextlib.suppress(OSError):
-                self._file.close()
+        # Nothing staged is written: on a full disk that would fail again, and must not mask the first error.
+        self._file.abort()

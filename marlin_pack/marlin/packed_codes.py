@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from marlin_pack.marlin.repack import awq_to_natural, unpack_awq_cols, unpack_gptq_qweight
+from marlin_pack.marlin.scratch import scratch
 
 __all__ = ["PackedCodes", "cat_columns"]
 
@@ -78,11 +79,20 @@ class PackedCodes:
         return PackedCodes.from_codes(self.unpack()[k0 : k0 + k, n0 : n0 + n], self.bits)
 
 
-def cat_columns(parts: list[PackedCodes]) -> PackedCodes:
-    """Concatenate along N (fused layers): as words when every part shares one packed layout."""
+def cat_columns(parts: list[PackedCodes], reuse: bool = False) -> PackedCodes:
+    """Concatenate along N (fused layers): as words when every part shares one packed layout.
+
+    ``reuse``: concatenate the words into this thread's scratch buffer (``marlin.scratch``)
+    instead of fresh memory; the result is then valid only until the next such call on the thread.
+    """
     first = parts[0]
     if len(parts) == 1:
         return first
     if all(p.along == first.along and p.slots == first.slots for p in parts) and first.along != "none":
-        return PackedCodes(torch.cat([p.words for p in parts], 1), first.bits, first.along, first.slots)
+        words = [p.words for p in parts]
+        if not reuse:
+            return PackedCodes(torch.cat(words, 1), first.bits, first.along, first.slots)
+        shape = (words[0].shape[0], sum(w.shape[1] for w in words))
+        out = scratch("cat_columns", shape, words[0].dtype, words[0].device)
+        return PackedCodes(torch.cat(words, 1, out=out), first.bits, first.along, first.slots)
     return PackedCodes.from_codes(torch.cat([p.unpack() for p in parts], 1), first.bits)

@@ -20,35 +20,13 @@ one temporary; all ops are ordinary torch ops, so the same code runs on CPU and 
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.marlin.repack import AWQ_SLOTS, pack_marlin_weights, pad2d
+from marlin_pack.marlin.scratch import scratch as _workspace
 
 __all__ = ["marlin_weights", "marlin_from_k_words", "marlin_from_awq_words"]
-
-
-_scratch = threading.local()
-
-
-def _workspace(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable temporary of ``shape`` (per thread, per ``slot``), grown as needed, never shrunk.
-
-    Fresh multi-megabyte allocations are returned to the OS when freed and fault in page by page
-    the next time (on a VM, first touches dominated the conversion's system time); a converter
-    reuses the same few shapes layer after layer. The contents are garbage; callers overwrite them.
-    """
-    cache: dict[tuple[str, torch.device], torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * dtype.itemsize
-    buf = cache.get((slot, device))
-    if buf is None or buf.numel() < nbytes:
-        buf = cache[(slot, device)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return buf[:nbytes].view(dtype).view(shape)
 
 
 def _delta_swap(x: torch.Tensor, y: torch.Tensor, shift: int, mask: int, tmp: torch.Tensor) -> None:
