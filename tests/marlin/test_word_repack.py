@@ -78,3 +78,16 @@ def test_marlin_weights_refuses_an_output_of_another_shape() -> None:
     packed = PackedCodes.from_codes(_codes(16, 64).to(torch.uint8), 4)
     with pytest.raises(ValueError, match="internal error: output"):
         marlin_weights(packed, 16, 64, torch.empty(1, 127, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("layout", ["gptq", "compressed-tensors", "awq"])
+def test_word_repack_in_pieces_equals_one_pass(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import marlin_pack.marlin.word_repack as word_repack
+
+    k, n = 256, 192
+    packed = _layouts(_codes(k, n), 4)[layout]
+    want = marlin_weights(packed, k, n)
+    monkeypatch.setattr(word_repack, "_CPU_PIECE_BYTES", 1)  # one strip per piece
+    assert torch.equal(marlin_weights(packed, k, n), want)
+    out = torch.full_like(want, -1)
+    assert marlin_weights(packed, k, n, out).data_ptr() == out.data_ptr() and torch.equal(out, want)
