@@ -304,8 +304,9 @@ def _convert_layers(
 ) -> None:
     """Read, repack and write every layer into the rank files, the three stages overlapping (see :mod:`marlin_pack.stages`).
 
-    Layer N+1 is read on a thread while layer N is repacked here, and the rank writers' threads
-    write and hash what came before, each holding at most two layers of output in flight.
+    Layer N+1 (one fused linear: a :class:`LayerSpec`) is read on a thread while layer N is
+    repacked here, and the rank writers' threads write and hash what came before, each holding
+    at most two layers' bytes of output in flight (memory stays a few layers, whatever the model).
     """
     source, scheme, tdtype = plan.source, plan.source.scheme, plan.dtype
     device = Device(dev)
@@ -315,7 +316,8 @@ def _convert_layers(
         layer_bytes = max(sum(d.itemsize * math.prod(shape) for _, d, shape in layer) for layer in specs)
         for rank in range(tp):
             ranks[(tp, rank)] = bundle.open_rank(
-                tp, rank, [s for layer in specs for s in layer], max_bytes_in_flight=2 * layer_bytes,
+                # Bounded by bytes, not tensors: a small tensor after a large one need not wait for it.
+                tp, rank, [s for layer in specs for s in layer], max_in_flight=None, max_bytes_in_flight=2 * layer_bytes,
                 pin_memory=device.cuda, hash_threads=_writer_hash_threads(sum(tps)),
             )
 
