@@ -50,7 +50,7 @@ from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin import patches
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
-from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
+from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader
 from marlin_pack.vllm_plugin.layer_check import check_layers
 from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
@@ -207,7 +207,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 mark_prepacked(layer)
             t1 = time.perf_counter()
             device = next(next(iter(state.layers.values())).parameters()).device
-            model.load_weights(self._common_weights(reader, bundle, device))
+            with reader.host_map(bundle.common_file, device) as host:
+                model.load_weights(self._common_weights(host, bundle))
             t2 = time.perf_counter()
         self._timings.copy, self._timings.common = t1 - t0, t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
@@ -253,36 +254,23 @@ class MarlinPrepackedLoader(BaseModelLoader):
         return items
 
     @staticmethod
-    def _common_weights(
-        reader: ParallelReader, bundle: SelectedBundle, device: torch.device
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``common.safetensors`` in file order: via GPU staging at TP=1, else as CPU tensors.
+    def _common_weights(host: HostMap, bundle: SelectedBundle) -> Iterator[tuple[str, torch.Tensor]]:
+        """``common.safetensors`` in file order, as CPU views of ``host`` for vLLM's weight loaders.
 
-        A tensor stored once for several checkpoint names (``common_aliases``) is yielded under
+        The loaders narrow them (TP shards) and copy them into the parameters; from a
+        page-locked map that copy is a direct DMA, with no staging tensor on the GPU. A
+        tensor stored once for several checkpoint names (``common_aliases``) is yielded under
         each of them, as the checkpoint's loader would have.
         """
         ordered = sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start)
         copies: dict[str, list[str]] = {}
         for alias, original in bundle.manifest.common_aliases.items():
             copies.setdefault(original, []).append(alias)
-        if device.type == "cuda" and bundle.tp_set.tp_size == 1:
-            # Whole tensors are used at TP=1, so read them straight to the GPU (pinned, threaded).
-            for name, info in ordered:
-                t = torch.empty(info.shape, dtype=info.torch_dtype, device=device)
-                reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t)])
-                yield name, t
-                for alias in copies.get(name, ()):
-                    yield alias, t
-            return
-        # At TP > 1 each rank copies only its shard: let vLLM's weight loaders narrow CPU tensors.
-        from safetensors import safe_open
-
-        with safe_open(str(bundle.common_file), framework="pt") as f:
-            for name, _ in ordered:
-                t = f.get_tensor(name)
-                yield name, t
-                for alias in copies.get(name, ()):
-                    yield alias, t
+        for name, info in ordered:
+            t = host.tensor(info.start, info.nbytes, info.torch_dtype, info.shape)
+            yield name, t
+            for alias in copies.get(name, ()):
+                yield alias, t
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """The engine path: create, place, vLLM post-processing (no-op for prepacked layers), timings."""
