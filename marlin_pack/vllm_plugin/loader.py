@@ -26,7 +26,6 @@ checkpoint is loaded by vLLM's ``DefaultModelLoader``; without it the load stops
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import weakref
 from collections.abc import Iterator
@@ -56,6 +55,8 @@ from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 
 __all__ = ["MarlinPrepackedLoader"]
+
+_ARENA_ALIGN = 512  # bytes; the CUDA caching allocator's alignment (Marlin's vector loads need 16)
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
 logger = init_logger("vllm.marlin_pack")
@@ -227,11 +228,17 @@ class MarlinPrepackedLoader(BaseModelLoader):
         )
 
     def _place(self, state: _ModelState, header: SafetensorsHeader) -> list[CopyItem]:
-        """Bind new device tensors of the bundle's shapes to the layers' parameters."""
+        """Bind views of one device allocation (the *arena*), in the bundle's shapes, to the layers' parameters.
+
+        One allocation instead of one per tensor: the weight-cache daemon exports it as a
+        single CUDA IPC handle, so an ``ipc_cache`` engine opens one mapping, not one per
+        tensor (about a thousand for a 70B model). The checkpoint-shaped placeholders are
+        freed first so the arena does not sit beside them.
+        """
         bundle = state.bundle
         assert bundle is not None
         dtype = torch_dtype(bundle.manifest.serving_dtype)
-        items: list[CopyItem] = []
+        placed: list[tuple[nn.Parameter, torch.dtype, tuple[int, ...], int, int]] = []
         for entry in bundle.tp_set.layers:
             layer = state.layers[entry.name]
             for name, tdtype, shape in tensor_specs(entry, bundle.manifest.quant, dtype, bundle.manifest.source.format):
@@ -241,16 +248,23 @@ class MarlinPrepackedLoader(BaseModelLoader):
                         f"layer {entry.name}: parameter {name} is {type(param).__name__} "
                         f"{getattr(param, 'dtype', None)}, the bundle holds {tdtype}"
                     )
-                # Keep the Parameter object (and its loader attributes), as vLLM's replace_parameter does.
-                # Same element count (no padding): reuse the placeholder's storage; else bind a new
-                # tensor, which frees the checkpoint-shaped placeholder.
-                cur = param.data
-                if cur.is_contiguous() and cur.numel() == math.prod(shape):
-                    param.data = cur.view(shape)
-                else:
-                    param.data = torch.empty(shape, dtype=tdtype, device=param.device)
                 info = header.tensors[name]
-                items.append(CopyItem(info.start, info.nbytes, param.data))
+                placed.append((param, tdtype, tuple(shape), info.start, info.nbytes))
+        if not placed:
+            return []
+        device = placed[0][0].device
+        offsets, total = [], 0
+        for *_, nbytes in placed:
+            offsets.append(total)
+            total += -(-nbytes // _ARENA_ALIGN) * _ARENA_ALIGN  # each view aligned as the CUDA allocator aligns
+        # Keep the Parameter objects (and their loader attributes), as vLLM's replace_parameter does.
+        for param, tdtype, *_ in placed:
+            param.data = torch.empty(0, dtype=tdtype, device=param.device)
+        arena = torch.empty(total, dtype=torch.uint8, device=device)
+        items: list[CopyItem] = []
+        for (param, tdtype, shape, start, nbytes), off in zip(placed, offsets, strict=True):
+            param.data = arena[off : off + nbytes].view(tdtype).view(shape)
+            items.append(CopyItem(start, nbytes, param.data))
         return items
 
     @staticmethod

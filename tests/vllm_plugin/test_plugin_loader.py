@@ -132,6 +132,11 @@ def test_placed_layers_equal_stock_vllm_post_processing(make_bundle: Any, monkey
         assert isinstance(t, torch.nn.Parameter), name
         assert t.dtype == want.dtype and t.shape == want.shape and t.is_contiguous(), name
         assert torch.equal(t.detach(), want), name
+    # One arena holds every placed tensor (the daemon exports it as one IPC handle), each view aligned.
+    storages = {t.untyped_storage().data_ptr() for n, t in got.items() if t.numel() and "w_zp" not in n}
+    assert len(storages) == 1, {n: (t.untyped_storage().data_ptr(), t.numel()) for n, t in got.items()}
+    base = min(t.data_ptr() for n, t in got.items() if t.numel() and "w_zp" not in n)
+    assert all((t.data_ptr() - base) % 512 == 0 for n, t in got.items() if t.numel() and "w_zp" not in n)
 
 
 # --- the loader's own flow -------------------------------------------------------------------
