@@ -61,6 +61,7 @@ _PAGE = mmap.PAGESIZE
 # be told it will only be read; portable so any device of the process may copy from it.
 _HOST_REGISTER_PORTABLE = 0x01
 _HOST_REGISTER_READ_ONLY = 0x08
+_MADV_POPULATE_READ = 22  # Linux >= 5.14: fault a range's page-table entries in, in one call
 
 
 @dataclass(frozen=True)
@@ -280,12 +281,17 @@ class ParallelReader:
         ...     r.copy(path, [CopyItem(info.start, info.nbytes, gpu_tensor)])
     """
 
-    def __init__(self, threads: int | None = None, chunk_bytes: int | None = None, mode: IoMode = "auto") -> None:
+    def __init__(
+        self, threads: int | None = None, chunk_bytes: int | None = None, mode: IoMode = "auto", populate: bool = False
+    ) -> None:
         if mode not in IO_MODES:
             raise ValueError(f"io mode {mode!r}: expected one of {', '.join(IO_MODES)}")
         self.threads = None if threads is None else max(1, threads)
         self.chunk = None if chunk_bytes is None else self._round(chunk_bytes)
         self.mode = mode
+        # Registered windows: map the window's page-table entries in one madvise before pinning
+        # (an experiment of benchmarks/bench_h2d.py: pinning otherwise faults them in page by page).
+        self.populate = populate
         self.modes_used: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._slots: dict[tuple[int, int, int], _Slot] = {}
@@ -490,6 +496,11 @@ class ParallelReader:
                 lo = window.lo - window.lo % _PAGE
                 hi = -(-window.hi // _PAGE) * _PAGE  # within the map: it covers the file's last page
                 ptr = mapping.base + lo
+                if self.populate:
+                    try:
+                        mapping.mm.madvise(_MADV_POPULATE_READ, lo, hi - lo)
+                    except OSError:  # an older kernel: pin as usual
+                        self.populate = False
                 err = cudart.cudaHostRegister(ptr, hi - lo, _HOST_REGISTER_READ_ONLY | _HOST_REGISTER_PORTABLE)
                 if int(err) != 0:
                     # Some hosts refuse to pin file pages (no read-only registration, memory lock limits):
