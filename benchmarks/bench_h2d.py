@@ -128,7 +128,7 @@ def main() -> None:
         want = check if want is None else want
         print(f"warm  {mode:10} threads {threads:>2} window {chunk:>4} MiB: {rate:5.1f} GB/s = {rate / pinned:.2f} of pinned"
               f"{'' if check == want else '  (DIFFERENT BYTES)'}", flush=True)
-    for cfg in ["plain", "blake3", *args.cold.split(",")]:
+    for cfg in ["plain", "blake3", *args.cold.split(",")] if args.cold else []:  # --cold '': warm only
         _drop(path)
         t = time.perf_counter()
         if cfg == "plain":
