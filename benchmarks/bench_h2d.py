@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from marlin_pack.io.hashing import file_digest
-from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader
+from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
 
 PIECE = 64 << 20
 
@@ -79,21 +79,15 @@ def h2d_gbps(pinned: bool = True, gb: float = 4.0, reps: int = 3) -> float:
 
 
 def _reader(path: Path, dst: torch.Tensor, mode: str, threads: int, chunk_mb: int) -> float:
-    """One configuration's GB/s. ``mode`` is an ``io_mode``, ``registered+p`` (madvise-populate each
-    window before pinning it) or ``hostmap`` (the common tensors' path: pin the whole file in
-    windows, then one ``copy_`` per 64 MB piece, as vLLM's weight loaders copy)."""
+    """One configuration's GB/s. ``mode`` is an ``io_mode`` or ``registered+p`` (madvise-populate each
+    window before pinning it)."""
     n = dst.numel()
     items = [CopyItem(off, min(PIECE, n - off), dst[off : off + PIECE]) for off in range(0, n, PIECE)]
     torch.cuda.synchronize()
     t = time.perf_counter()
-    if mode == "hostmap":
-        with HostMap(path, register=True, threads=threads, window=chunk_mb << 20) as host:
-            for it in items:
-                it.dst.copy_(host.tensor(it.offset, it.nbytes, torch.uint8, (it.nbytes,)))
-    else:
-        populate = mode.endswith("+p")
-        with ParallelReader(threads, chunk_mb << 20, mode.removesuffix("+p"), populate=populate) as r:  # type: ignore[arg-type]
-            r.copy(path, items)
+    populate = mode.endswith("+p")
+    with ParallelReader(threads, chunk_mb << 20, mode.removesuffix("+p"), populate=populate) as r:  # type: ignore[arg-type]
+        r.copy(path, items)
     torch.cuda.synchronize()
     return n / (time.perf_counter() - t) / 1e9
 

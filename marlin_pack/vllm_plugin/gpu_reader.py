@@ -151,56 +151,24 @@ class _Mapping:
 
 
 class HostMap:
-    """A whole file as CPU tensors that view a read-only memory map, page-locked in place for CUDA.
+    """A whole file as CPU tensors that view a read-only memory map (no copy, no read until used).
 
-    For tensors that vLLM's own weight loaders copy to the GPU (``common.safetensors``): a
-    ``copy_`` from a registered range runs as a direct DMA, so nothing is staged on the GPU
-    (no second allocation of the embeddings and head beside their parameters) or in pinned
-    host memory. Registration is done in parallel windows up front; if it fails, the views
-    stay plain page-cache memory (slower copies, same bytes). The views are read-only:
-    vLLM 0.33.0's weight loaders narrow and copy what they are fed, they never write into it.
-    Close (or leave the ``with`` block) only after the copies have finished.
+    For the tensors vLLM's own weight loaders copy to the device (``common.safetensors``).
+    Not page-locked: a CUDA copy whose source crosses two ``cudaHostRegister`` ranges fails
+    with "invalid argument" (seen on an H200), tensors sharing a page cannot be registered
+    separately, and pinning one large tensor in a single call runs on one thread. The loader
+    copies large tensors with :class:`ParallelReader` instead. vLLM 0.33.0's weight loaders
+    narrow and copy what they are fed, they never write into it.
     """
 
-    def __init__(self, path: str | Path, register: bool, threads: int = 16, window: int = 256 << 20) -> None:
+    def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         fd = os.open(path, os.O_RDONLY)
         try:
             self.size = os.fstat(fd).st_size
-            self._mapping = _Mapping(fd, self.size) if self.size else None
+            self._mapping: _Mapping | None = _Mapping(fd, self.size) if self.size else None
         finally:
             os.close(fd)
-        self.registered: list[int] = []
-        if register and self._mapping is not None:
-            self._register(threads, window)
-
-    def _register(self, threads: int, window: int) -> None:
-        assert self._mapping is not None
-        cudart = torch.cuda.cudart()
-        base, end = self._mapping.base, self._mapping.base + -(-self.size // _PAGE) * _PAGE
-        spans = [(p, min(window, end - p)) for p in range(base, end, window)]
-        lock = threading.Lock()
-
-        def register(span: tuple[int, int]) -> bool:
-            ok = int(cudart.cudaHostRegister(span[0], span[1], _HOST_REGISTER_READ_ONLY | _HOST_REGISTER_PORTABLE)) == 0
-            if ok:
-                with lock:
-                    self.registered.append(span[0])
-            return ok
-
-        with ThreadPoolExecutor(max(1, min(threads, len(spans))), thread_name_prefix="marlin-pack-pin") as pool:
-            results = list(pool.map(register, spans))
-        if not all(results):
-            logger.warning("marlin-pack: cudaHostRegister of %s failed; copying from unpinned pages", self.path.name)
-            self._unregister()
-
-    def _unregister(self) -> None:
-        if self.registered:
-            torch.cuda.synchronize()  # no copy may still read a range about to be unpinned
-            cudart = torch.cuda.cudart()
-            for ptr in self.registered:
-                cudart.cudaHostUnregister(ptr)
-            self.registered = []
 
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The file bytes ``[offset, offset + nbytes)`` as a CPU tensor (a view when aligned, else a copy)."""
@@ -215,7 +183,6 @@ class HostMap:
         return raw.view(dtype).view(shape)
 
     def close(self) -> None:
-        self._unregister()
         # Not mmap.close(): a view vLLM kept would point at unmapped memory. The tensors hold a
         # reference to the map, which is unmapped when the last of them goes.
         self._mapping = None
@@ -342,15 +309,6 @@ class ParallelReader:
             )
             self._slots[key] = slot
         return slot
-
-    def host_map(self, path: str | Path, device: torch.device | None) -> HostMap:
-        """``path`` as :class:`HostMap` views, page-locked when they will be copied to a CUDA ``device``."""
-        plan = self.plan(path)
-        register = device is not None and device.type == "cuda" and not self._registration_failed
-        hm = HostMap(path, register, plan.threads, plan.chunk if plan.mode != "staged" else MODE_DEFAULTS["registered"][1])
-        if register:
-            self.modes_used.add("registered" if hm.registered else "pageable")
-        return hm
 
     def copy(self, path: str | Path, items: Iterable[CopyItem]) -> int:
         """Copy every item's file bytes into its tensor; returns the bytes copied.

@@ -56,6 +56,10 @@ from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepa
 
 __all__ = ["MarlinPrepackedLoader"]
 
+# Common tensors from this size on are read with the parallel reader (see _common_weights).
+_LARGE_COMMON = 16 << 20
+# vLLM weight loaders that, given a tensor of the parameter's own shape at TP=1, only copy it.
+_PLAIN_COPY_LOADERS = frozenset({"default_weight_loader", "VocabParallelEmbedding.weight_loader"})
 _ARENA_ALIGN = 512  # bytes; the CUDA caching allocator's alignment (Marlin's vector loads need 16)
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
@@ -208,8 +212,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 mark_prepacked(layer)
             t1 = time.perf_counter()
             device = next(next(iter(state.layers.values())).parameters()).device
-            with reader.host_map(bundle.common_file, device) as host:
-                model.load_weights(self._common_weights(host, bundle))
+            with HostMap(bundle.common_file) as host:
+                model.load_weights(self._common_weights(reader, host, bundle, model, device))
             t2 = time.perf_counter()
         self._timings.copy, self._timings.common = t1 - t0, t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
@@ -268,23 +272,38 @@ class MarlinPrepackedLoader(BaseModelLoader):
         return items
 
     @staticmethod
-    def _common_weights(host: HostMap, bundle: SelectedBundle) -> Iterator[tuple[str, torch.Tensor]]:
-        """``common.safetensors`` in file order, as CPU views of ``host`` for vLLM's weight loaders.
+    def _common_weights(
+        reader: ParallelReader, host: HostMap, bundle: SelectedBundle, model: nn.Module, device: torch.device
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``common.safetensors`` in file order, for the model's ``load_weights``.
 
-        The loaders narrow them (TP shards) and copy them into the parameters; from a
-        page-locked map that copy is a direct DMA, with no staging tensor on the GPU. A
-        tensor stored once for several checkpoint names (``common_aliases``) is yielded under
-        each of them, as the checkpoint's loader would have.
+        Large tensors (embeddings, output head) at TP=1 are read straight into their
+        parameters by ``reader`` when a plain copy is all vLLM's weight loader would do
+        (:func:`_direct_target`), and not yielded; other large tensors are staged on the GPU
+        at TP=1. Everything else is yielded as CPU views of the file map for vLLM's weight
+        loaders to narrow (TP shards) and copy. A tensor stored once for several checkpoint
+        names (``common_aliases``) goes to each of them, as the checkpoint's loader would.
         """
         ordered = sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start)
         copies: dict[str, list[str]] = {}
         for alias, original in bundle.manifest.common_aliases.items():
             copies.setdefault(original, []).append(alias)
+        whole = device.type == "cuda" and bundle.tp_set.tp_size == 1  # each rank uses whole tensors
+        params = dict(model.named_parameters(remove_duplicate=False)) if whole else {}
         for name, info in ordered:
-            t = host.tensor(info.start, info.nbytes, info.torch_dtype, info.shape)
-            yield name, t
-            for alias in copies.get(name, ()):
-                yield alias, t
+            names = [name, *copies.get(name, ())]
+            if whole and info.nbytes >= _LARGE_COMMON:
+                targets = [_direct_target(params.get(n), info.shape, info.torch_dtype) for n in names]
+                if all(t is not None for t in targets):
+                    unique = {id(t): t for t in targets}.values()  # a tied head is the embedding itself
+                    reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t.data) for t in unique])
+                    continue
+                t = torch.empty(info.shape, dtype=info.torch_dtype, device=device)
+                reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t)])
+            else:
+                t = host.tensor(info.start, info.nbytes, info.torch_dtype, info.shape)
+            for n in names:
+                yield n, t
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """The engine path: create, place, vLLM post-processing (no-op for prepacked layers), timings."""
@@ -315,3 +334,13 @@ class MarlinPrepackedLoader(BaseModelLoader):
         if state.bundle is not None:
             logger.info(self._timings.line(state.bundle, len(state.layers)))
         return model.eval()
+
+
+def _direct_target(param: nn.Parameter | None, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter | None:
+    """``param`` when copying a checkpoint tensor of ``shape``/``dtype`` into it is exactly what
+    its vLLM weight loader would do at TP=1 (same shape and dtype, a plain-copy loader), else None."""
+    if param is None or tuple(param.shape) != tuple(shape) or param.dtype != dtype or not param.data.is_contiguous():
+        return None
+    loader = getattr(param, "weight_loader", None)
+    name = "default_weight_loader" if loader is None else getattr(loader, "__qualname__", "")
+    return param if name in _PLAIN_COPY_LOADERS else None

@@ -42,25 +42,6 @@ def test_reader_modes_copy_every_byte_to_the_gpu(tensor_file: Path, mode: str, t
         assert torch.equal(out[name].cpu(), t), name
 
 
-@pytest.mark.parametrize("window", [1 << 16, 1 << 30])
-def test_host_map_registers_and_copies(tensor_file: Path, window: int) -> None:
-    """The common tensors' path: page-locked views of the file, copied by ``copy_`` as vLLM's loaders do."""
-    from marlin_pack.vllm_plugin.gpu_reader import HostMap
-
-    header = read_header(tensor_file)
-    want = load_file(str(tensor_file))
-    with HostMap(tensor_file, register=True, threads=4, window=window) as host:
-        assert host.registered, "cudaHostRegister of the read-only map failed"
-        out = {}
-        for name, i in header.tensors.items():
-            dst = torch.empty(i.shape, dtype=i.torch_dtype, device="cuda")
-            dst.copy_(host.tensor(i.start, i.nbytes, i.torch_dtype, i.shape))
-            out[name] = dst
-    assert not host.registered
-    for name, t in want.items():
-        assert torch.equal(out[name].cpu(), t), name
-
-
 def test_registered_with_populated_windows(tensor_file: Path) -> None:
     header = read_header(tensor_file)
     want = load_file(str(tensor_file))

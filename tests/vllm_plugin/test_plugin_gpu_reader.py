@@ -115,8 +115,9 @@ def test_host_map_views_every_tensor(awq_bundle: Path) -> None:
     path = awq_bundle / "marlin-pack/common.safetensors"
     header = read_header(path)
     want = load_file(str(path))
-    with ParallelReader() as r, r.host_map(path, torch.device("cpu")) as host:
-        assert host.registered == []
+    from marlin_pack.vllm_plugin.gpu_reader import HostMap
+
+    with HostMap(path) as host:
         got = {n: host.tensor(i.start, i.nbytes, i.torch_dtype, i.shape) for n, i in header.tensors.items()}
         for name, t in want.items():
             assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
@@ -130,7 +131,7 @@ def test_host_map_unaligned_and_truncated(tmp_path: Path) -> None:
     path = tmp_path / "raw.bin"
     data = torch.arange(16, dtype=torch.int16)
     path.write_bytes(b"\x00" + data.numpy().tobytes())
-    with HostMap(path, register=False) as host:
+    with HostMap(path) as host:
         assert torch.equal(host.tensor(1, 32, torch.int16, (4, 4)), data.view(4, 4))  # odd offset: copied
         with pytest.raises(BundleError, match=r"lie outside raw\.bin \(33 bytes\).*truncated"):
             host.tensor(1, 34, torch.int16, (17,))
