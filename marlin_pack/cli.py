@@ -269,6 +269,11 @@ def _render_manifest(manifest, bundle: Path) -> None:  # type: ignore[no-untyped
     info.add_row("weights", f"{q.weight_type.value} ({q.bits}-bit), group size {q.group_size}, zero points {q.zero_points}")
     info.add_row("serving dtype", manifest.serving_dtype.value)
     info.add_row("target", f"vLLM {manifest.target.vllm_version}, {manifest.target.kernel} layout v{manifest.target.layout_version}")
+    moe = manifest.tensor_parallel[0].moe_layers
+    if moe:
+        per_tp = ", ".join(f"tp {s.tp_size}: {s.moe_layers[0].intermediate_size} (padded {s.moe_layers[0].padded_intermediate})"
+                           for s in manifest.tensor_parallel)
+        info.add_row("experts", f"{len(moe)} Marlin MoE layers x {moe[0].num_experts} experts; intermediate per rank {per_tp}")
     out.print(info)
     table = Table("tp", "files", "size", "layers", "padded layers", title="tensor-parallel sets")
     for s in manifest.tensor_parallel:
