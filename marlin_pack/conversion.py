@@ -25,7 +25,6 @@ from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedChec
 from marlin_pack.io.hashing import file_digest, hash_workers, sha256_bytes
 from marlin_pack.io.safetensors_io import read_header_bytes
 from marlin_pack.marlin.rank_tensors import build_rank_tensors, tensor_specs
-from marlin_pack.moe_conversion import MoePlan, build_moe_layer, plan_moe, read_moe_layer
 from marlin_pack.marlin.sharding import (
     LayerSpec,
     ModelDims,
@@ -37,6 +36,7 @@ from marlin_pack.marlin.sharding import (
     rank_slices,
     read_layer_parts,
 )
+from marlin_pack.moe_conversion import MoePlan, build_moe_layer, check_moe_settings, plan_moe, read_moe_layer
 from marlin_pack.schemas import (
     LayerEntry,
     Manifest,
@@ -91,6 +91,8 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
     """
     plan = ConversionPlan(dims=model_dims(ckpt.config, ckpt.tensors), source=source, dtype=dtype)
     _check_layer_count(ckpt, plan.dims)
+    if plan.dims.arch.moe:
+        check_moe_settings(ckpt, source, plan.dims)
     if not plan.dims.arch.loads_lm_head and "lm_head.weight" in ckpt.tensors:
         name = plan.dims.architecture
         raise UnsupportedCheckpointError(

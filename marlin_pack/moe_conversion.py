@@ -28,7 +28,7 @@ from marlin_pack.marlin.sharding import ModelDims
 from marlin_pack.schemas import GptqSettings, MoeLayerEntry, QuantScheme, SourceFormat
 from marlin_pack.sources import Checkpoint, QuantSource
 
-__all__ = ["MoePlan", "plan_moe", "read_moe_layer", "build_moe_layer"]
+__all__ = ["MoePlan", "check_moe_settings", "plan_moe", "read_moe_layer", "build_moe_layer"]
 
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
 
@@ -57,8 +57,10 @@ class MoePlan:
         return [s for i in self.layers for s in moe_tensor_specs(self.name(i), self.shapes[tp], scheme, dtype)]
 
 
-def _check_source(ckpt: Checkpoint, source: QuantSource, arch: str) -> None:
-    """Refuse the quantization settings whose experts vLLM 0.33.0 would not run on Marlin MoE as marlin-pack lays them out."""
+def check_moe_settings(ckpt: Checkpoint, source: QuantSource, dims: ModelDims) -> None:
+    """Refuse, before any per-layer check, the settings whose experts marlin-pack does not lay out for vLLM 0.33.0's Marlin MoE."""
+    arch = dims.architecture
+    _sparse_layers(ckpt.config, dims.num_layers, arch)
     if source.format is SourceFormat.compressed_tensors:
         raise UnsupportedCheckpointError(
             f"{arch}: compressed-tensors mixture-of-experts checkpoints are not supported; marlin-pack converts AWQ "
@@ -107,7 +109,7 @@ def plan_moe(ckpt: Checkpoint, source: QuantSource, dims: ModelDims, tp_sizes: l
     """
     name = dims.architecture
     arch = MOE_ARCHITECTURES[name]
-    _check_source(ckpt, source, name)
+    check_moe_settings(ckpt, source, dims)
     config = ckpt.config
     n_experts = _config_int(config, arch.num_experts_key, name)
     inter = _config_int(config, arch.intermediate_key, name)
