@@ -45,13 +45,15 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
 from marlin_pack.errors import BundleError, MismatchField
 from marlin_pack.io.safetensors_io import SafetensorsHeader
+from marlin_pack.marlin.moe import moe_entry_specs
 from marlin_pack.marlin.rank_tensors import tensor_specs
 from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin import patches
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
-from marlin_pack.vllm_plugin.layer_check import check_layers
+from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
+from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 
@@ -154,11 +156,18 @@ class MarlinPrepackedLoader(BaseModelLoader):
         bundle = decision.bundle
         t0 = time.perf_counter()
         force_marlin(vllm_config.kernel_config)
+        if bundle.tp_set.moe_layers:  # experts: Marlin MoE for --moe-backend auto (an explicit other one is refused below)
+            force_marlin_moe(vllm_config.kernel_config)
         model = super().create_model(vllm_config, model_config, prefix)
         layers = quantized_layers(model)
         try:
-            facts = {name: layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in layers.items()}
+            experts = {name: m for name, m in layers.items() if is_moe_layer(m)}
+            facts = {
+                name: layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in layers.items() if name not in experts
+            }
             check_layers(bundle.manifest, bundle.tp_set, facts)
+            moe_facts = {name: moe_layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in experts.items()}
+            check_moe_layers(bundle.manifest, bundle.tp_set, moe_facts)
         except BundleError as e:
             reason, fld = str(e), getattr(e, "field", None) or MismatchField.layers
             if not self.options.fallback:
@@ -231,25 +240,29 @@ class MarlinPrepackedLoader(BaseModelLoader):
         assert bundle is not None
         dtype = torch_dtype(bundle.manifest.serving_dtype)
         items: list[CopyItem] = []
-        for entry in bundle.tp_set.layers:
-            layer = state.layers[entry.name]
-            for name, tdtype, shape in tensor_specs(entry, bundle.manifest.quant, dtype, bundle.manifest.source.format):
-                param = getattr(layer, name.rsplit(".", 1)[1])
-                if not isinstance(param, nn.Parameter) or param.dtype != tdtype:
-                    raise BundleError(
-                        f"layer {entry.name}: parameter {name} is {type(param).__name__} "
-                        f"{getattr(param, 'dtype', None)}, the bundle holds {tdtype}"
-                    )
-                # Keep the Parameter object (and its loader attributes), as vLLM's replace_parameter does.
-                # Same element count (no padding): reuse the placeholder's storage; else bind a new
-                # tensor, which frees the checkpoint-shaped placeholder.
-                cur = param.data
-                if cur.is_contiguous() and cur.numel() == math.prod(shape):
-                    param.data = cur.view(shape)
-                else:
-                    param.data = torch.empty(shape, dtype=tdtype, device=param.device)
-                info = header.tensors[name]
-                items.append(CopyItem(info.start, info.nbytes, param.data))
+        specs = [
+            (entry.name, spec)
+            for entry in bundle.tp_set.layers
+            for spec in tensor_specs(entry, bundle.manifest.quant, dtype, bundle.manifest.source.format)
+        ] + [(entry.name, spec) for entry in bundle.tp_set.moe_layers for spec in moe_entry_specs(entry, bundle.manifest.quant, dtype)]
+        for layer_name, (name, tdtype, shape) in specs:
+            layer = state.layers[layer_name]
+            param = getattr(layer, name.rsplit(".", 1)[1])
+            if not isinstance(param, nn.Parameter) or param.dtype != tdtype:
+                raise BundleError(
+                    f"layer {layer_name}: parameter {name} is {type(param).__name__} "
+                    f"{getattr(param, 'dtype', None)}, the bundle holds {tdtype}"
+                )
+            # Keep the Parameter object (and its loader attributes), as vLLM's replace_parameter does.
+            # Same element count (no padding): reuse the placeholder's storage; else bind a new
+            # tensor, which frees the checkpoint-shaped placeholder.
+            cur = param.data
+            if cur.is_contiguous() and cur.numel() == math.prod(shape):
+                param.data = cur.view(shape)
+            else:
+                param.data = torch.empty(shape, dtype=tdtype, device=param.device)
+            info = header.tensors[name]
+            items.append(CopyItem(info.start, info.nbytes, param.data))
         return items
 
     @staticmethod
