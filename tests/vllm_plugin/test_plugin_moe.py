@@ -278,3 +278,21 @@ def test_ipc_still_refuses_moe_methods_off_marlin(moe_bundle: Any, stock_vllm: N
         check_ipc_quant_support(next(mod for mod in engine.modules() if is_moe_layer(mod) and mod is not layer))
     with pytest.raises(UnsupportedQuantForIPCError, match=r"AutoAWQMoEMethod does not support loading from pre-processed weights"):
         check_ipc_quant_support(layer)  # stock vLLM (unpatched) refuses every AWQ/GPTQ MoE method
+
+
+def test_weight_cache_resolves_auto_moe_backend_to_marlin_and_keeps_the_key() -> None:
+    """Daemon and ipc_cache engine: AWQ/GPTQ models get Marlin MoE for ``auto``; WeightCacheKey sees what was configured."""
+    from vllm.config.kernel import KernelConfig
+
+    from marlin_pack.vllm_plugin.patches.weight_cache import _as_configured, force_marlin_for_cache
+
+    def run(quantization: str, **kernel: Any) -> Any:
+        vllm_config = SimpleNamespace(kernel_config=KernelConfig(**kernel))
+        force_marlin_for_cache(vllm_config, SimpleNamespace(quantization=quantization))
+        return vllm_config.kernel_config
+
+    kc = run("auto_gptq")
+    assert kc.moe_backend == "marlin" and _as_configured(kc).moe_backend == "auto"
+    assert run("auto_awq", moe_backend="triton").moe_backend == "triton"  # explicit: kept (then refused by the cache)
+    assert run("compressed-tensors").moe_backend == "auto"  # its MoE methods are never shared
+    assert run("fp8").moe_backend == "auto"
