@@ -26,7 +26,7 @@ import torch
 from arch_checkpoints import quant_config
 from safetensors.torch import load_file, save_file
 
-from marlin_pack.testing.synthetic import quantized_linear_tensors
+from marlin_pack.testing.synthetic import quantized_linear_tensors, write_tokenizer
 
 __all__ = ["MOE_CONFIGS", "ROUTERS", "write_moe_checkpoint"]
 
@@ -71,10 +71,11 @@ def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> dic
 def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bits: int = 4, group_size: int = 128,
                          dtype: torch.dtype = torch.float16, seed: int = 0, random_gptq_zeros: bool = False,
                          quant_overrides: dict[str, Any] | None = None, sharded: bool = False,
-                         **config_overrides: Any) -> Path:
+                         tokenizer: bool = False, **config_overrides: Any) -> Path:
     """Write a tiny quantized MoE checkpoint of ``architecture`` to ``out``; returns ``out``.
 
     ``sharded``: two safetensors files (tensors alternating by name) and a ``model.safetensors.index.json``.
+    ``tokenizer``: also a byte-level BPE tokenizer of the vocabulary size (for engines on a GPU).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,4 +115,6 @@ def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bit
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = qc
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer:
+        write_tokenizer(out, config["vocab_size"])
     return out
