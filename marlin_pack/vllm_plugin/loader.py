@@ -185,10 +185,12 @@ class MarlinPrepackedLoader(BaseModelLoader):
         self._timings.create = time.perf_counter() - t0
         logger.info(
             "marlin-pack: %d quantized layers use %s (linear_backend_per_quant mixed_precision=marlin set by "
-            "the %s loader)",
-            len(layers),
+            "the %s loader)%s",
+            len(layers) - len(experts),
             KERNEL_NAME,
             LOAD_FORMAT,
+            f"; {len(experts)} experts layers use Marlin MoE (moe_backend={vllm_config.kernel_config.moe_backend})"
+            if experts else "",
         )
         self._models[model] = _ModelState(bundle, layers)
         return model
