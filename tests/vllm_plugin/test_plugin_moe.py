@@ -247,6 +247,8 @@ def test_daemon_to_engine_round_trip_moe(moe_bundle: Any, patched: Any, arch: st
         assert not got[name].is_meta, name
         assert got[name].data_ptr() == shared[name].data_ptr(), name
         assert torch.equal(got[name].detach(), want), name
+    leftover = [n for n, p in engine.named_parameters(remove_duplicate=False) if p.is_meta]
+    assert not leftover, f"the daemon provided no tensor for {leftover[:3]} (vLLM would materialize them uninitialized)"
     experts = [mod for mod in engine.modules() if is_moe_layer(mod)]
     assert experts
     for layer in experts:
