@@ -36,6 +36,7 @@ from marlin_pack.marlin.sharding import (
     rank_slices,
     read_layer_parts,
 )
+from marlin_pack.moe_conversion import MoePlan, build_moe_layer, check_moe_settings, plan_moe, read_moe_layer
 from marlin_pack.schemas import (
     LayerEntry,
     Manifest,
@@ -79,6 +80,7 @@ class ConversionPlan:
     bias: dict[str, bool] = field(default_factory=dict)
     entries: dict[int, list[LayerEntry]] = field(default_factory=dict)
     common: list[str] = field(default_factory=list)
+    moe: MoePlan | None = None  # the routed experts of a mixture-of-experts model
 
 
 def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], dtype: torch.dtype) -> ConversionPlan:
@@ -89,6 +91,8 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
     """
     plan = ConversionPlan(dims=model_dims(ckpt.config, ckpt.tensors), source=source, dtype=dtype)
     _check_layer_count(ckpt, plan.dims)
+    if plan.dims.arch.moe:
+        check_moe_settings(ckpt, source, plan.dims)
     if not plan.dims.arch.loads_lm_head and "lm_head.weight" in ckpt.tensors:
         name = plan.dims.architecture
         raise UnsupportedCheckpointError(
@@ -126,12 +130,16 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
                         raise CheckpointError(f"tensor {m.prefix}.bias has shape {list(bias_info.shape)}, expected [{m.size_n}]")
             plan.layers.append(spec)
             plan.bias[spec.name] = biases[0]
+    if plan.dims.arch.moe:
+        plan.moe, experts = plan_moe(ckpt, source, plan.dims, tp_sizes)
+        owned |= experts
     if not plan.layers:
         raise UnsupportedCheckpointError(f"no quantized decoder linear layers (…{source.packed_weight}) found; nothing to convert")
     stray = sorted(n for n in ckpt.tensors if n.endswith(f".{source.packed_weight}") and n not in owned)
     if stray:
         kind = "MoE expert" if ".experts." in stray[0] else "unsupported"
-        raise UnsupportedCheckpointError(f"{stray[0]} is an {kind} quantized module; marlin-pack converts dense decoder linears only")
+        what = "dense decoder linears and the routed experts of its MoE architectures" if plan.dims.arch.moe else "dense decoder linears"
+        raise UnsupportedCheckpointError(f"{stray[0]} is an {kind} quantized module; marlin-pack converts {what} only")
     awq = source.format is SourceFormat.awq_gemm  # AWQ keeps no scales for channel-wise row shards at TP > 1
     for tp in tp_sizes:
         plan.entries[tp] = [
@@ -344,13 +352,17 @@ def convert(
             aliases = tied_copies(ckpt, plan) if plan.dims.tie_word_embeddings else {}
             stored = [n for n in plan.common if n not in aliases]
             common = bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
+            moe_specs = {tp: plan.moe.specs(tp, source.scheme, tdtype) if plan.moe else [] for tp in tps}
             ranks = {
                 (tp, rank): bundle.open_rank(
                     tp, rank, [s for e in plan.entries[tp] for s in tensor_specs(e, source.scheme, tdtype, source.format)]
+                    + moe_specs[tp]
                 )
                 for tp in tps
                 for rank in range(tp)
             }
+            moe_layers = plan.moe.layers if plan.moe else []
+            total = len(plan.layers) + len(moe_layers)
             for li, spec in enumerate(plan.layers):
                 parts = read_layer_parts(spec, lambda prefix, k, n: source.read(ckpt, prefix, k, n, dev))
                 slots = parts[spec.parts[0].name].column_slots
@@ -364,7 +376,17 @@ def convert(
                             ranks[(tp, rank)].write(name, t)
                 del parts
                 if progress:
-                    progress(li + 1, len(plan.layers), spec.name)
+                    progress(li + 1, total, spec.name)
+            for mi, layer in enumerate(moe_layers):  # after the dense layers: the rank files' order
+                assert plan.moe is not None
+                experts = read_moe_layer(plan.moe, source, ckpt, layer, dev)  # one layer's experts at a time
+                for tp in tps:
+                    for rank in range(tp):
+                        for name, t in build_moe_layer(plan.moe, source.scheme, tdtype, tp, rank, layer, experts).items():
+                            ranks[(tp, rank)].write(name, t)
+                del experts
+                if progress:
+                    progress(len(plan.layers) + mi + 1, total, plan.moe.name(layer))
             manifest = Manifest(
                 producer=Producer(version=__version__),
                 target=Target(vllm_version=TARGET_VLLM_VERSION),
@@ -374,7 +396,7 @@ def convert(
                 source=_source_entry(ckpt, plan, hashes),
                 common=common,
                 common_aliases=aliases,
-                tensor_parallel=bundle.close_ranks(plan.entries),
+                tensor_parallel=bundle.close_ranks(plan.entries, {tp: plan.moe.entries(tp) for tp in tps} if plan.moe else None),
             )
             ckpt.check_unchanged()  # after hashing and reading: the hashes describe the data converted
             stamps = [(source_stamp_key(f.name), ckpt.dir / f.name, f.blake3) for f in manifest.source.files]

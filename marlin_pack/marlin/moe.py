@@ -38,7 +38,7 @@ from marlin_pack.marlin.packed_codes import PackedCodes, cat_columns
 from marlin_pack.marlin.repack import pack_marlin_zero_points, pad2d, permute_scales, unpack_cols
 from marlin_pack.marlin.sharding import ModuleTensors
 from marlin_pack.marlin.word_repack import marlin_weights
-from marlin_pack.schemas import QuantScheme, SourceFormat
+from marlin_pack.schemas import MoeLayerEntry, QuantScheme, SourceFormat
 
 __all__ = [
     "MoeArchitecture",
@@ -48,6 +48,9 @@ __all__ = [
     "moe_padded_intermediate",
     "moe_rank_shape",
     "moe_tensor_specs",
+    "moe_entry_shape",
+    "moe_entry_specs",
+    "moe_layer_entry",
     "build_moe_rank_tensors",
     "read_expert",
 ]
@@ -151,6 +154,23 @@ def moe_tensor_specs(prefix: str, s: MoeRankShape, scheme: QuantScheme, dtype: t
         (f"{prefix}.w13_qzeros", torch.int32, (e, g13, 2 * ip * b // 32)),
         (f"{prefix}.w2_qzeros", torch.int32, (e, g2, h * b // 32)),
     ]
+
+
+def moe_layer_entry(name: str, s: MoeRankShape) -> MoeLayerEntry:
+    """The manifest's record of one experts layer at one TP size."""
+    return MoeLayerEntry(name=name, num_experts=s.num_experts, hidden_size=s.hidden, intermediate_size=s.i_part,
+                         padded_intermediate=s.padded)
+
+
+def moe_entry_shape(entry: MoeLayerEntry, tp: int) -> MoeRankShape:
+    """The rank shape a manifest entry records (the inverse of :func:`moe_layer_entry`)."""
+    return MoeRankShape(entry.num_experts, entry.hidden_size, entry.intermediate_size * tp, tp, entry.intermediate_size,
+                        entry.padded_intermediate)
+
+
+def moe_entry_specs(entry: MoeLayerEntry, scheme: QuantScheme, dtype: torch.dtype) -> list[TensorSpec]:
+    """Names, dtypes and shapes of a manifest experts layer's tensors (TP size does not change them)."""
+    return moe_tensor_specs(entry.name, moe_entry_shape(entry, 1), scheme, dtype)
 
 
 @dataclass

@@ -44,13 +44,15 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
 from marlin_pack.errors import BundleError, MismatchField
 from marlin_pack.io.safetensors_io import SafetensorsHeader
+from marlin_pack.marlin.moe import moe_entry_specs
 from marlin_pack.marlin.rank_tensors import tensor_specs
 from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin import patches
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader
-from marlin_pack.vllm_plugin.layer_check import check_layers
+from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
+from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 
@@ -159,11 +161,18 @@ class MarlinPrepackedLoader(BaseModelLoader):
         bundle = decision.bundle
         t0 = time.perf_counter()
         force_marlin(vllm_config.kernel_config)
+        if bundle.tp_set.moe_layers:  # experts: Marlin MoE for --moe-backend auto (an explicit other one is refused below)
+            force_marlin_moe(vllm_config.kernel_config)
         model = super().create_model(vllm_config, model_config, prefix)
         layers = quantized_layers(model)
         try:
-            facts = {name: layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in layers.items()}
+            experts = {name: m for name, m in layers.items() if is_moe_layer(m)}
+            facts = {
+                name: layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in layers.items() if name not in experts
+            }
             check_layers(bundle.manifest, bundle.tp_set, facts)
+            moe_facts = {name: moe_layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in experts.items()}
+            check_moe_layers(bundle.manifest, bundle.tp_set, moe_facts)
         except BundleError as e:
             reason, fld = str(e), getattr(e, "field", None) or MismatchField.layers
             if not self.options.fallback:
@@ -181,10 +190,12 @@ class MarlinPrepackedLoader(BaseModelLoader):
         self._timings.create = time.perf_counter() - t0
         logger.info(
             "marlin-pack: %d quantized layers use %s (linear_backend_per_quant mixed_precision=marlin set by "
-            "the %s loader)",
-            len(layers),
+            "the %s loader)%s",
+            len(layers) - len(experts),
             KERNEL_NAME,
             LOAD_FORMAT,
+            f"; {len(experts)} experts layers use Marlin MoE (moe_backend={vllm_config.kernel_config.moe_backend})"
+            if experts else "",
         )
         self._models[model] = _ModelState(bundle, layers)
         return model
@@ -243,17 +254,20 @@ class MarlinPrepackedLoader(BaseModelLoader):
         assert bundle is not None
         dtype = torch_dtype(bundle.manifest.serving_dtype)
         placed: list[tuple[nn.Parameter, torch.dtype, tuple[int, ...], int, int]] = []
-        for entry in bundle.tp_set.layers:
-            layer = state.layers[entry.name]
-            for name, tdtype, shape in tensor_specs(entry, bundle.manifest.quant, dtype, bundle.manifest.source.format):
-                param = getattr(layer, name.rsplit(".", 1)[1])
-                if not isinstance(param, nn.Parameter) or param.dtype != tdtype:
-                    raise BundleError(
-                        f"layer {entry.name}: parameter {name} is {type(param).__name__} "
-                        f"{getattr(param, 'dtype', None)}, the bundle holds {tdtype}"
-                    )
-                info = header.tensors[name]
-                placed.append((param, tdtype, tuple(shape), info.start, info.nbytes))
+        specs = [
+            (entry.name, spec)
+            for entry in bundle.tp_set.layers
+            for spec in tensor_specs(entry, bundle.manifest.quant, dtype, bundle.manifest.source.format)
+        ] + [(entry.name, spec) for entry in bundle.tp_set.moe_layers for spec in moe_entry_specs(entry, bundle.manifest.quant, dtype)]
+        for layer_name, (name, tdtype, shape) in specs:
+            param = getattr(state.layers[layer_name], name.rsplit(".", 1)[1])
+            if not isinstance(param, nn.Parameter) or param.dtype != tdtype:
+                raise BundleError(
+                    f"layer {layer_name}: parameter {name} is {type(param).__name__} "
+                    f"{getattr(param, 'dtype', None)}, the bundle holds {tdtype}"
+                )
+            info = header.tensors[name]
+            placed.append((param, tdtype, tuple(shape), info.start, info.nbytes))
         if not placed:
             return []
         device = placed[0][0].device
