@@ -79,11 +79,14 @@ def h2d_gbps(pinned: bool = True, gb: float = 4.0, reps: int = 3) -> float:
 
 
 def _reader(path: Path, dst: torch.Tensor, mode: str, threads: int, chunk_mb: int) -> float:
+    """One configuration's GB/s. ``mode`` is an ``io_mode`` or ``registered+p`` (madvise-populate each
+    window before pinning it)."""
     n = dst.numel()
     items = [CopyItem(off, min(PIECE, n - off), dst[off : off + PIECE]) for off in range(0, n, PIECE)]
     torch.cuda.synchronize()
     t = time.perf_counter()
-    with ParallelReader(threads, chunk_mb << 20, mode) as r:  # type: ignore[arg-type]
+    populate = mode.endswith("+p")
+    with ParallelReader(threads, chunk_mb << 20, mode.removesuffix("+p"), populate=populate) as r:  # type: ignore[arg-type]
         r.copy(path, items)
     torch.cuda.synchronize()
     return n / (time.perf_counter() - t) / 1e9
@@ -119,7 +122,7 @@ def main() -> None:
         want = check if want is None else want
         print(f"warm  {mode:10} threads {threads:>2} window {chunk:>4} MiB: {rate:5.1f} GB/s = {rate / pinned:.2f} of pinned"
               f"{'' if check == want else '  (DIFFERENT BYTES)'}", flush=True)
-    for cfg in ["plain", "blake3", *args.cold.split(",")]:
+    for cfg in ["plain", "blake3", *args.cold.split(",")] if args.cold else []:  # --cold '': warm only
         _drop(path)
         t = time.perf_counter()
         if cfg == "plain":

@@ -20,6 +20,11 @@ loading, and, measured in the same run, the pinned host-to-GPU bandwidth that th
 read+copy rate is compared with. ``--profile`` adds the top of a cProfile of the loader's
 ``load_model`` for the prepacked and attach engines.
 
+``--preset qwen3-30b-a3b`` is a mixture-of-experts model shaped like Qwen3-30B-A3B (48 layers of
+128 experts, 8 active; about 17 GB at 4 bits; ``marlin_pack.testing.synthetic_moe``), e.g.
+
+    python benchmarks/bench_load.py --preset qwen3-30b-a3b --formats gptq --daemon gptq --workdir /tmp/bench
+
 A 70B checkpoint (40 GB) and its bundle (38 GB) do not both fit a 64 GiB disk. The loader's
 reader behaves differently on tmpfs (``io_mode`` ``auto`` stages there and pins page-cache
 pages in place elsewhere), so to measure what a server with the bundle on disk gets, put the
@@ -74,8 +79,8 @@ from vllm import LLM, SamplingParams
 kw = dict(model=model, enforce_eager=True, max_model_len=512, attention_backend=attn, dtype='float16',
           skip_tokenizer_init=True, seed=0)
 extra = json.loads(extra)
-if mode == 'ordinary':
-    kw.update(linear_backend='marlin', gpu_memory_utilization=0.92)
+if mode == 'ordinary':  # Marlin forced for linears and (MoE models) experts: the layouts a bundle holds
+    kw.update(linear_backend='marlin', moe_backend='marlin', gpu_memory_utilization=0.92)
 elif mode == 'prepacked':
     kw.update(load_format='marlin_prepacked', gpu_memory_utilization=0.92, model_loader_extra_config=extra)
 else:  # an ipc_cache engine beside its daemon: no memory profiling
@@ -184,7 +189,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="llama-70b")
+    ap.add_argument("--preset", default="llama-70b", help="a marlin_pack.testing.synthetic preset, or qwen3-30b-a3b (MoE)")
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     ap.add_argument("--formats", default="gptq,awq")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench"))
@@ -203,8 +208,10 @@ def main() -> None:
 
     from marlin_pack.conversion import convert
     from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
+    from marlin_pack.testing.synthetic_moe import MOE_PRESETS, write_moe_checkpoint
 
-    shape = PRESETS[args.preset]
+    moe = args.preset in MOE_PRESETS
+    shape = MOE_PRESETS[args.preset] if moe else PRESETS[args.preset]
     if args.layers:
         shape = dataclasses.replace(shape, num_hidden_layers=args.layers)
     from bench_h2d import h2d_gbps  # this folder is on sys.path when run as a script
@@ -217,8 +224,11 @@ def main() -> None:
         model = args.workdir / f"{args.preset}-{fmt}"
         bundle = (args.bundle_root / model.name) if args.bundle_root else model / "marlin-pack"
         t = time.perf_counter()
-        writer = write_awq_checkpoint if fmt == "awq" else write_gptq_checkpoint
-        writer(model, shape, group_size=128, max_shard_bytes=5 << 30, device="cuda")
+        if moe:  # random words drawn on the GPU, streamed shard by shard (seconds for 17 GB)
+            write_moe_checkpoint(model, shape, fmt, group_size=128, max_shard_bytes=5 << 30, device="cuda")
+        else:
+            writer = write_awq_checkpoint if fmt == "awq" else write_gptq_checkpoint
+            writer(model, shape, group_size=128, max_shard_bytes=5 << 30, device="cuda")
         gen_s = time.perf_counter() - t
         t = time.perf_counter()
         manifest = convert(model, bundle, tp_sizes=(1,), dtype="float16", device="cuda", force=True)

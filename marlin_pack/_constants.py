@@ -5,6 +5,7 @@ __all__ = [
     "COMMON_FILE",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "READABLE_FORMAT_VERSIONS",
     "KERNEL_NAME",
     "LAYOUT_VERSION",
     "LOAD_FORMAT",
@@ -18,7 +19,9 @@ __all__ = [
 FORMAT_NAME = "marlin-pack"
 # Bumped whenever the manifest or the files change in a way an older reader would misread.
 # 2: the manifest records the source's relevant quantization settings, not its whole quantization_config.
-FORMAT_VERSION = 3
+# 4: mixture-of-experts layers (``moe_layers``); format 3 bundles (dense) are still read.
+FORMAT_VERSION = 4
+READABLE_FORMAT_VERSIONS = (3, 4)
 # Bumped whenever the tensor layout written for a (kernel, vLLM version) changes.
 LAYOUT_VERSION = 1
 TARGET_VLLM_VERSION = "0.33.0"

@@ -25,15 +25,20 @@ def _layers(arch: Architecture) -> str:
             out.append(f"{leaf} ← {modules[0]} (stored fused: {'+'.join(p.role for p in lin.parts)})")
         else:
             out.append(leaf if modules == [leaf] else f"{leaf} ← {'+'.join(modules)}")
+    if arch.moe:
+        from marlin_pack.marlin.moe import MOE_ARCHITECTURES
+
+        m = MOE_ARCHITECTURES[arch.name]
+        out.append(f"{m.vllm_experts.split('.', 1)[1]} (Marlin MoE, all experts stacked) w13 ← {m.block}.experts.*.{m.gate}+{m.up}, "
+                   f"w2 ← {m.block}.experts.*.{m.down}")
     return ", ".join(out)
 
 
 def architecture_table() -> str:
     """Markdown: one row per supported architecture, then the refused ones with vLLM's reason."""
-    rows = [
-        "| architecture (`config.json`) | vLLM 0.33.0 class | quantized layers (vLLM ← checkpoint) | decoder layers in checkpoint → in vLLM |",
-        "|---|---|---|---|",
-    ]
+    header = ("| architecture (`config.json`) | vLLM 0.33.0 class | quantized layers (vLLM ← checkpoint) "
+              "| decoder layers in checkpoint → in vLLM |")
+    rows = [header, "|---|---|---|---|"]
     for a in ARCHITECTURES.values():
         prefixes = " or ".join(f"`{p}`" for p in a.checkpoint_layers)
         rows.append(f"| `{a.name}` | `{a.vllm_class}` | {_layers(a)} | {prefixes} → `{a.layers}` |")

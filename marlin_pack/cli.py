@@ -157,7 +157,9 @@ def check(
     bundle: Annotated[Path | None, typer.Option("--bundle", help="Bundle directory \\[default: MODEL_DIR/marlin-pack].")] = None,
     tp: Annotated[int, typer.Option("--tp", min=1, max=1024, help="The engine's --tensor-parallel-size.")] = 1,
     rank: Annotated[int | None, typer.Option("--rank", min=0, help="Check one rank only \\[default: every rank].")] = None,
-    dtype: Annotated[str | None, typer.Option("--dtype", help="The engine's --dtype: float16 or bfloat16 \\[default: what --dtype auto picks].")] = None,
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="The engine's --dtype: float16 or bfloat16 \\[default: what --dtype auto picks].")
+    ] = None,
     verify_mode: Annotated[str, typer.Option("--verify", help="auto (hash what changed), full or size, as the loader.")] = "auto",
     fallback: Annotated[bool, typer.Option("--fallback", help="As the loader's fallback: a bad bundle means loading ordinarily.")] = False,
     revision: RevisionOpt = None,
@@ -168,7 +170,7 @@ def check(
     Runs the loader's own pre-GPU checks for every rank (no GPU, no vLLM start): manifest, engine fit, source binding, file integrity, rank headers.
 
     Exit 0 to load (or, with --fallback, to fall back), 1 to refuse.
-    """
+    """  # noqa: E501
     from marlin_pack.vllm_plugin.preflight import preflight
 
     model_dir = _absolute_if_local(model_dir)
@@ -269,6 +271,11 @@ def _render_manifest(manifest, bundle: Path) -> None:  # type: ignore[no-untyped
     info.add_row("weights", f"{q.weight_type.value} ({q.bits}-bit), group size {q.group_size}, zero points {q.zero_points}")
     info.add_row("serving dtype", manifest.serving_dtype.value)
     info.add_row("target", f"vLLM {manifest.target.vllm_version}, {manifest.target.kernel} layout v{manifest.target.layout_version}")
+    moe = manifest.tensor_parallel[0].moe_layers
+    if moe:
+        per_tp = ", ".join(f"tp {s.tp_size}: {s.moe_layers[0].intermediate_size} (padded {s.moe_layers[0].padded_intermediate})"
+                           for s in manifest.tensor_parallel)
+        info.add_row("experts", f"{len(moe)} Marlin MoE layers x {moe[0].num_experts} experts; intermediate per rank {per_tp}")
     out.print(info)
     table = Table("tp", "files", "size", "layers", "padded layers", title="tensor-parallel sets")
     for s in manifest.tensor_parallel:

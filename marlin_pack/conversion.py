@@ -27,6 +27,7 @@ from marlin_pack.bundle.writer import BundleWriter, check_output
 from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedCheckpointError
 from marlin_pack.io.hashing import file_digest, hash_workers, sha256_bytes
 from marlin_pack.io.safetensors_io import StreamWriter, read_header_bytes
+from marlin_pack.marlin.moe import ExpertTensors
 from marlin_pack.marlin.rank_tensors import build_rank_tensors, tensor_specs
 from marlin_pack.marlin.sharding import (
     LayerSpec,
@@ -40,6 +41,7 @@ from marlin_pack.marlin.sharding import (
     rank_slices,
     read_layer_parts,
 )
+from marlin_pack.moe_conversion import MoePlan, build_moe_layer, check_moe_settings, plan_moe, read_moe_layer
 from marlin_pack.schemas import (
     LayerEntry,
     Manifest,
@@ -84,6 +86,7 @@ class ConversionPlan:
     bias: dict[str, bool] = field(default_factory=dict)
     entries: dict[int, list[LayerEntry]] = field(default_factory=dict)
     common: list[str] = field(default_factory=list)
+    moe: MoePlan | None = None  # the routed experts of a mixture-of-experts model
 
 
 def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], dtype: torch.dtype) -> ConversionPlan:
@@ -94,6 +97,8 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
     """
     plan = ConversionPlan(dims=model_dims(ckpt.config, ckpt.tensors), source=source, dtype=dtype)
     _check_layer_count(ckpt, plan.dims)
+    if plan.dims.arch.moe:
+        check_moe_settings(ckpt, source, plan.dims)
     if not plan.dims.arch.loads_lm_head and "lm_head.weight" in ckpt.tensors:
         name = plan.dims.architecture
         raise UnsupportedCheckpointError(
@@ -131,12 +136,16 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
                         raise CheckpointError(f"tensor {m.prefix}.bias has shape {list(bias_info.shape)}, expected [{m.size_n}]")
             plan.layers.append(spec)
             plan.bias[spec.name] = biases[0]
+    if plan.dims.arch.moe:
+        plan.moe, experts = plan_moe(ckpt, source, plan.dims, tp_sizes)
+        owned |= experts
     if not plan.layers:
         raise UnsupportedCheckpointError(f"no quantized decoder linear layers (…{source.packed_weight}) found; nothing to convert")
     stray = sorted(n for n in ckpt.tensors if n.endswith(f".{source.packed_weight}") and n not in owned)
     if stray:
         kind = "MoE expert" if ".experts." in stray[0] else "unsupported"
-        raise UnsupportedCheckpointError(f"{stray[0]} is an {kind} quantized module; marlin-pack converts dense decoder linears only")
+        what = "dense decoder linears and the routed experts of its MoE architectures" if plan.dims.arch.moe else "dense decoder linears"
+        raise UnsupportedCheckpointError(f"{stray[0]} is an {kind} quantized module; marlin-pack converts {what} only")
     awq = source.format is SourceFormat.awq_gemm  # AWQ keeps no scales for channel-wise row shards at TP > 1
     for tp in tp_sizes:
         plan.entries[tp] = [
@@ -299,6 +308,24 @@ def _writer_hash_threads(n_writers: int) -> int:
     return max(1, min(8, (os.cpu_count() or 1) // (4 * n_writers)))
 
 
+def _expert_tensors(experts: list[ExpertTensors]) -> Iterator[torch.Tensor]:
+    """Every tensor one experts layer's read holds (see :func:`_layer_tensors`)."""
+    for ex in experts:
+        yield from _layer_tensors({"gate": ex.gate, "up": ex.up, "down": ex.down})
+
+
+def _experts_memory(w: StreamWriter, dev: torch.device) -> Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor]:
+    """Where one rank's stacked experts tensors are built: the writer's recycled buffers on the CPU;
+    on a GPU device memory, copied back into pinned writer buffers like a dense layer's results."""
+    if dev.type == "cuda":
+        return lambda name, dtype, shape: torch.empty(shape, dtype=dtype, device=dev)
+    return lambda name, dtype, shape: w.empty(name)
+
+
+def _spec_bytes(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
+    return sum(d.itemsize * math.prod(shape) for _, d, shape in specs)
+
+
 def _convert_layers(
     ckpt: Checkpoint, plan: ConversionPlan, tps: list[int], dev: torch.device, bundle: BundleWriter, progress: ProgressFn | None
 ) -> None:
@@ -307,27 +334,61 @@ def _convert_layers(
     Layer N+1 (one fused linear: a :class:`LayerSpec`) is read on a thread while layer N is
     repacked here, and the rank writers' threads write and hash what came before, each holding
     at most two layers' bytes of output in flight (memory stays a few layers, whatever the model).
+
+    A mixture-of-experts model's routed experts follow its dense layers (the rank files' order),
+    one decoder layer's experts per step of the same read-ahead: read on the thread, stacked per
+    rank by :func:`~marlin_pack.moe_conversion.build_moe_layer` (into the writer's recycled
+    buffers on the CPU; on a GPU into device memory copied back like a dense layer's results).
     """
     source, scheme, tdtype = plan.source, plan.source.scheme, plan.dtype
+    moe, moe_layers = plan.moe, plan.moe.layers if plan.moe else []
+    n_dense, total = len(plan.layers), len(plan.layers) + len(moe_layers)
     device = Device(dev)
     ranks: dict[tuple[int, int], StreamWriter] = {}
     for tp in tps:
         specs = [tensor_specs(e, scheme, tdtype, source.format) for e in plan.entries[tp]]
-        layer_bytes = max(sum(d.itemsize * math.prod(shape) for _, d, shape in layer) for layer in specs)
+        experts_specs = moe.specs(tp, scheme, tdtype) if moe else []
+        # Every experts layer has the same tensors: the first one's bytes are each one's.
+        experts_bytes = _spec_bytes(experts_specs[: len(experts_specs) // len(moe_layers)]) if moe_layers else 0
+        layer_bytes = max([experts_bytes] + [_spec_bytes(layer) for layer in specs])
         for rank in range(tp):
             ranks[(tp, rank)] = bundle.open_rank(
                 # Bounded by bytes, not tensors: a small tensor after a large one need not wait for it.
-                tp, rank, [s for layer in specs for s in layer], max_in_flight=None, max_bytes_in_flight=2 * layer_bytes,
-                pin_memory=device.cuda, hash_threads=_writer_hash_threads(sum(tps)),
+                tp, rank, [s for layer in specs for s in layer] + experts_specs, max_in_flight=None,
+                max_bytes_in_flight=2 * layer_bytes, pin_memory=device.cuda, hash_threads=_writer_hash_threads(sum(tps)),
             )
 
-    def read(li: int) -> tuple[dict[str, ModuleTensors], object]:
+    def read(i: int) -> tuple[object, object]:
         with device.reading():
-            parts = read_layer_parts(plan.layers[li], lambda prefix, k, n: source.read(ckpt, prefix, k, n, dev))
-            return parts, device.read_done()
+            if i < n_dense:
+                read_layer = plan.layers[i]
+                data: object = read_layer_parts(read_layer, lambda prefix, k, n: source.read(ckpt, prefix, k, n, dev))
+            else:
+                assert moe is not None
+                data = read_moe_layer(moe, source, ckpt, moe_layers[i - n_dense], dev)  # one decoder layer's experts
+            return data, device.read_done()
 
-    with ReadAhead(read, len(plan.layers), depth=1) as layers:
-        for li, (parts, done) in enumerate(layers):
+    def write(w: StreamWriter, built: dict[str, torch.Tensor]) -> None:
+        for name, t in built.items():
+            host, ready = device.to_host(t, functools.partial(w.empty, name))
+            w.write(name, host, ready)
+
+    with ReadAhead(read, total, depth=1) as layers:
+        for li, (data, done) in enumerate(layers):
+            if li >= n_dense:
+                assert moe is not None
+                experts: list[ExpertTensors] = data  # type: ignore[assignment]
+                device.receive(done, _expert_tensors(experts))  # type: ignore[arg-type]
+                layer = moe_layers[li - n_dense]
+                for tp in tps:
+                    for rank in range(tp):
+                        w = ranks[(tp, rank)]
+                        write(w, build_moe_layer(moe, scheme, tdtype, tp, rank, layer, experts, _experts_memory(w, dev)))
+                del experts, data
+                if progress:
+                    progress(li + 1, total, moe.name(layer))
+                continue
+            parts: dict[str, ModuleTensors] = data  # type: ignore[assignment]
             spec = plan.layers[li]
             device.receive(done, _layer_tensors(parts))  # type: ignore[arg-type]
             slots = parts[spec.parts[0].name].column_slots
@@ -340,13 +401,10 @@ def _convert_layers(
                     w = ranks[(tp, rank)]
                     # On the CPU the weight is built straight into the writer's recycled buffer.
                     empty = None if device.cuda else w.empty
-                    built = build_rank_tensors(entry, scheme, tdtype, *fused, slots, source.format, shape, empty)
-                    for name, t in built.items():
-                        host, ready = device.to_host(t, functools.partial(w.empty, name))
-                        w.write(name, host, ready)
-            del parts, fused, built
+                    write(w, build_rank_tensors(entry, scheme, tdtype, *fused, slots, source.format, shape, empty))
+            del parts, data, fused
             if progress:
-                progress(li + 1, len(plan.layers), spec.name)
+                progress(li + 1, total, spec.name)
 
 
 def convert(
@@ -423,7 +481,7 @@ def convert(
                 source=_source_entry(ckpt, plan, hashes),
                 common=bundle.close_common(),
                 common_aliases=aliases,
-                tensor_parallel=bundle.close_ranks(plan.entries),
+                tensor_parallel=bundle.close_ranks(plan.entries, {tp: plan.moe.entries(tp) for tp in tps} if plan.moe else None),
             )
             ckpt.check_unchanged()  # after hashing and reading: the hashes describe the data converted
             stamps = [(source_stamp_key(f.name), ckpt.dir / f.name, f.blake3) for f in manifest.source.files]

@@ -50,6 +50,7 @@ __all__ = [
     "QuantScheme",
     "LayerPart",
     "LayerEntry",
+    "MoeLayerEntry",
     "RankEntry",
     "TensorParallelSet",
     "Manifest",
@@ -364,6 +365,27 @@ class LayerEntry(_Strict):
         return self
 
 
+class MoeLayerEntry(_Strict):
+    """One routed-experts layer (vLLM's FusedMoE) on every rank of a TP set, all experts on each rank.
+
+    Its tensors are ``{name}.w13_qweight``, ``w2_qweight``, ``w13_scales``, ``w2_scales``,
+    ``w13_qzeros``, ``w2_qzeros``, as vLLM 0.33.0's Marlin MoE path holds them
+    (``marlin_pack.marlin.moe``).
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.]+$", max_length=300, description="vLLM's experts module")
+    num_experts: int = Field(gt=0, le=4096)
+    hidden_size: int = Field(gt=0, le=_MAX_DIM)
+    intermediate_size: int = Field(gt=0, le=_MAX_DIM, description="per expert, per rank (I / tp)")
+    padded_intermediate: int = Field(gt=0, le=_MAX_DIM, description="after Marlin MoE tile padding")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MoeLayerEntry:
+        if self.padded_intermediate < self.intermediate_size or self.padded_intermediate % 64 or self.hidden_size % 128:
+            raise ValueError(f"experts {self.name}: shapes ({self.hidden_size}, {self.padded_intermediate}) are not Marlin MoE tiles")
+        return self
+
+
 class RankEntry(_Strict):
     rank: int = Field(ge=0, le=1023)
     file: FileEntry
@@ -375,11 +397,15 @@ class TensorParallelSet(_Strict):
     tp_size: int = Field(ge=1, le=1024)
     ranks: list[RankEntry]
     layers: list[LayerEntry] = Field(min_length=1)
+    moe_layers: list[MoeLayerEntry] = Field(default_factory=list, description="routed-experts layers (format 4)")
 
     @model_validator(mode="after")
     def _ranks(self) -> TensorParallelSet:
         if [r.rank for r in self.ranks] != list(range(self.tp_size)):
             raise ValueError(f"tp_size {self.tp_size} needs ranks 0..{self.tp_size - 1} in order")
+        names = [e.name for e in self.layers] + [e.name for e in self.moe_layers]
+        if len(names) != len(set(names)):
+            raise ValueError(f"tp_size {self.tp_size}: a layer is listed twice")
         return self
 
 
@@ -393,7 +419,8 @@ class Manifest(_Strict):
     """
 
     format: Literal["marlin-pack"] = FORMAT_NAME  # type: ignore[assignment]
-    format_version: Literal[3] = FORMAT_VERSION  # type: ignore[assignment]
+    # 3: dense only (still read: it is a format 4 manifest without moe_layers); 4 adds moe_layers.
+    format_version: Literal[3, 4] = FORMAT_VERSION  # type: ignore[assignment]
     producer: Producer
     target: Target
     quant: QuantScheme
@@ -417,6 +444,8 @@ class Manifest(_Strict):
             raise ValueError("activation_dtype must equal serving_dtype (16-bit activations only)")
         if set(self.common_aliases) & set(self.common_aliases.values()):
             raise ValueError("common_aliases must point at stored tensors, not at other aliases")
+        if self.format_version < 4 and any(s.moe_layers for s in self.tensor_parallel):
+            raise ValueError("moe_layers need format_version 4")
         paths = [self.common.path] + [r.file.path for s in self.tensor_parallel for r in s.ranks]
         if len(paths) != len(set(paths)):
             raise ValueError("a file is listed twice")

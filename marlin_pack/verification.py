@@ -26,6 +26,7 @@ from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHea
 from marlin_pack.marlin.rank_tensors import decode_rank_tensors, param_names, tensor_specs
 from marlin_pack.marlin.repack import awq_to_natural
 from marlin_pack.marlin.sharding import fuse_rank_slices, rank_slices, read_layer_parts
+from marlin_pack.moe_verification import check_moe_layers
 from marlin_pack.schemas import Manifest, torch_dtype
 from marlin_pack.sources import Checkpoint, source_from_quant_config
 from marlin_pack.sources.hub import cache_root, resolve_model
@@ -209,7 +210,10 @@ def _check_layout(m: Manifest, plan: ConversionPlan) -> str:
     for tp_set in m.tensor_parallel:
         if tp_set.layers != plan.entries[tp_set.tp_size]:
             raise MarlinPackError(f"tp {tp_set.tp_size}: layer shapes in the manifest differ from those the checkpoint implies")
-    return f"{len(plan.layers)} layers, shapes agree with the checkpoint"
+        if tp_set.moe_layers != (plan.moe.entries(tp_set.tp_size) if plan.moe else []):
+            raise MarlinPackError(f"tp {tp_set.tp_size}: experts layers in the manifest differ from those the checkpoint implies")
+    experts = f", {len(plan.moe.layers)} experts layers" if plan.moe else ""
+    return f"{len(plan.layers)} layers{experts}, shapes agree with the checkpoint"
 
 
 def _check_common(bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan) -> str:
@@ -275,7 +279,10 @@ def _round_trip(
                 checked += 1
         if progress:
             progress(li + 1, len(plan.layers), spec.name)
-    return f"{checked} layer shards decode to the checkpoint's codes, scales and zero points, bit for bit"
+    experts = ""
+    if plan.moe is not None:
+        experts = f"; {check_moe_layers(m, ckpt, plan.moe, plan.source, handles)} experts layer shards equal their rebuild"
+    return f"{checked} layer shards decode to the checkpoint's codes, scales and zero points, bit for bit{experts}"
 
 
 def _compare_padded(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

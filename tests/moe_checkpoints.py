@@ -26,7 +26,7 @@ import torch
 from arch_checkpoints import quant_config
 from safetensors.torch import load_file, save_file
 
-from marlin_pack.testing.synthetic import quantized_linear_tensors
+from marlin_pack.testing.synthetic import quantized_linear_tensors, write_tokenizer
 
 __all__ = ["MOE_CONFIGS", "ROUTERS", "write_moe_checkpoint"]
 
@@ -70,8 +70,13 @@ def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> dic
 
 def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bits: int = 4, group_size: int = 128,
                          dtype: torch.dtype = torch.float16, seed: int = 0, random_gptq_zeros: bool = False,
-                         quant_overrides: dict[str, Any] | None = None, **config_overrides: Any) -> Path:
-    """Write a tiny quantized MoE checkpoint of ``architecture`` to ``out``; returns ``out``."""
+                         quant_overrides: dict[str, Any] | None = None, sharded: bool = False,
+                         tokenizer: bool = False, **config_overrides: Any) -> Path:
+    """Write a tiny quantized MoE checkpoint of ``architecture`` to ``out``; returns ``out``.
+
+    ``sharded``: two safetensors files (tensors alternating by name) and a ``model.safetensors.index.json``.
+    ``tokenizer``: also a byte-level BPE tokenizer of the vocabulary size (for engines on a GPU).
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads(json.dumps(MOE_CONFIGS[architecture]))
@@ -99,7 +104,17 @@ def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bit
         tensors.update(q)
         n_quantized += 1
     assert n_quantized and any(".experts." in n for n in tensors), "no experts quantized"
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if sharded:
+        names = sorted(tensors)
+        files = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for fn, ns in files.items():
+            save_file({n: tensors[n] for n in ns}, str(out / fn), metadata={"format": "pt"})
+        wm = {n: fn for fn, ns in files.items() for n in ns}
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    else:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = qc
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer:
+        write_tokenizer(out, config["vocab_size"])
     return out

@@ -86,3 +86,61 @@ def test_a_read_error_on_the_read_thread_is_the_same_one_line_error(awq_copy: Pa
         convert(awq_copy)
     assert readers == {"marlin-pack-read"}
     no_leftovers(awq_copy)
+
+
+@pytest.fixture
+def tiny_moe(tmp_path: Path) -> Path:
+    from marlin_pack.testing.synthetic_moe import MOE_PRESETS, write_moe_checkpoint
+
+    return write_moe_checkpoint(tmp_path / "moe", MOE_PRESETS["tiny-qwen3moe"], "gptq", max_shard_bytes=1 << 20)
+
+
+def test_experts_layers_follow_the_dense_ones_through_the_read_ahead(tiny_moe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from marlin_pack import conversion
+
+    readers = set()
+    real_read = conversion.read_moe_layer
+
+    def read_moe_layer(*args: object) -> object:
+        readers.add(threading.current_thread().name)
+        return real_read(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(conversion, "read_moe_layer", read_moe_layer)
+    steps: list[tuple[int, int, str]] = []
+    manifest = convert(tiny_moe, tp_sizes=(1, 2), progress=lambda done, total, name: steps.append((done, total, name)))
+    dense = len(manifest.tensor_parallel[0].layers)
+    experts = [e.name for e in manifest.tensor_parallel[0].moe_layers]
+    assert experts == ["model.layers.0.mlp.experts.routed_experts", "model.layers.1.mlp.experts.routed_experts"]
+    assert [s[0] for s in steps] == list(range(1, dense + 3)) and {s[1] for s in steps} == {dense + 2}
+    assert [s[2] for s in steps[dense:]] == experts  # after every dense layer: the rank files' order
+    assert readers == {"marlin-pack-read"}
+
+
+@pytest.mark.parametrize("stage", ["read", "build"])
+def test_an_experts_error_is_one_line_and_leaves_no_bundle(
+    tiny_moe: Path, monkeypatch: pytest.MonkeyPatch, no_leftovers, stage: str
+) -> None:
+    from marlin_pack import UnsupportedCheckpointError, conversion
+    from marlin_pack.sources.checkpoint import Checkpoint
+
+    if stage == "read":
+        real_get = Checkpoint.get
+
+        def get(self: Checkpoint, name: str) -> torch.Tensor:
+            if name == "model.layers.1.mlp.experts.5.down_proj.qweight":
+                raise CheckpointError(f"cannot read tensor {name} from model-00002.safetensors (boom); the file is corrupt")
+            return real_get(self, name)
+
+        monkeypatch.setattr(Checkpoint, "get", get)
+        error: type[Exception] = CheckpointError
+        match = r"^cannot read tensor model\.layers\.1\.mlp\.experts\.5\.down_proj\.qweight .*corrupt$"
+    else:
+        def build_moe_layer(*args: object) -> object:
+            raise UnsupportedCheckpointError("model.layers.1.mlp.experts.routed_experts: 7 experts read, expected 8")
+
+        monkeypatch.setattr(conversion, "build_moe_layer", build_moe_layer)
+        error, match = UnsupportedCheckpointError, r"^model\.layers\.1\.mlp\.experts\.routed_experts: 7 experts read, expected 8$"
+    with pytest.raises(error, match=match) as e:
+        convert(tiny_moe, tp_sizes=(1, 2))
+    assert "\n" not in str(e.value)
+    no_leftovers(tiny_moe)

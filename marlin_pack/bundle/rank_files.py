@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from marlin_pack._constants import FORMAT_NAME, FORMAT_VERSION
 from marlin_pack.errors import BundleMismatchError, MismatchField
 from marlin_pack.io.safetensors_io import SafetensorsHeader, dtype_code
+from marlin_pack.marlin.moe import moe_entry_specs
 from marlin_pack.marlin.rank_tensors import TensorSpec, tensor_specs
 from marlin_pack.schemas import Manifest, QuantScheme, ServingDtype, SourceFormat, TensorParallelSet, torch_dtype
 
@@ -22,22 +23,23 @@ def rank_file_path(tp_size: int, rank: int) -> str:
     return f"tp{tp_size}/rank-{rank}.safetensors"
 
 
-def common_metadata() -> dict[str, str]:
-    """``__metadata__`` of ``common.safetensors``."""
-    return {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}
+def common_metadata(version: int = FORMAT_VERSION) -> dict[str, str]:
+    """``__metadata__`` of ``common.safetensors`` (of a bundle of format ``version``)."""
+    return {"format": FORMAT_NAME, "format_version": str(version)}
 
 
-def rank_metadata(tp_size: int, rank: int) -> dict[str, str]:
+def rank_metadata(tp_size: int, rank: int, version: int = FORMAT_VERSION) -> dict[str, str]:
     """``__metadata__`` of a rank file: the format and which rank of which TP size it is."""
-    return {**common_metadata(), "tp_size": str(tp_size), "rank": str(rank)}
+    return {**common_metadata(version), "tp_size": str(tp_size), "rank": str(rank)}
 
 
 def rank_tensor_specs(
     tp_set: TensorParallelSet, quant: QuantScheme, serving_dtype: ServingDtype, fmt: SourceFormat | None = None
 ) -> list[TensorSpec]:
-    """``(name, dtype, shape)`` of every tensor of one rank file of ``tp_set``, in file order."""
+    """``(name, dtype, shape)`` of every tensor of one rank file of ``tp_set``, in file order (dense layers, then experts)."""
     dtype = torch_dtype(serving_dtype)
-    return [spec for entry in tp_set.layers for spec in tensor_specs(entry, quant, dtype, fmt)]
+    dense = [spec for entry in tp_set.layers for spec in tensor_specs(entry, quant, dtype, fmt)]
+    return dense + [spec for entry in tp_set.moe_layers for spec in moe_entry_specs(entry, quant, dtype)]
 
 
 def _sample(names: list[str]) -> str:
@@ -51,7 +53,7 @@ def check_rank_header(manifest: Manifest, tp_set: TensorParallelSet, rank: int, 
         BundleMismatchError: field ``files``, naming the first difference.
     """
     rel = tp_set.ranks[rank].file.path
-    want_meta = rank_metadata(tp_set.tp_size, rank)
+    want_meta = rank_metadata(tp_set.tp_size, rank, manifest.format_version)
     if dict(header.metadata) != want_meta:
         raise BundleMismatchError(
             MismatchField.files, f"bundle file {rel} has metadata {dict(header.metadata)}, expected {want_meta}"

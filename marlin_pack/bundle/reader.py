@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from marlin_pack._constants import BUNDLE_DIRNAME, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
+from marlin_pack._constants import BUNDLE_DIRNAME, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, READABLE_FORMAT_VERSIONS
 from marlin_pack.errors import BundleError, BundleMismatchError, MismatchField
 from marlin_pack.io.files import FileTooLargeError, NotRegularFileError, read_limited
 from marlin_pack.schemas import FileEntry, Manifest
@@ -60,7 +60,7 @@ def read_manifest(bundle_dir: str | Path) -> Manifest:
     """
     bundle_dir = Path(bundle_dir)
     path, text, raw = _read_raw(bundle_dir)
-    if raw.get("format_version") != FORMAT_VERSION:
+    if raw.get("format_version") not in READABLE_FORMAT_VERSIONS or isinstance(raw.get("format_version"), bool):
         raise BundleMismatchError(MismatchField.format_version, _version_advice(bundle_dir, raw.get("format_version")))
     try:  # strict: "462056", true or 1.0 are not sizes or counts
         return Manifest.model_validate_json(text, strict=True)
@@ -82,7 +82,7 @@ def listed_files(bundle_dir: str | Path) -> list[str]:
     """
     bundle_dir = Path(bundle_dir)
     path, _, raw = _read_raw(bundle_dir)
-    if raw.get("format_version") == FORMAT_VERSION:
+    if raw.get("format_version") in READABLE_FORMAT_VERSIONS and not isinstance(raw.get("format_version"), bool):
         return [f.path for f in read_manifest(bundle_dir).files()]
     try:
         entries = [raw["common"], *(r["file"] for s in raw["tensor_parallel"] for r in s["ranks"])]
@@ -102,7 +102,7 @@ def _version_advice(bundle_dir: Path, found: object) -> str:
         command = f"marlin-pack convert {bundle_dir.parent} --force"
     else:
         command = f"marlin-pack convert MODEL --output {bundle_dir} --force"
-    older = isinstance(found, int) and not isinstance(found, bool) and found < FORMAT_VERSION
+    older = isinstance(found, int) and not isinstance(found, bool) and found < min(READABLE_FORMAT_VERSIONS)
     why = "made by an older marlin-pack" if older else "not a format this marlin-pack knows (a newer one may)"
     return (
         f"bundle {bundle_dir} has format_version {found!r}, this marlin-pack reads {FORMAT_VERSION} ({why}); "

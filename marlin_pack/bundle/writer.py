@@ -38,7 +38,7 @@ from marlin_pack.errors import BundleError, MarlinPackError, OutputExistsError
 from marlin_pack.io.files import rename_no_replace
 from marlin_pack.io.hashing import StampCache
 from marlin_pack.io.safetensors_io import StreamWriter
-from marlin_pack.schemas import FileEntry, LayerEntry, Manifest, RankEntry, TensorParallelSet
+from marlin_pack.schemas import FileEntry, LayerEntry, Manifest, MoeLayerEntry, RankEntry, TensorParallelSet
 
 if TYPE_CHECKING:
     import torch
@@ -257,8 +257,10 @@ class BundleWriter:
         self._ranks[(tp_size, rank)] = w
         return w
 
-    def close_ranks(self, layers: dict[int, list[LayerEntry]]) -> list[TensorParallelSet]:
-        """Close every rank file; the manifest's tensor-parallel sets, ascending TP size."""
+    def close_ranks(
+        self, layers: dict[int, list[LayerEntry]], moe_layers: dict[int, list[MoeLayerEntry]] | None = None
+    ) -> list[TensorParallelSet]:
+        """Close every rank file; the manifest's tensor-parallel sets, ascending TP size (``moe_layers``: experts layers)."""
         sets = []
         for tp in sorted(layers):
             ranks = []
@@ -266,7 +268,7 @@ class BundleWriter:
                 size, sha = self._close(self._ranks[(tp, rank)])
                 entry = FileEntry(path=rank_file_path(tp, rank), size=size, blake3=sha)
                 ranks.append(RankEntry(rank=rank, file=entry))
-            sets.append(TensorParallelSet(tp_size=tp, ranks=ranks, layers=layers[tp]))
+            sets.append(TensorParallelSet(tp_size=tp, ranks=ranks, layers=layers[tp], moe_layers=(moe_layers or {}).get(tp, [])))
         return sets
 
     def finish(self, manifest: Manifest, source_stamps: list[tuple[str, Path, str]]) -> None:

@@ -74,6 +74,15 @@ PHI3_LINEARS = (
     _merged("mlp.gate_up_proj", "mlp.gate_up_proj", "mlp.gate_up_proj"),
     _row("mlp.down_proj", "i"),
 )
+# Mixture-of-experts models: only the attention is a dense Marlin linear; the routed experts are
+# FusedMoE layers (``marlin.moe``), the router an unquantized ReplicatedLinear (a common tensor).
+MOE_ATTENTION_LINEARS = LLAMA_LINEARS[:2]
+# Qwen2-MoE adds one dense shared expert (a Qwen2MoeMLP) beside the routed experts.
+QWEN2_MOE_LINEARS = (
+    *MOE_ATTENTION_LINEARS,
+    _merged("mlp.shared_expert.gate_up_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    _row("mlp.shared_expert.down_proj", "i"),
+)
 # InternLM2: wqkv is stored fused (grouped per KV head); vLLM 0.33.0 loads it as one QKV
 # tensor cut into [q | k | v] column blocks and regroups the heads at run time (split_qkv).
 INTERNLM2_LINEARS = (
@@ -109,6 +118,10 @@ class Architecture:
     # False: vLLM's class has no lm_head at all (logits always from the embeddings) and its
     # load_weights refuses a checkpoint that stores one (gemma2.py has no lm_head).
     loads_lm_head: bool = True
+    # Mixture of experts: the routed experts are described by ``marlin.moe.MOE_ARCHITECTURES[name]``.
+    moe: bool = False
+    # config key of the "i" size symbol (Qwen2-MoE: its shared expert's width)
+    intermediate_key: str = "intermediate_size"
 
 
 _GEMMA_DEFAULTS = {"head_dim": 256, "tie_word_embeddings": True}
@@ -133,6 +146,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("CohereForCausalLM", "commandr.CohereForCausalLM", LLAMA_LINEARS, defaults={"tie_word_embeddings": True}),
         Architecture("Cohere2ForCausalLM", "commandr.CohereForCausalLM", LLAMA_LINEARS, defaults={"tie_word_embeddings": True}),
         Architecture("InternLM2ForCausalLM", "internlm2.InternLM2ForCausalLM", INTERNLM2_LINEARS, head_dim="derived"),
+        Architecture("MixtralForCausalLM", "mixtral.MixtralForCausalLM", MOE_ATTENTION_LINEARS, moe=True),
+        Architecture("Qwen3MoeForCausalLM", "qwen3_moe.Qwen3MoeForCausalLM", MOE_ATTENTION_LINEARS, moe=True),
+        Architecture("Qwen2MoeForCausalLM", "qwen2_moe.Qwen2MoeForCausalLM", QWEN2_MOE_LINEARS, head_dim="derived",
+                     moe=True, intermediate_key="shared_expert_intermediate_size"),
         Architecture(
             "Qwen2VLForConditionalGeneration", "qwen2_vl.Qwen2VLForConditionalGeneration", LLAMA_LINEARS,
             layers="language_model.model.layers", checkpoint_layers=(*_MM_PREFIXES, "model.layers"),

@@ -27,7 +27,7 @@ each expert's intermediate size ``I``: ``I_r = I / tp`` rows of ``gate``/``up`` 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from marlin_pack.marlin.packed_codes import PackedCodes, cat_columns
 from marlin_pack.marlin.repack import pack_marlin_zero_points, pad2d, permute_scales, unpack_cols
 from marlin_pack.marlin.sharding import ModuleTensors
 from marlin_pack.marlin.word_repack import marlin_weights
-from marlin_pack.schemas import QuantScheme, SourceFormat
+from marlin_pack.schemas import MoeLayerEntry, QuantScheme, SourceFormat
 
 __all__ = [
     "MoeArchitecture",
@@ -48,6 +48,9 @@ __all__ = [
     "moe_padded_intermediate",
     "moe_rank_shape",
     "moe_tensor_specs",
+    "moe_entry_shape",
+    "moe_entry_specs",
+    "moe_layer_entry",
     "build_moe_rank_tensors",
     "read_expert",
 ]
@@ -153,6 +156,23 @@ def moe_tensor_specs(prefix: str, s: MoeRankShape, scheme: QuantScheme, dtype: t
     ]
 
 
+def moe_layer_entry(name: str, s: MoeRankShape) -> MoeLayerEntry:
+    """The manifest's record of one experts layer at one TP size."""
+    return MoeLayerEntry(name=name, num_experts=s.num_experts, hidden_size=s.hidden, intermediate_size=s.i_part,
+                         padded_intermediate=s.padded)
+
+
+def moe_entry_shape(entry: MoeLayerEntry, tp: int) -> MoeRankShape:
+    """The rank shape a manifest entry records (the inverse of :func:`moe_layer_entry`)."""
+    return MoeRankShape(entry.num_experts, entry.hidden_size, entry.intermediate_size * tp, tp, entry.intermediate_size,
+                        entry.padded_intermediate)
+
+
+def moe_entry_specs(entry: MoeLayerEntry, scheme: QuantScheme, dtype: torch.dtype) -> list[TensorSpec]:
+    """Names, dtypes and shapes of a manifest experts layer's tensors (TP size does not change them)."""
+    return moe_tensor_specs(entry.name, moe_entry_shape(entry, 1), scheme, dtype)
+
+
 @dataclass
 class ExpertTensors:
     """One expert's three checkpoint modules in canonical form (``zeros`` required: uint8 ``[G, N]``)."""
@@ -178,11 +198,22 @@ def _shard_cols(m: ModuleTensors, s: MoeRankShape, rank: int) -> tuple[PackedCod
     return codes, scales, zeros
 
 
+def _into(dst: torch.Tensor, result: torch.Tensor) -> None:
+    """``dst[...] = result`` unless the repack already wrote ``dst`` itself."""
+    if result.data_ptr() != dst.data_ptr():
+        dst.copy_(result)
+
+
 def build_moe_rank_tensors(prefix: str, s: MoeRankShape, scheme: QuantScheme, dtype: torch.dtype, rank: int,
-                           experts: Iterable[ExpertTensors], awq: bool) -> dict[str, torch.Tensor]:
-    """Every tensor of one experts layer on rank ``rank``, expert by expert (names: :func:`moe_tensor_specs`)."""
+                           experts: Iterable[ExpertTensors], awq: bool,
+                           empty: Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of one experts layer on rank ``rank``, expert by expert (names: :func:`moe_tensor_specs`).
+
+    ``empty(name, dtype, shape)``: the memory to build each stacked tensor in (a writer's recycled
+    buffer, or device memory on the experts' device); None for fresh CPU memory.
+    """
     specs = moe_tensor_specs(prefix, s, scheme, dtype)
-    out = {name: torch.empty(shape, dtype=dt) for name, dt, shape in specs}
+    out = {name: empty(name, dt, shape) if empty else torch.empty(shape, dtype=dt) for name, dt, shape in specs}
     g, b = scheme.group_size, scheme.bits
     _, g2 = s.groups(scheme)
     w2_size_k = s.i_part if awq else s.padded  # vLLM's size_k for the w2 scale permutation
@@ -194,7 +225,8 @@ def build_moe_rank_tensors(prefix: str, s: MoeRankShape, scheme: QuantScheme, dt
         gate, up = _shard_cols(ex.gate, s, rank), _shard_cols(ex.up, s, rank)
         slots = ex.gate.column_slots
         codes13 = cat_columns([gate[0], up[0]])
-        out[f"{prefix}.w13_qweight"][e] = marlin_weights(codes13, s.hidden, 2 * s.padded)
+        w13 = out[f"{prefix}.w13_qweight"][e]
+        _into(w13, marlin_weights(codes13, s.hidden, 2 * s.padded, w13 if w13.device == codes13.words.device else None))
         scales13 = torch.cat([gate[1], up[1]], 1).to(dtype)
         out[f"{prefix}.w13_scales"][e] = permute_scales(scales13, g, s.i_part)
         zeros13 = torch.cat([gate[2], up[2]], 1)
@@ -202,7 +234,9 @@ def build_moe_rank_tensors(prefix: str, s: MoeRankShape, scheme: QuantScheme, dt
 
         down, k0, k = ex.down, rank * s.i_part, s.i_part
         assert down.zeros is not None
-        out[f"{prefix}.w2_qweight"][e] = marlin_weights(down.codes.block(k0, k, 0, s.hidden), s.padded, s.hidden)
+        codes2 = down.codes.block(k0, k, 0, s.hidden)
+        w2 = out[f"{prefix}.w2_qweight"][e]
+        _into(w2, marlin_weights(codes2, s.padded, s.hidden, w2 if w2.device == codes2.words.device else None))
         rows = slice(None) if g == -1 else slice(k0 // g, (k0 + k) // g)
         scales2 = pad2d(down.scales[rows], g2, s.hidden).to(dtype)
         out[f"{prefix}.w2_scales"][e] = permute_scales(scales2, g, w2_size_k)

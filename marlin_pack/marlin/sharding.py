@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from marlin_pack.errors import UnsupportedCheckpointError
 from marlin_pack.marlin.architectures import (
+    ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     UNSUPPORTED_ARCHITECTURES,
     Architecture,
@@ -181,9 +182,11 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
     name = archs[0] if isinstance(archs, list) and archs else None
     arch = architecture_for(name)
     text = _text_config(config, arch) if arch else config
-    if any(text.get(k) or config.get(k) for k in _MOE_KEYS):
+    if (arch is None or not arch.moe) and any(text.get(k) or config.get(k) for k in _MOE_KEYS):
+        moe = ", ".join(a.name for a in ARCHITECTURES.values() if a.moe)
         raise UnsupportedCheckpointError(
-            f"{name or 'this model'} is a mixture-of-experts model; marlin-pack converts dense models only"
+            f"{name or 'this model'} is a mixture-of-experts model marlin-pack does not convert; "
+            f"its mixture-of-experts architectures are {moe}"
         )
     if arch is None:
         why = f" ({UNSUPPORTED_ARCHITECTURES[name]})" if name in UNSUPPORTED_ARCHITECTURES else ""
@@ -201,7 +204,7 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
         arch=arch,
         checkpoint_layers=_checkpoint_layers(arch, tensor_names),
         hidden_size=hidden,
-        intermediate_size=_int(cfg, "intermediate_size"),
+        intermediate_size=_int(cfg, arch.intermediate_key),
         num_heads=heads,
         num_kv_heads=_int(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads,
         head_dim=int(head_dim),

@@ -51,7 +51,7 @@ import torch
 from marlin_pack.errors import BundleError
 from marlin_pack.vllm_plugin.options import IO_MODES, IoMode
 
-__all__ = ["CopyItem", "ParallelReader"]
+__all__ = ["CopyItem", "HostMap", "ParallelReader"]
 
 
 logger = logging.getLogger("vllm.marlin_pack")
@@ -61,6 +61,7 @@ _PAGE = mmap.PAGESIZE
 # be told it will only be read; portable so any device of the process may copy from it.
 _HOST_REGISTER_PORTABLE = 0x01
 _HOST_REGISTER_READ_ONLY = 0x08
+_MADV_POPULATE_READ = 22  # Linux >= 5.14: fault a range's page-table entries in, in one call
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,50 @@ class _Mapping:
         self.mm.close()
 
 
+class HostMap:
+    """A whole file as CPU tensors that view a read-only memory map (no copy, no read until used).
+
+    For the tensors vLLM's own weight loaders copy to the device (``common.safetensors``).
+    Not page-locked: a CUDA copy whose source crosses two ``cudaHostRegister`` ranges fails
+    with "invalid argument" (seen on an H200), tensors sharing a page cannot be registered
+    separately, and pinning one large tensor in a single call runs on one thread. The loader
+    copies large tensors with :class:`ParallelReader` instead. vLLM 0.33.0's weight loaders
+    narrow and copy what they are fed, they never write into it.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mapping: _Mapping | None = _Mapping(fd, self.size) if self.size else None
+        finally:
+            os.close(fd)
+
+    def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The file bytes ``[offset, offset + nbytes)`` as a CPU tensor (a view when aligned, else a copy)."""
+        if offset < 0 or offset + nbytes > self.size or self._mapping is None:
+            raise BundleError(
+                f"tensor bytes {offset}..{offset + nbytes} lie outside {self.path.name} ({self.size} bytes): "
+                "the bundle file is truncated"
+            )
+        raw = self._mapping.bytes[offset : offset + nbytes]
+        if offset % dtype.itemsize:
+            raw = raw.clone()  # a view of another dtype must start at a multiple of its item size
+        return raw.view(dtype).view(shape)
+
+    def close(self) -> None:
+        # Not mmap.close(): a view vLLM kept would point at unmapped memory. The tensors hold a
+        # reference to the map, which is unmapped when the last of them goes.
+        self._mapping = None
+
+    def __enter__(self) -> HostMap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 # (threads, window bytes) per mode when the caller does not say: measured, see the module docstring.
 MODE_DEFAULTS: dict[str, tuple[int, int]] = {
     "staged": (8, 64 << 20),  # more or larger pinned buffers cost more to allocate than they gain
@@ -203,12 +248,17 @@ class ParallelReader:
         ...     r.copy(path, [CopyItem(info.start, info.nbytes, gpu_tensor)])
     """
 
-    def __init__(self, threads: int | None = None, chunk_bytes: int | None = None, mode: IoMode = "auto") -> None:
+    def __init__(
+        self, threads: int | None = None, chunk_bytes: int | None = None, mode: IoMode = "auto", populate: bool = False
+    ) -> None:
         if mode not in IO_MODES:
             raise ValueError(f"io mode {mode!r}: expected one of {', '.join(IO_MODES)}")
         self.threads = None if threads is None else max(1, threads)
         self.chunk = None if chunk_bytes is None else self._round(chunk_bytes)
         self.mode = mode
+        # Registered windows: map the window's page-table entries in one madvise before pinning
+        # (an experiment of benchmarks/bench_h2d.py: pinning otherwise faults them in page by page).
+        self.populate = populate
         self.modes_used: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._slots: dict[tuple[int, int, int], _Slot] = {}
@@ -404,6 +454,11 @@ class ParallelReader:
                 lo = window.lo - window.lo % _PAGE
                 hi = -(-window.hi // _PAGE) * _PAGE  # within the map: it covers the file's last page
                 ptr = mapping.base + lo
+                if self.populate:
+                    try:
+                        mapping.mm.madvise(_MADV_POPULATE_READ, lo, hi - lo)
+                    except OSError:  # an older kernel: pin as usual
+                        self.populate = False
                 err = cudart.cudaHostRegister(ptr, hi - lo, _HOST_REGISTER_READ_ONLY | _HOST_REGISTER_PORTABLE)
                 if int(err) != 0:
                     # Some hosts refuse to pin file pages (no read-only registration, memory lock limits):

@@ -26,7 +26,6 @@ checkpoint is loaded by vLLM's ``DefaultModelLoader``; without it the load stops
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import weakref
 from collections.abc import Iterator
@@ -45,17 +44,25 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
 from marlin_pack.errors import BundleError, MismatchField
 from marlin_pack.io.safetensors_io import SafetensorsHeader
+from marlin_pack.marlin.moe import moe_entry_specs
 from marlin_pack.marlin.rank_tensors import tensor_specs
 from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin import patches
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
-from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
-from marlin_pack.vllm_plugin.layer_check import check_layers
+from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader
+from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
+from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 
 __all__ = ["MarlinPrepackedLoader"]
+
+# Common tensors from this size on are read with the parallel reader (see _common_weights).
+_LARGE_COMMON = 16 << 20
+# vLLM weight loaders that, given a tensor of the parameter's own shape at TP=1, only copy it.
+_PLAIN_COPY_LOADERS = frozenset({"default_weight_loader", "VocabParallelEmbedding.weight_loader"})
+_ARENA_ALIGN = 512  # bytes; the CUDA caching allocator's alignment (Marlin's vector loads need 16)
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
 logger = init_logger("vllm.marlin_pack")
@@ -154,11 +161,18 @@ class MarlinPrepackedLoader(BaseModelLoader):
         bundle = decision.bundle
         t0 = time.perf_counter()
         force_marlin(vllm_config.kernel_config)
+        if bundle.tp_set.moe_layers:  # experts: Marlin MoE for --moe-backend auto (an explicit other one is refused below)
+            force_marlin_moe(vllm_config.kernel_config)
         model = super().create_model(vllm_config, model_config, prefix)
         layers = quantized_layers(model)
         try:
-            facts = {name: layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in layers.items()}
+            experts = {name: m for name, m in layers.items() if is_moe_layer(m)}
+            facts = {
+                name: layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in layers.items() if name not in experts
+            }
             check_layers(bundle.manifest, bundle.tp_set, facts)
+            moe_facts = {name: moe_layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in experts.items()}
+            check_moe_layers(bundle.manifest, bundle.tp_set, moe_facts)
         except BundleError as e:
             reason, fld = str(e), getattr(e, "field", None) or MismatchField.layers
             if not self.options.fallback:
@@ -176,10 +190,12 @@ class MarlinPrepackedLoader(BaseModelLoader):
         self._timings.create = time.perf_counter() - t0
         logger.info(
             "marlin-pack: %d quantized layers use %s (linear_backend_per_quant mixed_precision=marlin set by "
-            "the %s loader)",
-            len(layers),
+            "the %s loader)%s",
+            len(layers) - len(experts),
             KERNEL_NAME,
             LOAD_FORMAT,
+            f"; {len(experts)} experts layers use Marlin MoE (moe_backend={vllm_config.kernel_config.moe_backend})"
+            if experts else "",
         )
         self._models[model] = _ModelState(bundle, layers)
         return model
@@ -207,7 +223,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 mark_prepacked(layer)
             t1 = time.perf_counter()
             device = next(next(iter(state.layers.values())).parameters()).device
-            model.load_weights(self._common_weights(reader, bundle, device))
+            with HostMap(bundle.common_file) as host:
+                model.load_weights(self._common_weights(reader, host, bundle, model, device))
             t2 = time.perf_counter()
         self._timings.copy, self._timings.common = t1 - t0, t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
@@ -226,63 +243,81 @@ class MarlinPrepackedLoader(BaseModelLoader):
         )
 
     def _place(self, state: _ModelState, header: SafetensorsHeader) -> list[CopyItem]:
-        """Bind new device tensors of the bundle's shapes to the layers' parameters."""
+        """Bind views of one device allocation (the *arena*), in the bundle's shapes, to the layers' parameters.
+
+        One allocation instead of one per tensor: the weight-cache daemon exports it as a
+        single CUDA IPC handle, so an ``ipc_cache`` engine opens one mapping, not one per
+        tensor (about a thousand for a 70B model). The checkpoint-shaped placeholders are
+        freed first so the arena does not sit beside them.
+        """
         bundle = state.bundle
         assert bundle is not None
         dtype = torch_dtype(bundle.manifest.serving_dtype)
+        placed: list[tuple[nn.Parameter, torch.dtype, tuple[int, ...], int, int]] = []
+        specs = [
+            (entry.name, spec)
+            for entry in bundle.tp_set.layers
+            for spec in tensor_specs(entry, bundle.manifest.quant, dtype, bundle.manifest.source.format)
+        ] + [(entry.name, spec) for entry in bundle.tp_set.moe_layers for spec in moe_entry_specs(entry, bundle.manifest.quant, dtype)]
+        for layer_name, (name, tdtype, shape) in specs:
+            param = getattr(state.layers[layer_name], name.rsplit(".", 1)[1])
+            if not isinstance(param, nn.Parameter) or param.dtype != tdtype:
+                raise BundleError(
+                    f"layer {layer_name}: parameter {name} is {type(param).__name__} "
+                    f"{getattr(param, 'dtype', None)}, the bundle holds {tdtype}"
+                )
+            info = header.tensors[name]
+            placed.append((param, tdtype, tuple(shape), info.start, info.nbytes))
+        if not placed:
+            return []
+        device = placed[0][0].device
+        offsets, total = [], 0
+        for *_, nbytes in placed:
+            offsets.append(total)
+            total += -(-nbytes // _ARENA_ALIGN) * _ARENA_ALIGN  # each view aligned as the CUDA allocator aligns
+        # Keep the Parameter objects (and their loader attributes), as vLLM's replace_parameter does.
+        for param, tdtype, *_ in placed:
+            param.data = torch.empty(0, dtype=tdtype, device=param.device)
+        arena = torch.empty(total, dtype=torch.uint8, device=device)
         items: list[CopyItem] = []
-        for entry in bundle.tp_set.layers:
-            layer = state.layers[entry.name]
-            for name, tdtype, shape in tensor_specs(entry, bundle.manifest.quant, dtype, bundle.manifest.source.format):
-                param = getattr(layer, name.rsplit(".", 1)[1])
-                if not isinstance(param, nn.Parameter) or param.dtype != tdtype:
-                    raise BundleError(
-                        f"layer {entry.name}: parameter {name} is {type(param).__name__} "
-                        f"{getattr(param, 'dtype', None)}, the bundle holds {tdtype}"
-                    )
-                # Keep the Parameter object (and its loader attributes), as vLLM's replace_parameter does.
-                # Same element count (no padding): reuse the placeholder's storage; else bind a new
-                # tensor, which frees the checkpoint-shaped placeholder.
-                cur = param.data
-                if cur.is_contiguous() and cur.numel() == math.prod(shape):
-                    param.data = cur.view(shape)
-                else:
-                    param.data = torch.empty(shape, dtype=tdtype, device=param.device)
-                info = header.tensors[name]
-                items.append(CopyItem(info.start, info.nbytes, param.data))
+        for (param, tdtype, shape, start, nbytes), off in zip(placed, offsets, strict=True):
+            param.data = arena[off : off + nbytes].view(tdtype).view(shape)
+            items.append(CopyItem(start, nbytes, param.data))
         return items
 
     @staticmethod
     def _common_weights(
-        reader: ParallelReader, bundle: SelectedBundle, device: torch.device
+        reader: ParallelReader, host: HostMap, bundle: SelectedBundle, model: nn.Module, device: torch.device
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``common.safetensors`` in file order: via GPU staging at TP=1, else as CPU tensors.
+        """``common.safetensors`` in file order, for the model's ``load_weights``.
 
-        A tensor stored once for several checkpoint names (``common_aliases``) is yielded under
-        each of them, as the checkpoint's loader would have.
+        Large tensors (embeddings, output head) at TP=1 are read straight into their
+        parameters by ``reader`` when a plain copy is all vLLM's weight loader would do
+        (:func:`_direct_target`), and not yielded; other large tensors are staged on the GPU
+        at TP=1. Everything else is yielded as CPU views of the file map for vLLM's weight
+        loaders to narrow (TP shards) and copy. A tensor stored once for several checkpoint
+        names (``common_aliases``) goes to each of them, as the checkpoint's loader would.
         """
         ordered = sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start)
         copies: dict[str, list[str]] = {}
         for alias, original in bundle.manifest.common_aliases.items():
             copies.setdefault(original, []).append(alias)
-        if device.type == "cuda" and bundle.tp_set.tp_size == 1:
-            # Whole tensors are used at TP=1, so read them straight to the GPU (pinned, threaded).
-            for name, info in ordered:
+        whole = device.type == "cuda" and bundle.tp_set.tp_size == 1  # each rank uses whole tensors
+        params = dict(model.named_parameters(remove_duplicate=False)) if whole else {}
+        for name, info in ordered:
+            names = [name, *copies.get(name, ())]
+            if whole and info.nbytes >= _LARGE_COMMON:
+                targets = [_direct_target(params.get(n), info.shape, info.torch_dtype) for n in names]
+                if all(t is not None for t in targets):
+                    unique = {id(t): t for t in targets}.values()  # a tied head is the embedding itself
+                    reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t.data) for t in unique])
+                    continue
                 t = torch.empty(info.shape, dtype=info.torch_dtype, device=device)
                 reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t)])
-                yield name, t
-                for alias in copies.get(name, ()):
-                    yield alias, t
-            return
-        # At TP > 1 each rank copies only its shard: let vLLM's weight loaders narrow CPU tensors.
-        from safetensors import safe_open
-
-        with safe_open(str(bundle.common_file), framework="pt") as f:
-            for name, _ in ordered:
-                t = f.get_tensor(name)
-                yield name, t
-                for alias in copies.get(name, ()):
-                    yield alias, t
+            else:
+                t = host.tensor(info.start, info.nbytes, info.torch_dtype, info.shape)
+            for n in names:
+                yield n, t
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """The engine path: create, place, vLLM post-processing (no-op for prepacked layers), timings."""
@@ -313,3 +348,13 @@ class MarlinPrepackedLoader(BaseModelLoader):
         if state.bundle is not None:
             logger.info(self._timings.line(state.bundle, len(state.layers)))
         return model.eval()
+
+
+def _direct_target(param: nn.Parameter | None, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter | None:
+    """``param`` when copying a checkpoint tensor of ``shape``/``dtype`` into it is exactly what
+    its vLLM weight loader would do at TP=1 (same shape and dtype, a plain-copy loader), else None."""
+    if param is None or tuple(param.shape) != tuple(shape) or param.dtype != dtype or not param.data.is_contiguous():
+        return None
+    loader = getattr(param, "weight_loader", None)
+    name = "default_weight_loader" if loader is None else getattr(loader, "__qualname__", "")
+    return param if name in _PLAIN_COPY_LOADERS else None

@@ -122,6 +122,9 @@ def preflight(
         else:
             sel = decision.bundle
             entry = sel.tp_set.ranks[r].file
-            message = f"{entry.path} ({len(sel.tp_set.layers)} layers, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} from {sel.bundle_dir}"
+            message = (
+                f"{entry.path} ({len(sel.tp_set.layers)} layers, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} "
+                f"from {sel.bundle_dir}"
+            )
             report.ranks.append(RankOutcome(r, "load", None, message))
     return report

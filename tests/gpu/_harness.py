@@ -69,6 +69,8 @@ DAEMON_FLAGS = [
     "--kernel-config",
     '{"enable_flashinfer_autotune": false}',
 ]
+# The tensors vLLM keeps for an AWQ/GPTQ routed-experts layer on Marlin MoE.
+MOE_LEAVES = ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros")
 FUSED = [
     "model.layers.0.self_attn.qkv_proj",
     "model.layers.0.mlp.gate_up_proj",
@@ -113,13 +115,25 @@ def _layer_info(model: torch.nn.Module, names: list[str], digests: bool = False)
         qm = modules[layer].quant_method
         # AWQ/GPTQ keep the kernel on the method; compressed-tensors on the layer's scheme.
         kernel = getattr(qm, "kernel", None) or getattr(getattr(modules[layer], "scheme", None), "kernel", None)
-        info["kernels"][layer] = {
-            "method": type(qm).__name__,
-            "kernel": type(kernel).__name__,
-            "act_type": str(getattr(getattr(kernel, "config", None), "act_type", None)),
-            "input_global_scale": repr(getattr(modules[layer], "input_global_scale", "<missing>")),
-        }
-        for leaf in ("qweight", "scales", "qzeros", "weight_packed", "weight_scale", "weight_zero_point", "bias"):
+        moe_kernel = getattr(qm, "moe_kernel", None)
+        if kernel is None and moe_kernel is not None:  # routed experts: the fused-MoE experts class (MarlinExperts)
+            experts = getattr(getattr(moe_kernel, "impl", None), "fused_experts", None)
+            info["kernels"][layer] = {
+                "method": type(qm).__name__,
+                "kernel": type(experts).__name__,
+                "moe_backend": str(getattr(getattr(qm, "wna16_moe_backend", None), "value", None)),
+                "act_type": str(getattr(getattr(modules[layer], "moe_config", None), "in_dtype", None)),
+                "input_global_scale": repr(getattr(modules[layer], "w13_input_global_scale", None)),
+            }
+        else:
+            info["kernels"][layer] = {
+                "method": type(qm).__name__,
+                "kernel": type(kernel).__name__,
+                "act_type": str(getattr(getattr(kernel, "config", None), "act_type", None)),
+                "input_global_scale": repr(getattr(modules[layer], "input_global_scale", "<missing>")),
+            }
+        for leaf in ("qweight", "scales", "qzeros", "weight_packed", "weight_scale", "weight_zero_point", "bias",
+                     *MOE_LEAVES):
             p = params.get(f"{layer}.{leaf}")
             if p is None:
                 continue
@@ -142,7 +156,7 @@ def _layer_info(model: torch.nn.Module, names: list[str], digests: bool = False)
 
 def _poke(model: torch.nn.Module, name: str, xor: int) -> int:
     """Read the first int32 word of a parameter; with ``xor``, flip bits of it (in place)."""
-    flat = dict(model.named_parameters())[name].data.view(-1)
+    flat = dict(model.named_parameters(remove_duplicate=False))[name].data.view(-1)
     old = int(flat[0].item())
     if xor:
         flat[0] = old ^ xor
@@ -395,16 +409,18 @@ def wait_socket(proc: Proc, sdir: Path, timeout: float = START_TIMEOUT_S) -> boo
 # --- ordinary vs prepacked ---------------------------------------------------------------------
 
 
-def ordinary_and_prepacked(workdir: Path, case: str, model: Path, layer: str, **kwargs: Any) -> tuple[dict, dict]:
+def ordinary_and_prepacked(workdir: Path, case: str, model: Path, layer: str, *, extra_layers: tuple[str, ...] = (),
+                           ordinary: dict[str, Any] | None = None, **kwargs: Any) -> tuple[dict, dict]:
     """Engine (a): ``model`` loaded the ordinary way with Marlin forced; engine (b): from its bundle.
 
-    Both report every parameter's digest and ``layer``'s kernel; (b) must log the loader's timing
-    line. Returns their results.
+    Both report every parameter's digest and the kernels of ``layer`` and ``extra_layers``; (b) must
+    log the loader's timing line. ``ordinary``: more engine arguments for (a) only (e.g.
+    ``moe_backend="marlin"``). Returns their results.
     """
     cluster = Cluster(workdir / f"{case}-engines", logs=f"gpu-logs-{case}")
     try:
-        kw: dict[str, Any] = dict(digests=True, layers=[layer], **kwargs)
-        a_proc = cluster.engine(f"{case}-ordinary", model, linear_backend="marlin", **kw)
+        kw: dict[str, Any] = dict(digests=True, layers=[layer, *extra_layers], **kwargs)
+        a_proc = cluster.engine(f"{case}-ordinary", model, linear_backend="marlin", **(ordinary or {}), **kw)
         a = a_proc.result()
         assert a is not None, a_proc.tail()
         b_proc = cluster.engine(f"{case}-prepacked", model, load_format="marlin_prepacked", **kw)

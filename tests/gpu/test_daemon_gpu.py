@@ -10,6 +10,10 @@ gptq4    GPTQ 4-bit, ``tiny-padded``, g32             padded qkv / gate_up, empt
 gptq8    GPTQ 8-bit, ``tiny-qwen2``, g128             qkv bias
 =======  ==========================================  ======================================
 
+plus ``qwen3moe-gptq4`` (GPTQ 4-bit Qwen3-MoE, ``tiny-qwen3moe``, g128: routed experts on Marlin
+MoE, whose ``w13_qweight`` is the tensor poked through the shared mappings), and the
+compressed-tensors ``ct4`` / ``ct4-asym``.
+
 Per checkpoint, four engine starts (FP16, eager, ``MARLIN_PACK_TEST_ATTN`` or TRITON_ATTN):
 ordinary loading with ``linear_backend="marlin"``; ``ipc_cache`` with no daemon (disk
 fallback); and two ``ipc_cache`` engines attached to the daemon with ``fallback: false``.
@@ -67,12 +71,26 @@ ALL_MODELS = {  # name -> (format, preset, bits, group size)
     "gptq8": ("gptq", "tiny-qwen2", 8, 128),
     "ct4": ("ct", "tiny", 4, 128),  # compressed-tensors W4A16, symmetric (empty weight_zero_point)
     "ct4-asym": ("ct-asym", "tiny", 4, 64),  # compressed-tensors W4A16_ASYM: zero points
+    "qwen3moe-gptq4": ("moe-gptq", "tiny-qwen3moe", 4, 128),  # mixture of experts (marlin_pack.testing.synthetic_moe)
 }
+# The layers each engine reports (kernels, tensors); the first tensor of the second is poked through the mappings.
+MOE_EXPERTS = "model.layers.0.mlp.experts.routed_experts"
+LAYERS = {"qwen3moe-gptq4": ["model.layers.0.self_attn.qkv_proj", MOE_EXPERTS]}
+POKE = {"qwen3moe-gptq4": f"{MOE_EXPERTS}.w13_qweight"}
 # MARLIN_PACK_TEST_DAEMON_MODELS=ct4,ct4-asym runs a subset (the Machete and int8 refusals need
 # awq4 and gptq4, plain `vllm preload` gptq8; their tests skip when those are left out).
 _SELECTED = os.environ.get("MARLIN_PACK_TEST_DAEMON_MODELS")
 MODELS = {n: v for n, v in ALL_MODELS.items() if not _SELECTED or n in _SELECTED.split(",")}
 STARTS = ["ordinary", "fallback", "attach1", "attach2"]
+
+
+def _layers(name: str) -> list[str]:
+    return LAYERS.get(name, FUSED)
+
+
+def _moe(name: str) -> dict[str, str]:
+    """Engine arguments: Marlin MoE for the ordinary start of an MoE model (as the weight cache forces for its starts)."""
+    return {"moe_backend": "marlin"} if ALL_MODELS[name][0].startswith("moe-") else {}
 
 
 def _leaves(name: str) -> tuple[str, str, str]:
@@ -104,8 +122,15 @@ def _write(name: str, out: Path, preset: str | None = None) -> Path:
     )
 
     fmt, default_preset, bits, group = MODELS.get(name, ("awq", preset, 4, 128))
-    shape = PRESETS[preset or default_preset]
     device = "cuda" if preset else "cpu"
+    if fmt.startswith("moe-"):
+        from marlin_pack.testing.synthetic_moe import MOE_PRESETS, write_moe_checkpoint
+
+        d = write_moe_checkpoint(out, MOE_PRESETS[default_preset], fmt.removeprefix("moe-"), bits=bits, group_size=group,
+                                 dtype=torch.float16, device=device, tokenizer=True)
+        marlin_pack.convert(d, tp_sizes=(1,), dtype="float16", device=device)
+        return d
+    shape = PRESETS[preset or default_preset]
     if fmt.startswith("ct"):
         d = write_compressed_tensors_checkpoint(out, shape, bits=bits, group_size=group, symmetric=fmt == "ct",
                                                 dtype=torch.float16, device=device)
@@ -163,10 +188,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         )
         engines: dict[tuple[str, str], Proc] = {}
         for name, model in models.items():
-            engines[name, "ordinary"] = cluster.engine(f"{name}-ordinary", model, linear_backend="marlin")
+            engines[name, "ordinary"] = cluster.engine(
+                f"{name}-ordinary", model, linear_backend="marlin", layers=_layers(name), **_moe(name)
+            )
             engines[name, "fallback"] = cluster.engine(
                 f"{name}-fallback",
                 model,
+                layers=_layers(name),
                 load_format="ipc_cache",
                 model_loader_extra_config={"socket_dir": str(empty), "fallback": True},
             )
@@ -174,6 +202,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
                 engines[name, start] = cluster.engine(
                     f"{name}-{start}",
                     model,
+                    layers=_layers(name),
                     serve=True,
                     load_format="ipc_cache",
                     model_loader_extra_config=attach_config(sdirs[name]),
@@ -210,7 +239,11 @@ def test_four_starts_agree(run: Results, name: str) -> None:
         log = run.engines[name, start].log()
         assert "Using MarlinLinearKernel for mixed-precision linear" in log, run.engines[name, start].tail()
         for layer, k in run.results[name, start]["layers"]["kernels"].items():
-            assert k["kernel"] == "MarlinLinearKernel" and k["act_type"] == "torch.float16", (start, layer, k)
+            if layer == MOE_EXPERTS:  # the routed experts: Marlin MoE in every start
+                assert (k["kernel"], k["moe_backend"]) == ("MarlinExperts", "MARLIN"), (start, layer, k)
+            else:
+                assert k["kernel"] == "MarlinLinearKernel", (start, layer, k)
+            assert k["act_type"] == "torch.float16", (start, layer, k)
             assert k["input_global_scale"] == "None", (start, layer, k)
     exact = all(run.results[name, s]["outputs"] == ref for s in STARTS)
     print(f"{name}: outputs of the four starts bit-identical: {exact}")
@@ -254,7 +287,7 @@ def test_attachments_share_the_daemon_tensors(run: Results, name: str) -> None:
     print(f"{name}: attachments' data_ptr equal in both processes: {same_ptr}")
     # The same physical memory: a write through attach1's mapping is read back by attach2.
     e1, e2 = run.engines[name, "attach1"], run.engines[name, "attach2"]
-    target = f"{FUSED[1]}.{_leaves(name)[0]}"
+    target = POKE.get(name, f"{FUSED[1]}.{_leaves(name)[0]}")
     old = e1.command(target, XOR)
     try:
         assert e2.command(target, 0) == old ^ XOR, "attach2 does not see attach1's write"

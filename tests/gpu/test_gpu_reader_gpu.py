@@ -40,3 +40,13 @@ def test_reader_modes_copy_every_byte_to_the_gpu(tensor_file: Path, mode: str, t
     assert n == sum(i.nbytes for i in header.tensors.values()) + 28
     for name, t in want.items():
         assert torch.equal(out[name].cpu(), t), name
+
+
+def test_registered_with_populated_windows(tensor_file: Path) -> None:
+    header = read_header(tensor_file)
+    want = load_file(str(tensor_file))
+    out = {n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
+    with ParallelReader(threads=3, chunk_bytes=1 << 16, mode="registered", populate=True) as r:
+        r.copy(tensor_file, [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()])
+    for name, t in want.items():
+        assert torch.equal(out[name].cpu(), t), name

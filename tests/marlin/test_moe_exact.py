@@ -146,13 +146,3 @@ def test_refuses_what_vllm_hands_to_moe_wna16(ckpt) -> None:
     with pytest.raises(UnsupportedCheckpointError,
                        match=r"^experts: 48 intermediate features per rank at --tp 4 split a quantization group of 32"):
         _convert_experts(model, 4, 0, torch.float16)
-
-
-def test_convert_still_refuses_moe_checkpoints(ckpt, tmp_path: Path) -> None:
-    """The expert tensors are not wired into convert() yet: it refuses MoE checkpoints in one line."""
-    from marlin_pack import convert
-
-    model = ckpt("MixtralForCausalLM", "gptq")
-    with pytest.raises(UnsupportedCheckpointError, match=r"^MixtralForCausalLM is a mixture-of-experts model; marlin-pack converts dense"):
-        convert(model, tmp_path / "bundle")
-    assert not (tmp_path / "bundle").exists()

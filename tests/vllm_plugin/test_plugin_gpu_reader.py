@@ -108,3 +108,30 @@ def test_auto_mode_stages_files_in_memory_and_registers_the_rest(tmp_path: Path)
     plan = ParallelReader(mode="auto").plan(tmp_path / "f")
     assert (plan.threads, plan.chunk) == MODE_DEFAULTS[plan.mode]
     assert ParallelReader(threads=3, chunk_bytes=5000, mode="staged").plan(tmp_path / "f").chunk == 1 << 16
+
+
+def test_host_map_views_every_tensor(awq_bundle: Path) -> None:
+    """Common tensors are fed to vLLM as views of the file map (CPU: nothing is registered)."""
+    path = awq_bundle / "marlin-pack/common.safetensors"
+    header = read_header(path)
+    want = load_file(str(path))
+    from marlin_pack.vllm_plugin.gpu_reader import HostMap
+
+    with HostMap(path) as host:
+        got = {n: host.tensor(i.start, i.nbytes, i.torch_dtype, i.shape) for n, i in header.tensors.items()}
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    for name, t in want.items():  # views outlive the map's close: the pages stay mapped
+        assert torch.equal(got[name], t), name
+
+
+def test_host_map_unaligned_and_truncated(tmp_path: Path) -> None:
+    from marlin_pack.vllm_plugin.gpu_reader import HostMap
+
+    path = tmp_path / "raw.bin"
+    data = torch.arange(16, dtype=torch.int16)
+    path.write_bytes(b"\x00" + data.numpy().tobytes())
+    with HostMap(path) as host:
+        assert torch.equal(host.tensor(1, 32, torch.int16, (4, 4)), data.view(4, 4))  # odd offset: copied
+        with pytest.raises(BundleError, match=r"lie outside raw\.bin \(33 bytes\).*truncated"):
+            host.tensor(1, 34, torch.int16, (17,))

@@ -132,6 +132,11 @@ def test_placed_layers_equal_stock_vllm_post_processing(make_bundle: Any, monkey
         assert isinstance(t, torch.nn.Parameter), name
         assert t.dtype == want.dtype and t.shape == want.shape and t.is_contiguous(), name
         assert torch.equal(t.detach(), want), name
+    # One arena holds every placed tensor (the daemon exports it as one IPC handle), each view aligned.
+    storages = {t.untyped_storage().data_ptr() for n, t in got.items() if t.numel() and "w_zp" not in n}
+    assert len(storages) == 1, {n: (t.untyped_storage().data_ptr(), t.numel()) for n, t in got.items()}
+    base = min(t.data_ptr() for n, t in got.items() if t.numel() and "w_zp" not in n)
+    assert all((t.data_ptr() - base) % 512 == 0 for n, t in got.items() if t.numel() and "w_zp" not in n)
 
 
 # --- the loader's own flow -------------------------------------------------------------------
@@ -236,3 +241,23 @@ def test_malformed_rank_header_is_refused_before_the_gpu(awq_bundle: Path, damag
 def test_load_weights_needs_its_own_model() -> None:
     with pytest.raises(RuntimeError, match="only load weights into a model built by its own create_model"):
         make_loader().load_weights(torch.nn.Module(), SimpleNamespace())
+
+
+def test_direct_target_only_for_plain_copy_loaders() -> None:
+    """Large common tensors skip vLLM's weight loader only where it would do a plain copy at TP=1."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from marlin_pack.vllm_plugin.loader import _direct_target
+
+    p = torch.nn.Parameter(torch.empty(4, 8, dtype=torch.float16), requires_grad=False)
+    assert _direct_target(p, (4, 8), torch.float16) is p  # no weight_loader: vLLM uses default_weight_loader
+    p.weight_loader = default_weight_loader
+    assert _direct_target(p, (4, 8), torch.float16) is p
+    p.weight_loader = VocabParallelEmbedding.weight_loader.__get__(object())  # a bound method, as vLLM sets it
+    assert _direct_target(p, (4, 8), torch.float16) is p
+    assert _direct_target(p, (8, 4), torch.float16) is None
+    assert _direct_target(p, (4, 8), torch.bfloat16) is None
+    assert _direct_target(None, (4, 8), torch.float16) is None
+    p.weight_loader = lambda param, w: param.data.copy_(w * 2)
+    assert _direct_target(p, (4, 8), torch.float16) is None

@@ -17,6 +17,7 @@ from marlin_pack.vllm_plugin.patches.weight_cache import DAEMON_MODULE, RUN_DAEM
 _MISSING = object()
 
 _CT = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:CompressedTensorsLinearMethod"
+_WORKER_LOAD_MODEL = "vllm.v1.worker.gpu_worker:Worker.load_model"
 EXPECTED_TARGETS = {
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod.process_weights_after_loading",
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod.supports_pre_processed_weights",
@@ -25,11 +26,16 @@ EXPECTED_TARGETS = {
     f"{_CT}.process_weights_after_loading",
     f"{_CT}.supports_pre_processed_weights",
     f"{_CT}.create_weights",
+    "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMoEMethod.process_weights_after_loading",
+    "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMoEMethod.supports_pre_processed_weights",
+    "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQMoEMethod.process_weights_after_loading",
+    "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQMoEMethod.supports_pre_processed_weights",
     ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
      "CompressedTensorsKVCacheMethod.process_weights_after_loading"),
     "vllm.model_executor.model_loader.weight_cache.protocol:WeightCacheKey.from_model_config",
     "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader._build_model",
     "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader._fallback_load",
+    _WORKER_LOAD_MODEL,
     f"{DAEMON_MODULE}:WeightCacheDaemon.get_model",
     RUN_DAEMON,
 }
@@ -62,7 +68,11 @@ def unique_version() -> str:
 def test_patches_inventory() -> None:
     assert {p.target for p in PATCHES} == EXPECTED_TARGETS
     assert len(PATCHES) == len(EXPECTED_TARGETS)
-    assert {p.target for p in PATCHES if p.deferred} == {f"{DAEMON_MODULE}:WeightCacheDaemon.get_model", RUN_DAEMON}
+    assert {p.target for p in PATCHES if p.deferred} == {
+        f"{DAEMON_MODULE}:WeightCacheDaemon.get_model",
+        RUN_DAEMON,
+        _WORKER_LOAD_MODEL,
+    }
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.target.rsplit(":", 1)[1])
@@ -245,3 +255,24 @@ def test_a_failing_deferred_patch_is_logged_and_the_import_succeeds(throwaway: A
     assert mod.greet() == "patched stock"
     assert f"marlin-pack: could not patch {name}:Missing.attr" in marlin_log
     assert f"{name}:Missing.attr" not in registry.installed()
+
+
+@pytest.mark.parametrize(("load_format", "freezes"), [("marlin_prepacked", True), ("ipc_cache", True), ("auto", False)])
+def test_worker_load_model_freezes_the_heap_for_our_start_paths(load_format: str, freezes: bool) -> None:
+    """Before vLLM's timed span (and its gc.collect calls), only for marlin-pack's start paths."""
+    import gc
+    from types import SimpleNamespace
+
+    from marlin_pack.vllm_plugin.patches.gc_freeze import _worker_load_model
+
+    calls = []
+    wrapped = _worker_load_model(lambda self, **kw: calls.append(kw) or "model")
+    worker = SimpleNamespace(vllm_config=SimpleNamespace(load_config=SimpleNamespace(load_format=load_format)))
+    gc.unfreeze()
+    try:
+        _ = [[] for _ in range(10)]  # some tracked objects to freeze
+        assert wrapped(worker, load_dummy_weights=False) == "model"
+        assert calls == [{"load_dummy_weights": False}]
+        assert (gc.get_freeze_count() > 0) is freezes
+    finally:
+        gc.unfreeze()

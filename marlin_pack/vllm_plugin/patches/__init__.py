@@ -1,21 +1,28 @@
 """Every patch marlin-pack applies to vLLM 0.33.0, in one registry.
 
 ``post_processing``: the AWQ/GPTQ Marlin quant methods accept final tensors (from a bundle or
-the weight cache). ``weight_cache``: Marlin for weight-cache processes, an unchanged cache
-key, the plugin in ``vllm preload``'s spawned daemons. ``registry``: install (version
+the weight cache); ``moe_post_processing``: likewise their Marlin MoE experts methods.
+``weight_cache``: Marlin for weight-cache processes, an unchanged cache key, the plugin in
+``vllm preload``'s spawned daemons. ``gc_freeze``: the GC heap frozen before vLLM's timed
+model loading for marlin-pack's start paths. ``registry``: install (version
 guarded, idempotent) and uninstall. Each patch names the upstream change that retires it.
 """
 
 from __future__ import annotations
 
 from marlin_pack._constants import TARGET_VLLM_VERSION
-from marlin_pack.vllm_plugin.patches import post_processing, weight_cache
+from marlin_pack.vllm_plugin.patches import gc_freeze, moe_post_processing, post_processing, weight_cache
 from marlin_pack.vllm_plugin.patches.registry import Patch, installed, uninstall_all
 from marlin_pack.vllm_plugin.version_guard import vllm_version
 
 __all__ = ["PATCHES", "Patch", "install", "installed", "uninstall_all"]
 
-PATCHES: tuple[Patch, ...] = (*post_processing.PATCHES, *weight_cache.PATCHES)
+PATCHES: tuple[Patch, ...] = (
+    *post_processing.PATCHES,
+    *moe_post_processing.PATCHES,
+    *weight_cache.PATCHES,
+    *gc_freeze.PATCHES,
+)
 
 
 def install() -> bool:

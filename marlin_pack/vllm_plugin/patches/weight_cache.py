@@ -51,11 +51,14 @@ _UNSUPPORTED_HINT = (
     "marlin-pack: the weight cache shares AWQ/GPTQ/compressed-tensors linear layers only when vLLM serves them with "
     "MarlinLinearKernel and 16-bit activations. Check --linear-backend / --kernel-config "
     "(an explicit non-Marlin backend is kept), VLLM_MARLIN_INPUT_DTYPE (must be unset), "
-    "VLLM_DISABLED_KERNELS and VLLM_BATCH_INVARIANT; AWQ/GPTQ MoE layers are never shared"
+    "VLLM_DISABLED_KERNELS and VLLM_BATCH_INVARIANT; AWQ/GPTQ mixture-of-experts layers are shared only on the Marlin "
+    "MoE backend (--moe-backend auto or marlin) with 16-bit activations, compressed-tensors ones never"
 )
+# AWQ/GPTQ quantizations whose experts (AutoAWQMoEMethod/AutoGPTQMoEMethod) the cache shares on Marlin MoE.
+MOE_CACHE_QUANTIZATIONS = frozenset({"auto_awq", "auto_gptq", "awq", "awq_marlin", "gptq", "gptq_marlin"})
 
-# id(KernelConfig) -> (the config, its linear_backend_per_quant before we forced Marlin).
-_FORCED: dict[int, tuple[Any, Any]] = {}
+# id(KernelConfig) -> (the config, its linear_backend_per_quant and moe_backend before we forced Marlin).
+_FORCED: dict[int, tuple[Any, Any, Any]] = {}
 
 
 def force_marlin_for_cache(vllm_config: Any, model_config: Any, role: str = "weight cache") -> bool:
@@ -67,6 +70,13 @@ def force_marlin_for_cache(vllm_config: Any, model_config: Any, role: str = "wei
     if getattr(model_config, "quantization", None) not in CACHE_QUANTIZATIONS:
         return False
     kc = vllm_config.kernel_config
+    if id(kc) not in _FORCED:
+        _FORCED[id(kc)] = (kc, copy.deepcopy(kc.linear_backend_per_quant), getattr(kc, "moe_backend", "auto"))
+    if model_config.quantization in MOE_CACHE_QUANTIZATIONS:
+        from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe
+
+        if force_marlin_moe(kc):  # experts of MoE models: only the Marlin MoE layout is shared (auto: Humming on SM90)
+            logger.info("marlin-pack: %s: AWQ/GPTQ mixture-of-experts layers use the Marlin MoE backend (moe_backend=marlin)", role)
     per_quant = dict(kc.linear_backend_per_quant or {})
     backend = per_quant.get("mixed_precision") or kc.linear_backend
     if backend != "auto":
@@ -78,8 +88,6 @@ def force_marlin_for_cache(vllm_config: Any, model_config: Any, role: str = "wei
                 backend,
             )
         return False
-    if id(kc) not in _FORCED:
-        _FORCED[id(kc)] = (kc, copy.deepcopy(kc.linear_backend_per_quant))
     from marlin_pack.vllm_plugin.engine import force_marlin
 
     force_marlin(kc)
@@ -98,6 +106,7 @@ def _as_configured(kernel_config: Any) -> Any:
         return kernel_config
     configured = copy.copy(kernel_config)
     configured.linear_backend_per_quant = copy.deepcopy(entry[1])
+    configured.moe_backend = entry[2]
     return configured
 
 

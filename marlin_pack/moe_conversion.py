@@ -1,0 +1,151 @@
+"""The routed experts of a mixture-of-experts checkpoint in a conversion: plan, read, build.
+
+:func:`plan_moe` validates every experts layer from headers and config (beside the dense plan
+of :func:`~marlin_pack.conversion.plan_conversion`, which covers attention and shared experts);
+:func:`read_moe_layer` reads one decoder layer's experts and :func:`build_moe_layer` lays them
+out for one rank (``marlin.moe``), so a conversion holds one layer's experts at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.marlin.moe import (
+    MOE_ARCHITECTURES,
+    ExpertTensors,
+    MoeArchitecture,
+    MoeRankShape,
+    build_moe_rank_tensors,
+    moe_layer_entry,
+    moe_rank_shape,
+    moe_tensor_specs,
+    read_expert,
+)
+from marlin_pack.marlin.sharding import ModelDims
+from marlin_pack.schemas import GptqSettings, MoeLayerEntry, QuantScheme, SourceFormat
+from marlin_pack.sources import Checkpoint, QuantSource
+
+__all__ = ["MoePlan", "check_moe_settings", "plan_moe", "read_moe_layer", "build_moe_layer"]
+
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+@dataclass
+class MoePlan:
+    """The experts layers of a checkpoint, and their per-rank shape at each TP size."""
+
+    arch: MoeArchitecture
+    layers: list[int]  # decoder layers with routed experts (all of them: see _sparse_layers)
+    checkpoint_layers: str
+    vllm_layers: str
+    hidden: int
+    intermediate: int
+    awq: bool
+    shapes: dict[int, MoeRankShape] = field(default_factory=dict)
+
+    def name(self, layer: int) -> str:
+        """vLLM's experts module of decoder layer ``layer`` (the manifest's and the rank files' name)."""
+        return self.arch.vllm_prefix(self.vllm_layers, layer)
+
+    def entries(self, tp: int) -> list[MoeLayerEntry]:
+        return [moe_layer_entry(self.name(i), self.shapes[tp]) for i in self.layers]
+
+    def specs(self, tp: int, scheme: QuantScheme, dtype: torch.dtype) -> list[TensorSpec]:
+        return [s for i in self.layers for s in moe_tensor_specs(self.name(i), self.shapes[tp], scheme, dtype)]
+
+
+def check_moe_settings(ckpt: Checkpoint, source: QuantSource, dims: ModelDims) -> None:
+    """Refuse, before any per-layer check, the settings whose experts marlin-pack does not lay out for vLLM 0.33.0's Marlin MoE."""
+    arch = dims.architecture
+    _sparse_layers(ckpt.config, dims.num_layers, arch)
+    if source.format is SourceFormat.compressed_tensors:
+        raise UnsupportedCheckpointError(
+            f"{arch}: compressed-tensors mixture-of-experts checkpoints are not supported; marlin-pack converts AWQ "
+            "(GEMM) and symmetric GPTQ experts"
+        )
+    found = ckpt.quant_settings()
+    s = found.settings if found is not None else None
+    if isinstance(s, GptqSettings):
+        if s.desc_act:
+            raise UnsupportedCheckpointError(
+                f"{arch}: GPTQ desc_act is true; marlin-pack converts act-order-free GPTQ experts only "
+                "(vLLM keeps sort indices for them), use a checkpoint quantized with desc_act=false"
+            )
+        if s.checkpoint_format != "gptq":
+            raise UnsupportedCheckpointError(
+                f"{arch}: GPTQ checkpoint_format is {s.checkpoint_format!r}; marlin-pack converts gptq (v1) experts only"
+            )
+        if s.dynamic:
+            raise UnsupportedCheckpointError(f"{arch}: GPTQ dynamic per-module rules are not supported on mixture-of-experts models")
+
+
+def _config_int(config: dict, key: str, arch: str) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UnsupportedCheckpointError(f"config.json {key} is {value!r}, expected a positive integer ({arch})")
+    return value
+
+
+def _sparse_layers(config: dict, n_layers: int, arch: str) -> list[int]:
+    """Every decoder layer must hold routed experts (Qwen's ``decoder_sparse_step``/``mlp_only_layers`` may make some dense)."""
+    step = config.get("decoder_sparse_step", 1)
+    only = config.get("mlp_only_layers") or []
+    if step != 1 or only:
+        raise UnsupportedCheckpointError(
+            f"{arch}: decoder_sparse_step {step} / mlp_only_layers {only} mix dense and sparse decoder layers; "
+            "marlin-pack converts models whose every layer has routed experts"
+        )
+    return list(range(n_layers))
+
+
+def plan_moe(ckpt: Checkpoint, source: QuantSource, dims: ModelDims, tp_sizes: list[int]) -> tuple[MoePlan, set[str]]:
+    """Validate every expert of every layer from headers; the plan and the checkpoint tensors it owns.
+
+    Raises:
+        CheckpointError, UnsupportedCheckpointError: naming the first expert or setting at fault.
+    """
+    name = dims.architecture
+    arch = MOE_ARCHITECTURES[name]
+    check_moe_settings(ckpt, source, dims)
+    config = ckpt.config
+    n_experts = _config_int(config, arch.num_experts_key, name)
+    inter = _config_int(config, arch.intermediate_key, name)
+    awq = source.format is SourceFormat.awq_gemm
+    plan = MoePlan(arch, _sparse_layers(config, dims.num_layers, name), dims.checkpoint_layers, dims.arch.layers,
+                   dims.hidden_size, inter, awq)
+    for tp in tp_sizes:
+        plan.shapes[tp] = moe_rank_shape(n_experts, dims.hidden_size, inter, tp, source.scheme, awq)
+    owned: set[str] = set()
+    dims_of = {arch.gate: (dims.hidden_size, inter), arch.up: (dims.hidden_size, inter), arch.down: (inter, dims.hidden_size)}
+    for layer in plan.layers:
+        source.check_layer(plan.name(layer), True)
+        for e in range(n_experts):
+            prefix = arch.checkpoint_expert(plan.checkpoint_layers, layer, e)
+            for leaf, (k, n) in dims_of.items():
+                module = f"{prefix}.{leaf}"
+                source.validate(ckpt, module, k, n)
+                if f"{module}.bias" in ckpt.tensors:
+                    raise UnsupportedCheckpointError(f"{module}.bias: expert biases are not supported")
+                owned.update(t for t in source.tensor_names(module) if t in ckpt.tensors)
+    return plan, owned
+
+
+def read_moe_layer(plan: MoePlan, source: QuantSource, ckpt: Checkpoint, layer: int, device: torch.device) -> list[ExpertTensors]:
+    """Every expert of one decoder layer, through the format's reader."""
+    n_experts = next(iter(plan.shapes.values())).num_experts
+    return [
+        read_expert(source, ckpt, plan.arch, plan.arch.checkpoint_expert(plan.checkpoint_layers, layer, e), plan.hidden,
+                    plan.intermediate, device)
+        for e in range(n_experts)
+    ]
+
+
+def build_moe_layer(plan: MoePlan, scheme: QuantScheme, dtype: torch.dtype, tp: int, rank: int, layer: int,
+                    experts: list[ExpertTensors],
+                    empty: Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """One rank's tensors of one experts layer, in file order (``empty``: see :func:`~marlin_pack.marlin.moe.build_moe_rank_tensors`)."""
+    return build_moe_rank_tensors(plan.name(layer), plan.shapes[tp], scheme, dtype, rank, experts, plan.awq, empty)
