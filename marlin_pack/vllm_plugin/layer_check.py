@@ -68,14 +68,8 @@ def _sample(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
 
 
-def check_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mapping[str, LayerFacts]) -> None:
-    """Check that vLLM built exactly the bundle's layers, each with Marlin and its configuration.
-
-    Raises:
-        BundleMismatchError: ``layers`` (set, shapes, bias), ``kernel``, ``layout``,
-            ``group_size``, ``weight_type``, ``activation_dtype`` or ``zero_points``.
-    """
-    expected = {entry.name: entry for entry in tp_set.layers}
+def _check_same_names(expected: Mapping[str, object], found: Mapping[str, object], what: str) -> None:
+    """Raise a ``layers`` mismatch naming the layers only one side has."""
     only_bundle = sorted(set(expected) - set(found))
     only_engine = sorted(set(found) - set(expected))
     if only_bundle or only_engine:
@@ -84,9 +78,18 @@ def check_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mapping[s
             parts.append(f"{len(only_bundle)} only in the bundle ({_sample(only_bundle)})")
         if only_engine:
             parts.append(f"{len(only_engine)} only in the engine ({_sample(only_engine)})")
-        raise BundleMismatchError(
-            F.layers, "the engine's quantized layers differ from the bundle's: " + "; ".join(parts) + "; re-convert"
-        )
+        raise BundleMismatchError(F.layers, f"the engine's {what} differ from the bundle's: " + "; ".join(parts) + "; re-convert")
+
+
+def check_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mapping[str, LayerFacts]) -> None:
+    """Check that vLLM built exactly the bundle's layers, each with Marlin and its configuration.
+
+    Raises:
+        BundleMismatchError: ``layers`` (set, shapes, bias), ``kernel``, ``layout``,
+            ``group_size``, ``weight_type``, ``activation_dtype`` or ``zero_points``.
+    """
+    expected = {entry.name: entry for entry in tp_set.layers}
+    _check_same_names(expected, found, "quantized layers")
     q = manifest.quant
     for name, entry in expected.items():
         f = found[name]
@@ -124,17 +127,7 @@ def check_moe_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mappi
             ``layout``, ``group_size``, ``weight_type``, ``activation_dtype`` or ``zero_points``.
     """
     expected = {entry.name: entry for entry in tp_set.moe_layers}
-    only_bundle = sorted(set(expected) - set(found))
-    only_engine = sorted(set(found) - set(expected))
-    if only_bundle or only_engine:
-        parts = []
-        if only_bundle:
-            parts.append(f"{len(only_bundle)} only in the bundle ({_sample(only_bundle)})")
-        if only_engine:
-            parts.append(f"{len(only_engine)} only in the engine ({_sample(only_engine)})")
-        raise BundleMismatchError(
-            F.layers, "the engine's mixture-of-experts layers differ from the bundle's: " + "; ".join(parts) + "; re-convert"
-        )
+    _check_same_names(expected, found, "mixture-of-experts layers")
     q = manifest.quant
     want_method = SUPPORTED_MOE_METHODS.get(manifest.source.format.value)
     for name, entry in expected.items():
