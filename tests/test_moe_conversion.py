@@ -22,29 +22,15 @@ from marlin_pack.errors import UnsupportedCheckpointError
 
 pytest.importorskip("vllm")
 from moe_checkpoints import write_moe_checkpoint  # noqa: E402
+from oracle_compare import assert_rank_file_equals  # noqa: E402
 from vllm_moe_reference import reference_moe_rank_tensors  # noqa: E402
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype in (torch.int32, torch.int64) else t.view(torch.int16)
 
 
 def assert_moe_bundle_equals_vllm(model: Path, bundle: Path, tps: tuple[int, ...], dtype: torch.dtype) -> int:
     compared = 0
     for tp in tps:
         for rank in range(tp):
-            want = reference_moe_rank_tensors(model, tp, rank, dtype)
-            got = load_file(bundle / f"tp{tp}" / f"rank-{rank}.safetensors")
-            for name, ref in want.items():
-                if name.endswith(".qzeros") and ref.numel() == 0:  # dense GPTQ keeps no zero points
-                    assert name not in got
-                    continue
-                assert name in got, f"{name} missing (tp {tp} rank {rank})"
-                assert got[name].dtype == ref.dtype and got[name].shape == ref.shape, name
-                assert torch.equal(_bits(got[name]), _bits(ref)), f"{name} differs (tp {tp} rank {rank})"
-                compared += 1
-            extra = set(got) - set(want)
-            assert not extra, f"unexpected tensors {sorted(extra)[:3]}"
+            compared += assert_rank_file_equals(bundle, tp, rank, reference_moe_rank_tensors(model, tp, rank, dtype))
     return compared
 
 

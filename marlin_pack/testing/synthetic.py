@@ -269,16 +269,7 @@ def _write_checkpoint(out_dir: str | Path, shape: ModelShape, qc: dict[str, Any]
         _check(shape, qc)
         config["quantization_config"] = qc
     specs = _model_specs(shape, qc, dtype)
-    shards: list[list[_Spec]] = [[]]
-    size = 0
-    for s in specs:  # greedy, in state-dict order, like transformers' save_pretrained
-        if shards[-1] and max_shard_bytes is not None and size + s.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(s)
-        size += s.nbytes
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names, shards = plan_shards(specs, max_shard_bytes)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -488,3 +479,19 @@ def quantized_linear_tensors(prefix: str, in_features: int, out_features: int, q
     """
     specs = [s for s in _linear_specs(prefix, in_features, out_features, False, qc, torch.float16)]
     return {s.name: _fill(s, _generator(seed, s.name, "cpu")) for s in specs}
+
+
+def plan_shards(specs: list[Any], max_shard_bytes: int | None) -> tuple[list[str], list[list[Any]]]:
+    """Shard file names and the specs (anything with ``nbytes``) each holds: greedy, in state-dict
+    order, like transformers' ``save_pretrained``."""
+    shards: list[list[Any]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and max_shard_bytes is not None and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    return names, shards

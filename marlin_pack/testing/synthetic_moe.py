@@ -103,16 +103,7 @@ def write_moe_checkpoint(out_dir: str | Path, shape: MoeShape, fmt: str = "gptq"
     """
     qc = _quant_config(fmt, bits, group_size)
     specs = _specs(shape, qc, dtype)
-    shards: list[list[Any]] = [[]]
-    size = 0
-    for spec in specs:  # greedy, in state-dict order, like save_pretrained
-        if shards[-1] and max_shard_bytes is not None and size + spec.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += spec.nbytes
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names, shards = s.plan_shards(specs, max_shard_bytes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("model*.safetensors*"):
