@@ -40,6 +40,7 @@ from marlin_pack.marlin.sharding import (
     model_dims,
     rank_slices,
     read_layer_parts,
+    vllm_part_names,
 )
 from marlin_pack.moe_conversion import MoePlan, build_moe_layer, check_moe_settings, plan_moe, read_moe_layer
 from marlin_pack.schemas import (
@@ -110,7 +111,8 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
         for spec in layer_specs(plan.dims, i):
             modules = checkpoint_modules(spec)
             quantized = [f"{m.prefix}.{source.packed_weight}" in ckpt.tensors for m in modules]
-            source.check_layer(spec.name, any(quantized))
+            source.check_layer(spec.name, any(quantized), ckpt=ckpt, parts=vllm_part_names(spec),
+                               modules=tuple(m.prefix for m in modules))
             if not any(quantized):
                 # Left unquantized (modules_to_not_convert): loaded by vLLM from common, if it is there.
                 missing = next((m.prefix for m in modules if f"{m.prefix}.weight" not in ckpt.tensors), None)

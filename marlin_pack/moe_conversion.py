@@ -122,7 +122,7 @@ def plan_moe(ckpt: Checkpoint, source: QuantSource, dims: ModelDims, tp_sizes: l
     owned: set[str] = set()
     dims_of = {arch.gate: (dims.hidden_size, inter), arch.up: (dims.hidden_size, inter), arch.down: (inter, dims.hidden_size)}
     for layer in plan.layers:
-        source.check_layer(plan.name(layer), True)
+        source.check_layer(plan.name(layer), True, ckpt=ckpt)
         for e in range(n_experts):
             prefix = arch.checkpoint_expert(plan.checkpoint_layers, layer, e)
             for leaf, (k, n) in dims_of.items():

@@ -287,6 +287,24 @@ def test_awq_modules_to_not_convert_gate_is_a_substring_rule(ckpt, arch: str, lo
             reference_moe_rank_tensors(model, 1, 0, torch.float16)
 
 
+@pytest.mark.parametrize("arch,loads", [("MixtralForCausalLM", True), ("Qwen2MoeForCausalLM", False)])
+def test_convert_predicts_the_substring_rule(ckpt, tmp_path: Path, arch: str, loads: bool) -> None:
+    """marlin-pack converts exactly the ``modules_to_not_convert: ["gate"]`` checkpoints vLLM can load
+    (see the test above), and refuses the others at convert time, naming the entry and the layer."""
+    from marlin_pack import convert
+    from marlin_pack.errors import UnsupportedCheckpointError
+
+    model = ckpt(arch, "awq", quant_overrides={"modules_to_not_convert": ["gate"]})
+    if loads:
+        convert(model, tmp_path / "bundle", tp_sizes=(1,))
+        assert (tmp_path / "bundle").is_dir()
+    else:
+        layer = r"model\.layers\.0\.mlp\.shared_expert\.gate_up_proj"
+        with pytest.raises(UnsupportedCheckpointError, match=rf"entry 'gate' is a substring of {layer}"):
+            convert(model, tmp_path / "bundle", tp_sizes=(1,))
+        assert not (tmp_path / "bundle").exists()
+
+
 @pytest.mark.parametrize("humming", [False, True])
 def test_what_auto_picks_on_sm90(ckpt, humming: bool) -> None:
     """``--moe-backend auto`` on SM90: FLASHINFER_TRTLLM is skipped (AWQ/GPTQ may carry zero points

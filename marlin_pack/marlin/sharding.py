@@ -42,6 +42,7 @@ __all__ = [
     "layer_entry",
     "read_layer_parts",
     "checkpoint_modules",
+    "vllm_part_names",
 ]
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -242,6 +243,16 @@ def layer_specs(d: ModelDims, layer: int) -> list[LayerSpec]:
             offset += n
         specs.append(LayerSpec(f"{vllm}.{lin.name}", lin.kind, tuple(parts)))
     return specs
+
+
+def vllm_part_names(spec: LayerSpec) -> tuple[str, ...]:
+    """vLLM's names of the parts it fuses into ``spec`` (``...qkv_proj`` -> ``...q_proj``, ...), as its
+    ``packed_modules_mapping`` spells them; empty for a layer read from one checkpoint module."""
+    leaves = list(dict.fromkeys(p.prefix.rsplit(".", 1)[-1] for p in spec.parts))
+    if len(leaves) < 2:
+        return ()
+    head = spec.name.rsplit(".", 1)[0]
+    return tuple(f"{head}.{leaf}" for leaf in leaves)
 
 
 def checkpoint_modules(spec: LayerSpec) -> list[PartSpec]:

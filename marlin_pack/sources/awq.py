@@ -8,6 +8,7 @@ from marlin_pack.errors import UnsupportedCheckpointError
 from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.marlin.repack import AWQ_SLOTS, unpack_awq_cols
 from marlin_pack.schemas import AwqSettings, QuantScheme, SourceFormat, WeightType
+from marlin_pack.sources.awq_skips import float_only_modules, skipping_entry
 from marlin_pack.sources.base import ModuleTensors
 from marlin_pack.sources.checkpoint import Checkpoint
 from marlin_pack.sources.expect import check_group_size, expect, expect_scales, num_groups
@@ -23,8 +24,10 @@ class AwqGemmSource:
     # One row of the README's source-format table (marlin_pack/_docs.py).
     support = ("AutoAWQ GEMM", "`quant_method: awq`, `version: gemm`, `zero_point: true`", "4", "uint4 with zero points")
 
-    def __init__(self, group_size: int) -> None:
+    def __init__(self, group_size: int, modules_to_not_convert: tuple[str, ...] = ()) -> None:
         self.group_size = group_size
+        self.modules_to_not_convert = modules_to_not_convert
+        self._derived: tuple[int, tuple[str, ...]] | None = None  # (id of the checkpoint, its float-only modules)
         self.scheme = QuantScheme(weight_type=WeightType.uint4, bits=4, group_size=group_size, zero_points=True)
 
     @classmethod
@@ -45,10 +48,34 @@ class AwqGemmSource:
                 "AWQ 'dynamic' per-module overrides (written by GPTQModel): vLLM 0.33.0's AutoAWQ ignores them and "
                 "cannot load such a checkpoint; use a uniform checkpoint"
             )
-        return cls(check_group_size(s.group_size, "AWQ"))
+        return cls(check_group_size(s.group_size, "AWQ"), tuple(s.modules_to_not_convert))
 
-    def check_layer(self, name: str, quantized: bool) -> None:
-        """AutoAWQ has no per-module rules marlin-pack accepts (``dynamic`` is refused up front)."""
+    def check_layer(self, name: str, quantized: bool, *, ckpt: Checkpoint | None = None, parts: tuple[str, ...] = (),
+                    modules: tuple[str, ...] = ()) -> None:
+        """Refuse a layer whose stored form contradicts what ``modules_to_not_convert`` makes of it in vLLM 0.33.0.
+
+        ``parts`` are vLLM's names of a fused layer's parts and ``modules`` the checkpoint modules
+        it is read from (entries may be written in either naming).
+        """
+        entries = self.modules_to_not_convert
+        if not entries:
+            if ckpt is None:
+                return
+            if self._derived is None or self._derived[0] != id(ckpt):
+                self._derived = (id(ckpt), float_only_modules(ckpt))
+            entries = self._derived[1]
+        hit = skipping_entry(name, parts, entries)
+        if quantized and hit is not None:
+            where = "modules_to_not_convert entry" if self.modules_to_not_convert else "unquantized checkpoint module"
+            raise UnsupportedCheckpointError(
+                f"AWQ {where} {hit!r} is a substring of {name}, so vLLM 0.33.0 leaves it unquantized, but the checkpoint "
+                "stores it quantized; vLLM could not load it either, fix modules_to_not_convert"
+            )
+        if not quantized and hit is None and self.modules_to_not_convert and _first_hit_any(modules, entries) is None:
+            raise UnsupportedCheckpointError(
+                f"{name} is stored unquantized, but no AWQ modules_to_not_convert entry matches it, so vLLM 0.33.0 would "
+                "expect it quantized and could not load it; add it to modules_to_not_convert"
+            )
 
     def describe(self) -> str:
         return f"AWQ GEMM 4-bit, group size {self.group_size}, zero points"
@@ -75,3 +102,7 @@ class AwqGemmSource:
             bias=bias,
             column_slots=AWQ_SLOTS,
         )
+
+
+def _first_hit_any(names: tuple[str, ...], entries: tuple[str, ...]) -> str | None:
+    return next((e for n in names for e in entries if e in n), None)

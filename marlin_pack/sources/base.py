@@ -37,8 +37,12 @@ class QuantSource(Protocol):
         """Read and decode one module."""
         ...
 
-    def check_layer(self, name: str, quantized: bool) -> None:
-        """Refuse a layer (vLLM's name) whose quantization the format's per-module rules contradict."""
+    def check_layer(self, name: str, quantized: bool, *, ckpt: Checkpoint | None = None, parts: tuple[str, ...] = (),
+                    modules: tuple[str, ...] = ()) -> None:
+        """Refuse a layer (vLLM's name) whose quantization the format's per-module rules contradict.
+
+        ``parts``: vLLM's names of a fused layer's parts; ``modules``: the checkpoint modules it is read from.
+        """
         ...
 
     def describe(self) -> str: ...

@@ -139,7 +139,8 @@ class CompressedTensorsSource:
             return True
         return any(_match(class_name, t, contains=True) for t in targets)
 
-    def check_layer(self, name: str, quantized: bool) -> None:
+    def check_layer(self, name: str, quantized: bool, *, ckpt: Checkpoint | None = None, parts: tuple[str, ...] = (),
+                    modules: tuple[str, ...] = ()) -> None:
         """Refuse a layer whose stored form contradicts what vLLM's ``ignore``/``targets`` make of it."""
         wanted = self.vllm_quantizes(name)
         if wanted != quantized:

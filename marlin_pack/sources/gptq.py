@@ -65,7 +65,8 @@ class GptqV1Source:
         _check_uniform(s, gs)
         return cls(s.bits, gs, 1 if s.checkpoint_format == "gptq" else 0, s.dynamic)
 
-    def check_layer(self, name: str, quantized: bool) -> None:
+    def check_layer(self, name: str, quantized: bool, *, ckpt: Checkpoint | None = None, parts: tuple[str, ...] = (),
+                    modules: tuple[str, ...] = ()) -> None:
         """Refuse a quantized layer that a ``dynamic`` exclusion ('-:REGEX') leaves unquantized in vLLM.
 
         ``name`` is vLLM's layer name, which is what vLLM 0.33.0 matches the rules against (the
