@@ -11,26 +11,45 @@ import sys
 from pathlib import Path
 
 from marlin_pack._constants import SUPPORTED_GROUP_SIZES
-from marlin_pack.marlin.architectures import ARCHITECTURES, UNSUPPORTED_ARCHITECTURES, Architecture
+from marlin_pack.marlin.architectures import ARCHITECTURES, UNSUPPORTED_ARCHITECTURES, Architecture, Linear
+from marlin_pack.schemas import LayerKind
 
 __all__ = ["architecture_table", "format_table", "render", "main"]
 
 
-def _layers(arch: Architecture) -> str:
+def _linears(linears: tuple[Linear, ...]) -> list[str]:
     out = []
-    for lin in arch.linears:
+    for lin in linears:
         modules = list(dict.fromkeys(p.module.rsplit(".", 1)[-1] for p in lin.parts))
         leaf = lin.name.rsplit(".", 1)[-1]
+        if lin.name.startswith("mlp.shared_experts."):  # DeepSeek: name the shared experts as such
+            leaf, modules = f"shared_experts.{leaf}", [f"shared_experts.{m}" for m in modules]
+        replicated = " (replicated)" if lin.kind is LayerKind.replicated else ""
         if len(modules) == 1 and len(lin.parts) > 1:  # stored fused: vLLM cuts it into column blocks
             out.append(f"{leaf} ← {modules[0]} (stored fused: {'+'.join(p.role for p in lin.parts)})")
         else:
-            out.append(leaf if modules == [leaf] else f"{leaf} ← {'+'.join(modules)}")
-    if arch.moe:
-        from marlin_pack.marlin.moe import MOE_ARCHITECTURES
+            out.append((leaf if modules == [leaf] else f"{leaf} ← {'+'.join(modules)}") + replicated)
+    return out
 
-        m = MOE_ARCHITECTURES[arch.name]
-        out.append(f"{m.vllm_experts.split('.', 1)[1]} (Marlin MoE, all experts stacked) w13 ← {m.block}.experts.*.{m.gate}+{m.up}, "
-                   f"w2 ← {m.block}.experts.*.{m.down}")
+
+def _experts(arch: Architecture) -> str:
+    from marlin_pack.marlin.moe import MOE_ARCHITECTURES
+
+    m = MOE_ARCHITECTURES[arch.name]
+    return (f"{m.vllm_experts.split('.', 1)[1]} (Marlin MoE, all experts stacked) w13 ← {m.block}.experts.*.{m.gate}+{m.up}, "
+            f"w2 ← {m.block}.experts.*.{m.down}")
+
+
+def _layers(arch: Architecture) -> str:
+    if arch.mla is not None:  # DeepSeek: the layers depend on the config (marlin.deepseek)
+        m = arch.mla
+        return (f"MLA attention: {', '.join(_linears(m.attention))} (q_lora_rank null) or "
+                f"{', '.join(_linears(m.attention_q_lora))} (q_lora_rank set); layers with routed experts: "
+                f"{', '.join(_linears(m.shared_experts))}, {_experts(arch)}; the other layers "
+                f"(i < first_k_dense_replace, or i % moe_layer_freq != 0): {', '.join(_linears(m.dense_mlp))}")
+    out = _linears(arch.linears)
+    if arch.moe:
+        out.append(_experts(arch))
     return ", ".join(out)
 
 

@@ -143,6 +143,9 @@ def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], 
         owned |= experts
     if not plan.layers:
         raise UnsupportedCheckpointError(f"no quantized decoder linear layers (…{source.packed_weight}) found; nothing to convert")
+    # Layers vLLM's model skips (DeepSeek-V3's multi-token prediction): neither converted nor kept.
+    skipped = {n for n in ckpt.tensors if n.startswith(plan.dims.skipped_prefixes)} if plan.dims.skipped_prefixes else set()
+    owned |= skipped
     stray = sorted(n for n in ckpt.tensors if n.endswith(f".{source.packed_weight}") and n not in owned)
     if stray:
         kind = "MoE expert" if ".experts." in stray[0] else "unsupported"
@@ -186,7 +189,7 @@ def _missing_module(ckpt: Checkpoint, dims: ModelDims, module: str) -> None:
     """Refuse a module the architecture needs; name what the checkpoint has there instead."""
     parent = module.rsplit(".", 1)[0]
     instead = sorted({n[len(parent) + 1 :].split(".")[0] for n in ckpt.tensors if n.startswith(f"{parent}.")})
-    known = {p.module.rsplit(".", 1)[-1] for lin in dims.arch.linears for p in lin.parts}
+    known = {p.module.rsplit(".", 1)[-1] for lin in dims.arch.all_linears() for p in lin.parts}
     if any(name not in known for name in instead):  # other modules stand where this one should
         raise UnsupportedCheckpointError(
             f"module {module} is not in the checkpoint, which has {', '.join(instead)} under {parent}: "

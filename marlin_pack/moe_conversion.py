@@ -39,7 +39,7 @@ class MoePlan:
     """The experts layers of a checkpoint, and their per-rank shape at each TP size."""
 
     arch: MoeArchitecture
-    layers: list[int]  # decoder layers with routed experts (all of them: see _sparse_layers)
+    layers: list[int]  # decoder layers with routed experts (see _sparse_layers)
     checkpoint_layers: str
     vllm_layers: str
     hidden: int
@@ -61,7 +61,7 @@ class MoePlan:
 def check_moe_settings(ckpt: Checkpoint, source: QuantSource, dims: ModelDims) -> None:
     """Refuse, before any per-layer check, the settings whose experts marlin-pack does not lay out for vLLM 0.33.0's Marlin MoE."""
     arch = dims.architecture
-    _sparse_layers(ckpt.config, dims.num_layers, arch)
+    _sparse_layers(ckpt.config, dims)
     if source.format is SourceFormat.compressed_tensors:
         raise UnsupportedCheckpointError(
             f"{arch}: compressed-tensors mixture-of-experts checkpoints are not supported; marlin-pack converts AWQ "
@@ -90,8 +90,15 @@ def _config_int(config: dict, key: str, arch: str) -> int:
     return value
 
 
-def _sparse_layers(config: dict, n_layers: int, arch: str) -> list[int]:
-    """Every decoder layer must hold routed experts (Qwen's ``decoder_sparse_step``/``mlp_only_layers`` may make some dense)."""
+def _sparse_layers(config: dict, dims: ModelDims) -> list[int]:
+    """The decoder layers with routed experts: DeepSeek's as vLLM picks them (the rest are dense MLPs,
+    ordinary linears of the dense plan); for the other architectures every layer must hold experts
+    (Qwen's ``decoder_sparse_step``/``mlp_only_layers`` may make some dense)."""
+    n_layers, arch = dims.num_layers, dims.architecture
+    if dims.arch.mla is not None:
+        from marlin_pack.marlin.deepseek import sparse_layers
+
+        return sparse_layers(config, dims.arch, n_layers)
     step = config.get("decoder_sparse_step", 1)
     only = config.get("mlp_only_layers") or []
     if step != 1 or only:
@@ -115,7 +122,7 @@ def plan_moe(ckpt: Checkpoint, source: QuantSource, dims: ModelDims, tp_sizes: l
     n_experts = _config_int(config, arch.num_experts_key, name)
     inter = _config_int(config, arch.intermediate_key, name)
     awq = source.format is SourceFormat.awq_gemm
-    plan = MoePlan(arch, _sparse_layers(config, dims.num_layers, name), dims.checkpoint_layers, dims.arch.layers,
+    plan = MoePlan(arch, _sparse_layers(config, dims), dims.checkpoint_layers, dims.arch.layers,
                    dims.hidden_size, inter, awq)
     for tp in tp_sizes:
         plan.shapes[tp] = moe_rank_shape(n_experts, dims.hidden_size, inter, tp, source.scheme, awq)

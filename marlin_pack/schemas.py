@@ -157,6 +157,9 @@ class LayerKind(str, Enum):
     merged_column = "merged-column"  # MergedColumnParallelLinear
     column = "column"  # ColumnParallelLinear
     row = "row"  # RowParallelLinear
+    # ReplicatedLinear, or MergedColumnParallelLinear(disable_tp=True): every rank holds the whole layer
+    # (DeepSeek's kv_a_proj_with_mqa / fused_qkv_a_proj)
+    replicated = "replicated"
 
 
 def _check_path(value: str) -> str:

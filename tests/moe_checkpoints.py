@@ -46,11 +46,31 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
                                 shared_expert_intermediate_size=1024, num_experts=4, num_experts_per_tok=2,
                                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
                                 tie_word_embeddings=False),
+    # DeepSeek-V2-Lite's attention (MLA: q_proj, no q_lora_rank; kv_lora_rank 512 and the 128/64/128
+    # head dims FlashMLA and vLLM's MLA prefill kernels take), 2 shared experts and a dense first layer,
+    # shrunk: 4 heads, 4 routed experts, 3 decoder layers.
+    "DeepseekV2ForCausalLM": dict(model_type="deepseek_v2", hidden_size=512, intermediate_size=768, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
+                                  max_position_embeddings=4096, moe_intermediate_size=256, n_routed_experts=4,
+                                  n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1,
+                                  kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                  v_head_dim=128, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+                                  routed_scaling_factor=1.0, scoring_func="softmax", tie_word_embeddings=False),
+    # DeepSeek-V3's routing (sigmoid scores with e_score_correction_bias, grouped top-k, scaled) and
+    # q_lora_rank (vLLM fuses q_a_proj with kv_a_proj_with_mqa), shrunk like the V2 config.
+    "DeepseekV3ForCausalLM": dict(model_type="deepseek_v3", hidden_size=512, intermediate_size=768, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
+                                  max_position_embeddings=4096, moe_intermediate_size=256, n_routed_experts=8,
+                                  n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=512,
+                                  q_lora_rank=384, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                  topk_method="noaux_tc", n_group=2, topk_group=1, norm_topk_prob=True,
+                                  routed_scaling_factor=2.5, scoring_func="sigmoid", tie_word_embeddings=False),
 }
 
 # The router modules' last names per architecture: never quantized by AutoAWQ / GPTQModel.
 ROUTERS = {"MixtralForCausalLM": ("block_sparse_moe.gate",), "Qwen3MoeForCausalLM": ("mlp.gate",),
-           "Qwen2MoeForCausalLM": ("mlp.gate", "mlp.shared_expert_gate")}
+           "Qwen2MoeForCausalLM": ("mlp.gate", "mlp.shared_expert_gate"), "DeepseekV2ForCausalLM": ("mlp.gate",),
+           "DeepseekV3ForCausalLM": ("mlp.gate",)}
 
 
 def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
@@ -71,11 +91,15 @@ def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> dic
 def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bits: int = 4, group_size: int = 128,
                          dtype: torch.dtype = torch.float16, seed: int = 0, random_gptq_zeros: bool = False,
                          quant_overrides: dict[str, Any] | None = None, sharded: bool = False,
-                         tokenizer: bool = False, **config_overrides: Any) -> Path:
+                         tokenizer: bool = False, mtp_layers: int = 0, **config_overrides: Any) -> Path:
     """Write a tiny quantized MoE checkpoint of ``architecture`` to ``out``; returns ``out``.
 
     ``sharded``: two safetensors files (tensors alternating by name) and a ``model.safetensors.index.json``.
     ``tokenizer``: also a byte-level BPE tokenizer of the vocabulary size (for engines on a GPU).
+    ``mtp_layers``: DeepSeek-V3 multi-token-prediction layers after the decoder layers, as DeepSeek's
+    checkpoints store them (``num_nextn_predict_layers``; a decoder layer, quantized like the others,
+    plus ``enorm``/``hnorm``/``eh_proj``/``shared_head``; transformers' class has none, so the last
+    decoder layer's tensors are copied).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +128,17 @@ def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bit
         tensors.update(q)
         n_quantized += 1
     assert n_quantized and any(".experts." in n for n in tensors), "no experts quantized"
+    if mtp_layers:
+        n, h = config["num_hidden_layers"], config["hidden_size"]
+        last = f"model.layers.{n - 1}."
+        g = torch.Generator().manual_seed(seed + 1)
+        for j in range(mtp_layers):
+            mtp = f"model.layers.{n + j}."
+            tensors.update({mtp + k[len(last):]: t.clone() for k, t in tensors.items() if k.startswith(last)})
+            for leaf, shape in (("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
+                                ("shared_head.norm.weight", (h,))):
+                tensors[mtp + leaf] = torch.randn(shape, generator=g).to(dtype)
+        config["num_nextn_predict_layers"] = mtp_layers
     if sharded:
         names = sorted(tensors)
         files = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}

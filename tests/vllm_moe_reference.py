@@ -62,16 +62,20 @@ _SM90 = vr._CAPABILITY[0] * 10 + vr._CAPABILITY[1]
 def _moe_vllm() -> Any:
     v = vr._vllm()
     import vllm._custom_ops as custom_ops
+    import vllm.model_executor.layers.attention.mla_attention as mla_attention
     import vllm.model_executor.layers.fused_moe.config as moe_config_mod
     import vllm.model_executor.layers.fused_moe.experts.marlin_moe as marlin_moe
     import vllm.model_executor.layers.fused_moe.oracle.int_wna16 as int_wna16
     import vllm.model_executor.layers.quantization.moe_wna16 as moe_wna16
     from vllm.config import KernelConfig
     from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_cols
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 
     return types.SimpleNamespace(base=v, custom_ops=custom_ops, int_wna16=int_wna16, marlin_moe=marlin_moe,
-                                 moe_config=moe_config_mod, moe_wna16=moe_wna16,
-                                 KernelConfig=KernelConfig, unpack_cols=unpack_cols)
+                                 moe_config=moe_config_mod, moe_wna16=moe_wna16, mla_attention=mla_attention,
+                                 cpu_mla_backend=CPUMLABackend,
+                                 cpu_mla_prefill=CPUSDPAMLAPrefillBackend, KernelConfig=KernelConfig, unpack_cols=unpack_cols)
 
 
 # --------------------------------------------------------------------------------------
@@ -161,8 +165,21 @@ class _GroupWithDevice(vr._Group):
         self.device_group = _ProcessGroupInfo(size, rank)
 
 
+def _mla_post_processing_recorder(calls: list[tuple[str, tuple[int, ...]]]) -> Any:
+    """Stand-in for ``MLAAttention.process_weights_after_loading``: records which layer ran it and the
+    shape ``kv_b_proj.qweight`` had then (Marlin's, if vLLM ran it after the quant methods). The real
+    step dequantizes ``kv_b_proj`` through its Marlin GEMM (a CUDA op) into ``W_UK``/``W_UV``, which
+    are derived tensors no bundle holds; the GPU tests compare them."""
+
+    def process_weights_after_loading(self: Any, act_dtype: torch.dtype) -> None:
+        q = getattr(self.kv_b_proj, "qweight", None)
+        calls.append((self.layer_name, tuple(q.shape) if isinstance(q, torch.Tensor) else ()))
+
+    return process_weights_after_loading
+
+
 @contextlib.contextmanager
-def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False):
+def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_calls: list | None = None):
     m = _moe_vllm()
     v = m.base
     saved: list[tuple[Any, str, Any]] = []
@@ -190,6 +207,12 @@ def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False):
 
                 setattr_saved(humming_moe, "current_platform", view)
                 setattr_saved(humming_moe, "has_humming", lambda: True)
+            # MLA (DeepSeek): vLLM's CPU MLA decode and prefill backends (this machine's platform names
+            # none that import without a GPU); they hold no weights.
+            setattr_saved(m.mla_attention, "get_attn_backend", lambda *a, **k: m.cpu_mla_backend)
+            setattr_saved(m.mla_attention, "get_mla_prefill_backend", lambda *a, **k: m.cpu_mla_prefill)
+            setattr_saved(m.mla_attention.MLAAttention, "process_weights_after_loading",
+                          _mla_post_processing_recorder([] if mla_calls is None else mla_calls))
             yield m
         finally:
             for obj, name, old in reversed(saved):
@@ -268,7 +291,10 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
     its modular kernel are the same tensors and are left out). CPU copies.
 
     ``info``, if given, receives ``model_class``, per-experts-layer ``method`` / ``backend`` /
-    ``experts_class`` / ``intermediate_size_per_partition``, and ``aliases`` (alias -> parameter).
+    ``experts_class`` / ``intermediate_size_per_partition``, ``aliases`` (alias -> parameter; an
+    experts module's parameter owned by another module, as DeepSeek-V3's router bias, is one) and
+    ``mla_post_processing`` (MLA layers whose post-processing ran, with ``kv_b_proj.qweight``'s
+    shape at that moment).
     ``moe_backend``: vLLM's ``--moe-backend`` ("marlin" by default; "auto" shows vLLM's own
     choice on SM90). ``humming_installed``: pretend the optional ``humming`` package is present
     (as far as the Humming MoE experts' device check asks), to show what ``auto`` picks then.
@@ -279,7 +305,8 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
         raise ValueError(f"serving dtype must be float16 or bfloat16, not {dtype}")
     if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= rank < tp_size):
         raise ValueError(f"bad tp_size/rank {tp_size}/{rank}")
-    with vr._LOCK, _moe_patched(tp_size, rank, humming_installed) as m, m.base.set_default_torch_dtype(dtype):
+    mla_calls: list[tuple[str, tuple[int, ...]]] = []
+    with vr._LOCK, _moe_patched(tp_size, rank, humming_installed, mla_calls) as m, m.base.set_default_torch_dtype(dtype):
         v = m.base
         model, model_config = _build(model_dir, tp_size, dtype, m, moe_backend)
         experts = moe_layers(model)
@@ -313,12 +340,20 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
                 out[f"{name}.bias"] = layer.bias.data.detach().clone()
         layers_info = {}
         aliases: dict[str, str] = {}
+        # Where each parameter object is first registered: DeepSeek-V3's experts also hold the router's
+        # e_score_correction_bias (mlp.gate's own parameter, a checkpoint tensor), an alias, not theirs.
+        owner: dict[int, str] = {}
+        for pname, p in model.named_parameters(remove_duplicate=False):
+            owner.setdefault(id(p), pname)
         for name, layer in experts.items():
             seen: dict[int, str] = {}
             for pname, p in layer.named_parameters(recurse=False, remove_duplicate=False):
                 key = id(p)
                 if key in seen:
                     aliases[f"{name}.{pname}"] = f"{name}.{seen[key]}"
+                    continue
+                if not owner[key].startswith(f"{name}."):
+                    aliases[f"{name}.{pname}"] = owner[key]
                     continue
                 seen[key] = pname
                 out[f"{name}.{pname}"] = p.data.detach().clone()
@@ -331,5 +366,5 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
                 "intermediate_size_per_partition": layer.intermediate_size_per_partition,
             }
         if info is not None:
-            info.update(model_class=type(model).__name__, layers=layers_info, aliases=aliases)
+            info.update(model_class=type(model).__name__, layers=layers_info, aliases=aliases, mla_post_processing=mla_calls)
         return out

@@ -9,7 +9,9 @@ dimensions are read from ``config.json``. Adding an architecture is adding a row
 a test against vLLM's own model class (``tests/test_architectures_exact.py``).
 
 Sizes are symbols resolved per model: ``h`` hidden size, ``i`` intermediate size, ``q`` query
-heads x head_dim, ``kv`` KV heads x head_dim.
+heads x head_dim, ``kv`` KV heads x head_dim; DeepSeek's multi-head latent attention adds the
+symbols of :func:`marlin_pack.marlin.deepseek.mla_sizes` (``qh``, ``ql``, ``kva``, ``kvl``,
+``kvb``, ``o``, ``se``), and its decoder layers differ by config (:class:`MlaLayout`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "Part",
     "Linear",
     "Architecture",
+    "MlaLayout",
     "ARCHITECTURES",
     "UNSUPPORTED_ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
@@ -60,6 +63,10 @@ def _row(name: str, input_size: str, module: str | None = None) -> Linear:
     return Linear(name, LayerKind.row, input_size, (Part("out", "h", module or name),))
 
 
+def _column(name: str, input_size: str, size: str) -> Linear:
+    return Linear(name, LayerKind.column, input_size, (Part("out", size, name),))
+
+
 # The Llama layout: separate q/k/v and gate/up modules, fused by vLLM.
 LLAMA_LINEARS = (
     _qkv("self_attn.qkv_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -92,6 +99,42 @@ INTERNLM2_LINEARS = (
     _row("feed_forward.w2", "i"),
 )
 
+# DeepSeek-V2/V3, as vLLM 0.33.0's DeepseekV2MLAAttention (the MLA path vLLM takes on CUDA) and
+# DeepseekV2MoE / DeepseekV2MLP build them; module order as vLLM registers them.
+MLA_ATTENTION_LINEARS = (  # q_lora_rank null (DeepSeek-V2-Lite)
+    Linear("self_attn.kv_a_proj_with_mqa", LayerKind.replicated, "h", (Part("out", "kva", "self_attn.kv_a_proj_with_mqa"),)),
+    _column("self_attn.q_proj", "h", "qh"),
+    _column("self_attn.kv_b_proj", "kvl", "kvb"),
+    _row("self_attn.o_proj", "o"),
+)
+MLA_Q_LORA_ATTENTION_LINEARS = (  # q_lora_rank set: vLLM fuses q_a_proj with kv_a_proj_with_mqa, replicated
+    Linear("self_attn.fused_qkv_a_proj", LayerKind.replicated, "h",
+           (Part("q_a", "ql", "self_attn.q_a_proj"), Part("kv_a", "kva", "self_attn.kv_a_proj_with_mqa"))),
+    _column("self_attn.q_b_proj", "ql", "qh"),
+    _column("self_attn.kv_b_proj", "kvl", "kvb"),
+    _row("self_attn.o_proj", "o"),
+)
+DEEPSEEK_SHARED_EXPERTS_LINEARS = (  # one dense MLP of n_shared_experts x moe_intermediate_size
+    Linear("mlp.shared_experts.gate_up_proj", LayerKind.merged_column, "h",
+           (Part("gate", "se", "mlp.shared_experts.gate_proj"), Part("up", "se", "mlp.shared_experts.up_proj"))),
+    _row("mlp.shared_experts.down_proj", "se"),
+)
+DEEPSEEK_DENSE_MLP_LINEARS = LLAMA_LINEARS[2:]  # layers without routed experts: mlp.gate_up_proj, mlp.down_proj
+
+
+@dataclass(frozen=True)
+class MlaLayout:
+    """DeepSeek's decoder layers: which linears each has depends on the config (``marlin.deepseek``)."""
+
+    attention: tuple[Linear, ...]  # q_lora_rank null
+    attention_q_lora: tuple[Linear, ...]  # q_lora_rank set
+    shared_experts: tuple[Linear, ...]  # beside the routed experts, when n_shared_experts is set
+    dense_mlp: tuple[Linear, ...]  # decoder layers vLLM builds without routed experts
+
+
+DEEPSEEK_MLA = MlaLayout(MLA_ATTENTION_LINEARS, MLA_Q_LORA_ATTENTION_LINEARS, DEEPSEEK_SHARED_EXPERTS_LINEARS,
+                         DEEPSEEK_DENSE_MLP_LINEARS)
+
 # Where decoder layers live in multimodal checkpoints: transformers >= 4.52 writes
 # model.language_model.layers, older versions language_model.model.layers (Gemma 3, Mistral 3)
 # or model.layers (Qwen2-VL, Qwen2.5-VL).
@@ -122,12 +165,26 @@ class Architecture:
     moe: bool = False
     # config key of the "i" size symbol (Qwen2-MoE: its shared expert's width)
     intermediate_key: str = "intermediate_size"
+    # DeepSeek (multi-head latent attention): per-layer linears chosen by config; ``linears`` is then
+    # the most common layer (an MoE layer of a q_lora_rank-null model), for the docs.
+    mla: MlaLayout | None = None
+
+    def all_linears(self) -> tuple[Linear, ...]:
+        """Every linear a decoder layer of this architecture may have, whatever its config."""
+        if self.mla is None:
+            return self.linears
+        m = self.mla
+        return (*m.attention, *m.attention_q_lora, *m.shared_experts, *m.dense_mlp)
 
 
 _GEMMA_DEFAULTS = {"head_dim": 256, "tie_word_embeddings": True}
 _GEMMA3_TEXT_DEFAULTS = {
     "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
     "num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True,
+}
+
+_DEEPSEEK_DEFAULTS: dict[str, object] = {
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
 }
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -150,6 +207,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen3MoeForCausalLM", "qwen3_moe.Qwen3MoeForCausalLM", MOE_ATTENTION_LINEARS, moe=True),
         Architecture("Qwen2MoeForCausalLM", "qwen2_moe.Qwen2MoeForCausalLM", QWEN2_MOE_LINEARS, head_dim="derived",
                      moe=True, intermediate_key="shared_expert_intermediate_size"),
+        # DeepSeek-V3 is vLLM's DeepseekV2ForCausalLM code path too (same class body, deepseek_v2.py).
+        # transformers' defaults for the keys that decide the layout (explicit nulls are kept).
+        Architecture("DeepseekV2ForCausalLM", "deepseek_v2.DeepseekV2ForCausalLM",
+                     MLA_ATTENTION_LINEARS + DEEPSEEK_SHARED_EXPERTS_LINEARS, moe=True, mla=DEEPSEEK_MLA,
+                     defaults=_DEEPSEEK_DEFAULTS | {"first_k_dense_replace": 0, "n_shared_experts": 2}),
+        Architecture("DeepseekV3ForCausalLM", "deepseek_v2.DeepseekV3ForCausalLM",
+                     MLA_ATTENTION_LINEARS + DEEPSEEK_SHARED_EXPERTS_LINEARS, moe=True, mla=DEEPSEEK_MLA,
+                     defaults=_DEEPSEEK_DEFAULTS | {"first_k_dense_replace": 3, "n_shared_experts": 1}),
         Architecture(
             "Qwen2VLForConditionalGeneration", "qwen2_vl.Qwen2VLForConditionalGeneration", LLAMA_LINEARS,
             layers="language_model.model.layers", checkpoint_layers=(*_MM_PREFIXES, "model.layers"),

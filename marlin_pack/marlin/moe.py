@@ -90,6 +90,12 @@ MOE_ARCHITECTURES: dict[str, MoeArchitecture] = {
         # Qwen2-MoE's shared expert (mlp.shared_expert.*) is a dense MLP: ordinary Marlin linears.
         MoeArchitecture("Qwen2MoeForCausalLM", "qwen2_moe.Qwen2MoeForCausalLM", "mlp", "gate_proj", "up_proj", "down_proj",
                         "num_experts", "moe_intermediate_size", "mlp.experts.routed_experts"),
+        # DeepSeek: only some decoder layers have routed experts (marlin.deepseek.sparse_layers); the
+        # shared experts (mlp.shared_experts.*) are one dense MLP: ordinary Marlin linears.
+        MoeArchitecture("DeepseekV2ForCausalLM", "deepseek_v2.DeepseekV2ForCausalLM", "mlp", "gate_proj", "up_proj",
+                        "down_proj", "n_routed_experts", "moe_intermediate_size", "mlp.experts.routed_experts"),
+        MoeArchitecture("DeepseekV3ForCausalLM", "deepseek_v2.DeepseekV3ForCausalLM", "mlp", "gate_proj", "up_proj",
+                        "down_proj", "n_routed_experts", "moe_intermediate_size", "mlp.experts.routed_experts"),
     )
 }
 

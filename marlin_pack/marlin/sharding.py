@@ -7,8 +7,8 @@ This mirrors, for the architectures of :mod:`marlin_pack.marlin.architectures`, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from marlin_pack.errors import UnsupportedCheckpointError
@@ -17,6 +17,7 @@ from marlin_pack.marlin.architectures import (
     SUPPORTED_ARCHITECTURES,
     UNSUPPORTED_ARCHITECTURES,
     Architecture,
+    Linear,
     architecture_for,
 )
 from marlin_pack.marlin.repack import padded_nk
@@ -63,6 +64,16 @@ class ModelDims:
     head_dim: int
     num_layers: int
     tie_word_embeddings: bool = False
+    # More size symbols (DeepSeek's MLA: marlin.deepseek.mla_sizes) and, when the layers differ,
+    # each decoder layer's linears (empty: every layer has arch.linears).
+    sizes: Mapping[str, int] = field(default_factory=dict)
+    layer_linears: tuple[tuple[Linear, ...], ...] = ()
+    # Checkpoint prefixes vLLM's model never loads (DeepSeek-V3's multi-token-prediction layers).
+    skipped_prefixes: tuple[str, ...] = ()
+
+    def linears(self, layer: int) -> tuple[Linear, ...]:
+        """The quantized linears of decoder layer ``layer``."""
+        return self.layer_linears[layer] if self.layer_linears else self.arch.linears
 
 
 @dataclass(frozen=True)
@@ -199,11 +210,13 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
     hidden = _int(cfg, "hidden_size")
     # hidden / heads is what vLLM computes without config.head_dim (Qwen2 and InternLM2 always do)
     head_dim = hidden // heads if arch.head_dim == "derived" or cfg.get("head_dim") is None else _int(cfg, "head_dim")
+    layers = _checkpoint_layers(arch, tensor_names)
+    mla = _mla_dims(text, arch, heads, _int(cfg, "num_hidden_layers"), layers) if arch.mla is not None else {}
     return ModelDims(
         architecture=name,
         model_type=str(text.get("model_type") or config.get("model_type", "")),
         arch=arch,
-        checkpoint_layers=_checkpoint_layers(arch, tensor_names),
+        checkpoint_layers=layers,
         hidden_size=hidden,
         intermediate_size=_int(cfg, arch.intermediate_key),
         num_heads=heads,
@@ -211,7 +224,21 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
         head_dim=int(head_dim),
         num_layers=_int(cfg, "num_hidden_layers"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+        **mla,
     )
+
+
+def _mla_dims(config: dict, arch: Architecture, heads: int, num_layers: int, checkpoint_layers: str) -> dict:
+    """DeepSeek's ModelDims fields: size symbols, per-layer linears, skipped MTP layers (``marlin.deepseek``)."""
+    from marlin_pack.marlin import deepseek
+
+    deepseek.check_config(config, arch)
+    sparse = set(deepseek.sparse_layers(config, arch, num_layers))
+    return {
+        "sizes": deepseek.mla_sizes(config, arch, heads),
+        "layer_linears": tuple(deepseek.decoder_linears(config, arch, i, i in sparse) for i in range(num_layers)),
+        "skipped_prefixes": deepseek.spec_layer_prefixes(config, checkpoint_layers),
+    }
 
 
 def layer_specs(d: ModelDims, layer: int) -> list[LayerSpec]:
@@ -221,10 +248,11 @@ def layer_specs(d: ModelDims, layer: int) -> list[LayerSpec]:
         "i": d.intermediate_size,
         "q": d.num_heads * d.head_dim,
         "kv": d.num_kv_heads * d.head_dim,
+        **d.sizes,
     }
     checkpoint, vllm = f"{d.checkpoint_layers}.{layer}", f"{d.arch.layers}.{layer}"
     specs = []
-    for lin in d.arch.linears:
+    for lin in d.linears(layer):
         fused = len(lin.parts) > 1 and len({p.module for p in lin.parts}) == 1  # stored fused in the checkpoint
         module_n = sum(sizes[p.size] for p in lin.parts) if fused else 0
         parts, offset = [], 0
@@ -290,6 +318,8 @@ def rank_slices(spec: LayerSpec, d: ModelDims, tp: int, rank: int) -> list[RankS
         (p,) = spec.parts
         k = _divide(p.size_k, tp, f"{spec.name} input features")
         return [RankSlice(p, rank * k, k, 0, p.size_n)]
+    if spec.kind is LayerKind.replicated:  # every rank holds the whole layer
+        return [RankSlice(p, 0, p.size_k, 0, p.size_n) for p in spec.parts]
     out = []
     for p in spec.parts:
         if spec.kind is LayerKind.qkv and p.role in ("k", "v"):
@@ -306,6 +336,10 @@ def rank_slices(spec: LayerSpec, d: ModelDims, tp: int, rank: int) -> list[RankS
 
 def layer_entry(spec: LayerSpec, d: ModelDims, tp: int, group_size: int, awq: bool, has_bias: bool, bits: int = 4) -> LayerEntry:
     """Per-rank shapes of a layer; refuses shards Marlin in vLLM 0.33.0 would not take."""
+    if d.arch.mla is not None:
+        from marlin_pack.marlin.deepseek import check_tp
+
+        check_tp(d.num_heads, tp, d.arch)
     slices = rank_slices(spec, d, tp, 0)
     size_k = slices[0].k
     size_n = sum(s.n for s in slices)

@@ -17,7 +17,7 @@ import torch
 
 from marlin_pack.testing import synthetic as s
 
-__all__ = ["MoeShape", "MOE_PRESETS", "write_moe_checkpoint"]
+__all__ = ["MoeShape", "MOE_PRESETS", "write_moe_checkpoint", "write_specs", "quant_config"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ def _config(shape: MoeShape, qc: dict[str, Any], dtype: torch.dtype) -> dict[str
     }
 
 
-def _quant_config(fmt: str, bits: int, group_size: int) -> dict[str, Any]:
+def quant_config(fmt: str, bits: int, group_size: int) -> dict[str, Any]:
+    """The ``quantization_config`` AutoAWQ (GEMM) or GPTQModel (symmetric, v1) writes."""
     if fmt == "awq":
         if bits != 4:
             raise ValueError("AWQ checkpoints are 4-bit")
@@ -101,8 +102,14 @@ def write_moe_checkpoint(out_dir: str | Path, shape: MoeShape, fmt: str = "gptq"
     Example:
         >>> write_moe_checkpoint("/tmp/q3moe", MOE_PRESETS["qwen3-30b-a3b"], "gptq", device="cuda")
     """
-    qc = _quant_config(fmt, bits, group_size)
-    specs = _specs(shape, qc, dtype)
+    qc = quant_config(fmt, bits, group_size)
+    return write_specs(out_dir, _specs(shape, qc, dtype), _config(shape, qc, dtype), seed=seed, max_shard_bytes=max_shard_bytes,
+                       device=device, tokenizer=tokenizer)
+
+
+def write_specs(out_dir: str | Path, specs: list[Any], config: dict[str, Any], *, seed: int, max_shard_bytes: int | None,
+                device: str | torch.device, tokenizer: bool) -> Path:
+    """Write the tensors ``specs`` describe (drawn one at a time) in shards, with ``config`` as config.json."""
     names, shards = s.plan_shards(specs, max_shard_bytes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,8 +121,8 @@ def write_moe_checkpoint(out_dir: str | Path, shape: MoeShape, fmt: str = "gptq"
         weight_map = {spec.name: name for name, shard in zip(names, shards, strict=True) for spec in shard}
         s._write_json(out / "model.safetensors.index.json",
                       {"metadata": {"total_size": sum(x.nbytes for x in specs)}, "weight_map": weight_map})
-    s._write_json(out / "config.json", _config(shape, qc, dtype))
+    s._write_json(out / "config.json", config)
     s._write_json(out / "generation_config.json", {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2})
     if tokenizer:
-        s.write_tokenizer(out, shape.vocab_size, model_max_length=shape.max_position_embeddings)
+        s.write_tokenizer(out, config["vocab_size"], model_max_length=config["max_position_embeddings"])
     return out

@@ -1,7 +1,8 @@
 """Helpers shared by the GPU test modules (no tests here; pytest does not collect this file).
 
 * Constants: ``ROOT`` (the repository), ``ATTN`` (``MARLIN_PACK_TEST_ATTN``, default
-  TRITON_ATTN), ``PROMPTS``, ``MAX_TOKENS``, ``TOP``.
+  TRITON_ATTN), ``MLA_ENGINE_KWARGS`` (the attention backends of MLA models: DeepSeek),
+  ``PROMPTS``, ``MAX_TOKENS``, ``TOP``.
 * The engine subprocess: this file run as a script (``python _harness.py engine SPEC.json``)
   builds a ``vllm.LLM`` from the spec, generates, reports kernels, tensors, whose memory they
   live in and (with ``digests``) every parameter's sha256, per rank, as JSON; with ``serve``
@@ -39,6 +40,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 ATTN = os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN")
+# MLA models (DeepSeek) need an MLA backend: TRITON_ATTN is refused for them. Decode: TRITON_MLA
+# (Triton, any head size and GPU). Prefill: vLLM's pure-torch MLA prefill (named CPU; it computes on
+# the tensors' device): on Hopper vLLM's only automatic choice is FLASH_ATTN, whose binaries the
+# project's GPU machine does not carry. "auto" for either lets vLLM choose.
+MLA_ATTN = os.environ.get("MARLIN_PACK_TEST_MLA_ATTN", "TRITON_MLA")
+MLA_PREFILL = os.environ.get("MARLIN_PACK_TEST_MLA_PREFILL", "CPU")
+MLA_ENGINE_KWARGS: dict[str, Any] = {
+    "attention_backend": None if MLA_ATTN == "auto" else MLA_ATTN,
+    **({} if MLA_PREFILL == "auto" else {"attention_config": {"mla_prefill_backend": MLA_PREFILL}}),
+}
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 MAX_TOKENS = 16
 TOP = 5

@@ -1,6 +1,8 @@
 """GPU: mixture-of-experts models served from their bundles, against stock vLLM 0.33.0.
 
-For a tiny Mixtral (AWQ, fp16) and a tiny Qwen3-MoE (GPTQ 4-bit, bf16), both TP 1: engine (a) loads
+For a tiny Mixtral (AWQ, fp16), a tiny Qwen3-MoE (GPTQ 4-bit, bf16) and tiny DeepSeek-V2-Lite-shaped
+(AWQ, fp16: MLA attention with q_proj, a dense first layer, shared experts) and DeepSeek-V3-shaped
+(GPTQ 4-bit, bf16: fused_qkv_a_proj, sigmoid grouped routing) models, all TP 1: engine (a) loads
 the checkpoint the ordinary way with Marlin forced for linears (``linear_backend="marlin"``) and
 experts (``moe_backend="marlin"``: on SM90 ``auto`` picks Humming when the ``humming`` package is
 installed); engine (b) uses ``--load-format marlin_prepacked`` with ``moe_backend`` left at
@@ -9,6 +11,18 @@ installed); engine (b) uses ``--load-format marlin_prepacked`` with ``moe_backen
 generated tokens and logprobs of both engines are equal. Checkpoints come from
 ``tests/moe_checkpoints.py`` (transformers' model classes for the unquantized parts, router
 included, with a tokenizer).
+
+DeepSeek runs vLLM's MLA attention, which TRITON_ATTN cannot serve: its engines use the MLA decode
+backend ``MARLIN_PACK_TEST_MLA_ATTN`` (default TRITON_MLA: Triton, any head size and GPU, like
+TRITON_ATTN for the dense models; ``auto`` lets vLLM choose, FLASH_ATTN_MLA on an H200) and the
+MLA prefill backend ``MARLIN_PACK_TEST_MLA_PREFILL`` (default CPU: vLLM's pure-torch prefill,
+which runs on the GPU's tensors too; on Hopper vLLM's only automatic choice is FLASH_ATTN, whose
+binaries the project's GPU machine does not carry; ``auto`` lets vLLM choose). Both engines of a
+case use the same backends, so the comparison does not depend on which. The checkpoints keep
+DeepSeek-V2-Lite's MLA head sizes (kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim and
+v_head_dim 128), the sizes vLLM's MLA kernels take. The parameter digests include the
+``W_UK_T`` / ``W_UV`` tensors vLLM's MLA post-processing derives from ``kv_b_proj`` (through its
+Marlin GEMM) after the prepacked layers are finished.
 
 Run on the GPU machine::
 
@@ -22,17 +36,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from _harness import assert_engines_identical, ordinary_and_prepacked
+from _harness import MLA_ENGINE_KWARGS, assert_engines_identical, ordinary_and_prepacked
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for moe_checkpoints
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")]
 
-# case -> (architecture, format, bits, serving dtype, vLLM's experts module of decoder layer 0)
-CASES = {
-    "mixtral-awq": ("MixtralForCausalLM", "awq", 4, "float16", "model.layers.0.block_sparse_moe.experts.routed_experts"),
-    "qwen3moe-gptq4": ("Qwen3MoeForCausalLM", "gptq", 4, "bfloat16", "model.layers.0.mlp.experts.routed_experts"),
-}
 ATTENTION = "model.layers.0.self_attn.qkv_proj"
+MLA = "model.layers.0.self_attn.kv_b_proj"  # DeepSeek: its Marlin GEMM also feeds vLLM's MLA post-processing
+# case -> (architecture, format, bits, serving dtype, vLLM's experts module of the first sparse layer,
+#          the Marlin linear whose kernel is reported, engine arguments of both engines)
+CASES = {
+    "mixtral-awq": ("MixtralForCausalLM", "awq", 4, "float16", "model.layers.0.block_sparse_moe.experts.routed_experts",
+                    ATTENTION, {}),
+    "qwen3moe-gptq4": ("Qwen3MoeForCausalLM", "gptq", 4, "bfloat16", "model.layers.0.mlp.experts.routed_experts", ATTENTION, {}),
+    "deepseekv2-awq": ("DeepseekV2ForCausalLM", "awq", 4, "float16", "model.layers.1.mlp.experts.routed_experts", MLA,
+                       MLA_ENGINE_KWARGS),
+    "deepseekv3-gptq4": ("DeepseekV3ForCausalLM", "gptq", 4, "bfloat16", "model.layers.1.mlp.experts.routed_experts", MLA,
+                         MLA_ENGINE_KWARGS),
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +67,18 @@ def test_prepacked_moe_equals_ordinary(workdir: Path, case: str) -> None:
 
     import marlin_pack
 
-    arch, fmt, bits, dtype, experts = CASES[case]
+    arch, fmt, bits, dtype, experts, linear, engine = CASES[case]
     model = write_moe_checkpoint(workdir / case, arch, fmt, bits=bits, dtype=getattr(torch, dtype), tokenizer=True)
     manifest = marlin_pack.convert(model, tp_sizes=(1,))
     assert manifest.serving_dtype.value == dtype  # what --dtype auto picks, as the engines below
     tp1 = manifest.tensor_parallel[0]
     assert experts in {e.name for e in tp1.moe_layers}
-    a, b = ordinary_and_prepacked(workdir, case, model, ATTENTION, extra_layers=(experts,), ordinary={"moe_backend": "marlin"},
-                                  dtype=dtype)
-    n = assert_engines_identical(a, b, ATTENTION)
+    a, b = ordinary_and_prepacked(workdir, case, model, linear, extra_layers=(experts,), ordinary={"moe_backend": "marlin"},
+                                  dtype=dtype, **engine)
+    n = assert_engines_identical(a, b, linear)
+    if linear == MLA:  # vLLM's MLA post-processing derived W_UK_T / W_UV from the finished kv_b_proj (digests equal above)
+        derived = {name.rsplit(".", 1)[1] for name in a["layers"]["digests"] if name.startswith("model.layers.0.self_attn.")}
+        assert {"W_UK_T", "W_UV"} <= derived, sorted(derived)
     for r in (a, b):
         k = r["layers"]["kernels"][experts]
         assert (k["kernel"], k["moe_backend"], k["act_type"]) == ("MarlinExperts", "MARLIN", f"torch.{dtype}"), k

@@ -31,6 +31,9 @@ CASES = {
     "mixtral-awq-tp1": ("MixtralForCausalLM", "awq", 1, 0, torch.float16),
     "qwen3moe-gptq-tp2-rank1": ("Qwen3MoeForCausalLM", "gptq", 2, 1, torch.bfloat16),
     "qwen2moe-gptq-tp1": ("Qwen2MoeForCausalLM", "gptq", 1, 0, torch.float16),
+    # MLA attention (replicated kv_a_proj_with_mqa / fused_qkv_a_proj), a dense first layer, shared experts.
+    "deepseekv2-awq-tp2-rank1": ("DeepseekV2ForCausalLM", "awq", 2, 1, torch.bfloat16),
+    "deepseekv3-gptq-tp1": ("DeepseekV3ForCausalLM", "gptq", 1, 0, torch.float16),
 }
 
 
@@ -212,7 +215,8 @@ def test_force_marlin_moe_only_resolves_auto() -> None:
 # --- the weight cache ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch,fmt,dtype", [("MixtralForCausalLM", "awq", torch.float16), ("Qwen3MoeForCausalLM", "gptq", torch.bfloat16)])
+@pytest.mark.parametrize("arch,fmt,dtype", [("MixtralForCausalLM", "awq", torch.float16), ("Qwen3MoeForCausalLM", "gptq", torch.bfloat16),
+                                            ("DeepseekV2ForCausalLM", "gptq", torch.float16)])
 def test_daemon_to_engine_round_trip_moe(moe_bundle: Any, patched: Any, arch: str, fmt: str, dtype: torch.dtype) -> None:
     """Daemon: stock vLLM load and post-processing (Marlin MoE). Engine: built on meta, vLLM's IPC checks and
     _apply_entries, then post-processing in pre-processed mode: the same tensors, the Marlin MoE kernel built,
