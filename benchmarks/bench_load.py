@@ -12,7 +12,8 @@ quantized values) under ``--workdir``, converts it (``--device cuda``, timed) in
 * ``ordinary``: vLLM's own loading of the checkpoint, Marlin forced;
 * ``prepacked``: ``--load-format marlin_prepacked``, once per ``--io`` loader configuration;
 * with ``--daemon FMT``: ``marlin-pack daemon`` filled from the bundle, then two engines with
-  ``--load-format ipc_cache`` attaching to it, one after the other.
+  ``--load-format ipc_cache`` attaching to it, one after the other; with ``--ablate construct,cache_key``
+  a third one without those patch modules of ``marlin_pack.vllm_plugin.patches`` (before/after in one sitting).
 
 It prints vLLM's "Model loading took" seconds for each engine, the ratios to ordinary, the
 loader's own phase line, the daemon's fill time, the peak GPU memory torch allocated during
@@ -50,10 +51,18 @@ from pathlib import Path
 CHILD = r"""
 import cProfile, io, json, os, pstats, sys, time
 import torch
-model, mode, attn, extra, profile = sys.argv[1:6]
+model, mode, attn, extra, profile, ablate = sys.argv[1:7]
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 import marlin_pack.vllm_plugin as plugin
 plugin.register()
+if ablate:  # an engine without these patch modules (nothing reinstalls them in an ipc_cache engine)
+    import importlib
+    from marlin_pack.vllm_plugin import patches
+    from marlin_pack.vllm_plugin.patches import registry
+    skip = {p.target for m in ablate.split(',') for p in importlib.import_module(f'{patches.__name__}.{m}').PATCHES}
+    patches.uninstall_all()
+    from marlin_pack._constants import TARGET_VLLM_VERSION as V
+    registry.install_all([p for p in patches.PATCHES if p.target not in skip], running=V, targeted=V)
 from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
 from vllm.model_executor.model_loader.weight_cache.ipc_loader import IpcModelLoader
 peak = {}
@@ -110,8 +119,8 @@ def _marlin_lines(log: str) -> list[str]:
             if "marlin-pack: validate" in x or "marlin-pack: placed" in x]
 
 
-def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profile: bool = False) -> dict:
-    p = subprocess.run([sys.executable, "-c", CHILD, str(model), mode, attn, json.dumps(extra or {}), str(int(profile))],
+def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profile: bool = False, ablate: str = "") -> dict:
+    p = subprocess.run([sys.executable, "-c", CHILD, str(model), mode, attn, json.dumps(extra or {}), str(int(profile)), ablate],
                        capture_output=True, text=True, env=_env())
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if p.returncode or line is None:
@@ -145,8 +154,9 @@ def _wait_socket(proc: subprocess.Popen, sdir: Path, timeout: float = 600) -> bo
     return False
 
 
-def _daemon_rows(model: Path, bundle: Path, attn: str, profile: bool, log_dir: Path) -> dict:
-    """Fill a daemon from the bundle, then attach two ipc_cache engines one after the other."""
+def _daemon_rows(model: Path, bundle: Path, attn: str, profile: bool, log_dir: Path, ablate: str = "") -> dict:
+    """Fill a daemon from the bundle, then attach two ipc_cache engines one after the other (and, with
+    ``ablate``, a third without those marlin-pack patch modules)."""
     sdir = Path(tempfile.mkdtemp(prefix="mpb-", dir="/tmp"))
     log_path = log_dir / f"daemon-{model.name}.log"
     argv = [sys.executable, "-m", "marlin_pack.cli", "daemon", str(model), *DAEMON_FLAGS,
@@ -163,6 +173,8 @@ def _daemon_rows(model: Path, bundle: Path, attn: str, profile: bool, log_dir: P
         extra = {"socket_dir": str(sdir), "fallback": False, "state_timeout_s": 600}
         for k in (1, 2):
             rows[f"attach{k}"] = _engine(model, "ipc", attn, extra, profile=profile and k == 2)
+        if ablate:
+            rows[f"attach3 without {ablate}"] = _engine(model, "ipc", attn, extra, ablate=ablate)
         return rows
     finally:
         os.killpg(daemon.pid, signal.SIGTERM)
@@ -199,6 +211,7 @@ def main() -> None:
     ap.add_argument("--daemon", default="", help="formats (comma-separated) that also get the daemon rows")
     ap.add_argument("--no-ordinary", action="store_true", help="skip the ordinary engine")
     ap.add_argument("--profile", action="store_true", help="cProfile the prepacked and 2nd attach load_model")
+    ap.add_argument("--ablate", default="", help="patch modules (e.g. construct,cache_key) a 3rd attach engine runs without")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and bundles (disk!)")
     args = ap.parse_args()
 
@@ -249,7 +262,7 @@ def main() -> None:
             except SystemExit as e:  # one loader configuration failing should not end the sitting
                 print(f"prepacked {io}: {e}", flush=True)
         if fmt in args.daemon.split(","):
-            rows.update(_daemon_rows(model, bundle, args.attention_backend, args.profile, args.workdir))
+            rows.update(_daemon_rows(model, bundle, args.attention_backend, args.profile, args.workdir, args.ablate))
         report.append((fmt, rows))
         print(json.dumps({"format": fmt, **{k: v for k, v in rows.items()}}, indent=1, default=str)[:20000], flush=True)
         if not args.keep:

@@ -219,6 +219,10 @@ def _write_safetensors(path: Path, specs: list[_Spec], seed: int, device: str | 
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
+        if torch.device(device).type == "meta":  # headers only: a sparse file of the full size, every value zero
+            f.truncate(8 + len(raw) + offset)
+            advance(offset)
+            return
         for s in ordered:
             t = _fill(s, _generator(seed, s.name, device)).to("cpu").contiguous()
             assert t.shape == s.shape and t.dtype == s.dtype, s.name
@@ -316,7 +320,9 @@ def write_awq_checkpoint(out_dir: str | Path, shape: ModelShape, *, group_size: 
         max_shard_bytes: above this many tensor bytes, write ``model-0000i-of-0000n.safetensors``
             and ``model.safetensors.index.json``; None writes one ``model.safetensors``.
         device: where tensors are drawn (``"cuda"`` is much faster for 40 GB); values differ
-            between devices.
+            between devices. ``"meta"`` draws nothing: each file is its header followed by a
+            hole (a sparse file of the full size that reads as zeros), for code that reads
+            only headers and configs (e.g. building a vLLM model on ``meta``).
         tokenizer: also write a byte-level tokenizer (needs the ``tokenizers`` package).
         progress: called as ``progress(done_bytes, total_bytes)`` after each tensor.
 

@@ -153,6 +153,21 @@ def test_deterministic_and_safetensors_identical(tmp_path: Path) -> None:
     assert _tensors(a)["model.norm.weight"].dtype == torch.bfloat16
 
 
+def test_meta_device_writes_headers_only(tmp_path: Path) -> None:
+    """``device="meta"``: the same files, headers and sizes as a real write, every value zero (a hole)."""
+    kw = dict(group_size=64, max_shard_bytes=150_000, tokenizer=False)
+    real = write_gptq_checkpoint(tmp_path / "real", PRESETS["tiny-qwen3"], **kw)
+    meta = write_gptq_checkpoint(tmp_path / "meta", PRESETS["tiny-qwen3"], device="meta", **kw)
+    names = sorted(p.name for p in real.iterdir())
+    assert names == sorted(p.name for p in meta.iterdir())
+    for f in sorted(meta.glob("*.safetensors")):
+        header = 8 + int.from_bytes(f.read_bytes()[:8], "little")
+        assert f.read_bytes()[:header] == (real / f.name).read_bytes()[:header]
+        assert f.stat().st_size == (real / f.name).stat().st_size
+        assert all(not t.any() for t in load_file(f).values())
+    assert (meta / "config.json").read_text() == (real / "config.json").read_text()
+
+
 def test_tied_mistral_without_lm_head(tmp_path: Path) -> None:
     shape = ModelShape(model_type="mistral", tie_word_embeddings=True, num_hidden_layers=1)
     d = write_gptq_checkpoint(tmp_path, shape, bits=8, group_size=-1, tokenizer=False)

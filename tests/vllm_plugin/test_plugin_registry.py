@@ -38,6 +38,11 @@ EXPECTED_TARGETS = {
     _WORKER_LOAD_MODEL,
     f"{DAEMON_MODULE}:WeightCacheDaemon.get_model",
     RUN_DAEMON,
+    "vllm.model_executor.layers.quantization.utils.gptq_utils:deepcopy",
+    "vllm.model_executor.layers.quantization.auto_gptq:deepcopy",
+    "vllm.model_executor.layers.quantization.utils.gptq_utils:is_layer_gptq_quantized",
+    "vllm.model_executor.model_loader.reload.meta:_parameter_storage_ptrs",
+    "vllm.model_executor.model_loader.weight_cache.protocol:filter_duplicate_safetensors_files",
 }
 
 

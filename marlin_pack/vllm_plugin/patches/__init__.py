@@ -4,14 +4,17 @@
 the weight cache); ``moe_post_processing``: likewise their Marlin MoE experts methods.
 ``weight_cache``: Marlin for weight-cache processes, an unchanged cache key, the plugin in
 ``vllm preload``'s spawned daemons. ``gc_freeze``: the GC heap frozen before vLLM's timed
-model loading for marlin-pack's start paths. ``registry``: install (version
-guarded, idempotent) and uninstall. Each patch names the upstream change that retires it.
+model loading for marlin-pack's start paths. ``construct``: vLLM's per-layer bookkeeping while it
+builds a model (GPTQ quant-config copies and quantized-module lookups, reload records) made
+cheap for those paths; ``cache_key``: likewise the checkpoint fingerprint of the weight cache's
+key. ``registry``: install (version guarded, idempotent) and uninstall. Each patch names the
+upstream change that retires it.
 """
 
 from __future__ import annotations
 
 from marlin_pack._constants import TARGET_VLLM_VERSION
-from marlin_pack.vllm_plugin.patches import gc_freeze, moe_post_processing, post_processing, weight_cache
+from marlin_pack.vllm_plugin.patches import cache_key, construct, gc_freeze, moe_post_processing, post_processing, weight_cache
 from marlin_pack.vllm_plugin.patches.registry import Patch, installed, uninstall_all
 from marlin_pack.vllm_plugin.version_guard import vllm_version
 
@@ -22,6 +25,8 @@ PATCHES: tuple[Patch, ...] = (
     *moe_post_processing.PATCHES,
     *weight_cache.PATCHES,
     *gc_freeze.PATCHES,
+    *construct.PATCHES,
+    *cache_key.PATCHES,
 )
 
 

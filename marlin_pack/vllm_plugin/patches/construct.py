@@ -1,0 +1,169 @@
+"""Cheaper per-layer bookkeeping while vLLM builds a model, for marlin-pack's start paths.
+
+An ``ipc_cache`` engine spends most of "Model loading took" building the model on ``meta``, and
+so does the ``marlin_prepacked`` loader's create phase. vLLM 0.33.0 does three things per layer
+whose cost grows with the size of the whole model. For GPTQ, per linear, attention and experts
+layer (and again per attention layer in its post-processing), with the *quantized modules of the
+whole checkpoint* (``AutoGPTQConfig.modules_in_block_to_quantize``, filled from the safetensors
+headers: 18,624 names for Qwen3-30B-A3B's 48 x 128 experts):
+
+* ``get_linear_quant_method`` / ``get_moe_quant_method`` deep-copy the quant config, list
+  included, so that ``override_config`` can apply the layer's ``dynamic`` rules to a private copy.
+  Without dynamic rules ``override_config`` assigns every field the value it already has, and
+  the layer's quant method reads only scalar fields (``quant_type``, ``group_size``,
+  ``pack_factor``, ``is_sym``, ``weight_bits``, ``desc_act``). Then a shallow copy, a distinct
+  config object per layer as before, with the same values, is all the copy is for
+  (:func:`copy_is_enough`); otherwise vLLM's deep copy runs.
+* ``is_layer_gptq_quantized`` flattens that list and tests each name as a substring of the
+  layer's (shard) prefixes. The same answer comes from the names equal to a substring of those
+  prefixes, found in a set (:class:`NameIndex`); vLLM's function then runs on those names alone
+  (plus one name too long to be a substring of anything tested, which keeps the list non-empty
+  exactly when the checkpoint's is).
+
+For every model, per module, ``record_metadata_for_reloading`` collects the storage pointers of
+all parameters below it (``_parameter_storage_ptrs``), which vLLM reads only to tell whether a
+*non-persistent buffer* of that module aliases a parameter. A module without non-persistent
+buffers (almost all of them) gets the empty set: nothing reads it.
+
+Only for ``--load-format marlin_prepacked`` and ``ipc_cache`` (including a ``vllm preload`` daemon
+loading ``marlin_prepacked``): other engines keep vLLM's code path. None of them changes what vLLM
+builds (tests/vllm_plugin/test_plugin_construct.py compares every module, quant method,
+parameter, buffer and reload record of models built with and without them).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from marlin_pack._constants import LOAD_FORMAT
+from marlin_pack.vllm_plugin.patches.registry import Patch
+
+__all__ = ["FAST_BUILD_LOAD_FORMATS", "PATCHES", "NameIndex", "copy_is_enough", "fast_build_active"]
+
+FAST_BUILD_LOAD_FORMATS = frozenset({LOAD_FORMAT, "ipc_cache"})
+_GPTQ_UTILS = "vllm.model_executor.layers.quantization.utils.gptq_utils"
+_AUTO_GPTQ = "vllm.model_executor.layers.quantization.auto_gptq"
+
+
+def fast_build_active() -> bool:
+    """Whether the model being built is for one of :data:`FAST_BUILD_LOAD_FORMATS` (vLLM sets the
+    current config around ``initialize_model`` and the post-processing)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    load_config = getattr(get_current_vllm_config_or_none(), "load_config", None)
+    return str(getattr(load_config, "load_format", "")) in FAST_BUILD_LOAD_FORMATS
+
+
+def copy_is_enough(config: Any) -> bool:
+    """True when ``override_config`` cannot change any field of ``config``: an exact ``AutoGPTQConfig``
+    without dynamic rules whose derived fields are what its constructor derives from the others."""
+    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
+
+    if type(config) is not AutoGPTQConfig or config.dynamic:
+        return False
+    bits, group_size = config.weight_bits, config.group_size
+    return (
+        isinstance(bits, int)
+        and bits > 0
+        and config.pack_factor == 32 // bits
+        and config.TYPE_MAP.get((bits, config.is_sym)) == config.quant_type
+        and not (config.desc_act and group_size == -1)
+    )
+
+
+def _config_copy(original: Callable[..., Any]) -> Callable[..., Any]:
+    """For the module-level ``deepcopy`` of gptq_utils / auto_gptq (each module's only use is the quant config)."""
+
+    @functools.wraps(original)
+    def deepcopy(x: Any, memo: dict[int, Any] | None = None) -> Any:
+        if memo is None and fast_build_active() and copy_is_enough(x):
+            return copy.copy(x)
+        return original(x, memo)
+
+    return deepcopy
+
+
+@dataclass(frozen=True)
+class NameIndex:
+    """The flat list of module names ``is_layer_gptq_quantized`` searches, as a set (plus the name lengths)."""
+
+    source: list[str]  # the list indexed; reused only while it is unchanged (equal to the snapshot)
+    snapshot: list[str]
+    names: frozenset[str]
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, names: Any) -> NameIndex | None:
+        """The index of a list of ``str`` (None for anything else: vLLM's own code handles it)."""
+        if type(names) is not list or not all(type(n) is str for n in names):
+            return None
+        return cls(names, list(names), frozenset(names), tuple(sorted({len(n) for n in names})))
+
+    def within(self, texts: Iterable[str]) -> set[str]:
+        """The names that are a substring of one of ``texts`` (``name in text``)."""
+        found: set[str] = set()
+        for text in texts:
+            for size in self.lengths:
+                if size > len(text):
+                    break
+                found.update(part for i in range(len(text) - size + 1) if (part := text[i : i + size]) in self.names)
+        return found
+
+
+_LAST: list[NameIndex] = []  # the index of the last list seen (a model's layers all pass their config's list)
+
+
+def _index(names: Any) -> NameIndex | None:
+    # Same list object, same items (a fast pointer comparison): the index still holds.
+    if _LAST and _LAST[0].source is names and _LAST[0].snapshot == names:
+        return _LAST[0]
+    index = NameIndex.of(names)
+    _LAST[:] = [] if index is None else [index]
+    return index
+
+
+def _layer_quantized(original: Callable[..., bool]) -> Callable[..., bool]:
+    @functools.wraps(original)
+    def is_layer_gptq_quantized(prefix: str, quantized_layers: Any, fused_mapping: Mapping[str, Any] | None = None) -> bool:
+        args = () if fused_mapping is None else (fused_mapping,)
+        index = _index(quantized_layers) if fast_build_active() else None
+        if index is None or not index.names or not isinstance(prefix, str):
+            return original(prefix, quantized_layers, *args)
+        proj = prefix.split(".")[-1]
+        try:
+            # Every string vLLM may test: the prefix, or its shard prefixes for a fused layer.
+            texts = [prefix, *(prefix.replace(proj, shard) for shard in (fused_mapping or {}).get(proj, ()))]
+        except Exception:  # an unusual fused mapping: vLLM's own code decides (and raises what it raises)
+            return original(prefix, quantized_layers, *args)
+        never_inside = "\0" * (max(map(len, texts)) + 1)
+        return original(prefix, [*sorted(index.within(texts)), never_inside], *args)
+
+    return is_layer_gptq_quantized
+
+
+def _storage_ptrs(original: Callable[[Any], set[int]]) -> Callable[[Any], set[int]]:
+    @functools.wraps(original)
+    def _parameter_storage_ptrs(layer: Any) -> set[int]:
+        # vLLM reads the set only for the layer's non-persistent buffers (_is_non_persistent_parameter_alias_buffer).
+        if not layer._non_persistent_buffers_set and fast_build_active():
+            return set()
+        return original(layer)
+
+    return _parameter_storage_ptrs
+
+
+_REMOVE = "vLLM's GPTQ quant-method resolution stops costing O(quantized modules of the checkpoint) per layer"
+PATCHES = (
+    Patch(f"{_GPTQ_UTILS}:deepcopy", _config_copy, remove_when=f"{_REMOVE} (no deep copy without dynamic rules)"),
+    Patch(f"{_AUTO_GPTQ}:deepcopy", _config_copy, remove_when=f"{_REMOVE} (no deep copy without dynamic rules)"),
+    Patch(f"{_GPTQ_UTILS}:is_layer_gptq_quantized", _layer_quantized, remove_when=f"{_REMOVE} (an indexed name lookup)"),
+    Patch(
+        "vllm.model_executor.model_loader.reload.meta:_parameter_storage_ptrs",
+        _storage_ptrs,
+        remove_when="record_metadata_for_reloading stops walking every parameter below every module",
+    ),
+)
