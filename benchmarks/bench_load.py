@@ -274,7 +274,9 @@ def main() -> None:
     print(f"{'format':6} {'start':40} {'Model loading took s':>20} {'/ ordinary':>10} {'peak GPU GB':>11} {'tokens':>8}")
     for fmt, rows in report:
         base = rows.get("ordinary", {}).get("model_loading_s")
-        tokens = rows.get("ordinary", {}).get("tokens")
+        # Tokens are compared with ordinary's, or without an ordinary row with the first engine's.
+        engines = [r for r in rows.values() if isinstance(r, dict) and "tokens" in r]
+        tokens = rows.get("ordinary", engines[0] if engines else {}).get("tokens")
         print(f"{fmt:6} {'convert --device cuda':40} {rows['convert_s']:20.2f}")
         if rows.get("fill_s") is not None:
             print(f"{fmt:6} {'daemon fill from the bundle':40} {rows['fill_s']:20.2f}")

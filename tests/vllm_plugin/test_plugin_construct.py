@@ -251,8 +251,17 @@ def _build(model_dir: Path, load_format: str) -> torch.nn.Module:
         vllm_config = v.VllmConfig(model_config=model_config, device_config=v.DeviceConfig("cpu"),
                                    load_config=LoadConfig(load_format=load_format),
                                    kernel_config=KernelConfig(moe_backend="marlin", linear_backend="marlin"))
-        with torch.device("meta"):
-            return v.initialize_model(vllm_config)
+        # vLLM caches rotary embeddings per process (get_rope's _ROPE_DICT): one built on meta here would be
+        # handed to a later test's model built on the CPU, with meta buffers. Keep the cache as it was.
+        from vllm.model_executor.layers import rotary_embedding
+
+        ropes = dict(rotary_embedding._ROPE_DICT)
+        try:
+            with torch.device("meta"):
+                return v.initialize_model(vllm_config)
+        finally:
+            rotary_embedding._ROPE_DICT.clear()
+            rotary_embedding._ROPE_DICT.update(ropes)
 
 
 def _edit_quant(model_dir: Path, **changes: Any) -> None:
