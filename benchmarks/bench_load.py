@@ -133,6 +133,9 @@ def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profil
     result["marlin_pack_log"] = _marlin_lines(log)
     prof = re.search(r"PROFILE-BEGIN\n(.*?)PROFILE-END", p.stdout, re.S)
     result["profile"] = prof.group(1) if prof else ""
+    # One line per engine as it ends, so a sitting cut short still shows the rows it finished.
+    print(f"  {mode} engine: Model loading took {result['model_loading_s']} s; {' | '.join(result['marlin_pack_log'][-1:])}",
+          flush=True)
     return result
 
 
@@ -170,6 +173,7 @@ def _daemon_rows(model: Path, bundle: Path, attn: str, profile: bool, log_dir: P
         text = log_path.read_text()
         m = re.search(FILL_RE, text)
         rows = {"fill_s": float(m.group(1)) if m else None, "daemon_log": _marlin_lines(text)}
+        print(f"  daemon filled from the bundle in {rows['fill_s']} s", flush=True)
         extra = {"socket_dir": str(sdir), "fallback": False, "state_timeout_s": 600}
         for k in (1, 2):
             rows[f"attach{k}"] = _engine(model, "ipc", attn, extra, profile=profile and k == 2)
