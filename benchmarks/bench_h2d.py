@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from marlin_pack.io.hashing import file_digest
+from marlin_pack.vllm_plugin.copy_helpers import HelperPool
 from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
 
 PIECE = 64 << 20
@@ -79,17 +80,29 @@ def h2d_gbps(pinned: bool = True, gb: float = 4.0, reps: int = 3) -> float:
 
 
 def _reader(path: Path, dst: torch.Tensor, mode: str, threads: int, chunk_mb: int) -> float:
-    """One configuration's GB/s. ``mode`` is an ``io_mode`` or ``registered+p`` (madvise-populate each
-    window before pinning it)."""
+    """One configuration's GB/s. ``mode`` is an ``io_mode``, ``registered+p`` (madvise-populate each
+    window before pinning it) or ``processes/P`` (P helper processes of ``threads`` threads each,
+    started before the clock starts, as the loader starts them while vLLM builds the model)."""
     n = dst.numel()
     items = [CopyItem(off, min(PIECE, n - off), dst[off : off + PIECE]) for off in range(0, n, PIECE)]
-    torch.cuda.synchronize()
-    t = time.perf_counter()
+    mode, _, procs = mode.partition("/")
     populate = mode.endswith("+p")
-    with ParallelReader(threads, chunk_mb << 20, mode.removesuffix("+p"), populate=populate) as r:  # type: ignore[arg-type]
-        r.copy(path, items)
-    torch.cuda.synchronize()
-    return n / (time.perf_counter() - t) / 1e9
+    helpers = HelperPool(int(procs or 4), torch.cuda.current_device()) if mode == "processes" else None
+    try:
+        if helpers is not None:
+            helpers.ready()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with ParallelReader(threads, chunk_mb << 20, mode.removesuffix("+p"), populate=populate, helpers=helpers) as r:  # type: ignore[arg-type]
+            r.copy(path, items)
+        torch.cuda.synchronize()
+        rate = n / (time.perf_counter() - t) / 1e9
+    finally:
+        if helpers is not None:
+            helpers.close()
+    if helpers is not None and helpers.failures:
+        raise RuntimeError(f"helpers failed, this process read their windows: {helpers.failures}")
+    return rate
 
 
 def main() -> None:
@@ -97,7 +110,8 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/h2d"))
     ap.add_argument("--gb", type=float, default=16.0)
     ap.add_argument("--configs", default="staged:8:64,staged:16:64,staged:16:128,registered:4:256,registered:8:256,"
-                    "registered:16:256,registered:8:64,registered:16:1024,hybrid:16:128,hybrid:16:256,hybrid:24:256")
+                    "registered:16:256,registered:8:64,registered:16:1024,hybrid:16:128,hybrid:16:256,hybrid:24:256,"
+                    "processes/4:4:256,processes/4:8:256,processes/8:4:256,processes/2:8:256")
     ap.add_argument("--cold", default="staged:16:64,registered:16:256,hybrid:16:256")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)

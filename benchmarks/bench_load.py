@@ -157,13 +157,13 @@ def _wait_socket(proc: subprocess.Popen, sdir: Path, timeout: float = 600) -> bo
     return False
 
 
-def _daemon_rows(model: Path, bundle: Path, attn: str, profile: bool, log_dir: Path, ablate: str = "") -> dict:
+def _daemon_rows(model: Path, bundle: Path, attn: str, profile: bool, log_dir: Path, ablate: str = "", io: str = "{}") -> dict:
     """Fill a daemon from the bundle, then attach two ipc_cache engines one after the other (and, with
     ``ablate``, a third without those marlin-pack patch modules)."""
     sdir = Path(tempfile.mkdtemp(prefix="mpb-", dir="/tmp"))
     log_path = log_dir / f"daemon-{model.name}.log"
     argv = [sys.executable, "-m", "marlin_pack.cli", "daemon", str(model), *DAEMON_FLAGS,
-            "--weight-cache-socket-dir", str(sdir), "--model-loader-extra-config", json.dumps({"bundle": str(bundle)})]
+            "--weight-cache-socket-dir", str(sdir), "--model-loader-extra-config", json.dumps({**json.loads(io), "bundle": str(bundle)})]
     with open(log_path, "w") as log:
         daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
     try:
@@ -212,6 +212,7 @@ def main() -> None:
     ap.add_argument("--bundle-root", type=Path, default=None, help="where bundles go (default: in the checkpoint)")
     ap.add_argument("--attention-backend", default=os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN"))
     ap.add_argument("--io", default="{}", help="';'-separated loader extra configs, one prepacked engine each")
+    ap.add_argument("--daemon-io", default="{}", help="the daemon's loader extra config (e.g. an io_mode)")
     ap.add_argument("--daemon", default="", help="formats (comma-separated) that also get the daemon rows")
     ap.add_argument("--no-ordinary", action="store_true", help="skip the ordinary engine")
     ap.add_argument("--profile", action="store_true", help="cProfile the prepacked and 2nd attach load_model")
@@ -266,7 +267,7 @@ def main() -> None:
             except SystemExit as e:  # one loader configuration failing should not end the sitting
                 print(f"prepacked {io}: {e}", flush=True)
         if fmt in args.daemon.split(","):
-            rows.update(_daemon_rows(model, bundle, args.attention_backend, args.profile, args.workdir, args.ablate))
+            rows.update(_daemon_rows(model, bundle, args.attention_backend, args.profile, args.workdir, args.ablate, args.daemon_io))
         report.append((fmt, rows))
         print(json.dumps({"format": fmt, **{k: v for k, v in rows.items()}}, indent=1, default=str)[:20000], flush=True)
         if not args.keep:

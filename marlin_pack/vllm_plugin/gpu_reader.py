@@ -16,6 +16,11 @@ hands them to a few threads. Each thread moves a window to the GPU in one of two
 
 ``hybrid`` gives half the threads each way, pulling from the same queue of windows.
 
+``processes``
+    ``registered`` in a few helper processes (:mod:`.copy_helpers`), each with its own share of
+    the windows: part of the pinning limit is per process. What they leave (a helper that could
+    not start or failed) this process reads ``registered`` itself.
+
 Measured on an H200 host (16 cores, 16 GB file on disk in the page cache, ``benchmarks/bench_h2d.py``,
 pinned host-to-GPU 55.5 GB/s): registered 16 threads x 256 MiB 25.9 GB/s, 8 x 256 MiB
 25.5 GB/s; staged 8 x 64 MiB 11.2 GB/s (allocating its pinned buffers included); hybrid
@@ -49,6 +54,7 @@ from pathlib import Path
 import torch
 
 from marlin_pack.errors import BundleError
+from marlin_pack.vllm_plugin.copy_helpers import HelperPool
 from marlin_pack.vllm_plugin.options import IO_MODES, IoMode
 
 __all__ = ["CopyItem", "HostMap", "ParallelReader"]
@@ -199,7 +205,10 @@ MODE_DEFAULTS: dict[str, tuple[int, int]] = {
     "staged": (8, 64 << 20),  # more or larger pinned buffers cost more to allocate than they gain
     "registered": (16, 256 << 20),
     "hybrid": (16, 64 << 20),
+    "processes": (4, 256 << 20),  # threads per helper process
 }
+# Helper processes of the ``processes`` mode when the caller does not say (bench_h2d_procs: 4 x 4 threads best).
+DEFAULT_PROCESSES = 4
 # Filesystems whose pages are shmem: pinning them in place measured slower than staging.
 _MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "shm"})
 
@@ -249,7 +258,13 @@ class ParallelReader:
     """
 
     def __init__(
-        self, threads: int | None = None, chunk_bytes: int | None = None, mode: IoMode = "auto", populate: bool = False
+        self,
+        threads: int | None = None,
+        chunk_bytes: int | None = None,
+        mode: IoMode = "auto",
+        populate: bool = True,
+        helpers: HelperPool | None = None,
+        processes: int | None = None,
     ) -> None:
         if mode not in IO_MODES:
             raise ValueError(f"io mode {mode!r}: expected one of {', '.join(IO_MODES)}")
@@ -257,8 +272,12 @@ class ParallelReader:
         self.chunk = None if chunk_bytes is None else self._round(chunk_bytes)
         self.mode = mode
         # Registered windows: map the window's page-table entries in one madvise before pinning
-        # (an experiment of benchmarks/bench_h2d.py: pinning otherwise faults them in page by page).
+        # (pinning otherwise faults them in page by page): benchmarks/bench_h2d.py measured 25.6 vs
+        # 23.1 GB/s and bench_h2d_procs.py 21.1 vs 17.5 GB/s with 16 threads.
         self.populate = populate
+        # ``processes`` mode: a pool the caller started early (it stays the caller's to close), or our own.
+        self._helpers, self._owns_helpers = helpers, False
+        self.processes = processes or DEFAULT_PROCESSES
         self.modes_used: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._slots: dict[tuple[int, int, int], _Slot] = {}
@@ -282,6 +301,9 @@ class ParallelReader:
         self.close()
 
     def close(self) -> None:
+        if self._owns_helpers and self._helpers is not None:
+            self._helpers.close()
+            self._helpers, self._owns_helpers = None, False
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -294,7 +316,7 @@ class ParallelReader:
         """Whether this worker registers windows in place (else it stages them)."""
         if self._registration_failed:
             return False
-        return plan.mode == "registered" or (plan.mode == "hybrid" and worker % 2 == 1)
+        return plan.mode in ("registered", "processes") or (plan.mode == "hybrid" and worker % 2 == 1)
 
     def _slot(self, worker: int, device: torch.device, chunk: int) -> _Slot:
         key = (worker, device.index if device.index is not None else torch.cuda.current_device(), chunk)
@@ -328,6 +350,14 @@ class ParallelReader:
             if len(devices) > 1:
                 raise ValueError(f"destinations span several devices: {sorted(map(str, devices))}")
             device = devices.pop() if devices else None
+            total = sum(p[1] for w in windows for p in w.pieces)
+            if device is not None and plan.mode == "processes":
+                self.modes_used.add(plan.mode)
+                windows = self._pool_for(device).copy(path, windows, plan.threads)  # what the helpers left
+                if not windows:
+                    self.bytes_read += total
+                    return total
+                plan = _Plan("registered", MODE_DEFAULTS["registered"][0], plan.chunk)
             start_event = None
             workers = min(plan.threads, len(windows))
             if device is not None:
@@ -369,9 +399,16 @@ class ParallelReader:
             if mapping is not None:
                 mapping.close()
             os.close(fd)
-        total = sum(p[1] for w in windows for p in w.pieces)
         self.bytes_read += total
         return total
+
+    def _pool_for(self, device: torch.device) -> HelperPool:
+        if self._helpers is None:
+            self._owns_helpers = True
+            self._helpers = HelperPool(
+                self.processes, device.index if device.index is not None else torch.cuda.current_device()
+            )
+        return self._helpers
 
     def _work(
         self,

@@ -48,9 +48,10 @@ from marlin_pack.marlin.moe import moe_entry_specs
 from marlin_pack.marlin.rank_tensors import tensor_specs
 from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin import patches
+from marlin_pack.vllm_plugin.copy_helpers import HelperPool
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
-from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader
+from marlin_pack.vllm_plugin.gpu_reader import DEFAULT_PROCESSES, CopyItem, HostMap, ParallelReader, resolve_mode
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
@@ -72,6 +73,7 @@ logger = init_logger("vllm.marlin_pack")
 class _ModelState:
     bundle: SelectedBundle | None  # None: loaded the ordinary way
     layers: dict[str, nn.Module] = field(default_factory=dict)
+    helpers: HelperPool | None = None  # io_mode processes: started before vLLM builds the model, closed after the copies
 
 
 @dataclass
@@ -163,6 +165,26 @@ class MarlinPrepackedLoader(BaseModelLoader):
         force_marlin(vllm_config.kernel_config)
         if bundle.tp_set.moe_layers:  # experts: Marlin MoE for --moe-backend auto (an explicit other one is refused below)
             force_marlin_moe(vllm_config.kernel_config)
+        helpers = self._start_helpers(bundle)  # they get their CUDA contexts while vLLM builds the model
+        try:
+            model = self._create_checked(vllm_config, model_config, prefix, bundle, t0, helpers)
+        except BaseException:
+            if helpers is not None:
+                helpers.close()
+            raise
+        if self._models[model].helpers is None and helpers is not None:
+            helpers.close()  # fell back to the ordinary way
+        return model
+
+    def _start_helpers(self, bundle: SelectedBundle) -> HelperPool | None:
+        if resolve_mode(self.options.io_mode, bundle.rank_file) != "processes" or not torch.cuda.is_available():
+            return None
+        return HelperPool(self.options.io_processes or DEFAULT_PROCESSES, torch.cuda.current_device())
+
+    def _create_checked(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, bundle: SelectedBundle, t0: float,
+        helpers: HelperPool | None,
+    ) -> nn.Module:
         model = super().create_model(vllm_config, model_config, prefix)
         layers = quantized_layers(model)
         try:
@@ -197,7 +219,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             f"; {len(experts)} experts layers use Marlin MoE (moe_backend={vllm_config.kernel_config.moe_backend})"
             if experts else "",
         )
-        self._models[model] = _ModelState(bundle, layers)
+        self._models[model] = _ModelState(bundle, layers, helpers)
         return model
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
@@ -210,11 +232,20 @@ class MarlinPrepackedLoader(BaseModelLoader):
         if state.bundle is None:
             self._default_loader().load_weights(model, model_config)
             return
-        bundle = state.bundle
+        helpers, state.helpers = state.helpers, None
+        try:
+            self._load_bundle(state, state.bundle, model, helpers)
+        finally:
+            if helpers is not None:
+                helpers.close()  # the helpers end (and unmap the arena) once the copies are done
+
+    def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         with ParallelReader(
             self.options.io_threads,
             None if self.options.chunk_mb is None else self.options.chunk_mb << 20,
             self.options.io_mode,
+            helpers=helpers,
+            processes=self.options.io_processes,
         ) as reader:
             t0 = time.perf_counter()
             items = self._place(state, bundle.rank_header)  # header checked before the GPU, by decide()

@@ -16,8 +16,8 @@ from marlin_pack._constants import LOAD_FORMAT
 __all__ = ["IO_MODES", "IoMode", "LoaderOptions", "OPTION_KEYS", "parse_extra_config"]
 
 Verify = Literal["auto", "full", "size"]
-IoMode = Literal["auto", "staged", "registered", "hybrid"]
-IO_MODES: tuple[str, ...] = ("auto", "staged", "registered", "hybrid")  # see vllm_plugin/gpu_reader.py
+IoMode = Literal["auto", "staged", "registered", "hybrid", "processes"]
+IO_MODES: tuple[str, ...] = ("auto", "staged", "registered", "hybrid", "processes")  # see vllm_plugin/gpu_reader.py
 _FULL_HASH: dict[str, bool | None] = {"auto": None, "full": True, "size": False}
 
 
@@ -35,7 +35,10 @@ class LoaderOptions:
         chunk_mb: size of one read / host-to-device copy window, in MiB; default per mode.
         io_mode: how a window reaches the GPU: ``staged`` (read into pinned buffers),
             ``registered`` (page-lock the mapped file in place), ``hybrid`` (half the
-            threads each way) or ``auto`` (staged for a file on tmpfs, else registered).
+            threads each way), ``processes`` (registered in ``io_processes`` helper
+            processes of ``io_threads`` threads each) or ``auto`` (staged for a file on
+            tmpfs, else registered).
+        io_processes: helper processes of the ``processes`` mode; default 4.
     """
 
     bundle: Path | None = None
@@ -45,13 +48,14 @@ class LoaderOptions:
     io_threads: int | None = None
     chunk_mb: int | None = None
     io_mode: IoMode = "auto"
+    io_processes: int | None = None
 
     @property
     def full_hash(self) -> bool | None:
         return _FULL_HASH[self.verify]
 
 
-OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode")
+OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes")
 
 
 def _int_option(extra: Mapping[str, Any], key: str, default: int | None, high: int) -> int | None:
@@ -105,4 +109,5 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         io_threads=_int_option(extra, "io_threads", LoaderOptions.io_threads, 64),
         chunk_mb=_int_option(extra, "chunk_mb", LoaderOptions.chunk_mb, 1024),
         io_mode=io_mode,
+        io_processes=_int_option(extra, "io_processes", LoaderOptions.io_processes, 32),
     )

@@ -28,7 +28,7 @@ def tensor_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("mode", ["auto", "staged", "registered", "hybrid"])
+@pytest.mark.parametrize("mode", ["auto", "staged", "registered", "hybrid", "processes"])
 @pytest.mark.parametrize(("threads", "chunk"), [(1, 1 << 16), (4, 1 << 16), (3, 1 << 30)])
 def test_reader_modes_copy_every_byte_to_the_gpu(tensor_file: Path, mode: str, threads: int, chunk: int) -> None:
     header = read_header(tensor_file)
@@ -48,5 +48,49 @@ def test_registered_with_populated_windows(tensor_file: Path) -> None:
     out = {n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
     with ParallelReader(threads=3, chunk_bytes=1 << 16, mode="registered", populate=True) as r:
         r.copy(tensor_file, [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()])
+    for name, t in want.items():
+        assert torch.equal(out[name].cpu(), t), name
+
+
+@pytest.mark.parametrize(("threads", "chunk"), [(1, 1 << 16), (4, 1 << 16), (3, 1 << 30)])
+def test_processes_mode_copies_every_byte_in_the_helpers(tensor_file: Path, threads: int, chunk: int) -> None:
+    """The helpers themselves copy (none fails, nothing is left to this process), into allocations of
+    several sizes (the caching allocator's segments), at offsets inside them."""
+    from marlin_pack.vllm_plugin.copy_helpers import HelperPool
+
+    header = read_header(tensor_file)
+    want = load_file(str(tensor_file))
+    out = {n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
+    with HelperPool(3, torch.cuda.current_device()) as pool:
+        with ParallelReader(threads=threads, chunk_bytes=chunk, mode="processes", helpers=pool) as r:
+            n = r.copy(tensor_file, [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()])
+            n += r.copy(tensor_file, [CopyItem(header.tensors["t1"].start, 28, out["t1"])])  # a second job
+        assert pool.failures == []
+        assert r.modes_used == {"processes"}
+    assert n == sum(i.nbytes for i in header.tensors.values()) + 28
+    for name, t in want.items():
+        assert torch.equal(out[name].cpu(), t), name
+
+
+def test_processes_mode_left_windows_are_read_here(tensor_file: Path) -> None:
+    """A helper that fails (here: a helper script that answers ready, then errors) costs speed, not bytes."""
+    import textwrap
+
+    from marlin_pack.vllm_plugin.copy_helpers import HelperPool
+
+    script = tensor_file.parent / "failing_helper.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            print(json.dumps({"error": "RuntimeError: injected"}), flush=True)
+    """))
+    header = read_header(tensor_file)
+    want = load_file(str(tensor_file))
+    out = {n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
+    with HelperPool(2, torch.cuda.current_device(), script=script) as pool:
+        with ParallelReader(threads=2, chunk_bytes=1 << 16, mode="processes", helpers=pool) as r:
+            r.copy(tensor_file, [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()])
+        assert pool.failures and "injected" in pool.failures[0]
     for name, t in want.items():
         assert torch.equal(out[name].cpu(), t), name

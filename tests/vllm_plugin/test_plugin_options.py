@@ -36,7 +36,7 @@ def test_option_keys_are_the_options() -> None:
         ({"io_threads": 0}, r"\['io_threads'\] must be an integer in 1\.\.64"),
         ({"io_threads": True}, r"\['io_threads'\] must be an integer"),
         ({"chunk_mb": 4096}, r"\['chunk_mb'\] must be an integer in 1\.\.1024"),
-        ({"io_mode": "direct"}, r"\['io_mode'\] must be one of \['auto', 'staged', 'registered', 'hybrid'\]"),
+        ({"io_mode": "direct"}, r"\['io_mode'\] must be one of \['auto', 'staged', 'registered', 'hybrid', 'processes'\]"),
     ],
 )
 def test_parse_extra_config_refuses(extra: object, match: str) -> None:

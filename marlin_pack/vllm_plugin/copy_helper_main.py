@@ -1,0 +1,199 @@
+"""A helper process of the ``processes`` reader mode: registered copies of file windows into GPU memory.
+
+Run as ``python -S copy_helper_main.py DEVICE_ORDINAL`` by :mod:`.copy_helpers`. Standard library
+only (``ctypes`` on the CUDA driver, ``libcuda.so.1``): no torch, no site packages, so it starts in
+a fraction of a second. One process's page-locking of page-cache pages (``cuMemHostRegister``)
+plateaus at ~21-25 GB/s whatever its thread count, while several processes together reach ~30 GB/s
+(``benchmarks/bench_h2d_procs.py``), hence helpers.
+
+Protocol, one JSON object per line:
+
+* helper -> parent, once: ``{"ready": true}`` after creating its CUDA context, or ``{"error": ...}``;
+* parent -> helper, per job: ``{"file": PATH, "handles": [HEX, ...], "threads": T, "windows":
+  [[LO, HI, [[FILE_OFFSET, NBYTES, HANDLE_INDEX, DEST_OFFSET], ...]], ...]}``: each window's pages
+  ``[LO, HI)`` of the file are registered in place (read-only) and its pieces copied to
+  ``DEST_OFFSET`` bytes into the allocation of ``handles[HANDLE_INDEX]`` (a ``cuIpcGetMemHandle``);
+* helper -> parent, per job: ``{"ok": BYTES}`` once every copy has completed, or ``{"error": ...}``.
+
+End of input: the helper closes its IPC mappings and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import sys
+import threading
+
+_PROT_READ, _MAP_SHARED = 1, 1
+_MADV_POPULATE_READ = 22
+_REGISTER_FLAGS = 0x01 | 0x08  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY
+_IPC_LAZY_ENABLE_PEER_ACCESS = 0x1
+_STREAM_NON_BLOCKING = 0x1
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class _Driver:
+    """The few CUDA driver calls the helper makes, each raising on a non-zero result."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def __call__(self, name: str, *args: object) -> None:
+        fn = getattr(self.lib, name + "_v2", None) or getattr(self.lib, name)
+        err = fn(*args)
+        if err != 0:
+            raise RuntimeError(f"{name} failed with CUDA error {err}")
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+class Helper:
+    def __init__(self, ordinal: int) -> None:
+        self.cu = _Driver()
+        self.libc = _libc()
+        self.cu("cuInit", 0)
+        dev = ctypes.c_int()
+        self.cu("cuDeviceGet", ctypes.byref(dev), ordinal)
+        self.ctx = ctypes.c_void_p()
+        self.cu("cuDevicePrimaryCtxRetain", ctypes.byref(self.ctx), dev)
+        self.cu("cuCtxSetCurrent", self.ctx)
+        self.opened: dict[str, int] = {}  # handle hex -> mapped device pointer
+        self.populate = True
+
+    def _open(self, handle_hex: str) -> int:
+        ptr = self.opened.get(handle_hex)
+        if ptr is None:
+            handle = _IpcHandle()
+            ctypes.memmove(ctypes.addressof(handle), bytes.fromhex(handle_hex), 64)
+            dptr = ctypes.c_uint64()
+            self.cu("cuIpcOpenMemHandle", ctypes.byref(dptr), handle, ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS))
+            ptr = self.opened[handle_hex] = dptr.value
+        return ptr
+
+    def job(self, job: dict) -> int:
+        bases = [self._open(h) for h in job["handles"]]
+        fd = os.open(job["file"], os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            addr = self.libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {job['file']} failed")
+            try:
+                return self._copy_windows(addr, size, bases, job["windows"], max(1, int(job["threads"])))
+            finally:
+                self.libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+
+    def _copy_windows(self, addr: int, size: int, bases: list[int], windows: list, threads: int) -> int:
+        lock = threading.Lock()
+        queue = iter(windows)
+        errors: list[BaseException] = []
+
+        def take() -> list | None:
+            with lock:
+                return None if errors else next(queue, None)
+
+        def work() -> None:
+            try:
+                self._work(addr, size, bases, take)
+            except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
+                with lock:
+                    errors.append(e)
+
+        pool = [threading.Thread(target=work) for _ in range(min(threads, len(windows)))]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        if errors:
+            raise errors[0]
+        return sum(n for _, _, pieces in windows for _, n, _, _ in pieces)
+
+    def _work(self, addr: int, size: int, bases: list[int], take) -> None:  # noqa: ANN001
+        cu = self.cu
+        cu("cuCtxSetCurrent", self.ctx)  # the current context is per thread
+        stream = ctypes.c_void_p()
+        cu("cuStreamCreate", ctypes.byref(stream), ctypes.c_uint(_STREAM_NON_BLOCKING))
+        in_flight: list[tuple[int, ctypes.c_void_p]] = []  # (registered pointer, event after its copies)
+
+        def release_oldest() -> None:
+            ptr, event = in_flight.pop(0)
+            cu("cuEventSynchronize", event)
+            cu("cuEventDestroy", event)
+            cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
+
+        try:
+            while (window := take()) is not None:
+                lo, hi, pieces = window
+                if len(in_flight) == 2:
+                    release_oldest()
+                lo -= lo % _PAGE
+                hi = min(-(-hi // _PAGE) * _PAGE, -(-size // _PAGE) * _PAGE)
+                ptr = addr + lo
+                if self.populate and self.libc.madvise(ctypes.c_void_p(ptr), hi - lo, _MADV_POPULATE_READ) != 0:
+                    self.populate = False  # a kernel before 5.14: pinning faults the pages in itself
+                cu("cuMemHostRegister", ctypes.c_void_p(ptr), ctypes.c_size_t(hi - lo), ctypes.c_uint(_REGISTER_FLAGS))
+                event = ctypes.c_void_p()
+                try:
+                    cu("cuEventCreate", ctypes.byref(event), ctypes.c_uint(0x2))  # CU_EVENT_DISABLE_TIMING
+                except BaseException:
+                    cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
+                    raise
+                in_flight.append((ptr, event))
+                for offset, n, handle_index, dest in pieces:
+                    cu("cuMemcpyHtoDAsync", ctypes.c_uint64(bases[handle_index] + dest), ctypes.c_void_p(addr + offset),
+                       ctypes.c_size_t(n), stream)
+                cu("cuEventRecord", event, stream)
+        finally:
+            while in_flight:
+                release_oldest()
+            cu("cuStreamSynchronize", stream)
+            cu("cuStreamDestroy", stream)
+
+    def close(self) -> None:
+        for ptr in self.opened.values():
+            self.cu("cuIpcCloseMemHandle", ctypes.c_uint64(ptr))
+        self.opened.clear()
+
+
+def _say(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        helper = Helper(int(argv[1]))
+    except Exception as e:  # noqa: BLE001 - no CUDA driver, no device: the parent reads on its own
+        _say({"error": f"{type(e).__name__}: {e}"})
+        return 1
+    _say({"ready": True})
+    status = 0
+    for line in sys.stdin:
+        try:
+            _say({"ok": helper.job(json.loads(line))})
+        except Exception as e:  # noqa: BLE001 - the parent re-reads this job's windows itself
+            _say({"error": f"{type(e).__name__}: {e}"})
+            status = 1
+    with contextlib.suppress(Exception):  # exiting frees the mappings anyway
+        helper.close()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

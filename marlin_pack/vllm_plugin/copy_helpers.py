@@ -1,0 +1,234 @@
+"""Helper processes that copy file windows into this process's GPU memory (the ``processes`` io mode).
+
+Page-locking page-cache pages in place (``cudaHostRegister``) is what limits the ``registered``
+reader, and part of that limit is per process: on an H200 host one process plateaus at ~21 GB/s
+(16 threads), four processes of four threads reach ~32 GB/s together
+(``benchmarks/bench_h2d_procs.py``). :class:`HelperPool` starts a few torch-free helpers
+(:mod:`.copy_helper_main`: ``python -S`` and ``ctypes`` on the CUDA driver, ready in ~0.25 s,
+started while vLLM builds the model), hands each a contiguous share of the windows with CUDA IPC
+handles of the destination allocations, and waits for them.
+
+Nothing here is needed for correctness: a helper that cannot start (no ``libcuda``, memory
+allocated by a VMM allocator that has no IPC handle, a sandbox) or fails mid-job only costs
+speed, because :meth:`HelperPool.copy` returns the windows it did not finish and the caller
+reads those itself. A window copied twice holds the same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+__all__ = ["HelperPool", "split_by_bytes"]
+
+logger = logging.getLogger("vllm.marlin_pack")
+
+_HELPER = Path(__file__).with_name("copy_helper_main.py")
+_READY_TIMEOUT_S = 30.0
+
+
+class WindowLike(Protocol):
+    lo: int
+    hi: int
+    pieces: list[tuple[int, int, torch.Tensor]]
+
+
+def split_by_bytes(windows: Sequence[WindowLike], parts: int) -> list[list[WindowLike]]:
+    """``windows`` (in file order) cut into at most ``parts`` contiguous runs of about equal bytes.
+
+    Contiguous, so each helper reads its share of the file sequentially (the kernel's read-ahead
+    of a cold file works per stream of reads).
+    """
+    sizes = [sum(n for _, n, _ in w.pieces) for w in windows]
+    total = sum(sizes)
+    runs: list[list[WindowLike]] = [[]]
+    done = 0
+    for w, n in zip(windows, sizes, strict=True):
+        # Start the next run once this one holds its share (the share measured from the start, so rounding does not drift).
+        if runs[-1] and len(runs) < parts and done >= total * len(runs) / parts:
+            runs.append([])
+        runs[-1].append(w)
+        done += n
+    return [r for r in runs if r]
+
+
+class _CudaDriver:
+    """The parent's two driver calls: a device pointer's allocation and its IPC handle."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def allocation(self, ptr: int) -> int:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        err = self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+        if err != 0:
+            raise RuntimeError(f"cuMemGetAddressRange failed with CUDA error {err}")
+        return base.value
+
+    def ipc_handle(self, base: int) -> str:
+        handle = (ctypes.c_char * 64)()
+        err = self.lib.cuIpcGetMemHandle(handle, ctypes.c_uint64(base))
+        if err != 0:
+            raise RuntimeError(f"cuIpcGetMemHandle failed with CUDA error {err} (memory from a VMM allocator?)")
+        return bytes(handle).hex()
+
+
+class HelperPool:
+    """``count`` helper processes for the CUDA device ``device_index``, started now, ready later.
+
+    Example:
+        >>> with HelperPool(4, torch.cuda.current_device()) as pool:
+        ...     left = pool.copy(path, windows, threads=4)   # windows the helpers did not copy
+    """
+
+    def __init__(self, count: int, device_index: int, script: Path = _HELPER) -> None:
+        self.device_index = device_index
+        self._procs: list[subprocess.Popen[str]] = []
+        self._ready: list[bool] | None = None
+        self._driver: _CudaDriver | None = None
+        self._handles: dict[int, str] = {}  # allocation base -> IPC handle
+        self.failures: list[str] = []
+        for _ in range(max(1, count)):
+            try:
+                self._procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-S", str(script), str(device_index)],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.DEVNULL,
+                        text=True,
+                        bufsize=1,
+                    )
+                )
+            except OSError as e:
+                self.failures.append(f"could not start a helper: {e}")
+                break
+
+    def __enter__(self) -> HelperPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def ready(self) -> int:
+        """Wait until every helper has started (or failed to); the number ready."""
+        return len(self._wait_ready())
+
+    def _wait_ready(self) -> list[subprocess.Popen[str]]:
+        """The helpers that said they are ready (each gets ``_READY_TIMEOUT_S`` from now at most)."""
+        if self._ready is None:
+            deadline = time.monotonic() + _READY_TIMEOUT_S
+            self._ready = []
+            for p in self._procs:
+                reply = self._read(p, deadline)
+                ok = reply.get("ready") is True
+                if not ok:
+                    self.failures.append(f"a helper did not start: {reply.get('error', 'no answer')}")
+                    p.kill()
+                self._ready.append(ok)
+        return [p for p, ok in zip(self._procs, self._ready, strict=True) if ok]
+
+    @staticmethod
+    def _read(p: subprocess.Popen[str], deadline: float | None) -> dict:
+        assert p.stdout is not None
+        if deadline is not None:
+            ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return {"error": f"no answer within {_READY_TIMEOUT_S:.0f} s"}
+        line = p.stdout.readline()
+        if not line:
+            return {"error": f"exited with status {p.wait()}"}
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            return {"error": f"unreadable answer {line[:80]!r}"}
+        return reply if isinstance(reply, dict) else {"error": f"unexpected answer {line[:80]!r}"}
+
+    def _handle(self, ptr: int) -> tuple[str, int]:
+        """The IPC handle of the allocation holding device pointer ``ptr``, and ``ptr``'s offset in it."""
+        if self._driver is None:
+            self._driver = _CudaDriver()
+        base = self._driver.allocation(ptr)
+        handle = self._handles.get(base)
+        if handle is None:
+            handle = self._handles[base] = self._driver.ipc_handle(base)
+        return handle, ptr - base
+
+    def copy(self, path: str | Path, windows: Sequence[WindowLike], threads: int) -> list[WindowLike]:
+        """Copy ``windows`` of the file ``path`` into their CUDA destinations with the helpers.
+
+        Returns the windows not known to be copied (all of them when no helper is usable),
+        for the caller to read itself. The destinations' pending work on the current stream
+        is waited for first: the helpers write from other processes, outside its order.
+        """
+        helpers = self._wait_ready()
+        if not helpers or not windows:
+            if windows and self.failures:
+                logger.warning("marlin-pack: no copy helper started (%s); this process reads the bundle itself", self.failures[-1])
+            return list(windows)
+        try:
+            torch.cuda.current_stream(windows[0].pieces[0][2].device).synchronize()
+            handles: dict[str, int] = {}
+            jobs = []
+            for run in split_by_bytes(windows, len(helpers)):
+                encoded = []
+                for w in run:
+                    pieces = []
+                    for offset, n, dst in w.pieces:
+                        handle, dest = self._handle(dst.data_ptr())
+                        pieces.append([offset, n, handles.setdefault(handle, len(handles)), dest])
+                    encoded.append([w.lo, w.hi, pieces])
+                jobs.append((run, encoded))
+        except Exception as e:  # noqa: BLE001 - no driver, no IPC handle (VMM memory): the caller reads everything
+            self.failures.append(f"{type(e).__name__}: {e}")
+            logger.warning("marlin-pack: copy helpers not usable (%s); this process reads the bundle itself", self.failures[-1])
+            return list(windows)
+        order = list(handles)
+        known = len(self.failures)
+        left: list[WindowLike] = []
+        sent: list[tuple[subprocess.Popen[str], list[WindowLike]]] = []
+        for p, (run, encoded) in zip(helpers, jobs, strict=False):
+            try:
+                assert p.stdin is not None
+                p.stdin.write(json.dumps({"file": str(path), "handles": order, "threads": threads, "windows": encoded}) + "\n")
+                p.stdin.flush()
+                sent.append((p, run))
+            except OSError as e:
+                self.failures.append(f"a helper stopped: {e}")
+                left.extend(run)
+        for p, run in sent:
+            reply = self._read(p, None)
+            if "ok" not in reply:
+                self.failures.append(f"a helper failed: {reply.get('error')}")
+                left.extend(run)
+        if len(self.failures) > known:
+            logger.warning("marlin-pack: copy helpers: %s; this process reads what they left", self.failures[-1])
+        return sorted(left, key=lambda w: w.lo)
+
+    def close(self) -> None:
+        """End the helpers (they close their IPC mappings as they exit)."""
+        for p in self._procs:
+            try:
+                if p.stdin is not None:
+                    p.stdin.close()
+            except OSError:
+                pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+        self._procs = []
