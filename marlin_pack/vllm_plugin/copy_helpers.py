@@ -22,6 +22,7 @@ import logging
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,11 +99,16 @@ class HelperPool:
         self._driver: _CudaDriver | None = None
         self._handles: dict[int, str] = {}  # allocation base -> IPC handle
         self.failures: list[str] = []
-        for _ in range(max(1, count)):
+        # Started from a thread: the caller (vLLM building the model) goes on meanwhile.
+        self._spawner = threading.Thread(target=self._spawn, args=(max(1, count), script), name="marlin-pack-helpers", daemon=True)
+        self._spawner.start()
+
+    def _spawn(self, count: int, script: Path) -> None:
+        for _ in range(count):
             try:
                 self._procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-S", str(script), str(device_index)],
+                        [sys.executable, "-S", str(script), str(self.device_index)],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.DEVNULL,
@@ -127,6 +133,7 @@ class HelperPool:
     def _wait_ready(self) -> list[subprocess.Popen[str]]:
         """The helpers that said they are ready (each gets ``_READY_TIMEOUT_S`` from now at most)."""
         if self._ready is None:
+            self._spawner.join()
             deadline = time.monotonic() + _READY_TIMEOUT_S
             self._ready = []
             for p in self._procs:
@@ -215,20 +222,32 @@ class HelperPool:
             logger.warning("marlin-pack: copy helpers: %s; this process reads what they left", self.failures[-1])
         return sorted(left, key=lambda w: w.lo)
 
-    def close(self) -> None:
-        """End the helpers (they close their IPC mappings as they exit)."""
-        for p in self._procs:
+    def close(self, wait: bool = True) -> None:
+        """End the helpers: each exits (closing its IPC mappings and CUDA context) when its input ends.
+
+        ``wait=False`` returns at once and a thread reaps them: tearing a CUDA context down
+        takes a while, and the loader need not wait for it.
+        """
+        self._spawner.join()
+        procs, self._procs = self._procs, []
+        for p in procs:
             try:
                 if p.stdin is not None:
                     p.stdin.close()
             except OSError:
                 pass
-        for p in self._procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
-        self._procs = []
+        if wait:
+            _reap(procs)
+        else:
+            threading.Thread(target=_reap, args=(procs,), name="marlin-pack-helpers-reap", daemon=True).start()
+
+
+def _reap(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if p.stdout is not None:
+            p.stdout.close()

@@ -237,7 +237,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             self._load_bundle(state, state.bundle, model, helpers)
         finally:
             if helpers is not None:
-                helpers.close()  # the helpers end (and unmap the arena) once the copies are done
+                helpers.close(wait=False)  # the copies are done: they exit (and unmap the arena) on their own
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         with ParallelReader(
