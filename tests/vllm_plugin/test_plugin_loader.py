@@ -261,3 +261,53 @@ def test_direct_target_only_for_plain_copy_loaders() -> None:
     assert _direct_target(None, (4, 8), torch.float16) is None
     p.weight_loader = lambda param, w: param.data.copy_(w * 2)
     assert _direct_target(p, (4, 8), torch.float16) is None
+
+
+class _FakeHelpers:
+    """Stands in for copy_helpers.HelperPool: records when it is started and how it is ended."""
+
+    events: list[str] = []
+
+    def __init__(self, count: int, device_index: int) -> None:
+        self.events.append(f"start {count} helpers for device {device_index}")
+
+    def close(self, wait: bool = True) -> None:
+        self.events.append(f"close wait={wait}")
+
+
+@pytest.mark.parametrize("case", ["loads", "refused", "falls back"])
+def test_processes_mode_helpers_start_before_creation_and_always_end(
+    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """io_mode processes: the helpers start before vLLM builds the model (their CUDA contexts come up
+    meanwhile) and end after the copies (without waiting), or when the bundle is refused or not used."""
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin.engine import layer_facts
+
+    events = _FakeHelpers.events = []
+    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    seen = fake_create_model(monkeypatch, awq_bundle)
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    created = BaseModelLoader.create_model
+    monkeypatch.setattr(BaseModelLoader, "create_model", lambda *a, **k: events.append("create") or created(*a, **k))
+    if case != "loads":  # the model vLLM built does not fit the bundle
+        monkeypatch.setattr(
+            loader_mod, "layer_facts", lambda m, skips_when_marked: dataclasses.replace(layer_facts(m, skips_when_marked), kernel="X")
+        )
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    loader = make_loader(io_mode="processes", io_processes=2, fallback=case == "falls back")
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        if case == "refused":
+            with pytest.raises(LoadRefusedError):
+                loader.create_model(vllm_config, model_config)
+        else:
+            model = loader.create_model(vllm_config, model_config)
+            if case == "loads":
+                assert events == ["start 2 helpers for device 3", "create"]
+                loader.load_weights(model, model_config)  # CPU destinations: read here, the helpers unused
+    assert len(seen) == 1
+    ended = "close wait=False" if case == "loads" else "close wait=True"
+    assert events == ["start 2 helpers for device 3", "create", ended]
