@@ -36,6 +36,8 @@ logger = logging.getLogger("vllm.marlin_pack")
 
 _HELPER = Path(__file__).with_name("copy_helper_main.py")
 _READY_TIMEOUT_S = 30.0
+# Helpers when the caller does not say (bench_h2d_procs: 4 processes x 4 threads measured best).
+DEFAULT_PROCESSES = 4
 
 
 class WindowLike(Protocol):
@@ -85,14 +87,15 @@ class _CudaDriver:
 
 
 class HelperPool:
-    """``count`` helper processes for the CUDA device ``device_index``, started now, ready later.
+    """``count`` (default :data:`DEFAULT_PROCESSES`) helper processes for the CUDA device ``device_index``,
+    started now, ready later.
 
     Example:
         >>> with HelperPool(4, torch.cuda.current_device()) as pool:
         ...     left = pool.copy(path, windows, threads=4)   # windows the helpers did not copy
     """
 
-    def __init__(self, count: int, device_index: int, script: Path = _HELPER) -> None:
+    def __init__(self, count: int | None, device_index: int, script: Path = _HELPER) -> None:
         self.device_index = device_index
         self._procs: list[subprocess.Popen[str]] = []
         self._ready: list[bool] | None = None
@@ -100,7 +103,8 @@ class HelperPool:
         self._handles: dict[int, str] = {}  # allocation base -> IPC handle
         self.failures: list[str] = []
         # Started from a thread: the caller (vLLM building the model) goes on meanwhile.
-        self._spawner = threading.Thread(target=self._spawn, args=(max(1, count), script), name="marlin-pack-helpers", daemon=True)
+        count = max(1, count or DEFAULT_PROCESSES)
+        self._spawner = threading.Thread(target=self._spawn, args=(count, script), name="marlin-pack-helpers", daemon=True)
         self._spawner.start()
 
     def _spawn(self, count: int, script: Path) -> None:

@@ -207,8 +207,6 @@ MODE_DEFAULTS: dict[str, tuple[int, int]] = {
     "hybrid": (16, 64 << 20),
     "processes": (4, 256 << 20),  # threads per helper process
 }
-# Helper processes of the ``processes`` mode when the caller does not say (bench_h2d_procs: 4 x 4 threads best).
-DEFAULT_PROCESSES = 4
 # Filesystems whose pages are shmem: pinning them in place measured slower than staging.
 _MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "shm"})
 
@@ -277,7 +275,7 @@ class ParallelReader:
         self.populate = populate
         # ``processes`` mode: a pool the caller started early (it stays the caller's to close), or our own.
         self._helpers, self._owns_helpers = helpers, False
-        self.processes = processes or DEFAULT_PROCESSES
+        self.processes = processes  # None: HelperPool's default
         self.modes_used: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._slots: dict[tuple[int, int, int], _Slot] = {}

@@ -51,7 +51,7 @@ from marlin_pack.vllm_plugin import patches
 from marlin_pack.vllm_plugin.copy_helpers import HelperPool
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
-from marlin_pack.vllm_plugin.gpu_reader import DEFAULT_PROCESSES, CopyItem, HostMap, ParallelReader, resolve_mode
+from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader, resolve_mode
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
@@ -179,7 +179,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
     def _start_helpers(self, bundle: SelectedBundle) -> HelperPool | None:
         if resolve_mode(self.options.io_mode, bundle.rank_file) != "processes" or not torch.cuda.is_available():
             return None
-        return HelperPool(self.options.io_processes or DEFAULT_PROCESSES, torch.cuda.current_device())
+        return HelperPool(self.options.io_processes, torch.cuda.current_device())
 
     def _create_checked(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, bundle: SelectedBundle, t0: float,
