@@ -81,19 +81,24 @@ def h2d_gbps(pinned: bool = True, gb: float = 4.0, reps: int = 3) -> float:
 
 def _reader(path: Path, dst: torch.Tensor, mode: str, threads: int, chunk_mb: int) -> float:
     """One configuration's GB/s. ``mode`` is an ``io_mode``, ``registered+p`` (madvise-populate each
-    window before pinning it) or ``processes/P`` (P helper processes of ``threads`` threads each,
-    started before the clock starts, as the loader starts them while vLLM builds the model)."""
+    window before pinning it) or ``processes/P[s][c]`` (P helper processes of ``threads`` threads each,
+    started before the clock starts, as the loader starts them while vLLM builds the model; this
+    process copies a share beside them unless ``s`` (solo); ``c``: the helpers run with
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``)."""
     n = dst.numel()
     items = [CopyItem(off, min(PIECE, n - off), dst[off : off + PIECE]) for off in range(0, n, PIECE)]
     mode, _, procs = mode.partition("/")
     populate = mode.endswith("+p")
-    helpers = HelperPool(int(procs or 4), torch.cuda.current_device()) if mode == "processes" else None
+    count = int(procs.rstrip("sc") or 4)
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if "c" in procs else None
+    helpers = HelperPool(count, torch.cuda.current_device(), env=env) if mode == "processes" else None
     try:
         if helpers is not None:
             helpers.ready()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        with ParallelReader(threads, chunk_mb << 20, mode.removesuffix("+p"), populate=populate, helpers=helpers) as r:  # type: ignore[arg-type]
+        with ParallelReader(threads, chunk_mb << 20, mode.removesuffix("+p"), populate=populate, helpers=helpers,  # type: ignore[arg-type]
+                            own_share="s" not in procs) as r:
             r.copy(path, items)
         torch.cuda.synchronize()
         rate = n / (time.perf_counter() - t) / 1e9

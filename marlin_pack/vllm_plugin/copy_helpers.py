@@ -6,7 +6,8 @@ reader, and part of that limit is per process: on an H200 host one process plate
 (``benchmarks/bench_h2d_procs.py``). :class:`HelperPool` starts a few torch-free helpers
 (:mod:`.copy_helper_main`: ``python -S`` and ``ctypes`` on the CUDA driver, ready in ~0.25 s,
 started while vLLM builds the model), hands each a contiguous share of the windows with CUDA IPC
-handles of the destination allocations, and waits for them.
+handles of the destination allocations, and waits for them. The calling process may take a share
+too (``own``), copying it while the helpers copy theirs.
 
 Nothing here is needed for correctness: a helper that cannot start (no ``libcuda``, memory
 allocated by a VMM allocator that has no IPC handle, a sandbox) or fails mid-job only costs
@@ -19,12 +20,13 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
 import select
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -95,9 +97,14 @@ class HelperPool:
         ...     left = pool.copy(path, windows, threads=4)   # windows the helpers did not copy
     """
 
-    def __init__(self, count: int | None, device_index: int, script: Path = _HELPER) -> None:
+    def __init__(
+        self, count: int | None, device_index: int, script: Path = _HELPER, env: Mapping[str, str] | None = None
+    ) -> None:
         self.device_index = device_index
+        self._env = None if not env else {**os.environ, **env}  # e.g. CUDA_* settings for the helpers only
         self._procs: list[subprocess.Popen[str]] = []
+        self._reapers: list[threading.Thread] = []
+        self._closed = False
         self._ready: list[bool] | None = None
         self._driver: _CudaDriver | None = None
         self._handles: dict[int, str] = {}  # allocation base -> IPC handle
@@ -118,6 +125,7 @@ class HelperPool:
                         stderr=subprocess.DEVNULL,
                         text=True,
                         bufsize=1,
+                        env=self._env,
                     )
                 )
             except OSError as e:
@@ -136,6 +144,8 @@ class HelperPool:
 
     def _wait_ready(self) -> list[subprocess.Popen[str]]:
         """The helpers that said they are ready (each gets ``_READY_TIMEOUT_S`` from now at most)."""
+        if self._closed:
+            return []
         if self._ready is None:
             self._spawner.join()
             deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -175,8 +185,17 @@ class HelperPool:
             handle = self._handles[base] = self._driver.ipc_handle(base)
         return handle, ptr - base
 
-    def copy(self, path: str | Path, windows: Sequence[WindowLike], threads: int) -> list[WindowLike]:
+    def copy(
+        self,
+        path: str | Path,
+        windows: Sequence[WindowLike],
+        threads: int,
+        own: Callable[[list[WindowLike]], None] | None = None,
+    ) -> list[WindowLike]:
         """Copy ``windows`` of the file ``path`` into their CUDA destinations with the helpers.
+
+        With ``own``, the windows are shared among the helpers *and* the caller: ``own(share)``
+        is called with the caller's share once the helpers have theirs, and runs while they copy.
 
         Returns the windows not known to be copied (all of them when no helper is usable),
         for the caller to read itself. The destinations' pending work on the current stream
@@ -187,11 +206,13 @@ class HelperPool:
             if windows and self.failures:
                 logger.warning("marlin-pack: no copy helper started (%s); this process reads the bundle itself", self.failures[-1])
             return list(windows)
+        runs = split_by_bytes(windows, len(helpers) + (own is not None))
+        mine: list[WindowLike] = runs.pop() if own is not None else []  # the file's tail: the caller's share
         try:
             torch.cuda.current_stream(windows[0].pieces[0][2].device).synchronize()
             handles: dict[str, int] = {}
             jobs = []
-            for run in split_by_bytes(windows, len(helpers)):
+            for run in runs:
                 encoded = []
                 for w in run:
                     pieces = []
@@ -217,11 +238,16 @@ class HelperPool:
             except OSError as e:
                 self.failures.append(f"a helper stopped: {e}")
                 left.extend(run)
-        for p, run in sent:
-            reply = self._read(p, None)
-            if "ok" not in reply:
-                self.failures.append(f"a helper failed: {reply.get('error')}")
-                left.extend(run)
+        try:
+            if mine:
+                own(mine)  # type: ignore[misc]
+        finally:
+            # Even when our share failed: the helpers are still writing into the destinations.
+            for p, run in sent:
+                reply = self._read(p, None)
+                if "ok" not in reply:
+                    self.failures.append(f"a helper failed: {reply.get('error')}")
+                    left.extend(run)
         if len(self.failures) > known:
             logger.warning("marlin-pack: copy helpers: %s; this process reads what they left", self.failures[-1])
         return sorted(left, key=lambda w: w.lo)
@@ -229,10 +255,12 @@ class HelperPool:
     def close(self, wait: bool = True) -> None:
         """End the helpers: each exits (closing its IPC mappings and CUDA context) when its input ends.
 
-        ``wait=False`` returns at once and a thread reaps them: tearing a CUDA context down
-        takes a while, and the loader need not wait for it.
+        ``wait=False`` returns at once and a thread reaps them (:meth:`join` waits for it):
+        tearing a CUDA context down takes a while, and the loader has other work meanwhile.
+        After ``close`` the pool copies nothing: :meth:`copy` leaves every window to the caller.
         """
         self._spawner.join()
+        self._closed = True
         procs, self._procs = self._procs, []
         for p in procs:
             try:
@@ -242,8 +270,22 @@ class HelperPool:
                 pass
         if wait:
             _reap(procs)
-        else:
-            threading.Thread(target=_reap, args=(procs,), name="marlin-pack-helpers-reap", daemon=True).start()
+            self.join()
+        elif procs:
+            reaper = threading.Thread(target=_reap, args=(procs,), name="marlin-pack-helpers-reap", daemon=True)
+            reaper.start()
+            self._reapers.append(reaper)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait (at most ``timeout`` seconds) for helpers ended by ``close(wait=False)`` to have exited.
+
+        Their CUDA contexts hold GPU memory until then; vLLM measures the memory left for its
+        KV cache right after loading, so the loader joins before it returns.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reaper in self._reapers:
+            reaper.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._reapers = [r for r in self._reapers if r.is_alive()]
 
 
 def _reap(procs: list[subprocess.Popen[str]]) -> None:

@@ -263,6 +263,7 @@ class ParallelReader:
         populate: bool = True,
         helpers: HelperPool | None = None,
         processes: int | None = None,
+        own_share: bool = True,
     ) -> None:
         if mode not in IO_MODES:
             raise ValueError(f"io mode {mode!r}: expected one of {', '.join(IO_MODES)}")
@@ -276,6 +277,8 @@ class ParallelReader:
         # ``processes`` mode: a pool the caller started early (it stays the caller's to close), or our own.
         self._helpers, self._owns_helpers = helpers, False
         self.processes = processes  # None: HelperPool's default
+        # ``processes`` mode: this process copies a share beside the helpers (one more party pinning pages).
+        self.own_share = own_share
         self.modes_used: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._slots: dict[tuple[int, int, int], _Slot] = {}
@@ -338,7 +341,6 @@ class ParallelReader:
         """
         plan = self.plan(path)
         fd = os.open(path, os.O_RDONLY)
-        mapping: _Mapping | None = None
         try:
             file_size = os.fstat(fd).st_size
             windows = _windows(items, plan.chunk, file_size)
@@ -351,15 +353,35 @@ class ParallelReader:
             total = sum(p[1] for w in windows for p in w.pieces)
             if device is not None and plan.mode == "processes":
                 self.modes_used.add(plan.mode)
-                windows = self._pool_for(device).copy(path, windows, plan.threads)  # what the helpers left
-                if not windows:
-                    self.bytes_read += total
-                    return total
-                plan = _Plan("registered", MODE_DEFAULTS["registered"][0], plan.chunk)
+                # This process registers its own share (and whatever the helpers leave) in place.
+                here = _Plan("registered", MODE_DEFAULTS["registered"][0], plan.chunk)
+
+                def own(share: list[_Window]) -> None:
+                    self._read(here, fd, file_size, share, device, record=False)
+
+                left = self._pool_for(device).copy(path, windows, plan.threads, own=own if self.own_share else None)
+                if left:
+                    self._read(here, fd, file_size, left, device)  # shows as "registered" beside "processes"
+            else:
+                self._read(plan, fd, file_size, windows, device)
+        finally:
+            os.close(fd)
+        self.bytes_read += total
+        return total
+
+    def _read(
+        self, plan: _Plan, fd: int, file_size: int, windows: list[_Window], device: torch.device | None, record: bool = True
+    ) -> None:
+        """Move ``windows`` of the open file ``fd`` to their destinations on ``plan.threads`` threads."""
+        if not windows:
+            return
+        mapping: _Mapping | None = None
+        try:
             start_event = None
             workers = min(plan.threads, len(windows))
             if device is not None:
-                self.modes_used.add(plan.mode)
+                if record:
+                    self.modes_used.add(plan.mode)
                 # Destinations were allocated on the caller's stream: order our copies after it.
                 start_event = torch.cuda.Event()
                 start_event.record(torch.cuda.current_stream(device))
@@ -396,9 +418,6 @@ class ParallelReader:
         finally:
             if mapping is not None:
                 mapping.close()
-            os.close(fd)
-        self.bytes_read += total
-        return total
 
     def _pool_for(self, device: torch.device) -> HelperPool:
         if self._helpers is None:

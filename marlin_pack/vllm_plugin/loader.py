@@ -237,7 +237,9 @@ class MarlinPrepackedLoader(BaseModelLoader):
             self._load_bundle(state, state.bundle, model, helpers)
         finally:
             if helpers is not None:
-                helpers.close(wait=False)  # the copies are done: they exit (and unmap the arena) on their own
+                # Their CUDA contexts must be gone before vLLM measures the GPU memory left for the KV cache.
+                helpers.close(wait=False)
+                helpers.join()
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         with ParallelReader(
@@ -250,6 +252,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
             t0 = time.perf_counter()
             items = self._place(state, bundle.rank_header)  # header checked before the GPU, by decide()
             self._timings.copy_bytes = reader.copy(bundle.rank_file, items)
+            if helpers is not None:
+                helpers.close(wait=False)  # they exit while the common tensors load (which this process reads)
             for layer in state.layers.values():
                 mark_prepacked(layer)
             t1 = time.perf_counter()

@@ -256,6 +256,24 @@ def test_prepacked_matches_ordinary_loading(
     assert_params_identical(reference["params"], result["params"])
 
 
+@pytest.mark.parametrize("io", [{"io_mode": "processes", "io_processes": 2}, {"io_mode": "staged"}], ids=["processes", "staged"])
+def test_prepacked_io_modes_match_ordinary_loading(
+    workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], io: dict[str, Any]
+) -> None:
+    """The reader's other modes inside an engine: the same parameters, bit for bit; in ``processes``
+    mode the helpers copied (nothing was left to the engine's process) and the engine read its own share."""
+    kind = "awq4-padded"
+    reference = ordinary(kind)
+    code, log, result = run_engine(
+        workdir / f"io-{io['io_mode']}", checkpoints[kind], load_format="marlin_prepacked", model_loader_extra_config=io
+    )
+    assert code == 0 and result is not None, log[-4000:]
+    assert f"io_mode {io['io_mode']})" in log, log[-4000:]  # processes: no "processes/registered" (left windows)
+    assert "copy helpers" not in log and "no copy helper started" not in log, log[-4000:]
+    check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked {io}")
+    assert_params_identical(reference["params"], result["params"])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_bundle_equals_stock_vllm_after_loading(
     checkpoints: dict[str, Path], ordinary: Callable[[str], dict], kind: str

@@ -115,3 +115,74 @@ def test_io_processes_option() -> None:
     assert parse_extra_config({}).io_processes is None
     with pytest.raises(ValueError, match=r"\['io_processes'\] must be an integer in 1\.\.32"):
         parse_extra_config({"io_processes": 0})
+
+
+class _Stream:
+    def synchronize(self) -> None:
+        pass
+
+
+def _answering_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int, answer: str) -> HelperPool:
+    """Helpers that say ready and answer each job with ``answer`` (a JSON object); the IPC handles
+    faked (no CUDA here). Each helper logs the windows it was sent to helper-PID.log."""
+    body = f"""
+        import json, os, sys
+        print(json.dumps({{"ready": True}}), flush=True)
+        for line in sys.stdin:
+            with open(os.path.join({str(tmp_path)!r}, f"helper-{{os.getpid()}}.log"), "a") as f:
+                f.write(json.dumps([w[0] for w in json.loads(line)["windows"]]) + "\\n")
+            print(json.dumps({answer}), flush=True)
+    """
+    pool = HelperPool(count, 0, script=_script(tmp_path, body))
+    monkeypatch.setattr(pool, "_handle", lambda ptr: ("00" * 64, 0))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    return pool
+
+
+def _sent(tmp_path: Path) -> list[list[int]]:
+    return sorted(json.loads(line) for p in tmp_path.glob("helper-*.log") for line in p.read_text().splitlines())
+
+
+def test_own_share_is_the_tail_and_runs_beside_the_helpers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    windows = _windows([10] * 9)
+    mine: list[list[int]] = []
+    with _answering_pool(tmp_path, monkeypatch, 2, '{"ok": 0}') as pool:
+        assert pool.copy(tmp_path / "f", windows, threads=1, own=lambda share: mine.append([w.lo for w in share])) == []
+        assert pool.failures == []
+    assert mine == [[60, 70, 80]]  # three parties, a third each; the caller's is the file's tail
+    assert _sent(tmp_path) == [[0, 10, 20], [30, 40, 50]]
+
+
+def test_a_failed_helper_leaves_its_share_but_not_the_callers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    windows = _windows([10] * 4)
+    mine: list[int] = []
+    with _answering_pool(tmp_path, monkeypatch, 1, '{"error": "RuntimeError: injected"}') as pool:
+        left = pool.copy(tmp_path / "f", windows, threads=1, own=lambda share: mine.extend(w.lo for w in share))
+        assert "injected" in pool.failures[0]
+    assert mine == [20, 30] and left == windows[:2]
+
+
+def test_when_the_callers_share_fails_the_helpers_are_still_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """They write into the caller's memory: the caller must not free it (raise) before they are done."""
+    windows = _windows([10] * 4)
+    pool = _answering_pool(tmp_path, monkeypatch, 1, '{"ok": 0}')
+    answered: list[dict] = []
+    read = pool._read
+    monkeypatch.setattr(pool, "_read", lambda p, deadline: answered.append(read(p, deadline)) or answered[-1])
+
+    def own(share: list) -> None:
+        raise OSError("disk gone")
+
+    with pool, pytest.raises(OSError, match="disk gone"):
+        pool.copy(tmp_path / "f", windows, threads=1, own=own)
+    assert answered[-1] == {"ok": 0}  # the helper's job reply was read before the error went up
+
+
+def test_a_closed_pool_leaves_every_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    windows = _windows([10] * 4)
+    pool = _answering_pool(tmp_path, monkeypatch, 2, '{"ok": 0}')
+    assert pool.ready() == 2
+    pool.close(wait=False)
+    pool.join()
+    assert pool.copy(tmp_path / "f", windows, threads=1, own=lambda share: None) == windows
+    assert _sent(tmp_path) == []

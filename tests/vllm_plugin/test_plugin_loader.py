@@ -270,9 +270,15 @@ class _FakeHelpers:
 
     def __init__(self, count: int, device_index: int) -> None:
         self.events.append(f"start {count} helpers for device {device_index}")
+        self.closed = False
 
     def close(self, wait: bool = True) -> None:
-        self.events.append(f"close wait={wait}")
+        if not self.closed:  # as HelperPool.close: a second call does nothing
+            self.events.append(f"close wait={wait}")
+        self.closed = True
+
+    def join(self, timeout: float | None = None) -> None:
+        self.events.append("joined")
 
 
 @pytest.mark.parametrize("case", ["loads", "refused", "falls back"])
@@ -280,7 +286,8 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     """io_mode processes: the helpers start before vLLM builds the model (their CUDA contexts come up
-    meanwhile) and end after the copies (without waiting), or when the bundle is refused or not used."""
+    meanwhile) and end after the copies (without waiting, but gone before loading returns: vLLM measures
+    the free GPU memory next), or when the bundle is refused or not used."""
     import marlin_pack.vllm_plugin.loader as loader_mod
     from marlin_pack.vllm_plugin.engine import layer_facts
 
@@ -309,5 +316,5 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
                 assert events == ["start 2 helpers for device 3", "create"]
                 loader.load_weights(model, model_config)  # CPU destinations: read here, the helpers unused
     assert len(seen) == 1
-    ended = "close wait=False" if case == "loads" else "close wait=True"
-    assert events == ["start 2 helpers for device 3", "create", ended]
+    ended = ["close wait=False", "joined"] if case == "loads" else ["close wait=True"]
+    assert events == ["start 2 helpers for device 3", "create", *ended]
