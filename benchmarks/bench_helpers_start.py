@@ -1,6 +1,6 @@
 """What the ``processes`` io mode's helpers cost around the copy, beside a stand-in for vLLM building a model.
 
-    python benchmarks/bench_helpers_start.py --gb 35 --tensors 640 --variants '4;4:CUDA_DEVICE_MAX_CONNECTIONS=1;2'
+    python benchmarks/bench_helpers_start.py --gb 35 --tensors 640 --variants '4;4:CUDA_DEVICE_MAX_CONNECTIONS=8;2'
 
 The loader starts the helpers (:class:`marlin_pack.vllm_plugin.copy_helpers.HelperPool`) just before
 vLLM builds the model and ends them after the copies. In alternating rounds this prints: the stand-in
