@@ -1,9 +1,10 @@
 """Helper processes that copy file windows into this process's GPU memory (the ``processes`` io mode).
 
 Page-locking page-cache pages in place (``cudaHostRegister``) is what limits the ``registered``
-reader, and part of that limit is per process: on an H200 host one process plateaus at ~21 GB/s
+reader, and part of that limit is per process: on an H200 host one process plateaus at ~21-24 GB/s
 (16 threads), four processes of four threads reach ~32 GB/s together
-(``benchmarks/bench_h2d_procs.py``). :class:`HelperPool` starts a few torch-free helpers
+(``benchmarks/bench_h2d_procs.py``), and 36-37 GB/s with the caller copying a share too
+(``benchmarks/bench_h2d.py``, ``processes/4``). :class:`HelperPool` starts a few torch-free helpers
 (:mod:`.copy_helper_main`: ``python -S`` and ``ctypes`` on the CUDA driver, ready in ~0.25 s,
 started while vLLM builds the model), hands each a contiguous share of the windows with CUDA IPC
 handles of the destination allocations, and waits for them. The calling process may take a share
