@@ -4,7 +4,9 @@
     python benchmarks/bench_convert.py --preset llama-8b --formats awq --rounds 1 --device cuda
 
 Each measurement runs in a fresh subprocess (so peak memory is its own), alternating
-baseline and conversion, page cache warm. Peak memory is the process's anonymous RSS
+baseline and conversion, page cache warm. The baseline's write stays in the page cache; a bundle
+is written durably (O_DIRECT and fsync), so a second baseline, ``read+write+fsync``, also syncs
+its files: on a slow disk the sync, not the conversion, sets the convert time. Peak memory is the process's anonymous RSS
 (heap), sampled every 10 ms; memory-mapped checkpoint pages are page cache, not heap,
 and are reported separately as peak RSS.
 """
@@ -33,11 +35,16 @@ threading.Thread(target=sample, daemon=True).start()
 mode, src, dst, device = sys.argv[1:5]
 import torch
 t0 = time.perf_counter()
-if mode == 'baseline':
+if mode in ('baseline', 'durable'):
+    import os
     from safetensors.torch import load_file, save_file
     Path(dst).mkdir(parents=True)
     for f in sorted(Path(src).glob('*.safetensors')):
         save_file(load_file(f), Path(dst) / f.name, metadata={'format': 'pt'})
+        if mode == 'durable':  # on disk before returning, as a bundle is written
+            fd = os.open(Path(dst) / f.name, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
 else:
     from marlin_pack import convert
     convert(src, dst, tp_sizes=(1,), device=device)
@@ -86,19 +93,22 @@ def main() -> None:
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         for f in src.glob("*.safetensors"):  # warm the page cache for both sides alike
             f.read_bytes()
-        base, conv = [], []
+        base, durable, conv = [], [], []
         for _ in range(args.rounds):
             base.append(_run("baseline", src, args.workdir / "out-baseline", "cpu"))
+            durable.append(_run("durable", src, args.workdir / "out-durable", "cpu"))
             conv.append(_run("convert", src, args.workdir / "out-convert", args.device))
         b = statistics.median(r["seconds"] for r in base)
+        d = statistics.median(r["seconds"] for r in durable)
         c = statistics.median(r["seconds"] for r in conv)
-        rows.append((fmt, size, b, c, max(r["peak_anon"] for r in base), max(r["peak_anon"] for r in conv),
+        rows.append((fmt, size, b, d, c, max(r["peak_anon"] for r in base), max(r["peak_anon"] for r in conv),
                      max(r["maxrss"] for r in conv)))
     print(f"\npreset {args.preset}, {args.rounds} round(s), median seconds, convert on {args.device}")
-    print(f"{'format':6} {'size GB':>8} {'read+write s':>13} {'convert s':>10} {'ratio':>6} "
+    print(f"{'format':6} {'size GB':>8} {'read+write s':>13} {'+fsync s':>9} {'convert s':>10} {'ratio':>6} {'ratio fsync':>12} "
           f"{'heap r+w GB':>12} {'heap conv GB':>13} {'rss conv GB':>12}")
-    for fmt, size, b, c, pb, pc, rc in rows:
-        print(f"{fmt:6} {size / 1e9:8.2f} {b:13.2f} {c:10.2f} {c / b:6.2f} {pb / 1e9:12.2f} {pc / 1e9:13.2f} {rc / 1e9:12.2f}")
+    for fmt, size, b, d, c, pb, pc, rc in rows:
+        print(f"{fmt:6} {size / 1e9:8.2f} {b:13.2f} {d:9.2f} {c:10.2f} {c / b:6.2f} {c / d:12.2f} "
+              f"{pb / 1e9:12.2f} {pc / 1e9:13.2f} {rc / 1e9:12.2f}")
 
 
 if __name__ == "__main__":
