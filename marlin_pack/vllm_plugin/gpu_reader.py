@@ -30,8 +30,9 @@ pinned host-to-GPU 55.5 GB/s): registered 16 threads x 256 MiB 25.9 GB/s, 8 x 25
 registration fails stages its windows instead (with a warning).
 
 A bundle on tmpfs (``/dev/shm``) behaves differently: a 70B rank file there measured 10.1 GB/s
-registered against 12.7-19.7 GB/s staged, so ``auto`` (the default) stages files on tmpfs and
-registers the others. File reads, registration and copies
+registered against 12.7-19.7 GB/s staged, so ``auto`` (the default) stages files on tmpfs; other
+files go ``processes`` when the reader was given a :class:`HelperPool` (the loader starts one when
+they can help, see ``loader.helpers_help``), else ``registered``. File reads, registration and copies
 release the GIL, so Python overhead is per window, not per byte. CPU destinations are
 read into directly (no staging), which is also what the CPU tests exercise.
 
@@ -232,11 +233,14 @@ def filesystem_type(path: str | Path, mounts: str | Path = "/proc/self/mounts") 
         return None
 
 
-def resolve_mode(mode: str, path: str | Path) -> str:
-    """``auto``: ``staged`` for a file in memory (tmpfs), else ``registered``."""
+def resolve_mode(mode: str, path: str | Path, helpers: bool = False) -> str:
+    """``auto``: ``staged`` for a file in memory (tmpfs), else ``processes`` when copy helpers are
+    available (``helpers``: the caller started or may start a :class:`HelperPool`), else ``registered``."""
     if mode != "auto":
         return mode
-    return "staged" if filesystem_type(path) in _MEMORY_FILESYSTEMS else "registered"
+    if filesystem_type(path) in _MEMORY_FILESYSTEMS:
+        return "staged"
+    return "processes" if helpers else "registered"
 
 
 @dataclass(frozen=True)
@@ -293,7 +297,7 @@ class ParallelReader:
 
     def plan(self, path: str | Path) -> _Plan:
         """The mode, threads and window size used for ``path``."""
-        mode = resolve_mode(self.mode, path)
+        mode = resolve_mode(self.mode, path, helpers=self._helpers is not None)
         threads, chunk = MODE_DEFAULTS[mode]
         return _Plan(mode, self.threads or threads, self.chunk or self._round(chunk))
 

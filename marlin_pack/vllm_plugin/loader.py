@@ -26,6 +26,7 @@ checkpoint is loaded by vLLM's ``DefaultModelLoader``; without it the load stops
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -64,6 +65,31 @@ _LARGE_COMMON = 16 << 20
 # vLLM weight loaders that, given a tensor of the parameter's own shape at TP=1, only copy it.
 _PLAIN_COPY_LOADERS = frozenset({"default_weight_loader", "VocabParallelEmbedding.weight_loader"})
 _ARENA_ALIGN = 512  # bytes; the CUDA caching allocator's alignment (Marlin's vector loads need 16)
+
+# io_mode auto starts copy helpers only with this many usable cores (4 helpers x 4 threads measured best on 16).
+_HELPER_MIN_CORES = 8
+
+
+def helpers_help(vllm_config: VllmConfig, model_config: ModelConfig) -> bool:
+    """Whether ``io_mode: auto`` should copy a bundle with helper processes (``processes``).
+
+    Only where that was measured to pay and to work: one engine process on the host's GPUs
+    (TP=1, no pipeline or data parallelism: several ranks would each start helpers and contend
+    for cores and page pins), enough cores, and device memory from PyTorch's ordinary
+    allocator (the helpers open it with legacy CUDA IPC, which the sleep-mode allocator and
+    ``expandable_segments`` do not support). Elsewhere ``auto`` stays ``registered``.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return (
+        vllm_config.parallel_config.world_size_across_dp == 1
+        and not model_config.enable_sleep_mode
+        and "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+        and cores >= _HELPER_MIN_CORES
+    )
+
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
 logger = init_logger("vllm.marlin_pack")
@@ -165,7 +191,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         force_marlin(vllm_config.kernel_config)
         if bundle.tp_set.moe_layers:  # experts: Marlin MoE for --moe-backend auto (an explicit other one is refused below)
             force_marlin_moe(vllm_config.kernel_config)
-        helpers = self._start_helpers(bundle)  # they get their CUDA contexts while vLLM builds the model
+        helpers = self._start_helpers(vllm_config, model_config, bundle)  # they get their CUDA contexts while vLLM builds the model
         try:
             model = self._create_checked(vllm_config, model_config, prefix, bundle, t0, helpers)
         except BaseException:
@@ -176,8 +202,13 @@ class MarlinPrepackedLoader(BaseModelLoader):
             helpers.close()  # fell back to the ordinary way
         return model
 
-    def _start_helpers(self, bundle: SelectedBundle) -> HelperPool | None:
-        if resolve_mode(self.options.io_mode, bundle.rank_file) != "processes" or not torch.cuda.is_available():
+    def _start_helpers(self, vllm_config: VllmConfig, model_config: ModelConfig, bundle: SelectedBundle) -> HelperPool | None:
+        if not torch.cuda.is_available():
+            return None
+        mode = self.options.io_mode
+        if mode == "auto":
+            mode = resolve_mode(mode, bundle.rank_file, helpers=helpers_help(vllm_config, model_config))
+        if mode != "processes":
             return None
         return HelperPool(self.options.io_processes, torch.cuda.current_device())
 

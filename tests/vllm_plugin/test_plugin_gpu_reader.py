@@ -105,6 +105,9 @@ def test_auto_mode_stages_files_in_memory_and_registers_the_rest(tmp_path: Path)
     assert resolve_mode("staged", "/dev/shm/x") == "staged"
     here = resolve_mode("auto", tmp_path / "f")
     assert here == ("staged" if filesystem_type(tmp_path) in ("tmpfs", "ramfs") else "registered")
+    with_helpers = resolve_mode("auto", tmp_path / "f", helpers=True)
+    assert with_helpers == ("staged" if filesystem_type(tmp_path) in ("tmpfs", "ramfs") else "processes")
+    assert resolve_mode("registered", tmp_path / "f", helpers=True) == "registered"
     plan = ParallelReader(mode="auto").plan(tmp_path / "f")
     assert (plan.threads, plan.chunk) == MODE_DEFAULTS[plan.mode]
     assert ParallelReader(threads=3, chunk_bytes=5000, mode="staged").plan(tmp_path / "f").chunk == 1 << 16

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,11 +37,12 @@ def fake_engine(
     vllm_config = SimpleNamespace(
         kernel_config=KernelConfig(),
         speculative_config=None,
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1, world_size_across_dp=tp_size),
         device_config=SimpleNamespace(device=torch.device("cpu")),
     )
     model_config = SimpleNamespace(
-        model=str(model), dtype=torch.float16, quantization=quantization, word_embeddings_untied_by_checkpoint=False
+        model=str(model), dtype=torch.float16, quantization=quantization, word_embeddings_untied_by_checkpoint=False,
+        enable_sleep_mode=False,
     )
     return vllm_config, model_config
 
@@ -318,3 +320,44 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     assert len(seen) == 1
     ended = ["close wait=False", "joined"] if case == "loads" else ["close wait=True"]
     assert events == ["start 2 helpers for device 3", "create", *ended]
+
+
+@pytest.mark.parametrize(
+    ("change", "starts"),
+    [
+        ("none", True),
+        ("more ranks", False),  # tensor, pipeline or data parallel: each rank would start helpers
+        ("sleep mode", False),  # the cumem allocator's memory cannot be opened with legacy CUDA IPC
+        ("expandable segments", False),
+        ("few cores", False),
+        ("tmpfs", False),  # staged
+    ],
+)
+def test_auto_io_mode_starts_helpers_only_where_they_help(
+    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, change: str, starts: bool
+) -> None:
+    """io_mode auto: copy helpers (the processes mode) for one engine process on a file on disk with
+    enough cores and PyTorch's ordinary allocator; otherwise none are started (registered or staged)."""
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin import gpu_reader
+
+    events = _FakeHelpers.events = []
+    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4 if change == "few cores" else 16)))
+    monkeypatch.setattr(gpu_reader, "filesystem_type", lambda path: "tmpfs" if change == "tmpfs" else "ext4")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    if change == "expandable segments":
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6, expandable_segments:True")
+    fake_create_model(monkeypatch, awq_bundle)
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    if change == "more ranks":
+        vllm_config.parallel_config.world_size_across_dp = 2
+    if change == "sleep mode":
+        model_config.enable_sleep_mode = True
+    loader = make_loader()
+    assert loader.options.io_mode == "auto"
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        loader.create_model(vllm_config, model_config)
+    assert events == (["start None helpers for device 0"] if starts else [])  # None: HelperPool's default count
