@@ -91,3 +91,26 @@ def test_word_repack_in_pieces_equals_one_pass(layout: str, monkeypatch: pytest.
     assert torch.equal(marlin_weights(packed, k, n), want)
     out = torch.full_like(want, -1)
     assert marlin_weights(packed, k, n, out).data_ptr() == out.data_ptr() and torch.equal(out, want)
+
+
+@pytest.mark.parametrize(
+    ("shape", "perm", "dtype"),
+    [
+        ((3, 2, 5, 8), (0, 2, 1, 3), torch.int32),  # innermost run contiguous on both sides: moved as void items
+        ((4, 16, 8), (0, 2, 1), torch.int32),  # a transpose: element by element
+        ((2, 3, 4, 1), (1, 0, 2, 3), torch.int64),  # a last dimension of one
+        ((5,), (0,), torch.int32),
+    ],
+)
+def test_cpu_copy_through_numpy_equals_torch_copy(shape: tuple[int, ...], perm: tuple[int, ...], dtype: torch.dtype) -> None:
+    from marlin_pack.marlin.word_repack import _copy
+
+    src = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int64).to(dtype).permute(*perm)
+    want = torch.empty(src.shape, dtype=dtype).copy_(src)
+    got = torch.full(src.shape, -1, dtype=dtype)
+    _copy(got, src)
+    assert torch.equal(got, want)
+    # into a strided destination (rows of a larger tensor), as the repack's pieces write theirs
+    wide = torch.full((*src.shape[:-1], src.shape[-1] * 2), -1, dtype=dtype)
+    _copy(wide[..., : src.shape[-1]], src)
+    assert torch.equal(wide[..., : src.shape[-1]], want) and bool((wide[..., src.shape[-1] :] == -1).all())
