@@ -49,7 +49,7 @@ from marlin_pack.marlin.moe import moe_entry_specs
 from marlin_pack.marlin.rank_tensors import tensor_specs
 from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin import patches
-from marlin_pack.vllm_plugin.copy_helpers import HelperPool
+from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader, resolve_mode
@@ -68,6 +68,8 @@ _ARENA_ALIGN = 512  # bytes; the CUDA caching allocator's alignment (Marlin's ve
 
 # io_mode auto starts copy helpers only with this many usable cores (4 helpers x 4 threads measured best on 16).
 _HELPER_MIN_CORES = 8
+# GPU memory set aside per copy helper's CUDA context (a driver-API context without torch; generous).
+_HELPER_CONTEXT_BYTES = 512 << 20
 
 
 def helpers_help(vllm_config: VllmConfig, model_config: ModelConfig) -> bool:
@@ -207,10 +209,22 @@ class MarlinPrepackedLoader(BaseModelLoader):
             return None
         mode = self.options.io_mode
         if mode == "auto":
-            mode = resolve_mode(mode, bundle.rank_file, helpers=helpers_help(vllm_config, model_config))
+            usable = helpers_help(vllm_config, model_config) and self._helpers_fit(bundle)
+            mode = resolve_mode(mode, bundle.rank_file, helpers=usable)
         if mode != "processes":
             return None
         return HelperPool(self.options.io_processes, torch.cuda.current_device())
+
+    def _helpers_fit(self, bundle: SelectedBundle) -> bool:
+        """Whether the GPU has room for the helpers' CUDA contexts beside the model's weights.
+
+        They live only while the model loads, but a model that just fits must not fail to load
+        because of them (``auto`` then stays in-process).
+        """
+        count = self.options.io_processes or DEFAULT_PROCESSES
+        free, _ = torch.cuda.mem_get_info()
+        weights = sum(f.stat().st_size for f in (bundle.rank_file, bundle.common_file))
+        return free >= weights + count * _HELPER_CONTEXT_BYTES
 
     def _create_checked(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, bundle: SelectedBundle, t0: float,

@@ -331,6 +331,7 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
         ("expandable segments", False),
         ("few cores", False),
         ("tmpfs", False),  # staged
+        ("gpu nearly full", False),  # no room for their CUDA contexts beside the weights
     ],
 )
 def test_auto_io_mode_starts_helpers_only_where_they_help(
@@ -345,6 +346,10 @@ def test_auto_io_mode_starts_helpers_only_where_they_help(
     monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    files = (awq_bundle / "marlin-pack/tp1/rank-0.safetensors", awq_bundle / "marlin-pack/common.safetensors")
+    bundle_bytes = sum(f.stat().st_size for f in files)
+    room = 4 * (512 << 20) - (1 if change == "gpu nearly full" else 0)  # 4 helpers by default, 512 MiB each
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (bundle_bytes + room, 80 << 30))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4 if change == "few cores" else 16)))
     monkeypatch.setattr(gpu_reader, "filesystem_type", lambda path: "tmpfs" if change == "tmpfs" else "ext4")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
