@@ -44,11 +44,8 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
 from marlin_pack.errors import BundleError, MismatchField
-from marlin_pack.io.safetensors_io import SafetensorsHeader
-from marlin_pack.marlin.moe import moe_entry_specs
-from marlin_pack.marlin.rank_tensors import tensor_specs
-from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin import patches
+from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
 from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
@@ -56,6 +53,7 @@ from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
+from marlin_pack.vllm_plugin.patches.placeholders import materialize_stubs, stub_quantized_placeholders
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 
 __all__ = ["MarlinPrepackedLoader"]
@@ -64,7 +62,6 @@ __all__ = ["MarlinPrepackedLoader"]
 _LARGE_COMMON = 16 << 20
 # vLLM weight loaders that, given a tensor of the parameter's own shape at TP=1, only copy it.
 _PLAIN_COPY_LOADERS = frozenset({"default_weight_loader", "VocabParallelEmbedding.weight_loader"})
-_ARENA_ALIGN = 512  # bytes; the CUDA caching allocator's alignment (Marlin's vector loads need 16)
 
 # io_mode auto starts copy helpers only with this many usable cores (4 helpers x 4 threads measured best on 16).
 _HELPER_MIN_CORES = 8
@@ -98,27 +95,46 @@ logger = init_logger("vllm.marlin_pack")
 
 
 @dataclass
+class _ArenaFill:
+    """The arena allocated before vLLM builds the model, and its copy running beside the construction."""
+
+    layout: ArenaLayout
+    arena: torch.Tensor
+    copy: BackgroundCopy
+
+
+@dataclass
 class _ModelState:
     bundle: SelectedBundle | None  # None: loaded the ordinary way
     layers: dict[str, nn.Module] = field(default_factory=dict)
     helpers: HelperPool | None = None  # io_mode processes: started before vLLM builds the model, closed after the copies
+    fill: _ArenaFill | None = None  # the rank file already being copied (dense bundles)
 
 
 @dataclass
 class _Timings:
     validate: float = 0.0
     create: float = 0.0
-    copy: float = 0.0
+    copy: float = 0.0  # the rank file's read+copy, from its start to its end
     copy_bytes: int = 0
+    beside: bool = False  # the copy ran beside the model's construction and the common tensors
+    wait: float = 0.0  # beside: how long loading then waited for the copy
     common: float = 0.0
     post: float = 0.0
 
+    @property
+    def rate(self) -> float:
+        return self.copy_bytes / self.copy / 1e9 if self.copy > 0 else 0.0
+
+    def copy_text(self) -> str:
+        text = f"read+copy {self.copy:.2f} s ({self.copy_bytes / 1e9:.2f} GB, {self.rate:.1f} GB/s)"
+        return f"{text} beside create and common, waited {self.wait:.2f} s" if self.beside else text
+
     def line(self, bundle: SelectedBundle, layers: int) -> str:
-        rate = self.copy_bytes / self.copy / 1e9 if self.copy > 0 else 0.0
-        total = self.validate + self.create + self.copy + self.common + self.post
+        serial = self.wait if self.beside else self.copy  # what the copy added to the loader's time
+        total = self.validate + self.create + serial + self.common + self.post
         return (
-            f"marlin-pack: validate {self.validate:.2f} s, create {self.create:.2f} s, "
-            f"read+copy {self.copy:.2f} s ({self.copy_bytes / 1e9:.2f} GB, {rate:.1f} GB/s), "
+            f"marlin-pack: validate {self.validate:.2f} s, create {self.create:.2f} s, {self.copy_text()}, "
             f"load common {self.common:.2f} s, post-process {self.post:.2f} s, total {total:.2f} s "
             f"({layers} prepacked layers, tp {bundle.tp_set.tp_size} rank {bundle.rank}, "
             f"bundle {bundle.bundle_dir})"
@@ -230,7 +246,14 @@ class MarlinPrepackedLoader(BaseModelLoader):
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, bundle: SelectedBundle, t0: float,
         helpers: HelperPool | None,
     ) -> nn.Module:
-        model = super().create_model(vllm_config, model_config, prefix)
+        fill = self._start_fill(bundle, helpers)
+        try:
+            with stub_quantized_placeholders(fill is not None):
+                model = super().create_model(vllm_config, model_config, prefix)
+        except BaseException:
+            if fill is not None:
+                fill.copy.abandon()  # its thread writes into the arena (and uses the helpers) until it ends
+            raise
         layers = quantized_layers(model)
         try:
             experts = {name: m for name, m in layers.items() if is_moe_layer(m)}
@@ -242,6 +265,11 @@ class MarlinPrepackedLoader(BaseModelLoader):
             check_moe_layers(bundle.manifest, bundle.tp_set, moe_facts)
         except BundleError as e:
             reason, fld = str(e), getattr(e, "field", None) or MismatchField.layers
+            if fill is not None:
+                fill.copy.abandon()
+                fill = None  # the arena goes before the checkpoint loads
+                for module in model.modules():  # vLLM's weight loaders will write into the placeholders
+                    materialize_stubs(module)
             if not self.options.fallback:
                 raise refusal(fld, reason, str(model_config.model), bundle.bundle_dir) from e
             # The model vLLM built is valid for ordinary loading (Marlin stays forced).
@@ -264,8 +292,37 @@ class MarlinPrepackedLoader(BaseModelLoader):
             f"; {len(experts)} experts layers use Marlin MoE (moe_backend={vllm_config.kernel_config.moe_backend})"
             if experts else "",
         )
-        self._models[model] = _ModelState(bundle, layers, helpers)
+        self._models[model] = _ModelState(bundle, layers, helpers, fill)
         return model
+
+    def _start_fill(self, bundle: SelectedBundle, helpers: HelperPool | None) -> _ArenaFill | None:
+        """Allocate the arena and start copying the rank file into it, before vLLM builds the model.
+
+        Only for bundles without experts layers: vLLM's Marlin MoE methods keep their device
+        placeholders (not stubbed), so their arena would sit beside them. The arena goes to the
+        default device, which vLLM sets around ``create_model`` (the engine's and the daemon's).
+        """
+        layout = ArenaLayout.of(bundle)
+        if bundle.tp_set.moe_layers or not layout.slots:
+            return None
+        arena = layout.allocate()
+        copy = BackgroundCopy(
+            lambda: self._reader(helpers),
+            bundle.rank_file,
+            layout.copy_items(arena),
+            # The helpers exit as soon as their share is copied: their CUDA contexts go while loading goes on.
+            on_done=None if helpers is None else (lambda: helpers.close(wait=False)),
+        )
+        return _ArenaFill(layout, arena, copy)
+
+    def _reader(self, helpers: HelperPool | None, mode: str | None = None) -> ParallelReader:
+        return ParallelReader(
+            self.options.io_threads,
+            None if self.options.chunk_mb is None else self.options.chunk_mb << 20,
+            mode or self.options.io_mode,  # type: ignore[arg-type]
+            helpers=helpers,
+            processes=self.options.io_processes,
+        )
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Place the rank file's tensors and mark the layers; load the common tensors via vLLM."""
@@ -287,83 +344,52 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 helpers.join()
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
-        with ParallelReader(
-            self.options.io_threads,
-            None if self.options.chunk_mb is None else self.options.chunk_mb << 20,
-            self.options.io_mode,
-            helpers=helpers,
-            processes=self.options.io_processes,
-        ) as reader:
-            t0 = time.perf_counter()
-            items = self._place(state, bundle.rank_header)  # header checked before the GPU, by decide()
-            self._timings.copy_bytes = reader.copy(bundle.rank_file, items)
-            if helpers is not None:
-                helpers.close(wait=False)  # they exit while the common tensors load (which this process reads)
-            for layer in state.layers.values():
-                mark_prepacked(layer)
-            t1 = time.perf_counter()
-            device = next(next(iter(state.layers.values())).parameters()).device
-            with HostMap(bundle.common_file) as host:
-                model.load_weights(self._common_weights(reader, host, bundle, model, device))
-            t2 = time.perf_counter()
-        self._timings.copy, self._timings.common = t1 - t0, t2 - t1
+        fill, state.fill = state.fill, None
+        # With the rank file copying beside, the common tensors read here without the helpers (which it uses).
+        common_mode = "registered" if fill is not None and self.options.io_mode == "processes" else None
+        try:
+            with self._reader(None if fill is not None else helpers, common_mode) as reader:
+                t0 = time.perf_counter()
+                layout = fill.layout if fill is not None else ArenaLayout.of(bundle)
+                params = layout.parameters(state.layers)
+                release(params)  # placeholders vLLM made with memory (stubs have none), before the arena is allocated
+                if fill is None:
+                    arena = layout.allocate(params[0].device) if params else torch.empty(0, dtype=torch.uint8)
+                    layout.bind(params, arena)
+                    self._timings.copy_bytes = reader.copy(bundle.rank_file, layout.copy_items(arena))
+                    modes = reader.modes_used
+                    if helpers is not None:
+                        helpers.close(wait=False)  # they exit while the common tensors load (which this process reads)
+                else:
+                    layout.bind(params, fill.arena)
+                for layer in state.layers.values():
+                    materialize_stubs(layer)  # placeholders the bundle does not replace (finishing sets them)
+                    mark_prepacked(layer)
+                t1 = time.perf_counter()
+                device = next(next(iter(state.layers.values())).parameters()).device
+                with HostMap(bundle.common_file) as host:
+                    model.load_weights(self._common_weights(reader, host, bundle, model, device))
+                t2 = time.perf_counter()
+        finally:
+            if fill is not None:
+                waited = fill.copy.join()  # also when loading failed: the copy writes into the arena
+                self._timings.copy, self._timings.copy_bytes = fill.copy.seconds, fill.copy.bytes
+                self._timings.beside, self._timings.wait = True, waited
+                modes = fill.copy.modes_used
+        if fill is None:
+            self._timings.copy = t1 - t0
+        self._timings.common = t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
         logger.info(
-            "marlin-pack: placed %d tensors from %s for tp %d rank %d: read+copy %.2f s (%.2f GB, %.1f GB/s, "
-            "io_mode %s), load common %.2f s",
-            len(items),
+            "marlin-pack: placed %d tensors from %s for tp %d rank %d: %s, io_mode %s, load common %.2f s",
+            len(params),
             bundle.rank_file,
             bundle.tp_set.tp_size,
             bundle.rank,
-            self._timings.copy,
-            self._timings.copy_bytes / 1e9,
-            self._timings.copy_bytes / max(self._timings.copy, 1e-9) / 1e9,
-            "/".join(sorted(reader.modes_used)) or "-",
+            self._timings.copy_text(),
+            "/".join(sorted(modes)) or "-",
             self._timings.common,
         )
-
-    def _place(self, state: _ModelState, header: SafetensorsHeader) -> list[CopyItem]:
-        """Bind views of one device allocation (the *arena*), in the bundle's shapes, to the layers' parameters.
-
-        One allocation instead of one per tensor: the weight-cache daemon exports it as a
-        single CUDA IPC handle, so an ``ipc_cache`` engine opens one mapping, not one per
-        tensor (about a thousand for a 70B model). The checkpoint-shaped placeholders are
-        freed first so the arena does not sit beside them.
-        """
-        bundle = state.bundle
-        assert bundle is not None
-        dtype = torch_dtype(bundle.manifest.serving_dtype)
-        placed: list[tuple[nn.Parameter, torch.dtype, tuple[int, ...], int, int]] = []
-        specs = [
-            (entry.name, spec)
-            for entry in bundle.tp_set.layers
-            for spec in tensor_specs(entry, bundle.manifest.quant, dtype, bundle.manifest.source.format)
-        ] + [(entry.name, spec) for entry in bundle.tp_set.moe_layers for spec in moe_entry_specs(entry, bundle.manifest.quant, dtype)]
-        for layer_name, (name, tdtype, shape) in specs:
-            param = getattr(state.layers[layer_name], name.rsplit(".", 1)[1])
-            if not isinstance(param, nn.Parameter) or param.dtype != tdtype:
-                raise BundleError(
-                    f"layer {layer_name}: parameter {name} is {type(param).__name__} "
-                    f"{getattr(param, 'dtype', None)}, the bundle holds {tdtype}"
-                )
-            info = header.tensors[name]
-            placed.append((param, tdtype, tuple(shape), info.start, info.nbytes))
-        if not placed:
-            return []
-        device = placed[0][0].device
-        offsets, total = [], 0
-        for *_, nbytes in placed:
-            offsets.append(total)
-            total += -(-nbytes // _ARENA_ALIGN) * _ARENA_ALIGN  # each view aligned as the CUDA allocator aligns
-        # Keep the Parameter objects (and their loader attributes), as vLLM's replace_parameter does.
-        for param, tdtype, *_ in placed:
-            param.data = torch.empty(0, dtype=tdtype, device=param.device)
-        arena = torch.empty(total, dtype=torch.uint8, device=device)
-        items: list[CopyItem] = []
-        for (param, tdtype, shape, start, nbytes), off in zip(placed, offsets, strict=True):
-            param.data = arena[off : off + nbytes].view(tdtype).view(shape)
-            items.append(CopyItem(start, nbytes, param.data))
-        return items
 
     @staticmethod
     def _common_weights(

@@ -2,6 +2,8 @@
 
 ``post_processing``: the AWQ/GPTQ Marlin quant methods accept final tensors (from a bundle or
 the weight cache); ``moe_post_processing``: likewise their Marlin MoE experts methods.
+``placeholders``: the linear methods' ``create_weights`` makes placeholders without memory while the
+loader builds a model it fills from a bundle.
 ``weight_cache``: Marlin for weight-cache processes, an unchanged cache key, the plugin in
 ``vllm preload``'s spawned daemons. ``gc_freeze``: the GC heap frozen before vLLM's timed
 model loading for marlin-pack's start paths. ``construct``: vLLM's per-layer bookkeeping while it
@@ -14,7 +16,15 @@ upstream change that retires it.
 from __future__ import annotations
 
 from marlin_pack._constants import TARGET_VLLM_VERSION
-from marlin_pack.vllm_plugin.patches import cache_key, construct, gc_freeze, moe_post_processing, post_processing, weight_cache
+from marlin_pack.vllm_plugin.patches import (
+    cache_key,
+    construct,
+    gc_freeze,
+    moe_post_processing,
+    placeholders,
+    post_processing,
+    weight_cache,
+)
 from marlin_pack.vllm_plugin.patches.registry import Patch, installed, uninstall_all
 from marlin_pack.vllm_plugin.version_guard import vllm_version
 
@@ -22,6 +32,7 @@ __all__ = ["PATCHES", "Patch", "install", "installed", "uninstall_all"]
 
 PATCHES: tuple[Patch, ...] = (
     *post_processing.PATCHES,
+    *placeholders.PATCHES,
     *moe_post_processing.PATCHES,
     *weight_cache.PATCHES,
     *gc_freeze.PATCHES,

@@ -18,7 +18,6 @@ weights into the same layer is post-processed normally. ``apply()`` is never tou
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from torch import nn
 from marlin_pack.vllm_plugin.patches.registry import Patch, is_replacement
 
 __all__ = [
+    "LAYER_REF",
     "QUANT_METHODS",
     "PATCHES",
     "mark_prepacked",
@@ -44,10 +44,11 @@ QUANT_METHODS = (
     # Delegates to the layer's scheme; only CompressedTensorsWNA16 on Marlin is finished here.
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:CompressedTensorsLinearMethod",
 )
-_CT_METHOD = QUANT_METHODS[2]
+
 # compressed-tensors' linear method holds no kernel and does not know its layer (the kernel is on
-# layer.scheme; vLLM makes one method object per layer): create_weights records the layer here.
-_LAYER_REF = "_marlin_pack_layer"
+# layer.scheme; vLLM makes one method object per layer): create_weights records the layer here
+# (patched in .placeholders, which owns the create_weights patches).
+LAYER_REF = "_marlin_pack_layer"
 
 
 def mark_prepacked(layer: nn.Module) -> None:
@@ -71,7 +72,7 @@ def is_patched(quant_method: object) -> bool:
 
 
 def _recorded_layer(quant_method: Any) -> nn.Module | None:
-    ref = getattr(quant_method, "__dict__", {}).get(_LAYER_REF)
+    ref = getattr(quant_method, "__dict__", {}).get(LAYER_REF)
     return ref() if ref is not None else None
 
 
@@ -112,15 +113,6 @@ _SUPPORTS = property(
 )
 
 
-def _record_layer(original: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(original)
-    def create_weights(self: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> None:
-        self.__dict__[_LAYER_REF] = weakref.ref(layer)
-        original(self, layer, *args, **kwargs)
-
-    return create_weights
-
-
 PATCHES = tuple(
     patch
     for target in QUANT_METHODS
@@ -138,11 +130,4 @@ PATCHES = tuple(
             "MarlinLinearKernel (the weight cache then shares their layers)",
         ),
     )
-) + (
-    Patch(
-        f"{_CT_METHOD}.create_weights",
-        _record_layer,
-        remove_when="vLLM's compressed-tensors linear method declares supports_pre_processed_weights per scheme "
-        "(then it need not know its layer)",
-    ),
 )

@@ -1,0 +1,162 @@
+"""The *arena*: one device allocation holding a rank file's tensors, and its copy in the background.
+
+The weight-cache daemon exports one allocation as one CUDA IPC handle, so an ``ipc_cache``
+engine opens one mapping instead of one per tensor (about a thousand for a 70B model). Its
+layout (:class:`ArenaLayout`) follows from the bundle alone: which layer parameter each rank-file
+tensor replaces, in which dtype and shape, at which file offset and arena offset (each view
+aligned as the CUDA caching allocator aligns its blocks). So the loader can allocate the arena
+and start filling it (:class:`BackgroundCopy`) before vLLM builds the model, and bind the views
+to the layers' parameters afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from marlin_pack.errors import BundleError
+from marlin_pack.marlin.moe import moe_entry_specs
+from marlin_pack.marlin.rank_tensors import tensor_specs
+from marlin_pack.schemas import torch_dtype
+from marlin_pack.vllm_plugin.decision import SelectedBundle
+from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
+
+__all__ = ["ARENA_ALIGN", "ArenaLayout", "ArenaSlot", "BackgroundCopy", "release"]
+
+ARENA_ALIGN = 512  # bytes; the CUDA caching allocator's alignment (Marlin's vector loads need 16)
+
+
+@dataclass(frozen=True)
+class ArenaSlot:
+    """One rank-file tensor: the layer parameter it replaces and where its bytes are."""
+
+    layer: str  # the layer's module name
+    param: str  # the parameter's name on that layer
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # file offset
+    nbytes: int
+    offset: int  # arena offset
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Where every tensor of a rank file goes: :meth:`of` a bundle."""
+
+    slots: tuple[ArenaSlot, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, bundle: SelectedBundle) -> ArenaLayout:
+        """The layout of ``bundle``'s rank file: its layers' tensors in manifest order (headers already checked)."""
+        dtype = torch_dtype(bundle.manifest.serving_dtype)
+        quant, fmt = bundle.manifest.quant, bundle.manifest.source.format
+        specs = [(entry.name, spec) for entry in bundle.tp_set.layers for spec in tensor_specs(entry, quant, dtype, fmt)]
+        specs += [(entry.name, spec) for entry in bundle.tp_set.moe_layers for spec in moe_entry_specs(entry, quant, dtype)]
+        slots, offset = [], 0
+        for layer, (name, tdtype, shape) in specs:
+            info = bundle.rank_header.tensors[name]
+            slots.append(ArenaSlot(layer, name.rsplit(".", 1)[1], tdtype, tuple(shape), info.start, info.nbytes, offset))
+            offset += -(-info.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        return cls(tuple(slots), offset)
+
+    def allocate(self, device: torch.device | None = None) -> torch.Tensor:
+        """The arena's memory (uninitialised), on ``device`` or the current default device."""
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+    def copy_items(self, arena: torch.Tensor) -> list[CopyItem]:
+        """What to read into ``arena``: each slot's file bytes into its byte range."""
+        return [CopyItem(s.start, s.nbytes, arena[s.offset : s.offset + s.nbytes]) for s in self.slots]
+
+    def parameters(self, layers: Mapping[str, nn.Module]) -> list[nn.Parameter]:
+        """The parameter each slot replaces, checked: it exists and has the slot's dtype."""
+        params = []
+        for s in self.slots:
+            param = getattr(layers[s.layer], s.param, None)
+            if not isinstance(param, nn.Parameter) or param.dtype != s.dtype:
+                raise BundleError(
+                    f"layer {s.layer}: parameter {s.layer}.{s.param} is {type(param).__name__} "
+                    f"{getattr(param, 'dtype', None)}, the bundle holds {s.dtype}"
+                )
+            params.append(param)
+        return params
+
+    def bind(self, params: Sequence[nn.Parameter], arena: torch.Tensor) -> None:
+        """Point each parameter at its slot's view of ``arena``, in the slot's shape.
+
+        The Parameter objects stay (and their loader attributes), as vLLM's ``replace_parameter`` keeps them.
+        """
+        for param, s in zip(params, self.slots, strict=True):
+            param.data = arena[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
+
+
+def release(params: Sequence[nn.Parameter]) -> None:
+    """Free the placeholders ``params`` hold (before the arena is allocated beside them)."""
+    for param in params:
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+class BackgroundCopy:
+    """Reads file ranges into tensors on a thread of its own, from construction until :meth:`join`.
+
+    ``make_reader`` is called on that thread; ``on_done`` runs there once the copy has ended
+    (done or failed). The items, and so their destinations, are referenced until then: the
+    memory cannot be freed under the copy.
+    """
+
+    def __init__(
+        self,
+        make_reader: Callable[[], ParallelReader],
+        path: str | Path,
+        items: list[CopyItem],
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+        self.modes_used: set[str] = set()
+        self._error: BaseException | None = None
+        self._path, self._items, self._make_reader, self._on_done = path, items, make_reader, on_done
+        devices = {it.dst.device for it in items}
+        self._device = devices.pop() if len(devices) == 1 else None
+        self._thread = threading.Thread(target=self._run, name="marlin-pack-arena-copy")
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self._device is not None and self._device.type == "cuda":
+                torch.cuda.set_device(self._device)  # the current device is per thread (a TP rank's is not cuda:0)
+            with self._make_reader() as reader:
+                self.bytes = reader.copy(self._path, self._items)
+                self.modes_used = set(reader.modes_used)
+        except BaseException as e:  # noqa: BLE001 - handed to join()
+            self._error = e
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._items = []
+            if self._on_done is not None:
+                try:
+                    self._on_done()
+                except Exception as e:  # noqa: BLE001
+                    self._error = self._error or e
+
+    def join(self) -> float:
+        """Wait for the copy; returns the seconds waited. Raises what the copy raised."""
+        t0 = time.perf_counter()
+        self._thread.join()
+        waited = time.perf_counter() - t0
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return waited
+
+    def abandon(self) -> None:
+        """Wait for the copy and drop its outcome (the caller is failing or falling back already)."""
+        self._thread.join()
+        self._error = None

@@ -1,0 +1,116 @@
+"""``create_weights`` of the AWQ/GPTQ/compressed-tensors linear methods: placeholders without memory.
+
+vLLM builds every quantized linear layer with checkpoint-shaped placeholder tensors on the
+device (``torch.empty``/``torch.zeros``), which the ``marlin_prepacked`` loader then rebinds to
+views of its arena (one allocation holding the bundle's final tensors). For a 70B model that is
+~35 GB in hundreds of allocations made only to be freed. While :func:`stub_quantized_placeholders`
+is active (the loader builds a model it fills from a bundle), the tensors these methods create
+are *stubs*: one element of the right dtype on the right device, broadcast to the placeholder's
+shape (stride 0). No memory, so the loader can allocate the arena and start copying the bundle
+into it *before* vLLM builds the model, and the copy runs beside the construction.
+
+Why not ``meta``: a parameter's ``.data`` cannot be rebound from a meta tensor to a device
+tensor (``set_data``: incompatible tensor type), and the loader keeps vLLM's parameter objects
+(their classes and loader attributes), as vLLM's own ``replace_parameter`` does. A stub holds
+the value its factory would have written (``zeros``: 0), so :func:`materialize_stubs` turns one
+the bundle does not replace into an ordinary tensor with the same contents as vLLM's.
+
+compressed-tensors' linear method also records its layer here (see
+:func:`~marlin_pack.vllm_plugin.patches.post_processing.supports_pre_processed`): one patch per
+target, so that method's wrapper does both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from marlin_pack.vllm_plugin.patches.post_processing import LAYER_REF, QUANT_METHODS
+from marlin_pack.vllm_plugin.patches.registry import Patch
+
+__all__ = ["PATCHES", "is_stub", "materialize_stubs", "stub_quantized_placeholders"]
+
+_STUBS: contextvars.ContextVar[bool] = contextvars.ContextVar("marlin_pack_stub_placeholders", default=False)
+_CT_METHOD = QUANT_METHODS[2]
+# The factories vLLM 0.33.0's linear methods and the WNA16 scheme create placeholders with.
+_FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones})
+
+
+@contextlib.contextmanager
+def stub_quantized_placeholders(enabled: bool = True) -> Iterator[None]:
+    """While active (and ``enabled``), the patched linear methods create stub placeholders."""
+    token = _STUBS.set(enabled)
+    try:
+        yield
+    finally:
+        _STUBS.reset(token)
+
+
+class _StubFactories(TorchFunctionMode):
+    """``torch.empty/zeros/ones`` of more than one element: one element broadcast to the shape."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _FACTORIES or kwargs.get("out") is not None or kwargs.get("requires_grad"):
+            return func(*args, **kwargs)
+        # The shape and dtype the call asks for, without memory (this mode is off inside its handler).
+        shape_of = func(*args, **{**kwargs, "device": "meta"})
+        if shape_of.numel() <= 1 or shape_of.dim() == 0:
+            return func(*args, **kwargs)
+        one = {k: v for k, v in kwargs.items() if k not in ("size", "memory_format")}
+        one["dtype"] = shape_of.dtype
+        return func(1, **one).expand(shape_of.shape)  # on kwargs' device, else the default one
+
+
+def is_stub(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a broadcast placeholder (several elements sharing storage) rather than memory of its own."""
+    return t.numel() > 1 and t.untyped_storage().nbytes() < t.numel() * t.element_size()
+
+
+def materialize_stubs(module: nn.Module) -> int:
+    """Give every stub parameter or buffer of ``module`` (not its children) memory of its own, same contents.
+
+    Returns how many were materialized.
+    """
+    count = 0
+    for t in [*module._parameters.values(), *module._buffers.values()]:
+        if isinstance(t, torch.Tensor) and is_stub(t):
+            t.data = t.data.contiguous()
+            count += 1
+    return count
+
+
+def _create_weights(record: bool) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(original)
+        def create_weights(self: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+            if record:
+                self.__dict__[LAYER_REF] = weakref.ref(layer)
+            if not _STUBS.get():
+                original(self, layer, *args, **kwargs)
+                return
+            with _StubFactories():
+                original(self, layer, *args, **kwargs)
+
+        return create_weights
+
+    return make
+
+
+PATCHES = tuple(
+    Patch(
+        f"{target}.create_weights",
+        _create_weights(record=target == _CT_METHOD),
+        remove_when="vLLM can build quantized layers for a pre-processed load without device placeholders "
+        "(as its ipc_cache loader builds on meta), and compressed-tensors' linear method knows its layer",
+    )
+    for target in QUANT_METHODS
+)
