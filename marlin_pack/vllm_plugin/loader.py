@@ -302,8 +302,10 @@ class MarlinPrepackedLoader(BaseModelLoader):
         placeholders (not stubbed), so their arena would sit beside them. The arena goes to the
         default device, which vLLM sets around ``create_model`` (the engine's and the daemon's).
         """
+        if not self.options.copy_during_build or bundle.tp_set.moe_layers:
+            return None
         layout = ArenaLayout.of(bundle)
-        if bundle.tp_set.moe_layers or not layout.slots:
+        if not layout.slots:
             return None
         arena = layout.allocate()
         copy = BackgroundCopy(

@@ -40,6 +40,10 @@ class LoaderOptions:
             tmpfs, else processes where helpers help, see ``loader.helpers_help``, else
             registered).
         io_processes: helper processes of the ``processes`` mode; default 4.
+        copy_during_build: start copying the rank file into its device memory before vLLM
+            builds the model (whose quantized placeholders then take no memory), so the copy
+            runs beside the construction; ``false`` copies after it. Bundles with experts
+            layers always copy after it.
     """
 
     bundle: Path | None = None
@@ -50,13 +54,14 @@ class LoaderOptions:
     chunk_mb: int | None = None
     io_mode: IoMode = "auto"
     io_processes: int | None = None
+    copy_during_build: bool = True
 
     @property
     def full_hash(self) -> bool | None:
         return _FULL_HASH[self.verify]
 
 
-OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes")
+OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build")
 
 
 def _int_option(extra: Mapping[str, Any], key: str, default: int | None, high: int) -> int | None:
@@ -91,6 +96,9 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     fallback = extra.get("fallback", False)
     if not isinstance(fallback, bool):
         raise ValueError(f"model_loader_extra_config['fallback'] must be true or false, got {fallback!r}")
+    during_build = extra.get("copy_during_build", LoaderOptions.copy_during_build)
+    if not isinstance(during_build, bool):
+        raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
     verify = extra.get("verify", "auto")
     if verify not in _FULL_HASH:
         raise ValueError(
@@ -111,4 +119,5 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         chunk_mb=_int_option(extra, "chunk_mb", LoaderOptions.chunk_mb, 1024),
         io_mode=io_mode,
         io_processes=_int_option(extra, "io_processes", LoaderOptions.io_processes, 32),
+        copy_during_build=during_build,
     )

@@ -168,11 +168,11 @@ def test_load_model_flow_on_cpu(make_bundle: Any, monkeypatch: pytest.MonkeyPatc
     assert not model.training
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq", "ct-asym"])
-def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+@pytest.mark.parametrize(("fmt", "during_build"), [("awq", True), ("gptq", True), ("ct-asym", True), ("gptq", False)])
+def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch: pytest.MonkeyPatch, fmt: str, during_build: bool) -> None:
     """Dense bundles: the arena is allocated and the rank file's copy into it starts before vLLM builds the
     model, whose quantized placeholders are memory-less stubs meanwhile; load_weights binds, waits, and the
-    layers hold stock vLLM's tensors."""
+    layers hold stock vLLM's tensors. ``copy_during_build: false``: vLLM's placeholders, the copy after."""
     import threading
 
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -197,7 +197,8 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
     during: dict[str, Any] = {}
 
     def create_model(*args: Any, **kwargs: Any) -> Any:
-        during["copy started"] = rank_copy_started.wait(timeout=60)  # not yet built: only the copy can set it
+        # Not yet built: only the copy can set it (waiting for it only where it should come).
+        during["copy started"] = rank_copy_started.wait(timeout=60 if during_build else 0)
         model = build(*args, **kwargs)
         layers = quantized_layers(model).items()
         during["stubs"] = {f"{n}.{p}" for n, m in layers for p, t in m.named_parameters(recurse=False) if is_stub(t)}
@@ -205,21 +206,24 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
 
     monkeypatch.setattr(BaseModelLoader, "create_model", create_model)
     vllm_config, model_config = fake_engine(model_dir, quantization_of(fmt), monkeypatch)
-    loader = make_loader(io_threads=2, chunk_mb=1)
+    loader = make_loader(io_threads=2, chunk_mb=1, copy_during_build=during_build)
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
         loader.load_weights(model, model_config)  # type: ignore[arg-type]
         process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
-    assert during["copy started"]
+    assert during["copy started"] is during_build
     # The quant methods' placeholders the bundle replaces (GPTQ's zero points: int32[0] once finished).
     quantized = {n for n, t in reference.items() if t.numel() > 1 and not n.endswith(".bias")}
-    assert quantized and quantized <= during["stubs"], sorted(quantized - during["stubs"])
+    if during_build:
+        assert quantized and quantized <= during["stubs"], sorted(quantized - during["stubs"])
+    else:
+        assert not during["stubs"]
     assert not any(n.endswith(".bias") for n in during["stubs"])  # made by vLLM's linear layer, not the quant method
     got = {f"{n}.{p}": t for n, m in quantized_layers(model).items() for p, t in m.named_parameters(recurse=False)}
     assert not [n for n, t in got.items() if is_stub(t)]
     for name, want in reference.items():
         assert torch.equal(got[name].detach(), want), name
-    assert loader._timings.beside and loader._timings.copy_bytes == sum(t.nbytes for t in reference.values())
+    assert loader._timings.beside is during_build and loader._timings.copy_bytes == sum(t.nbytes for t in reference.values())
 
 
 def test_rank_file_copy_failure_surfaces_in_load_weights(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:

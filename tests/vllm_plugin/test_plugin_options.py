@@ -18,6 +18,8 @@ def test_parse_extra_config_defaults_and_values() -> None:
     assert (o.io_threads, o.chunk_mb, o.io_mode) == (3, 16, "hybrid")
     assert parse_extra_config({"verify": "size"}).full_hash is False
     assert parse_extra_config({}).full_hash is None
+    assert parse_extra_config({}).copy_during_build is True
+    assert parse_extra_config({"copy_during_build": False}).copy_during_build is False
 
 
 def test_option_keys_are_the_options() -> None:
@@ -32,6 +34,7 @@ def test_option_keys_are_the_options() -> None:
         ({"bundle": ""}, r"\['bundle'\] must be a directory path"),
         ({"bundle": 3}, r"\['bundle'\] must be a directory path"),
         ({"fallback": "yes"}, r"\['fallback'\] must be true or false"),
+        ({"copy_during_build": 1}, r"\['copy_during_build'\] must be true or false"),
         ({"verify": "some"}, r"\['verify'\] must be one of \['auto', 'full', 'size'\]"),
         ({"io_threads": 0}, r"\['io_threads'\] must be an integer in 1\.\.64"),
         ({"io_threads": True}, r"\['io_threads'\] must be an integer"),
