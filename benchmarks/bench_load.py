@@ -157,9 +157,11 @@ def _wait_socket(proc: subprocess.Popen, sdir: Path, timeout: float = 600) -> bo
     return False
 
 
-def _daemon_rows(model: Path, bundle: Path, attn: str, profile: bool, log_dir: Path, ablate: str = "", io: str = "{}") -> dict:
-    """Fill a daemon from the bundle, then attach two ipc_cache engines one after the other (and, with
-    ``ablate``, a third without those marlin-pack patch modules)."""
+def _daemon_rows(
+    model: Path, bundle: Path, attn: str, profile: bool, log_dir: Path, ablate: str = "", io: str = "{}", attach: bool = True
+) -> dict:
+    """Fill a daemon from the bundle, then (``attach``) attach two ipc_cache engines one after the other (and,
+    with ``ablate``, a third without those marlin-pack patch modules)."""
     sdir = Path(tempfile.mkdtemp(prefix="mpb-", dir="/tmp"))
     log_path = log_dir / f"daemon-{model.name}.log"
     argv = [sys.executable, "-m", "marlin_pack.cli", "daemon", str(model), *DAEMON_FLAGS,
@@ -173,7 +175,9 @@ def _daemon_rows(model: Path, bundle: Path, attn: str, profile: bool, log_dir: P
         text = log_path.read_text()
         m = re.search(FILL_RE, text)
         rows = {"fill_s": float(m.group(1)) if m else None, "daemon_log": _marlin_lines(text)}
-        print(f"  daemon filled from the bundle in {rows['fill_s']} s", flush=True)
+        print(f"  daemon ({io}) filled from the bundle in {rows['fill_s']} s", flush=True)
+        if not attach:
+            return rows
         extra = {"socket_dir": str(sdir), "fallback": False, "state_timeout_s": 600}
         for k in (1, 2):
             rows[f"attach{k}"] = _engine(model, "ipc", attn, extra, profile=profile and k == 2)
@@ -212,7 +216,8 @@ def main() -> None:
     ap.add_argument("--bundle-root", type=Path, default=None, help="where bundles go (default: in the checkpoint)")
     ap.add_argument("--attention-backend", default=os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN"))
     ap.add_argument("--io", default="{}", help="';'-separated loader extra configs, one prepacked engine each")
-    ap.add_argument("--daemon-io", default="{}", help="the daemon's loader extra config (e.g. an io_mode)")
+    ap.add_argument("--daemon-io", default="{}", help="';'-separated daemon loader extra configs: each fills a daemon, "
+                    "the last one's gets the attaches")
     ap.add_argument("--daemon", default="", help="formats (comma-separated) that also get the daemon rows")
     ap.add_argument("--no-ordinary", action="store_true", help="skip the ordinary engine")
     ap.add_argument("--profile", action="store_true", help="cProfile the prepacked and 2nd attach load_model")
@@ -267,7 +272,15 @@ def main() -> None:
             except SystemExit as e:  # one loader configuration failing should not end the sitting
                 print(f"prepacked {io}: {e}", flush=True)
         if fmt in args.daemon.split(","):
-            rows.update(_daemon_rows(model, bundle, args.attention_backend, args.profile, args.workdir, args.ablate, args.daemon_io))
+            *others, last = args.daemon_io.split(";")
+            for io in others:
+                r = _daemon_rows(model, bundle, args.attention_backend, False, args.workdir, io=io, attach=False)
+                rows[f"fill_s {io}"] = r["fill_s"]
+                rows.setdefault("daemon_log", []).extend(r["daemon_log"])
+            r = _daemon_rows(model, bundle, args.attention_backend, args.profile, args.workdir, args.ablate, last)
+            rows["daemon_log"] = rows.get("daemon_log", []) + r.pop("daemon_log")
+            rows.update(r)
+            rows["fill_io"] = last
         report.append((fmt, rows))
         print(json.dumps({"format": fmt, **{k: v for k, v in rows.items()}}, indent=1, default=str)[:20000], flush=True)
         if not args.keep:
@@ -283,8 +296,11 @@ def main() -> None:
         engines = [r for r in rows.values() if isinstance(r, dict) and "tokens" in r]
         tokens = rows.get("ordinary", engines[0] if engines else {}).get("tokens")
         print(f"{fmt:6} {'convert --device cuda':40} {rows['convert_s']:20.2f}")
+        for key, value in rows.items():
+            if key.startswith("fill_s ") and value is not None:
+                print(f"{fmt:6} {'daemon fill ' + key[len('fill_s '):]:40} {value:20.2f}")
         if rows.get("fill_s") is not None:
-            print(f"{fmt:6} {'daemon fill from the bundle':40} {rows['fill_s']:20.2f}")
+            print(f"{fmt:6} {'daemon fill ' + rows.get('fill_io', ''):40} {rows['fill_s']:20.2f}")
         for key, r in rows.items():
             if not isinstance(r, dict) or "model_loading_s" not in r:
                 continue
