@@ -268,7 +268,7 @@ def test_prepacked_io_modes_match_ordinary_loading(
         workdir / f"io-{io['io_mode']}", checkpoints[kind], load_format="marlin_prepacked", model_loader_extra_config=io
     )
     assert code == 0 and result is not None, log[-4000:]
-    assert f"io_mode {io['io_mode']})" in log, log[-4000:]  # processes: no "processes/registered" (left windows)
+    assert f"io_mode {io['io_mode']}," in log, log[-4000:]  # processes: no "processes/registered" (left windows)
     assert "copy helpers" not in log and "no copy helper started" not in log, log[-4000:]
     check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked {io}")
     assert_params_identical(reference["params"], result["params"])
