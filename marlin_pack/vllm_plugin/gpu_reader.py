@@ -43,6 +43,8 @@ threads pin at most two windows of the page cache each.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -71,6 +73,30 @@ _PAGE = mmap.PAGESIZE
 _HOST_REGISTER_PORTABLE = 0x01
 _HOST_REGISTER_READ_ONLY = 0x08
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: fault a range's page-table entries in, in one call
+
+
+@functools.cache
+def _libc_madvise() -> Callable[..., int]:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def populate_read(address: int, length: int) -> None:
+    """Fault in the page-table entries of ``[address, address + length)`` of a file map (``MADV_POPULATE_READ``).
+
+    Through ``ctypes``, which releases the GIL for the call, not ``mmap.madvise``, which holds it:
+    populating a 256 MiB window takes milliseconds, and with the GIL held the reader's threads
+    populate one at a time and starve every other thread of the process (in an engine that built
+    the model while the bundle was copying, its construction waited out the whole copy).
+
+    Raises:
+        OSError: the kernel refused (older than 5.14: ``EINVAL``).
+    """
+    if _libc_madvise()(address, length, _MADV_POPULATE_READ) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_POPULATE_READ): {os.strerror(err)}")
 
 
 @dataclass(frozen=True)
@@ -516,7 +542,7 @@ class ParallelReader:
                 ptr = mapping.base + lo
                 if self.populate:
                     try:
-                        mapping.mm.madvise(_MADV_POPULATE_READ, lo, hi - lo)
+                        populate_read(ptr, hi - lo)
                     except OSError:  # an older kernel: pin as usual
                         self.populate = False
                 err = cudart.cudaHostRegister(ptr, hi - lo, _HOST_REGISTER_READ_ONLY | _HOST_REGISTER_PORTABLE)

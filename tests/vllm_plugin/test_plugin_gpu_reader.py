@@ -138,3 +138,30 @@ def test_host_map_unaligned_and_truncated(tmp_path: Path) -> None:
         assert torch.equal(host.tensor(1, 32, torch.int16, (4, 4)), data.view(4, 4))  # odd offset: copied
         with pytest.raises(BundleError, match=r"lie outside raw\.bin \(33 bytes\).*truncated"):
             host.tensor(1, 34, torch.int16, (17,))
+
+
+def test_populate_read_faults_a_file_map_in(tmp_path: Path) -> None:
+    """``populate_read`` (libc madvise through ctypes, without the GIL) on a read-only file map, as the
+    registered reader uses it; an unmapped range is an OSError (the reader then pins without populating)."""
+    import mmap
+    import warnings
+
+    from marlin_pack.vllm_plugin.gpu_reader import populate_read
+
+    f = tmp_path / "data.bin"
+    f.write_bytes(bytes(range(256)) * 4096 * 4)  # 4 MiB
+    with open(f, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():  # a read-only buffer, only read here
+        warnings.simplefilter("ignore")
+        data = torch.frombuffer(mm, dtype=torch.uint8)
+    addr = data.data_ptr()
+    try:
+        populate_read(addr, 4 << 20)
+    except OSError as e:  # a kernel older than 5.14 has no MADV_POPULATE_READ
+        pytest.skip(f"no MADV_POPULATE_READ here: {e}")
+    assert int(data[4095]) == 255 and data[:4].tolist() == [0, 1, 2, 3]
+    del data
+    mm.close()
+    with pytest.raises(OSError, match="MADV_POPULATE_READ"):
+        populate_read(addr, 4 << 20)  # unmapped now

@@ -290,6 +290,7 @@ def test_run_daemon_installs_marlin_pack_then_runs_vllms_daemon(
     from marlin_pack.vllm_plugin import patches
 
     daemon_mod = importlib.import_module(DAEMON_MODULE)
+    importlib.import_module("vllm.v1.worker.gpu_worker")  # imported: its deferred patch is installed at once (any test order)
     calls: list[Any] = []
 
     def stock(*args: Any, **kwargs: Any) -> str:

@@ -148,6 +148,11 @@ def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], n
     def get_model(self: Any) -> nn.Module:
         role = f"weight-cache {self.role} daemon rank {self.global_rank}"
         force_marlin_for_cache(self.vllm_config, self.model_config, role=role)
+        from marlin_pack.vllm_plugin.engine import freeze_gc_heap
+
+        # As in engines: the daemon calls the loader's create_model/load_weights, not its load_model (which
+        # freezes), and full collections during the construction would walk every object of the imports.
+        freeze_gc_heap()
         t0 = time.perf_counter()
         try:
             model = original(self)
