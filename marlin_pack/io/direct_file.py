@@ -25,6 +25,8 @@ import mmap
 import os
 from pathlib import Path
 
+import numpy as np
+
 __all__ = ["SequentialFile"]
 
 _ALIGN = 4096  # covers 512-byte and 4K logical blocks
@@ -59,6 +61,8 @@ class SequentialFile:
         # Anonymous mappings are page-aligned, which O_DIRECT needs of the memory it writes from.
         self._stage = mmap.mmap(-1, _CHUNK) if self.direct else None
         self._view = memoryview(self._stage) if self._stage is not None else None
+        # Staging copies through numpy, which releases the GIL for them (a memoryview slice assignment holds it).
+        self._stage_array = np.frombuffer(self._stage, dtype=np.uint8) if self._stage is not None else None
         self._fill = 0
 
     @property
@@ -72,11 +76,12 @@ class SequentialFile:
         if not self.direct:
             self._write_all(mv)
             return
-        assert self._view is not None
+        assert self._stage_array is not None
+        source = np.frombuffer(mv, dtype=np.uint8)
         pos = 0
         while pos < len(mv):
             n = min(len(mv) - pos, _CHUNK - self._fill)
-            self._view[self._fill : self._fill + n] = mv[pos : pos + n]
+            np.copyto(self._stage_array[self._fill : self._fill + n], source[pos : pos + n])
             self._fill += n
             pos += n
             if self._fill == _CHUNK:
@@ -134,5 +139,6 @@ class SequentialFile:
             os.close(self._fd)
         if self._view is not None:
             self._view.release()
+        self._stage_array = None  # its export of the staging map must go before the map closes
         if self._stage is not None:
             self._stage.close()

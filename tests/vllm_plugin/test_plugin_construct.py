@@ -241,8 +241,9 @@ def _method_configs(model: torch.nn.Module) -> list[Any]:
     return [m.quant_method.quant_config for m in model.modules() if hasattr(getattr(m, "quant_method", None), "quant_config")]
 
 
-def _build(model_dir: Path, load_format: str) -> torch.nn.Module:
-    """vLLM's model for ``model_dir``, built on meta as IpcModelLoader._build_model does (SM90 stand-ins of the oracle)."""
+def _build(model_dir: Path, load_format: str, device: str = "meta") -> torch.nn.Module:
+    """vLLM's model for ``model_dir``, built on meta as IpcModelLoader._build_model does (SM90 stand-ins of the oracle),
+    or on ``device``."""
     from vllm.config import KernelConfig, LoadConfig
 
     with vmr._moe_patched(1, 0) as m, m.base.set_default_torch_dtype(torch.float16):
@@ -257,7 +258,7 @@ def _build(model_dir: Path, load_format: str) -> torch.nn.Module:
 
         ropes = dict(rotary_embedding._ROPE_DICT)
         try:
-            with torch.device("meta"):
+            with torch.device(device):
                 return v.initialize_model(vllm_config)
         finally:
             rotary_embedding._ROPE_DICT.clear()
@@ -336,3 +337,37 @@ def test_other_load_formats_keep_vllms_path(patched: Any, checkpoint: Any) -> No
     assert len(set(lists)) == len(lists) > 1
     assert len({id(c.modules_in_block_to_quantize) for c in _method_configs(ours)}) == 1
     assert fingerprint(auto) == fingerprint(ours)
+
+
+@pytest.mark.parametrize("case", ["llama-gptq", "qwen2-gptq8-bias", "llama-awq", "qwen3moe-gptq"])
+def test_stub_placeholders_change_nothing_but_memory(patched: Any, checkpoint: Any, case: str) -> None:
+    """``patches.placeholders`` on vLLM's real models built on the CPU, as the marlin_prepacked loader builds
+    them while the bundle copies: the same modules, quant methods, parameters (class, shape, dtype, attributes),
+    buffers and reload records; only the dense quantized layers' own placeholders are stubs (not their biases,
+    not experts layers, not embeddings, norms or rotary caches), and materialized they are ordinary tensors."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from marlin_pack.vllm_plugin.patches.placeholders import is_stub, materialize_stubs, stub_quantized_placeholders
+
+    model_dir = checkpoint(case)
+    stock = _build(model_dir, "marlin_prepacked", device="cpu")
+    with stub_quantized_placeholders():
+        stubbed = _build(model_dir, "marlin_prepacked", device="cpu")
+    got, want = fingerprint(stubbed), fingerprint(stock)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name] == want[name], name
+    tensors = {f"{m}.{n}" if m else n: t for m, mod in stubbed.named_modules()
+               for n, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]}
+    quantized = {
+        f"{m}.{n}"
+        for m, mod in stubbed.named_modules()
+        if isinstance(mod, LinearBase) and type(mod.quant_method).__name__ in ("AutoGPTQLinearMethod", "AutoAWQMarlinLinearMethod")
+        for n, t in mod.named_parameters(recurse=False)
+        if n != "bias" and t.numel() > 1
+    }
+    assert quantized and {n for n, t in tensors.items() if is_stub(t)} == quantized
+    for module in stubbed.modules():
+        materialize_stubs(module)
+    assert not [n for n, t in tensors.items() if is_stub(t)]
+    assert all(tensors[n].is_contiguous() for n in quantized)
