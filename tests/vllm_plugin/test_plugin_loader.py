@@ -247,6 +247,32 @@ def test_rank_file_copy_failure_surfaces_in_load_weights(awq_bundle: Path, monke
             loader.load_weights(model, model_config)  # type: ignore[arg-type]
 
 
+def test_construction_failure_ends_the_copy_first(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM failing to build the model (e.g. out of memory): create_model raises that error once the rank
+    file's copy has ended (it writes into the arena and reads with the helpers), then ends the helpers."""
+    import threading
+
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    import marlin_pack.vllm_plugin.loader as loader_mod
+
+    events = _FakeHelpers.events = []
+    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def fails(*args: Any, **kwargs: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(BaseModelLoader, "create_model", fails)
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    loader = make_loader(io_mode="processes", io_processes=2)
+    with pytest.raises(torch.OutOfMemoryError, match="stand-in"):
+        loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+    assert not [t for t in threading.enumerate() if t.name == "marlin-pack-arena-copy"]
+    assert events[0] == "start 2 helpers for device 0" and events[-1] == "joined"
+
+
 def test_create_model_kernel_mismatch_refuses_or_falls_back(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
