@@ -60,8 +60,7 @@ class SequentialFile:
         self._closed = False
         # Anonymous mappings are page-aligned, which O_DIRECT needs of the memory it writes from.
         self._stage = mmap.mmap(-1, _CHUNK) if self.direct else None
-        self._view = memoryview(self._stage) if self._stage is not None else None
-        # Staging copies through numpy, which releases the GIL for them (a memoryview slice assignment holds it).
+        # The staging map as a numpy array: numpy copies into it without the GIL (a memoryview slice assignment holds it).
         self._stage_array = np.frombuffer(self._stage, dtype=np.uint8) if self._stage is not None else None
         self._fill = 0
 
@@ -92,14 +91,14 @@ class SequentialFile:
 
     def _flush_stage(self, final: bool = False) -> None:
         """Write the staged bytes (whole chunks; at the end, padded to the alignment)."""
-        assert self._view is not None
+        assert self._stage_array is not None
         n = self._fill
         if final and self.direct and n % _ALIGN:
             padded = n + (-n % _ALIGN)
-            self._view[n:padded] = bytes(padded - n)
+            self._stage_array[n:padded] = 0
             n = padded
         self._fill = 0
-        self._write_all(self._view[:n])
+        self._write_all(memoryview(self._stage_array[:n]))
 
     def _write_all(self, mv: memoryview) -> None:
         while len(mv):
@@ -120,7 +119,7 @@ class SequentialFile:
 
     def close(self) -> None:
         """Write what is staged, cut the padding off, fsync and close."""
-        if self._view is not None:
+        if self._stage_array is not None:
             if self._fill:
                 self._flush_stage(final=True)
             os.ftruncate(self._fd, self.size)  # the last chunk's padding (a no-op when there was none)
@@ -137,8 +136,6 @@ class SequentialFile:
         self._closed = True
         with contextlib.suppress(OSError):
             os.close(self._fd)
-        if self._view is not None:
-            self._view.release()
         self._stage_array = None  # its export of the staging map must go before the map closes
         if self._stage is not None:
             self._stage.close()

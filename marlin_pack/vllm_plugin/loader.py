@@ -119,6 +119,7 @@ class _Timings:
     copy_bytes: int = 0
     beside: bool = False  # the copy ran beside the model's construction and the common tensors
     wait: float = 0.0  # beside: how long loading then waited for the copy
+    modes: str = "-"  # the reader modes the copy used
     common: float = 0.0
     post: float = 0.0
 
@@ -359,7 +360,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     arena = layout.allocate(params[0].device) if params else torch.empty(0, dtype=torch.uint8)
                     layout.bind(params, arena)
                     self._timings.copy_bytes = reader.copy(bundle.rank_file, layout.copy_items(arena))
-                    modes = reader.modes_used
+                    self._timings.modes = "/".join(sorted(reader.modes_used)) or "-"
                     if helpers is not None:
                         helpers.close(wait=False)  # they exit while the common tensors load (which this process reads)
                 else:
@@ -377,7 +378,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 waited = fill.copy.join()  # also when loading failed: the copy writes into the arena
                 self._timings.copy, self._timings.copy_bytes = fill.copy.seconds, fill.copy.bytes
                 self._timings.beside, self._timings.wait = True, waited
-                modes = fill.copy.modes_used
+                self._timings.modes = "/".join(sorted(fill.copy.modes_used)) or "-"
         if fill is None:
             self._timings.copy = t1 - t0
         self._timings.common = t2 - t1
@@ -389,7 +390,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             bundle.tp_set.tp_size,
             bundle.rank,
             self._timings.copy_text(),
-            "/".join(sorted(modes)) or "-",
+            self._timings.modes,
             self._timings.common,
         )
 
