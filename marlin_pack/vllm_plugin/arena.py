@@ -107,7 +107,9 @@ class BackgroundCopy:
 
     ``make_reader`` is called on that thread; ``on_done`` runs there once the copy has ended
     (done or failed). The items, and so their destinations, are referenced until then: the
-    memory cannot be freed under the copy.
+    memory cannot be freed under the copy. ``gate``, an event part of the copy may wait for
+    (the reader's ``own_after``), is set by :meth:`join` and :meth:`abandon` at the latest, so
+    they never wait on a copy that waits on them.
     """
 
     def __init__(
@@ -116,12 +118,14 @@ class BackgroundCopy:
         path: str | Path,
         items: list[CopyItem],
         on_done: Callable[[], None] | None = None,
+        gate: threading.Event | None = None,
     ) -> None:
         self.bytes = 0
         self.seconds = 0.0
         self.modes_used: set[str] = set()
         self._error: BaseException | None = None
         self._path, self._items, self._make_reader, self._on_done = path, items, make_reader, on_done
+        self.gate = gate
         devices = {it.dst.device for it in items}
         self._device = devices.pop() if len(devices) == 1 else None
         self._thread = threading.Thread(target=self._run, name="marlin-pack-arena-copy")
@@ -149,6 +153,7 @@ class BackgroundCopy:
     def join(self) -> float:
         """Wait for the copy; returns the seconds waited. Raises what the copy raised."""
         t0 = time.perf_counter()
+        self._open_gate()
         self._thread.join()
         waited = time.perf_counter() - t0
         if self._error is not None:
@@ -158,5 +163,10 @@ class BackgroundCopy:
 
     def abandon(self) -> None:
         """Wait for the copy and drop its outcome (the caller is failing or falling back already)."""
+        self._open_gate()
         self._thread.join()
         self._error = None
+
+    def _open_gate(self) -> None:
+        if self.gate is not None:
+            self.gate.set()

@@ -296,6 +296,7 @@ class ParallelReader:
         helpers: HelperPool | None = None,
         processes: int | None = None,
         own_share: bool = True,
+        own_after: threading.Event | None = None,
     ) -> None:
         if mode not in IO_MODES:
             raise ValueError(f"io mode {mode!r}: expected one of {', '.join(IO_MODES)}")
@@ -311,6 +312,10 @@ class ParallelReader:
         self.processes = processes  # None: HelperPool's default
         # ``processes`` mode: this process copies a share beside the helpers (one more party pinning pages).
         self.own_share = own_share
+        # ``processes`` mode: this process's own copying (its share, what the helpers leave) waits for this
+        # event. The loader sets it once vLLM has built the model: pages pinned in the engine's process
+        # slow the construction's own CUDA calls, pages pinned by the helpers do not.
+        self.own_after = own_after
         self.modes_used: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._slots: dict[tuple[int, int, int], _Slot] = {}
@@ -389,10 +394,12 @@ class ParallelReader:
                 here = _Plan("registered", MODE_DEFAULTS["registered"][0], plan.chunk)
 
                 def own(share: list[_Window]) -> None:
+                    self._wait_own_turn()
                     self._read(here, fd, file_size, share, device, record=False)
 
                 left = self._pool_for(device).copy(path, windows, plan.threads, own=own if self.own_share else None)
                 if left:
+                    self._wait_own_turn()
                     self._read(here, fd, file_size, left, device)  # shows as "registered" beside "processes"
             else:
                 self._read(plan, fd, file_size, windows, device)
@@ -400,6 +407,10 @@ class ParallelReader:
             os.close(fd)
         self.bytes_read += total
         return total
+
+    def _wait_own_turn(self) -> None:
+        if self.own_after is not None:
+            self.own_after.wait()
 
     def _read(
         self, plan: _Plan, fd: int, file_size: int, windows: list[_Window], device: torch.device | None, record: bool = True

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -251,6 +252,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
         try:
             with stub_quantized_placeholders(fill is not None):
                 model = super().create_model(vllm_config, model_config, prefix)
+            if fill is not None and fill.copy.gate is not None:
+                fill.copy.gate.set()  # built: the engine's process may copy its share now (io_own_share after_build)
         except BaseException:
             if fill is not None:
                 fill.copy.abandon()  # its thread writes into the arena (and uses the helpers) until it ends
@@ -309,22 +312,28 @@ class MarlinPrepackedLoader(BaseModelLoader):
         if not layout.slots:
             return None
         arena = layout.allocate()
+        built = threading.Event() if self.options.io_own_share == "after_build" else None
         copy = BackgroundCopy(
-            lambda: self._reader(helpers),
+            lambda: self._reader(helpers, own_after=built),
             bundle.rank_file,
             layout.copy_items(arena),
             # The helpers exit as soon as their share is copied: their CUDA contexts go while loading goes on.
             on_done=None if helpers is None else (lambda: helpers.close(wait=False)),
+            gate=built,
         )
         return _ArenaFill(layout, arena, copy)
 
-    def _reader(self, helpers: HelperPool | None, mode: str | None = None) -> ParallelReader:
+    def _reader(
+        self, helpers: HelperPool | None, mode: str | None = None, own_after: threading.Event | None = None
+    ) -> ParallelReader:
         return ParallelReader(
             self.options.io_threads,
             None if self.options.chunk_mb is None else self.options.chunk_mb << 20,
             mode or self.options.io_mode,  # type: ignore[arg-type]
             helpers=helpers,
             processes=self.options.io_processes,
+            own_share=self.options.io_own_share != "none",
+            own_after=own_after,
         )
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:

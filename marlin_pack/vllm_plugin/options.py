@@ -13,11 +13,13 @@ from typing import Any, Literal
 
 from marlin_pack._constants import LOAD_FORMAT
 
-__all__ = ["IO_MODES", "IoMode", "LoaderOptions", "OPTION_KEYS", "parse_extra_config"]
+__all__ = ["IO_MODES", "IoMode", "LoaderOptions", "OPTION_KEYS", "OWN_SHARES", "OwnShare", "parse_extra_config"]
 
 Verify = Literal["auto", "full", "size"]
 IoMode = Literal["auto", "staged", "registered", "hybrid", "processes"]
 IO_MODES: tuple[str, ...] = ("auto", "staged", "registered", "hybrid", "processes")  # see vllm_plugin/gpu_reader.py
+OwnShare = Literal["during_build", "after_build", "none"]
+OWN_SHARES: tuple[str, ...] = ("during_build", "after_build", "none")
 _FULL_HASH: dict[str, bool | None] = {"auto": None, "full": True, "size": False}
 
 
@@ -44,6 +46,10 @@ class LoaderOptions:
             builds the model (whose quantized placeholders then take no memory), so the copy
             runs beside the construction; ``false`` copies after it. Bundles with experts
             layers always copy after it.
+        io_own_share: with helpers (``processes``), whether the engine's process copies a share of
+            the rank file too: from the start (``during_build``), once vLLM has built the model
+            (``after_build``: pinning pages in the engine's process slows the construction), or
+            not at all (``none``: the helpers copy everything).
     """
 
     bundle: Path | None = None
@@ -55,13 +61,14 @@ class LoaderOptions:
     io_mode: IoMode = "auto"
     io_processes: int | None = None
     copy_during_build: bool = True
+    io_own_share: OwnShare = "during_build"
 
     @property
     def full_hash(self) -> bool | None:
         return _FULL_HASH[self.verify]
 
 
-OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build")
+OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "io_own_share")
 
 
 def _int_option(extra: Mapping[str, Any], key: str, default: int | None, high: int) -> int | None:
@@ -107,6 +114,9 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     io_mode = extra.get("io_mode", LoaderOptions.io_mode)
     if io_mode not in IO_MODES:
         raise ValueError(f"model_loader_extra_config['io_mode'] must be one of {list(IO_MODES)}, got {io_mode!r}")
+    own_share = extra.get("io_own_share", LoaderOptions.io_own_share)
+    if own_share not in OWN_SHARES:
+        raise ValueError(f"model_loader_extra_config['io_own_share'] must be one of {list(OWN_SHARES)}, got {own_share!r}")
     try:
         bundle_dir = Path(bundle).expanduser() if bundle is not None else None
     except RuntimeError as e:  # "~nosuchuser/x": no such user's home
@@ -120,4 +130,5 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         io_mode=io_mode,
         io_processes=_int_option(extra, "io_processes", LoaderOptions.io_processes, 32),
         copy_during_build=during_build,
+        io_own_share=own_share,
     )

@@ -4,6 +4,7 @@ safetensors headers (``io.safetensors_io.read_header``) that locate them."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -165,3 +166,44 @@ def test_populate_read_faults_a_file_map_in(tmp_path: Path) -> None:
     mm.close()
     with pytest.raises(OSError, match="MADV_POPULATE_READ"):
         populate_read(addr, 4 << 20)  # unmapped now
+
+
+class _RecordingPool:
+    """A stand-in HelperPool: the helpers 'copy' every window but the first (left to the caller)
+    and the last (the caller's own share, handed to ``own`` as HelperPool.copy does)."""
+
+    def __init__(self) -> None:
+        self.own_passed: bool | None = None
+
+    def copy(self, path: Any, windows: list[Any], threads: int, own: Any = None) -> list[Any]:
+        self.own_passed = own is not None
+        if own is not None:
+            own(windows[-1:])
+        return windows[:1]
+
+
+@pytest.mark.parametrize("own_share", ["gated", "from the start", "none"])
+def test_processes_mode_own_copying_waits_for_own_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_share: str) -> None:
+    """``processes`` mode: with ``own_after``, this process copies nothing (its share, what the helpers
+    left) until the event is set, while the helpers go on; without it at once; ``own_share=False``
+    hands the helpers everything. (Meta destinations stand in for a GPU: nothing is really copied.)"""
+    import threading
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(4 << 16))
+    items = [CopyItem(i << 16, 1 << 16, torch.empty(1 << 16, dtype=torch.uint8, device="meta")) for i in range(4)]
+    pool, gate, reads = _RecordingPool(), threading.Event(), []
+    monkeypatch.setattr(ParallelReader, "_read", lambda self, plan, fd, size, windows, device, record=True: reads.append(
+        (plan.mode, [w.lo for w in windows])))
+    reader = ParallelReader(chunk_bytes=1 << 16, mode="processes", helpers=pool,  # type: ignore[arg-type]
+                            own_share=own_share != "none", own_after=gate if own_share == "gated" else None)
+    copier = threading.Thread(target=reader.copy, args=(path, items))
+    copier.start()
+    if own_share == "gated":
+        copier.join(timeout=0.3)
+        assert copier.is_alive() and reads == [] and pool.own_passed is True
+        gate.set()
+    copier.join(timeout=30)
+    assert not copier.is_alive()
+    share = [("registered", [3 << 16])] if own_share != "none" else []
+    assert reads == [*share, ("registered", [0])] and pool.own_passed is (own_share != "none")

@@ -226,6 +226,71 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
     assert loader._timings.beside is during_build and loader._timings.copy_bytes == sum(t.nbytes for t in reference.values())
 
 
+def test_own_share_after_build_waits_for_the_construction(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``io_own_share: after_build``: the copy's gate (the reader's ``own_after``) is shut while vLLM builds
+    the model and opened as soon as it is built; the default has no gate."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin.arena import BackgroundCopy
+
+    copies: list[BackgroundCopy] = []
+
+    class Recorded(BackgroundCopy):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            copies.append(self)
+
+    monkeypatch.setattr(loader_mod, "BackgroundCopy", Recorded)
+    fake_create_model(monkeypatch, awq_bundle)
+    build = BaseModelLoader.create_model
+    shut_while_building: list[bool] = []
+    monkeypatch.setattr(BaseModelLoader, "create_model",
+                        lambda *a, **k: shut_while_building.append(not copies[-1].gate.is_set()) or build(*a, **k))
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    for own_share in ("after_build", "during_build"):
+        loader = make_loader(io_own_share=own_share)
+        with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+            if own_share == "after_build":
+                model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+                assert shut_while_building == [True] and copies[-1].gate.is_set()
+                loader.load_weights(model, model_config)  # type: ignore[arg-type]
+            else:
+                monkeypatch.setattr(BaseModelLoader, "create_model", build)
+                loader.load_weights(loader.create_model(vllm_config, model_config), model_config)  # type: ignore[arg-type]
+                assert copies[-1].gate is None
+    assert len(copies) == 2 and all(c.bytes > 0 for c in copies)
+
+
+@pytest.mark.parametrize("end", ["join", "abandon"])
+def test_background_copy_opens_its_gate_before_waiting(end: str) -> None:
+    """A copy waiting on its gate (the engine's share waits for the construction) cannot deadlock the
+    loader: join and abandon open the gate before they wait, on every path (a failed construction too)."""
+    import threading
+
+    from marlin_pack.vllm_plugin.arena import BackgroundCopy
+
+    gate = threading.Event()
+
+    class GatedReader:
+        modes_used = {"processes"}
+
+        def __enter__(self) -> GatedReader:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def copy(self, path: Any, items: Any) -> int:
+            assert gate.wait(timeout=30), "the gate stayed shut"
+            return 7
+
+    copy = BackgroundCopy(GatedReader, "rank-0.safetensors", [], gate=gate)  # type: ignore[arg-type]
+    assert not gate.is_set()
+    getattr(copy, end)()
+    assert gate.is_set() and copy.bytes == 7 and copy.modes_used == {"processes"}
+
+
 def test_rank_file_copy_failure_surfaces_in_load_weights(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A read error in the background copy is raised by load_weights (after the copy ended), not lost."""
     from marlin_pack.vllm_plugin import gpu_reader
