@@ -116,6 +116,8 @@ class _ModelState:
 class _Timings:
     validate: float = 0.0
     create: float = 0.0
+    arena: float = 0.0  # part of create: allocating the arena before the construction (copy during build)
+    place: float = 0.0  # binding the arena's views to the layers' parameters, finishing their other placeholders
     copy: float = 0.0  # the rank file's read+copy, from its start to its end
     copy_bytes: int = 0
     beside: bool = False  # the copy ran beside the model's construction and the common tensors
@@ -132,11 +134,15 @@ class _Timings:
         text = f"read+copy {self.copy:.2f} s ({self.copy_bytes / 1e9:.2f} GB, {self.rate:.1f} GB/s)"
         return f"{text} beside create and common, waited {self.wait:.2f} s" if self.beside else text
 
+    def create_text(self) -> str:
+        arena = f" (arena {self.arena:.2f} s)" if self.beside else ""
+        return f"create {self.create:.2f} s{arena}, place {self.place:.2f} s"
+
     def line(self, bundle: SelectedBundle, layers: int) -> str:
         serial = self.wait if self.beside else self.copy  # what the copy added to the loader's time
-        total = self.validate + self.create + serial + self.common + self.post
+        total = self.validate + self.create + self.place + serial + self.common + self.post
         return (
-            f"marlin-pack: validate {self.validate:.2f} s, create {self.create:.2f} s, {self.copy_text()}, "
+            f"marlin-pack: validate {self.validate:.2f} s, {self.create_text()}, {self.copy_text()}, "
             f"load common {self.common:.2f} s, post-process {self.post:.2f} s, total {total:.2f} s "
             f"({layers} prepacked layers, tp {bundle.tp_set.tp_size} rank {bundle.rank}, "
             f"bundle {bundle.bundle_dir})"
@@ -311,7 +317,9 @@ class MarlinPrepackedLoader(BaseModelLoader):
         layout = ArenaLayout.of(bundle)
         if not layout.slots:
             return None
+        t0 = time.perf_counter()
         arena = layout.allocate()
+        self._timings.arena = time.perf_counter() - t0
         built = threading.Event() if self.options.io_own_share == "after_build" else None
         copy = BackgroundCopy(
             lambda: self._reader(helpers, own_after=built),
@@ -368,7 +376,9 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 if fill is None:
                     arena = layout.allocate(params[0].device) if params else torch.empty(0, dtype=torch.uint8)
                     layout.bind(params, arena)
+                    tc = time.perf_counter()
                     self._timings.copy_bytes = reader.copy(bundle.rank_file, layout.copy_items(arena))
+                    self._timings.copy = time.perf_counter() - tc
                     self._timings.modes = "/".join(sorted(reader.modes_used)) or "-"
                     if helpers is not None:
                         helpers.close(wait=False)  # they exit while the common tensors load (which this process reads)
@@ -388,16 +398,16 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 self._timings.copy, self._timings.copy_bytes = fill.copy.seconds, fill.copy.bytes
                 self._timings.beside, self._timings.wait = True, waited
                 self._timings.modes = "/".join(sorted(fill.copy.modes_used)) or "-"
-        if fill is None:
-            self._timings.copy = t1 - t0
+        self._timings.place = t1 - t0 - (0.0 if fill is not None else self._timings.copy)
         self._timings.common = t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
         logger.info(
-            "marlin-pack: placed %d tensors from %s for tp %d rank %d: %s, io_mode %s, load common %.2f s",
+            "marlin-pack: placed %d tensors from %s for tp %d rank %d: %s, %s, io_mode %s, load common %.2f s",
             len(params),
             bundle.rank_file,
             bundle.tp_set.tp_size,
             bundle.rank,
+            self._timings.create_text(),
             self._timings.copy_text(),
             self._timings.modes,
             self._timings.common,

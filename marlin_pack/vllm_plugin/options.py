@@ -47,9 +47,9 @@ class LoaderOptions:
             runs beside the construction; ``false`` copies after it. Bundles with experts
             layers always copy after it.
         io_own_share: with helpers (``processes``), whether the engine's process copies a share of
-            the rank file too: from the start (``during_build``), once vLLM has built the model
-            (``after_build``: pinning pages in the engine's process slows the construction), or
-            not at all (``none``: the helpers copy everything).
+            the rank file too: once vLLM has built the model (``after_build``, the default: pinning
+            pages in the engine's process slows the construction's own CUDA calls), from the start
+            (``during_build``), or not at all (``none``: the helpers copy everything).
     """
 
     bundle: Path | None = None
@@ -61,7 +61,7 @@ class LoaderOptions:
     io_mode: IoMode = "auto"
     io_processes: int | None = None
     copy_during_build: bool = True
-    io_own_share: OwnShare = "during_build"
+    io_own_share: OwnShare = "after_build"
 
     @property
     def full_hash(self) -> bool | None:
