@@ -47,9 +47,10 @@ class LoaderOptions:
             runs beside the construction; ``false`` copies after it. Bundles with experts
             layers always copy after it.
         io_own_share: with helpers (``processes``), whether the engine's process copies a share of
-            the rank file too: once vLLM has built the model (``after_build``, the default: pinning
-            pages in the engine's process slows the construction's own CUDA calls), from the start
-            (``during_build``), or not at all (``none``: the helpers copy everything).
+            the rank file too: not at all (``none``, the default: the helpers copy everything;
+            pages pinned in the engine's process slow its own work beside the copy, vLLM's
+            construction, the placing of the tensors, the common tensors), once vLLM has built
+            the model (``after_build``) or from the start (``during_build``).
     """
 
     bundle: Path | None = None
@@ -61,7 +62,7 @@ class LoaderOptions:
     io_mode: IoMode = "auto"
     io_processes: int | None = None
     copy_during_build: bool = True
-    io_own_share: OwnShare = "after_build"
+    io_own_share: OwnShare = "none"
 
     @property
     def full_hash(self) -> bool | None:
