@@ -256,12 +256,21 @@ def test_prepacked_matches_ordinary_loading(
     assert_params_identical(reference["params"], result["params"])
 
 
-@pytest.mark.parametrize("io", [{"io_mode": "processes", "io_processes": 2}, {"io_mode": "staged"}], ids=["processes", "staged"])
+@pytest.mark.parametrize(
+    "io",
+    [
+        {"io_mode": "processes", "io_processes": 2},
+        {"io_mode": "processes", "io_processes": 2, "io_own_share": "after_build"},
+        {"io_mode": "staged"},
+    ],
+    ids=["processes", "processes-own-share-after-build", "staged"],
+)
 def test_prepacked_io_modes_match_ordinary_loading(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], io: dict[str, Any]
 ) -> None:
     """The reader's other modes inside an engine: the same parameters, bit for bit; in ``processes``
-    mode the helpers copied (nothing was left to the engine's process) and the engine read its own share."""
+    mode the helpers copied (nothing was left to the engine's process), and with ``io_own_share`` the engine
+    read its share once the model was built."""
     kind = "awq4-padded"
     reference = ordinary(kind)
     code, log, result = run_engine(
