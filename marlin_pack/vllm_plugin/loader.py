@@ -47,8 +47,8 @@ from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
 from marlin_pack.errors import BundleError, MismatchField
 from marlin_pack.vllm_plugin import patches
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
-from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool
-from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
+from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool, start_early, take_early
+from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal, resolve_bundle_dir
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader, resolve_mode
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
@@ -57,7 +57,7 @@ from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.placeholders import materialize_stubs, stub_quantized_placeholders
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 
-__all__ = ["MarlinPrepackedLoader"]
+__all__ = ["MarlinPrepackedLoader", "start_helpers_early"]
 
 # Common tensors from this size on are read with the parallel reader (see _common_weights).
 _LARGE_COMMON = 16 << 20
@@ -89,6 +89,40 @@ def helpers_help(vllm_config: VllmConfig, model_config: ModelConfig) -> bool:
         and "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
         and cores >= _HELPER_MIN_CORES
     )
+
+
+def start_helpers_early(vllm_config: VllmConfig, device_index: int) -> bool:
+    """Start the copy helpers for this process's coming ``marlin_prepacked`` load now (the weight-cache
+    daemon, as it starts); True if started.
+
+    Only with the ``early_helpers`` option, and where the loader would start them itself: ``io_mode`` ``processes``, or ``auto`` where
+    helpers help (:func:`helpers_help`) and the bundle is not on tmpfs. Its other checks (the
+    bundle itself, room on the GPU) come when it loads: it then takes the helpers or ends them.
+    Options it would refuse start nothing (it reports them).
+    """
+    load_config = vllm_config.load_config
+    if str(load_config.load_format) != LOAD_FORMAT or not torch.cuda.is_available():
+        return False
+    try:
+        options = parse_extra_config(load_config.model_loader_extra_config, LOAD_FORMAT)
+    except ValueError:
+        return False
+    if not options.early_helpers:
+        return False
+    mode = options.io_mode
+    if mode == "auto":
+        model_config = vllm_config.model_config
+        if not helpers_help(vllm_config, model_config):
+            return False
+        try:
+            bundle_dir = resolve_bundle_dir(options, str(model_config.model), getattr(model_config, "revision", None))
+        except BundleError:
+            return False
+        mode = resolve_mode(mode, bundle_dir, helpers=True)
+    if mode != "processes":
+        return False
+    start_early(options.io_processes, device_index)
+    return True
 
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
@@ -163,6 +197,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         self._decisions: dict[tuple[object, ...], Decision] = {}
         self._models: weakref.WeakKeyDictionary[nn.Module, _ModelState] = weakref.WeakKeyDictionary()
         self._timings = _Timings()
+        self._early: HelperPool | None = None  # helpers started before this loader (start_helpers_early)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -202,6 +237,15 @@ class MarlinPrepackedLoader(BaseModelLoader):
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """Build the model with Marlin forced for mixed-precision layers and check its layers."""
         patches.install()
+        self._early = take_early()  # _start_helpers uses them; on any other path they end here
+        try:
+            return self._create_model(vllm_config, model_config, prefix)
+        finally:
+            early, self._early = self._early, None
+            if early is not None:
+                early.close()
+
+    def _create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
         if self._is_draft(vllm_config, model_config):
             logger.info("marlin-pack: loading the draft model %s the ordinary way", model_config.model)
             model = super().create_model(vllm_config, model_config, prefix)
@@ -229,6 +273,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         return model
 
     def _start_helpers(self, vllm_config: VllmConfig, model_config: ModelConfig, bundle: SelectedBundle) -> HelperPool | None:
+        """Helpers for the ``processes`` mode: those started early when they fit, else new ones; None for other modes."""
         if not torch.cuda.is_available():
             return None
         mode = self.options.io_mode
@@ -237,7 +282,13 @@ class MarlinPrepackedLoader(BaseModelLoader):
             mode = resolve_mode(mode, bundle.rank_file, helpers=usable)
         if mode != "processes":
             return None
-        return HelperPool(self.options.io_processes, torch.cuda.current_device())
+        device = torch.cuda.current_device()
+        early, self._early = self._early, None
+        if early is not None and early.fits(self.options.io_processes, device):
+            return early
+        if early is not None:
+            early.close()
+        return HelperPool(self.options.io_processes, device)
 
     def _helpers_fit(self, bundle: SelectedBundle) -> bool:
         """Whether the GPU has room for the helpers' CUDA contexts beside the model's weights.
@@ -247,6 +298,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
         """
         count = self.options.io_processes or DEFAULT_PROCESSES
         free, _ = torch.cuda.mem_get_info()
+        if self._early is not None:  # helpers started early already hold their contexts' memory
+            free += self._early.count * _HELPER_CONTEXT_BYTES
         weights = sum(f.stat().st_size for f in (bundle.rank_file, bundle.common_file))
         return free >= weights + count * _HELPER_CONTEXT_BYTES
 

@@ -446,6 +446,10 @@ class _FakeHelpers:
     def __init__(self, count: int, device_index: int) -> None:
         self.events.append(f"start {count} helpers for device {device_index}")
         self.closed = False
+        self.count, self.device_index = count or 4, device_index
+
+    def fits(self, count: int | None, device_index: int) -> bool:
+        return not self.closed and self.count == (count or 4) and self.device_index == device_index
 
     def close(self, wait: bool = True) -> None:
         if not self.closed:  # as HelperPool.close: a second call ends nothing more...
@@ -498,6 +502,83 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     assert events[0] == "start 2 helpers for device 3"
     assert sorted(events[1:3]) == ["close wait=False", "create"]
     assert events[3:] == ["joined"]
+
+
+@pytest.mark.parametrize("case", ["taken", "other device", "staged", "no bundle", "refused"])
+def test_helpers_started_early_are_taken_or_ended(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Helpers a weight-cache daemon started as it began (start_helpers_early): create_model takes them
+    when they are what it would start (no second pool), and otherwise ends them, on every path."""
+    import marlin_pack.vllm_plugin.loader as loader_mod
+
+    events = _FakeHelpers.events = []
+    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    early = _FakeHelpers(2, 0 if case == "other device" else 3)
+    pending = [early]
+    monkeypatch.setattr(loader_mod, "take_early", lambda: pending.pop() if pending else None)
+    fake_create_model(monkeypatch, awq_bundle)
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    extra: dict[str, Any] = {"io_mode": "staged" if case == "staged" else "processes", "io_processes": 2}
+    if case == "no bundle":
+        extra.update(bundle=str(awq_bundle / "nowhere"), fallback=True)
+    if case == "refused":
+        extra.update(bundle=str(awq_bundle / "nowhere"))
+    loader = make_loader(**extra)
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        if case == "refused":
+            with pytest.raises(LoadRefusedError):
+                loader.create_model(vllm_config, model_config)
+            assert early.closed and events[1:] == ["close wait=True", "joined"]
+            return
+        model = loader.create_model(vllm_config, model_config)
+        if case != "no bundle":  # (the ordinary way needs a whole engine)
+            loader.load_weights(model, model_config)
+    starts = [e for e in events if e.startswith("start")]
+    if case == "taken":
+        assert starts == ["start 2 helpers for device 3"]  # the early pool only
+        assert loader._models[model].bundle is not None and early.closed  # used, then ended after the copy
+    else:
+        assert events[1:3] == ["close wait=True", "joined"]  # ended before anything else happened
+        assert starts[1:] == (["start 2 helpers for device 3"] if case == "other device" else [])
+    assert early.closed and loader._early is None
+
+
+def test_start_helpers_early_only_where_the_loader_would(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's early start follows the loader's own choice: marlin_prepacked with io_mode processes,
+    or auto where helpers help and the bundle is not on tmpfs; never for options the loader refuses."""
+    from vllm.config.load import LoadConfig
+
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin import gpu_reader
+
+    started: list[tuple[Any, int]] = []
+    monkeypatch.setattr(loader_mod, "start_early", lambda count, device: started.append((count, device)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    fs = {"type": "ext4"}
+    monkeypatch.setattr(gpu_reader, "filesystem_type", lambda path: fs["type"])
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    vllm_config.model_config = model_config
+
+    def early(load_format: str = LOAD_FORMAT, **extra: Any) -> bool:
+        vllm_config.load_config = LoadConfig(load_format=load_format, model_loader_extra_config={"early_helpers": True, **extra})
+        return loader_mod.start_helpers_early(vllm_config, 1)  # type: ignore[arg-type]
+
+    assert not early(early_helpers=False) and not started  # off by default
+    assert early() and started == [(None, 1)]
+    assert early(io_mode="processes", io_processes=3) and started[-1] == (3, 1)
+    assert not early(io_mode="registered") and not early(load_format="auto") and not early(io_mode="fast")
+    assert early(bundle=str(awq_bundle / "nowhere"))  # the bundle itself is the loader's to check
+    fs["type"] = "tmpfs"
+    assert not early()  # staged
+    fs["type"] = "ext4"
+    vllm_config.parallel_config.world_size_across_dp = 2
+    assert not early() and early(io_mode="processes")  # explicit processes: as the loader
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not early(io_mode="processes")
+    assert len(started) == 4
 
 
 @pytest.mark.parametrize(
