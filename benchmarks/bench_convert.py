@@ -53,7 +53,8 @@ else:
     if device.startswith('cuda'):
         torch.cuda.synchronize()
 dt = time.perf_counter() - t0
-print(json.dumps({'seconds': dt, 'import_s': imported if mode == 'convert' else 0.0, 'peak_anon': peak[0], 'maxrss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({'seconds': dt, 'import_s': imported if mode == 'convert' else 0.0, 'peak_anon': peak[0], 'maxrss': maxrss}))
 """
 
 
