@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shlex
@@ -288,6 +289,15 @@ def _render_manifest(manifest, bundle: Path) -> None:  # type: ignore[no-untyped
 
 def main() -> None:
     """Console entry point: one-line errors and exit code 1 instead of tracebacks."""
+    try:
+        _run_app()
+    finally:
+        # Python's exit runs a full garbage collection over every object the imports made (torch's
+        # ~200k): 0.5-0.6 s of each command on the 2-core VM. Frozen, they are skipped (exit 0.2 s).
+        gc.freeze()
+
+
+def _run_app() -> None:
     try:
         app()
     except MarlinPackError as e:
