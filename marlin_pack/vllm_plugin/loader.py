@@ -367,7 +367,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
         """
         if not self.options.copy_during_build or bundle.tp_set.moe_layers:
             return None
-        layout = ArenaLayout.of(bundle)
+        common_from = _LARGE_COMMON if self.options.common_in_arena and bundle.tp_set.tp_size == 1 else None
+        layout = ArenaLayout.of(bundle, common_from)
         if not layout.slots:
             return None
         t0 = time.perf_counter()
@@ -381,6 +382,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             # The helpers exit as soon as their share is copied: their CUDA contexts go while loading goes on.
             on_done=None if helpers is None else (lambda: helpers.close(wait=False)),
             gate=built,
+            then=[(bundle.common_file, layout.common_items(arena))],
         )
         return _ArenaFill(layout, arena, copy)
 
@@ -418,6 +420,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         fill, state.fill = state.fill, None
+        placed: set[str] = set()  # common tensors bound to arena views (common_in_arena)
         # With the rank file copying beside, the common tensors read here without the helpers (which it uses).
         common_mode = "registered" if fill is not None and self.options.io_mode == "processes" else None
         try:
@@ -437,13 +440,14 @@ class MarlinPrepackedLoader(BaseModelLoader):
                         helpers.close(wait=False)  # they exit while the common tensors load (which this process reads)
                 else:
                     layout.bind(params, fill.arena)
+                    placed = _bind_common(layout, fill.arena, bundle, model)
                 for layer in state.layers.values():
                     materialize_stubs(layer)  # placeholders the bundle does not replace (finishing sets them)
                     mark_prepacked(layer)
                 t1 = time.perf_counter()
                 device = next(next(iter(state.layers.values())).parameters()).device
                 with HostMap(bundle.common_file) as host:
-                    model.load_weights(self._common_weights(reader, host, bundle, model, device))
+                    model.load_weights(self._common_weights(reader, host, bundle, model, device, placed))
                 t2 = time.perf_counter()
         finally:
             if fill is not None:
@@ -468,7 +472,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
     @staticmethod
     def _common_weights(
-        reader: ParallelReader, host: HostMap, bundle: SelectedBundle, model: nn.Module, device: torch.device
+        reader: ParallelReader, host: HostMap, bundle: SelectedBundle, model: nn.Module, device: torch.device,
+        placed: set[str] | frozenset[str] = frozenset(),
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``common.safetensors`` in file order, for the model's ``load_weights``.
 
@@ -480,12 +485,12 @@ class MarlinPrepackedLoader(BaseModelLoader):
         names (``common_aliases``) goes to each of them, as the checkpoint's loader would.
         """
         ordered = sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start)
-        copies: dict[str, list[str]] = {}
-        for alias, original in bundle.manifest.common_aliases.items():
-            copies.setdefault(original, []).append(alias)
+        copies = _alias_names(bundle)
         whole = device.type == "cuda" and bundle.tp_set.tp_size == 1  # each rank uses whole tensors
         params = dict(model.named_parameters(remove_duplicate=False)) if whole else {}
         for name, info in ordered:
+            if name in placed:  # already the parameters' memory (common_in_arena)
+                continue
             names = [name, *copies.get(name, ())]
             if whole and info.nbytes >= _LARGE_COMMON:
                 targets = [_direct_target(params.get(n), info.shape, info.torch_dtype) for n in names]
@@ -529,6 +534,36 @@ class MarlinPrepackedLoader(BaseModelLoader):
         if state.bundle is not None:
             logger.info(self._timings.line(state.bundle, len(state.layers)))
         return model.eval()
+
+
+def _alias_names(bundle: SelectedBundle) -> dict[str, list[str]]:
+    """Common tensor name -> the other checkpoint names stored as it (``common_aliases``)."""
+    copies: dict[str, list[str]] = {}
+    for alias, original in bundle.manifest.common_aliases.items():
+        copies.setdefault(original, []).append(alias)
+    return copies
+
+
+def _bind_common(layout: ArenaLayout, arena: torch.Tensor, bundle: SelectedBundle, model: nn.Module) -> set[str]:
+    """Bind the arena's common tensors (``common_in_arena``) to their parameters; the names bound.
+
+    Only where vLLM's weight loader would do a plain copy of the whole tensor into each name's
+    parameter (:func:`_direct_target`); others are loaded the ordinary way, their arena bytes unused.
+    """
+    if not layout.common:
+        return set()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    copies = _alias_names(bundle)
+    placed = set()
+    for slot in layout.common:
+        targets = [_direct_target(params.get(n), slot.shape, slot.dtype) for n in (slot.name, *copies.get(slot.name, ()))]
+        if any(t is None for t in targets):
+            logger.warning("marlin-pack: common_in_arena: %s is not a plain copy for vLLM's loader; loaded the ordinary way", slot.name)
+            continue
+        for t in {id(t): t for t in targets}.values():  # a tied head is the embedding itself
+            t.data = slot.view(arena)  # type: ignore[union-attr]
+        placed.add(slot.name)
+    return placed
 
 
 def _direct_target(param: nn.Parameter | None, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter | None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from marlin_pack.errors import LoadRefusedError
 from marlin_pack.vllm_plugin import LOAD_FORMAT
@@ -224,6 +225,59 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
     for name, want in reference.items():
         assert torch.equal(got[name].detach(), want), name
     assert loader._timings.beside is during_build and loader._timings.copy_bytes == sum(t.nbytes for t in reference.values())
+
+
+@pytest.mark.parametrize("in_arena", [True, False])
+def test_common_in_arena_binds_the_large_common_tensors(
+    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, marlin_log: list[str], in_arena: bool
+) -> None:
+    """``common_in_arena``: the common file's large tensors are copied into the arena with the rank file and
+    bound to their parameters where vLLM's loader would only copy them (the embedding here); others
+    (no such parameter here: the norms) and everything without the option go through ``load_weights``."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin.arena import ArenaLayout
+
+    common = load_file(str(awq_bundle / "marlin-pack/common.safetensors"))
+    embed = next(n for n in common if n.endswith("embed_tokens.weight"))
+    monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1)  # every common tensor is "large" in the tiny bundle
+    arenas: list[torch.Tensor] = []
+    allocate = ArenaLayout.allocate
+    monkeypatch.setattr(ArenaLayout, "allocate", lambda self, device=None: arenas.append(allocate(self, device)) or arenas[-1])
+    fake_create_model(monkeypatch, awq_bundle)
+    build = BaseModelLoader.create_model
+
+    def with_embedding(*args: Any, **kwargs: Any) -> Any:
+        root = build(*args, **kwargs)
+        holder = root
+        for part in embed.split(".")[:-1]:  # the embedding's module path, as vLLM names it
+            if not hasattr(holder, part):
+                holder.add_module(part, nn.Module())
+            holder = getattr(holder, part)
+        holder.weight = nn.Parameter(torch.zeros_like(common[embed]), requires_grad=False)
+        holder.weight.weight_loader = default_weight_loader
+        return root
+
+    monkeypatch.setattr(BaseModelLoader, "create_model", with_embedding)
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    loader = make_loader(common_in_arena=in_arena)
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+        loader.load_weights(model, model_config)  # type: ignore[arg-type]
+    weight = model.get_parameter(embed)
+    arena = arenas[0]
+    inside = arena.data_ptr() <= weight.data_ptr() < arena.data_ptr() + arena.numel()
+    loaded = {n for n, _ in model.common}
+    rank_bytes = sum(t.nbytes for t in load_file(str(awq_bundle / "marlin-pack/tp1/rank-0.safetensors")).values())
+    if in_arena:
+        assert inside and torch.equal(weight.detach(), common[embed])
+        assert loaded == set(common) - {embed}  # the norms: no parameter of the fake model takes them
+        assert loader._timings.copy_bytes == rank_bytes + sum(t.nbytes for t in common.values())
+        assert any("is not a plain copy" in m for m in marlin_log)
+    else:
+        assert not inside and loaded == set(common) and loader._timings.copy_bytes == rank_bytes
 
 
 def test_own_share_after_build_waits_for_the_construction(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
