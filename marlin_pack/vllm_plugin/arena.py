@@ -27,36 +27,36 @@ from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin.decision import SelectedBundle
 from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
 
-__all__ = ["ARENA_ALIGN", "ArenaLayout", "ArenaSlot", "BackgroundCopy", "CommonSlot", "release"]
+__all__ = ["ARENA_ALIGN", "ArenaLayout", "ArenaSlot", "BackgroundCopy", "release"]
 
 ARENA_ALIGN = 512  # bytes; the CUDA caching allocator's alignment (Marlin's vector loads need 16)
 
 
 @dataclass(frozen=True)
 class ArenaSlot:
-    """One rank-file tensor: the layer parameter it replaces and where its bytes are."""
+    """One tensor in the arena: where its bytes are in its file and in the arena, as which dtype and shape.
 
-    layer: str  # the layer's module name
-    param: str  # the parameter's name on that layer
+    A rank-file tensor is named ``{layer}.{param}``: the layer parameter it replaces. A common
+    tensor (``common_in_arena``) by its name in ``common.safetensors``.
+    """
+
+    name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     start: int  # file offset
     nbytes: int
     offset: int  # arena offset
 
+    @property
+    def layer(self) -> str:
+        return self.name.rsplit(".", 1)[0]
 
-@dataclass(frozen=True)
-class CommonSlot:
-    """One tensor of ``common.safetensors`` copied into the arena beside the rank file's (``common_in_arena``)."""
-
-    name: str  # its name in the common file
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # file offset
-    nbytes: int
-    offset: int  # arena offset
+    @property
+    def param(self) -> str:
+        return self.name.rsplit(".", 1)[1]
 
     def view(self, arena: torch.Tensor) -> torch.Tensor:
+        """The slot's bytes of ``arena`` as its tensor."""
         return arena[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
 
 
@@ -70,7 +70,7 @@ class ArenaLayout:
 
     slots: tuple[ArenaSlot, ...]
     nbytes: int
-    common: tuple[CommonSlot, ...] = ()
+    common: tuple[ArenaSlot, ...] = ()  # common tensors (common_in_arena), after the rank file's
 
     @classmethod
     def of(cls, bundle: SelectedBundle, common_from_bytes: int | None = None) -> ArenaLayout:
@@ -85,13 +85,15 @@ class ArenaLayout:
         slots, offset = [], 0
         for layer, (name, tdtype, shape) in specs:
             info = bundle.rank_header.tensors[name]
-            slots.append(ArenaSlot(layer, name.rsplit(".", 1)[1], tdtype, tuple(shape), info.start, info.nbytes, offset))
+            slot = ArenaSlot(name, tdtype, tuple(shape), info.start, info.nbytes, offset)
+            assert slot.layer == layer, f"internal error: rank tensor {name} is not a parameter of layer {layer}"
+            slots.append(slot)
             offset += _aligned(info.nbytes)
         common = []
         if common_from_bytes is not None:
             for name, info in sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start):
                 if info.nbytes >= common_from_bytes:
-                    common.append(CommonSlot(name, info.torch_dtype, tuple(info.shape), info.start, info.nbytes, offset))
+                    common.append(ArenaSlot(name, info.torch_dtype, tuple(info.shape), info.start, info.nbytes, offset))
                     offset += _aligned(info.nbytes)
         return cls(tuple(slots), offset, tuple(common))
 
@@ -126,7 +128,7 @@ class ArenaLayout:
         The Parameter objects stay (and their loader attributes), as vLLM's ``replace_parameter`` keeps them.
         """
         for param, s in zip(params, self.slots, strict=True):
-            param.data = arena[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
+            param.data = s.view(arena)
 
 
 def release(params: Sequence[nn.Parameter]) -> None:
