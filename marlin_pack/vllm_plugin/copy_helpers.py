@@ -73,6 +73,11 @@ def split_by_bytes(windows: Sequence[WindowLike], parts: int) -> list[list[Windo
     return [r for r in runs if r]
 
 
+def _helper_count(count: int | None) -> int:
+    """Helper processes a pool of ``count`` starts (None: :data:`DEFAULT_PROCESSES`)."""
+    return max(1, count or DEFAULT_PROCESSES)
+
+
 class _CudaDriver:
     """The parent's two driver calls: a device pointer's allocation and its IPC handle."""
 
@@ -107,7 +112,7 @@ class HelperPool:
         self, count: int | None, device_index: int, script: Path = _HELPER, env: Mapping[str, str] | None = None
     ) -> None:
         self.device_index = device_index
-        self.count = max(1, count or DEFAULT_PROCESSES)
+        self.count = _helper_count(count)
         self._env = {**os.environ, **HELPER_ENV, **(env or {})}  # CUDA_* settings for the helpers only
         self._procs: list[subprocess.Popen[str]] = []
         self._reapers: list[threading.Thread] = []
@@ -140,7 +145,7 @@ class HelperPool:
 
     def fits(self, count: int | None, device_index: int) -> bool:
         """Whether this pool is what ``HelperPool(count, device_index)`` would start (and still open)."""
-        return not self._closed and self.count == max(1, count or DEFAULT_PROCESSES) and self.device_index == device_index
+        return not self._closed and self.count == _helper_count(count) and self.device_index == device_index
 
     def __enter__(self) -> HelperPool:
         return self

@@ -30,8 +30,9 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -57,7 +58,7 @@ from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.placeholders import materialize_stubs, stub_quantized_placeholders
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 
-__all__ = ["MarlinPrepackedLoader", "start_helpers_early"]
+__all__ = ["MarlinPrepackedLoader", "start_helpers_early", "uses_helpers"]
 
 # Common tensors from this size on are read with the parallel reader (see _common_weights).
 _LARGE_COMMON = 16 << 20
@@ -91,6 +92,17 @@ def helpers_help(vllm_config: VllmConfig, model_config: ModelConfig) -> bool:
     )
 
 
+def uses_helpers(io_mode: str, path: Callable[[], Path], usable: Callable[[], bool]) -> bool:
+    """Whether ``io_mode`` copies the bundle file at ``path()`` with helper processes (``processes``).
+
+    ``auto`` does where helpers are ``usable()`` and the file is not on tmpfs (:func:`resolve_mode`);
+    both are asked only for ``auto``.
+    """
+    if io_mode != "auto":
+        return io_mode == "processes"
+    return resolve_mode(io_mode, path(), helpers=usable()) == "processes"
+
+
 def start_helpers_early(vllm_config: VllmConfig, device_index: int) -> bool:
     """Start the copy helpers for this process's coming ``marlin_prepacked`` load now (the weight-cache
     daemon, as it starts); True if started.
@@ -109,20 +121,18 @@ def start_helpers_early(vllm_config: VllmConfig, device_index: int) -> bool:
         return False
     if not options.early_helpers:
         return False
-    mode = options.io_mode
-    if mode == "auto":
-        model_config = vllm_config.model_config
-        if not helpers_help(vllm_config, model_config):
-            return False
-        try:
-            bundle_dir = resolve_bundle_dir(options, str(model_config.model), getattr(model_config, "revision", None))
-        except BundleError:
-            return False
-        mode = resolve_mode(mode, bundle_dir, helpers=True)
-    if mode != "processes":
+    model_config = vllm_config.model_config
+    try:
+        wanted = uses_helpers(
+            options.io_mode,
+            lambda: resolve_bundle_dir(options, str(model_config.model), getattr(model_config, "revision", None)),
+            lambda: helpers_help(vllm_config, model_config),
+        )
+    except BundleError:  # no bundle directory: the loader will say so
         return False
-    start_early(options.io_processes, device_index)
-    return True
+    if wanted:
+        start_early(options.io_processes, device_index)
+    return wanted
 
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
@@ -276,11 +286,10 @@ class MarlinPrepackedLoader(BaseModelLoader):
         """Helpers for the ``processes`` mode: those started early when they fit, else new ones; None for other modes."""
         if not torch.cuda.is_available():
             return None
-        mode = self.options.io_mode
-        if mode == "auto":
-            usable = helpers_help(vllm_config, model_config) and self._helpers_fit(bundle)
-            mode = resolve_mode(mode, bundle.rank_file, helpers=usable)
-        if mode != "processes":
+        def usable() -> bool:
+            return helpers_help(vllm_config, model_config) and self._helpers_fit(bundle)
+
+        if not uses_helpers(self.options.io_mode, lambda: bundle.rank_file, usable):
             return None
         device = torch.cuda.current_device()
         early, self._early = self._early, None
