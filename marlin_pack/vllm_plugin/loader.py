@@ -294,6 +294,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         device = torch.cuda.current_device()
         early, self._early = self._early, None
         if early is not None and early.fits(self.options.io_processes, device):
+            logger.info("marlin-pack: using the %d copy helpers started early", early.count)
             return early
         if early is not None:
             early.close()
@@ -376,7 +377,9 @@ class MarlinPrepackedLoader(BaseModelLoader):
         """
         if not self.options.copy_during_build or bundle.tp_set.moe_layers:
             return None
-        common_from = _LARGE_COMMON if self.options.common_in_arena and bundle.tp_set.tp_size == 1 else None
+        # Every common tensor: small ones (norms) cost an aligned slot each, and reading none of them
+        # here leaves this process free while the helpers copy.
+        common_from = 0 if self.options.common_in_arena and bundle.tp_set.tp_size == 1 else None
         layout = ArenaLayout.of(bundle, common_from)
         if not layout.slots:
             return None
@@ -564,14 +567,20 @@ def _bind_common(layout: ArenaLayout, arena: torch.Tensor, bundle: SelectedBundl
     params = dict(model.named_parameters(remove_duplicate=False))
     copies = _alias_names(bundle)
     placed = set()
+    ordinary = []
     for slot in layout.common:
         targets = [_direct_target(params.get(n), slot.shape, slot.dtype) for n in (slot.name, *copies.get(slot.name, ()))]
         if any(t is None for t in targets):
-            logger.warning("marlin-pack: common_in_arena: %s is not a plain copy for vLLM's loader; loaded the ordinary way", slot.name)
+            ordinary.append(slot.name)
             continue
         for t in {id(t): t for t in targets}.values():  # a tied head is the embedding itself
             t.data = slot.view(arena)  # type: ignore[union-attr]
         placed.add(slot.name)
+    if ordinary:
+        logger.warning(
+            "marlin-pack: common_in_arena: %d common tensors are not a plain copy for vLLM's loader (e.g. %s); "
+            "loaded the ordinary way", len(ordinary), ordinary[0]
+        )
     return placed
 
 

@@ -51,8 +51,8 @@ class LoaderOptions:
             pages pinned in the engine's process slow its own work beside the copy, vLLM's
             construction, the placing of the tensors, the common tensors), once vLLM has built
             the model (``after_build``) or from the start (``during_build``).
-        common_in_arena: TP=1 with the copy during the construction: the common file's large
-            tensors (embeddings, output head) go into the arena too, copied with the rank file
+        common_in_arena: TP=1 with the copy during the construction: the common file's
+            tensors (embeddings, norms, output head) go into the arena too, copied with the rank file
             (by the helpers where they copy), and are bound to their parameters where vLLM's
             loader would only copy them. Off by default until measured on a GPU.
         early_helpers: weight-cache daemon only: start the copy helpers as the daemon's process

@@ -228,21 +228,19 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
 
 
 @pytest.mark.parametrize("in_arena", [True, False])
-def test_common_in_arena_binds_the_large_common_tensors(
+def test_common_in_arena_binds_the_common_tensors(
     awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, marlin_log: list[str], in_arena: bool
 ) -> None:
-    """``common_in_arena``: the common file's large tensors are copied into the arena with the rank file and
+    """``common_in_arena``: the common file's tensors are copied into the arena with the rank file and
     bound to their parameters where vLLM's loader would only copy them (the embedding here); others
     (no such parameter here: the norms) and everything without the option go through ``load_weights``."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-    import marlin_pack.vllm_plugin.loader as loader_mod
     from marlin_pack.vllm_plugin.arena import ArenaLayout
 
     common = load_file(str(awq_bundle / "marlin-pack/common.safetensors"))
     embed = next(n for n in common if n.endswith("embed_tokens.weight"))
-    monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1)  # every common tensor is "large" in the tiny bundle
     arenas: list[torch.Tensor] = []
     allocate = ArenaLayout.allocate
     monkeypatch.setattr(ArenaLayout, "allocate", lambda self, device=None: arenas.append(allocate(self, device)) or arenas[-1])
@@ -275,7 +273,7 @@ def test_common_in_arena_binds_the_large_common_tensors(
         assert inside and torch.equal(weight.detach(), common[embed])
         assert loaded == set(common) - {embed}  # the norms: no parameter of the fake model takes them
         assert loader._timings.copy_bytes == rank_bytes + sum(t.nbytes for t in common.values())
-        assert any("is not a plain copy" in m for m in marlin_log)
+        assert any(f"{len(common) - 1} common tensors are not a plain copy" in m for m in marlin_log)
     else:
         assert not inside and loaded == set(common) and loader._timings.copy_bytes == rank_bytes
 
