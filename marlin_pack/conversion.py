@@ -402,7 +402,7 @@ def _convert_layers(
                 entry = plan.entries[tp][li]
                 for rank in range(tp):
                     # Fused into scratch memory (each rank's slices are repacked before the next rank's are fused).
-                    fused = fuse_rank_slices(rank_slices(spec, plan.dims, tp, rank), parts, scheme.group_size, reuse=True)
+                    fused = fuse_rank_slices(rank_slices(spec, plan.dims, tp, rank), parts, scheme.group_size, lazy=True)
                     w = ranks[(tp, rank)]
                     # On the CPU the weight is built straight into the writer's recycled buffer.
                     empty = None if device.cuda else w.empty

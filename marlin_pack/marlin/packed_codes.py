@@ -17,7 +17,7 @@ import torch
 from marlin_pack.marlin.repack import awq_to_natural, unpack_awq_cols, unpack_gptq_qweight
 from marlin_pack.marlin.scratch import scratch
 
-__all__ = ["PackedCodes", "cat_columns"]
+__all__ = ["ColumnParts", "PackedCodes", "cat_columns"]
 
 Along = Literal["k", "n", "none"]
 
@@ -79,20 +79,72 @@ class PackedCodes:
         return PackedCodes.from_codes(self.unpack()[k0 : k0 + k, n0 : n0 + n], self.bits)
 
 
-def cat_columns(parts: list[PackedCodes], reuse: bool = False) -> PackedCodes:
+@dataclass(frozen=True)
+class ColumnParts:
+    """Packed codes of one layout side by side along N, not copied together (a fused layer's parts).
+
+    The repack (:func:`~marlin_pack.marlin.word_repack.marlin_weights`) concatenates them piece by
+    piece as it goes: on the CPU a whole concatenated copy would cost one more pass through memory
+    for most of a model's bytes (the fused layers), where a piece of rows stays in the caches.
+    """
+
+    parts: tuple[PackedCodes, ...]
+
+    @property
+    def bits(self) -> int:
+        return self.parts[0].bits
+
+    @property
+    def along(self) -> Along:
+        return self.parts[0].along
+
+    @property
+    def slots(self) -> tuple[int, ...] | None:
+        return self.parts[0].slots
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.parts[0].shape[0], sum(p.shape[1] for p in self.parts)
+
+    @property
+    def word_rows(self) -> int:
+        return self.parts[0].words.shape[0]
+
+    @property
+    def word_cols(self) -> int:
+        return sum(p.words.shape[1] for p in self.parts)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].words.device
+
+    def unpack(self) -> torch.Tensor:
+        """The codes as uint8 ``[K, N]``, natural column order (see :meth:`PackedCodes.unpack`)."""
+        return torch.cat([p.unpack() for p in self.parts], 1)
+
+    def rows(self, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+        """Word rows ``r0:r1`` of the concatenation, written into ``out`` (returned)."""
+        return torch.cat([p.words[r0:r1] for p in self.parts], 1, out=out)
+
+    def concatenated(self) -> PackedCodes:
+        """All of it as one :class:`PackedCodes`, in this thread's scratch buffer (valid until the next call on the thread)."""
+        words = [p.words for p in self.parts]
+        out = scratch("cat_columns", (words[0].shape[0], sum(w.shape[1] for w in words)), words[0].dtype, words[0].device)
+        return PackedCodes(torch.cat(words, 1, out=out), self.bits, self.along, self.slots)
+
+
+def cat_columns(parts: list[PackedCodes], lazy: bool = False) -> PackedCodes | ColumnParts:
     """Concatenate along N (fused layers): as words when every part shares one packed layout.
 
-    ``reuse``: concatenate the words into this thread's scratch buffer (``marlin.scratch``)
-    instead of fresh memory; the result is then valid only until the next such call on the thread.
+    ``lazy``: return those words as :class:`ColumnParts` (views of the parts, concatenated by the
+    repack piece by piece) instead of copying them together; for a converter that consumes each
+    result at once.
     """
     first = parts[0]
     if len(parts) == 1:
         return first
     if all(p.along == first.along and p.slots == first.slots for p in parts) and first.along != "none":
-        words = [p.words for p in parts]
-        if not reuse:
-            return PackedCodes(torch.cat(words, 1), first.bits, first.along, first.slots)
-        shape = (words[0].shape[0], sum(w.shape[1] for w in words))
-        out = scratch("cat_columns", shape, words[0].dtype, words[0].device)
-        return PackedCodes(torch.cat(words, 1, out=out), first.bits, first.along, first.slots)
+        if lazy:
+            return ColumnParts(tuple(parts))
+        return PackedCodes(torch.cat([p.words for p in parts], 1), first.bits, first.along, first.slots)
     return PackedCodes.from_codes(torch.cat([p.unpack() for p in parts], 1), first.bits)

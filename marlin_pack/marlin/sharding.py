@@ -26,7 +26,7 @@ from marlin_pack.schemas import LayerEntry, LayerKind, LayerPart
 if TYPE_CHECKING:
     import torch
 
-    from marlin_pack.marlin.packed_codes import PackedCodes
+    from marlin_pack.marlin.packed_codes import ColumnParts, PackedCodes
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -373,14 +373,14 @@ def layer_entry(spec: LayerSpec, d: ModelDims, tp: int, group_size: int, awq: bo
     )
 
 
-FusedSlices = tuple["PackedCodes", "torch.Tensor", "torch.Tensor | None", "torch.Tensor | None"]
+FusedSlices = tuple["PackedCodes | ColumnParts", "torch.Tensor", "torch.Tensor | None", "torch.Tensor | None"]
 
 
-def fuse_rank_slices(slices: list[RankSlice], parts: dict[str, ModuleTensors], group_size: int, reuse: bool = False) -> FusedSlices:
+def fuse_rank_slices(slices: list[RankSlice], parts: dict[str, ModuleTensors], group_size: int, lazy: bool = False) -> FusedSlices:
     """One rank's ``(codes, scales, zeros, bias)`` of a fused layer: its slices concatenated along N.
 
-    ``reuse``: the codes go into a per-thread scratch buffer (see :func:`~marlin_pack.marlin.packed_codes.cat_columns`),
-    valid until the next call with ``reuse`` on this thread: for a converter that consumes each result at once.
+    ``lazy``: the codes stay views of the parts, side by side (:class:`~marlin_pack.marlin.packed_codes.ColumnParts`,
+    see :func:`~marlin_pack.marlin.packed_codes.cat_columns`): for a converter that repacks each result at once.
     """
     import torch
 
@@ -389,7 +389,7 @@ def fuse_rank_slices(slices: list[RankSlice], parts: dict[str, ModuleTensors], g
     def rows(t: torch.Tensor, s: RankSlice) -> torch.Tensor:  # scale/zero rows of a K slice
         return t if group_size == -1 else t[s.k0 // group_size : (s.k0 + s.k) // group_size]
 
-    codes = cat_columns([parts[s.part.name].codes.block(s.k0, s.k, s.n0, s.n) for s in slices], reuse)
+    codes = cat_columns([parts[s.part.name].codes.block(s.k0, s.k, s.n0, s.n) for s in slices], lazy)
     scales = torch.cat([rows(parts[s.part.name].scales, s)[:, s.n0 : s.n0 + s.n] for s in slices], 1)
     zeros = None
     if parts[slices[0].part.name].zeros is not None:

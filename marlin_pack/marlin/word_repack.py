@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from marlin_pack.marlin.packed_codes import PackedCodes
+from marlin_pack.marlin.packed_codes import ColumnParts, PackedCodes
 from marlin_pack.marlin.repack import AWQ_SLOTS, pack_marlin_weights, pad2d
 from marlin_pack.marlin.scratch import scratch as _workspace
 
@@ -139,35 +139,66 @@ _CPU_PIECE_BYTES = 4 << 20
 RepackFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
-def _by_strips(fn: RepackFn, words: torch.Tensor, rows_per_strip: int, out_cols: int, out: torch.Tensor | None) -> torch.Tensor:
+def _by_strips(
+    fn: RepackFn, words: torch.Tensor | ColumnParts, rows_per_strip: int, out_cols: int, out: torch.Tensor | None
+) -> torch.Tensor:
     """``fn(words, out)``, on the CPU in pieces of whole 16-row strips (output row ``i`` is strip ``i``).
 
     The word repacks work strip by strip, so a piece's output is exactly its strips' rows.
+    :class:`ColumnParts` are concatenated a piece at a time, into a buffer that stays in the caches.
     On a GPU one pass is best (fewer kernel launches, and the caches do not decide there).
     """
-    strips = words.shape[0] // rows_per_strip
-    per_piece = max(1, _CPU_PIECE_BYTES // max(1, words[:rows_per_strip].nbytes))
-    if words.device.type != "cpu" or strips <= per_piece:
-        return fn(words, out)
-    result = _output(out, (strips, out_cols), words.device)
+    if isinstance(words, ColumnParts):
+        parts = words
+        rows, cols, device = parts.word_rows, parts.word_cols, parts.device
+
+        def piece(r0: int, r1: int) -> torch.Tensor:
+            return parts.rows(r0, r1, _workspace("piece", (r1 - r0, cols), torch.int32, device))
+
+        def whole() -> torch.Tensor:
+            return parts.concatenated().words
+    else:
+        tensor = words
+        rows, cols, device = tensor.shape[0], tensor.shape[1], tensor.device
+
+        def piece(r0: int, r1: int) -> torch.Tensor:
+            return tensor[r0:r1]
+
+        def whole() -> torch.Tensor:
+            return tensor
+    strips = rows // rows_per_strip
+    per_piece = max(1, _CPU_PIECE_BYTES // max(1, rows_per_strip * cols * 4))
+    if device.type != "cpu" or strips <= per_piece:
+        return fn(whole(), out)
+    result = _output(out, (strips, out_cols), device)
     for s0 in range(0, strips, per_piece):
         s1 = min(strips, s0 + per_piece)
-        fn(words[s0 * rows_per_strip : s1 * rows_per_strip], result[s0:s1])
+        fn(piece(s0 * rows_per_strip, s1 * rows_per_strip), result[s0:s1])
     return result
 
 
-def marlin_weights(codes: PackedCodes, padded_k: int, padded_n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def _padded_words(codes: PackedCodes | ColumnParts, rows: int, cols: int) -> torch.Tensor | ColumnParts:
+    """The words zero-padded to ``[rows, cols]``; :class:`ColumnParts` as they are (only unpadded ones get here)."""
+    return codes if isinstance(codes, ColumnParts) else pad2d(codes.words, rows, cols)
+
+
+def marlin_weights(
+    codes: PackedCodes | ColumnParts, padded_k: int, padded_n: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Marlin-repacked weights ``[Kp/16, Np*bits/2]`` of ``codes`` zero-padded to ``[Kp, Np]``.
 
     4-bit words packed along K, or AWQ's words, take the word-level path; anything else (8-bit,
     unpacked codes) the generic :func:`~marlin_pack.marlin.repack.pack_marlin_weights`. Both give
     the same bytes (tests/marlin). ``out``: an int32 tensor of that shape to write the result
-    into (returned), else the result is fresh memory.
+    into (returned), else the result is fresh memory. :class:`ColumnParts` that need no padding
+    are concatenated piece by piece (see :func:`_by_strips`).
     """
+    if isinstance(codes, ColumnParts) and codes.shape != (padded_k, padded_n):
+        codes = codes.concatenated()  # padded as a whole
     if codes.bits == 4 and codes.along == "k":
-        return _by_strips(marlin_from_k_words, pad2d(codes.words, padded_k // 8, padded_n), 2, padded_n * 2, out)
+        return _by_strips(marlin_from_k_words, _padded_words(codes, padded_k // 8, padded_n), 2, padded_n * 2, out)
     if codes.bits == 4 and codes.along == "n" and codes.slots == AWQ_SLOTS:
-        return _by_strips(marlin_from_awq_words, pad2d(codes.words, padded_k, padded_n // 8), 16, padded_n * 2, out)
+        return _by_strips(marlin_from_awq_words, _padded_words(codes, padded_k, padded_n // 8), 16, padded_n * 2, out)
     packed = pack_marlin_weights(pad2d(codes.unpack(), padded_k, padded_n), codes.bits)
     if out is None:
         return packed

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from marlin_pack.marlin import repack
-from marlin_pack.marlin.packed_codes import PackedCodes, cat_columns
+from marlin_pack.marlin.packed_codes import ColumnParts, PackedCodes, cat_columns
 from marlin_pack.marlin.word_repack import marlin_weights
 
 mut = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils_test")
@@ -72,6 +72,35 @@ def test_blocks_and_concatenation_match_unpacked_codes(bits: int) -> None:
             assert torch.equal(got.unpack(), want), (layout, k0, k, n0, n)
             np_, kp = repack.padded_nk(want.shape[1], k, -1)
             assert torch.equal(marlin_weights(got, kp, np_), repack.pack_marlin_weights(repack.pad2d(want, kp, np_), bits))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("pieces", [True, False])
+@pytest.mark.parametrize("widths,k,kp", [((128, 64, 64), 256, 256), ((192, 128), 128, 128), ((64, 32), 128, 256)],
+                         ids=["qkv", "gate-up", "padded"])
+def test_lazy_column_parts_repack_as_their_concatenation(
+    bits: int, pieces: bool, widths: tuple[int, ...], k: int, kp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fused layer's parts left side by side (``cat_columns(lazy=True)``): the repack concatenates them
+    piece by piece (or as a whole where it pads, or on the generic path) into vLLM's bytes."""
+    import marlin_pack.marlin.word_repack as word_repack
+
+    if pieces:
+        monkeypatch.setattr(word_repack, "_CPU_PIECE_BYTES", 1)  # one strip per piece
+    codes = [_codes(k, w, bits, i) for i, w in enumerate(widths)]
+    whole = torch.cat(codes, 1)
+    np_ = repack.padded_nk(whole.shape[1], kp, -1)[0]
+    padded = torch.zeros(kp, np_, dtype=torch.int32)
+    padded[:k, : whole.shape[1]] = whole
+    want = mut.marlin_weights(padded, kp, np_, bits, mut.get_weight_perm(bits))
+    for layout in _layouts(codes[0], bits):
+        if layout == "unpacked":
+            continue
+        lazy = cat_columns([_layouts(c, bits)[layout] for c in codes], lazy=True)
+        assert isinstance(lazy, ColumnParts) and lazy.shape == tuple(whole.shape), layout
+        assert torch.equal(lazy.unpack(), whole.to(torch.uint8)), layout
+        out = torch.full_like(want, -1)
+        assert marlin_weights(lazy, kp, np_, out).data_ptr() == out.data_ptr() and torch.equal(out, want), layout
 
 
 def test_marlin_weights_refuses_an_output_of_another_shape() -> None:
