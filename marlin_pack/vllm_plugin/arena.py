@@ -36,8 +36,7 @@ ARENA_ALIGN = 512  # bytes; the CUDA caching allocator's alignment (Marlin's vec
 class ArenaSlot:
     """One tensor in the arena: where its bytes are in its file and in the arena, as which dtype and shape.
 
-    A rank-file tensor is named ``{layer}.{param}``: the layer parameter it replaces. A common
-    tensor (``common_in_arena``) by its name in ``common.safetensors``.
+    A rank-file tensor is named ``{layer}.{param}``: the layer parameter it replaces.
     """
 
     name: str
@@ -60,24 +59,16 @@ class ArenaSlot:
         return arena[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
-
-
 @dataclass(frozen=True)
 class ArenaLayout:
     """Where every tensor of a rank file goes: :meth:`of` a bundle."""
 
     slots: tuple[ArenaSlot, ...]
     nbytes: int
-    common: tuple[ArenaSlot, ...] = ()  # common tensors (common_in_arena), after the rank file's
 
     @classmethod
-    def of(cls, bundle: SelectedBundle, common_from_bytes: int | None = None) -> ArenaLayout:
-        """The layout of ``bundle``'s rank file: its layers' tensors in manifest order (headers already checked).
-
-        ``common_from_bytes``: also the common file's tensors of at least that many bytes, after them.
-        """
+    def of(cls, bundle: SelectedBundle) -> ArenaLayout:
+        """The layout of ``bundle``'s rank file: its layers' tensors in manifest order (headers already checked)."""
         dtype = torch_dtype(bundle.manifest.serving_dtype)
         quant, fmt = bundle.manifest.quant, bundle.manifest.source.format
         specs = [(entry.name, spec) for entry in bundle.tp_set.layers for spec in tensor_specs(entry, quant, dtype, fmt)]
@@ -88,26 +79,16 @@ class ArenaLayout:
             slot = ArenaSlot(name, tdtype, tuple(shape), info.start, info.nbytes, offset)
             assert slot.layer == layer, f"internal error: rank tensor {name} is not a parameter of layer {layer}"
             slots.append(slot)
-            offset += _aligned(info.nbytes)
-        common = []
-        if common_from_bytes is not None:
-            for name, info in sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start):
-                if info.nbytes >= common_from_bytes:
-                    common.append(ArenaSlot(name, info.torch_dtype, tuple(info.shape), info.start, info.nbytes, offset))
-                    offset += _aligned(info.nbytes)
-        return cls(tuple(slots), offset, tuple(common))
+            offset += -(-info.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        return cls(tuple(slots), offset)
 
     def allocate(self, device: torch.device | None = None) -> torch.Tensor:
         """The arena's memory (uninitialised), on ``device`` or the current default device."""
         return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
 
     def copy_items(self, arena: torch.Tensor) -> list[CopyItem]:
-        """What to read into ``arena`` from the rank file: each slot's file bytes into its byte range."""
+        """What to read into ``arena``: each slot's file bytes into its byte range."""
         return [CopyItem(s.start, s.nbytes, arena[s.offset : s.offset + s.nbytes]) for s in self.slots]
-
-    def common_items(self, arena: torch.Tensor) -> list[CopyItem]:
-        """What to read into ``arena`` from the common file (its :attr:`common` slots)."""
-        return [CopyItem(s.start, s.nbytes, arena[s.offset : s.offset + s.nbytes]) for s in self.common]
 
     def parameters(self, layers: Mapping[str, nn.Module]) -> list[nn.Parameter]:
         """The parameter each slot replaces, checked: it exists and has the slot's dtype."""
@@ -140,8 +121,7 @@ def release(params: Sequence[nn.Parameter]) -> None:
 class BackgroundCopy:
     """Reads file ranges into tensors on a thread of its own, from construction until :meth:`join`.
 
-    ``make_reader`` is called on that thread; ``then``: more files' items, copied after ``path``'s
-    with the same reader. ``on_done`` runs there once the copy has ended
+    ``make_reader`` is called on that thread; ``on_done`` runs there once the copy has ended
     (done or failed). The items, and so their destinations, are referenced until then: the
     memory cannot be freed under the copy. ``gate``, an event part of the copy may wait for
     (the reader's ``own_after``), is set by :meth:`join` and :meth:`abandon` at the latest, so
@@ -155,16 +135,14 @@ class BackgroundCopy:
         items: list[CopyItem],
         on_done: Callable[[], None] | None = None,
         gate: threading.Event | None = None,
-        then: Sequence[tuple[str | Path, list[CopyItem]]] = (),
     ) -> None:
         self.bytes = 0
         self.seconds = 0.0
         self.modes_used: set[str] = set()
         self._error: BaseException | None = None
-        self._jobs = [(path, items), *((p, i) for p, i in then if i)]  # files copied one after the other
-        self._make_reader, self._on_done = make_reader, on_done
+        self._path, self._items, self._make_reader, self._on_done = path, items, make_reader, on_done
         self.gate = gate
-        devices = {it.dst.device for _, job in self._jobs for it in job}
+        devices = {it.dst.device for it in items}
         self._device = devices.pop() if len(devices) == 1 else None
         self._thread = threading.Thread(target=self._run, name="marlin-pack-arena-copy")
         self._thread.start()
@@ -175,14 +153,13 @@ class BackgroundCopy:
             if self._device is not None and self._device.type == "cuda":
                 torch.cuda.set_device(self._device)  # the current device is per thread (a TP rank's is not cuda:0)
             with self._make_reader() as reader:
-                for path, items in self._jobs:
-                    self.bytes += reader.copy(path, items)
+                self.bytes = reader.copy(self._path, self._items)
                 self.modes_used = set(reader.modes_used)
         except BaseException as e:  # noqa: BLE001 - handed to join()
             self._error = e
         finally:
             self.seconds = time.perf_counter() - t0
-            self._jobs = []
+            self._items = []
             if self._on_done is not None:
                 try:
                     self._on_done()

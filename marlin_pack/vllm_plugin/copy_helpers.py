@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["HelperPool", "split_by_bytes", "start_early", "take_early"]
+__all__ = ["HelperPool", "split_by_bytes"]
 
 logger = logging.getLogger("vllm.marlin_pack")
 
@@ -73,11 +73,6 @@ def split_by_bytes(windows: Sequence[WindowLike], parts: int) -> list[list[Windo
     return [r for r in runs if r]
 
 
-def _helper_count(count: int | None) -> int:
-    """Helper processes a pool of ``count`` starts (None: :data:`DEFAULT_PROCESSES`)."""
-    return max(1, count or DEFAULT_PROCESSES)
-
-
 class _CudaDriver:
     """The parent's two driver calls: a device pointer's allocation and its IPC handle."""
 
@@ -112,7 +107,6 @@ class HelperPool:
         self, count: int | None, device_index: int, script: Path = _HELPER, env: Mapping[str, str] | None = None
     ) -> None:
         self.device_index = device_index
-        self.count = _helper_count(count)
         self._env = {**os.environ, **HELPER_ENV, **(env or {})}  # CUDA_* settings for the helpers only
         self._procs: list[subprocess.Popen[str]] = []
         self._reapers: list[threading.Thread] = []
@@ -122,7 +116,8 @@ class HelperPool:
         self._handles: dict[int, str] = {}  # allocation base -> IPC handle
         self.failures: list[str] = []
         # Started from a thread: the caller (vLLM building the model) goes on meanwhile.
-        self._spawner = threading.Thread(target=self._spawn, args=(self.count, script), name="marlin-pack-helpers", daemon=True)
+        count = max(1, count or DEFAULT_PROCESSES)
+        self._spawner = threading.Thread(target=self._spawn, args=(count, script), name="marlin-pack-helpers", daemon=True)
         self._spawner.start()
 
     def _spawn(self, count: int, script: Path) -> None:
@@ -142,10 +137,6 @@ class HelperPool:
             except OSError as e:
                 self.failures.append(f"could not start a helper: {e}")
                 break
-
-    def fits(self, count: int | None, device_index: int) -> bool:
-        """Whether this pool is what ``HelperPool(count, device_index)`` would start (and still open)."""
-        return not self._closed and self.count == _helper_count(count) and self.device_index == device_index
 
     def __enter__(self) -> HelperPool:
         return self
@@ -301,34 +292,6 @@ class HelperPool:
         for reaper in self._reapers:
             reaper.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._reapers = [r for r in self._reapers if r.is_alive()]
-
-
-# Helpers started ahead of the loader (start_early), until the loader takes them (take_early).
-_early: HelperPool | None = None
-_early_lock = threading.Lock()
-
-
-def start_early(count: int | None, device_index: int) -> HelperPool:
-    """Start helpers now for a loader that will run later in this process (it :func:`take_early` s them).
-
-    The weight-cache daemon calls this as it starts: the helpers' processes and CUDA contexts then
-    come up while vLLM initialises the daemon, not at the start of its fill. Helpers started
-    earlier and not taken are ended first.
-    """
-    global _early
-    with _early_lock:
-        if _early is not None:
-            _early.close(wait=False)
-        _early = HelperPool(count, device_index)
-        return _early
-
-
-def take_early() -> HelperPool | None:
-    """The helpers :func:`start_early` started, now the caller's to use or close; None if there are none."""
-    global _early
-    with _early_lock:
-        pool, _early = _early, None
-        return pool
 
 
 def _reap(procs: list[subprocess.Popen[str]]) -> None:

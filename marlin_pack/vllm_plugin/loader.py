@@ -48,8 +48,8 @@ from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
 from marlin_pack.errors import BundleError, MismatchField
 from marlin_pack.vllm_plugin import patches
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
-from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool, start_early, take_early
-from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal, resolve_bundle_dir
+from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool
+from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader, resolve_mode
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
@@ -58,7 +58,7 @@ from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.placeholders import materialize_stubs, stub_quantized_placeholders
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 
-__all__ = ["MarlinPrepackedLoader", "start_helpers_early", "uses_helpers"]
+__all__ = ["MarlinPrepackedLoader", "uses_helpers"]
 
 # Common tensors from this size on are read with the parallel reader (see _common_weights).
 _LARGE_COMMON = 16 << 20
@@ -101,38 +101,6 @@ def uses_helpers(io_mode: str, path: Callable[[], Path], usable: Callable[[], bo
     if io_mode != "auto":
         return io_mode == "processes"
     return resolve_mode(io_mode, path(), helpers=usable()) == "processes"
-
-
-def start_helpers_early(vllm_config: VllmConfig, device_index: int) -> bool:
-    """Start the copy helpers for this process's coming ``marlin_prepacked`` load now (the weight-cache
-    daemon, as it starts); True if started.
-
-    Only with the ``early_helpers`` option, and where the loader would start them itself: ``io_mode`` ``processes``, or ``auto`` where
-    helpers help (:func:`helpers_help`) and the bundle is not on tmpfs. Its other checks (the
-    bundle itself, room on the GPU) come when it loads: it then takes the helpers or ends them.
-    Options it would refuse start nothing (it reports them).
-    """
-    load_config = vllm_config.load_config
-    if str(load_config.load_format) != LOAD_FORMAT or not torch.cuda.is_available():
-        return False
-    try:
-        options = parse_extra_config(load_config.model_loader_extra_config, LOAD_FORMAT)
-    except ValueError:
-        return False
-    if not options.early_helpers:
-        return False
-    model_config = vllm_config.model_config
-    try:
-        wanted = uses_helpers(
-            options.io_mode,
-            lambda: resolve_bundle_dir(options, str(model_config.model), getattr(model_config, "revision", None)),
-            lambda: helpers_help(vllm_config, model_config),
-        )
-    except BundleError:  # no bundle directory: the loader will say so
-        return False
-    if wanted:
-        start_early(options.io_processes, device_index)
-    return wanted
 
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
@@ -207,7 +175,6 @@ class MarlinPrepackedLoader(BaseModelLoader):
         self._decisions: dict[tuple[object, ...], Decision] = {}
         self._models: weakref.WeakKeyDictionary[nn.Module, _ModelState] = weakref.WeakKeyDictionary()
         self._timings = _Timings()
-        self._early: HelperPool | None = None  # helpers started before this loader (start_helpers_early)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -247,15 +214,6 @@ class MarlinPrepackedLoader(BaseModelLoader):
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """Build the model with Marlin forced for mixed-precision layers and check its layers."""
         patches.install()
-        self._early = take_early()  # _start_helpers uses them; on any other path they end here
-        try:
-            return self._create_model(vllm_config, model_config, prefix)
-        finally:
-            early, self._early = self._early, None
-            if early is not None:
-                early.close()
-
-    def _create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
         if self._is_draft(vllm_config, model_config):
             logger.info("marlin-pack: loading the draft model %s the ordinary way", model_config.model)
             model = super().create_model(vllm_config, model_config, prefix)
@@ -283,7 +241,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         return model
 
     def _start_helpers(self, vllm_config: VllmConfig, model_config: ModelConfig, bundle: SelectedBundle) -> HelperPool | None:
-        """Helpers for the ``processes`` mode: those started early when they fit, else new ones; None for other modes."""
+        """Helpers for the ``processes`` mode; None for other modes."""
         if not torch.cuda.is_available():
             return None
         def usable() -> bool:
@@ -291,14 +249,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
         if not uses_helpers(self.options.io_mode, lambda: bundle.rank_file, usable):
             return None
-        device = torch.cuda.current_device()
-        early, self._early = self._early, None
-        if early is not None and early.fits(self.options.io_processes, device):
-            logger.info("marlin-pack: using the %d copy helpers started early", early.count)
-            return early
-        if early is not None:
-            early.close()
-        return HelperPool(self.options.io_processes, device)
+        return HelperPool(self.options.io_processes, torch.cuda.current_device())
 
     def _helpers_fit(self, bundle: SelectedBundle) -> bool:
         """Whether the GPU has room for the helpers' CUDA contexts beside the model's weights.
@@ -308,8 +259,6 @@ class MarlinPrepackedLoader(BaseModelLoader):
         """
         count = self.options.io_processes or DEFAULT_PROCESSES
         free, _ = torch.cuda.mem_get_info()
-        if self._early is not None:  # helpers started early already hold their contexts' memory
-            free += self._early.count * _HELPER_CONTEXT_BYTES
         weights = sum(f.stat().st_size for f in (bundle.rank_file, bundle.common_file))
         return free >= weights + count * _HELPER_CONTEXT_BYTES
 
@@ -377,10 +326,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         """
         if not self.options.copy_during_build or bundle.tp_set.moe_layers:
             return None
-        # Every common tensor: small ones (norms) cost an aligned slot each, and reading none of them
-        # here leaves this process free while the helpers copy.
-        common_from = 0 if self.options.common_in_arena and bundle.tp_set.tp_size == 1 else None
-        layout = ArenaLayout.of(bundle, common_from)
+        layout = ArenaLayout.of(bundle)
         if not layout.slots:
             return None
         t0 = time.perf_counter()
@@ -394,7 +340,6 @@ class MarlinPrepackedLoader(BaseModelLoader):
             # The helpers exit as soon as their share is copied: their CUDA contexts go while loading goes on.
             on_done=None if helpers is None else (lambda: helpers.close(wait=False)),
             gate=built,
-            then=[(bundle.common_file, layout.common_items(arena))],
         )
         return _ArenaFill(layout, arena, copy)
 
@@ -432,7 +377,6 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         fill, state.fill = state.fill, None
-        placed: set[str] = set()  # common tensors bound to arena views (common_in_arena)
         # With the rank file copying beside, the common tensors read here without the helpers (which it uses).
         common_mode = "registered" if fill is not None and self.options.io_mode == "processes" else None
         try:
@@ -452,14 +396,13 @@ class MarlinPrepackedLoader(BaseModelLoader):
                         helpers.close(wait=False)  # they exit while the common tensors load (which this process reads)
                 else:
                     layout.bind(params, fill.arena)
-                    placed = _bind_common(layout, fill.arena, bundle, model)
                 for layer in state.layers.values():
                     materialize_stubs(layer)  # placeholders the bundle does not replace (finishing sets them)
                     mark_prepacked(layer)
                 t1 = time.perf_counter()
                 device = next(next(iter(state.layers.values())).parameters()).device
                 with HostMap(bundle.common_file) as host:
-                    model.load_weights(self._common_weights(reader, host, bundle, model, device, placed))
+                    model.load_weights(self._common_weights(reader, host, bundle, model, device))
                 t2 = time.perf_counter()
         finally:
             if fill is not None:
@@ -484,8 +427,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
     @staticmethod
     def _common_weights(
-        reader: ParallelReader, host: HostMap, bundle: SelectedBundle, model: nn.Module, device: torch.device,
-        placed: set[str] | frozenset[str] = frozenset(),
+        reader: ParallelReader, host: HostMap, bundle: SelectedBundle, model: nn.Module, device: torch.device
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``common.safetensors`` in file order, for the model's ``load_weights``.
 
@@ -501,8 +443,6 @@ class MarlinPrepackedLoader(BaseModelLoader):
         whole = device.type == "cuda" and bundle.tp_set.tp_size == 1  # each rank uses whole tensors
         params = dict(model.named_parameters(remove_duplicate=False)) if whole else {}
         for name, info in ordered:
-            if name in placed:  # already the parameters' memory (common_in_arena)
-                continue
             names = [name, *copies.get(name, ())]
             if whole and info.nbytes >= _LARGE_COMMON:
                 targets = [_direct_target(params.get(n), info.shape, info.torch_dtype) for n in names]
@@ -554,34 +494,6 @@ def _alias_names(bundle: SelectedBundle) -> dict[str, list[str]]:
     for alias, original in bundle.manifest.common_aliases.items():
         copies.setdefault(original, []).append(alias)
     return copies
-
-
-def _bind_common(layout: ArenaLayout, arena: torch.Tensor, bundle: SelectedBundle, model: nn.Module) -> set[str]:
-    """Bind the arena's common tensors (``common_in_arena``) to their parameters; the names bound.
-
-    Only where vLLM's weight loader would do a plain copy of the whole tensor into each name's
-    parameter (:func:`_direct_target`); others are loaded the ordinary way, their arena bytes unused.
-    """
-    if not layout.common:
-        return set()
-    params = dict(model.named_parameters(remove_duplicate=False))
-    copies = _alias_names(bundle)
-    placed = set()
-    ordinary = []
-    for slot in layout.common:
-        targets = [_direct_target(params.get(n), slot.shape, slot.dtype) for n in (slot.name, *copies.get(slot.name, ()))]
-        if any(t is None for t in targets):
-            ordinary.append(slot.name)
-            continue
-        for t in {id(t): t for t in targets}.values():  # a tied head is the embedding itself
-            t.data = slot.view(arena)  # type: ignore[union-attr]
-        placed.add(slot.name)
-    if ordinary:
-        logger.warning(
-            "marlin-pack: common_in_arena: %d common tensors are not a plain copy for vLLM's loader (e.g. %s); "
-            "loaded the ordinary way", len(ordinary), ordinary[0]
-        )
-    return placed
 
 
 def _direct_target(param: nn.Parameter | None, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter | None:

@@ -51,13 +51,6 @@ class LoaderOptions:
             pages pinned in the engine's process slow its own work beside the copy, vLLM's
             construction, the placing of the tensors, the common tensors), once vLLM has built
             the model (``after_build``) or from the start (``during_build``).
-        common_in_arena: TP=1 with the copy during the construction: the common file's
-            tensors (embeddings, norms, output head) go into the arena too, copied with the rank file
-            (by the helpers where they copy), and are bound to their parameters where vLLM's
-            loader would only copy them. Off by default until measured on a GPU.
-        early_helpers: weight-cache daemon only: start the copy helpers as the daemon's process
-            starts (while vLLM initialises it) instead of when its fill starts. Off by default
-            until measured on a GPU.
     """
 
     bundle: Path | None = None
@@ -70,16 +63,13 @@ class LoaderOptions:
     io_processes: int | None = None
     copy_during_build: bool = True
     io_own_share: OwnShare = "none"
-    common_in_arena: bool = False
-    early_helpers: bool = False
 
     @property
     def full_hash(self) -> bool | None:
         return _FULL_HASH[self.verify]
 
 
-OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "io_own_share",
-               "common_in_arena", "early_helpers")
+OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "io_own_share")
 
 
 def _int_option(extra: Mapping[str, Any], key: str, default: int | None, high: int) -> int | None:
@@ -117,11 +107,6 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     during_build = extra.get("copy_during_build", LoaderOptions.copy_during_build)
     if not isinstance(during_build, bool):
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
-    flags = {}
-    for key in ("common_in_arena", "early_helpers"):
-        flags[key] = extra.get(key, getattr(LoaderOptions, key))
-        if not isinstance(flags[key], bool):
-            raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")
     verify = extra.get("verify", "auto")
     if verify not in _FULL_HASH:
         raise ValueError(
@@ -147,5 +132,4 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         io_processes=_int_option(extra, "io_processes", LoaderOptions.io_processes, 32),
         copy_during_build=during_build,
         io_own_share=own_share,
-        **flags,
     )

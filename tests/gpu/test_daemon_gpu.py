@@ -82,8 +82,6 @@ POKE = {"qwen3moe-gptq4": f"{MOE_EXPERTS}.w13_qweight"}
 _SELECTED = os.environ.get("MARLIN_PACK_TEST_DAEMON_MODELS")
 MODELS = {n: v for n, v in ALL_MODELS.items() if not _SELECTED or n in _SELECTED.split(",")}
 STARTS = ["ordinary", "fallback", "attach1", "attach2"]
-# Loader options of a daemon's fill: gptq4's starts its copy helpers early and puts the common tensors in the arena.
-DAEMON_LOADER = {"gptq4": {"io_mode": "processes", "io_processes": 2, "early_helpers": True, "common_in_arena": True}}
 
 
 def _layers(name: str) -> list[str]:
@@ -169,11 +167,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         vllm_cli = plugin_installed()
         daemons = {
             name: cluster.daemon(
-                f"daemon-{name}",
-                models[name],
-                sdirs[name],
-                *(["--model-loader-extra-config", json.dumps(DAEMON_LOADER[name])] if name in DAEMON_LOADER else []),
-                vllm_cli=vllm_cli and name == "gptq8",
+                f"daemon-{name}", models[name], sdirs[name], vllm_cli=vllm_cli and name == "gptq8"
             )
             for name in MODELS
         }
@@ -317,9 +311,6 @@ def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
         assert "marlin-pack: vllm preload" not in log  # plain `vllm preload`, not the launcher
     if name != "gptq8":
         assert "marlin-pack: vllm preload --model" in log
-    if name in DAEMON_LOADER:  # the helpers started with the daemon were the ones that copied
-        assert "using the 2 copy helpers started early" in log, proc.tail()
-        assert "not a plain copy" not in log and "copy helpers not usable" not in log, proc.tail()
 
 
 def test_plain_vllm_preload_gets_the_plugin(run: Results) -> None:

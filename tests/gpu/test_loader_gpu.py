@@ -261,17 +261,16 @@ def test_prepacked_matches_ordinary_loading(
     [
         {"io_mode": "processes", "io_processes": 2},
         {"io_mode": "processes", "io_processes": 2, "io_own_share": "after_build"},
-        {"io_mode": "processes", "io_processes": 2, "common_in_arena": True},
         {"io_mode": "staged"},
     ],
-    ids=["processes", "processes-own-share-after-build", "processes-common-in-arena", "staged"],
+    ids=["processes", "processes-own-share-after-build", "staged"],
 )
 def test_prepacked_io_modes_match_ordinary_loading(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], io: dict[str, Any]
 ) -> None:
     """The reader's other modes inside an engine: the same parameters, bit for bit; in ``processes``
     mode the helpers copied (nothing was left to the engine's process), and with ``io_own_share`` the engine
-    read its share once the model was built; with ``common_in_arena`` the common tensors were bound in the arena."""
+    read its share once the model was built."""
     kind = "awq4-padded"
     reference = ordinary(kind)
     code, log, result = run_engine(
@@ -280,8 +279,6 @@ def test_prepacked_io_modes_match_ordinary_loading(
     assert code == 0 and result is not None, log[-4000:]
     assert f"io_mode {io['io_mode']}," in log, log[-4000:]  # processes: no "processes/registered" (left windows)
     assert "copy helpers" not in log and "no copy helper started" not in log, log[-4000:]
-    if io.get("common_in_arena"):  # every common tensor of this Llama is a plain copy: none left to vLLM's loaders
-        assert "not a plain copy" not in log, log[-4000:]
     check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked {io}")
     assert_params_identical(reference["params"], result["params"])
 

@@ -186,26 +186,3 @@ def test_a_closed_pool_leaves_every_window(tmp_path: Path, monkeypatch: pytest.M
     pool.join()
     assert pool.copy(tmp_path / "f", windows, threads=1, own=lambda share: None) == windows
     assert _sent(tmp_path) == []
-
-
-def test_early_helpers_are_taken_once_and_replaced_not_leaked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """start_early: a pool for a loader that runs later in the process; take_early hands it over once.
-    A second start_early ends the first pool's helpers; ``fits`` says whether the pool is what the
-    loader would start (count, defaulted as HelperPool does, and device; not after close)."""
-    from marlin_pack.vllm_plugin import copy_helpers
-
-    ready = 'import json, sys; print(json.dumps({"ready": True}), flush=True); sys.stdin.read()'
-    script = _script(tmp_path, ready)
-    monkeypatch.setattr(copy_helpers, "_HELPER", script)
-    monkeypatch.setattr(HelperPool.__init__, "__defaults__", (script, None))
-    assert copy_helpers.take_early() is None
-    first = copy_helpers.start_early(None, 1)
-    second = copy_helpers.start_early(2, 0)
-    assert first._closed and not second._closed  # the first one's helpers were ended
-    first.join(timeout=30)
-    assert copy_helpers.take_early() is second and copy_helpers.take_early() is None
-    assert second.ready() == 2
-    assert second.fits(2, 0) and not second.fits(2, 1) and not second.fits(None, 0)  # None: DEFAULT_PROCESSES (4)
-    assert first.count == copy_helpers.DEFAULT_PROCESSES
-    second.close()
-    assert not second.fits(2, 0) and second._procs == []

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
 from marlin_pack.errors import LoadRefusedError
 from marlin_pack.vllm_plugin import LOAD_FORMAT
@@ -225,57 +224,6 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
     for name, want in reference.items():
         assert torch.equal(got[name].detach(), want), name
     assert loader._timings.beside is during_build and loader._timings.copy_bytes == sum(t.nbytes for t in reference.values())
-
-
-@pytest.mark.parametrize("in_arena", [True, False])
-def test_common_in_arena_binds_the_common_tensors(
-    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, marlin_log: list[str], in_arena: bool
-) -> None:
-    """``common_in_arena``: the common file's tensors are copied into the arena with the rank file and
-    bound to their parameters where vLLM's loader would only copy them (the embedding here); others
-    (no such parameter here: the norms) and everything without the option go through ``load_weights``."""
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-    from marlin_pack.vllm_plugin.arena import ArenaLayout
-
-    common = load_file(str(awq_bundle / "marlin-pack/common.safetensors"))
-    embed = next(n for n in common if n.endswith("embed_tokens.weight"))
-    arenas: list[torch.Tensor] = []
-    allocate = ArenaLayout.allocate
-    monkeypatch.setattr(ArenaLayout, "allocate", lambda self, device=None: arenas.append(allocate(self, device)) or arenas[-1])
-    fake_create_model(monkeypatch, awq_bundle)
-    build = BaseModelLoader.create_model
-
-    def with_embedding(*args: Any, **kwargs: Any) -> Any:
-        root = build(*args, **kwargs)
-        holder = root
-        for part in embed.split(".")[:-1]:  # the embedding's module path, as vLLM names it
-            if not hasattr(holder, part):
-                holder.add_module(part, nn.Module())
-            holder = getattr(holder, part)
-        holder.weight = nn.Parameter(torch.zeros_like(common[embed]), requires_grad=False)
-        holder.weight.weight_loader = default_weight_loader
-        return root
-
-    monkeypatch.setattr(BaseModelLoader, "create_model", with_embedding)
-    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
-    loader = make_loader(common_in_arena=in_arena)
-    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
-        model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
-        loader.load_weights(model, model_config)  # type: ignore[arg-type]
-    weight = model.get_parameter(embed)
-    arena = arenas[0]
-    inside = arena.data_ptr() <= weight.data_ptr() < arena.data_ptr() + arena.numel()
-    loaded = {n for n, _ in model.common}
-    rank_bytes = sum(t.nbytes for t in load_file(str(awq_bundle / "marlin-pack/tp1/rank-0.safetensors")).values())
-    if in_arena:
-        assert inside and torch.equal(weight.detach(), common[embed])
-        assert loaded == set(common) - {embed}  # the norms: no parameter of the fake model takes them
-        assert loader._timings.copy_bytes == rank_bytes + sum(t.nbytes for t in common.values())
-        assert any(f"{len(common) - 1} common tensors are not a plain copy" in m for m in marlin_log)
-    else:
-        assert not inside and loaded == set(common) and loader._timings.copy_bytes == rank_bytes
 
 
 def test_own_share_after_build_waits_for_the_construction(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -498,10 +446,6 @@ class _FakeHelpers:
     def __init__(self, count: int, device_index: int) -> None:
         self.events.append(f"start {count} helpers for device {device_index}")
         self.closed = False
-        self.count, self.device_index = count or 4, device_index
-
-    def fits(self, count: int | None, device_index: int) -> bool:
-        return not self.closed and self.count == (count or 4) and self.device_index == device_index
 
     def close(self, wait: bool = True) -> None:
         if not self.closed:  # as HelperPool.close: a second call ends nothing more...
@@ -554,83 +498,6 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     assert events[0] == "start 2 helpers for device 3"
     assert sorted(events[1:3]) == ["close wait=False", "create"]
     assert events[3:] == ["joined"]
-
-
-@pytest.mark.parametrize("case", ["taken", "other device", "staged", "no bundle", "refused"])
-def test_helpers_started_early_are_taken_or_ended(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    """Helpers a weight-cache daemon started as it began (start_helpers_early): create_model takes them
-    when they are what it would start (no second pool), and otherwise ends them, on every path."""
-    import marlin_pack.vllm_plugin.loader as loader_mod
-
-    events = _FakeHelpers.events = []
-    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    early = _FakeHelpers(2, 0 if case == "other device" else 3)
-    pending = [early]
-    monkeypatch.setattr(loader_mod, "take_early", lambda: pending.pop() if pending else None)
-    fake_create_model(monkeypatch, awq_bundle)
-    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
-    extra: dict[str, Any] = {"io_mode": "staged" if case == "staged" else "processes", "io_processes": 2}
-    if case == "no bundle":
-        extra.update(bundle=str(awq_bundle / "nowhere"), fallback=True)
-    if case == "refused":
-        extra.update(bundle=str(awq_bundle / "nowhere"))
-    loader = make_loader(**extra)
-    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
-        if case == "refused":
-            with pytest.raises(LoadRefusedError):
-                loader.create_model(vllm_config, model_config)
-            assert early.closed and events[1:] == ["close wait=True", "joined"]
-            return
-        model = loader.create_model(vllm_config, model_config)
-        if case != "no bundle":  # (the ordinary way needs a whole engine)
-            loader.load_weights(model, model_config)
-    starts = [e for e in events if e.startswith("start")]
-    if case == "taken":
-        assert starts == ["start 2 helpers for device 3"]  # the early pool only
-        assert loader._models[model].bundle is not None and early.closed  # used, then ended after the copy
-    else:
-        assert events[1:3] == ["close wait=True", "joined"]  # ended before anything else happened
-        assert starts[1:] == (["start 2 helpers for device 3"] if case == "other device" else [])
-    assert early.closed and loader._early is None
-
-
-def test_start_helpers_early_only_where_the_loader_would(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The daemon's early start follows the loader's own choice: marlin_prepacked with io_mode processes,
-    or auto where helpers help and the bundle is not on tmpfs; never for options the loader refuses."""
-    from vllm.config.load import LoadConfig
-
-    import marlin_pack.vllm_plugin.loader as loader_mod
-    from marlin_pack.vllm_plugin import gpu_reader
-
-    started: list[tuple[Any, int]] = []
-    monkeypatch.setattr(loader_mod, "start_early", lambda count, device: started.append((count, device)))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    fs = {"type": "ext4"}
-    monkeypatch.setattr(gpu_reader, "filesystem_type", lambda path: fs["type"])
-    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
-    vllm_config.model_config = model_config
-
-    def early(load_format: str = LOAD_FORMAT, **extra: Any) -> bool:
-        vllm_config.load_config = LoadConfig(load_format=load_format, model_loader_extra_config={"early_helpers": True, **extra})
-        return loader_mod.start_helpers_early(vllm_config, 1)  # type: ignore[arg-type]
-
-    assert not early(early_helpers=False) and not started  # off by default
-    assert early() and started == [(None, 1)]
-    assert early(io_mode="processes", io_processes=3) and started[-1] == (3, 1)
-    assert not early(io_mode="registered") and not early(load_format="auto") and not early(io_mode="fast")
-    assert early(bundle=str(awq_bundle / "nowhere"))  # the bundle itself is the loader's to check
-    fs["type"] = "tmpfs"
-    assert not early()  # staged
-    fs["type"] = "ext4"
-    vllm_config.parallel_config.world_size_across_dp = 2
-    assert not early() and early(io_mode="processes")  # explicit processes: as the loader
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not early(io_mode="processes")
-    assert len(started) == 4
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,6 @@ def test_parse_extra_config_defaults_and_values() -> None:
     assert parse_extra_config({}).copy_during_build is True
     assert parse_extra_config({"copy_during_build": False}).copy_during_build is False
     assert parse_extra_config({"io_own_share": "during_build"}).io_own_share == "during_build"
-    assert parse_extra_config({}).early_helpers is False and parse_extra_config({"early_helpers": True}).early_helpers
-    assert parse_extra_config({}).common_in_arena is False and parse_extra_config({"common_in_arena": True}).common_in_arena
 
 
 def test_option_keys_are_the_options() -> None:
@@ -37,8 +35,6 @@ def test_option_keys_are_the_options() -> None:
         ({"bundle": ""}, r"\['bundle'\] must be a directory path"),
         ({"bundle": 3}, r"\['bundle'\] must be a directory path"),
         ({"fallback": "yes"}, r"\['fallback'\] must be true or false"),
-        ({"early_helpers": "yes"}, r"\['early_helpers'\] must be true or false"),
-        ({"common_in_arena": 1}, r"\['common_in_arena'\] must be true or false"),
         ({"copy_during_build": 1}, r"\['copy_during_build'\] must be true or false"),
         ({"io_own_share": True}, r"\['io_own_share'\] must be one of \['during_build', 'after_build', 'none'\]"),
         ({"verify": "some"}, r"\['verify'\] must be one of \['auto', 'full', 'size'\]"),

@@ -313,43 +313,6 @@ def test_run_daemon_installs_marlin_pack_then_runs_vllms_daemon(
     assert daemon_mod._run_daemon is stock
 
 
-@pytest.mark.parametrize("case", ["started", "draft", "fails"])
-def test_run_daemon_starts_the_copy_helpers_before_vllms_daemon(
-    registered: None, monkeypatch: pytest.MonkeyPatch, marlin_log: list[str], case: str
-) -> None:
-    """run_daemon asks the loader to start its copy helpers for the daemon's device (``local_rank``)
-    before vLLM initialises the daemon, not for a draft model's daemon; a failure only warns."""
-    import importlib
-
-    import marlin_pack.vllm_plugin.loader as loader_mod
-    from marlin_pack.vllm_plugin import patches
-
-    daemon_mod = importlib.import_module(DAEMON_MODULE)
-    importlib.import_module("vllm.v1.worker.gpu_worker")
-    order: list[Any] = []
-
-    def early(vllm_config: Any, device_index: int) -> bool:
-        if case == "fails":
-            raise RuntimeError("no libcuda")
-        order.append(("early", vllm_config, device_index))
-        return True
-
-    monkeypatch.setattr(loader_mod, "start_helpers_early", early)
-    monkeypatch.setattr(daemon_mod, "_run_daemon", lambda *a, **k: order.append("daemon") or "done")
-    try:
-        config = SimpleNamespace(load_config=SimpleNamespace(load_format="marlin_prepacked"))
-        draft = {"is_draft": True} if case == "draft" else {}
-        assert run_daemon(0, 5, config, "tcp://127.0.0.1:9", None, "q", **draft) == "done"
-    finally:
-        patches.uninstall_all()
-    if case == "started":
-        assert order == [("early", config, 5), "daemon"]
-        assert any("copy helpers started for device 5" in m for m in marlin_log)
-    else:
-        assert order == ["daemon"]
-    assert any("could not start the copy helpers early (RuntimeError: no libcuda)" in m for m in marlin_log) is (case == "fails")
-
-
 def _stock_spawn_target(*args: Any) -> None:
     """The control: vLLM's own ``_run_daemon``, as a plain ``vllm preload`` child runs it."""
     from vllm.model_executor.model_loader.weight_cache.daemon import _run_daemon

@@ -190,7 +190,6 @@ def run_daemon(*args: Any, **kwargs: Any) -> Any:
     from marlin_pack.vllm_plugin import patches
 
     patches.install()  # idempotent; also where register() ran before and its patches were removed
-    _start_copy_helpers(args, kwargs)
     module = importlib.import_module(DAEMON_MODULE)  # patched on import (or already)
     target = registry.original(RUN_DAEMON) if RUN_DAEMON in registry.installed() else module._run_daemon
     if target is run_daemon:  # never recurse, whatever state the registry is in
@@ -201,26 +200,6 @@ def run_daemon(*args: Any, **kwargs: Any) -> Any:
         os.getpid(),
     )
     return target(*args, **kwargs)
-
-
-def _start_copy_helpers(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Start the loader's copy helpers while vLLM initialises the daemon (a second or so before its fill).
-
-    ``_run_daemon(global_rank, local_rank, vllm_config, ...)``: the daemon's device is ``local_rank``.
-    Never stops the daemon: without helpers now, the loader starts them itself.
-    """
-    local_rank = args[1] if len(args) > 1 else kwargs.get("local_rank")
-    vllm_config = args[2] if len(args) > 2 else kwargs.get("vllm_config")
-    is_draft = args[6] if len(args) > 6 else kwargs.get("is_draft", False)
-    if is_draft or not isinstance(local_rank, int) or getattr(vllm_config, "load_config", None) is None:
-        return
-    try:
-        from marlin_pack.vllm_plugin.loader import start_helpers_early
-
-        if start_helpers_early(vllm_config, local_rank):
-            logger.info("marlin-pack: copy helpers started for device %d while the daemon initialises", local_rank)
-    except Exception as e:  # noqa: BLE001 - a speed-up only
-        logger.warning("marlin-pack: could not start the copy helpers early (%s: %s)", type(e).__name__, e)
 
 
 def _ct_kv_cache_post_processing(original: Callable[..., Any]) -> Callable[..., Any]:
