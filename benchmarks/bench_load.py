@@ -6,8 +6,8 @@ Runs on a GPU machine with vLLM 0.33.0 and marlin-pack installed:
         --bundle-root /dev/shm/bench --daemon gptq
 
 For each format it generates a synthetic checkpoint on the GPU (random packed words are valid
-quantized values) under ``--workdir``, converts it (``--device cuda``, timed) into a bundle under
-``--bundle-root``, warms the page cache with both, then starts, one engine per process:
+quantized values) under ``--workdir``, converts it (``--device cuda``, timed, beside a plain durable write of as many bytes to the
+same disk: the bound of a conversion) into a bundle under ``--bundle-root``, warms the page cache with both, then starts, one engine per process:
 
 * ``ordinary``: vLLM's own loading of the checkpoint, Marlin forced;
 * ``prepacked``: ``--load-format marlin_prepacked``, once per ``--io`` loader configuration;
@@ -193,6 +193,24 @@ def _daemon_rows(
         shutil.rmtree(sdir, ignore_errors=True)
 
 
+def _disk_write_gbps(directory: Path, nbytes: int = 8 << 30) -> float:
+    """A plain durable sequential write of ``nbytes`` into ``directory`` (the way a bundle is written:
+    ``SequentialFile``, O_DIRECT where the file system allows it, fsync), in GB/s; the file is removed."""
+    from marlin_pack.io.direct_file import SequentialFile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "disk-write-probe.bin"
+    block = memoryview(os.urandom(64 << 20))
+    t = time.perf_counter()
+    f = SequentialFile(path)
+    for _ in range(nbytes // len(block)):
+        f.write(block)
+    f.close()
+    seconds = time.perf_counter() - t
+    path.unlink()
+    return nbytes / seconds / 1e9
+
+
 def _warm(paths: list[Path]) -> float:
     n = 0
     for root in paths:
@@ -257,11 +275,14 @@ def main() -> None:
         manifest = convert(model, bundle, tp_sizes=(1,), dtype="float16", device="cuda", force=True)
         conv_s = time.perf_counter() - t
         torch.cuda.empty_cache()
+        bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
+        disk = _disk_write_gbps(bundle.parent)
         warm_gb = _warm([model, bundle])
         rank_gb = manifest.tensor_parallel[0].ranks[0].file.size / 1e9
         print(f"{fmt}: generated in {gen_s:.1f} s; convert --device cuda {conv_s:.1f} s; rank file {rank_gb:.1f} GB; "
-              f"warmed {warm_gb:.1f} GB", flush=True)
-        rows: dict = {"convert_s": conv_s}
+              f"bundle {bundle_gb:.1f} GB, a plain durable write of it at this disk's {disk:.2f} GB/s: "
+              f"{bundle_gb / disk:.1f} s; warmed {warm_gb:.1f} GB", flush=True)
+        rows: dict = {"convert_s": conv_s, "disk_write_s": bundle_gb / disk}
         if not args.no_ordinary:
             rows["ordinary"] = _engine(model, "ordinary", args.attention_backend)
         for i, io in enumerate(args.io.split(";")):
@@ -296,6 +317,7 @@ def main() -> None:
         engines = [r for r in rows.values() if isinstance(r, dict) and "tokens" in r]
         tokens = rows.get("ordinary", engines[0] if engines else {}).get("tokens")
         print(f"{fmt:6} {'convert --device cuda':40} {rows['convert_s']:20.2f}")
+        print(f"{fmt:6} {'  the bundle written plainly (disk bound)':40} {rows['disk_write_s']:20.2f}")
         for key, value in rows.items():
             if key.startswith("fill_s ") and value is not None:
                 print(f"{fmt:6} {'daemon fill ' + key[len('fill_s '):]:40} {value:20.2f}")
