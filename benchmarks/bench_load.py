@@ -6,8 +6,9 @@ Runs on a GPU machine with vLLM 0.33.0 and marlin-pack installed:
         --bundle-root /dev/shm/bench --daemon gptq
 
 For each format it generates a synthetic checkpoint on the GPU (random packed words are valid
-quantized values) under ``--workdir``, converts it (``--device cuda``, timed, beside a plain durable write of as many bytes to the
-same disk: the bound of a conversion) into a bundle under ``--bundle-root``, warms the page cache with both, then starts, one engine per process:
+quantized values) under ``--workdir``, converts it (``--device cuda``, timed, beside a plain
+durable write of as many bytes to the same disk: the bound of a conversion) into a bundle under
+``--bundle-root``, warms the page cache with both, then starts, one engine per process:
 
 * ``ordinary``: vLLM's own loading of the checkpoint, Marlin forced;
 * ``prepacked``: ``--load-format marlin_prepacked``, once per ``--io`` loader configuration;
