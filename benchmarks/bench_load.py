@@ -20,7 +20,11 @@ It prints vLLM's "Model loading took" seconds for each engine, the ratios to ord
 loader's own phase line, the daemon's fill time, the peak GPU memory torch allocated during
 loading, and, measured in the same run, the pinned host-to-GPU bandwidth that the loader's
 read+copy rate is compared with. ``--profile`` adds the top of a cProfile of the loader's
-``load_model`` for the prepacked and attach engines.
+``load_model`` for the prepacked and attach engines. ``--py-spy DIR`` samples every
+engine and daemon process (and its children) with ``py-spy record`` (the binary from ``PY_SPY`` or
+``PATH``; it is a static one, so it can be carried to the GPU machine), keeps the collapsed stacks in
+``DIR`` and prints where the stacks under the loader spent their samples: for the daemon's fill,
+which ``--profile`` does not reach.
 
 ``--preset qwen3-30b-a3b`` is a mixture-of-experts model shaped like Qwen3-30B-A3B (48 layers of
 128 experts, 8 active; about 17 GB at 4 bits; ``marlin_pack.testing.synthetic_moe``), e.g.
@@ -120,9 +124,65 @@ def _marlin_lines(log: str) -> list[str]:
             if "marlin-pack: validate" in x or "marlin-pack: placed" in x]
 
 
+SPY_DIR: list[Path] = []  # --py-spy DIR
+
+
+class _Spy:
+    """``py-spy record`` of a process and its children (``--py-spy``), from now until it exits or :meth:`stop`.
+
+    The samples are written to ``DIR/<name>.raw`` (py-spy's collapsed stacks); :meth:`stop` prints
+    where the stacks under the ``marlin_prepacked`` loader spent their samples.
+    """
+
+    def __init__(self, pid: int, name: str) -> None:
+        self.out = SPY_DIR[0] / f"{name}.raw"
+        exe = os.environ.get("PY_SPY") or shutil.which("py-spy") or "py-spy"
+        self.proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "250",
+                                      "--format", "raw", "--output", str(self.out)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def stop(self, wait_only: bool = False) -> None:
+        if not wait_only and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+        try:
+            _, err = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        if not self.out.exists():
+            print(f"  py-spy wrote nothing ({err.strip()[-300:]})", flush=True)
+            return
+        print(spy_summary(self.out.read_text()), flush=True)
+
+
+def spy_summary(raw: str, top: int = 25) -> str:
+    """The samples of py-spy's collapsed stacks that ran under the ``marlin_prepacked`` loader: by the
+    loader's innermost function and the stack's innermost frame, most first."""
+    counts: dict[tuple[str, str], int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")
+        ours = [f for f in frames if "marlin_pack/vllm_plugin/loader.py" in f and not f.startswith("<module>")]
+        if not ours or not n.isdigit():
+            continue
+        total += int(n)
+        key = (ours[-1].split(" (")[0], frames[-1][:110])
+        counts[key] = counts.get(key, 0) + int(n)
+    rows = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    lines = [f"  py-spy: {total} samples (250 Hz, all threads) under the loader; by loader function / innermost frame:"]
+    lines += [f"    {n:6d}  {fn:28s} {leaf}" for (fn, leaf), n in rows]
+    return "\n".join(lines)
+
+
 def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profile: bool = False, ablate: str = "") -> dict:
-    p = subprocess.run([sys.executable, "-c", CHILD, str(model), mode, attn, json.dumps(extra or {}), str(int(profile)), ablate],
-                       capture_output=True, text=True, env=_env())
+    argv = [sys.executable, "-c", CHILD, str(model), mode, attn, json.dumps(extra or {}), str(int(profile)), ablate]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    spy = _Spy(proc.pid, f"{mode}-{len(list(SPY_DIR[0].glob('*.raw')))}") if SPY_DIR else None
+    stdout, stderr = proc.communicate()
+    p = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+    if spy is not None:
+        spy.stop(wait_only=True)  # it ends with the engine's process
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if p.returncode or line is None:
         sys.stderr.write(p.stdout[-3000:] + p.stderr[-6000:])
@@ -169,8 +229,12 @@ def _daemon_rows(
             "--weight-cache-socket-dir", str(sdir), "--model-loader-extra-config", json.dumps({**json.loads(io), "bundle": str(bundle)})]
     with open(log_path, "w") as log:
         daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+    spy = _Spy(daemon.pid, f"daemon-{len(list(SPY_DIR[0].glob('*.raw')))}") if SPY_DIR else None
     try:
-        if not _wait_socket(daemon, sdir):
+        up = _wait_socket(daemon, sdir)
+        if spy is not None:
+            spy.stop()  # the fill is over once the daemon listens
+        if not up:
             sys.stderr.write(log_path.read_text()[-6000:])
             raise SystemExit("the daemon did not come up")
         text = log_path.read_text()
@@ -242,7 +306,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the prepacked and 2nd attach load_model")
     ap.add_argument("--ablate", default="", help="patch modules (e.g. construct,cache_key) a 3rd attach engine runs without")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and bundles (disk!)")
+    ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
+                    help="sample every engine and daemon with py-spy (PY_SPY or PATH) into DIR/*.raw and print where the "
+                         "loader's time went")
     args = ap.parse_args()
+    if args.py_spy:
+        args.py_spy.mkdir(parents=True, exist_ok=True)
+        SPY_DIR.append(args.py_spy)
 
     import dataclasses
 
