@@ -130,15 +130,15 @@ SPY_DIR: list[Path] = []  # --py-spy DIR
 class _Spy:
     """``py-spy record`` of a process and its children (``--py-spy``), from now until it exits or :meth:`stop`.
 
-    The samples are written to ``DIR/<name>.raw`` (py-spy's collapsed stacks); :meth:`stop` prints
-    where the stacks under the ``marlin_prepacked`` loader spent their samples.
+    The samples are written to ``DIR/<name>.raw`` (py-spy's collapsed stacks, one frame per thread
+    first); :meth:`stop` prints where they went (:func:`spy_summary`).
     """
 
-    def __init__(self, pid: int, name: str) -> None:
-        self.out = SPY_DIR[0] / f"{name}.raw"
+    def __init__(self, pid: int, name: str, under: str | None = "marlin_pack/vllm_plugin/loader.py") -> None:
+        self.out, self.under = SPY_DIR[0] / f"{name}.raw", under
         exe = os.environ.get("PY_SPY") or shutil.which("py-spy") or "py-spy"
-        self.proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "250",
-                                      "--format", "raw", "--output", str(self.out)],
+        self.proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--subprocesses", "--threads", "--nonblocking",
+                                      "--rate", "250", "--format", "raw", "--output", str(self.out)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def stop(self, wait_only: bool = False) -> None:
@@ -152,26 +152,37 @@ class _Spy:
         if not self.out.exists():
             print(f"  py-spy wrote nothing ({err.strip()[-300:]})", flush=True)
             return
-        print(spy_summary(self.out.read_text()), flush=True)
+        print(spy_summary(self.out.read_text(), self.under), flush=True)
 
 
-def spy_summary(raw: str, top: int = 25) -> str:
-    """The samples of py-spy's collapsed stacks that ran under the ``marlin_prepacked`` loader: by the
-    loader's innermost function and the stack's innermost frame, most first."""
+def spy_summary(raw: str, under: str | None, top: int = 25) -> str:
+    """Where py-spy's samples (collapsed stacks recorded with ``--threads``) went, most first.
+
+    ``under``: a source file. The stacks through one of its functions count, by that innermost
+    function and the stack's innermost frame. None (or no stack through it): every stack with a
+    ``marlin_pack`` frame counts, by its thread and its innermost ``marlin_pack`` frame (a conversion's
+    main, reader, writer and hashing threads).
+    """
     counts: dict[tuple[str, str], int] = {}
-    total = 0
+    fallback: dict[tuple[str, str], int] = {}
     for line in raw.splitlines():
         stack, _, n = line.rpartition(" ")
-        frames = stack.split(";")
-        ours = [f for f in frames if "marlin_pack/vllm_plugin/loader.py" in f and not f.startswith("<module>")]
-        if not ours or not n.isdigit():
+        if not n.isdigit():
             continue
-        total += int(n)
-        key = (ours[-1].split(" (")[0], frames[-1][:110])
-        counts[key] = counts.get(key, 0) + int(n)
-    rows = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
-    lines = [f"  py-spy: {total} samples (250 Hz, all threads) under the loader; by loader function / innermost frame:"]
-    lines += [f"    {n:6d}  {fn:28s} {leaf}" for (fn, leaf), n in rows]
+        frames = stack.split(";")
+        ours = [f for f in frames if under and under in f and not f.startswith("<module>")]
+        if ours:
+            key = (ours[-1].split(" (")[0], frames[-1][:110])
+            counts[key] = counts.get(key, 0) + int(n)
+        pack = [f for f in frames if "marlin_pack/" in f and not f.startswith("<module>")]
+        if pack:
+            thread = next((f.split(": ", 1)[-1] for f in frames if f.startswith("thread ")), "?")
+            key = (thread[:28], pack[-1][:110])
+            fallback[key] = fallback.get(key, 0) + int(n)
+    table, how = (counts, "function") if counts else (fallback, "thread / innermost marlin_pack frame")
+    rows = sorted(table.items(), key=lambda kv: -kv[1])[:top]
+    lines = [f"  py-spy: {sum(table.values())} samples (250 Hz) under {under if counts else 'marlin_pack'}; by {how}:"]
+    lines += [f"    {n:6d}  {a:28s} {b}" for (a, b), n in rows]
     return "\n".join(lines)
 
 
@@ -342,9 +353,12 @@ def main() -> None:
             writer = write_awq_checkpoint if fmt == "awq" else write_gptq_checkpoint
             writer(model, shape, group_size=128, max_shard_bytes=5 << 30, device="cuda")
         gen_s = time.perf_counter() - t
+        spy = _Spy(os.getpid(), f"convert-{fmt}", under=None) if SPY_DIR else None
         t = time.perf_counter()
         manifest = convert(model, bundle, tp_sizes=(1,), dtype="float16", device="cuda", force=True)
         conv_s = time.perf_counter() - t
+        if spy is not None:
+            spy.stop()
         torch.cuda.empty_cache()
         bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
         disk = _disk_write_gbps(bundle.parent)
