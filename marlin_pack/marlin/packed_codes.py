@@ -9,6 +9,7 @@ remain available for the generic path and for verification.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -122,12 +123,17 @@ class ColumnParts:
         """The codes as uint8 ``[K, N]``, natural column order (see :meth:`PackedCodes.unpack`)."""
         return torch.cat([p.unpack() for p in self.parts], 1)
 
-    def rows(self, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
-        """Word rows ``r0:r1`` of the concatenation, written into ``out`` (returned)."""
-        return torch.cat([p.words[r0:r1] for p in self.parts], 1, out=out)
+    def rows(self, r0: int, r1: int, out: Callable[[tuple[int, int]], torch.Tensor]) -> torch.Tensor:
+        """Word rows ``r0:r1`` of the concatenation: a view of a single part, else written into ``out(shape)``."""
+        if len(self.parts) == 1:
+            return self.parts[0].words[r0:r1]
+        return torch.cat([p.words[r0:r1] for p in self.parts], 1, out=out((r1 - r0, self.word_cols)))
 
     def concatenated(self) -> PackedCodes:
-        """All of it as one :class:`PackedCodes`, in this thread's scratch buffer (valid until the next call on the thread)."""
+        """All of it as one :class:`PackedCodes`: a single part as it is, else in this thread's scratch buffer
+        (valid until the next call on the thread)."""
+        if len(self.parts) == 1:
+            return self.parts[0]
         words = [p.words for p in self.parts]
         out = scratch("cat_columns", (words[0].shape[0], sum(w.shape[1] for w in words)), words[0].dtype, words[0].device)
         return PackedCodes(torch.cat(words, 1, out=out), self.bits, self.along, self.slots)

@@ -139,47 +139,33 @@ _CPU_PIECE_BYTES = 4 << 20
 RepackFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
-def _by_strips(
-    fn: RepackFn, words: torch.Tensor | ColumnParts, rows_per_strip: int, out_cols: int, out: torch.Tensor | None
-) -> torch.Tensor:
+def _by_strips(fn: RepackFn, words: ColumnParts, rows_per_strip: int, out_cols: int, out: torch.Tensor | None) -> torch.Tensor:
     """``fn(words, out)``, on the CPU in pieces of whole 16-row strips (output row ``i`` is strip ``i``).
 
-    The word repacks work strip by strip, so a piece's output is exactly its strips' rows.
-    :class:`ColumnParts` are concatenated a piece at a time, into a buffer that stays in the caches.
+    The word repacks work strip by strip, so a piece's output is exactly its strips' rows. Several
+    parts are concatenated a piece at a time, into a buffer that stays in the caches.
     On a GPU one pass is best (fewer kernel launches, and the caches do not decide there).
     """
-    if isinstance(words, ColumnParts):
-        parts = words
-        rows, cols, device = parts.word_rows, parts.word_cols, parts.device
+    strips = words.word_rows // rows_per_strip
+    per_piece = max(1, _CPU_PIECE_BYTES // max(1, rows_per_strip * words.word_cols * 4))
+    if words.device.type != "cpu" or strips <= per_piece:
+        return fn(words.concatenated().words, out)
+    result = _output(out, (strips, out_cols), words.device)
 
-        def piece(r0: int, r1: int) -> torch.Tensor:
-            return parts.rows(r0, r1, _workspace("piece", (r1 - r0, cols), torch.int32, device))
+    def piece_memory(shape: tuple[int, int]) -> torch.Tensor:
+        return _workspace("piece", shape, torch.int32, words.device)
 
-        def whole() -> torch.Tensor:
-            return parts.concatenated().words
-    else:
-        tensor = words
-        rows, cols, device = tensor.shape[0], tensor.shape[1], tensor.device
-
-        def piece(r0: int, r1: int) -> torch.Tensor:
-            return tensor[r0:r1]
-
-        def whole() -> torch.Tensor:
-            return tensor
-    strips = rows // rows_per_strip
-    per_piece = max(1, _CPU_PIECE_BYTES // max(1, rows_per_strip * cols * 4))
-    if device.type != "cpu" or strips <= per_piece:
-        return fn(whole(), out)
-    result = _output(out, (strips, out_cols), device)
     for s0 in range(0, strips, per_piece):
         s1 = min(strips, s0 + per_piece)
-        fn(piece(s0 * rows_per_strip, s1 * rows_per_strip), result[s0:s1])
+        fn(words.rows(s0 * rows_per_strip, s1 * rows_per_strip, piece_memory), result[s0:s1])
     return result
 
 
-def _padded_words(codes: PackedCodes | ColumnParts, rows: int, cols: int) -> torch.Tensor | ColumnParts:
-    """The words zero-padded to ``[rows, cols]``; :class:`ColumnParts` as they are (only unpadded ones get here)."""
-    return codes if isinstance(codes, ColumnParts) else pad2d(codes.words, rows, cols)
+def _padded_words(codes: PackedCodes | ColumnParts, rows: int, cols: int) -> ColumnParts:
+    """The words zero-padded to ``[rows, cols]``, as parts; :class:`ColumnParts` as they are (only unpadded ones get here)."""
+    if isinstance(codes, ColumnParts):
+        return codes
+    return ColumnParts((PackedCodes(pad2d(codes.words, rows, cols), codes.bits, codes.along, codes.slots),))
 
 
 def marlin_weights(
