@@ -9,11 +9,19 @@ from an aligned staging buffer, the same GB took 0.63-0.74 s of wall time and ~0
 with nothing left to fsync. The cost: the bundle is not in the page cache afterwards (a first
 load reads it from the disk).
 
-``O_DIRECT`` needs the buffer address, the file offset and the length aligned to the device's
-logical block; data is gathered into a page-aligned staging buffer and written in whole chunks,
-the last chunk padded and the file truncated to its real size at the end. Where the file system
-refuses ``O_DIRECT`` (tmpfs, some FUSE and network file systems: ``EINVAL`` on open or on the
-first write), or a write comes back short, the file simply continues through the page cache.
+How. ``O_DIRECT`` needs the buffer address, the file offset and the length aligned to the device's
+logical block; data is gathered into page-aligned staging buffers and written in whole chunks,
+the last chunk padded and the file truncated to its real size at the end. An ``O_DIRECT`` write
+returns only once the device has the data, so written from one buffer the caller's copy into it
+and the disk's write took turns (queue depth 1, the copy's time added to the disk's). So there
+are several stages: a full one is handed to a writer thread (``os.pwrite`` at its own offset,
+which releases the GIL, as numpy's copy into the stage does) while the caller fills the next,
+and ``writers`` threads keep that many writes queued at the disk. Where the file system refuses
+``O_DIRECT`` (tmpfs, some FUSE and network file systems: ``EINVAL`` on open or on a write), or a
+write comes back short, the file continues through the page cache: refused at open, the
+caller's data is written as it comes, synchronously; refused later, ``O_DIRECT`` is cleared on
+the descriptor and the stages go on through the page cache (a positioned write does not care
+which writes are still under way).
 """
 
 from __future__ import annotations
@@ -23,7 +31,11 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
+import traceback
+from concurrent import futures
 from pathlib import Path
+from types import TracebackType
 
 import numpy as np
 
@@ -39,11 +51,18 @@ class SequentialFile:
     Args:
         path: the file.
         direct: try ``O_DIRECT`` (see the module docstring); False: through the page cache.
+        writers: with ``O_DIRECT``, threads writing full stages at once (the disk's queue depth);
+            ``writers + 1`` stages of ``_CHUNK`` bytes, so the caller fills one while they write.
+
+    A write that fails in a writer thread fails the file: the next :meth:`write`, and
+    :meth:`close`, raise that error (the same exception); :meth:`abort` does not.
 
     Not thread-safe: one writer thread at a time.
     """
 
-    def __init__(self, path: Path, direct: bool = True) -> None:
+    def __init__(self, path: Path, direct: bool = True, *, writers: int = 1) -> None:
+        if writers < 1:
+            raise ValueError(f"writers must be at least 1, not {writers}")
         self.path = path
         self.size = 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -58,11 +77,22 @@ class SequentialFile:
                     raise
         self._fd: int = os.open(path, flags, 0o666) if fd is None else fd
         self._closed = False
+        self._chunk = _CHUNK
         # Anonymous mappings are page-aligned, which O_DIRECT needs of the memory it writes from.
-        self._stage = mmap.mmap(-1, _CHUNK) if self.direct else None
-        # The staging map as a numpy array: numpy copies into it without the GIL (a memoryview slice assignment holds it).
-        self._stage_array = np.frombuffer(self._stage, dtype=np.uint8) if self._stage is not None else None
-        self._fill = 0
+        # Their pages are only allocated once touched: a file smaller than a chunk costs one stage.
+        self._stages = [mmap.mmap(-1, self._chunk) for _ in range(writers + 1)] if self.direct else []
+        # The stages as numpy arrays: numpy copies into them without the GIL (a memoryview slice assignment holds it).
+        self._arrays = [np.frombuffer(s, dtype=np.uint8) for s in self._stages]
+        self._free = list(range(len(self._stages)))[::-1]  # stages no write is using
+        self._current = self._free.pop() if self._stages else -1  # the stage being filled,
+        self._fill = 0  # up to here,
+        self._offset = 0  # to go at this file offset
+        self._pending: list[tuple[futures.Future[None], int]] = []  # (its write, the stage) per stage handed over
+        # Threads start on the first full stage: a file under a chunk is written by close() alone.
+        self._writers = futures.ThreadPoolExecutor(writers, thread_name_prefix="marlin-pack-direct") if self.direct else None
+        self._direct_lock = threading.Lock()  # writer threads may all fall back at once
+        self._error: BaseException | None = None  # the first failed write: the file is failed
+        self._error_tb: TracebackType | None = None
 
     @property
     def closed(self) -> bool:
@@ -70,72 +100,132 @@ class SequentialFile:
 
     def write(self, data: bytes | memoryview) -> None:
         """Append ``data``."""
+        if self._closed:
+            raise ValueError(f"{self.path} is closed")
         mv = memoryview(data).cast("B")
-        self.size += len(mv)
-        if not self.direct:
+        if self._writers is None:  # the page cache from the open: no staging copy
+            self.size += len(mv)
             self._write_all(mv)
             return
-        assert self._stage_array is not None
+        if self._pending or self._error is not None:
+            self._reap()  # a failed write surfaces here
+        self.size += len(mv)
         source = np.frombuffer(mv, dtype=np.uint8)
         pos = 0
         while pos < len(mv):
-            n = min(len(mv) - pos, _CHUNK - self._fill)
-            np.copyto(self._stage_array[self._fill : self._fill + n], source[pos : pos + n])
+            n = min(len(mv) - pos, self._chunk - self._fill)
+            np.copyto(self._arrays[self._current][self._fill : self._fill + n], source[pos : pos + n])
             self._fill += n
             pos += n
-            if self._fill == _CHUNK:
-                self._flush_stage()
-            if not self.direct:  # fell back to the page cache while flushing: write the rest directly
-                self._write_all(mv[pos:])
-                return
+            if self._fill == self._chunk:
+                self._hand_over()
 
-    def _flush_stage(self, final: bool = False) -> None:
-        """Write the staged bytes (whole chunks; at the end, padded to the alignment)."""
-        assert self._stage_array is not None
-        n = self._fill
-        if final and self.direct and n % _ALIGN:
-            padded = n + (-n % _ALIGN)
-            self._stage_array[n:padded] = 0
-            n = padded
+    def _hand_over(self) -> None:
+        """Give the full stage to a writer thread and take a free one, waiting for a write to finish if none is."""
+        assert self._writers is not None
+        future = self._writers.submit(self._write_stage, self._current, self._fill, self._offset)
+        self._pending.append((future, self._current))
+        self._offset += self._fill
         self._fill = 0
-        self._write_all(memoryview(self._stage_array[:n]))
+        while not self._free:
+            self._reap(wait=True)
+        self._current = self._free.pop()
 
-    def _write_all(self, mv: memoryview) -> None:
+    def _reap(self, wait: bool = False) -> None:
+        """Take back the stages of finished writes (``wait``: once one has finished); raise the file's error if one failed."""
+        if wait:
+            futures.wait([f for f, _ in self._pending], return_when=futures.FIRST_COMPLETED)
+        running = []
+        for future, stage in self._pending:
+            if not future.done():
+                running.append((future, stage))
+                continue
+            self._free.append(stage)
+            e = future.exception()
+            if e is not None and self._error is None:
+                self._error, self._error_tb = e, e.__traceback__
+        self._pending = running
+        if self._error is not None:
+            # Raised again from the writer's traceback each time, not one growing with every raise.
+            raise self._error.with_traceback(self._error_tb)
+
+    def _write_stage(self, stage: int, n: int, offset: int) -> None:
+        """Write the first ``n`` bytes of a stage at ``offset`` (a writer thread; close() for the last one)."""
+        try:
+            self._pwrite_all(memoryview(self._stages[stage])[:n], offset)
+        except BaseException as e:
+            # The error is kept (and raised again); its frames' views of the stage would keep the stage from closing.
+            traceback.clear_frames(e.__traceback__)
+            raise
+
+    def _pwrite_all(self, mv: memoryview, offset: int) -> None:
         while len(mv):
+            direct = self.direct  # as this write is issued: another thread may clear it meanwhile
             try:
-                n = os.write(self._fd, mv)
+                n = os.pwrite(self._fd, mv, offset)
             except OSError as e:
-                if not (self.direct and e.errno == errno.EINVAL):
+                if not (direct and e.errno == errno.EINVAL):
                     raise
-                self._stop_direct()  # the file system opened with O_DIRECT but refuses its writes
+                self._stop_direct()  # the file system opened with O_DIRECT but refuses its writes: once more without
                 continue
             mv = mv[n:]
+            offset += n
             if len(mv) and self.direct:
-                self._stop_direct()  # a short write leaves the offset unaligned: go on through the page cache
+                self._stop_direct()  # a short write leaves the rest unaligned: go on through the page cache
+
+    def _write_all(self, mv: memoryview) -> None:
+        """Write at the file position (the page cache from the open)."""
+        while len(mv):
+            mv = mv[os.write(self._fd, mv) :]
 
     def _stop_direct(self) -> None:
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-        self.direct = False
+        with self._direct_lock:
+            if self.direct:
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct = False
 
     def close(self) -> None:
-        """Write what is staged, cut the padding off, fsync and close."""
-        if self._stage_array is not None:
-            if self._fill:
-                self._flush_stage(final=True)
-            os.ftruncate(self._fd, self.size)  # the last chunk's padding (a no-op when there was none)
-        os.fsync(self._fd)
+        """Write what is staged, cut the padding off, fsync and close; on an error, release everything and raise it."""
+        if self._closed:  # again: the file's error if it failed (it is not durable), else nothing to do
+            if self._error is not None:
+                raise self._error.with_traceback(self._error_tb)
+            return
+        try:
+            if self._writers is not None:
+                futures.wait([f for f, _ in self._pending])
+                self._reap()
+                if self._fill:
+                    n = self._fill
+                    if self.direct and n % _ALIGN:
+                        padded = n + (-n % _ALIGN)
+                        self._arrays[self._current][n:padded] = 0
+                        n = padded
+                    self._write_stage(self._current, n, self._offset)  # here: there is nothing left to overlap
+                os.ftruncate(self._fd, self.size)  # the last chunk's padding (a no-op when there was none)
+            os.fsync(self._fd)
+        except BaseException:
+            self._release()
+            raise
         self._release()
 
     def abort(self) -> None:
-        """Close without writing what is staged (the caller removes the file)."""
+        """Close without writing what is staged (the caller removes the file); a failed write is not raised."""
         self._release()
 
     def _release(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._writers is not None:
+            # Writes not started are dropped; one under way cannot be stopped, and is waited for: it uses the fd and a stage.
+            self._writers.shutdown(wait=True, cancel_futures=True)
+            self._writers = None
+        self._pending = []
         with contextlib.suppress(OSError):
             os.close(self._fd)
-        self._stage_array = None  # its export of the staging map must go before the map closes
-        if self._stage is not None:
-            self._stage.close()
+        self._arrays = []  # their exports of the stages must go before the maps close
+        for stage in self._stages:
+            # BufferError: a view of it still held somewhere (a traceback's frame); unmapped when that goes.
+            with contextlib.suppress(BufferError):
+                stage.close()
+        self._stages = []
