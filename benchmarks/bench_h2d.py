@@ -84,14 +84,20 @@ def _reader(path: Path, dst: torch.Tensor, mode: str, threads: int, chunk_mb: in
     window before pinning it) or ``processes/P[s][c]`` (P helper processes of ``threads`` threads each,
     started before the clock starts, as the loader starts them while vLLM builds the model; this
     process copies a share beside them unless ``s`` (solo); ``c``: the helpers run with
-    ``CUDA_DEVICE_MAX_CONNECTIONS=8``, the driver's default, instead of HelperPool's 1)."""
+    ``CUDA_DEVICE_MAX_CONNECTIONS=8``, the driver's default, instead of HelperPool's 1; ``d``: they
+    unregister their windows after answering (``--defer-unregister``); ``+S``: S staging threads per
+    helper beside the registered ones, e.g. ``processes/4sd+2``)."""
     n = dst.numel()
     items = [CopyItem(off, min(PIECE, n - off), dst[off : off + PIECE]) for off in range(0, n, PIECE)]
     mode, _, procs = mode.partition("/")
+    procs, _, staged = procs.partition("+")
     populate = mode.endswith("+p")
-    count = int(procs.rstrip("sc") or 4)
+    count = int(procs.rstrip("scd") or 4)
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"} if "c" in procs else None
-    helpers = HelperPool(count, torch.cuda.current_device(), env=env) if mode == "processes" else None
+    helpers = (
+        HelperPool(count, torch.cuda.current_device(), env=env, staged=int(staged or 0), defer_unregister="d" in procs)
+        if mode == "processes" else None
+    )
     try:
         if helpers is not None:
             helpers.ready()

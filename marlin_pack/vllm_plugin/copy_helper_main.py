@@ -1,10 +1,23 @@
 """A helper process of the ``processes`` reader mode: registered copies of file windows into GPU memory.
 
-Run as ``python -S copy_helper_main.py DEVICE_ORDINAL`` by :mod:`.copy_helpers`. Standard library
-only (``ctypes`` on the CUDA driver, ``libcuda.so.1``): no torch, no site packages, so it starts in
-a fraction of a second. One process's page-locking of page-cache pages (``cuMemHostRegister``)
-plateaus at ~21-25 GB/s whatever its thread count, while several processes together reach ~30 GB/s
-(``benchmarks/bench_h2d_procs.py``), hence helpers.
+Run as ``python -S copy_helper_main.py DEVICE_ORDINAL [--staged N] [--stage-mib M] [--defer-unregister]``
+by :mod:`.copy_helpers`. Standard library only (``ctypes`` on the CUDA driver, ``libcuda.so.1``): no
+torch, no site packages, so it starts in a fraction of a second. One process's page-locking of
+page-cache pages (``cuMemHostRegister``) plateaus at ~21-25 GB/s whatever its thread count, while
+several processes together reach ~30 GB/s (``benchmarks/bench_h2d_procs.py``), hence helpers.
+
+Options, fixed for the helper's life:
+
+``--staged N``
+    N more threads that pull from the same windows but *stage* them: ``pread`` into two pinned
+    buffers of ``--stage-mib`` MiB each (allocated before the helper says it is ready, so while
+    vLLM builds the model), then an asynchronous copy. They cost a CPU copy per byte instead of
+    page-locking, so they add bandwidth where pinning is what limits the registered threads.
+``--defer-unregister``
+    registered windows stay page-locked until the job's copies have all completed and the reply
+    is sent, then are unregistered (before the next job is read): unregistering is taken off the
+    copy's path. Each thread then has every window of its share registered at once (page-cache
+    pages, no new memory).
 
 Protocol, one JSON object per line:
 
@@ -26,6 +39,7 @@ import json
 import os
 import sys
 import threading
+from dataclasses import dataclass
 
 _PROT_READ, _MAP_SHARED = 1, 1
 _MADV_POPULATE_READ = 22
@@ -58,21 +72,58 @@ def _libc() -> ctypes.CDLL:
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.pread.restype = ctypes.c_ssize_t
+    libc.pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
     return libc
 
 
+@dataclass(frozen=True)
+class Settings:
+    """The helper's command line."""
+
+    ordinal: int
+    staged: int = 0  # staging threads beside the registered ones
+    stage_bytes: int = 64 << 20  # each staging thread's two pinned buffers
+    defer_unregister: bool = False
+
+    @classmethod
+    def parse(cls, argv: list[str]) -> Settings:
+        ordinal, rest = int(argv[0]), argv[1:]
+        kw: dict[str, object] = {}
+        while rest:
+            flag = rest.pop(0)
+            if flag == "--defer-unregister":
+                kw["defer_unregister"] = True
+            elif flag == "--staged" and rest:
+                kw["staged"] = max(0, int(rest.pop(0)))
+            elif flag == "--stage-mib" and rest:
+                kw["stage_bytes"] = max(1, int(rest.pop(0))) << 20
+            else:
+                raise ValueError(f"unknown helper argument {flag!r}")
+        return cls(ordinal, **kw)  # type: ignore[arg-type]
+
+
 class Helper:
-    def __init__(self, ordinal: int) -> None:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.cu = _Driver()
         self.libc = _libc()
         self.cu("cuInit", 0)
         dev = ctypes.c_int()
-        self.cu("cuDeviceGet", ctypes.byref(dev), ordinal)
+        self.cu("cuDeviceGet", ctypes.byref(dev), settings.ordinal)
         self.ctx = ctypes.c_void_p()
         self.cu("cuDevicePrimaryCtxRetain", ctypes.byref(self.ctx), dev)
         self.cu("cuCtxSetCurrent", self.ctx)
         self.opened: dict[str, int] = {}  # handle hex -> mapped device pointer
         self.populate = True
+        # Two pinned buffers per staging thread, allocated now: the parent starts helpers early.
+        self.stage_buffers: list[int] = []
+        for _ in range(2 * settings.staged):
+            ptr = ctypes.c_void_p()
+            self.cu("cuMemHostAlloc", ctypes.byref(ptr), ctypes.c_size_t(settings.stage_bytes), ctypes.c_uint(0))
+            self.stage_buffers.append(ptr.value or 0)
+        self.registered: list[int] = []  # --defer-unregister: pointers registered by the last job
+        self.kept_map: tuple[int, int] | None = None  # and the file map they lie in, unmapped after them
 
     def _open(self, handle_hex: str) -> int:
         ptr = self.opened.get(handle_hex)
@@ -93,13 +144,16 @@ class Helper:
             if addr in (None, ctypes.c_void_p(-1).value):
                 raise OSError(ctypes.get_errno(), f"mmap of {job['file']} failed")
             try:
-                return self._copy_windows(addr, size, bases, job["windows"], max(1, int(job["threads"])))
+                return self._copy_windows(fd, addr, size, bases, job["windows"], max(1, int(job["threads"])))
             finally:
-                self.libc.munmap(addr, size)
+                if self.registered:
+                    self.kept_map = (addr, size)  # unmapped once its pages are unregistered
+                else:
+                    self.libc.munmap(addr, size)
         finally:
             os.close(fd)
 
-    def _copy_windows(self, addr: int, size: int, bases: list[int], windows: list, threads: int) -> int:
+    def _copy_windows(self, fd: int, addr: int, size: int, bases: list[int], windows: list, threads: int) -> int:
         lock = threading.Lock()
         queue = iter(windows)
         errors: list[BaseException] = []
@@ -108,14 +162,18 @@ class Helper:
             with lock:
                 return None if errors else next(queue, None)
 
-        def work() -> None:
+        def work(staging: int | None) -> None:
             try:
-                self._work(addr, size, bases, take)
+                if staging is None:
+                    self._work(addr, size, bases, take)
+                else:
+                    self._work_staged(fd, bases, take, self.stage_buffers[2 * staging : 2 * staging + 2])
             except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
                 with lock:
                     errors.append(e)
 
-        pool = [threading.Thread(target=work) for _ in range(min(threads, len(windows)))]
+        kinds: list[int | None] = [None] * threads + list(range(self.settings.staged))
+        pool = [threading.Thread(target=work, args=(k,)) for k in kinds[: len(windows)]]
         for t in pool:
             t.start()
         for t in pool:
@@ -137,10 +195,11 @@ class Helper:
             cu("cuEventDestroy", event)
             cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
 
+        keep = self.settings.defer_unregister  # registered pointers stay until the job is answered
         try:
             while (window := take()) is not None:
                 lo, hi, pieces = window
-                if len(in_flight) == 2:
+                if len(in_flight) == 2 and not keep:
                     release_oldest()
                 lo -= lo % _PAGE
                 hi = min(-(-hi // _PAGE) * _PAGE, -(-size // _PAGE) * _PAGE)
@@ -160,10 +219,74 @@ class Helper:
                        ctypes.c_size_t(n), stream)
                 cu("cuEventRecord", event, stream)
         finally:
+            if keep:
+                cu("cuStreamSynchronize", stream)
+                for ptr, event in in_flight:
+                    cu("cuEventDestroy", event)
+                    self.registered.append(ptr)  # list.append is atomic: threads share the list safely
+                in_flight.clear()
             while in_flight:
                 release_oldest()
             cu("cuStreamSynchronize", stream)
             cu("cuStreamDestroy", stream)
+
+    def _work_staged(self, fd: int, bases: list[int], take, buffers: list[int]) -> None:  # noqa: ANN001
+        """Windows read into two pinned buffers in turn, each copied while the other is read."""
+        cu = self.cu
+        cu("cuCtxSetCurrent", self.ctx)
+        stream = ctypes.c_void_p()
+        cu("cuStreamCreate", ctypes.byref(stream), ctypes.c_uint(_STREAM_NON_BLOCKING))
+        events = []
+        for _ in buffers:
+            event = ctypes.c_void_p()
+            cu("cuEventCreate", ctypes.byref(event), ctypes.c_uint(0x2))
+            events.append(event)
+        pending = [False] * len(buffers)
+        step = self.settings.stage_bytes
+        k = 0
+        try:
+            while (window := take()) is not None:
+                lo, hi, pieces = window
+                for start in range(lo, hi, step):
+                    end = min(hi, start + step)
+                    b = k % len(buffers)
+                    k += 1
+                    if pending[b]:
+                        cu("cuEventSynchronize", events[b])  # the copy out of this buffer has finished
+                    buf = buffers[b]
+                    self._pread(fd, buf, end - start, start)
+                    for offset, n, handle_index, dest in pieces:
+                        a, z = max(offset, start), min(offset + n, end)
+                        if a < z:
+                            cu("cuMemcpyHtoDAsync", ctypes.c_uint64(bases[handle_index] + dest + a - offset),
+                               ctypes.c_void_p(buf + a - start), ctypes.c_size_t(z - a), stream)
+                    cu("cuEventRecord", events[b], stream)
+                    pending[b] = True
+        finally:
+            cu("cuStreamSynchronize", stream)
+            for event in events:
+                cu("cuEventDestroy", event)
+            cu("cuStreamDestroy", stream)
+
+    def _pread(self, fd: int, buf: int, n: int, offset: int) -> None:
+        done = 0
+        while done < n:
+            got = self.libc.pread(fd, ctypes.c_void_p(buf + done), n - done, offset + done)
+            if got <= 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"read at offset {offset + done}: {os.strerror(err) if got < 0 else 'end of file'}")
+            done += got
+
+    def unregister_kept(self) -> None:
+        """Unregister what ``--defer-unregister`` kept (after the job's reply)."""
+        kept, self.registered = self.registered, []
+        mapped, self.kept_map = self.kept_map, None
+        try:
+            for ptr in kept:
+                self.cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
+        finally:
+            if mapped is not None:
+                self.libc.munmap(*mapped)
 
     def close(self) -> None:
         for ptr in self.opened.values():
@@ -178,7 +301,7 @@ def _say(obj: dict) -> None:
 
 def main(argv: list[str]) -> int:
     try:
-        helper = Helper(int(argv[1]))
+        helper = Helper(Settings.parse(argv[1:]))
     except Exception as e:  # noqa: BLE001 - no CUDA driver, no device: the parent reads on its own
         _say({"error": f"{type(e).__name__}: {e}"})
         return 1
@@ -189,6 +312,10 @@ def main(argv: list[str]) -> int:
             _say({"ok": helper.job(json.loads(line))})
         except Exception as e:  # noqa: BLE001 - the parent re-reads this job's windows itself
             _say({"error": f"{type(e).__name__}: {e}"})
+            status = 1
+        try:
+            helper.unregister_kept()  # after the reply: off the parent's path
+        except Exception:  # noqa: BLE001 - exiting unpins whatever is left
             status = 1
     with contextlib.suppress(Exception):  # exiting frees the mappings anyway
         helper.close()

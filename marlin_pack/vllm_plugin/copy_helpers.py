@@ -98,15 +98,29 @@ class HelperPool:
     """``count`` (default :data:`DEFAULT_PROCESSES`) helper processes for the CUDA device ``device_index``,
     started now, ready later.
 
+    ``staged``: staging threads per helper beside its registered ones (two pinned buffers of
+    ``stage_mib`` MiB each, allocated as the helper starts); ``defer_unregister``: windows stay
+    page-locked until the helper has answered (see :mod:`.copy_helper_main`).
+
     Example:
         >>> with HelperPool(4, torch.cuda.current_device()) as pool:
         ...     left = pool.copy(path, windows, threads=4)   # windows the helpers did not copy
     """
 
     def __init__(
-        self, count: int | None, device_index: int, script: Path = _HELPER, env: Mapping[str, str] | None = None
+        self,
+        count: int | None,
+        device_index: int,
+        script: Path = _HELPER,
+        env: Mapping[str, str] | None = None,
+        *,
+        staged: int = 0,
+        stage_mib: int = 64,
+        defer_unregister: bool = False,
     ) -> None:
         self.device_index = device_index
+        self._args = [str(device_index), *(["--staged", str(staged), "--stage-mib", str(stage_mib)] if staged else []),
+                      *(["--defer-unregister"] if defer_unregister else [])]
         self._env = {**os.environ, **HELPER_ENV, **(env or {})}  # CUDA_* settings for the helpers only
         self._procs: list[subprocess.Popen[str]] = []
         self._reapers: list[threading.Thread] = []
@@ -125,7 +139,7 @@ class HelperPool:
             try:
                 self._procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-S", str(script), str(self.device_index)],
+                        [sys.executable, "-S", str(script), *self._args],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.DEVNULL,

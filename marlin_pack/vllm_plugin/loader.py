@@ -249,7 +249,10 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
         if not uses_helpers(self.options.io_mode, lambda: bundle.rank_file, usable):
             return None
-        return HelperPool(self.options.io_processes, torch.cuda.current_device())
+        return HelperPool(
+            self.options.io_processes, torch.cuda.current_device(),
+            staged=self.options.io_staged, defer_unregister=self.options.io_defer_unregister,
+        )
 
     def _helpers_fit(self, bundle: SelectedBundle) -> bool:
         """Whether the GPU has room for the helpers' CUDA contexts beside the model's weights.

@@ -51,6 +51,10 @@ class LoaderOptions:
             pages pinned in the engine's process slow its own work beside the copy, vLLM's
             construction, the placing of the tensors, the common tensors), once vLLM has built
             the model (``after_build``) or from the start (``during_build``).
+        io_staged: with helpers, staging threads per helper beside its registered ones (pinned
+            buffers, a CPU copy per byte instead of page-locking); default 0.
+        io_defer_unregister: with helpers, keep the registered windows page-locked until a
+            helper's whole share is copied, unregistering them after it answers.
     """
 
     bundle: Path | None = None
@@ -63,13 +67,18 @@ class LoaderOptions:
     io_processes: int | None = None
     copy_during_build: bool = True
     io_own_share: OwnShare = "none"
+    io_staged: int = 0
+    io_defer_unregister: bool = False
 
     @property
     def full_hash(self) -> bool | None:
         return _FULL_HASH[self.verify]
 
 
-OPTION_KEYS = ("bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "io_own_share")
+OPTION_KEYS = (
+    "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "io_own_share",
+    "io_staged", "io_defer_unregister",
+)
 
 
 def _int_option(extra: Mapping[str, Any], key: str, default: int | None, high: int) -> int | None:
@@ -107,6 +116,12 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     during_build = extra.get("copy_during_build", LoaderOptions.copy_during_build)
     if not isinstance(during_build, bool):
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
+    defer = extra.get("io_defer_unregister", LoaderOptions.io_defer_unregister)
+    if not isinstance(defer, bool):
+        raise ValueError(f"model_loader_extra_config['io_defer_unregister'] must be true or false, got {defer!r}")
+    staged = extra.get("io_staged", LoaderOptions.io_staged)
+    if isinstance(staged, bool) or not isinstance(staged, int) or not 0 <= staged <= 16:
+        raise ValueError(f"model_loader_extra_config['io_staged'] must be an integer in 0..16, got {staged!r}")
     verify = extra.get("verify", "auto")
     if verify not in _FULL_HASH:
         raise ValueError(
@@ -132,4 +147,6 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         io_processes=_int_option(extra, "io_processes", LoaderOptions.io_processes, 32),
         copy_during_build=during_build,
         io_own_share=own_share,
+        io_staged=staged,
+        io_defer_unregister=defer,
     )

@@ -52,24 +52,31 @@ def test_registered_with_populated_windows(tensor_file: Path) -> None:
         assert torch.equal(out[name].cpu(), t), name
 
 
+@pytest.mark.parametrize("settings", ["plain", "staged", "deferred"])
 @pytest.mark.parametrize("own_share", [True, False])
 @pytest.mark.parametrize(("threads", "chunk"), [(1, 1 << 16), (4, 1 << 16), (3, 1 << 30)])
-def test_processes_mode_copies_every_byte_in_the_helpers(tensor_file: Path, threads: int, chunk: int, own_share: bool) -> None:
+def test_processes_mode_copies_every_byte_in_the_helpers(
+    tensor_file: Path, threads: int, chunk: int, own_share: bool, settings: str
+) -> None:
     """The helpers themselves copy (none fails, nothing is left to this process), into allocations of
     several sizes (the caching allocator's segments), at offsets inside them; with ``own_share`` this
-    process copies the file's tail beside them."""
+    process copies the file's tail beside them. ``staged``: two staging threads per helper with 1 MiB
+    buffers (windows cut into several stages) beside the registered ones; ``deferred``: windows
+    unregistered after each job's answer (two jobs, so the second maps the file again)."""
     from marlin_pack.vllm_plugin.copy_helpers import HelperPool
 
     header = read_header(tensor_file)
     want = load_file(str(tensor_file))
     out = {n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
-    with HelperPool(3, torch.cuda.current_device()) as pool:
+    extra = {"staged": {"staged": 2, "stage_mib": 1}, "deferred": {"defer_unregister": True}}.get(settings, {})
+    with HelperPool(3, torch.cuda.current_device(), **extra) as pool:  # type: ignore[arg-type]
         with ParallelReader(threads=threads, chunk_bytes=chunk, mode="processes", helpers=pool, own_share=own_share) as r:
             n = r.copy(tensor_file, [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()])
             n += r.copy(tensor_file, [CopyItem(header.tensors["t1"].start, 28, out["t1"])])  # a second job
+            n += r.copy(tensor_file, [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()])  # a third
         assert pool.failures == []
         assert r.modes_used == {"processes"}
-    assert n == sum(i.nbytes for i in header.tensors.values()) + 28
+    assert n == 2 * sum(i.nbytes for i in header.tensors.values()) + 28
     for name, t in want.items():
         assert torch.equal(out[name].cpu(), t), name
 

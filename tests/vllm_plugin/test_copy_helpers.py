@@ -186,3 +186,30 @@ def test_a_closed_pool_leaves_every_window(tmp_path: Path, monkeypatch: pytest.M
     pool.join()
     assert pool.copy(tmp_path / "f", windows, threads=1, own=lambda share: None) == windows
     assert _sent(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["0"], copy_helper_main.Settings(0)),
+        (["3", "--defer-unregister"], copy_helper_main.Settings(3, defer_unregister=True)),
+        (["1", "--staged", "2", "--stage-mib", "16"], copy_helper_main.Settings(1, staged=2, stage_bytes=16 << 20)),
+    ],
+)
+def test_helper_settings_from_its_command_line(argv: list[str], want: object) -> None:
+    assert copy_helper_main.Settings.parse(argv) == want
+
+
+@pytest.mark.parametrize("argv", [["0", "--staged"], ["0", "--fast"], ["x"]])
+def test_helper_refuses_an_unknown_command_line(argv: list[str]) -> None:
+    with pytest.raises(ValueError):
+        copy_helper_main.Settings.parse(argv)
+
+
+def test_pool_passes_its_settings_to_every_helper(tmp_path: Path) -> None:
+    """The helper's options reach its command line (a stand-in script echoes its arguments in its error)."""
+    script = tmp_path / "echo_helper.py"
+    script.write_text("import json, sys\nprint(json.dumps({'error': ' '.join(sys.argv[1:])}), flush=True)\n")
+    with HelperPool(2, 5, script=script, staged=3, stage_mib=8, defer_unregister=True) as pool:
+        assert pool.ready() == 0
+    assert pool.failures == ["a helper did not start: 5 --staged 3 --stage-mib 8 --defer-unregister"] * 2

@@ -443,7 +443,7 @@ class _FakeHelpers:
 
     events: list[str] = []
 
-    def __init__(self, count: int, device_index: int) -> None:
+    def __init__(self, count: int, device_index: int, **settings: object) -> None:
         self.events.append(f"start {count} helpers for device {device_index}")
         self.closed = False
 
