@@ -17,7 +17,7 @@ and the disk's write took turns (queue depth 1, the copy's time added to the dis
 are several stages: a full one is handed to a writer thread (``os.pwrite`` at its own offset,
 which releases the GIL, as numpy's copy into the stage does) while the caller fills the next,
 and ``writers`` threads keep that many writes queued at the disk. Where the file system refuses
-``O_DIRECT`` (tmpfs, some FUSE and network file systems: ``EINVAL`` on open or on a write), or a
+``O_DIRECT`` (tmpfs before Linux 6.6, some FUSE and network file systems: ``EINVAL`` on open or on a write), or a
 write comes back short, the file continues through the page cache: refused at open, the
 caller's data is written as it comes, synchronously; refused later, ``O_DIRECT`` is cleared on
 the descriptor and the stages go on through the page cache (a positioned write does not care
