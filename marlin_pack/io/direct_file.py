@@ -17,11 +17,16 @@ and the disk's write took turns (queue depth 1, the copy's time added to the dis
 are several stages: a full one is handed to a writer thread (``os.pwrite`` at its own offset,
 which releases the GIL, as numpy's copy into the stage does) while the caller fills the next,
 and ``writers`` threads keep that many writes queued at the disk. Where the file system refuses
-``O_DIRECT`` (tmpfs before Linux 6.6, some FUSE and network file systems: ``EINVAL`` on open or on a write), or a
-write comes back short, the file continues through the page cache: refused at open, the
-caller's data is written as it comes, synchronously; refused later, ``O_DIRECT`` is cleared on
-the descriptor and the stages go on through the page cache (a positioned write does not care
-which writes are still under way).
+``O_DIRECT`` (some FUSE and network file systems: ``EINVAL`` on open or on a write), or a write
+comes back short, the file continues through the page cache: refused at open, the caller's data
+is written as it comes, synchronously; refused later, ``O_DIRECT`` is cleared on the descriptor
+and the stages go on through the page cache (a positioned write does not care which writes are
+still under way).
+
+A file on a memory file system (tmpfs, ramfs) is written through the page cache from the start:
+there the page cache is the storage, so ``O_DIRECT`` bypasses nothing and only adds the staging
+copy. Measured on the 2-core VM (Linux 6.18, whose tmpfs takes ``O_DIRECT``), llama-1gb GPTQ
+converted into ``/dev/shm``, alternating, 8 runs each: 0.95 s through the page cache against 1.10 s.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from pathlib import Path
 from types import TracebackType
 
 import numpy as np
+
+from marlin_pack.io.files import MEMORY_FILESYSTEMS, filesystem_type
 
 __all__ = ["SequentialFile"]
 
@@ -68,7 +75,9 @@ class SequentialFile:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self.direct = False
         fd = None
-        if direct and hasattr(os, "O_DIRECT"):
+        # In memory (tmpfs) there is no device to write around: the page cache is the file, and O_DIRECT
+        # (accepted there since Linux 6.6) is our staging copy plus the kernel's, instead of the kernel's alone.
+        if direct and hasattr(os, "O_DIRECT") and filesystem_type(path) not in MEMORY_FILESYSTEMS:
             try:
                 fd = os.open(path, flags | os.O_DIRECT, 0o666)
                 self.direct = True

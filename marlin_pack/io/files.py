@@ -12,7 +12,15 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["NotRegularFileError", "FileTooLargeError", "open_regular", "read_limited", "rename_no_replace"]
+__all__ = [
+    "MEMORY_FILESYSTEMS", "NotRegularFileError", "FileTooLargeError", "filesystem_type", "open_regular", "read_limited",
+    "rename_no_replace",
+]
+
+# Filesystems whose pages are memory (shmem): no device behind the page cache. The loader stages
+# such files rather than pinning them in place (measured faster); the bundle writer writes them
+# through the page cache rather than O_DIRECT (which there is one more copy, not one less).
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "shm"})
 
 
 class NotRegularFileError(OSError):
@@ -92,3 +100,25 @@ def rename_no_replace(src: Path, dst: Path) -> None:
     if os.path.lexists(dst):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
     os.rename(src, dst)
+
+
+def filesystem_type(path: str | Path, mounts: str | Path = "/proc/self/mounts") -> str | None:
+    """The type of the filesystem ``path`` is on (the longest mount point above it), or None if unknown.
+
+    ``path`` need not exist (a file about to be created: its directory decides).
+    """
+    try:
+        target = os.path.realpath(path)
+        best, fstype = "", None
+        with open(mounts) as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, fstype = mount, fields[2]
+        return fstype
+    except OSError:
+        return None

@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 from marlin_pack.errors import BundleError
+from marlin_pack.io.files import MEMORY_FILESYSTEMS, filesystem_type
 from marlin_pack.vllm_plugin.copy_helpers import HelperPool
 from marlin_pack.vllm_plugin.options import IO_MODES, IoMode
 
@@ -237,35 +238,12 @@ MODE_DEFAULTS: dict[str, tuple[int, int]] = {
     "hybrid": (16, 64 << 20),
     "processes": (4, 256 << 20),  # threads per helper process
 }
-# Filesystems whose pages are shmem: pinning them in place measured slower than staging.
-_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "shm"})
-
-
-def filesystem_type(path: str | Path, mounts: str | Path = "/proc/self/mounts") -> str | None:
-    """The type of the filesystem ``path`` is on (the longest mount point above it), or None if unknown."""
-    try:
-        target = os.path.realpath(path)
-        best, fstype = "", None
-        with open(mounts) as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mount = fields[1].replace("\\040", " ")
-                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best):
-                    best, fstype = mount, fields[2]
-        return fstype
-    except OSError:
-        return None
-
-
 def resolve_mode(mode: str, path: str | Path, helpers: bool = False) -> str:
     """``auto``: ``staged`` for a file in memory (tmpfs), else ``processes`` when copy helpers are
     available (``helpers``: the caller started or may start a :class:`HelperPool`), else ``registered``."""
     if mode != "auto":
         return mode
-    if filesystem_type(path) in _MEMORY_FILESYSTEMS:
+    if filesystem_type(path) in MEMORY_FILESYSTEMS:
         return "staged"
     return "processes" if helpers else "registered"
 

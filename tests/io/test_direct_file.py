@@ -33,6 +33,31 @@ def test_writes_exactly_the_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert f.closed and path.read_bytes() == b"".join(_pieces()) and f.size == path.stat().st_size
 
 
+@pytest.mark.parametrize("fstype", ["tmpfs", "ramfs", "ext4"])
+def test_memory_file_systems_are_written_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fstype: str) -> None:
+    """On tmpfs (which takes O_DIRECT since Linux 6.6) O_DIRECT would only add the staging copy: not asked for there."""
+    seen: list[object] = []
+
+    def fs(path: object) -> str:
+        seen.append(path)
+        return fstype
+
+    monkeypatch.setattr(direct_file, "filesystem_type", fs)
+    opened: list[int] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, flags, *a: opened.append(flags) or real_open(path, flags, *a))
+    path = tmp_path / "m.bin"
+    f = SequentialFile(path)
+    for piece in _pieces():
+        f.write(piece)
+    f.close()
+    assert seen == [path] and path.read_bytes() == b"".join(_pieces())
+    in_memory = fstype != "ext4"
+    assert any(flags & os.O_DIRECT for flags in opened) is not in_memory
+    if in_memory:
+        assert not f.direct
+
+
 def test_falls_back_to_the_page_cache_where_o_direct_cannot_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_open = os.open
 

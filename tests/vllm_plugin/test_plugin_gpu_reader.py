@@ -91,7 +91,8 @@ def test_unknown_io_mode_is_refused() -> None:
 
 
 def test_auto_mode_stages_files_in_memory_and_registers_the_rest(tmp_path: Path) -> None:
-    from marlin_pack.vllm_plugin.gpu_reader import MODE_DEFAULTS, filesystem_type, resolve_mode
+    from marlin_pack.io.files import filesystem_type
+    from marlin_pack.vllm_plugin.gpu_reader import MODE_DEFAULTS, resolve_mode
 
     mounts = tmp_path / "mounts"
     mounts.write_text(
