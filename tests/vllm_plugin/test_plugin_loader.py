@@ -545,3 +545,63 @@ def test_auto_io_mode_starts_helpers_only_where_they_help(
         loader.create_model(vllm_config, model_config)
     # None: HelperPool's default count (the rank file's copy, started with the construction, may have ended them already)
     assert [e for e in events if e.startswith("start")] == (["start None helpers for device 0"] if starts else [])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_large_common_tensors_are_copied_in_one_batch(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, tied: bool) -> None:
+    """At TP=1 on a GPU the large common tensors a plain copy loads go straight into their parameters, all
+    in one reader call (its threads share every window), and are not fed to vLLM; the rest is fed as it is.
+    ``tied``: the head *is* the embedding parameter though the bundle stores both tensors: one
+    destination, so the later tensor in the file is copied after the batch and its bytes win, as
+    copying in file order gives. (CPU parameters stand in for the GPU's: the reader reads into them.)"""
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.io.safetensors_io import read_header
+    from marlin_pack.vllm_plugin.decision import decide
+    from marlin_pack.vllm_plugin.engine import engine_facts
+    from marlin_pack.vllm_plugin.gpu_reader import HostMap, ParallelReader
+
+    monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1 << 10)  # the tiny model's embedding and head count as large
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    bundle = decide(make_loader().options, engine_facts(vllm_config, model_config)).bundle
+    assert bundle is not None
+    header = read_header(bundle.common_file)
+    want = load_file(str(bundle.common_file))
+    large = sorted((n for n, i in header.tensors.items() if i.nbytes >= 1 << 10), key=lambda n: header.tensors[n].start)
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(large)
+
+    model = torch.nn.Module()
+    for name in large:  # a parameter of each large tensor's shape and dtype, filled with garbage
+        *path, leaf = name.split(".")
+        owner = model
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, torch.nn.Parameter(torch.full_like(want[name], 7), requires_grad=False))
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+    calls: list[int] = []
+
+    class Counting(ParallelReader):
+        def copy(self, path: object, items: object) -> int:
+            items = list(items)  # type: ignore[call-overload]
+            calls.append(len(items))
+            return super().copy(path, items)  # type: ignore[arg-type]
+
+    with Counting(2, 1 << 16) as reader, HostMap(bundle.common_file) as host:
+        fed = dict(loader_mod.MarlinPrepackedLoader._common_weights(reader, host, bundle, model, torch.device("cuda")))
+    assert set(fed) == set(header.tensors) - set(large)  # the direct ones are not fed to vLLM
+    for name in set(fed):
+        assert torch.equal(fed[name], want[name]), name
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if tied:
+        later = max(["model.embed_tokens.weight", "lm_head.weight"], key=lambda n: header.tensors[n].start)
+        assert calls == [len(large) - 1, 1]  # the batch, then the tensor whose destination was taken
+        assert torch.equal(params["lm_head.weight"], want[later])
+        others = [n for n in large if n not in ("model.embed_tokens.weight", "lm_head.weight")]
+    else:
+        assert calls == [len(large)]
+        others = large
+    for name in others:
+        assert torch.equal(params[name], want[name]), name
