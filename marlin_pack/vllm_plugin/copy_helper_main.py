@@ -284,16 +284,29 @@ class Helper:
                 raise OSError(err, f"read at offset {offset + done}: {os.strerror(err) if got < 0 else 'end of file'}")
             done += got
 
-    def unregister_kept(self) -> None:
-        """Unregister what ``--defer-unregister`` kept (after the job's reply)."""
+    def unregister_kept(self) -> threading.Thread | None:
+        """Unregister (then unmap) what ``--defer-unregister`` kept, on a thread of its own; None if nothing was kept.
+
+        Called after the job's reply: the next job (say the common tensors) starts meanwhile. Its map
+        lies elsewhere (the old one is unmapped only after its pages), so its registrations cannot clash.
+        """
         kept, self.registered = self.registered, []
         mapped, self.kept_map = self.kept_map, None
-        try:
-            for ptr in kept:
-                self.cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
-        finally:
-            if mapped is not None:
-                self.libc.munmap(*mapped)
+        if not kept and mapped is None:
+            return None
+
+        def release() -> None:
+            try:
+                self.cu("cuCtxSetCurrent", self.ctx)  # the current context is per thread
+                for ptr in kept:
+                    self.cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
+            finally:
+                if mapped is not None:
+                    self.libc.munmap(*mapped)
+
+        thread = threading.Thread(target=release, name="unregister")
+        thread.start()
+        return thread
 
     def close(self) -> None:
         for ptr in self.opened.values():
@@ -314,16 +327,18 @@ def main(argv: list[str]) -> int:
         return 1
     _say({"ready": True})
     status = 0
+    releasing: list[threading.Thread] = []
     for line in sys.stdin:
         try:
             _say({"ok": helper.job(json.loads(line))})
         except Exception as e:  # noqa: BLE001 - the parent re-reads this job's windows itself
             _say({"error": f"{type(e).__name__}: {e}"})
             status = 1
-        try:
-            helper.unregister_kept()  # after the reply: off the parent's path
-        except Exception:  # noqa: BLE001 - exiting unpins whatever is left
-            status = 1
+        thread = helper.unregister_kept()  # after the reply: off the parent's path
+        if thread is not None:
+            releasing.append(thread)
+    for thread in releasing:  # a failed unregistering costs nothing: exiting unpins whatever is left
+        thread.join()
     with contextlib.suppress(Exception):  # exiting frees the mappings anyway
         helper.close()
     return status

@@ -128,6 +128,7 @@ class HelperPool:
         self._ready: list[bool] | None = None
         self._driver: _CudaDriver | None = None
         self._handles: dict[int, str] = {}  # allocation base -> IPC handle
+        self._one_job = threading.Lock()  # a job per helper at a time: callers on two threads take turns
         self.failures: list[str] = []
         # Started from a thread: the caller (vLLM building the model) goes on meanwhile.
         count = max(1, count or DEFAULT_PROCESSES)
@@ -220,7 +221,18 @@ class HelperPool:
         Returns the windows not known to be copied (all of them when no helper is usable),
         for the caller to read itself. The destinations' pending work on the current stream
         is waited for first: the helpers write from other processes, outside its order.
+        Calls from several threads run one after the other.
         """
+        with self._one_job:
+            return self._copy(path, windows, threads, own)
+
+    def _copy(
+        self,
+        path: str | Path,
+        windows: Sequence[WindowLike],
+        threads: int,
+        own: Callable[[list[WindowLike]], None] | None,
+    ) -> list[WindowLike]:
         helpers = self._wait_ready()
         if not helpers or not windows:
             if windows and self.failures:

@@ -341,8 +341,9 @@ class MarlinPrepackedLoader(BaseModelLoader):
             lambda: self._reader(helpers, own_after=built),
             bundle.rank_file,
             layout.copy_items(arena),
-            # The helpers exit as soon as their share is copied: their CUDA contexts go while loading goes on.
-            on_done=None if helpers is None else (lambda: helpers.close(wait=False)),
+            # The helpers exit as soon as their share is copied: their CUDA contexts go while loading goes on
+            # (unless they copy the common tensors next: then once those are copied).
+            on_done=None if helpers is None or self.options.io_common_by_helpers else (lambda: helpers.close(wait=False)),
             gate=built,
         )
         return _ArenaFill(layout, arena, copy)
@@ -381,10 +382,16 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         fill, state.fill = state.fill, None
-        # With the rank file copying beside, the common tensors read here without the helpers (which it uses).
-        common_mode = "registered" if fill is not None and self.options.io_mode == "processes" else None
+        # With the rank file copying beside, the common tensors are read here without the helpers (which it
+        # uses), or given to the helpers as their next job (io_common_by_helpers: one copy at a time, in turn).
+        by_helpers = fill is not None and helpers is not None and self.options.io_common_by_helpers
+        if by_helpers:
+            common_helpers, common_mode = helpers, "processes"
+        else:
+            common_helpers = None if fill is not None else helpers
+            common_mode = "registered" if fill is not None and self.options.io_mode == "processes" else None
         try:
-            with self._reader(None if fill is not None else helpers, common_mode) as reader:
+            with self._reader(common_helpers, common_mode) as reader:
                 t0 = time.perf_counter()
                 layout = fill.layout if fill is not None else ArenaLayout.of(bundle)
                 params = layout.parameters(state.layers)

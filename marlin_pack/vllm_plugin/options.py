@@ -55,6 +55,9 @@ class LoaderOptions:
             buffers, a CPU copy per byte instead of page-locking); default 0.
         io_defer_unregister: with helpers, keep the registered windows page-locked until a
             helper's whole share is copied, unregistering them after it answers.
+        io_common_by_helpers: with helpers and the copy beside the construction, the helpers also
+            copy the large common tensors (embedding, head) once they are done with the rank
+            file, instead of this process reading them beside them.
     """
 
     bundle: Path | None = None
@@ -69,6 +72,7 @@ class LoaderOptions:
     io_own_share: OwnShare = "none"
     io_staged: int = 0
     io_defer_unregister: bool = False
+    io_common_by_helpers: bool = False
 
     @property
     def full_hash(self) -> bool | None:
@@ -77,7 +81,7 @@ class LoaderOptions:
 
 OPTION_KEYS = (
     "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "io_own_share",
-    "io_staged", "io_defer_unregister",
+    "io_staged", "io_defer_unregister", "io_common_by_helpers",
 )
 
 
@@ -116,9 +120,11 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     during_build = extra.get("copy_during_build", LoaderOptions.copy_during_build)
     if not isinstance(during_build, bool):
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
-    defer = extra.get("io_defer_unregister", LoaderOptions.io_defer_unregister)
-    if not isinstance(defer, bool):
-        raise ValueError(f"model_loader_extra_config['io_defer_unregister'] must be true or false, got {defer!r}")
+    flags = {}
+    for key in ("io_defer_unregister", "io_common_by_helpers"):
+        flags[key] = extra.get(key, getattr(LoaderOptions, key))
+        if not isinstance(flags[key], bool):
+            raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")
     staged = extra.get("io_staged", LoaderOptions.io_staged)
     if isinstance(staged, bool) or not isinstance(staged, int) or not 0 <= staged <= 16:
         raise ValueError(f"model_loader_extra_config['io_staged'] must be an integer in 0..16, got {staged!r}")
@@ -148,5 +154,5 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         copy_during_build=during_build,
         io_own_share=own_share,
         io_staged=staged,
-        io_defer_unregister=defer,
+        **flags,
     )

@@ -261,9 +261,10 @@ def test_prepacked_matches_ordinary_loading(
     [
         {"io_mode": "processes", "io_processes": 2},
         {"io_mode": "processes", "io_processes": 2, "io_own_share": "after_build"},
+        {"io_mode": "processes", "io_processes": 2, "io_defer_unregister": True, "io_staged": 1, "io_common_by_helpers": True},
         {"io_mode": "staged"},
     ],
-    ids=["processes", "processes-own-share-after-build", "staged"],
+    ids=["processes", "processes-own-share-after-build", "processes-deferred-staged-common", "staged"],
 )
 def test_prepacked_io_modes_match_ordinary_loading(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], io: dict[str, Any]

@@ -458,14 +458,16 @@ class _FakeHelpers:
         self.events.append("joined")
 
 
-@pytest.mark.parametrize("case", ["loads", "refused", "falls back"])
+@pytest.mark.parametrize("case", ["loads", "refused", "falls back", "common by helpers"])
 def test_processes_mode_helpers_start_before_creation_and_always_end(
     awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     """io_mode processes: the helpers start before vLLM builds the model (their CUDA contexts come up
     meanwhile, and the rank file's copy starts at once) and end once the copy is done (without waiting,
     on the copy's thread, so maybe before the construction ends; but gone before loading returns: vLLM
-    measures the free GPU memory next), or when the bundle is refused or not used."""
+    measures the free GPU memory next), or when the bundle is refused or not used. With
+    ``io_common_by_helpers`` they copy the common tensors next (the common reader is given them), so
+    they end only once those are loaded."""
     import marlin_pack.vllm_plugin.loader as loader_mod
     from marlin_pack.vllm_plugin.engine import layer_facts
 
@@ -478,26 +480,41 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
 
     created = BaseModelLoader.create_model
     monkeypatch.setattr(BaseModelLoader, "create_model", lambda *a, **k: events.append("create") or created(*a, **k))
-    if case != "loads":  # the model vLLM built does not fit the bundle
+    if case in ("refused", "falls back"):  # the model vLLM built does not fit the bundle
         monkeypatch.setattr(
             loader_mod, "layer_facts", lambda m, skips_when_marked: dataclasses.replace(layer_facts(m, skips_when_marked), kernel="X")
         )
     vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
-    loader = make_loader(io_mode="processes", io_processes=2, fallback=case == "falls back")
+    by_helpers = case == "common by helpers"
+    loader = make_loader(io_mode="processes", io_processes=2, fallback=case == "falls back", io_common_by_helpers=by_helpers)
+    readers: list[tuple[object, object]] = []
+    make_reader = loader._reader
+
+    def reader(helpers: object, mode: object = None, **kw: object) -> object:
+        readers.append((helpers, mode))
+        return make_reader(helpers, mode, **kw)
+
+    monkeypatch.setattr(loader, "_reader", reader)
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         if case == "refused":
             with pytest.raises(LoadRefusedError):
                 loader.create_model(vllm_config, model_config)
         else:
             model = loader.create_model(vllm_config, model_config)
-            if case == "loads":
+            if case in ("loads", "common by helpers"):
                 assert events[:1] == ["start 2 helpers for device 3"] and "create" in events
                 loader.load_weights(model, model_config)  # CPU destinations: read here, the helpers unused
     assert len(seen) == 1
-    # The copy's thread ends them as its copy ends (before or after the construction); then joined.
     assert events[0] == "start 2 helpers for device 3"
+    if by_helpers:  # ended by loading, after the common tensors; the common reader had them
+        assert events[1:] == ["create", "close wait=False", "joined"]
+        assert readers[-1][1] == "processes" and isinstance(readers[-1][0], _FakeHelpers)
+        return
+    # The copy's thread ends them as its copy ends (before or after the construction); then joined.
     assert sorted(events[1:3]) == ["close wait=False", "create"]
     assert events[3:] == ["joined"]
+    if case == "loads":
+        assert readers[-1] == (None, "registered")  # the common tensors: read here, beside the helpers' copy
 
 
 @pytest.mark.parametrize(

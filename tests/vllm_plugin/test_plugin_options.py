@@ -22,8 +22,9 @@ def test_parse_extra_config_defaults_and_values() -> None:
     assert parse_extra_config({"copy_during_build": False}).copy_during_build is False
     assert parse_extra_config({"io_own_share": "during_build"}).io_own_share == "during_build"
     assert (parse_extra_config({}).io_staged, parse_extra_config({}).io_defer_unregister) == (0, False)
-    o = parse_extra_config({"io_staged": 2, "io_defer_unregister": True})
-    assert (o.io_staged, o.io_defer_unregister) == (2, True)
+    o = parse_extra_config({"io_staged": 2, "io_defer_unregister": True, "io_common_by_helpers": True})
+    assert (o.io_staged, o.io_defer_unregister, o.io_common_by_helpers) == (2, True, True)
+    assert parse_extra_config({}).io_common_by_helpers is False
 
 
 def test_option_keys_are_the_options() -> None:
@@ -42,6 +43,7 @@ def test_option_keys_are_the_options() -> None:
         ({"io_staged": 17}, r"\['io_staged'\] must be an integer in 0\.\.16"),
         ({"io_staged": True}, r"\['io_staged'\] must be an integer"),
         ({"io_defer_unregister": "no"}, r"\['io_defer_unregister'\] must be true or false"),
+        ({"io_common_by_helpers": 1}, r"\['io_common_by_helpers'\] must be true or false"),
         ({"io_own_share": True}, r"\['io_own_share'\] must be one of \['during_build', 'after_build', 'none'\]"),
         ({"verify": "some"}, r"\['verify'\] must be one of \['auto', 'full', 'size'\]"),
         ({"io_threads": 0}, r"\['io_threads'\] must be an integer in 1\.\.64"),
