@@ -131,6 +131,8 @@ class Helper:
             self.stage_buffers.append(ptr.value or 0)
         self.registered: list[int] = []  # --defer-unregister: pointers registered by the last job
         self.kept_map: tuple[int, int] | None = None  # and the file map they lie in, unmapped after them
+        self.last_file: str | None = None
+        self.releasing: tuple[str, threading.Thread] | None = None  # (file, thread) unregistering the last job's pages
 
     def _open(self, handle_hex: str) -> int:
         ptr = self.opened.get(handle_hex)
@@ -143,7 +145,11 @@ class Helper:
         return ptr
 
     def job(self, job: dict) -> int:
+        releasing, self.releasing = self.releasing, None
+        if releasing is not None and releasing[0] == job["file"]:
+            releasing[1].join()  # the same file's pages again: pinned through one map at a time
         bases = [self._open(h) for h in job["handles"]]
+        self.last_file = job["file"]
         fd = os.open(job["file"], os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
@@ -288,7 +294,8 @@ class Helper:
         """Unregister (then unmap) what ``--defer-unregister`` kept, on a thread of its own; None if nothing was kept.
 
         Called after the job's reply: the next job (say the common tensors) starts meanwhile. Its map
-        lies elsewhere (the old one is unmapped only after its pages), so its registrations cannot clash.
+        lies elsewhere (the old one is unmapped only after its pages), so its registrations cannot clash;
+        a job of the same file waits for it all the same (its pages pinned through one map at a time).
         """
         kept, self.registered = self.registered, []
         mapped, self.kept_map = self.kept_map, None
@@ -306,6 +313,7 @@ class Helper:
 
         thread = threading.Thread(target=release, name="unregister")
         thread.start()
+        self.releasing = (self.last_file or "", thread)
         return thread
 
     def close(self) -> None:
