@@ -5,10 +5,15 @@ The copies themselves are checked on a GPU (tests/gpu/test_gpu_reader_gpu.py).""
 from __future__ import annotations
 
 import ast
+import ctypes
+import itertools
 import json
+import mmap
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,3 +218,102 @@ def test_pool_passes_its_settings_to_every_helper(tmp_path: Path) -> None:
     with HelperPool(2, 5, script=script, staged=3, stage_mib=8, defer_unregister=True) as pool:
         assert pool.ready() == 0
     assert pool.failures == ["a helper did not start: 5 --staged 3 --stage-mib 8 --defer-unregister"] * 2
+
+
+class _FakeDriver:
+    """The helper's CUDA driver calls, done on the host: a "device pointer" is a host address (an IPC
+    handle opens the destination buffer), copies are ``memmove`` at once, streams and events are
+    tokens. Records what is registered, so a test can check every registration is undone."""
+
+    def __init__(self, destination: ctypes.Array) -> None:
+        self.destination = destination
+        self.registered: dict[int, int] = {}
+        self.calls: list[str] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str, *args: object) -> None:
+        with self.lock:
+            self.calls.append(name)
+        if name in ("cuStreamCreate", "cuEventCreate"):
+            args[0]._obj.value = 1  # type: ignore[attr-defined]
+        elif name == "cuIpcOpenMemHandle":
+            args[0]._obj.value = ctypes.addressof(self.destination)  # type: ignore[attr-defined]
+        elif name == "cuMemHostRegister":
+            time.sleep(0.005)  # pinning is the slow step: staging threads beside take windows too
+            with self.lock:
+                ptr = args[0].value  # type: ignore[attr-defined]
+                assert ptr not in self.registered, "a range registered twice"
+                self.registered[ptr] = args[1].value  # type: ignore[attr-defined]
+        elif name == "cuMemHostUnregister":
+            with self.lock:
+                del self.registered[args[0].value]  # type: ignore[attr-defined]
+        elif name == "cuMemcpyHtoDAsync":
+            ctypes.memmove(args[0].value, args[1].value, args[2].value)  # type: ignore[attr-defined]
+
+
+def _fake_helper(monkeypatch: pytest.MonkeyPatch, settings: object, destination: ctypes.Array) -> copy_helper_main.Helper:
+    """A Helper whose CUDA calls go to :class:`_FakeDriver` (its staging buffers plain host memory)."""
+    driver = _FakeDriver(destination)
+    buffers: list[ctypes.Array] = []
+
+    def alloc(name: str, *args: object) -> None:
+        if name == "cuMemHostAlloc":
+            buffers.append(ctypes.create_string_buffer(args[1].value))  # type: ignore[attr-defined]
+            args[0]._obj.value = ctypes.addressof(buffers[-1])  # type: ignore[attr-defined]
+        else:
+            driver(name, *args)
+
+    monkeypatch.setattr(copy_helper_main, "_Driver", lambda: alloc)
+    helper = copy_helper_main.Helper(settings)  # type: ignore[arg-type]
+    helper.cu = driver  # type: ignore[assignment]
+    helper._keep = buffers  # type: ignore[attr-defined]
+    return helper
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        copy_helper_main.Settings(0),
+        copy_helper_main.Settings(0, defer_unregister=True),
+        copy_helper_main.Settings(0, staged=2, stage_bytes=3 << 12),  # windows cut into several stages
+        copy_helper_main.Settings(0, staged=2, stage_bytes=1 << 12, defer_unregister=True),
+    ],
+    ids=["registered", "deferred", "staged", "staged-deferred"],
+)
+def test_helper_copies_every_piece_and_unregisters_every_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: object
+) -> None:
+    """The helper's own logic on the host (its CUDA calls faked): every piece of every window lands at its
+    destination offset, whichever thread takes it (registered or staged), and every registered window is
+    unregistered by the end of the job, or with ``defer_unregister`` after it (on a thread of its own;
+    a job of the same file first waits for that)."""
+    data = bytes(range(256)) * 1000  # 256000 bytes: windows end inside pages
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    destination = ctypes.create_string_buffer(len(data) + 100)
+    helper = _fake_helper(monkeypatch, settings, destination)
+    # As the reader cuts them: page-aligned windows of 3 pages (the last one ends inside a page); the
+    # pieces are the tensors' parts in each, tensors of odd sizes, each 100 bytes further on in the destination.
+    cuts = [0, 1, 8192, 8193 + 4096 * 5, 100_003, 200_000, len(data)]
+    step = 3 * mmap.PAGESIZE
+    windows = []
+    for lo in range(0, len(data), step):
+        hi = min(lo + step, len(data))
+        pieces = [[max(a, lo), min(b, hi) - max(a, lo), 0, max(a, lo) + 100] for a, b in itertools.pairwise(cuts) if a < hi and b > lo]
+        windows.append([lo, hi, pieces])
+    job = {"file": str(path), "handles": ["00" * 64], "threads": 3, "windows": windows}
+    for _ in range(2):  # the same file twice: with deferral the second waits for the first's unregistering
+        ctypes.memset(destination, 0, len(destination))
+        assert helper.job(job) == len(data)
+        assert destination.raw[100:] == data
+        if settings.defer_unregister:  # type: ignore[attr-defined]
+            assert helper.cu.registered  # type: ignore[attr-defined]
+        else:
+            assert not helper.cu.registered  # type: ignore[attr-defined]
+        thread = helper.unregister_kept()
+        if thread is not None:
+            thread.join()
+        assert not helper.cu.registered  # type: ignore[attr-defined]
+    staged = settings.staged > 0  # type: ignore[attr-defined]
+    registered = helper.cu.calls.count("cuMemHostRegister")  # type: ignore[attr-defined]
+    assert 0 < registered < 2 * len(windows) if staged else registered == 2 * len(windows)  # staged threads took some
