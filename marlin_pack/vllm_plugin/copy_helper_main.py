@@ -130,8 +130,7 @@ class Helper:
             self.cu("cuMemHostAlloc", ctypes.byref(ptr), ctypes.c_size_t(settings.stage_bytes), ctypes.c_uint(0))
             self.stage_buffers.append(ptr.value or 0)
         self.registered: list[int] = []  # --defer-unregister: pointers registered by the last job
-        self.kept_map: tuple[int, int] | None = None  # and the file map they lie in, unmapped after them
-        self.last_file: str | None = None
+        self.kept_map: tuple[str, int, int] | None = None  # and the file map they lie in (file, address, size), unmapped after them
         self.releasing: tuple[str, threading.Thread] | None = None  # (file, thread) unregistering the last job's pages
 
     def _open(self, handle_hex: str) -> int:
@@ -149,7 +148,6 @@ class Helper:
         if releasing is not None and releasing[0] == job["file"]:
             releasing[1].join()  # the same file's pages again: pinned through one map at a time
         bases = [self._open(h) for h in job["handles"]]
-        self.last_file = job["file"]
         fd = os.open(job["file"], os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
@@ -160,7 +158,7 @@ class Helper:
                 return self._copy_windows(fd, addr, size, bases, job["windows"], max(1, int(job["threads"])))
             finally:
                 if self.registered:
-                    self.kept_map = (addr, size)  # unmapped once its pages are unregistered
+                    self.kept_map = (job["file"], addr, size)  # unmapped once its pages are unregistered
                 else:
                     self.libc.munmap(addr, size)
         finally:
@@ -309,11 +307,11 @@ class Helper:
                     self.cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
             finally:
                 if mapped is not None:
-                    self.libc.munmap(*mapped)
+                    self.libc.munmap(mapped[1], mapped[2])
 
         thread = threading.Thread(target=release, name="unregister")
         thread.start()
-        self.releasing = (self.last_file or "", thread)
+        self.releasing = (mapped[0] if mapped is not None else "", thread)
         return thread
 
     def close(self) -> None:
