@@ -121,7 +121,7 @@ def _env() -> dict[str, str]:
 
 def _marlin_lines(log: str) -> list[str]:
     return [x[x.index("marlin-pack:"):] for x in log.splitlines()
-            if "marlin-pack: validate" in x or "marlin-pack: placed" in x]
+            if any(k in x for k in ("marlin-pack: validate", "marlin-pack: placed", "filled its model", "daemon warm-up"))]
 
 
 SPY_DIR: list[Path] = []  # --py-spy DIR
@@ -225,7 +225,7 @@ def _wait_socket(proc: subprocess.Popen, sdir: Path, timeout: float = 600) -> bo
                 s.close()
         if proc.poll() is not None:
             return False
-        time.sleep(0.1)
+        time.sleep(0.02)
     return False
 
 
@@ -238,11 +238,13 @@ def _daemon_rows(
     log_path = log_dir / f"daemon-{model.name}.log"
     argv = [sys.executable, "-m", "marlin_pack.cli", "daemon", str(model), *DAEMON_FLAGS,
             "--weight-cache-socket-dir", str(sdir), "--model-loader-extra-config", json.dumps({**json.loads(io), "bundle": str(bundle)})]
+    launched = time.perf_counter()
     with open(log_path, "w") as log:
         daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
     spy = _Spy(daemon.pid, f"daemon-{len(list(SPY_DIR[0].glob('*.raw')))}") if SPY_DIR else None
     try:
         up = _wait_socket(daemon, sdir)
+        ready_s = time.perf_counter() - launched  # the whole daemon start: CLI, spawn, vLLM's init, fill, warm-up
         if spy is not None:
             spy.stop()  # the fill is over once the daemon listens
         if not up:
@@ -250,8 +252,8 @@ def _daemon_rows(
             raise SystemExit("the daemon did not come up")
         text = log_path.read_text()
         m = re.search(FILL_RE, text)
-        rows = {"fill_s": float(m.group(1)) if m else None, "daemon_log": _marlin_lines(text)}
-        print(f"  daemon ({io}) filled from the bundle in {rows['fill_s']} s", flush=True)
+        rows = {"fill_s": float(m.group(1)) if m else None, "ready_s": ready_s, "daemon_log": _marlin_lines(text)}
+        print(f"  daemon ({io}) filled from the bundle in {rows['fill_s']} s; listening {ready_s:.2f} s after launch", flush=True)
         if not attach:
             return rows
         extra = {"socket_dir": str(sdir), "fallback": False, "state_timeout_s": 600}
@@ -317,6 +319,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the prepacked and 2nd attach load_model")
     ap.add_argument("--ablate", default="", help="patch modules (e.g. construct,cache_key) a 3rd attach engine runs without")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and bundles (disk!)")
+    ap.add_argument("--reuse", action="store_true", help="use a checkpoint and bundle an earlier --keep run left (no convert row)")
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="sample every engine and daemon with py-spy (PY_SPY or PATH) into DIR/*.raw and print where the "
                          "loader's time went")
@@ -346,27 +349,34 @@ def main() -> None:
     for fmt in args.formats.split(","):
         model = args.workdir / f"{args.preset}-{fmt}"
         bundle = (args.bundle_root / model.name) if args.bundle_root else model / "marlin-pack"
-        t = time.perf_counter()
-        if moe:  # random words drawn on the GPU, streamed shard by shard (seconds for 17 GB)
-            write_moe_checkpoint(model, shape, fmt, group_size=128, max_shard_bytes=5 << 30, device="cuda")
+        reused = args.reuse and (bundle / "manifest.json").is_file() and model.is_dir()
+        if reused:  # a kept checkpoint and bundle of an earlier run (--keep): no generation, no convert row
+            from marlin_pack.bundle.reader import read_manifest
+
+            manifest = read_manifest(bundle)
+            gen_s = conv_s = None
         else:
-            writer = write_awq_checkpoint if fmt == "awq" else write_gptq_checkpoint
-            writer(model, shape, group_size=128, max_shard_bytes=5 << 30, device="cuda")
-        gen_s = time.perf_counter() - t
-        spy = _Spy(os.getpid(), f"convert-{fmt}", under=None) if SPY_DIR else None
-        t = time.perf_counter()
-        manifest = convert(model, bundle, tp_sizes=(1,), dtype="float16", device="cuda", force=True)
-        conv_s = time.perf_counter() - t
-        if spy is not None:
-            spy.stop()
-        torch.cuda.empty_cache()
+            t = time.perf_counter()
+            if moe:  # random words drawn on the GPU, streamed shard by shard (seconds for 17 GB)
+                write_moe_checkpoint(model, shape, fmt, group_size=128, max_shard_bytes=5 << 30, device="cuda")
+            else:
+                writer = write_awq_checkpoint if fmt == "awq" else write_gptq_checkpoint
+                writer(model, shape, group_size=128, max_shard_bytes=5 << 30, device="cuda")
+            gen_s = time.perf_counter() - t
+            spy = _Spy(os.getpid(), f"convert-{fmt}", under=None) if SPY_DIR else None
+            t = time.perf_counter()
+            manifest = convert(model, bundle, tp_sizes=(1,), dtype="float16", device="cuda", force=True)
+            conv_s = time.perf_counter() - t
+            if spy is not None:
+                spy.stop()
+            torch.cuda.empty_cache()
         bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
-        disk = _disk_write_gbps(bundle.parent)
+        disk = _disk_write_gbps(bundle.parent) if not reused else float("nan")
         warm_gb = _warm([model, bundle])
         rank_gb = manifest.tensor_parallel[0].ranks[0].file.size / 1e9
-        print(f"{fmt}: generated in {gen_s:.1f} s; convert --device cuda {conv_s:.1f} s; rank file {rank_gb:.1f} GB; "
-              f"bundle {bundle_gb:.1f} GB, a plain durable write of it at this disk's {disk:.2f} GB/s: "
-              f"{bundle_gb / disk:.1f} s; warmed {warm_gb:.1f} GB", flush=True)
+        print(f"{fmt}: {'reused' if reused else f'generated in {gen_s:.1f} s; convert --device cuda {conv_s:.1f} s'}; "
+              f"rank file {rank_gb:.1f} GB; bundle {bundle_gb:.1f} GB, a plain durable write of it at this disk's "
+              f"{disk:.2f} GB/s: {bundle_gb / disk:.1f} s; warmed {warm_gb:.1f} GB", flush=True)
         rows: dict = {"convert_s": conv_s, "disk_write_s": bundle_gb / disk}
         if not args.no_ordinary:
             rows["ordinary"] = _engine(model, "ordinary", args.attention_backend)
@@ -382,6 +392,7 @@ def main() -> None:
             for io in others:
                 r = _daemon_rows(model, bundle, args.attention_backend, False, args.workdir, io=io, attach=False)
                 rows[f"fill_s {io}"] = r["fill_s"]
+                rows[f"ready_s {io}"] = r["ready_s"]
                 rows.setdefault("daemon_log", []).extend(r["daemon_log"])
             r = _daemon_rows(model, bundle, args.attention_backend, args.profile, args.workdir, args.ablate, last)
             rows["daemon_log"] = rows.get("daemon_log", []) + r.pop("daemon_log")
@@ -401,13 +412,16 @@ def main() -> None:
         # Tokens are compared with ordinary's, or without an ordinary row with the first engine's.
         engines = [r for r in rows.values() if isinstance(r, dict) and "tokens" in r]
         tokens = rows.get("ordinary", engines[0] if engines else {}).get("tokens")
-        print(f"{fmt:6} {'convert --device cuda':40} {rows['convert_s']:20.2f}")
-        print(f"{fmt:6} {'  the bundle written plainly (disk bound)':40} {rows['disk_write_s']:20.2f}")
+        if rows["convert_s"] is not None:
+            print(f"{fmt:6} {'convert --device cuda':40} {rows['convert_s']:20.2f}")
+            print(f"{fmt:6} {'  the bundle written plainly (disk bound)':40} {rows['disk_write_s']:20.2f}")
         for key, value in rows.items():
             if key.startswith("fill_s ") and value is not None:
-                print(f"{fmt:6} {'daemon fill ' + key[len('fill_s '):]:40} {value:20.2f}")
+                io = key[len("fill_s "):]
+                print(f"{fmt:6} {'daemon fill ' + io:40} {value:20.2f}   (listening {rows[f'ready_s {io}']:.2f} s after launch)")
         if rows.get("fill_s") is not None:
-            print(f"{fmt:6} {'daemon fill ' + rows.get('fill_io', ''):40} {rows['fill_s']:20.2f}")
+            print(f"{fmt:6} {'daemon fill ' + rows.get('fill_io', ''):40} {rows['fill_s']:20.2f}   "
+                  f"(listening {rows['ready_s']:.2f} s after launch)")
         for key, r in rows.items():
             if not isinstance(r, dict) or "model_loading_s" not in r:
                 continue

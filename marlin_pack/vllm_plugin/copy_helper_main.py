@@ -1,6 +1,6 @@
 """A helper process of the ``processes`` reader mode: registered copies of file windows into GPU memory.
 
-Run as ``python -S copy_helper_main.py DEVICE_ORDINAL [--staged N] [--stage-mib M] [--defer-unregister]``
+Run as ``python -S copy_helper_main.py DEVICE_ORDINAL [--staged N] [--stage-mib M] [--defer-unregister] [--nice N]``
 by :mod:`.copy_helpers`. Standard library only (``ctypes`` on the CUDA driver, ``libcuda.so.1``): no
 torch, no site packages, so it starts in a fraction of a second. One process's page-locking of
 page-cache pages (``cuMemHostRegister``) plateaus at ~21-25 GB/s whatever its thread count, while
@@ -18,6 +18,9 @@ Options, fixed for the helper's life:
     is sent, then are unregistered (before the next job is read): unregistering is taken off the
     copy's path. Each thread then has every window of its share registered at once (page-cache
     pages, no new memory).
+``--nice N``
+    the helper lowers its scheduling priority by N (0..19) before it starts any thread, so that
+    the engine's own work beside the copy keeps its CPU time.
 
 Measured on an H200 host (``benchmarks/bench_h2d.py --gb 16 --cold ''``, 4 helpers of 4 registered
 threads, pinned 55.5 GB/s): 27.8-31.2 GB/s as is; unregistering costs as much as registering
@@ -92,6 +95,7 @@ class Settings:
     staged: int = 0  # staging threads beside the registered ones
     stage_bytes: int = 64 << 20  # each staging thread's two pinned buffers
     defer_unregister: bool = False
+    nice: int = 0  # added to the helper's niceness before its threads start (they inherit it)
 
     @classmethod
     def parse(cls, argv: list[str]) -> Settings:
@@ -103,6 +107,8 @@ class Settings:
                 kw["defer_unregister"] = True
             elif flag == "--staged" and rest:
                 kw["staged"] = max(0, int(rest.pop(0)))
+            elif flag == "--nice" and rest:
+                kw["nice"] = min(19, max(0, int(rest.pop(0))))
             elif flag == "--stage-mib" and rest:
                 kw["stage_bytes"] = max(1, int(rest.pop(0))) << 20
             else:
@@ -113,6 +119,8 @@ class Settings:
 class Helper:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        if settings.nice:
+            os.nice(settings.nice)  # Linux: this thread's; every thread started later inherits it
         self.cu = _Driver()
         self.libc = _libc()
         self.cu("cuInit", 0)

@@ -100,7 +100,8 @@ class HelperPool:
 
     ``staged``: staging threads per helper beside its registered ones (two pinned buffers of
     ``stage_mib`` MiB each, allocated as the helper starts); ``defer_unregister``: windows stay
-    page-locked until the helper has answered (see :mod:`.copy_helper_main`).
+    page-locked until the helper has answered; ``nice``: added to the helpers' niceness (see
+    :mod:`.copy_helper_main`).
 
     Example:
         >>> with HelperPool(4, torch.cuda.current_device()) as pool:
@@ -117,10 +118,11 @@ class HelperPool:
         staged: int = 0,
         stage_mib: int = 64,
         defer_unregister: bool = False,
+        nice: int = 0,
     ) -> None:
         self.device_index = device_index
         self._args = [str(device_index), *(["--staged", str(staged), "--stage-mib", str(stage_mib)] if staged else []),
-                      *(["--defer-unregister"] if defer_unregister else [])]
+                      *(["--defer-unregister"] if defer_unregister else []), *(["--nice", str(nice)] if nice else [])]
         self._env = {**os.environ, **HELPER_ENV, **(env or {})}  # CUDA_* settings for the helpers only
         self._procs: list[subprocess.Popen[str]] = []
         self._reapers: list[threading.Thread] = []
@@ -130,6 +132,8 @@ class HelperPool:
         self._handles: dict[int, str] = {}  # allocation base -> IPC handle
         self._one_job = threading.Lock()  # a job per helper at a time: callers on two threads take turns
         self.failures: list[str] = []
+        self._started = time.perf_counter()
+        self.ready_after: float | None = None  # seconds from the pool's start until the first job found its helpers ready
         # Started from a thread: the caller (vLLM building the model) goes on meanwhile.
         count = max(1, count or DEFAULT_PROCESSES)
         self._spawner = threading.Thread(target=self._spawn, args=(count, script), name="marlin-pack-helpers", daemon=True)
@@ -178,6 +182,7 @@ class HelperPool:
                     self.failures.append(f"a helper did not start: {reply.get('error', 'no answer')}")
                     p.kill()
                 self._ready.append(ok)
+            self.ready_after = time.perf_counter() - self._started
         return [p for p, ok in zip(self._procs, self._ready, strict=True) if ok]
 
     @staticmethod

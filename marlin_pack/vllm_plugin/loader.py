@@ -136,6 +136,7 @@ class _Timings:
     beside: bool = False  # the copy ran beside the model's construction and the common tensors
     wait: float = 0.0  # beside: how long loading then waited for the copy
     modes: str = "-"  # the reader modes the copy used
+    helpers_ready: float | None = None  # seconds from the helpers' start until the copy found them ready
     common: float = 0.0
     post: float = 0.0
 
@@ -145,6 +146,8 @@ class _Timings:
 
     def copy_text(self) -> str:
         text = f"read+copy {self.copy:.2f} s ({self.copy_bytes / 1e9:.2f} GB, {self.rate:.1f} GB/s)"
+        if self.helpers_ready is not None:
+            text += f", helpers ready after {self.helpers_ready:.2f} s"
         return f"{text} beside create and common, waited {self.wait:.2f} s" if self.beside else text
 
     def create_text(self) -> str:
@@ -252,7 +255,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             return None
         return HelperPool(
             self.options.io_processes, torch.cuda.current_device(),
-            staged=self.options.io_staged, defer_unregister=self.options.io_defer_unregister,
+            staged=self.options.io_staged, defer_unregister=self.options.io_defer_unregister, nice=self.options.io_helper_nice,
         )
 
     def _helpers_fit(self, bundle: SelectedBundle) -> bool:
@@ -421,6 +424,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 self._timings.copy, self._timings.copy_bytes = fill.copy.seconds, fill.copy.bytes
                 self._timings.beside, self._timings.wait = True, waited
                 self._timings.modes = "/".join(sorted(fill.copy.modes_used)) or "-"
+            if helpers is not None:
+                self._timings.helpers_ready = helpers.ready_after
         self._timings.place = t1 - t0 - (0.0 if fill is not None else self._timings.copy)
         self._timings.common = t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.

@@ -58,6 +58,12 @@ class LoaderOptions:
         io_common_by_helpers: with helpers and the copy beside the construction, the helpers also
             copy the large common tensors (embedding, head) once they are done with the rank
             file, instead of this process reading them beside them.
+        io_helper_nice: with helpers, the niceness they add to their own (``os.nice``), so that
+            vLLM's own work beside the copy (building the model, placing, the common tensors)
+            keeps its CPU time; 0..19, default 0.
+        daemon_prewarm: in a weight-cache daemon (``marlin-pack daemon``), import the model's
+            and the attention backends' modules and create the CUDA context on a thread while
+            vLLM initialises the daemon, before the fill (see ``vllm_plugin/prewarm.py``).
     """
 
     bundle: Path | None = None
@@ -73,6 +79,8 @@ class LoaderOptions:
     io_staged: int = 0
     io_defer_unregister: bool = False
     io_common_by_helpers: bool = False
+    io_helper_nice: int = 0
+    daemon_prewarm: bool = True
 
     @property
     def full_hash(self) -> bool | None:
@@ -81,7 +89,7 @@ class LoaderOptions:
 
 OPTION_KEYS = (
     "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "io_own_share",
-    "io_staged", "io_defer_unregister", "io_common_by_helpers",
+    "io_staged", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice", "daemon_prewarm",
 )
 
 
@@ -121,13 +129,16 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     if not isinstance(during_build, bool):
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
     flags = {}
-    for key in ("io_defer_unregister", "io_common_by_helpers"):
+    for key in ("io_defer_unregister", "io_common_by_helpers", "daemon_prewarm"):
         flags[key] = extra.get(key, getattr(LoaderOptions, key))
         if not isinstance(flags[key], bool):
             raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")
     staged = extra.get("io_staged", LoaderOptions.io_staged)
     if isinstance(staged, bool) or not isinstance(staged, int) or not 0 <= staged <= 16:
         raise ValueError(f"model_loader_extra_config['io_staged'] must be an integer in 0..16, got {staged!r}")
+    nice = extra.get("io_helper_nice", LoaderOptions.io_helper_nice)
+    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+        raise ValueError(f"model_loader_extra_config['io_helper_nice'] must be an integer in 0..19, got {nice!r}")
     verify = extra.get("verify", "auto")
     if verify not in _FULL_HASH:
         raise ValueError(
@@ -154,5 +165,6 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         copy_during_build=during_build,
         io_own_share=own_share,
         io_staged=staged,
+        io_helper_nice=nice,
         **flags,
     )

@@ -9,6 +9,7 @@ import ctypes
 import itertools
 import json
 import mmap
+import os
 import subprocess
 import sys
 import textwrap
@@ -199,13 +200,15 @@ def test_a_closed_pool_leaves_every_window(tmp_path: Path, monkeypatch: pytest.M
         (["0"], copy_helper_main.Settings(0)),
         (["3", "--defer-unregister"], copy_helper_main.Settings(3, defer_unregister=True)),
         (["1", "--staged", "2", "--stage-mib", "16"], copy_helper_main.Settings(1, staged=2, stage_bytes=16 << 20)),
+        (["2", "--nice", "5"], copy_helper_main.Settings(2, nice=5)),
+        (["2", "--nice", "40"], copy_helper_main.Settings(2, nice=19)),
     ],
 )
 def test_helper_settings_from_its_command_line(argv: list[str], want: object) -> None:
     assert copy_helper_main.Settings.parse(argv) == want
 
 
-@pytest.mark.parametrize("argv", [["0", "--staged"], ["0", "--fast"], ["x"]])
+@pytest.mark.parametrize("argv", [["0", "--staged"], ["0", "--fast"], ["x"], ["0", "--nice"]])
 def test_helper_refuses_an_unknown_command_line(argv: list[str]) -> None:
     with pytest.raises(ValueError):
         copy_helper_main.Settings.parse(argv)
@@ -215,9 +218,30 @@ def test_pool_passes_its_settings_to_every_helper(tmp_path: Path) -> None:
     """The helper's options reach its command line (a stand-in script echoes its arguments in its error)."""
     script = tmp_path / "echo_helper.py"
     script.write_text("import json, sys\nprint(json.dumps({'error': ' '.join(sys.argv[1:])}), flush=True)\n")
-    with HelperPool(2, 5, script=script, staged=3, stage_mib=8, defer_unregister=True) as pool:
+    with HelperPool(2, 5, script=script, staged=3, stage_mib=8, defer_unregister=True, nice=7) as pool:
         assert pool.ready() == 0
-    assert pool.failures == ["a helper did not start: 5 --staged 3 --stage-mib 8 --defer-unregister"] * 2
+    assert pool.failures == ["a helper did not start: 5 --staged 3 --stage-mib 8 --defer-unregister --nice 7"] * 2
+    assert pool.ready_after is not None and pool.ready_after >= 0
+
+
+def test_helper_lowers_its_priority_before_its_threads_start() -> None:
+    """``--nice N``: the helper's process (and so every thread it starts) runs N steps nicer than its parent."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, threading; sys.path.insert(0, sys.argv[1]); import copy_helper_main as m\n"
+        "class D:\n    def __call__(self, *a): pass\n"
+        "m._Driver = D\n"
+        "m.Helper(m.Settings.parse(['0', '--nice', '6']))\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0))); t.start(); t.join()\n"
+        "print(os.getpriority(os.PRIO_PROCESS, 0), seen[0])\n"
+    )
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(Path(copy_helper_main.__file__).parent)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert out == [str(min(19, base + 6))] * 2
 
 
 class _FakeDriver:

@@ -446,6 +446,7 @@ class _FakeHelpers:
     def __init__(self, count: int, device_index: int, **settings: object) -> None:
         self.events.append(f"start {count} helpers for device {device_index}")
         self.closed = False
+        self.ready_after = 0.25
 
     def close(self, wait: bool = True) -> None:
         if not self.closed:  # as HelperPool.close: a second call ends nothing more...

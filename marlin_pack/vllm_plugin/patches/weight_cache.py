@@ -57,6 +57,8 @@ _UNSUPPORTED_HINT = (
 # AWQ/GPTQ quantizations whose experts (AutoAWQMoEMethod/AutoGPTQMoEMethod) the cache shares on Marlin MoE.
 MOE_CACHE_QUANTIZATIONS = frozenset({"auto_awq", "auto_gptq", "awq", "awq_marlin", "gptq", "gptq_marlin"})
 
+# When run_daemon began in this process (perf_counter), for the fill's log line.
+_DAEMON_STARTED: list[float] = []
 # id(KernelConfig) -> (the config, its linear_backend_per_quant and moe_backend before we forced Marlin).
 _FORCED: dict[int, tuple[Any, Any, Any]] = {}
 
@@ -154,16 +156,20 @@ def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], n
         # freezes), and full collections during the construction would walk every object of the imports.
         freeze_gc_heap()
         t0 = time.perf_counter()
+        from marlin_pack.vllm_plugin import prewarm
+
+        prewarm.wait()  # inside the fill's time: the warm-up only overlaps what ran before it
         try:
             model = original(self)
         except Exception as e:
             _log_hint(e)
             raise
         logger.info(
-            "marlin-pack: %s filled its model in %.2f s (load format %s)",
+            "marlin-pack: %s filled its model in %.2f s (load format %s)%s",
             role,
             time.perf_counter() - t0,
             self.vllm_config.load_config.load_format,
+            f"; the fill began {t0 - _DAEMON_STARTED[0]:.2f} s after the daemon process began its run" if _DAEMON_STARTED else "",
         )
         return model
 
@@ -177,6 +183,7 @@ def run_daemon(*args: Any, **kwargs: Any) -> Any:
     (``marlin_pack.vllm_plugin.patches.weight_cache.run_daemon``), so the spawned process
     imports this module and runs this function first.
     """
+    _DAEMON_STARTED[:] = [time.perf_counter()]
     from marlin_pack.vllm_plugin import register
 
     # Spawned daemons start with logging unconfigured; configure it as _run_daemon will, first,
@@ -199,6 +206,11 @@ def run_daemon(*args: Any, **kwargs: Any) -> Any:
         "AWQ/GPTQ Marlin layers accept pre-processed weights)",
         os.getpid(),
     )
+    local_rank = args[1] if len(args) > 1 else kwargs.get("local_rank")
+    if vllm_config is not None and isinstance(local_rank, int):
+        from marlin_pack.vllm_plugin import prewarm
+
+        prewarm.start(vllm_config, local_rank)  # beside vLLM building the daemon, until its fill begins
     return target(*args, **kwargs)
 
 
