@@ -31,7 +31,7 @@ __all__ = ["start", "wait"]
 logger = logging.getLogger("vllm.marlin_pack")
 
 _THREAD: threading.Thread | None = None
-_SECONDS: dict[str, float] = {}
+_DONE: dict[str, str] = {}  # step -> "0.12 s", or "failed (RuntimeError)"
 
 
 def start(vllm_config: Any, local_rank: int) -> threading.Thread | None:
@@ -39,6 +39,7 @@ def start(vllm_config: Any, local_rank: int) -> threading.Thread | None:
     global _THREAD
     if not _wanted(vllm_config):
         return None
+    _DONE.clear()
     _THREAD = threading.Thread(target=_run, args=(vllm_config, local_rank), name="marlin-pack-prewarm", daemon=True)
     _THREAD.start()
     return _THREAD
@@ -55,7 +56,7 @@ def wait() -> float:
     waited = time.perf_counter() - t0
     logger.info(
         "marlin-pack: daemon warm-up (%s) done; the fill waited %.2f s for it",
-        ", ".join(f"{k} {v:.2f} s" for k, v in _SECONDS.items()) or "nothing done",
+        ", ".join(f"{k} {v}" for k, v in _DONE.items()) or "nothing done",
         waited,
     )
     return waited
@@ -75,9 +76,11 @@ def _step(name: str, fn: Any, *args: Any) -> None:
     t0 = time.perf_counter()
     try:
         fn(*args)
-    except Exception:  # noqa: BLE001 - best effort: the construction pays the cost instead
+    except Exception as e:  # noqa: BLE001 - best effort: the construction pays the cost instead
         logger.debug("marlin-pack: daemon warm-up step %s failed", name, exc_info=True)
-    _SECONDS[name] = time.perf_counter() - t0
+        _DONE[name] = f"failed ({type(e).__name__})"
+        return
+    _DONE[name] = f"{time.perf_counter() - t0:.2f} s"
 
 
 def _run(vllm_config: Any, local_rank: int) -> None:

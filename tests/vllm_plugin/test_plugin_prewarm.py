@@ -61,7 +61,9 @@ def test_no_warm_up_when_turned_off_or_not_our_load_format(make_checkpoint, extr
     assert not utils._MODEL_ARCH_BY_HASH
 
 
-def test_a_failing_step_is_logged_and_the_others_still_run(monkeypatch: pytest.MonkeyPatch, make_checkpoint) -> None:
+def test_a_failing_step_is_logged_and_the_others_still_run(
+    monkeypatch: pytest.MonkeyPatch, make_checkpoint, marlin_log: list[str]
+) -> None:
     calls: list[str] = []
 
     def boom(*_: Any) -> None:
@@ -74,6 +76,8 @@ def test_a_failing_step_is_logged_and_the_others_still_run(monkeypatch: pytest.M
     prewarm.start(_config(make_checkpoint("gptq", "tiny")), 0)
     prewarm.wait()
     assert calls == ["cuda", "model", "attention"]
+    line = next(m for m in marlin_log if "daemon warm-up" in m)
+    assert "cuda failed (RuntimeError), model module 0.00 s, attention backends 0.00 s" in line
 
 
 def test_run_daemon_starts_the_warm_up_and_the_fill_waits_for_it(
