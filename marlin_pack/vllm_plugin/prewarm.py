@@ -8,12 +8,15 @@ work that depends only on the configuration (py-spy of a 70B daemon fill, ~0.4-0
 * importing the model's module and the attention backends vLLM tries for it;
 * creating the GPU's CUDA context (the loader's first ``torch.cuda.mem_get_info``);
 * loading the CUDA kernels of the first operations on the device (the rotary embedding's
-  cos/sin cache: ``arange``, ``pow``, ``einsum``, ``cos``, ``sin``, ``cat``).
+  cos/sin cache: ``arange``, ``pow``, ``einsum``, ``cos``, ``sin``, ``cat``);
+* starting the copy helpers (``processes`` mode), ~0.25 s until they are ready, on the copy's path.
 
-:func:`start` does this on a thread, beside vLLM's initialisation. The fill waits for the thread
-before it starts (:func:`wait`, timed inside the fill): a module is never imported by two threads
-at once, and nothing is moved out of the measured fill. Every step is best effort: a failure is
-logged at debug level and the daemon goes on as it would have (paying the cost itself).
+:func:`start` does this on a thread, beside vLLM's initialisation. The loader waits for the thread
+(:func:`wait`, inside the fill's time) once it has started the copy and before vLLM builds the
+model: a module is never imported by two threads at once. It takes the helpers
+(:func:`take_helpers`) if they are the ones it would start; the fill closes any it did not take
+(:func:`discard_helpers`). Every step is best effort: a failure is named in the log line and the
+daemon goes on as it would have (paying the cost itself).
 
 Option ``daemon_prewarm`` (``--model-loader-extra-config``, default true) turns it off.
 """
@@ -26,11 +29,12 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["start", "wait"]
+__all__ = ["discard_helpers", "start", "take_helpers", "wait"]
 
 logger = logging.getLogger("vllm.marlin_pack")
 
 _THREAD: threading.Thread | None = None
+_HELPERS: list[Any] = []  # the HelperPool started for the loader, until it takes it
 _DONE: dict[str, str] = {}  # step -> "0.12 s", or "failed (RuntimeError)"
 
 
@@ -62,6 +66,17 @@ def wait() -> float:
     return waited
 
 
+def take_helpers() -> Any:
+    """The copy helpers started here (a ``HelperPool``), now the caller's to use and close; or None."""
+    return _HELPERS.pop() if _HELPERS else None
+
+
+def discard_helpers() -> None:
+    """Close helpers started here that the loader did not take (it loaded another way)."""
+    while _HELPERS:
+        _HELPERS.pop().close(wait=False)
+
+
 def _wanted(vllm_config: Any) -> bool:
     from marlin_pack._constants import LOAD_FORMAT
 
@@ -84,10 +99,25 @@ def _step(name: str, fn: Any, *args: Any) -> None:
 
 
 def _run(vllm_config: Any, local_rank: int) -> None:
+    _step("helpers", _helpers, vllm_config, local_rank)  # first: they start in processes of their own
     _step("cuda", _cuda, local_rank)
     model_config = vllm_config.model_config
     _step("model module", _model_module, model_config)
     _step("attention backends", _attention_backends, vllm_config)
+
+
+def _helpers(vllm_config: Any, local_rank: int) -> None:
+    """The helper pool the loader would start (same settings), where it would start one."""
+    from marlin_pack.vllm_plugin.copy_helpers import HelperPool
+    from marlin_pack.vllm_plugin.loader import helpers_help
+    from marlin_pack.vllm_plugin.options import parse_extra_config
+
+    options = parse_extra_config(vllm_config.load_config.model_loader_extra_config or {})
+    if options.io_mode not in ("auto", "processes"):
+        return
+    if options.io_mode == "auto" and not helpers_help(vllm_config, vllm_config.model_config):
+        return
+    _HELPERS.append(HelperPool(options.io_processes, local_rank, **HelperPool.settings_of(options)))
 
 
 def _cuda(local_rank: int) -> None:

@@ -123,3 +123,45 @@ def test_run_daemon_starts_the_warm_up_and_the_fill_waits_for_it(
     assert any("daemon warm-up" in m for m in marlin_log)  # waited inside the fill, which then logged its start
     fill = next(m for m in marlin_log if "filled its model" in m)
     assert "after the daemon process began its run" in fill
+
+
+@pytest.mark.parametrize(
+    ("extra", "helpers_help", "started"),
+    [
+        ({"io_mode": "processes", "io_processes": 2, "io_helper_nice": 3, "io_staged": 1}, False, True),
+        ({}, True, True),  # auto, where helpers help
+        ({}, False, False),  # auto, where they do not (TP>1, sleep mode, few cores...)
+        ({"io_mode": "staged"}, True, False),
+        ({"io_mode": "nonsense"}, True, False),  # the loader reports bad options; the warm-up just skips
+    ],
+)
+def test_warm_up_starts_the_helpers_the_loader_would(
+    monkeypatch: pytest.MonkeyPatch, make_checkpoint, extra: dict, helpers_help: bool, started: bool
+) -> None:
+    from marlin_pack.vllm_plugin import copy_helpers, loader
+
+    pools: list[Any] = []
+
+    class Pool:
+        def __init__(self, count: int | None, device_index: int, **settings: Any) -> None:
+            self.args, self.closed = (count, device_index, settings), False
+            pools.append(self)
+
+        def close(self, wait: bool = True) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(copy_helpers.HelperPool, "__init__", Pool.__init__)
+    monkeypatch.setattr(copy_helpers.HelperPool, "close", Pool.close)
+    monkeypatch.setattr(loader, "helpers_help", lambda *a: helpers_help)
+    monkeypatch.setattr(prewarm, "_cuda", lambda *_: None)
+    monkeypatch.setattr(prewarm, "_model_module", lambda *_: None)
+    monkeypatch.setattr(prewarm, "_attention_backends", lambda *_: None)
+    prewarm.start(_config(make_checkpoint("gptq", "tiny"), extra), 2)
+    prewarm.wait()
+    if not started:
+        assert pools == [] and prewarm.take_helpers() is None
+        return
+    options = __import__("marlin_pack.vllm_plugin.options", fromlist=["x"]).parse_extra_config(extra)
+    assert [p.args for p in pools] == [(options.io_processes, 2, copy_helpers.HelperPool.settings_of(options))]
+    prewarm.discard_helpers()  # the loader did not take them
+    assert pools[0].closed and prewarm.take_helpers() is None

@@ -158,12 +158,14 @@ def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], n
         t0 = time.perf_counter()
         from marlin_pack.vllm_plugin import prewarm
 
-        prewarm.wait()  # inside the fill's time: the warm-up only overlaps what ran before it
         try:
-            model = original(self)
+            model = original(self)  # the loader waits for the warm-up (prewarm.wait) before vLLM builds the model
         except Exception as e:
             _log_hint(e)
             raise
+        finally:
+            prewarm.wait()  # (when the loader did not: it failed before, or is not marlin-pack's)
+            prewarm.discard_helpers()
         logger.info(
             "marlin-pack: %s filled its model in %.2f s (load format %s)%s",
             role,
