@@ -254,6 +254,8 @@ def _daemon_rows(
         m = re.search(FILL_RE, text)
         rows = {"fill_s": float(m.group(1)) if m else None, "ready_s": ready_s, "daemon_log": _marlin_lines(text)}
         print(f"  daemon ({io}) filled from the bundle in {rows['fill_s']} s; listening {ready_s:.2f} s after launch", flush=True)
+        for line in rows["daemon_log"]:
+            print(f"    {line}", flush=True)
         if not attach:
             return rows
         extra = {"socket_dir": str(sdir), "fallback": False, "state_timeout_s": 600}
@@ -311,7 +313,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench"))
     ap.add_argument("--bundle-root", type=Path, default=None, help="where bundles go (default: in the checkpoint)")
     ap.add_argument("--attention-backend", default=os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN"))
-    ap.add_argument("--io", default="{}", help="';'-separated loader extra configs, one prepacked engine each")
+    ap.add_argument("--io", default="{}", help="';'-separated loader extra configs, one prepacked engine each (none: no engine)")
     ap.add_argument("--daemon-io", default="{}", help="';'-separated daemon loader extra configs: each fills a daemon, "
                     "the last one's gets the attaches")
     ap.add_argument("--daemon", default="", help="formats (comma-separated) that also get the daemon rows")
@@ -380,7 +382,7 @@ def main() -> None:
         rows: dict = {"convert_s": conv_s, "disk_write_s": bundle_gb / disk}
         if not args.no_ordinary:
             rows["ordinary"] = _engine(model, "ordinary", args.attention_backend)
-        for i, io in enumerate(args.io.split(";")):
+        for i, io in enumerate(args.io.split(";") if args.io != "none" else []):
             extra = {**json.loads(io), "bundle": str(bundle)}
             try:
                 rows[f"prepacked {io}"] = _engine(model, "prepacked", args.attention_backend, extra,
