@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -121,7 +121,6 @@ class HelperPool:
         nice: int = 0,
     ) -> None:
         self.device_index = device_index
-        self.settings = {"staged": staged, "stage_mib": stage_mib, "defer_unregister": defer_unregister, "nice": nice}
         self._args = [str(device_index), *(["--staged", str(staged), "--stage-mib", str(stage_mib)] if staged else []),
                       *(["--defer-unregister"] if defer_unregister else []), *(["--nice", str(nice)] if nice else [])]
         self._env = {**os.environ, **HELPER_ENV, **(env or {})}  # CUDA_* settings for the helpers only
@@ -136,15 +135,9 @@ class HelperPool:
         self._started = time.perf_counter()
         self.ready_after: float | None = None  # seconds from the pool's start until the first job found its helpers ready
         # Started from a thread: the caller (vLLM building the model) goes on meanwhile.
-        count = self.count = max(1, count or DEFAULT_PROCESSES)
+        count = max(1, count or DEFAULT_PROCESSES)
         self._spawner = threading.Thread(target=self._spawn, args=(count, script), name="marlin-pack-helpers", daemon=True)
         self._spawner.start()
-
-    @staticmethod
-    def settings_of(options: Any) -> dict[str, Any]:
-        """The pool's keyword settings for the loader's options (``LoaderOptions``)."""
-        return {"staged": options.io_staged, "stage_mib": 64, "defer_unregister": options.io_defer_unregister,
-                "nice": options.io_helper_nice}
 
     def _spawn(self, count: int, script: Path) -> None:
         for _ in range(count):

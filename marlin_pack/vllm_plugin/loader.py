@@ -47,7 +47,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
 from marlin_pack.errors import BundleError, MismatchField
 from marlin_pack.io.safetensors_io import TensorInfo
-from marlin_pack.vllm_plugin import patches, prewarm
+from marlin_pack.vllm_plugin import patches
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
 from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
@@ -220,13 +220,11 @@ class MarlinPrepackedLoader(BaseModelLoader):
         patches.install()
         if self._is_draft(vllm_config, model_config):
             logger.info("marlin-pack: loading the draft model %s the ordinary way", model_config.model)
-            prewarm.wait()
             model = super().create_model(vllm_config, model_config, prefix)
             self._models[model] = _ModelState(None)
             return model
         decision = self._decide(vllm_config, model_config)
         if decision.bundle is None:
-            prewarm.wait()
             model = super().create_model(vllm_config, model_config, prefix)
             self._models[model] = _ModelState(None)
             return model
@@ -247,26 +245,18 @@ class MarlinPrepackedLoader(BaseModelLoader):
         return model
 
     def _start_helpers(self, vllm_config: VllmConfig, model_config: ModelConfig, bundle: SelectedBundle) -> HelperPool | None:
-        """Helpers for the ``processes`` mode; None for other modes.
-
-        A weight-cache daemon may have started them already, beside vLLM's initialisation
-        (:mod:`.prewarm`): those are used when they are what this would start.
-        """
-        early = prewarm.take_helpers()
+        """Helpers for the ``processes`` mode; None for other modes."""
         if not torch.cuda.is_available():
-            return _closed(early)
-
+            return None
         def usable() -> bool:
             return helpers_help(vllm_config, model_config) and self._helpers_fit(bundle)
 
         if not uses_helpers(self.options.io_mode, lambda: bundle.rank_file, usable):
-            return _closed(early)
-        device, settings = torch.cuda.current_device(), HelperPool.settings_of(self.options)
-        count = max(1, self.options.io_processes or DEFAULT_PROCESSES)
-        if early is not None and (early.device_index, early.settings, early.count) == (device, settings, count):
-            return early
-        _closed(early)
-        return HelperPool(self.options.io_processes, device, **settings)
+            return None
+        return HelperPool(
+            self.options.io_processes, torch.cuda.current_device(),
+            staged=self.options.io_staged, defer_unregister=self.options.io_defer_unregister, nice=self.options.io_helper_nice,
+        )
 
     def _helpers_fit(self, bundle: SelectedBundle) -> bool:
         """Whether the GPU has room for the helpers' CUDA contexts beside the model's weights.
@@ -285,7 +275,6 @@ class MarlinPrepackedLoader(BaseModelLoader):
     ) -> nn.Module:
         fill = self._start_fill(bundle, helpers)
         try:
-            prewarm.wait()  # a daemon's warm-up imports what the construction imports: never both at once
             with stub_quantized_placeholders(fill is not None):
                 model = super().create_model(vllm_config, model_config, prefix)
             if fill is not None and fill.copy.gate is not None:
@@ -537,12 +526,6 @@ class MarlinPrepackedLoader(BaseModelLoader):
         if state.bundle is not None:
             logger.info(self._timings.line(state.bundle, len(state.layers)))
         return model.eval()
-
-
-def _closed(helpers: HelperPool | None) -> None:
-    """Close helpers started early that this load does not use (None: nothing to close)."""
-    if helpers is not None:
-        helpers.close(wait=False)
 
 
 def _alias_names(bundle: SelectedBundle) -> dict[str, list[str]]:

@@ -61,9 +61,6 @@ class LoaderOptions:
         io_helper_nice: with helpers, the niceness they add to their own (``os.nice``), so that
             vLLM's own work beside the copy (building the model, placing, the common tensors)
             keeps its CPU time; 0..19, default 0.
-        daemon_prewarm: in a weight-cache daemon (``marlin-pack daemon``), import the model's
-            and the attention backends' modules and create the CUDA context on a thread while
-            vLLM initialises the daemon, before the fill (see ``vllm_plugin/prewarm.py``).
     """
 
     bundle: Path | None = None
@@ -80,7 +77,6 @@ class LoaderOptions:
     io_defer_unregister: bool = False
     io_common_by_helpers: bool = False
     io_helper_nice: int = 0
-    daemon_prewarm: bool = True
 
     @property
     def full_hash(self) -> bool | None:
@@ -89,7 +85,7 @@ class LoaderOptions:
 
 OPTION_KEYS = (
     "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "io_own_share",
-    "io_staged", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice", "daemon_prewarm",
+    "io_staged", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
 )
 
 
@@ -129,7 +125,7 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     if not isinstance(during_build, bool):
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
     flags = {}
-    for key in ("io_defer_unregister", "io_common_by_helpers", "daemon_prewarm"):
+    for key in ("io_defer_unregister", "io_common_by_helpers"):
         flags[key] = extra.get(key, getattr(LoaderOptions, key))
         if not isinstance(flags[key], bool):
             raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")

@@ -307,10 +307,6 @@ def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
         r"weight-cache target daemon rank 0 filled its model in [0-9.]+ s \(load format marlin_prepacked\)",
         log,
     )
-    warm = re.search(r"daemon warm-up \((.*)\) done", log)  # beside vLLM's daemon init (vllm_plugin/prewarm.py)
-    assert warm and "failed" not in warm.group(1) and all(k in warm.group(1) for k in ("cuda", "model module", "attention")), (
-        proc.tail()
-    )
     if name == "gptq8" and run.vllm_cli_daemon:
         assert "marlin-pack: vllm preload" not in log  # plain `vllm preload`, not the launcher
     if name != "gptq8":

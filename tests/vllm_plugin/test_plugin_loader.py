@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 
 from marlin_pack.errors import LoadRefusedError
 from marlin_pack.vllm_plugin import LOAD_FORMAT
-from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool
 from marlin_pack.vllm_plugin.layer_check import LayerFacts
 from marlin_pack.vllm_plugin.patches.placeholders import is_stub
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked
@@ -443,13 +442,11 @@ class _FakeHelpers:
     """Stands in for copy_helpers.HelperPool: records when it is started and how it is ended."""
 
     events: list[str] = []
-    settings_of = staticmethod(HelperPool.settings_of)
 
     def __init__(self, count: int | None, device_index: int, **settings: object) -> None:
         self.events.append(f"start {count} helpers for device {device_index}")
         self.closed = False
         self.ready_after = 0.25
-        self.device_index, self.settings, self.count = device_index, settings, max(1, count or DEFAULT_PROCESSES)
 
     def close(self, wait: bool = True) -> None:
         if not self.closed:  # as HelperPool.close: a second call ends nothing more...
@@ -462,46 +459,9 @@ class _FakeHelpers:
         self.events.append("joined")
 
 
-@pytest.mark.parametrize(
-    ("io_mode", "early", "used"),
-    [
-        ("processes", (3, 2, {}), True),
-        ("processes", (0, 2, {}), False),  # another device
-        ("processes", (3, 4, {}), False),  # another count
-        ("processes", (3, 2, {"nice": 5}), False),  # other settings
-        ("staged", (3, 2, {}), False),  # no helpers for this mode
-    ],
-)
-def test_helpers_a_daemon_started_early_are_used_only_when_they_match(
-    monkeypatch: pytest.MonkeyPatch, io_mode: str, early: tuple[int, int, dict], used: bool
-) -> None:
-    """The daemon's warm-up may have started the helpers (vllm_plugin/prewarm.py): the loader takes them
-    if they are what it would start (device, count, settings), else closes them (and starts its own)."""
-    import marlin_pack.vllm_plugin.loader as loader_mod
-    from marlin_pack.vllm_plugin import prewarm
-
-    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    loader = make_loader(io_mode=io_mode, io_processes=2, io_defer_unregister=True)
-    device, count, changed = early
-    pool = _FakeHelpers(count, device, **{**HelperPool.settings_of(loader.options), **changed})
-    events = _FakeHelpers.events = []
-    monkeypatch.setattr(prewarm, "_HELPERS", [pool])
-    got = loader._start_helpers(None, None, None)
-    assert not prewarm._HELPERS  # taken either way: closing it is the loader's job now
-    if used:
-        assert got is pool and events == [] and not pool.closed
-    elif io_mode == "staged":
-        assert got is None and pool.closed and events == ["close wait=False"]
-    else:
-        assert got is not pool and pool.closed and events == ["close wait=False", "start 2 helpers for device 3"]
-        assert got.settings == {"staged": 0, "stage_mib": 64, "defer_unregister": True, "nice": 0}
-
-
 @pytest.mark.parametrize("case", ["loads", "refused", "falls back", "common by helpers"])
 def test_processes_mode_helpers_start_before_creation_and_always_end(
-    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, case: str
+    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, case: str, marlin_log: list[str]
 ) -> None:
     """io_mode processes: the helpers start before vLLM builds the model (their CUDA contexts come up
     meanwhile, and the rank file's copy starts at once) and end once the copy is done (without waiting,
@@ -556,6 +516,7 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     assert events[3:] == ["joined"]
     if case == "loads":
         assert readers[-1] == (None, "registered")  # the common tensors: read here, beside the helpers' copy
+        assert any("placed" in m and "helpers ready after 0.25 s" in m for m in marlin_log)  # the pool's own figure
 
 
 @pytest.mark.parametrize(

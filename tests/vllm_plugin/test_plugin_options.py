@@ -25,9 +25,8 @@ def test_parse_extra_config_defaults_and_values() -> None:
     o = parse_extra_config({"io_staged": 2, "io_defer_unregister": True, "io_common_by_helpers": True})
     assert (o.io_staged, o.io_defer_unregister, o.io_common_by_helpers) == (2, True, True)
     assert parse_extra_config({}).io_common_by_helpers is False
-    assert (parse_extra_config({}).io_helper_nice, parse_extra_config({}).daemon_prewarm) == (0, True)
-    o = parse_extra_config({"io_helper_nice": 19, "daemon_prewarm": False})
-    assert (o.io_helper_nice, o.daemon_prewarm) == (19, False)
+    assert parse_extra_config({}).io_helper_nice == 0
+    assert parse_extra_config({"io_helper_nice": 19}).io_helper_nice == 19
 
 
 def test_option_keys_are_the_options() -> None:
@@ -49,7 +48,6 @@ def test_option_keys_are_the_options() -> None:
         ({"io_common_by_helpers": 1}, r"\['io_common_by_helpers'\] must be true or false"),
         ({"io_helper_nice": 20}, r"\['io_helper_nice'\] must be an integer in 0\.\.19"),
         ({"io_helper_nice": -1}, r"\['io_helper_nice'\] must be an integer in 0\.\.19"),
-        ({"daemon_prewarm": "off"}, r"\['daemon_prewarm'\] must be true or false"),
         ({"io_own_share": True}, r"\['io_own_share'\] must be one of \['during_build', 'after_build', 'none'\]"),
         ({"verify": "some"}, r"\['verify'\] must be one of \['auto', 'full', 'size'\]"),
         ({"io_threads": 0}, r"\['io_threads'\] must be an integer in 1\.\.64"),

@@ -186,6 +186,31 @@ def test_daemon_get_model_forces_marlin_times_and_hints(marlin_log: list[str]) -
     assert "only when vLLM serves them with MarlinLinearKernel and 16-bit activations" in text
 
 
+def test_daemon_fill_says_when_it_began_after_run_daemon(
+    registered: None, monkeypatch: pytest.MonkeyPatch, marlin_log: list[str]
+) -> None:
+    """The fill's line says how long vLLM's daemon initialisation took before it (what a change there moves)."""
+    import importlib
+    import time
+
+    from marlin_pack.vllm_plugin import patches
+    from marlin_pack.vllm_plugin.patches import weight_cache
+
+    daemon_mod = importlib.import_module(DAEMON_MODULE)
+    monkeypatch.setattr(weight_cache, "_DAEMON_STARTED", [])
+    monkeypatch.setattr(daemon_mod, "_run_daemon", lambda *a, **k: time.sleep(0.05))  # vLLM building the daemon
+    try:
+        run_daemon(0, 0, SimpleNamespace(), "tcp://127.0.0.1:9")
+    finally:
+        patches.uninstall_all()
+    fake = SimpleNamespace(role="target", global_rank=0, vllm_config=_configs()[0], model_config=SimpleNamespace(quantization="x"))
+    fake.vllm_config.load_config = SimpleNamespace(load_format="marlin_prepacked")
+    _patch("WeightCacheDaemon.get_model").make(lambda self: "model")(fake)
+    line = next(m for m in marlin_log if "filled its model" in m)
+    began = float(line.split("the fill began ")[1].split(" s after the daemon process began its run")[0])
+    assert began >= 0.05
+
+
 # --- a daemon -> IPC round trip on real vLLM layers -----------------------------------------
 
 ROUND_TRIPS = {

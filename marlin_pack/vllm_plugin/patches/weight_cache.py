@@ -156,16 +156,11 @@ def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], n
         # freezes), and full collections during the construction would walk every object of the imports.
         freeze_gc_heap()
         t0 = time.perf_counter()
-        from marlin_pack.vllm_plugin import prewarm
-
         try:
-            model = original(self)  # the loader waits for the warm-up (prewarm.wait) before vLLM builds the model
+            model = original(self)
         except Exception as e:
             _log_hint(e)
             raise
-        finally:
-            prewarm.wait()  # (when the loader did not: it failed before, or is not marlin-pack's)
-            prewarm.discard_helpers()
         logger.info(
             "marlin-pack: %s filled its model in %.2f s (load format %s)%s",
             role,
@@ -208,11 +203,6 @@ def run_daemon(*args: Any, **kwargs: Any) -> Any:
         "AWQ/GPTQ Marlin layers accept pre-processed weights)",
         os.getpid(),
     )
-    local_rank = args[1] if len(args) > 1 else kwargs.get("local_rank")
-    if vllm_config is not None and isinstance(local_rank, int):
-        from marlin_pack.vllm_plugin import prewarm
-
-        prewarm.start(vllm_config, local_rank)  # beside vLLM building the daemon, until its fill begins
     return target(*args, **kwargs)
 
 
