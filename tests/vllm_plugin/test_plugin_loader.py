@@ -226,6 +226,40 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
     assert loader._timings.beside is during_build and loader._timings.copy_bytes == sum(t.nbytes for t in reference.values())
 
 
+def test_stub_placeholders_are_left_to_finishing(make_bundle: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Placeholders the bundle does not replace (symmetric GPTQ's qzeros) stay memory-less stubs through
+    load_weights: finishing replaces them (int32[0]) without their ever being allocated and filled. A stub
+    finishing keeps is given memory there, with the value its factory would have written."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from marlin_pack.vllm_plugin.engine import quantized_layers
+    from marlin_pack.vllm_plugin.patches import placeholders
+
+    model_dir = make_bundle("gptq", "tiny")
+    reference = vr.reference_rank_tensors(model_dir, 1, 0, torch.float16)
+    fake_create_model(monkeypatch, model_dir)
+    vllm_config, model_config = fake_engine(model_dir, quantization_of("gptq"), monkeypatch)
+    loader = make_loader(io_threads=2, chunk_mb=1)
+    materialized: list[int] = []
+    materialize = placeholders.materialize_stubs
+    monkeypatch.setattr(placeholders, "materialize_stubs", lambda m: materialized.append(materialize(m)) or materialized[-1])
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+        loader.load_weights(model, model_config)  # type: ignore[arg-type]
+        layers = quantized_layers(model)
+        assert layers and all(is_stub(m.qzeros) for m in layers.values())  # never allocated
+        kept = next(iter(layers.values()))
+        kept.register_buffer("kept_stub", torch.ones(1, dtype=torch.int32).expand(3, 5))  # finishing does not set it
+        process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
+    assert sum(materialized) == 1 and len(materialized) == len(layers)  # only the one finishing kept
+    assert not is_stub(kept.kept_stub) and kept.kept_stub.is_contiguous()
+    assert torch.equal(kept.kept_stub, torch.ones(3, 5, dtype=torch.int32))
+    got = {f"{n}.{p}": t for n, m in layers.items() for p, t in m.named_parameters(recurse=False)}
+    assert all(got[n].numel() == 0 for n in got if n.endswith(".qzeros"))
+    for name, want in reference.items():
+        assert torch.equal(got[name].detach(), want), name
+
+
 def test_own_share_after_build_waits_for_the_construction(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``io_own_share: after_build``: the copy's gate (the reader's ``own_after``) is shut while vLLM builds
     the model and opened as soon as it is built; the default has no gate."""

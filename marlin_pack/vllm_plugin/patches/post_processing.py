@@ -6,7 +6,8 @@ vLLM 0.33.0 allows only for quant methods declaring ``supports_pre_processed_wei
 One wrapper of ``process_weights_after_loading`` per quant method takes its decisions in
 order:
 
-1. the layer carries the prepacked mark: consume it, finish the layer;
+1. the layer carries the prepacked mark: consume it, finish the layer, give memory to the stub
+   placeholders (see ``placeholders.py``) finishing kept;
 2. the weight cache handed over final tensors: check the kernel and layout, finish the layer;
 3. otherwise: vLLM's own post-processing.
 
@@ -96,7 +97,10 @@ def _process_weights_after_loading(original: Callable[[Any, nn.Module], None]) -
         from marlin_pack.vllm_plugin.engine import check_marlin_layout, finish_marlin_layer
 
         if take_prepacked_mark(layer):
+            from marlin_pack.vllm_plugin.patches.placeholders import materialize_stubs
+
             finish_marlin_layer(self, layer)
+            materialize_stubs(layer)  # stub placeholders the bundle did not replace and finishing kept
         elif is_weights_pre_processed():
             if not supports_pre_processed(self, layer):  # vLLM checks the flag first; keep the promise anyway
                 raise RuntimeError(f"{type(getattr(self, 'kernel', None)).__name__} cannot use pre-processed weights")
