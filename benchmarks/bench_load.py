@@ -26,6 +26,13 @@ engine and daemon process (and its children) with ``py-spy record`` (the binary 
 ``DIR`` and prints where the stacks under the loader spent their samples: for the daemon's fill,
 which ``--profile`` does not reach.
 
+The daemon's line also says how long after its run began the fill started (what vLLM's daemon
+initialisation took), and how long after launch the daemon listened. Start-up figures move by
+0.1-0.3 s from one engine to the next on that machine: ``--rounds N`` runs every prepacked and
+daemon configuration N times, interleaved, and prints each one's median and best. ``--keep`` then
+``--reuse`` (same machine) skip the generation and the conversion; ``--io none`` starts no
+prepacked engine.
+
 ``--preset qwen3-30b-a3b`` is a mixture-of-experts model shaped like Qwen3-30B-A3B (48 layers of
 128 experts, 8 active; about 17 GB at 4 bits; ``marlin_pack.testing.synthetic_moe``), e.g.
 
@@ -47,6 +54,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -301,6 +309,19 @@ def _warm(paths: list[Path]) -> float:
     return n / 1e9
 
 
+def _per_config(rows: dict) -> dict[str, list[float]]:
+    """Each configuration's figures over the rounds ("prepacked {io} #k" -> "prepacked {io}"): engines'
+    Model loading took, daemons' fill."""
+    out: dict[str, list[float]] = {}
+    for key, value in rows.items():
+        base = re.sub(r" #\d+$", "", key)
+        if isinstance(value, dict) and value.get("model_loading_s") is not None and base.startswith("prepacked"):
+            out.setdefault(base, []).append(value["model_loading_s"])
+        elif key.startswith("fill_s ") and value is not None:
+            out.setdefault("daemon fill " + base[len("fill_s "):], []).append(value)
+    return out
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
@@ -320,6 +341,8 @@ def main() -> None:
     ap.add_argument("--no-ordinary", action="store_true", help="skip the ordinary engine")
     ap.add_argument("--profile", action="store_true", help="cProfile the prepacked and 2nd attach load_model")
     ap.add_argument("--ablate", default="", help="patch modules (e.g. construct,cache_key) a 3rd attach engine runs without")
+    ap.add_argument("--rounds", type=int, default=1, help="run every prepacked and daemon configuration this many times, "
+                    "interleaved, and print each one's median and best")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and bundles (disk!)")
     ap.add_argument("--reuse", action="store_true", help="use a checkpoint and bundle an earlier --keep run left (no convert row)")
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
@@ -382,24 +405,27 @@ def main() -> None:
         rows: dict = {"convert_s": conv_s, "disk_write_s": bundle_gb / disk}
         if not args.no_ordinary:
             rows["ordinary"] = _engine(model, "ordinary", args.attention_backend)
-        for i, io in enumerate(args.io.split(";") if args.io != "none" else []):
-            extra = {**json.loads(io), "bundle": str(bundle)}
-            try:
-                rows[f"prepacked {io}"] = _engine(model, "prepacked", args.attention_backend, extra,
-                                                  profile=args.profile and i == 0)
-            except SystemExit as e:  # one loader configuration failing should not end the sitting
-                print(f"prepacked {io}: {e}", flush=True)
-        if fmt in args.daemon.split(","):
-            *others, last = args.daemon_io.split(";")
-            for io in others:
-                r = _daemon_rows(model, bundle, args.attention_backend, False, args.workdir, io=io, attach=False)
-                rows[f"fill_s {io}"] = r["fill_s"]
-                rows[f"ready_s {io}"] = r["ready_s"]
-                rows.setdefault("daemon_log", []).extend(r["daemon_log"])
-            r = _daemon_rows(model, bundle, args.attention_backend, args.profile, args.workdir, args.ablate, last)
-            rows["daemon_log"] = rows.get("daemon_log", []) + r.pop("daemon_log")
-            rows.update(r)
-            rows["fill_io"] = last
+        engine_ios = args.io.split(";") if args.io != "none" else []
+        daemon_ios = args.daemon_io.split(";") if fmt in args.daemon.split(",") else []
+        # Rounds interleave the configurations (A B A B ...), so that a drift of the machine is spread
+        # over all of them; the summary below gives each one's median and best.
+        for k in range(args.rounds):
+            tag = f" #{k + 1}" if args.rounds > 1 else ""
+            for i, io in enumerate(engine_ios):
+                extra = {**json.loads(io), "bundle": str(bundle)}
+                try:
+                    rows[f"prepacked {io}{tag}"] = _engine(model, "prepacked", args.attention_backend, extra,
+                                                           profile=args.profile and i == 0 and k == 0)
+                except SystemExit as e:  # one loader configuration failing should not end the sitting
+                    print(f"prepacked {io}: {e}", flush=True)
+            for j, io in enumerate(daemon_ios):
+                attach = k == args.rounds - 1 and j == len(daemon_ios) - 1  # the attaches: the very last daemon
+                r = _daemon_rows(model, bundle, args.attention_backend, args.profile and attach, args.workdir,
+                                 args.ablate if attach else "", io=io, attach=attach)
+                rows[f"fill_s {io}{tag}"] = r.pop("fill_s")
+                rows[f"ready_s {io}{tag}"] = r.pop("ready_s")
+                rows.setdefault("daemon_log", []).extend(r.pop("daemon_log"))
+                rows.update(r)
         report.append((fmt, rows))
         print(json.dumps({"format": fmt, **{k: v for k, v in rows.items()}}, indent=1, default=str)[:20000], flush=True)
         if not args.keep:
@@ -421,9 +447,6 @@ def main() -> None:
             if key.startswith("fill_s ") and value is not None:
                 io = key[len("fill_s "):]
                 print(f"{fmt:6} {'daemon fill ' + io:40} {value:20.2f}   (listening {rows[f'ready_s {io}']:.2f} s after launch)")
-        if rows.get("fill_s") is not None:
-            print(f"{fmt:6} {'daemon fill ' + rows.get('fill_io', ''):40} {rows['fill_s']:20.2f}   "
-                  f"(listening {rows['ready_s']:.2f} s after launch)")
         for key, r in rows.items():
             if not isinstance(r, dict) or "model_loading_s" not in r:
                 continue
@@ -436,6 +459,10 @@ def main() -> None:
                 print(f"         {line}{share}")
         for line in rows.get("daemon_log", []):
             print(f"  daemon {line}")
+        if args.rounds > 1:
+            for label, values in _per_config(rows).items():
+                print(f"{fmt:6} {label:40} median {statistics.median(values):.2f} s, best {min(values):.2f} s "
+                      f"of {len(values)}: {' '.join(f'{v:.2f}' for v in values)}")
     if args.profile:
         for fmt, rows in report:
             for key, r in rows.items():
