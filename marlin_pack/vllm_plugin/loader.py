@@ -56,8 +56,9 @@ from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
-from marlin_pack.vllm_plugin.patches.placeholders import materialize_stubs, stub_quantized_placeholders
+from marlin_pack.vllm_plugin.patches.placeholders import stub_quantized_placeholders
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
+from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
 __all__ = ["MarlinPrepackedLoader", "uses_helpers"]
 

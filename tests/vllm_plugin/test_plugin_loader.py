@@ -233,7 +233,7 @@ def test_stub_placeholders_are_left_to_finishing(make_bundle: Any, monkeypatch: 
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     from marlin_pack.vllm_plugin.engine import quantized_layers
-    from marlin_pack.vllm_plugin.patches import placeholders
+    from marlin_pack.vllm_plugin.patches import post_processing
 
     model_dir = make_bundle("gptq", "tiny")
     reference = vr.reference_rank_tensors(model_dir, 1, 0, torch.float16)
@@ -241,8 +241,8 @@ def test_stub_placeholders_are_left_to_finishing(make_bundle: Any, monkeypatch: 
     vllm_config, model_config = fake_engine(model_dir, quantization_of("gptq"), monkeypatch)
     loader = make_loader(io_threads=2, chunk_mb=1)
     materialized: list[int] = []
-    materialize = placeholders.materialize_stubs
-    monkeypatch.setattr(placeholders, "materialize_stubs", lambda m: materialized.append(materialize(m)) or materialized[-1])
+    materialize = post_processing.materialize_stubs
+    monkeypatch.setattr(post_processing, "materialize_stubs", lambda m: materialized.append(materialize(m)) or materialized[-1])
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
         loader.load_weights(model, model_config)  # type: ignore[arg-type]

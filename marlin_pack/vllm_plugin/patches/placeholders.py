@@ -12,8 +12,9 @@ into it *before* vLLM builds the model, and the copy runs beside the constructio
 Why not ``meta``: a parameter's ``.data`` cannot be rebound from a meta tensor to a device
 tensor (``set_data``: incompatible tensor type), and the loader keeps vLLM's parameter objects
 (their classes and loader attributes), as vLLM's own ``replace_parameter`` does. A stub holds
-the value its factory would have written (``zeros``: 0), so :func:`materialize_stubs` turns one
-the bundle does not replace into an ordinary tensor with the same contents as vLLM's.
+the value its factory would have written (``zeros``: 0), so
+:func:`~marlin_pack.vllm_plugin.stubs.materialize_stubs` turns one that outlives finishing into an
+ordinary tensor with the same contents as vLLM's.
 
 compressed-tensors' linear method also records its layer here (see
 :func:`~marlin_pack.vllm_plugin.patches.post_processing.supports_pre_processed`): one patch per
@@ -35,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from marlin_pack.vllm_plugin.patches.post_processing import LAYER_REF, QUANT_METHODS
 from marlin_pack.vllm_plugin.patches.registry import Patch
+from marlin_pack.vllm_plugin.stubs import is_stub, materialize_stubs
 
 __all__ = ["PATCHES", "is_stub", "materialize_stubs", "stub_quantized_placeholders"]
 
@@ -68,24 +70,6 @@ class _StubFactories(TorchFunctionMode):
         one = {k: v for k, v in kwargs.items() if k not in ("size", "memory_format")}
         one["dtype"] = shape_of.dtype
         return func(1, **one).expand(shape_of.shape)  # on kwargs' device, else the default one
-
-
-def is_stub(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a broadcast placeholder (several elements sharing storage) rather than memory of its own."""
-    return t.numel() > 1 and t.untyped_storage().nbytes() < t.numel() * t.element_size()
-
-
-def materialize_stubs(module: nn.Module) -> int:
-    """Give every stub parameter or buffer of ``module`` (not its children) memory of its own, same contents.
-
-    Returns how many were materialized.
-    """
-    count = 0
-    for t in [*module._parameters.values(), *module._buffers.values()]:
-        if isinstance(t, torch.Tensor) and is_stub(t):
-            t.data = t.data.contiguous()
-            count += 1
-    return count
 
 
 def _create_weights(record: bool) -> Callable[[Callable[..., None]], Callable[..., None]]:

@@ -7,7 +7,7 @@ One wrapper of ``process_weights_after_loading`` per quant method takes its deci
 order:
 
 1. the layer carries the prepacked mark: consume it, finish the layer, give memory to the stub
-   placeholders (see ``placeholders.py``) finishing kept;
+   placeholders (see ``stubs.py``) finishing kept;
 2. the weight cache handed over final tensors: check the kernel and layout, finish the layer;
 3. otherwise: vLLM's own post-processing.
 
@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from marlin_pack.vllm_plugin.patches.registry import Patch, is_replacement
+from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
 __all__ = [
     "LAYER_REF",
@@ -97,8 +98,6 @@ def _process_weights_after_loading(original: Callable[[Any, nn.Module], None]) -
         from marlin_pack.vllm_plugin.engine import check_marlin_layout, finish_marlin_layer
 
         if take_prepacked_mark(layer):
-            from marlin_pack.vllm_plugin.patches.placeholders import materialize_stubs
-
             finish_marlin_layer(self, layer)
             materialize_stubs(layer)  # stub placeholders the bundle did not replace and finishing kept
         elif is_weights_pre_processed():
