@@ -347,7 +347,8 @@ def test_stub_placeholders_change_nothing_but_memory(patched: Any, checkpoint: A
     not experts layers, not embeddings, norms or rotary caches), and materialized they are ordinary tensors."""
     from vllm.model_executor.layers.linear import LinearBase
 
-    from marlin_pack.vllm_plugin.patches.placeholders import is_stub, materialize_stubs, stub_quantized_placeholders
+    from marlin_pack.vllm_plugin.patches.placeholders import stub_quantized_placeholders
+    from marlin_pack.vllm_plugin.stubs import is_stub, materialize_stubs
 
     model_dir = checkpoint(case)
     stock = _build(model_dir, "marlin_prepacked", device="cpu")

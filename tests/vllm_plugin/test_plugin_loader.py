@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from marlin_pack.errors import LoadRefusedError
 from marlin_pack.vllm_plugin import LOAD_FORMAT
 from marlin_pack.vllm_plugin.layer_check import LayerFacts
-from marlin_pack.vllm_plugin.patches.placeholders import is_stub
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked
+from marlin_pack.vllm_plugin.stubs import is_stub
 
 vr = pytest.importorskip("vllm_reference")
 

@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marlin_pack.vllm_plugin.patches.placeholders import (
-    PATCHES,
-    _StubFactories,
-    is_stub,
-    materialize_stubs,
-    stub_quantized_placeholders,
-)
+from marlin_pack.vllm_plugin.patches.placeholders import PATCHES, _StubFactories, stub_quantized_placeholders
 from marlin_pack.vllm_plugin.patches.post_processing import LAYER_REF, QUANT_METHODS
+from marlin_pack.vllm_plugin.stubs import is_stub, materialize_stubs
 
 
 def test_stub_factories_keep_shape_dtype_device_and_value_without_memory() -> None:

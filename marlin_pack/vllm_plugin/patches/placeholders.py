@@ -36,9 +36,8 @@ from torch.overrides import TorchFunctionMode
 
 from marlin_pack.vllm_plugin.patches.post_processing import LAYER_REF, QUANT_METHODS
 from marlin_pack.vllm_plugin.patches.registry import Patch
-from marlin_pack.vllm_plugin.stubs import is_stub, materialize_stubs
 
-__all__ = ["PATCHES", "is_stub", "materialize_stubs", "stub_quantized_placeholders"]
+__all__ = ["PATCHES", "stub_quantized_placeholders"]
 
 _STUBS: contextvars.ContextVar[bool] = contextvars.ContextVar("marlin_pack_stub_placeholders", default=False)
 _CT_METHOD = QUANT_METHODS[2]
