@@ -30,7 +30,7 @@ The daemon's line also says how long after its run began the fill started (what 
 initialisation took), and how long after launch the daemon listened. Start-up figures move by
 0.1-0.3 s from one engine to the next on that machine: ``--rounds N`` runs every prepacked and
 daemon configuration N times, interleaved, and prints each one's median and best. ``--keep`` then
-``--reuse`` (same machine) skip the generation and the conversion; ``--io none`` starts no
+``--reuse`` (same machine) skip the generation and the conversion, and leave what they reuse in place; ``--io none`` starts no
 prepacked engine.
 
 ``--preset qwen3-30b-a3b`` is a mixture-of-experts model shaped like Qwen3-30B-A3B (48 layers of
@@ -375,6 +375,8 @@ def main() -> None:
         model = args.workdir / f"{args.preset}-{fmt}"
         bundle = (args.bundle_root / model.name) if args.bundle_root else model / "marlin-pack"
         reused = args.reuse and (bundle / "manifest.json").is_file() and model.is_dir()
+        if args.reuse and not reused:
+            print(f"{fmt}: --reuse found no kept checkpoint {model} with a bundle {bundle}: generating", flush=True)
         if reused:  # a kept checkpoint and bundle of an earlier run (--keep): no generation, no convert row
             from marlin_pack.bundle.reader import read_manifest
 
@@ -428,7 +430,7 @@ def main() -> None:
                 rows.update(r)
         report.append((fmt, rows))
         print(json.dumps({"format": fmt, **{k: v for k, v in rows.items()}}, indent=1, default=str)[:20000], flush=True)
-        if not args.keep:
+        if not (args.keep or reused):  # what an earlier --keep run left stays for the next --reuse
             shutil.rmtree(model)
             shutil.rmtree(bundle, ignore_errors=True)
 
