@@ -121,7 +121,7 @@ def release(params: Sequence[nn.Parameter]) -> None:
 class BackgroundCopy:
     """Reads file ranges into tensors on a thread of its own, from construction until :meth:`join`.
 
-    ``make_reader`` is called on that thread; ``on_done`` runs there once the copy has ended
+    ``make_reader`` is called on that thread (one reader for every file); ``on_done`` runs there once the copy has ended
     (done or failed). The items, and so their destinations, are referenced until then: the
     memory cannot be freed under the copy. ``gate``, an event part of the copy may wait for
     (the reader's ``own_after``), is set by :meth:`join` and :meth:`abandon` at the latest, so
@@ -135,14 +135,17 @@ class BackgroundCopy:
         items: list[CopyItem],
         on_done: Callable[[], None] | None = None,
         gate: threading.Event | None = None,
+        then: Sequence[tuple[str | Path, list[CopyItem]]] = (),
     ) -> None:
+        """Copy ``items`` of ``path``, then each ``(path, items)`` of ``then`` with the same reader."""
         self.bytes = 0
         self.seconds = 0.0
         self.modes_used: set[str] = set()
         self._error: BaseException | None = None
-        self._path, self._items, self._make_reader, self._on_done = path, items, make_reader, on_done
+        self._jobs = [(path, items), *then]
+        self._make_reader, self._on_done = make_reader, on_done
         self.gate = gate
-        devices = {it.dst.device for it in items}
+        devices = {it.dst.device for _, job in self._jobs for it in job}
         self._device = devices.pop() if len(devices) == 1 else None
         self._thread = threading.Thread(target=self._run, name="marlin-pack-arena-copy")
         self._thread.start()
@@ -153,13 +156,14 @@ class BackgroundCopy:
             if self._device is not None and self._device.type == "cuda":
                 torch.cuda.set_device(self._device)  # the current device is per thread (a TP rank's is not cuda:0)
             with self._make_reader() as reader:
-                self.bytes = reader.copy(self._path, self._items)
+                for path, items in self._jobs:
+                    self.bytes += reader.copy(path, items)
                 self.modes_used = set(reader.modes_used)
         except BaseException as e:  # noqa: BLE001 - handed to join()
             self._error = e
         finally:
             self.seconds = time.perf_counter() - t0
-            self._items = []
+            self._jobs = []
             if self._on_done is not None:
                 try:
                     self._on_done()

@@ -49,6 +49,7 @@ from marlin_pack.errors import BundleError, MismatchField
 from marlin_pack.io.safetensors_io import TensorInfo
 from marlin_pack.vllm_plugin import patches
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
+from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, plain_copy_target
 from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
@@ -62,10 +63,9 @@ from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
 __all__ = ["MarlinPrepackedLoader", "uses_helpers"]
 
-# Common tensors from this size on are read with the parallel reader (see _common_weights).
+# Common tensors from this size on are read with the parallel reader (see _common_weights), and copied
+# beside the construction with common_during_build (common_prefill).
 _LARGE_COMMON = 16 << 20
-# vLLM weight loaders that, given a tensor of the parameter's own shape at TP=1, only copy it.
-_PLAIN_COPY_LOADERS = frozenset({"default_weight_loader", "VocabParallelEmbedding.weight_loader"})
 
 # io_mode auto starts copy helpers only with this many usable cores (4 helpers x 4 threads measured best on 16).
 _HELPER_MIN_CORES = 8
@@ -116,6 +116,7 @@ class _ArenaFill:
     layout: ArenaLayout
     arena: torch.Tensor
     copy: BackgroundCopy
+    common: CommonPrefill | None = None  # common_during_build: the large common tensors, copied after the rank file
 
 
 @dataclass
@@ -139,6 +140,7 @@ class _Timings:
     modes: str = "-"  # the reader modes the copy used
     helpers_ready: float | None = None  # seconds from the helpers' start until the copy found them ready
     common: float = 0.0
+    common_beside: int | None = None  # common_during_build: the checkpoint names loaded by the copy beside the construction
     post: float = 0.0
 
     @property
@@ -151,6 +153,10 @@ class _Timings:
             text += f", helpers ready after {self.helpers_ready:.2f} s"
         return f"{text} beside create and common, waited {self.wait:.2f} s" if self.beside else text
 
+    def common_text(self) -> str:
+        beside = "" if self.common_beside is None else f" ({self.common_beside} of its names copied beside the construction)"
+        return f"load common {self.common:.2f} s{beside}"
+
     def create_text(self) -> str:
         arena = f" (arena {self.arena:.2f} s)" if self.beside else ""
         return f"create {self.create:.2f} s{arena}, place {self.place:.2f} s"
@@ -160,7 +166,7 @@ class _Timings:
         total = self.validate + self.create + self.place + serial + self.common + self.post
         return (
             f"marlin-pack: validate {self.validate:.2f} s, {self.create_text()}, {self.copy_text()}, "
-            f"load common {self.common:.2f} s, post-process {self.post:.2f} s, total {total:.2f} s "
+            f"{self.common_text()}, post-process {self.post:.2f} s, total {total:.2f} s "
             f"({layers} prepacked layers, tp {bundle.tp_set.tp_size} rank {bundle.rank}, "
             f"bundle {bundle.bundle_dir})"
         )
@@ -276,7 +282,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
     ) -> nn.Module:
         fill = self._start_fill(bundle, helpers)
         try:
-            with stub_quantized_placeholders(fill is not None):
+            with stub_quantized_placeholders(fill is not None, embeddings=fill is not None and fill.common is not None):
                 model = super().create_model(vllm_config, model_config, prefix)
             if fill is not None and fill.copy.gate is not None:
                 fill.copy.gate.set()  # built: the engine's process may copy its share now (io_own_share after_build)
@@ -339,6 +345,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             return None
         t0 = time.perf_counter()
         arena = layout.allocate()
+        common = CommonPrefill.allocate(bundle, _LARGE_COMMON) if self.options.common_during_build else None
         self._timings.arena = time.perf_counter() - t0
         built = threading.Event() if self.options.io_own_share == "after_build" else None
         copy = BackgroundCopy(
@@ -349,8 +356,9 @@ class MarlinPrepackedLoader(BaseModelLoader):
             # (unless they copy the common tensors next: then once those are copied).
             on_done=None if helpers is None or self.options.io_common_by_helpers else (lambda: helpers.close(wait=False)),
             gate=built,
+            then=[] if common is None else [(bundle.common_file, common.copy_items())],
         )
-        return _ArenaFill(layout, arena, copy)
+        return _ArenaFill(layout, arena, copy, common)
 
     def _reader(
         self, helpers: HelperPool | None, mode: str | None = None, own_after: threading.Event | None = None
@@ -411,6 +419,10 @@ class MarlinPrepackedLoader(BaseModelLoader):
                         helpers.close(wait=False)  # they exit while the common tensors load (which this process reads)
                 else:
                     layout.bind(params, fill.arena)
+                prefilled: set[str] = set()
+                if fill is not None and fill.common is not None:
+                    prefilled = self._bind_common(fill.common, bundle, model, state)
+                    self._timings.common_beside = len(prefilled)
                 for layer in state.layers.values():
                     # Placeholders the bundle does not replace stay stubs: finishing sets them (GPTQ's qzeros
                     # become int32[0]) and gives memory to any it keeps (70B GPTQ: 267 MB in 320 tensors no
@@ -419,7 +431,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 t1 = time.perf_counter()
                 device = next(next(iter(state.layers.values())).parameters()).device
                 with HostMap(bundle.common_file) as host:
-                    model.load_weights(self._common_weights(reader, host, bundle, model, device))
+                    model.load_weights(self._common_weights(reader, host, bundle, model, device, skip=prefilled))
                 t2 = time.perf_counter()
         finally:
             if fill is not None:
@@ -427,13 +439,14 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 self._timings.copy, self._timings.copy_bytes = fill.copy.seconds, fill.copy.bytes
                 self._timings.beside, self._timings.wait = True, waited
                 self._timings.modes = "/".join(sorted(fill.copy.modes_used)) or "-"
+                fill.common = None  # the copies no parameter was pointed at go
             if helpers is not None:
                 self._timings.helpers_ready = helpers.ready_after
         self._timings.place = t1 - t0 - (0.0 if fill is not None else self._timings.copy)
         self._timings.common = t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
         logger.info(
-            "marlin-pack: placed %d tensors from %s for tp %d rank %d: %s, %s, io_mode %s, load common %.2f s",
+            "marlin-pack: placed %d tensors from %s for tp %d rank %d: %s, %s, io_mode %s, %s",
             len(params),
             bundle.rank_file,
             bundle.tp_set.tp_size,
@@ -441,12 +454,26 @@ class MarlinPrepackedLoader(BaseModelLoader):
             self._timings.create_text(),
             self._timings.copy_text(),
             self._timings.modes,
-            self._timings.common,
+            self._timings.common_text(),
         )
 
     @staticmethod
+    def _bind_common(common: CommonPrefill, bundle: SelectedBundle, model: nn.Module, state: _ModelState) -> set[str]:
+        """Point the parameters of the common tensors copied beside the construction at their copies; give
+        memory to the other stubs outside the quantized layers (vLLM's loaders write into them). Returns
+        the checkpoint names so loaded."""
+        aliases = alias_names(bundle)
+        names = [n for name in bundle.common_header.tensors for n in (name, *aliases.get(name, ()))]
+        done = common.bind(dict(model.named_parameters(remove_duplicate=False)), names)
+        quantized = {id(m) for m in state.layers.values()}  # their stubs are left to finishing
+        left = sum(materialize_stubs(m) for m in model.modules() if id(m) not in quantized)
+        logger.debug("marlin-pack: %d common names copied beside the construction, %d stubs given memory", len(done), left)
+        return done
+
+    @staticmethod
     def _common_weights(
-        reader: ParallelReader, host: HostMap, bundle: SelectedBundle, model: nn.Module, device: torch.device
+        reader: ParallelReader, host: HostMap, bundle: SelectedBundle, model: nn.Module, device: torch.device,
+        skip: frozenset[str] | set[str] = frozenset(),
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``common.safetensors`` in file order, for the model's ``load_weights``.
 
@@ -455,10 +482,11 @@ class MarlinPrepackedLoader(BaseModelLoader):
         (:func:`_direct_target`), and not yielded; other large tensors are staged on the GPU
         at TP=1. Everything else is yielded as CPU views of the file map for vLLM's weight
         loaders to narrow (TP shards) and copy. The direct copies run first, as one batch. A tensor stored once for several checkpoint
-        names (``common_aliases``) goes to each of them, as the checkpoint's loader would.
+        names (``common_aliases``) goes to each of them, as the checkpoint's loader would. Names in ``skip``
+        are loaded already (:meth:`_bind_common`).
         """
         ordered = sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start)
-        copies = _alias_names(bundle)
+        copies = alias_names(bundle)
         whole = device.type == "cuda" and bundle.tp_set.tp_size == 1  # each rank uses whole tensors
         params = dict(model.named_parameters(remove_duplicate=False)) if whole else {}
 
@@ -477,7 +505,10 @@ class MarlinPrepackedLoader(BaseModelLoader):
         done: set[str] = set()
         filled: set[int] = set()  # a later tensor into a destination already in the batch waits (file order)
         for name, info in ordered:
-            targets = direct_targets([name, *copies.get(name, ())], info)
+            names = [n for n in (name, *copies.get(name, ())) if n not in skip]
+            if not names:
+                continue
+            targets = direct_targets(names, info)
             if targets is not None and filled.isdisjoint(targets):
                 batch += [CopyItem(info.start, info.nbytes, t.data) for t in targets.values()]
                 filled |= targets.keys()
@@ -487,7 +518,9 @@ class MarlinPrepackedLoader(BaseModelLoader):
         for name, info in ordered:
             if name in done:
                 continue
-            names = [name, *copies.get(name, ())]
+            names = [n for n in (name, *copies.get(name, ())) if n not in skip]
+            if not names:
+                continue
             targets = direct_targets(names, info)
             if targets is not None:
                 reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t.data) for t in targets.values()])
@@ -531,19 +564,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
         return model.eval()
 
 
-def _alias_names(bundle: SelectedBundle) -> dict[str, list[str]]:
-    """Common tensor name -> the other checkpoint names stored as it (``common_aliases``)."""
-    copies: dict[str, list[str]] = {}
-    for alias, original in bundle.manifest.common_aliases.items():
-        copies.setdefault(original, []).append(alias)
-    return copies
-
-
 def _direct_target(param: nn.Parameter | None, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter | None:
-    """``param`` when copying a checkpoint tensor of ``shape``/``dtype`` into it is exactly what
-    its vLLM weight loader would do at TP=1 (same shape and dtype, a plain-copy loader), else None."""
-    if param is None or tuple(param.shape) != tuple(shape) or param.dtype != dtype or not param.data.is_contiguous():
-        return None
-    loader = getattr(param, "weight_loader", None)
-    name = "default_weight_loader" if loader is None else getattr(loader, "__qualname__", "")
-    return param if name in _PLAIN_COPY_LOADERS else None
+    """``param`` when copying a checkpoint tensor of ``shape``/``dtype`` into its memory is exactly what
+    its vLLM weight loader would do at TP=1 (:func:`~.common_prefill.plain_copy_target`, contiguous), else None."""
+    target = plain_copy_target(param, shape, dtype)
+    return target if target is not None and target.data.is_contiguous() else None

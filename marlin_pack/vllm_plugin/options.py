@@ -46,6 +46,10 @@ class LoaderOptions:
             builds the model (whose quantized placeholders then take no memory), so the copy
             runs beside the construction; ``false`` copies after it. Bundles with experts
             layers always copy after it.
+        common_during_build: with ``copy_during_build`` at TP=1, also copy the large common tensors
+            (embedding, output head) beside the construction, into tensors of their own that their
+            parameters are then pointed at (vLLM's embedding method makes no placeholders meanwhile),
+            instead of reading them once the model is built; default false.
         io_own_share: with helpers (``processes``), whether the engine's process copies a share of
             the rank file too: not at all (``none``, the default: the helpers copy everything;
             pages pinned in the engine's process slow its own work beside the copy, vLLM's
@@ -72,6 +76,7 @@ class LoaderOptions:
     io_mode: IoMode = "auto"
     io_processes: int | None = None
     copy_during_build: bool = True
+    common_during_build: bool = False
     io_own_share: OwnShare = "none"
     io_staged: int = 0
     io_defer_unregister: bool = False
@@ -84,8 +89,8 @@ class LoaderOptions:
 
 
 OPTION_KEYS = (
-    "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "io_own_share",
-    "io_staged", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
+    "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "common_during_build",
+    "io_own_share", "io_staged", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
 )
 
 
@@ -125,7 +130,7 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     if not isinstance(during_build, bool):
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
     flags = {}
-    for key in ("io_defer_unregister", "io_common_by_helpers"):
+    for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build"):
         flags[key] = extra.get(key, getattr(LoaderOptions, key))
         if not isinstance(flags[key], bool):
             raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")

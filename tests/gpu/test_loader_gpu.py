@@ -22,6 +22,7 @@ Run on the GPU machine::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -192,10 +193,13 @@ def _write(kind: str, out: Path) -> Path:
         return write_gptq_checkpoint(out, PRESETS["tiny"], bits=8)
     if kind == "awq4-padded":
         return write_awq_checkpoint(out, PRESETS["tiny-padded"], group_size=32)
+    if kind == "gptq4-vocab":  # embedding and head of 20.5 MB each: large common tensors (loader._LARGE_COMMON)
+        return write_gptq_checkpoint(out, dataclasses.replace(PRESETS["tiny"], vocab_size=40000))
     raise ValueError(kind)
 
 
 KINDS = ["awq4", "gptq4", "gptq8", "awq4-padded"]
+CHECKPOINTS = [*KINDS, "gptq4-vocab"]  # the last one only for the tests that name it
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +212,7 @@ def checkpoints(workdir: Path) -> dict[str, Path]:
     import marlin_pack
 
     out = {}
-    for kind in KINDS:
+    for kind in CHECKPOINTS:
         d = _write(kind, workdir / kind)
         marlin_pack.convert(d, tp_sizes=(1,), dtype="float16")
         out[kind] = d
@@ -280,6 +284,28 @@ def test_prepacked_io_modes_match_ordinary_loading(
     assert code == 0 and result is not None, log[-4000:]
     assert f"io_mode {io['io_mode']}," in log, log[-4000:]  # processes: no "processes/registered" (left windows)
     assert "copy helpers" not in log and "no copy helper started" not in log, log[-4000:]
+    check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked {io}")
+    assert_params_identical(reference["params"], result["params"])
+
+
+@pytest.mark.parametrize(
+    "io",
+    [{"common_during_build": True}, {"common_during_build": True, "io_mode": "processes", "io_processes": 2}],
+    ids=["auto", "processes"],
+)
+def test_common_tensors_copied_beside_the_construction_match_ordinary_loading(
+    workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], io: dict[str, Any]
+) -> None:
+    """``common_during_build``: the embedding and the head are copied beside vLLM's construction (into
+    tensors their parameters are then pointed at); the engine holds the same parameters, bit for bit."""
+    kind = "gptq4-vocab"
+    reference = ordinary(kind)
+    code, log, result = run_engine(
+        workdir / f"common-{io.get('io_mode', 'auto')}", checkpoints[kind], load_format="marlin_prepacked",
+        model_loader_extra_config=io,
+    )
+    assert code == 0 and result is not None, log[-4000:]
+    assert "(2 of its names copied beside the construction)" in log, log[-4000:]
     check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked {io}")
     assert_params_identical(reference["params"], result["params"])
 

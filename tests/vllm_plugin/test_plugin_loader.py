@@ -226,6 +226,86 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
     assert loader._timings.beside is during_build and loader._timings.copy_bytes == sum(t.nbytes for t in reference.values())
 
 
+@pytest.mark.parametrize("padded_vocab", [False, True])
+def test_common_tensors_copy_beside_the_construction(make_bundle: Any, monkeypatch: pytest.MonkeyPatch, padded_vocab: bool) -> None:
+    """``common_during_build``: the large common tensors are read by the rank file's background job, started
+    before vLLM builds the model, whose embedding and head (vLLM's own classes) are memory-less stubs meanwhile;
+    once built they point at those copies and are not fed to vLLM. A parameter of another shape (a padded
+    vocabulary) gets memory before vLLM's weight loader writes into it, and holds what that loader writes."""
+    import threading
+
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin import gpu_reader
+
+    monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1 << 10)  # the tiny model's embedding and head count as large
+    model_dir = make_bundle("gptq", "tiny")
+    common = load_file(str(model_dir / "marlin-pack" / "common.safetensors"))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    reads: list[tuple[str, str]] = []
+    copy = gpu_reader.ParallelReader.copy
+
+    def recorded_copy(self: Any, path: Any, items: Any) -> int:
+        reads.append((Path(path).name, threading.current_thread().name))
+        return copy(self, path, items)
+
+    monkeypatch.setattr(gpu_reader.ParallelReader, "copy", recorded_copy)
+    fake_create_model(monkeypatch, model_dir)
+    build = BaseModelLoader.create_model
+    during: dict[str, Any] = {}
+
+    def create_model(*args: Any, **kwargs: Any) -> Any:
+        model = build(*args, **kwargs)
+        padding = {"padding_size": vocab + 64} if padded_vocab else {}
+        model.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, **padding)
+        model.lm_head = ParallelLMHead(vocab, hidden)
+        during["stubs"] = {n for n, p in model.named_parameters() if is_stub(p)}
+        fed: list[str] = []
+        params = dict(model.named_parameters())
+
+        def load_weights(weights: Any) -> set[str]:  # vLLM's weight loaders for the model's own parameters
+            for name, t in weights:
+                fed.append(name)
+                if name in params:
+                    params[name].weight_loader(params[name], t)
+            return set(fed)
+
+        model.load_weights, model.fed = load_weights, fed
+        return model
+
+    monkeypatch.setattr(BaseModelLoader, "create_model", create_model)
+    vllm_config, model_config = fake_engine(model_dir, "auto_gptq", monkeypatch)
+    loader = make_loader(io_threads=2, chunk_mb=1, common_during_build=True)
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        from marlin_pack.vllm_plugin import patches
+
+        patches.install()  # the engine's worker has them: the embedding method's stubs
+        model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+        loader.load_weights(model, model_config)  # type: ignore[arg-type]
+        process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= during["stubs"]
+    background = [name for name, thread in reads if thread == "marlin-pack-arena-copy"]
+    assert background == ["rank-0.safetensors", "common.safetensors"]  # one job, the common tensors after the rank file
+    assert not [n for n, p in model.named_parameters() if is_stub(p)]
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    assert torch.equal(head, common["lm_head.weight"]) and "lm_head.weight" not in model.fed
+    if padded_vocab:  # vLLM's loader: the rows it has, zeros after them
+        assert embed.shape[0] > vocab and "model.embed_tokens.weight" in model.fed
+        assert torch.equal(embed[:vocab], common["model.embed_tokens.weight"]) and not embed[vocab:].any()
+    else:
+        assert torch.equal(embed, common["model.embed_tokens.weight"]) and "model.embed_tokens.weight" not in model.fed
+    assert set(model.fed) | {"lm_head.weight"} | (set() if padded_vocab else {"model.embed_tokens.weight"}) == set(common)
+    rank = load_file(str(model_dir / "marlin-pack" / "tp1" / "rank-0.safetensors"))
+    large = ("model.embed_tokens.weight", "lm_head.weight")
+    assert loader._timings.common_beside == (1 if padded_vocab else 2)
+    assert f"({loader._timings.common_beside} of its names copied beside the construction)" in loader._timings.common_text()
+    assert loader._timings.copy_bytes == sum(t.nbytes for t in rank.values()) + sum(common[n].nbytes for n in large)
+
+
 def test_stub_placeholders_are_left_to_finishing(make_bundle: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Placeholders the bundle does not replace (symmetric GPTQ's qzeros) stay memory-less stubs through
     load_weights: finishing replaces them (int32[0]) without their ever being allocated and filled. A stub

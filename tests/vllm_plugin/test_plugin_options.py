@@ -26,6 +26,8 @@ def test_parse_extra_config_defaults_and_values() -> None:
     assert (o.io_staged, o.io_defer_unregister, o.io_common_by_helpers) == (2, True, True)
     assert parse_extra_config({}).io_common_by_helpers is False
     assert parse_extra_config({}).io_helper_nice == 0
+    assert parse_extra_config({}).common_during_build is False
+    assert parse_extra_config({"common_during_build": True}).common_during_build is True
     assert parse_extra_config({"io_helper_nice": 19}).io_helper_nice == 19
 
 
@@ -45,6 +47,7 @@ def test_option_keys_are_the_options() -> None:
         ({"io_staged": 17}, r"\['io_staged'\] must be an integer in 0\.\.16"),
         ({"io_staged": True}, r"\['io_staged'\] must be an integer"),
         ({"io_defer_unregister": "no"}, r"\['io_defer_unregister'\] must be true or false"),
+        ({"common_during_build": "yes"}, r"\['common_during_build'\] must be true or false"),
         ({"io_common_by_helpers": 1}, r"\['io_common_by_helpers'\] must be true or false"),
         ({"io_helper_nice": 20}, r"\['io_helper_nice'\] must be an integer in 0\.\.19"),
         ({"io_helper_nice": -1}, r"\['io_helper_nice'\] must be an integer in 0\.\.19"),

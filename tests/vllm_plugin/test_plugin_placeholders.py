@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marlin_pack.vllm_plugin.patches.placeholders import PATCHES, _StubFactories, stub_quantized_placeholders
+from marlin_pack.vllm_plugin.patches.placeholders import EMBEDDING_METHOD, PATCHES, _StubFactories, stub_quantized_placeholders
 from marlin_pack.vllm_plugin.patches.post_processing import LAYER_REF, QUANT_METHODS
 from marlin_pack.vllm_plugin.stubs import is_stub, materialize_stubs
 
@@ -57,17 +57,27 @@ def _create_weights(self: object, layer: torch.nn.Module, *args: object, **kwarg
 
 @pytest.mark.parametrize("index", range(len(PATCHES)))
 def test_create_weights_makes_stubs_only_inside_the_context(index: int) -> None:
+    """The quant methods make stubs inside the context; vLLM's embedding method only when it asks for
+    embeddings too (the loader copies the common tensors beside the construction)."""
     patch = PATCHES[index]
+    embedding = patch.target.startswith(EMBEDDING_METHOD)
     wrapped = patch.make(_create_weights)
-    inside, disabled, outside = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+    inside, with_embeddings, disabled, outside = (torch.nn.Module() for _ in range(4))
     method = _Method()
     with stub_quantized_placeholders():
         wrapped(method, inside)
-        with stub_quantized_placeholders(False):
+        with stub_quantized_placeholders(False, embeddings=True):
             wrapped(method, disabled)
+    with stub_quantized_placeholders(embeddings=True):
+        wrapped(method, with_embeddings)
     wrapped(method, outside)
-    assert is_stub(inside.qweight) and inside.qweight.shape == (64, 128)
+    assert is_stub(inside.qweight) is not embedding and inside.qweight.shape == (64, 128)
+    assert is_stub(with_embeddings.qweight)
     assert not is_stub(disabled.qweight) and not is_stub(outside.qweight)
     # compressed-tensors' method also records its layer (for supports_pre_processed)
     recorded = method.__dict__.get(LAYER_REF)
     assert (recorded is not None and recorded() is outside) == patch.target.startswith(QUANT_METHODS[2])
+
+
+def test_the_embedding_method_is_patched() -> None:
+    assert [p.target for p in PATCHES if p.target.startswith(EMBEDDING_METHOD)] == [f"{EMBEDDING_METHOD}.create_weights"]

@@ -28,6 +28,7 @@ EXPECTED_TARGETS = {
     f"{_CT}.create_weights",
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod.create_weights",
     "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQLinearMethod.create_weights",
+    "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.create_weights",
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMoEMethod.process_weights_after_loading",
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMoEMethod.supports_pre_processed_weights",
     "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQMoEMethod.process_weights_after_loading",

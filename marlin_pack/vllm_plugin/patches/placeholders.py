@@ -16,6 +16,11 @@ the value its factory would have written (``zeros``: 0), so
 :func:`~marlin_pack.vllm_plugin.stubs.materialize_stubs` turns one that outlives finishing into an
 ordinary tensor with the same contents as vLLM's.
 
+With ``embeddings=True`` (the loader copies the bundle's large common tensors beside the construction,
+option ``common_during_build``) vLLM's unquantized embedding method, which builds the embedding and an
+untied output head, makes stubs too; the loader binds its copies to them, and gives memory to any it
+does not replace before vLLM's weight loaders write into them.
+
 compressed-tensors' linear method also records its layer here (see
 :func:`~marlin_pack.vllm_plugin.patches.post_processing.supports_pre_processed`): one patch per
 target, so that method's wrapper does both.
@@ -37,21 +42,26 @@ from torch.overrides import TorchFunctionMode
 from marlin_pack.vllm_plugin.patches.post_processing import LAYER_REF, QUANT_METHODS
 from marlin_pack.vllm_plugin.patches.registry import Patch
 
-__all__ = ["PATCHES", "stub_quantized_placeholders"]
+__all__ = ["EMBEDDING_METHOD", "PATCHES", "stub_quantized_placeholders"]
 
 _STUBS: contextvars.ContextVar[bool] = contextvars.ContextVar("marlin_pack_stub_placeholders", default=False)
+_STUB_EMBEDDINGS: contextvars.ContextVar[bool] = contextvars.ContextVar("marlin_pack_stub_embeddings", default=False)
+EMBEDDING_METHOD = "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod"
 _CT_METHOD = QUANT_METHODS[2]
 # The factories vLLM 0.33.0's linear methods and the WNA16 scheme create placeholders with.
 _FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones})
 
 
 @contextlib.contextmanager
-def stub_quantized_placeholders(enabled: bool = True) -> Iterator[None]:
-    """While active (and ``enabled``), the patched linear methods create stub placeholders."""
+def stub_quantized_placeholders(enabled: bool = True, embeddings: bool = False) -> Iterator[None]:
+    """While active (and ``enabled``), the patched linear methods create stub placeholders; with
+    ``embeddings`` also the unquantized embedding method (embedding, untied head)."""
     token = _STUBS.set(enabled)
+    token_embeddings = _STUB_EMBEDDINGS.set(enabled and embeddings)
     try:
         yield
     finally:
+        _STUB_EMBEDDINGS.reset(token_embeddings)
         _STUBS.reset(token)
 
 
@@ -71,13 +81,13 @@ class _StubFactories(TorchFunctionMode):
         return func(1, **one).expand(shape_of.shape)  # on kwargs' device, else the default one
 
 
-def _create_weights(record: bool) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def _create_weights(record: bool, active: contextvars.ContextVar[bool] = _STUBS) -> Callable[[Callable[..., None]], Callable[..., None]]:
     def make(original: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(original)
         def create_weights(self: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> None:
             if record:
                 self.__dict__[LAYER_REF] = weakref.ref(layer)
-            if not _STUBS.get():
+            if not active.get():
                 original(self, layer, *args, **kwargs)
                 return
             with _StubFactories():
@@ -96,4 +106,11 @@ PATCHES = tuple(
         "(as its ipc_cache loader builds on meta), and compressed-tensors' linear method knows its layer",
     )
     for target in QUANT_METHODS
+) + (
+    Patch(
+        f"{EMBEDDING_METHOD}.create_weights",
+        _create_weights(record=False, active=_STUB_EMBEDDINGS),
+        remove_when="vLLM can build a model for a pre-processed load without device placeholders "
+        "(as its ipc_cache loader builds on meta)",
+    ),
 )
