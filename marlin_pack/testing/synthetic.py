@@ -66,6 +66,8 @@ PRESETS: dict[str, ModelShape] = {
         hidden_size=320, intermediate_size=480, num_attention_heads=5, num_key_value_heads=1),
     "tiny-qwen2": ModelShape(model_type="qwen2"),  # q/k/v biases
     "tiny-qwen3": ModelShape(model_type="qwen3", head_dim=128),  # q/k norms; heads * head_dim != hidden
+    # An embedding and a head of 20.5 MB each in float16: "large" common tensors for the loader (16 MB on).
+    "tiny-vocab": ModelShape(vocab_size=40000),
     "llama-1gb": ModelShape(  # TinyLlama widths, 32 layers: 0.99 GB at 4-bit g128
         hidden_size=2048, intermediate_size=5632, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=4, vocab_size=32000),

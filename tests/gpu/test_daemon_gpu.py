@@ -72,7 +72,10 @@ ALL_MODELS = {  # name -> (format, preset, bits, group size)
     "ct4": ("ct", "tiny", 4, 128),  # compressed-tensors W4A16, symmetric (empty weight_zero_point)
     "ct4-asym": ("ct-asym", "tiny", 4, 64),  # compressed-tensors W4A16_ASYM: zero points
     "qwen3moe-gptq4": ("moe-gptq", "tiny-qwen3moe", 4, 128),  # mixture of experts (marlin_pack.testing.synthetic_moe)
+    "gptq4-vocab": ("gptq", "tiny-vocab", 4, 128),  # an embedding and a head large enough to copy beside the construction
 }
+# Daemon command-line arguments per model: the loader options its fill runs with.
+DAEMON_ARGS = {"gptq4-vocab": ("--model-loader-extra-config", json.dumps({"common_during_build": True}))}
 # The layers each engine reports (kernels, tensors); the first tensor of the second is poked through the mappings.
 MOE_EXPERTS = "model.layers.0.mlp.experts.routed_experts"
 LAYERS = {"qwen3moe-gptq4": ["model.layers.0.self_attn.qkv_proj", MOE_EXPERTS]}
@@ -167,7 +170,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         vllm_cli = plugin_installed()
         daemons = {
             name: cluster.daemon(
-                f"daemon-{name}", models[name], sdirs[name], vllm_cli=vllm_cli and name == "gptq8"
+                f"daemon-{name}", models[name], sdirs[name], *DAEMON_ARGS.get(name, ()), vllm_cli=vllm_cli and name == "gptq8"
             )
             for name in MODELS
         }
@@ -307,6 +310,8 @@ def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
         r"weight-cache target daemon rank 0 filled its model in [0-9.]+ s \(load format marlin_prepacked\)",
         log,
     )
+    if name in DAEMON_ARGS:  # common_during_build: the embedding and the head copied beside the construction
+        assert "(2 of its names copied beside the construction)" in log, proc.tail()
     if name == "gptq8" and run.vllm_cli_daemon:
         assert "marlin-pack: vllm preload" not in log  # plain `vllm preload`, not the launcher
     if name != "gptq8":

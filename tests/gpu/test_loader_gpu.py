@@ -22,7 +22,6 @@ Run on the GPU machine::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -194,7 +193,7 @@ def _write(kind: str, out: Path) -> Path:
     if kind == "awq4-padded":
         return write_awq_checkpoint(out, PRESETS["tiny-padded"], group_size=32)
     if kind == "gptq4-vocab":  # embedding and head of 20.5 MB each: large common tensors (loader._LARGE_COMMON)
-        return write_gptq_checkpoint(out, dataclasses.replace(PRESETS["tiny"], vocab_size=40000))
+        return write_gptq_checkpoint(out, PRESETS["tiny-vocab"])
     raise ValueError(kind)
 
 
