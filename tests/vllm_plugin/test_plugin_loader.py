@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -67,6 +68,19 @@ def fake_create_model(monkeypatch: pytest.MonkeyPatch, model: Path, tp_size: int
 
     monkeypatch.setattr(BaseModelLoader, "create_model", create_model)
     return seen
+
+
+def on_reader_copy(monkeypatch: pytest.MonkeyPatch, seen: Callable[[str], object]) -> None:
+    """Call ``seen(file name)`` as every ``ParallelReader.copy`` begins (on the reader's caller's thread)."""
+    from marlin_pack.vllm_plugin import gpu_reader
+
+    copy = gpu_reader.ParallelReader.copy
+
+    def seen_copy(self: Any, path: Any, items: Any) -> int:
+        seen(Path(path).name)
+        return copy(self, path, items)
+
+    monkeypatch.setattr(gpu_reader.ParallelReader, "copy", seen_copy)
 
 
 def make_loader(**extra: object) -> Any:
@@ -178,20 +192,12 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from marlin_pack.vllm_plugin import gpu_reader
     from marlin_pack.vllm_plugin.engine import quantized_layers
 
     model_dir = make_bundle(fmt, "tiny")
     reference = vr.reference_rank_tensors(model_dir, 1, 0, torch.float16)
     rank_copy_started = threading.Event()
-    copy = gpu_reader.ParallelReader.copy
-
-    def copy_and_tell(self: Any, path: Any, items: Any) -> int:
-        if Path(path).name == "rank-0.safetensors":
-            rank_copy_started.set()
-        return copy(self, path, items)
-
-    monkeypatch.setattr(gpu_reader.ParallelReader, "copy", copy_and_tell)
+    on_reader_copy(monkeypatch, lambda name: name == "rank-0.safetensors" and rank_copy_started.set())
     fake_create_model(monkeypatch, model_dir)
     build = BaseModelLoader.create_model
     during: dict[str, Any] = {}
@@ -239,7 +245,6 @@ def test_common_tensors_copy_beside_the_construction(make_bundle: Any, monkeypat
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     import marlin_pack.vllm_plugin.loader as loader_mod
-    from marlin_pack.vllm_plugin import gpu_reader
 
     monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1 << 10)  # the tiny model's embedding and head count as large
     model_dir = make_bundle("gptq", "tiny")
@@ -247,13 +252,7 @@ def test_common_tensors_copy_beside_the_construction(make_bundle: Any, monkeypat
     cfg = json.loads((model_dir / "config.json").read_text())
     vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
     reads: list[tuple[str, str]] = []
-    copy = gpu_reader.ParallelReader.copy
-
-    def recorded_copy(self: Any, path: Any, items: Any) -> int:
-        reads.append((Path(path).name, threading.current_thread().name))
-        return copy(self, path, items)
-
-    monkeypatch.setattr(gpu_reader.ParallelReader, "copy", recorded_copy)
+    on_reader_copy(monkeypatch, lambda name: reads.append((name, threading.current_thread().name)))
     fake_create_model(monkeypatch, model_dir)
     build = BaseModelLoader.create_model
     during: dict[str, Any] = {}
