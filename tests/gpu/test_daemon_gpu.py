@@ -191,8 +191,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         )
         engines: dict[tuple[str, str], Proc] = {}
         for name, model in models.items():
+            digests = name in DAEMON_ARGS  # every parameter compared (the embedding and the head too)
             engines[name, "ordinary"] = cluster.engine(
-                f"{name}-ordinary", model, linear_backend="marlin", layers=_layers(name), **_moe(name)
+                f"{name}-ordinary", model, linear_backend="marlin", layers=_layers(name), digests=digests, **_moe(name)
             )
             engines[name, "fallback"] = cluster.engine(
                 f"{name}-fallback",
@@ -206,6 +207,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
                     f"{name}-{start}",
                     model,
                     layers=_layers(name),
+                    digests=digests,
                     serve=True,
                     load_format="ipc_cache",
                     model_loader_extra_config=attach_config(sdirs[name]),
@@ -316,6 +318,18 @@ def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
         assert "marlin-pack: vllm preload" not in log  # plain `vllm preload`, not the launcher
     if name != "gptq8":
         assert "marlin-pack: vllm preload --model" in log
+
+
+@pytest.mark.parametrize("name", [n for n in MODELS if n in DAEMON_ARGS])
+def test_daemon_options_keep_every_parameter(run: Results, name: str) -> None:
+    """A daemon filled with other loader options (``common_during_build``: the embedding and the head copied
+    beside the construction) serves every parameter bit for bit as ordinary loading holds it."""
+    ref = run.results[name, "ordinary"]["layers"]["digests"]
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= ref.keys()
+    for start in ("attach1", "attach2"):
+        got = run.results[name, start]["layers"]["digests"]
+        assert got.keys() == ref.keys(), (start, sorted(got.keys() ^ ref.keys())[:5])
+        assert [n for n in ref if got[n] != ref[n]] == [], start
 
 
 def test_plain_vllm_preload_gets_the_plugin(run: Results) -> None:
