@@ -485,8 +485,13 @@ class MarlinPrepackedLoader(BaseModelLoader):
         names (``common_aliases``) goes to each of them, as the checkpoint's loader would. Names in ``skip``
         are loaded already (:meth:`_bind_common`).
         """
-        ordered = sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start)
         copies = alias_names(bundle)
+        # (name, info, the checkpoint names it still loads) in file order; a tensor all of whose names are loaded is left out.
+        ordered = [
+            (name, info, names)
+            for name, info in sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start)
+            if (names := [n for n in (name, *copies.get(name, ())) if n not in skip])
+        ]
         whole = device.type == "cuda" and bundle.tp_set.tp_size == 1  # each rank uses whole tensors
         params = dict(model.named_parameters(remove_duplicate=False)) if whole else {}
 
@@ -504,10 +509,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         batch: list[CopyItem] = []
         done: set[str] = set()
         filled: set[int] = set()  # a later tensor into a destination already in the batch waits (file order)
-        for name, info in ordered:
-            names = [n for n in (name, *copies.get(name, ())) if n not in skip]
-            if not names:
-                continue
+        for name, info, names in ordered:
             targets = direct_targets(names, info)
             if targets is not None and filled.isdisjoint(targets):
                 batch += [CopyItem(info.start, info.nbytes, t.data) for t in targets.values()]
@@ -515,11 +517,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 done.add(name)
         if batch:
             reader.copy(bundle.common_file, batch)
-        for name, info in ordered:
+        for name, info, names in ordered:
             if name in done:
-                continue
-            names = [n for n in (name, *copies.get(name, ())) if n not in skip]
-            if not names:
                 continue
             targets = direct_targets(names, info)
             if targets is not None:
