@@ -8,4 +8,4 @@ export MARLIN_PACK_TEST_ATTN=${MARLIN_PACK_TEST_ATTN:-TRITON_ATTN}
 export MARLIN_PACK_TEST_MLA_ATTN=${MARLIN_PACK_TEST_MLA_ATTN:-TRITON_MLA} MARLIN_PACK_TEST_MLA_PREFILL=${MARLIN_PACK_TEST_MLA_PREFILL:-CPU}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation --no-index .
 mkdir -p "${OUT:-/tmp/out}"
-python3 -m pytest -m gpu -v -rA -s -p no:cacheprovider --basetemp=/tmp/pt "$@" 2>&1 | tee -a "${OUT:-/tmp/out}/pytest.log" | grep -E "PASSED|FAILED|ERROR|bit-identical|marlin-pack:|Model loading took|ordinary|prepacked|passed|failed|Error|error" | cut -c1-400
+python3 -m pytest -m gpu -v -rA -s -p no:cacheprovider --basetemp=/tmp/pt --durations=0 --durations-min=5 "$@" 2>&1 | tee -a "${OUT:-/tmp/out}/pytest.log" | grep -E "PASSED|FAILED|ERROR|bit-identical|marlin-pack:|Model loading took|ordinary|prepacked|passed|failed|Error|error|^[0-9.]+s (setup|call) " | cut -c1-400
