@@ -83,6 +83,45 @@ def on_reader_copy(monkeypatch: pytest.MonkeyPatch, seen: Callable[[str], object
     monkeypatch.setattr(gpu_reader.ParallelReader, "copy", seen_copy)
 
 
+def with_vllm_embeddings(monkeypatch: pytest.MonkeyPatch, model_dir: Path, padding: int = 0) -> dict[str, Any]:
+    """The fake model of ``model_dir`` with vLLM's own ``VocabParallelEmbedding``/``ParallelLMHead`` (built
+    inside the loader's construction, so the embedding method's stubs apply), the tiny embedding and head
+    counted as large common tensors, and a ``load_weights`` running vLLM's weight loaders (``model.fed``: the
+    names fed to it). Returns a dict that gets ``stubs``: the parameters that were stubs right after building."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    import marlin_pack.vllm_plugin.loader as loader_mod
+
+    monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1 << 10)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    fake_create_model(monkeypatch, model_dir)
+    build = BaseModelLoader.create_model
+    during: dict[str, Any] = {}
+
+    def create_model(*args: Any, **kwargs: Any) -> Any:
+        model = build(*args, **kwargs)
+        model.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, **({"padding_size": vocab + padding} if padding else {}))
+        model.lm_head = ParallelLMHead(vocab, hidden)
+        during["stubs"] = {n for n, p in model.named_parameters() if is_stub(p)}
+        fed: list[str] = []
+        params = dict(model.named_parameters())
+
+        def load_weights(weights: Any) -> set[str]:  # vLLM's weight loaders for the model's own parameters
+            for name, t in weights:
+                fed.append(name)
+                if name in params:
+                    params[name].weight_loader(params[name], t)
+            return set(fed)
+
+        model.load_weights, model.fed = load_weights, fed
+        return model
+
+    monkeypatch.setattr(BaseModelLoader, "create_model", create_model)
+    return during
+
+
 def make_loader(**extra: object) -> Any:
     from vllm.config.load import LoadConfig
 
@@ -240,43 +279,14 @@ def test_common_tensors_copy_beside_the_construction(make_bundle: Any, monkeypat
     vocabulary) gets memory before vLLM's weight loader writes into it, and holds what that loader writes."""
     import threading
 
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    import marlin_pack.vllm_plugin.loader as loader_mod
-
-    monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1 << 10)  # the tiny model's embedding and head count as large
     model_dir = make_bundle("gptq", "tiny")
     common = load_file(str(model_dir / "marlin-pack" / "common.safetensors"))
-    cfg = json.loads((model_dir / "config.json").read_text())
-    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     reads: list[tuple[str, str]] = []
     on_reader_copy(monkeypatch, lambda name: reads.append((name, threading.current_thread().name)))
-    fake_create_model(monkeypatch, model_dir)
-    build = BaseModelLoader.create_model
-    during: dict[str, Any] = {}
-
-    def create_model(*args: Any, **kwargs: Any) -> Any:
-        model = build(*args, **kwargs)
-        padding = {"padding_size": vocab + 64} if padded_vocab else {}
-        model.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, **padding)
-        model.lm_head = ParallelLMHead(vocab, hidden)
-        during["stubs"] = {n for n, p in model.named_parameters() if is_stub(p)}
-        fed: list[str] = []
-        params = dict(model.named_parameters())
-
-        def load_weights(weights: Any) -> set[str]:  # vLLM's weight loaders for the model's own parameters
-            for name, t in weights:
-                fed.append(name)
-                if name in params:
-                    params[name].weight_loader(params[name], t)
-            return set(fed)
-
-        model.load_weights, model.fed = load_weights, fed
-        return model
-
-    monkeypatch.setattr(BaseModelLoader, "create_model", create_model)
+    during = with_vllm_embeddings(monkeypatch, model_dir, padding=64 if padded_vocab else 0)
     vllm_config, model_config = fake_engine(model_dir, "auto_gptq", monkeypatch)
     loader = make_loader(io_threads=2, chunk_mb=1, common_during_build=True)
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
@@ -480,6 +490,53 @@ def test_create_model_kernel_mismatch_refuses_or_falls_back(awq_bundle: Path, mo
     assert not any(is_prepacked(m) for m in model.modules())
     # Built with memory-less placeholders for the bundle; vLLM's weight loaders need real ones.
     assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_stub(t)]
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_common_copies_dropped_when_the_built_model_does_not_fit(
+    make_bundle: Any, monkeypatch: pytest.MonkeyPatch, fallback: bool
+) -> None:
+    """``common_during_build`` and a layer vLLM built on another kernel: the load is refused, or (fallback)
+    the checkpoint loads the ordinary way into a model without stubs; the embedding and the head are
+    tensors of their own with vLLM's loaders' bytes, not the copies made beside the construction."""
+    import threading
+
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin.engine import layer_facts
+
+    def machete_for_down_proj(module: torch.nn.Module, skips_when_marked: bool) -> LayerFacts:
+        f = layer_facts(module, skips_when_marked)
+        return dataclasses.replace(f, kernel="MacheteLinearKernel") if module.prefix.endswith("down_proj") else f
+
+    monkeypatch.setattr(loader_mod, "layer_facts", machete_for_down_proj)
+    model_dir = make_bundle("gptq", "tiny")
+    common = load_file(str(model_dir / "marlin-pack" / "common.safetensors"))
+    reads: list[str] = []
+    on_reader_copy(monkeypatch, reads.append)
+    during = with_vllm_embeddings(monkeypatch, model_dir)
+    vllm_config, model_config = fake_engine(model_dir, "auto_gptq", monkeypatch)
+    loader = make_loader(io_threads=2, chunk_mb=1, common_during_build=True, fallback=fallback)
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        from marlin_pack.vllm_plugin import patches
+
+        patches.install()
+        if not fallback:
+            with pytest.raises(LoadRefusedError, match=r"\[kernel\] vLLM chose MacheteLinearKernel"):
+                loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+        else:
+            monkeypatch.setattr(DefaultModelLoader, "load_weights", lambda self, m, c: m.load_weights(common.items()))
+            model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+            loader.load_weights(model, model_config)  # type: ignore[arg-type]
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= during["stubs"]
+    assert reads[:2] == ["rank-0.safetensors", "common.safetensors"]  # the copy beside the construction ran, and ended
+    assert not [t for t in threading.enumerate() if t.name == "marlin-pack-arena-copy"]
+    if fallback:
+        assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_stub(t)]
+        assert not any(is_prepacked(m) for m in model.modules())
+        for name, param in (("model.embed_tokens.weight", model.model.embed_tokens.weight), ("lm_head.weight", model.lm_head.weight)):
+            assert name in model.fed and torch.equal(param, common[name])
 
 
 def test_fallback_decision_loads_the_ordinary_way(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
