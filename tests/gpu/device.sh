@@ -8,4 +8,9 @@ export MARLIN_PACK_TEST_ATTN=${MARLIN_PACK_TEST_ATTN:-TRITON_ATTN}
 export MARLIN_PACK_TEST_MLA_ATTN=${MARLIN_PACK_TEST_MLA_ATTN:-TRITON_MLA} MARLIN_PACK_TEST_MLA_PREFILL=${MARLIN_PACK_TEST_MLA_PREFILL:-CPU}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation --no-index .
 mkdir -p "${OUT:-/tmp/out}"
+# vLLM's model-info cache written on the CPU machine (tests/gpu/modelinfo_cache.py), when this call carries it:
+# no ~25 s model-class inspection before the first engine of each architecture
+if [ -d .device-carry/mi/modelinfos ]; then
+  mkdir -p "${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}" && cp -rn .device-carry/mi/modelinfos "${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/"
+fi
 python3 -m pytest -m gpu -v -rA -s -p no:cacheprovider --basetemp=/tmp/pt --durations=0 --durations-min=5 "$@" 2>&1 | tee -a "${OUT:-/tmp/out}/pytest.log" | grep -E "PASSED|FAILED|ERROR|bit-identical|marlin-pack:|Model loading took|ordinary|prepacked|passed|failed|Error|error|^[0-9.]+s (setup|call) " | cut -c1-400
