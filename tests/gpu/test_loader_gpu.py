@@ -303,8 +303,10 @@ def test_prepacked_io_modes_match_ordinary_loading(
 
 @pytest.mark.parametrize(
     "io",
-    [{"common_during_build": True}, {"common_during_build": True, "io_mode": "processes", "io_processes": 2}],
-    ids=["auto", "processes"],
+    # In this process (the rank file, then the common tensors, on its reader threads) and by helpers (what
+    # auto picks for a bundle on disk where they fit).
+    [{"common_during_build": True, "io_mode": "staged"}, {"common_during_build": True, "io_mode": "processes", "io_processes": 2}],
+    ids=["staged", "processes"],
 )
 def test_common_tensors_copied_beside_the_construction_match_ordinary_loading(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], io: dict[str, Any]
