@@ -131,19 +131,19 @@ def run_engine(
             text=True,
             timeout=ENGINE_TIMEOUT_S,
         )
+        code, out, log = proc.returncode, proc.stdout, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:  # killed: its log so far, for the failing test to show
-        log = "".join(_text(part) for part in (e.stdout, e.stderr)) + f"\n[engine killed after {ENGINE_TIMEOUT_S} s]"
-        (tmp / "engine.log").write_text(log)
-        return 124, log, None
-    log = proc.stdout + proc.stderr
+        code, out = 124, _text(e.stdout)
+        log = out + _text(e.stderr) + f"\n[engine killed after {ENGINE_TIMEOUT_S} s]"
     (tmp / "engine.log").write_text(log)
     result = None
-    if proc.returncode == 0 and "MARLIN_PACK_ENGINE_OK" in proc.stdout:
+    if code == 0 and "MARLIN_PACK_ENGINE_OK" in out:
         result = torch.load(tmp / "out.pt", weights_only=False)
-    return proc.returncode, log, result
+    return code, log, result
 
 
 def _text(part: str | bytes | None) -> str:
+    """A timed-out run's captured output (bytes even with ``text=True``)."""
     if part is None:
         return ""
     return part.decode(errors="replace") if isinstance(part, bytes) else part

@@ -122,6 +122,18 @@ def with_vllm_embeddings(monkeypatch: pytest.MonkeyPatch, model_dir: Path, paddi
     return during
 
 
+def machete_for_down_proj(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader sees vLLM's choice of Machete for every ``down_proj`` layer (a model that does not fit a bundle)."""
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin.engine import layer_facts
+
+    def facts(module: torch.nn.Module, skips_when_marked: bool) -> LayerFacts:
+        f = layer_facts(module, skips_when_marked)
+        return dataclasses.replace(f, kernel="MacheteLinearKernel") if module.prefix.endswith("down_proj") else f
+
+    monkeypatch.setattr(loader_mod, "layer_facts", facts)
+
+
 def make_loader(**extra: object) -> Any:
     from vllm.config.load import LoadConfig
 
@@ -464,14 +476,7 @@ def test_construction_failure_ends_the_copy_first(awq_bundle: Path, monkeypatch:
 def test_create_model_kernel_mismatch_refuses_or_falls_back(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    import marlin_pack.vllm_plugin.loader as loader_mod
-    from marlin_pack.vllm_plugin.engine import layer_facts
-
-    def machete_for_down_proj(module: torch.nn.Module, skips_when_marked: bool) -> LayerFacts:
-        f = layer_facts(module, skips_when_marked)
-        return dataclasses.replace(f, kernel="MacheteLinearKernel") if module.prefix.endswith("down_proj") else f
-
-    monkeypatch.setattr(loader_mod, "layer_facts", machete_for_down_proj)
+    machete_for_down_proj(monkeypatch)
     fake_create_model(monkeypatch, awq_bundle)
     vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
 
@@ -503,14 +508,7 @@ def test_common_copies_dropped_when_the_built_model_does_not_fit(
 
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    import marlin_pack.vllm_plugin.loader as loader_mod
-    from marlin_pack.vllm_plugin.engine import layer_facts
-
-    def machete_for_down_proj(module: torch.nn.Module, skips_when_marked: bool) -> LayerFacts:
-        f = layer_facts(module, skips_when_marked)
-        return dataclasses.replace(f, kernel="MacheteLinearKernel") if module.prefix.endswith("down_proj") else f
-
-    monkeypatch.setattr(loader_mod, "layer_facts", machete_for_down_proj)
+    machete_for_down_proj(monkeypatch)
     model_dir = make_bundle("gptq", "tiny")
     common = load_file(str(model_dir / "marlin-pack" / "common.safetensors"))
     reads: list[str] = []
