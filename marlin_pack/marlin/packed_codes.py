@@ -9,7 +9,6 @@ remain available for the generic path and for verification.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,9 +83,9 @@ class PackedCodes:
 class ColumnParts:
     """Packed codes of one layout side by side along N, not copied together (a fused layer's parts).
 
-    The repack (:func:`~marlin_pack.marlin.word_repack.marlin_weights`) concatenates them piece by
-    piece as it goes: on the CPU a whole concatenated copy would cost one more pass through memory
-    for most of a model's bytes (the fused layers), where a piece of rows stays in the caches.
+    The repack (:func:`~marlin_pack.marlin.word_repack.marlin_weights`) copies them, a piece of rows
+    at a time, straight into its first buffer: a concatenated copy would cost one more pass through
+    memory for most of a model's bytes (the fused layers).
     """
 
     parts: tuple[PackedCodes, ...]
@@ -123,11 +122,9 @@ class ColumnParts:
         """The codes as uint8 ``[K, N]``, natural column order (see :meth:`PackedCodes.unpack`)."""
         return torch.cat([p.unpack() for p in self.parts], 1)
 
-    def rows(self, r0: int, r1: int, out: Callable[[tuple[int, int]], torch.Tensor]) -> torch.Tensor:
-        """Word rows ``r0:r1`` of the concatenation: a view of a single part, else written into ``out(shape)``."""
-        if len(self.parts) == 1:
-            return self.parts[0].words[r0:r1]
-        return torch.cat([p.words[r0:r1] for p in self.parts], 1, out=out((r1 - r0, self.word_cols)))
+    def row_views(self, r0: int, r1: int) -> tuple[torch.Tensor, ...]:
+        """Word rows ``r0:r1`` of each part: views, side by side along N (the repack copies them in place)."""
+        return tuple(p.words[r0:r1] for p in self.parts)
 
     def concatenated(self) -> PackedCodes:
         """All of it as one :class:`PackedCodes`: a single part as it is, else in this thread's scratch buffer

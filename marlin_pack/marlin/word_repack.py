@@ -31,6 +31,8 @@ from marlin_pack.marlin.scratch import scratch as _workspace
 
 __all__ = ["marlin_weights", "marlin_from_k_words", "marlin_from_awq_words"]
 
+Words = torch.Tensor | tuple[torch.Tensor, ...]  # one tensor, or a fused layer's parts side by side along N
+
 
 def _delta_swap(x: torch.Tensor, y: torch.Tensor, shift: int, mask: int, tmp: torch.Tensor) -> None:
     """Swap the bits of ``x`` at ``mask << shift`` with the bits of ``y`` at ``mask``, in place.
@@ -79,42 +81,62 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.devi
     return out
 
 
-def marlin_from_k_words(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _parts(words: Words) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    """``words`` as a tuple of column parts, with the rows and the columns of their concatenation."""
+    parts = words if isinstance(words, tuple) else (words,)
+    return parts, parts[0].shape[0], sum(w.shape[1] for w in parts)
+
+
+def _row_major(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with unit column stride (a column block of a wider tensor stays a view; a transposed one is copied)."""
+    return w if w.stride(-1) == 1 else w.contiguous()
+
+
+def marlin_from_k_words(words: Words, out: torch.Tensor | None = None) -> torch.Tensor:
     """4-bit codes packed along K (GPTQ), ``[Kp/8, Np]`` int32, into Marlin's ``[Kp/16, 2*Np]``.
 
     A strip's source words are ``(h, n)``: rows ``8h..8h+7`` of column ``n``, nibble ``i`` = row
     ``8h + i``. With ``n = 64c + 16j + 8bl + a``, the four slots ``(h, bl)`` of each ``(c, j, a)``
     become Marlin words ``b = 2h + bl`` after swapping word bit h with nibble bit 0 (rows r/r+8),
-    bl with nibble bit 1 and h with nibble bit 2. ``out``: where to write the result (else fresh).
+    bl with nibble bit 1 and h with nibble bit 2. ``words``: one tensor, or a fused layer's parts
+    side by side along N. ``out``: where to write the result (else fresh).
     """
-    rows, np_ = words.shape
+    parts, rows, np_ = _parts(words)
     s, c = rows // 2, np_ // 64
+    device = parts[0].device
     # Slots outermost within each 64-column block, so every swap works on contiguous halves.
-    buf = _workspace("buf", (s, c, 2, 2, 4, 8), torch.int32, words.device)  # s c h bl j a
-    _copy(buf, words.contiguous().view(s, 2, c, 4, 2, 8).permute(0, 2, 1, 4, 3, 5))
-    tmp = _workspace("tmp", (s, c, 2, 4, 8), torch.int32, words.device)
+    buf = _workspace("buf", (s, c, 2, 2, 4, 8), torch.int32, device)  # s c h bl j a
+    if any(w.shape[1] % 64 for w in parts):  # a part splits a 64-column block: concatenate first
+        parts = (torch.cat(parts, 1, out=_workspace("cat", (rows, np_), torch.int32, device)),)
+    c0 = 0
+    for w in parts:  # each part straight into its 64-column blocks (no concatenated copy first)
+        cw = w.shape[1] // 64
+        _copy(buf[:, c0 : c0 + cw], _row_major(w).view(s, 2, cw, 4, 2, 8).permute(0, 2, 1, 4, 3, 5))
+        c0 += cw
+    tmp = _workspace("tmp", (s, c, 2, 4, 8), torch.int32, device)
     _delta_swap(buf[:, :, 0], buf[:, :, 1], 4, 0x0F0F0F0F, tmp)  # h <-> nibble bit 0
     _delta_swap(buf[:, :, :, 0], buf[:, :, :, 1], 8, 0x00FF00FF, tmp)  # bl <-> nibble bit 1
     _delta_swap(buf[:, :, 0], buf[:, :, 1], 16, 0x0000FFFF, tmp)  # h <-> nibble bit 2
     # Slot (h, bl) of (c, j, a) is Marlin word (c, a, b = 2h + bl, j): a batched 16x8 transpose.
-    result = _output(out, (s, 2 * np_), words.device)
+    result = _output(out, (s, 2 * np_), device)
     _copy(result.view(s * c, 8, 16), buf.view(s * c, 16, 8).transpose(1, 2))
     return result
 
 
-def marlin_from_awq_words(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def marlin_from_awq_words(words: Words, out: torch.Tensor | None = None) -> torch.Tensor:
     """AutoAWQ 4-bit words (packed along N in :data:`AWQ_SLOTS` order), ``[Kp, Np/8]``, into ``[Kp/16, 2*Np]``.
 
     Source word ``(row 8h + 2b + l, column word 8c + 2j + bl)`` holds column ``a`` at nibble
     ``p`` with ``(p2, p1, p0) = (a0, a2, a1)``. Swapping word bits l, bl, h with nibble bits 2, 1, 0
     leaves Marlin word ``(c, a, b, j)`` in slot ``(h, l, bl) = (a1, a0, a2)``. ``out``: as
-    :func:`marlin_from_k_words`.
+    :func:`marlin_from_k_words`; ``words`` too.
     """
-    kp, cols = words.shape
+    parts, kp, cols = _parts(words)
     s, c = kp // 16, cols // 8
-    buf = _workspace("buf", (kp, cols), torch.int32, words.device)
-    buf.copy_(words)
-    tmp = _workspace("tmp", (kp // 2, cols), torch.int32, words.device)
+    device = parts[0].device
+    buf = _workspace("buf", (kp, cols), torch.int32, device)
+    torch.cat(parts, 1, out=buf)  # the parts side by side: one pass, no concatenated copy first
+    tmp = _workspace("tmp", (kp // 2, cols), torch.int32, device)
     rows = buf.view(s, 2, 4, 2, cols)  # s h b l: row 8h + 2b + l
     _delta_swap(rows[:, :, :, 0], rows[:, :, :, 1], 16, 0xFFFF, tmp.view(s, 2, 4, cols))  # l <-> nibble bit 2
     # bl is the lowest word bit: the pair (bl=0, bl=1) is one int64, so swap within it (by halves, as tmp is half).
@@ -123,9 +145,9 @@ def marlin_from_awq_words(words: torch.Tensor, out: torch.Tensor | None = None) 
     _delta_swap(rows[:, 0], rows[:, 1], 4, 0x0F0F0F0F, tmp.view(s, 4, 2, cols))  # h <-> nibble bit 0
     # buf is now [s, a1, b1, b0, a0, c, j, a2]; Marlin wants [s, c, a2, a1, a0, b1, b0, j].
     # Two moves with long runs: int64 pairs (j, a2) into (s, c) blocks, then a batched 64x2 transpose.
-    pairs = _workspace("pairs", (s, c, 2, 2, 2, 2, 4), torch.int64, words.device)  # s c a1 a0 b1 b0 j
+    pairs = _workspace("pairs", (s, c, 2, 2, 2, 2, 4), torch.int64, device)  # s c a1 a0 b1 b0 j
     _copy(pairs, buf.view(torch.int64).view(s, 2, 2, 2, 2, c, 4).permute(0, 5, 1, 4, 2, 3, 6))
-    result = _output(out, (s, 2 * cols * 8), words.device)
+    result = _output(out, (s, 2 * cols * 8), device)
     _copy(result.view(s * c, 2, 64), pairs.view(torch.int32).view(s * c, 64, 2).transpose(1, 2))
     return result
 
@@ -136,28 +158,24 @@ def marlin_from_awq_words(words: torch.Tensor, out: torch.Tensor | None = None) 
 # 147 ms in 2 MiB, 165 ms in 8 MiB; AWQ 213 ms against 174 ms).
 _CPU_PIECE_BYTES = 4 << 20
 
-RepackFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+RepackFn = Callable[[Words, "torch.Tensor | None"], torch.Tensor]
 
 
 def _by_strips(fn: RepackFn, words: ColumnParts, rows_per_strip: int, out_cols: int, out: torch.Tensor | None) -> torch.Tensor:
     """``fn(words, out)``, on the CPU in pieces of whole 16-row strips (output row ``i`` is strip ``i``).
 
-    The word repacks work strip by strip, so a piece's output is exactly its strips' rows. Several
-    parts are concatenated a piece at a time, into a buffer that stays in the caches.
+    The word repacks work strip by strip, so a piece's output is exactly its strips' rows; each
+    piece's parts go straight into the repack's first buffer, which stays in the caches.
     On a GPU one pass is best (fewer kernel launches, and the caches do not decide there).
     """
     strips = words.word_rows // rows_per_strip
     per_piece = max(1, _CPU_PIECE_BYTES // max(1, rows_per_strip * words.word_cols * 4))
     if words.device.type != "cpu" or strips <= per_piece:
-        return fn(words.concatenated().words, out)
+        return fn(words.row_views(0, words.word_rows), out)
     result = _output(out, (strips, out_cols), words.device)
-
-    def piece_memory(shape: tuple[int, int]) -> torch.Tensor:
-        return _workspace("piece", shape, torch.int32, words.device)
-
     for s0 in range(0, strips, per_piece):
         s1 = min(strips, s0 + per_piece)
-        fn(words.rows(s0 * rows_per_strip, s1 * rows_per_strip, piece_memory), result[s0:s1])
+        fn(words.row_views(s0 * rows_per_strip, s1 * rows_per_strip), result[s0:s1])
     return result
 
 

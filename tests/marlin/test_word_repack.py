@@ -76,8 +76,8 @@ def test_blocks_and_concatenation_match_unpacked_codes(bits: int) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("pieces", [True, False])
-@pytest.mark.parametrize("widths,k,kp", [((128, 64, 64), 256, 256), ((192, 128), 128, 128), ((64, 32), 128, 256)],
-                         ids=["qkv", "gate-up", "padded"])
+@pytest.mark.parametrize("widths,k,kp", [((128, 64, 64), 256, 256), ((192, 128), 128, 128), ((64, 32), 128, 256), ((96, 160), 128, 128)],
+                         ids=["qkv", "gate-up", "padded", "parts-split-a-64-column-block"])
 def test_lazy_column_parts_repack_as_their_concatenation(
     bits: int, pieces: bool, widths: tuple[int, ...], k: int, kp: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
