@@ -1,9 +1,12 @@
 """``verify``: prove a bundle is intact and faithful to its source, by reading it back.
 
 Never trusts the writer: sizes and hashes of every file, every tensor's presence,
-dtype and shape, then a numerical round trip that inverts the Marlin layout and
-compares integer codes, scales, zero points and bias with the source checkpoint,
-bit for bit, and checks that padding is zero.
+dtype and shape, then a numerical round trip against the source checkpoint, bit for bit:
+the weights are compared with the checkpoint's codes laid out by the index-based definition
+of Marlin's layout (:func:`~marlin_pack.marlin.repack.pack_marlin_weights`, not the
+converter's word repack; padding included), and a shard that differs is decoded to name the
+first differing code; scales, zero points and bias are decoded from Marlin's layout and
+compared, with their padding checked to be zero.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from marlin_pack.bundle.reader import read_manifest, resolve_file
 from marlin_pack.conversion import ConversionPlan, layer_weight_shape, plan_conversion
 from marlin_pack.errors import BundleError, CheckpointError, MarlinPackError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
+from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.marlin.rank_tensors import decode_rank_tensors, param_names, tensor_specs
-from marlin_pack.marlin.repack import awq_to_natural
+from marlin_pack.marlin.repack import awq_to_natural, pack_marlin_weights, pad2d, unpack_awq_cols, unpack_marlin_weights
 from marlin_pack.marlin.sharding import fuse_rank_slices, rank_slices, read_layer_parts
 from marlin_pack.moe_verification import check_moe_layers
 from marlin_pack.schemas import Manifest, torch_dtype
@@ -259,13 +263,13 @@ def _round_trip(
             for rank in range(tp_set.tp_size):
                 f = handles[(tp_set.tp_size, rank)]
                 tensors = {n: f.get_tensor(n) for n, _, _ in tensor_specs(entry, m.quant, dtype, m.source.format)}
-                got = decode_rank_tensors(entry, m.quant, tensors, m.source.format)
+                got = decode_rank_tensors(entry, m.quant, tensors, m.source.format, codes=False)
                 packed, scales, zeros, bias = fuse_rank_slices(rank_slices(spec, plan.dims, tp_set.tp_size, rank), parts, g)
-                codes = packed.unpack()
                 if parts[spec.parts[0].name].column_slots is not None:  # AWQ zero points' slot order -> natural
                     zeros = awq_to_natural(zeros)
                 where = f"{entry.name} (tp {tp_set.tp_size} rank {rank})"
-                _compare_padded(got["codes"], codes.to(torch.uint8), f"{where}: integer codes")
+                weights = tensors[f"{entry.name}.{param_names(m.source.format).weight}"]
+                _compare_weights(weights, packed, entry.padded_k, entry.padded_n, where)
                 _compare_padded(got["scales"], scales.to(dtype), f"{where}: scales")
                 if zeros is not None:
                     _compare_padded(got["zeros"], zeros, f"{where}: zero points")
@@ -282,7 +286,23 @@ def _round_trip(
     experts = ""
     if plan.moe is not None:
         experts = f"; {check_moe_layers(m, ckpt, plan.moe, plan.source, handles)} experts layer shards equal their rebuild"
-    return f"{checked} layer shards decode to the checkpoint's codes, scales and zero points, bit for bit{experts}"
+    return f"{checked} layer shards equal the checkpoint's codes, scales and zero points in Marlin's layout, bit for bit{experts}"
+
+
+def _compare_weights(weights: torch.Tensor, packed: PackedCodes, padded_k: int, padded_n: int, where: str) -> None:
+    """A shard's Marlin weights against the checkpoint's codes, zero-padded and laid out by the index-based
+    definition (AWQ's column order folded into its gather index); on a difference, decode the shard to name
+    the first differing code. Comparing in Marlin's layout moves a fraction of the bytes that decoding
+    every shard would (llama-1gb AWQ: the whole round trip 11.3 s before, on the 2-core VM)."""
+    if packed.along == "n" and packed.slots is not None:
+        codes, slots = unpack_awq_cols(packed.words), packed.slots
+    else:
+        codes, slots = packed.unpack(), None
+    want = pack_marlin_weights(pad2d(codes, padded_k, padded_n), packed.bits, slots)
+    if _bitwise_equal(weights, want):
+        return
+    _compare_padded(unpack_marlin_weights(weights, packed.bits), packed.unpack().to(torch.uint8), f"{where}: integer codes")
+    raise MarlinPackError(f"{where}: integer codes differ from the checkpoint")  # the layouts differ where decoding agrees
 
 
 def _compare_padded(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -59,6 +59,30 @@ def test_tampered_tensor_with_updated_hash_fails_round_trip(bundle: Path) -> Non
     assert name_ == "round-trip" and "down_proj (tp 1 rank 0): integer codes differ" in detail
 
 
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_nonzero_weight_padding_fails_round_trip(fmt: str, make_checkpoint, tmp_path: Path) -> None:
+    # down_proj of tiny-padded has K = 480, padded to 512 for Marlin: a code in the padding rows must be zero.
+    # The weights are compared in Marlin's layout (padding included); the decoded shard names the padding.
+    from marlin_pack.marlin import repack
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(make_checkpoint(fmt, "tiny-padded", group_size=32), src)
+    convert(src, tp_sizes=(1,))
+    bundle = src / "marlin-pack"
+    assert verify(bundle).ok
+    path = bundle / "tp1" / "rank-0.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.0.mlp.down_proj.qweight"
+    codes = repack.unpack_marlin_weights(tensors[name], 4)
+    assert codes.shape[0] == 512 and not codes[480:].any()
+    codes[511, 7] = 1
+    tensors[name] = repack.pack_marlin_weights(codes, 4)
+    save_file(tensors, path, metadata=RANK_0_OF_1)
+    _rehash(bundle, path)
+    name_, detail = _failure(bundle)
+    assert name_ == "round-trip" and "down_proj (tp 1 rank 0): integer codes: padding is not zero" in detail, detail
+
+
 def test_rank_file_of_another_rank_fails_tensors(bundle: Path) -> None:
     # Rank files say which rank of which TP size they are: a file of another rank is refused.
     path = bundle / "tp1" / "rank-0.safetensors"

@@ -110,15 +110,18 @@ def build_rank_tensors(
 
 
 def decode_rank_tensors(
-    entry: LayerEntry, scheme: QuantScheme, tensors: dict[str, torch.Tensor], fmt: SourceFormat | None = None
+    entry: LayerEntry, scheme: QuantScheme, tensors: dict[str, torch.Tensor], fmt: SourceFormat | None = None,
+    codes: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Invert :func:`build_rank_tensors` back to padded ``codes``, ``scales``, ``zeros``, ``bias``."""
+    """Invert :func:`build_rank_tensors` back to padded ``codes``, ``scales``, ``zeros``, ``bias``.
+
+    ``codes=False`` leaves the weights out (the caller compares them in Marlin's layout).
+    """
     kp = entry.padded_k
     pn = param_names(fmt)
-    out = {
-        "codes": unpack_marlin_weights(tensors[f"{entry.name}.{pn.weight}"], scheme.bits),
-        "scales": unpermute_scales(tensors[f"{entry.name}.{pn.scales}"], scheme.group_size, kp),
-    }
+    out = {"scales": unpermute_scales(tensors[f"{entry.name}.{pn.scales}"], scheme.group_size, kp)}
+    if codes:
+        out["codes"] = unpack_marlin_weights(tensors[f"{entry.name}.{pn.weight}"], scheme.bits)
     if scheme.zero_points:
         out["zeros"] = unpack_marlin_zero_points(tensors[f"{entry.name}.{pn.zeros}"], scheme.bits)
     if entry.has_bias:

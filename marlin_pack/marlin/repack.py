@@ -20,6 +20,7 @@ import math
 import sys
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -106,6 +107,24 @@ def _strip_gather_index(bits: int, padded_n: int, source_slots: tuple[int, ...] 
 
 
 @lru_cache(maxsize=32)
+def _strip_scatter_index(bits: int, padded_n: int) -> torch.Tensor:
+    """The inverse of :func:`_strip_gather_index`: for each code of a strip, its offset in Marlin's order."""
+    idx = _strip_gather_index(bits, padded_n)
+    inverse = torch.empty_like(idx)
+    inverse[idx] = torch.arange(idx.numel())
+    return inverse
+
+
+def _take_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(1, index)`` of a 2-D tensor; on the CPU through numpy's ``take``, which gathers
+    these byte columns ~6x faster (a 128 x 90112 uint8 strip gather on the 2-core VM: 4.9 ms against
+    31.8 ms). ``index`` lives on the CPU (the cached gather indices); a GPU tensor gets a copy."""
+    if x.device.type != "cpu":
+        return x.index_select(1, index.to(x.device))
+    return torch.from_numpy(np.take(x.numpy(), index.numpy(), axis=1))
+
+
+@lru_cache(maxsize=32)
 def _pair_gather_index(padded_n: int, source_slots: tuple[int, ...] | None = None) -> torch.Tensor:
     """4-bit fast path: byte gather index over a strip of row-pair bytes ``[8, Np]``.
 
@@ -159,20 +178,17 @@ def pack_marlin_weights(codes: torch.Tensor, bits: int, source_slots: tuple[int,
     if bits == 4:
         halves = codes.view(kp // TILE, 2, TILE // 2, np_)
         pairs = (halves[:, 0] | (halves[:, 1] << 4)).reshape(kp // TILE, TILE // 2 * np_)
-        return pairs.index_select(1, _pair_gather_index(np_, source_slots).to(codes.device)).view(torch.int32)
-    idx = _strip_gather_index(bits, np_, source_slots).to(codes.device)
-    return _pack_codes_into_words(codes.reshape(kp // TILE, TILE * np_).index_select(1, idx), bits)
+        return _take_columns(pairs, _pair_gather_index(np_, source_slots)).view(torch.int32)
+    idx = _strip_gather_index(bits, np_, source_slots)
+    return _pack_codes_into_words(_take_columns(codes.reshape(kp // TILE, TILE * np_), idx), bits)
 
 
 def unpack_marlin_weights(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_marlin_weights`: codes ``[Kp, Np]`` (uint8)."""
     rows, cols = qweight.shape
     kp, np_ = rows * TILE, cols * (32 // bits) // TILE
-    idx = _strip_gather_index(bits, np_).to(qweight.device)
     permuted = _unpack_words_into_codes(qweight, bits)
-    strips = torch.empty_like(permuted)
-    strips[:, idx] = permuted
-    return strips.reshape(kp, np_)
+    return _take_columns(permuted, _strip_scatter_index(bits, np_)).reshape(kp, np_)
 
 
 @lru_cache(maxsize=2)
@@ -222,8 +238,8 @@ def _zp_perm(bits: int, source_slots: tuple[int, ...] | None = None) -> torch.Te
 
 def pack_marlin_zero_points(zeros: torch.Tensor, bits: int = 4, source_slots: tuple[int, ...] | None = None) -> torch.Tensor:
     """Padded zero points ``[Gp, Np]`` (0..15) into Marlin's int32 ``[Gp, Np*bits/32]``."""
-    perm = _zp_perm(bits, source_slots).to(zeros.device)
-    permuted = zeros.to(torch.uint8).reshape(-1, perm.numel()).index_select(1, perm).reshape(zeros.shape)
+    perm = _zp_perm(bits, source_slots)
+    permuted = _take_columns(zeros.to(torch.uint8).reshape(-1, perm.numel()), perm).reshape(zeros.shape)
     return _pack_codes_into_words(permuted, bits)
 
 
