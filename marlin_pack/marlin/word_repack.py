@@ -29,7 +29,7 @@ from marlin_pack.marlin.packed_codes import ColumnParts, PackedCodes
 from marlin_pack.marlin.repack import AWQ_SLOTS, pack_marlin_weights, pad2d
 from marlin_pack.marlin.scratch import scratch as _workspace
 
-__all__ = ["marlin_weights", "marlin_from_k_words", "marlin_from_awq_words"]
+__all__ = ["marlin_weights", "marlin_from_k_words", "marlin_from_k_words8", "marlin_from_awq_words"]
 
 Words = torch.Tensor | tuple[torch.Tensor, ...]  # one tensor, or a fused layer's parts side by side along N
 
@@ -123,6 +123,31 @@ def marlin_from_k_words(words: Words, out: torch.Tensor | None = None) -> torch.
     return result
 
 
+def marlin_from_k_words8(words: Words, out: torch.Tensor | None = None) -> torch.Tensor:
+    """8-bit codes packed along K (GPTQ), ``[Kp/4, Np]`` int32, into Marlin's ``[Kp/16, 4*Np]``.
+
+    A strip's source words ``S0..S3`` of column ``n`` hold rows ``4w..4w+3``, one byte each. Marlin's
+    word ``m`` of column ``n = 64q + 16j + 8bl + a`` holds rows ``(2m, 2m+8, 2m+1, 2m+9)``: bytes of
+    ``S[m//2]`` and ``S[m//2 + 2]``, the low halves for even ``m``, the high for odd. Swapping the
+    high half of ``S0`` with the low half of ``S2`` (and of ``S1``, ``S3``), then bytes 1 and 2 within
+    every word, leaves word ``m = 2*wl + wh`` in slot ``S[2*wh + wl]``; a permuted copy puts the words
+    in Marlin's order ``(q, a, m, j, bl)``. ``words`` and ``out``: as :func:`marlin_from_k_words`.
+    """
+    parts, rows, np_ = _parts(words)
+    s = rows // 4
+    device = parts[0].device
+    buf = _workspace("buf", (rows, np_), torch.int32, device)
+    torch.cat(parts, 1, out=buf)
+    tmp = _workspace("tmp", (s, 2, np_), torch.int32, device)
+    pairs = buf.view(s, 2, 2, np_)  # s wh wl n: word 2*wh + wl of the strip
+    _delta_swap(pairs[:, 0], pairs[:, 1], 16, 0xFFFF, tmp)  # high half of S[wl] <-> low half of S[wl + 2]
+    _delta_swap_within(buf, 8, 0x0000FF00, _workspace("tmp", (rows, np_), torch.int32, device))  # byte 1 <-> byte 2
+    result = _output(out, (s, 4 * np_), device)
+    q = np_ // 64
+    _copy(result.view(s, q, 8, 2, 2, 4, 2), buf.view(s, 2, 2, q, 4, 2, 8).permute(0, 3, 6, 2, 1, 4, 5))
+    return result
+
+
 def marlin_from_awq_words(words: Words, out: torch.Tensor | None = None) -> torch.Tensor:
     """AutoAWQ 4-bit words (packed along N in :data:`AWQ_SLOTS` order), ``[Kp, Np/8]``, into ``[Kp/16, 2*Np]``.
 
@@ -191,8 +216,8 @@ def marlin_weights(
 ) -> torch.Tensor:
     """Marlin-repacked weights ``[Kp/16, Np*bits/2]`` of ``codes`` zero-padded to ``[Kp, Np]``.
 
-    4-bit words packed along K, or AWQ's words, take the word-level path; anything else (8-bit,
-    unpacked codes) the generic :func:`~marlin_pack.marlin.repack.pack_marlin_weights`. Both give
+    Words packed along K (4- and 8-bit), or AWQ's words, take the word-level path; anything else
+    (unpacked codes) the generic :func:`~marlin_pack.marlin.repack.pack_marlin_weights`. Both give
     the same bytes (tests/marlin). ``out``: an int32 tensor of that shape to write the result
     into (returned), else the result is fresh memory. :class:`ColumnParts` that need no padding
     are concatenated piece by piece (see :func:`_by_strips`).
@@ -201,6 +226,8 @@ def marlin_weights(
         codes = codes.concatenated()  # padded as a whole
     if codes.bits == 4 and codes.along == "k":
         return _by_strips(marlin_from_k_words, _padded_words(codes, padded_k // 8, padded_n), 2, padded_n * 2, out)
+    if codes.bits == 8 and codes.along == "k":
+        return _by_strips(marlin_from_k_words8, _padded_words(codes, padded_k // 4, padded_n), 4, padded_n * 4, out)
     if codes.bits == 4 and codes.along == "n" and codes.slots == AWQ_SLOTS:
         return _by_strips(marlin_from_awq_words, _padded_words(codes, padded_k, padded_n // 8), 16, padded_n * 2, out)
     packed = pack_marlin_weights(pad2d(codes.unpack(), padded_k, padded_n), codes.bits)
