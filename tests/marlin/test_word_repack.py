@@ -109,12 +109,12 @@ def test_marlin_weights_refuses_an_output_of_another_shape() -> None:
         marlin_weights(packed, 16, 64, torch.empty(1, 127, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("layout", ["gptq", "compressed-tensors", "awq"])
-def test_word_repack_in_pieces_equals_one_pass(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("layout,bits", [("gptq", 4), ("compressed-tensors", 4), ("awq", 4), ("gptq", 8), ("compressed-tensors", 8)])
+def test_word_repack_in_pieces_equals_one_pass(layout: str, bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     import marlin_pack.marlin.word_repack as word_repack
 
     k, n = 256, 192
-    packed = _layouts(_codes(k, n), 4)[layout]
+    packed = _layouts(_codes(k, n, bits), bits)[layout]
     want = marlin_weights(packed, k, n)
     monkeypatch.setattr(word_repack, "_CPU_PIECE_BYTES", 1)  # one strip per piece
     assert torch.equal(marlin_weights(packed, k, n), want)
