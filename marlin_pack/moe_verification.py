@@ -1,8 +1,9 @@
 """``verify`` of a bundle's experts layers: rebuilt from the checkpoint and compared byte for byte.
 
-The dense layers' round trip inverts the Marlin layout; for experts the layout is re-derived
-from the source (``moe_conversion``, the code the oracle tests pin to vLLM) and each stored
-tensor must equal it, padding included.
+The dense layers' round trip lays the checkpoint's codes out by the index-based definition of
+Marlin's layout (``repack.pack_marlin_weights``); for experts the layout is re-derived from the
+source by the converter's own code (``moe_conversion``, the code the oracle tests pin to vLLM)
+and each stored tensor must equal it, padding included.
 """
 
 from __future__ import annotations
