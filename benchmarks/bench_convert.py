@@ -2,6 +2,7 @@
 
     python benchmarks/bench_convert.py                     # ~1 GB Llama-shaped AWQ + GPTQ, 3 rounds
     python benchmarks/bench_convert.py --preset llama-8b --formats awq --rounds 1 --device cuda
+    python benchmarks/bench_convert.py --formats gptq8 --workdir /dev/shm/bc   # 8-bit GPTQ, bundle on tmpfs
 
 Each measurement runs in a fresh subprocess (so peak memory is its own), alternating
 baseline and conversion in an order that rotates each round (use a multiple of 3 rounds),
@@ -77,14 +78,14 @@ def _checkpoint(root: Path, fmt: str, preset: str, device: str) -> Path:
         if fmt == "awq":
             write_awq_checkpoint(d, PRESETS[preset], **kw)
         else:
-            write_gptq_checkpoint(d, PRESETS[preset], **kw)
+            write_gptq_checkpoint(d, PRESETS[preset], bits=8 if fmt == "gptq8" else 4, **kw)
     return d
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-1gb")
-    ap.add_argument("--formats", default="awq,gptq")
+    ap.add_argument("--formats", default="awq,gptq", help="comma-separated: awq, gptq (4-bit), gptq8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workdir", type=Path, default=Path(".bench"))
