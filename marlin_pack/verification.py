@@ -263,7 +263,7 @@ def _round_trip(
             for rank in range(tp_set.tp_size):
                 f = handles[(tp_set.tp_size, rank)]
                 tensors = {n: f.get_tensor(n) for n, _, _ in tensor_specs(entry, m.quant, dtype, m.source.format)}
-                got = decode_rank_tensors(entry, m.quant, tensors, m.source.format, codes=False)
+                got = decode_rank_tensors(entry, m.quant, tensors, m.source.format)
                 packed, scales, zeros, bias = fuse_rank_slices(rank_slices(spec, plan.dims, tp_set.tp_size, rank), parts, g)
                 if parts[spec.parts[0].name].column_slots is not None:  # AWQ zero points' slot order -> natural
                     zeros = awq_to_natural(zeros)
@@ -293,7 +293,7 @@ def _compare_weights(weights: torch.Tensor, packed: PackedCodes, padded_k: int, 
     """A shard's Marlin weights against the checkpoint's codes, zero-padded and laid out by the index-based
     definition (AWQ's column order folded into its gather index); on a difference, decode the shard to name
     the first differing code. Comparing in Marlin's layout moves a fraction of the bytes that decoding
-    every shard would (llama-1gb AWQ: the whole round trip 11.3 s before, on the 2-core VM)."""
+    every shard would (figures: docs/performance.md, "verify")."""
     if packed.along == "n" and packed.slots is not None:
         codes, slots = unpack_awq_cols(packed.words), packed.slots
     else:

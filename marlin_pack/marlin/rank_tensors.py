@@ -13,7 +13,6 @@ from marlin_pack.marlin.repack import (
     pad2d,
     permute_bias,
     permute_scales,
-    unpack_marlin_weights,
     unpack_marlin_zero_points,
     unpermute_bias,
     unpermute_scales,
@@ -110,18 +109,16 @@ def build_rank_tensors(
 
 
 def decode_rank_tensors(
-    entry: LayerEntry, scheme: QuantScheme, tensors: dict[str, torch.Tensor], fmt: SourceFormat | None = None,
-    codes: bool = True,
+    entry: LayerEntry, scheme: QuantScheme, tensors: dict[str, torch.Tensor], fmt: SourceFormat | None = None
 ) -> dict[str, torch.Tensor]:
-    """Invert :func:`build_rank_tensors` back to padded ``codes``, ``scales``, ``zeros``, ``bias``.
+    """Invert :func:`build_rank_tensors` back to padded ``scales``, ``zeros``, ``bias``.
 
-    ``codes=False`` leaves the weights out (the caller compares them in Marlin's layout).
+    The weights are left out: ``verify`` compares them in Marlin's layout, and decodes them
+    (:func:`~marlin_pack.marlin.repack.unpack_marlin_weights`) only to name a difference.
     """
     kp = entry.padded_k
     pn = param_names(fmt)
     out = {"scales": unpermute_scales(tensors[f"{entry.name}.{pn.scales}"], scheme.group_size, kp)}
-    if codes:
-        out["codes"] = unpack_marlin_weights(tensors[f"{entry.name}.{pn.weight}"], scheme.bits)
     if scheme.zero_points:
         out["zeros"] = unpack_marlin_zero_points(tensors[f"{entry.name}.{pn.zeros}"], scheme.bits)
     if entry.has_bias:
