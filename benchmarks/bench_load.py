@@ -127,9 +127,11 @@ def _env() -> dict[str, str]:
             "VLLM_PORT": str(_PORT[0])}
 
 
+_MARLIN_KEYS = ("marlin-pack: validate", "marlin-pack: placed", "filled its model", "daemon warm-up", "helpers to exit")
+
+
 def _marlin_lines(log: str) -> list[str]:
-    return [x[x.index("marlin-pack:"):] for x in log.splitlines()
-            if any(k in x for k in ("marlin-pack: validate", "marlin-pack: placed", "filled its model", "daemon warm-up"))]
+    return [x[x.index("marlin-pack:"):] for x in log.splitlines() if any(k in x for k in _MARLIN_KEYS)]
 
 
 SPY_DIR: list[Path] = []  # --py-spy DIR

@@ -136,8 +136,10 @@ class BackgroundCopy:
         on_done: Callable[[], None] | None = None,
         gate: threading.Event | None = None,
         then: Sequence[tuple[str | Path, list[CopyItem]]] = (),
+        name: str = "marlin-pack-arena-copy",
     ) -> None:
-        """Copy ``items`` of ``path``, then each ``(path, items)`` of ``then`` with the same reader."""
+        """Copy ``items`` of ``path``, then each ``(path, items)`` of ``then`` with the same reader, on a thread
+        called ``name``."""
         self.bytes = 0
         self.seconds = 0.0
         self.modes_used: set[str] = set()
@@ -147,7 +149,7 @@ class BackgroundCopy:
         self.gate = gate
         devices = {it.dst.device for _, job in self._jobs for it in job}
         self._device = devices.pop() if len(devices) == 1 else None
-        self._thread = threading.Thread(target=self._run, name="marlin-pack-arena-copy")
+        self._thread = threading.Thread(target=self._run, name=name)
         self._thread.start()
 
     def _run(self) -> None:

@@ -66,6 +66,8 @@ __all__ = ["MarlinPrepackedLoader", "uses_helpers"]
 # Common tensors from this size on are read with the parallel reader (see _common_weights), and copied
 # beside the construction with common_during_build (common_prefill).
 _LARGE_COMMON = 16 << 20
+# common_io staged: this process's reader of the common tensors beside the construction (pinned: 2 x 64 MiB a thread).
+_COMMON_STAGED_THREADS, _COMMON_STAGED_CHUNK = 4, 64 << 20
 
 # io_mode auto starts copy helpers only with this many usable cores (4 helpers x 4 threads measured best on 16).
 _HELPER_MIN_CORES = 8
@@ -117,6 +119,13 @@ class _ArenaFill:
     arena: torch.Tensor
     copy: BackgroundCopy
     common: CommonPrefill | None = None  # common_during_build: the large common tensors, copied after the rank file
+    common_copy: BackgroundCopy | None = None  # common_io staged: their own copy, at the same time as the rank file's
+
+    def abandon(self) -> None:
+        """Wait for the copies and drop their outcome (loading is failing or falling back)."""
+        self.copy.abandon()  # its thread writes into the arena (and uses the helpers) until it ends
+        if self.common_copy is not None:
+            self.common_copy.abandon()
 
 
 @dataclass
@@ -141,6 +150,7 @@ class _Timings:
     helpers_ready: float | None = None  # seconds from the helpers' start until the copy found them ready
     common: float = 0.0
     common_beside: int | None = None  # common_during_build: the checkpoint names loaded by the copy beside the construction
+    common_copy: float | None = None  # common_io staged: how long their own copy took, from its start to its end
     post: float = 0.0
 
     @property
@@ -154,7 +164,8 @@ class _Timings:
         return f"{text} beside create and common, waited {self.wait:.2f} s" if self.beside else text
 
     def common_text(self) -> str:
-        beside = "" if self.common_beside is None else f" ({self.common_beside} of its names copied beside the construction)"
+        staged = "" if self.common_copy is None else f", staged in {self.common_copy:.2f} s"
+        beside = "" if self.common_beside is None else f" ({self.common_beside} of its names copied beside the construction{staged})"
         return f"load common {self.common:.2f} s{beside}"
 
     def create_text(self) -> str:
@@ -288,7 +299,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 fill.copy.gate.set()  # built: the engine's process may copy its share now (io_own_share after_build)
         except BaseException:
             if fill is not None:
-                fill.copy.abandon()  # its thread writes into the arena (and uses the helpers) until it ends
+                fill.abandon()
             raise
         layers = quantized_layers(model)
         try:
@@ -302,7 +313,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         except BundleError as e:
             reason, fld = str(e), getattr(e, "field", None) or MismatchField.layers
             if fill is not None:
-                fill.copy.abandon()
+                fill.abandon()
                 fill = None  # the arena goes before the checkpoint loads
                 for module in model.modules():  # vLLM's weight loaders will write into the placeholders
                     materialize_stubs(module)
@@ -348,6 +359,14 @@ class MarlinPrepackedLoader(BaseModelLoader):
         common = CommonPrefill.allocate(bundle, _LARGE_COMMON) if self.options.common_during_build else None
         self._timings.arena = time.perf_counter() - t0
         built = threading.Event() if self.options.io_own_share == "after_build" else None
+        # common_io staged: the common tensors get a reader of their own in this process, through pinned buffers
+        # (no page-locking here beside the construction), while the rank file's reader copies the rank file.
+        common_copy = None
+        if common is not None and self.options.common_io == "staged":
+            common_copy = BackgroundCopy(
+                lambda: ParallelReader(_COMMON_STAGED_THREADS, _COMMON_STAGED_CHUNK, "staged"),
+                bundle.common_file, common.copy_items(), name="marlin-pack-common-copy",
+            )
         copy = BackgroundCopy(
             lambda: self._reader(helpers, own_after=built),
             bundle.rank_file,
@@ -356,9 +375,9 @@ class MarlinPrepackedLoader(BaseModelLoader):
             # (unless they copy the common tensors next: then once those are copied).
             on_done=None if helpers is None or self.options.io_common_by_helpers else (lambda: helpers.close(wait=False)),
             gate=built,
-            then=[] if common is None else [(bundle.common_file, common.copy_items())],
+            then=[] if common is None or common_copy is not None else [(bundle.common_file, common.copy_items())],
         )
-        return _ArenaFill(layout, arena, copy, common)
+        return _ArenaFill(layout, arena, copy, common, common_copy)
 
     def _reader(
         self, helpers: HelperPool | None, mode: str | None = None, own_after: threading.Event | None = None
@@ -390,7 +409,9 @@ class MarlinPrepackedLoader(BaseModelLoader):
             if helpers is not None:
                 # Their CUDA contexts must be gone before vLLM measures the GPU memory left for the KV cache.
                 helpers.close(wait=False)
+                t0 = time.perf_counter()
                 helpers.join()
+                logger.info("marlin-pack: waited %.2f s for the copy helpers to exit", time.perf_counter() - t0)
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         fill, state.fill = state.fill, None
@@ -435,7 +456,15 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 t2 = time.perf_counter()
         finally:
             if fill is not None:
-                waited = fill.copy.join()  # also when loading failed: the copy writes into the arena
+                try:
+                    waited = fill.copy.join()  # also when loading failed: the copy writes into the arena
+                except BaseException:
+                    if fill.common_copy is not None:
+                        fill.common_copy.abandon()
+                    raise
+                if fill.common_copy is not None:
+                    waited += fill.common_copy.join()
+                    self._timings.common_copy = fill.common_copy.seconds
                 self._timings.copy, self._timings.copy_bytes = fill.copy.seconds, fill.copy.bytes
                 self._timings.beside, self._timings.wait = True, waited
                 self._timings.modes = "/".join(sorted(fill.copy.modes_used)) or "-"

@@ -13,13 +13,15 @@ from typing import Any, Literal
 
 from marlin_pack._constants import LOAD_FORMAT
 
-__all__ = ["IO_MODES", "IoMode", "LoaderOptions", "OPTION_KEYS", "OWN_SHARES", "OwnShare", "parse_extra_config"]
+__all__ = ["COMMON_IOS", "CommonIo", "IO_MODES", "IoMode", "LoaderOptions", "OPTION_KEYS", "OWN_SHARES", "OwnShare", "parse_extra_config"]
 
 Verify = Literal["auto", "full", "size"]
 IoMode = Literal["auto", "staged", "registered", "hybrid", "processes"]
 IO_MODES: tuple[str, ...] = ("auto", "staged", "registered", "hybrid", "processes")  # see vllm_plugin/gpu_reader.py
 OwnShare = Literal["during_build", "after_build", "none"]
 OWN_SHARES: tuple[str, ...] = ("during_build", "after_build", "none")
+CommonIo = Literal["with_rank_file", "staged"]
+COMMON_IOS: tuple[str, ...] = ("with_rank_file", "staged")
 _FULL_HASH: dict[str, bool | None] = {"auto": None, "full": True, "size": False}
 
 
@@ -50,6 +52,10 @@ class LoaderOptions:
             (embedding, output head) beside the construction, into tensors of their own that their
             parameters are then pointed at (vLLM's embedding method makes no placeholders meanwhile),
             instead of reading them once the model is built; default false.
+        common_io: with ``common_during_build``, who copies those common tensors: the rank file's
+            reader once the rank file is copied (``with_rank_file``, the default; with helpers,
+            the helpers), or this process at the same time as the rank file, through pinned
+            buffers (``staged``: no pages pinned in the engine's process beside the construction).
         io_own_share: with helpers (``processes``), whether the engine's process copies a share of
             the rank file too: not at all (``none``, the default: the helpers copy everything;
             pages pinned in the engine's process slow its own work beside the copy, vLLM's
@@ -77,6 +83,7 @@ class LoaderOptions:
     io_processes: int | None = None
     copy_during_build: bool = True
     common_during_build: bool = False
+    common_io: CommonIo = "with_rank_file"
     io_own_share: OwnShare = "none"
     io_staged: int = 0
     io_defer_unregister: bool = False
@@ -90,7 +97,7 @@ class LoaderOptions:
 
 OPTION_KEYS = (
     "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "common_during_build",
-    "io_own_share", "io_staged", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
+    "common_io", "io_own_share", "io_staged", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
 )
 
 
@@ -151,6 +158,9 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     own_share = extra.get("io_own_share", LoaderOptions.io_own_share)
     if own_share not in OWN_SHARES:
         raise ValueError(f"model_loader_extra_config['io_own_share'] must be one of {list(OWN_SHARES)}, got {own_share!r}")
+    common_io = extra.get("common_io", LoaderOptions.common_io)
+    if common_io not in COMMON_IOS:
+        raise ValueError(f"model_loader_extra_config['common_io'] must be one of {list(COMMON_IOS)}, got {common_io!r}")
     try:
         bundle_dir = Path(bundle).expanduser() if bundle is not None else None
     except RuntimeError as e:  # "~nosuchuser/x": no such user's home
@@ -164,6 +174,7 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         io_mode=io_mode,
         io_processes=_int_option(extra, "io_processes", LoaderOptions.io_processes, 32),
         copy_during_build=during_build,
+        common_io=common_io,
         io_own_share=own_share,
         io_staged=staged,
         io_helper_nice=nice,

@@ -303,10 +303,15 @@ def test_prepacked_io_modes_match_ordinary_loading(
 
 @pytest.mark.parametrize(
     "io",
-    # In this process (the rank file, then the common tensors, on its reader threads) and by helpers (what
-    # auto picks for a bundle on disk where they fit).
-    [{"common_during_build": True, "io_mode": "staged"}, {"common_during_build": True, "io_mode": "processes", "io_processes": 2}],
-    ids=["staged", "processes"],
+    # In this process (the rank file, then the common tensors, on its reader threads), by helpers (what
+    # auto picks for a bundle on disk where they fit), and by helpers with the common tensors staged in this
+    # process at the same time (common_io staged).
+    [
+        {"common_during_build": True, "io_mode": "staged"},
+        {"common_during_build": True, "io_mode": "processes", "io_processes": 2},
+        {"common_during_build": True, "common_io": "staged", "io_mode": "processes", "io_processes": 2},
+    ],
+    ids=["staged", "processes", "processes-common-staged"],
 )
 def test_common_tensors_copied_beside_the_construction_match_ordinary_loading(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], io: dict[str, Any]
@@ -316,11 +321,12 @@ def test_common_tensors_copied_beside_the_construction_match_ordinary_loading(
     kind = "gptq4-vocab"
     reference = ordinary(kind)
     code, log, result = run_engine(
-        workdir / f"common-{io.get('io_mode', 'auto')}", checkpoints[kind], load_format="marlin_prepacked",
-        model_loader_extra_config=io,
+        workdir / f"common-{io.get('io_mode', 'auto')}-{io.get('common_io', 'with_rank_file')}", checkpoints[kind],
+        load_format="marlin_prepacked", model_loader_extra_config=io,
     )
     assert code == 0 and result is not None, log[-4000:]
-    assert "(2 of its names copied beside the construction)" in log, log[-4000:]
+    beside = "(2 of its names copied beside the construction" + (", staged in " if "common_io" in io else ")")
+    assert beside in log, log[-4000:]
     check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked {io}")
     assert_params_identical(reference["params"], result["params"])
 

@@ -283,12 +283,17 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
     assert loader._timings.beside is during_build and loader._timings.copy_bytes == sum(t.nbytes for t in reference.values())
 
 
+@pytest.mark.parametrize("common_io", ["with_rank_file", "staged"])
 @pytest.mark.parametrize("padded_vocab", [False, True])
-def test_common_tensors_copy_beside_the_construction(make_bundle: Any, monkeypatch: pytest.MonkeyPatch, padded_vocab: bool) -> None:
-    """``common_during_build``: the large common tensors are read by the rank file's background job, started
-    before vLLM builds the model, whose embedding and head (vLLM's own classes) are memory-less stubs meanwhile;
-    once built they point at those copies and are not fed to vLLM. A parameter of another shape (a padded
-    vocabulary) gets memory before vLLM's weight loader writes into it, and holds what that loader writes."""
+def test_common_tensors_copy_beside_the_construction(
+    make_bundle: Any, monkeypatch: pytest.MonkeyPatch, padded_vocab: bool, common_io: str
+) -> None:
+    """``common_during_build``: the large common tensors are read beside vLLM's construction, by the rank file's
+    background job after the rank file (``common_io`` with_rank_file) or by a job of their own at the same time
+    (staged), started before vLLM builds the model, whose embedding and head (vLLM's own classes) are memory-less
+    stubs meanwhile; once built they point at those copies and are not fed to vLLM. A parameter of another shape
+    (a padded vocabulary) gets memory before vLLM's weight loader writes into it, and holds what that loader
+    writes."""
     import threading
 
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -300,7 +305,7 @@ def test_common_tensors_copy_beside_the_construction(make_bundle: Any, monkeypat
     on_reader_copy(monkeypatch, lambda name: reads.append((name, threading.current_thread().name)))
     during = with_vllm_embeddings(monkeypatch, model_dir, padding=64 if padded_vocab else 0)
     vllm_config, model_config = fake_engine(model_dir, "auto_gptq", monkeypatch)
-    loader = make_loader(io_threads=2, chunk_mb=1, common_during_build=True)
+    loader = make_loader(io_threads=2, chunk_mb=1, common_during_build=True, common_io=common_io)
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         from marlin_pack.vllm_plugin import patches
 
@@ -310,7 +315,11 @@ def test_common_tensors_copy_beside_the_construction(make_bundle: Any, monkeypat
         process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= during["stubs"]
     background = [name for name, thread in reads if thread == "marlin-pack-arena-copy"]
-    assert background == ["rank-0.safetensors", "common.safetensors"]  # one job, the common tensors after the rank file
+    own = [name for name, thread in reads if thread == "marlin-pack-common-copy"]
+    if common_io == "staged":  # two jobs, at the same time
+        assert background == ["rank-0.safetensors"] and own == ["common.safetensors"]
+    else:  # one job, the common tensors after the rank file
+        assert background == ["rank-0.safetensors", "common.safetensors"] and own == []
     assert not [n for n, p in model.named_parameters() if is_stub(p)]
     embed, head = model.model.embed_tokens.weight, model.lm_head.weight
     assert torch.equal(head, common["lm_head.weight"]) and "lm_head.weight" not in model.fed
@@ -323,8 +332,11 @@ def test_common_tensors_copy_beside_the_construction(make_bundle: Any, monkeypat
     rank = load_file(str(model_dir / "marlin-pack" / "tp1" / "rank-0.safetensors"))
     large = ("model.embed_tokens.weight", "lm_head.weight")
     assert loader._timings.common_beside == (1 if padded_vocab else 2)
-    assert f"({loader._timings.common_beside} of its names copied beside the construction)" in loader._timings.common_text()
-    assert loader._timings.copy_bytes == sum(t.nbytes for t in rank.values()) + sum(common[n].nbytes for n in large)
+    text = loader._timings.common_text()
+    assert f"({loader._timings.common_beside} of its names copied beside the construction" in text
+    assert (", staged in " in text) is (common_io == "staged")
+    beside = 0 if common_io == "staged" else sum(common[n].nbytes for n in large)
+    assert loader._timings.copy_bytes == sum(t.nbytes for t in rank.values()) + beside
 
 
 def test_stub_placeholders_are_left_to_finishing(make_bundle: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -497,9 +509,10 @@ def test_create_model_kernel_mismatch_refuses_or_falls_back(awq_bundle: Path, mo
     assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_stub(t)]
 
 
+@pytest.mark.parametrize("common_io", ["with_rank_file", "staged"])
 @pytest.mark.parametrize("fallback", [False, True])
 def test_common_copies_dropped_when_the_built_model_does_not_fit(
-    make_bundle: Any, monkeypatch: pytest.MonkeyPatch, fallback: bool
+    make_bundle: Any, monkeypatch: pytest.MonkeyPatch, fallback: bool, common_io: str
 ) -> None:
     """``common_during_build`` and a layer vLLM built on another kernel: the load is refused, or (fallback)
     the checkpoint loads the ordinary way into a model without stubs; the embedding and the head are
@@ -515,7 +528,7 @@ def test_common_copies_dropped_when_the_built_model_does_not_fit(
     on_reader_copy(monkeypatch, reads.append)
     during = with_vllm_embeddings(monkeypatch, model_dir)
     vllm_config, model_config = fake_engine(model_dir, "auto_gptq", monkeypatch)
-    loader = make_loader(io_threads=2, chunk_mb=1, common_during_build=True, fallback=fallback)
+    loader = make_loader(io_threads=2, chunk_mb=1, common_during_build=True, fallback=fallback, common_io=common_io)
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         from marlin_pack.vllm_plugin import patches
 
@@ -528,8 +541,8 @@ def test_common_copies_dropped_when_the_built_model_does_not_fit(
             model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
             loader.load_weights(model, model_config)  # type: ignore[arg-type]
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= during["stubs"]
-    assert reads[:2] == ["rank-0.safetensors", "common.safetensors"]  # the copy beside the construction ran, and ended
-    assert not [t for t in threading.enumerate() if t.name == "marlin-pack-arena-copy"]
+    assert sorted(reads[:2]) == ["common.safetensors", "rank-0.safetensors"]  # the copies beside the construction ran, and ended
+    assert not [t for t in threading.enumerate() if t.name in ("marlin-pack-arena-copy", "marlin-pack-common-copy")]
     if fallback:
         assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_stub(t)]
         assert not any(is_prepacked(m) for m in model.modules())
