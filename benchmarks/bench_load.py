@@ -127,7 +127,7 @@ def _env() -> dict[str, str]:
             "VLLM_PORT": str(_PORT[0])}
 
 
-_MARLIN_KEYS = ("marlin-pack: validate", "marlin-pack: placed", "filled its model", "daemon warm-up", "helpers to exit")
+_MARLIN_KEYS = ("marlin-pack: validate", "marlin-pack: placed", "filled its model", "daemon warm-up", "copy helpers")
 
 
 def _marlin_lines(log: str) -> list[str]:

@@ -50,7 +50,7 @@ from marlin_pack.io.safetensors_io import TensorInfo
 from marlin_pack.vllm_plugin import patches
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
 from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, plain_copy_target
-from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool
+from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool, exits_in_background
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader, resolve_mode
@@ -407,11 +407,13 @@ class MarlinPrepackedLoader(BaseModelLoader):
             self._load_bundle(state, state.bundle, model, helpers)
         finally:
             if helpers is not None:
-                # Their CUDA contexts must be gone before vLLM measures the GPU memory left for the KV cache.
                 helpers.close(wait=False)
-                t0 = time.perf_counter()
-                helpers.join()
-                logger.info("marlin-pack: waited %.2f s for the copy helpers to exit", time.perf_counter() - t0)
+                if exits_in_background():  # a weight-cache daemon: nothing is measured after its fill
+                    logger.info("marlin-pack: the copy helpers exit in the background (weight-cache daemon)")
+                else:  # their CUDA contexts must be gone before vLLM measures the GPU memory left for the KV cache
+                    t0 = time.perf_counter()
+                    helpers.join()
+                    logger.info("marlin-pack: waited %.2f s for the copy helpers to exit", time.perf_counter() - t0)
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         fill, state.fill = state.fill, None

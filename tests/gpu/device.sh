@@ -11,6 +11,8 @@ mkdir -p "${OUT:-/tmp/out}"
 # vLLM's model-info cache written on the CPU machine (tests/gpu/modelinfo_cache.py), when this call carries it:
 # no ~25 s model-class inspection before the first engine of each architecture
 if [ -d .device-carry/mi/modelinfos ]; then
-  mkdir -p "${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}" && cp -rn .device-carry/mi/modelinfos "${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/"
+  # keep files already there; coreutils 9.5 warns about -n, older ones lack --update=none
+  cache="${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}"
+  mkdir -p "$cache" && { cp -r --update=none .device-carry/mi/modelinfos "$cache/" 2>/dev/null || cp -rn .device-carry/mi/modelinfos "$cache/"; }
 fi
 python3 -m pytest -m gpu -v -rA -s -p no:cacheprovider --basetemp=/tmp/pt --durations=0 --durations-min=5 "$@" 2>&1 | tee -a "${OUT:-/tmp/out}/pytest.log" | grep -E "PASSED|FAILED|ERROR|bit-identical|marlin-pack:|Model loading took|ordinary|prepacked|passed|failed|Error|error|^[0-9.]+s (setup|call) " | cut -c1-400

@@ -640,7 +640,7 @@ class _FakeHelpers:
         self.events.append("joined")
 
 
-@pytest.mark.parametrize("case", ["loads", "refused", "falls back", "common by helpers"])
+@pytest.mark.parametrize("case", ["loads", "refused", "falls back", "common by helpers", "daemon"])
 def test_processes_mode_helpers_start_before_creation_and_always_end(
     awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, case: str, marlin_log: list[str]
 ) -> None:
@@ -649,8 +649,12 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     on the copy's thread, so maybe before the construction ends; but gone before loading returns: vLLM
     measures the free GPU memory next), or when the bundle is refused or not used. With
     ``io_common_by_helpers`` they copy the common tensors next (the common reader is given them), so
-    they end only once those are loaded."""
+    they end only once those are loaded. In a weight-cache daemon (``exit_in_background``), which measures
+    no memory after its fill, loading ends them without waiting for them to exit."""
+    import contextlib
+
     import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin.copy_helpers import exit_in_background
     from marlin_pack.vllm_plugin.engine import layer_facts
 
     events = _FakeHelpers.events = []
@@ -683,18 +687,24 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
                 loader.create_model(vllm_config, model_config)
         else:
             model = loader.create_model(vllm_config, model_config)
-            if case in ("loads", "common by helpers"):
+            if case in ("loads", "common by helpers", "daemon"):
                 assert events[:1] == ["start 2 helpers for device 3"] and "create" in events
-                loader.load_weights(model, model_config)  # CPU destinations: read here, the helpers unused
+                with exit_in_background() if case == "daemon" else contextlib.nullcontext():
+                    loader.load_weights(model, model_config)  # CPU destinations: read here, the helpers unused
     assert len(seen) == 1
     assert events[0] == "start 2 helpers for device 3"
     if by_helpers:  # ended by loading, after the common tensors; the common reader had them
         assert events[1:] == ["create", "close wait=False", "joined"]
         assert readers[-1][1] == "processes" and isinstance(readers[-1][0], _FakeHelpers)
         return
-    # The copy's thread ends them as its copy ends (before or after the construction); then joined.
+    # The copy's thread ends them as its copy ends (before or after the construction); then joined (not by a daemon).
     assert sorted(events[1:3]) == ["close wait=False", "create"]
-    assert events[3:] == ["joined"]
+    assert events[3:] == ([] if case == "daemon" else ["joined"])
+    if case == "daemon":
+        assert any("the copy helpers exit in the background" in m for m in marlin_log)
+        assert not any("for the copy helpers to exit" in m for m in marlin_log)
+    elif case == "loads":
+        assert any("for the copy helpers to exit" in m for m in marlin_log)
     if case == "loads":
         assert readers[-1] == (None, "registered")  # the common tensors: read here, beside the helpers' copy
         assert any("placed" in m and "helpers ready after 0.25 s" in m for m in marlin_log)  # the pool's own figure

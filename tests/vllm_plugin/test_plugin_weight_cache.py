@@ -177,7 +177,11 @@ def test_daemon_get_model_forces_marlin_times_and_hints(marlin_log: list[str]) -
     )
     fake.vllm_config.load_config = SimpleNamespace(load_format="marlin_prepacked")
     get_model = _patch("WeightCacheDaemon.get_model").make
-    assert get_model(lambda self: "model")(fake) == "model"
+    from marlin_pack.vllm_plugin.copy_helpers import exits_in_background
+
+    inside: list[bool] = []
+    assert get_model(lambda self: inside.append(exits_in_background()) or "model")(fake) == "model"
+    assert inside == [True] and not exits_in_background()  # the loader's copy helpers exit in the background, during the fill only
     assert fake.vllm_config.kernel_config.linear_backend_per_quant == {"mixed_precision": "marlin"}
     with pytest.raises(UnsupportedQuantForIPCError):
         get_model(refuse)(fake)

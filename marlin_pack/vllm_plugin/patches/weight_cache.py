@@ -155,9 +155,12 @@ def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], n
         # As in engines: the daemon calls the loader's create_model/load_weights, not its load_model (which
         # freezes), and full collections during the construction would walk every object of the imports.
         freeze_gc_heap()
+        from marlin_pack.vllm_plugin.copy_helpers import exit_in_background
+
         t0 = time.perf_counter()
         try:
-            model = original(self)
+            with exit_in_background():  # the loader's copy helpers: no memory is measured after a daemon's fill
+                model = original(self)
         except Exception as e:
             _log_hint(e)
             raise
