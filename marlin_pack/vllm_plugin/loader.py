@@ -118,7 +118,7 @@ class _ArenaFill:
     layout: ArenaLayout
     arena: torch.Tensor
     copy: BackgroundCopy
-    common: CommonPrefill | None = None  # common_during_build: the large common tensors, copied after the rank file
+    common: CommonPrefill | None = None  # common_during_build: the large common tensors (after the rank file, or see common_copy)
     common_copy: BackgroundCopy | None = None  # common_io staged: their own copy, at the same time as the rank file's
 
     def abandon(self) -> None:
