@@ -13,7 +13,8 @@ page cache, and times on one thread: populating the page-table entries of a fres
 (``MADV_POPULATE_READ``, which the reader does before pinning), ``mlock`` + ``munlock`` (the
 CPU side of pinning, measurable without a GPU) and, where ``libcuda.so.1`` loads and a GPU is
 there, ``cuMemHostRegister`` (read-only) + ``cuMemHostUnregister`` of ``--window-mib`` windows.
-Prints GB/s per step and each directory's ratio to the first. Standard library only.
+Prints GB/s per step and each directory's ratio to the first. Standard library only (and the copy
+helpers' own ctypes bindings).
 """
 
 from __future__ import annotations
@@ -26,34 +27,28 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-_MADV_POPULATE_READ = 22
-_REGISTER_READ_ONLY = 0x01 | 0x08  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY
+# The copy helpers' own driver and libc bindings (standard library only), so this measures what they do.
+from marlin_pack.vllm_plugin.copy_helper_main import _MADV_POPULATE_READ, _REGISTER_FLAGS, _Driver, _libc
 
 
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    for name in ("mlock", "munlock", "madvise", "munmap"):
-        getattr(libc, name).argtypes = [ctypes.c_void_p, ctypes.c_size_t] + ([ctypes.c_int] if name == "madvise" else [])
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+def _locking_libc() -> ctypes.CDLL:
+    libc = _libc()
+    libc.mlock.argtypes = libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
 
 
-def _cuda() -> Callable[..., int] | None:
-    """A caller of CUDA driver functions with a current context, or None without a GPU."""
+def _cuda() -> _Driver | None:
+    """The CUDA driver with device 0's primary context current, or None without a GPU."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+        cu = _Driver()
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        cu("cuInit", 0)
+        cu("cuDeviceGet", ctypes.byref(dev), 0)
+        cu("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+        cu("cuCtxSetCurrent", ctx)
+    except (OSError, RuntimeError):
         return None
-
-    def call(name: str, *args: object) -> int:
-        fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
-        return int(fn(*args))
-
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    if call("cuInit", 0) or call("cuDeviceGet", ctypes.byref(dev), 0) or call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev):
-        return None
-    return call if call("cuCtxSetCurrent", ctx) == 0 else None
+    return cu
 
 
 def _file(directory: Path, size: int) -> Path:
@@ -95,7 +90,7 @@ def main() -> None:
     args = ap.parse_args()
     size = (int(args.gb * (1 << 30)) // (64 << 20)) * (64 << 20)
     window = args.window_mib << 20
-    libc, cuda = _libc(), _cuda()
+    libc, cuda = _locking_libc(), _cuda()
 
     def populate(a: int) -> None:
         if libc.madvise(a, size, _MADV_POPULATE_READ) != 0:
@@ -110,9 +105,7 @@ def main() -> None:
         assert cuda is not None
         for lo in range(0, size, window):
             n = min(window, size - lo)
-            err = cuda("cuMemHostRegister", ctypes.c_void_p(a + lo), ctypes.c_size_t(n), ctypes.c_uint(_REGISTER_READ_ONLY))
-            if err:
-                raise RuntimeError(f"cuMemHostRegister failed with CUDA error {err}")
+            cuda("cuMemHostRegister", ctypes.c_void_p(a + lo), ctypes.c_size_t(n), ctypes.c_uint(_REGISTER_FLAGS))
             cuda("cuMemHostUnregister", ctypes.c_void_p(a + lo))
 
     steps: dict[str, Callable[[int], None]] = {"populate": populate, "mlock+munlock": lock}

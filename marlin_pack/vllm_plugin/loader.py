@@ -127,6 +127,16 @@ class _ArenaFill:
         if self.common_copy is not None:
             self.common_copy.abandon()
 
+    def join(self) -> float:
+        """Wait for the copies (both end, also when one failed); returns the seconds waited. Raises what a copy raised."""
+        try:
+            waited = self.copy.join()
+        except BaseException:
+            if self.common_copy is not None:
+                self.common_copy.abandon()
+            raise
+        return waited + (self.common_copy.join() if self.common_copy is not None else 0.0)
+
 
 @dataclass
 class _ModelState:
@@ -458,14 +468,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 t2 = time.perf_counter()
         finally:
             if fill is not None:
-                try:
-                    waited = fill.copy.join()  # also when loading failed: the copy writes into the arena
-                except BaseException:
-                    if fill.common_copy is not None:
-                        fill.common_copy.abandon()
-                    raise
+                waited = fill.join()  # also when loading failed: the copies write into the arena and the common tensors
                 if fill.common_copy is not None:
-                    waited += fill.common_copy.join()
                     self._timings.common_copy = fill.common_copy.seconds
                 self._timings.copy, self._timings.copy_bytes = fill.copy.seconds, fill.copy.bytes
                 self._timings.beside, self._timings.wait = True, waited
