@@ -13,8 +13,8 @@ import stat
 from pathlib import Path
 
 __all__ = [
-    "MEMORY_FILESYSTEMS", "NotRegularFileError", "FileTooLargeError", "filesystem_type", "open_regular", "read_limited",
-    "rename_no_replace",
+    "MEMORY_FILESYSTEMS", "NotRegularFileError", "FileTooLargeError", "filesystem_type", "in_base_memory_pages",
+    "open_regular", "read_limited", "rename_no_replace",
 ]
 
 # Filesystems whose pages are memory (shmem): no device behind the page cache. The loader stages
@@ -102,23 +102,61 @@ def rename_no_replace(src: Path, dst: Path) -> None:
     os.rename(src, dst)
 
 
+def _mount_of(path: str | Path, mounts: str | Path) -> tuple[str, frozenset[str]] | None:
+    """The type and options of the filesystem ``path`` is on (the longest mount point above it)."""
+    try:
+        target = os.path.realpath(path)
+        best, found = "", None
+        with open(mounts) as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 4:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, found = mount, (fields[2], frozenset(fields[3].split(",")))
+        return found
+    except OSError:
+        return None
+
+
 def filesystem_type(path: str | Path, mounts: str | Path = "/proc/self/mounts") -> str | None:
     """The type of the filesystem ``path`` is on (the longest mount point above it), or None if unknown.
 
     ``path`` need not exist (a file about to be created: its directory decides).
     """
+    found = _mount_of(path, mounts)
+    return None if found is None else found[0]
+
+
+# tmpfs mount options under which a large file is held in 2 MiB pages (``advise`` only with madvise).
+_HUGE_TMPFS_OPTIONS = frozenset({"huge=always", "huge=within_size"})
+
+
+def in_base_memory_pages(
+    path: str | Path,
+    mounts: str | Path = "/proc/self/mounts",
+    shmem_policy: str | Path = "/sys/kernel/mm/transparent_hugepage/shmem_enabled",
+) -> bool:
+    """Whether ``path`` is on a memory filesystem that holds files in base (4 KiB) pages.
+
+    Such files are slow to page-lock in place: pinning walks every page (``benchmarks/bench_pin.py``
+    on an H200 host: ``cuMemHostRegister`` 16.1 GB/s on a default tmpfs against 37.2 GB/s on a
+    ``huge=always`` tmpfs and 37.1 GB/s on ext4). True for ramfs and for tmpfs unless mounted
+    ``huge=always`` or ``huge=within_size`` or the kernel forces huge pages on every tmpfs
+    (``shmem_enabled`` ``[force]``; ``[deny]`` turns them off everywhere).
+    """
+    found = _mount_of(path, mounts)
+    if found is None or found[0] not in MEMORY_FILESYSTEMS:
+        return False
+    fstype, options = found
+    if fstype != "tmpfs":
+        return True
     try:
-        target = os.path.realpath(path)
-        best, fstype = "", None
-        with open(mounts) as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mount = fields[1].replace("\\040", " ")
-                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best):
-                    best, fstype = mount, fields[2]
-        return fstype
+        policy = Path(shmem_policy).read_text()
     except OSError:
-        return None
+        policy = ""
+    if "[deny]" in policy:
+        return True
+    return not ("[force]" in policy or options & _HUGE_TMPFS_OPTIONS)

@@ -30,8 +30,12 @@ pinned host-to-GPU 55.5 GB/s): registered 16 threads x 256 MiB 25.9 GB/s, 8 x 25
 4.7-9.7 GB/s. Hence :data:`MODE_DEFAULTS` (registered: 16 threads, 256 MiB windows). A thread whose
 registration fails stages its windows instead (with a warning).
 
-A bundle on tmpfs (``/dev/shm``) behaves differently: a 70B rank file there measured 10.1 GB/s
-registered against 12.7-19.7 GB/s staged, so ``auto`` (the default) stages files on tmpfs; other
+A bundle on a default tmpfs (``/dev/shm``, 4 KiB pages) behaves differently: a 70B rank file there
+measured 10.1 GB/s registered against 12.7-19.7 GB/s staged, because page-locking walks every page
+(``benchmarks/bench_pin.py``: ``cuMemHostRegister`` 16.1 GB/s there against 37.1 GB/s on ext4 and
+37.2 GB/s on a ``huge=always`` tmpfs). So ``auto`` (the default) stages files on a tmpfs without
+huge pages (:func:`marlin_pack.io.files.in_base_memory_pages`); on a huge-page tmpfs a 70B rank
+file measured 2.69 s staged against 1.66-2.05 s ``processes`` ("Model loading took"). Other
 files go ``processes`` when the reader was given a :class:`HelperPool` (the loader starts one when
 they can help, see ``loader.helpers_help``), else ``registered``. File reads, registration and copies
 release the GIL, so Python overhead is per window, not per byte. CPU destinations are
@@ -60,7 +64,7 @@ from pathlib import Path
 import torch
 
 from marlin_pack.errors import BundleError
-from marlin_pack.io.files import MEMORY_FILESYSTEMS, filesystem_type
+from marlin_pack.io.files import in_base_memory_pages
 from marlin_pack.vllm_plugin.copy_helpers import HelperPool
 from marlin_pack.vllm_plugin.options import IO_MODES, IoMode
 
@@ -239,11 +243,12 @@ MODE_DEFAULTS: dict[str, tuple[int, int]] = {
     "processes": (4, 256 << 20),  # threads per helper process
 }
 def resolve_mode(mode: str, path: str | Path, helpers: bool = False) -> str:
-    """``auto``: ``staged`` for a file in memory (tmpfs), else ``processes`` when copy helpers are
-    available (``helpers``: the caller started or may start a :class:`HelperPool`), else ``registered``."""
+    """``auto``: ``staged`` for a file in memory held in 4 KiB pages (a tmpfs without huge pages), else
+    ``processes`` when copy helpers are available (``helpers``: the caller started or may start a
+    :class:`HelperPool`), else ``registered``."""
     if mode != "auto":
         return mode
-    if filesystem_type(path) in MEMORY_FILESYSTEMS:
+    if in_base_memory_pages(path):
         return "staged"
     return "processes" if helpers else "registered"
 

@@ -99,8 +99,8 @@ def helpers_help(vllm_config: VllmConfig, model_config: ModelConfig) -> bool:
 def uses_helpers(io_mode: str, path: Callable[[], Path], usable: Callable[[], bool]) -> bool:
     """Whether ``io_mode`` copies the bundle file at ``path()`` with helper processes (``processes``).
 
-    ``auto`` does where helpers are ``usable()`` and the file is not on tmpfs (:func:`resolve_mode`);
-    both are asked only for ``auto``.
+    ``auto`` does where helpers are ``usable()`` and the file is not on a tmpfs of 4 KiB pages
+    (:func:`resolve_mode`); both are asked only for ``auto``.
     """
     if io_mode != "auto":
         return io_mode == "processes"

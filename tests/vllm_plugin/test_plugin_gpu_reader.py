@@ -85,13 +85,52 @@ def test_windows_are_page_aligned_and_cover_every_byte(awq_bundle: Path, chunk: 
     assert len(wins) >= (1 if chunk > path.stat().st_size else 2)
 
 
+@pytest.mark.parametrize(
+    ("path", "policy", "base_pages"),
+    [
+        ("/dev/shm/b", "always within_size advise [never] deny force", True),  # a default tmpfs
+        ("/mnt/hp/b", "always within_size advise [never] deny force", False),  # huge=always
+        ("/mnt/ws/b", "always within_size advise [never] deny force", False),  # huge=within_size
+        ("/mnt/adv/b", "always within_size advise [never] deny force", True),  # huge=advise: only on madvise
+        ("/mnt/ram/b", "always within_size advise [never] deny force", True),  # ramfs: never huge
+        ("/data/b", "always within_size advise [never] deny force", False),  # a disk
+        ("/dev/shm/b", "always within_size advise never deny [force]", False),  # forced on every tmpfs
+        ("/mnt/ram/b", "always within_size advise never deny [force]", True),  # ... not on ramfs
+        ("/mnt/hp/b", "always within_size advise never [deny] force", True),  # denied on every tmpfs
+        ("/mnt/hp/b", None, False),  # no policy file (older kernels, no THP): the mount decides
+        ("/dev/shm/b", None, True),
+    ],
+)
+def test_base_memory_pages_follow_the_mount_and_the_kernel_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, policy: str | None, base_pages: bool
+) -> None:
+    """Files on a tmpfs of 4 KiB pages are slow to page-lock in place; a huge-page tmpfs is not."""
+    from marlin_pack.io.files import in_base_memory_pages
+    from marlin_pack.vllm_plugin import gpu_reader
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/vda1 / ext4 rw,relatime 0 0\ntmpfs /dev/shm tmpfs rw,relatime,size=1024k 0 0\n"
+        "tmpfs /mnt/hp tmpfs rw,relatime,size=41943040k,huge=always 0 0\n"
+        "tmpfs /mnt/ws tmpfs rw,huge=within_size,size=4g 0 0\ntmpfs /mnt/adv tmpfs rw,huge=advise 0 0\n"
+        "none /mnt/ram ramfs rw 0 0\n/dev/vdb /data xfs rw 0 0\n"
+    )
+    shmem = tmp_path / "shmem_enabled"
+    if policy is not None:
+        shmem.write_text(policy + "\n")
+    assert in_base_memory_pages(path, mounts, shmem) is base_pages
+    # auto stages exactly those, and copies the rest with helpers where it may
+    monkeypatch.setattr(gpu_reader, "in_base_memory_pages", lambda p: in_base_memory_pages(p, mounts, shmem))
+    assert gpu_reader.resolve_mode("auto", path, helpers=True) == ("staged" if base_pages else "processes")
+
+
 def test_unknown_io_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="io mode 'fast': expected one of auto, staged, registered, hybrid"):
         ParallelReader(mode="fast")  # type: ignore[arg-type]
 
 
 def test_auto_mode_stages_files_in_memory_and_registers_the_rest(tmp_path: Path) -> None:
-    from marlin_pack.io.files import filesystem_type
+    from marlin_pack.io.files import filesystem_type, in_base_memory_pages
     from marlin_pack.vllm_plugin.gpu_reader import MODE_DEFAULTS, resolve_mode
 
     mounts = tmp_path / "mounts"
@@ -106,9 +145,9 @@ def test_auto_mode_stages_files_in_memory_and_registers_the_rest(tmp_path: Path)
     assert filesystem_type("/x", tmp_path / "missing") is None
     assert resolve_mode("staged", "/dev/shm/x") == "staged"
     here = resolve_mode("auto", tmp_path / "f")
-    assert here == ("staged" if filesystem_type(tmp_path) in ("tmpfs", "ramfs") else "registered")
+    assert here == ("staged" if in_base_memory_pages(tmp_path) else "registered")
     with_helpers = resolve_mode("auto", tmp_path / "f", helpers=True)
-    assert with_helpers == ("staged" if filesystem_type(tmp_path) in ("tmpfs", "ramfs") else "processes")
+    assert with_helpers == ("staged" if in_base_memory_pages(tmp_path) else "processes")
     assert resolve_mode("registered", tmp_path / "f", helpers=True) == "registered"
     plan = ParallelReader(mode="auto").plan(tmp_path / "f")
     assert (plan.threads, plan.chunk) == MODE_DEFAULTS[plan.mode]

@@ -739,7 +739,7 @@ def test_auto_io_mode_starts_helpers_only_where_they_help(
     room = 4 * (512 << 20) - (1 if change == "gpu nearly full" else 0)  # 4 helpers by default, 512 MiB each
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (bundle_bytes + room, 80 << 30))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4 if change == "few cores" else 16)))
-    monkeypatch.setattr(gpu_reader, "filesystem_type", lambda path: "tmpfs" if change == "tmpfs" else "ext4")
+    monkeypatch.setattr(gpu_reader, "in_base_memory_pages", lambda path: change == "tmpfs")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     if change == "expandable segments":
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6, expandable_segments:True")
