@@ -3,6 +3,10 @@ safetensors header says, with windows smaller than the tensors (split) and large
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -103,3 +107,57 @@ def test_processes_mode_left_windows_are_read_here(tensor_file: Path) -> None:
         assert pool.failures and "injected" in pool.failures[0]
     for name, t in want.items():
         assert torch.equal(out[name].cpu(), t), name
+
+
+@pytest.fixture(scope="module")
+def huge_tmpfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A tmpfs of 2 MiB pages (``huge=always``), where root may mount one."""
+    mount = tmp_path_factory.mktemp("huge-tmpfs")
+    if os.geteuid() != 0:
+        pytest.skip("mounting a huge-page tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=always,size=64m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a huge-page tmpfs: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("place", ["huge tmpfs", "/dev/shm"])
+def test_auto_mode_copies_with_helpers_from_a_huge_page_tmpfs(
+    tensor_file: Path, request: pytest.FixtureRequest, place: str
+) -> None:
+    """``auto`` with helpers: a file on a huge-page tmpfs is page-locked in place by the helpers as a file on
+    disk is (measured as fast to pin), one on a tmpfs of 4 KiB pages is staged; every byte lands either way."""
+    from marlin_pack.io.files import in_base_memory_pages
+    from marlin_pack.vllm_plugin.copy_helpers import HelperPool
+    from marlin_pack.vllm_plugin.gpu_reader import resolve_mode
+
+    if place == "/dev/shm":
+        if not Path("/dev/shm").is_dir():
+            pytest.skip("no /dev/shm")
+        directory = Path("/dev/shm") / f"marlin-pack-test-{os.getpid()}"
+        directory.mkdir(exist_ok=True)
+    else:
+        directory = request.getfixturevalue("huge_tmpfs")
+    path = directory / tensor_file.name
+    shutil.copyfile(tensor_file, path)
+    try:
+        expected = "staged" if place == "/dev/shm" and in_base_memory_pages(path) else "processes"
+        assert place == "/dev/shm" or not in_base_memory_pages(path)
+        assert resolve_mode("auto", path, helpers=True) == expected
+        header = read_header(path)
+        want = load_file(str(path))
+        out = {n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
+        with HelperPool(2, torch.cuda.current_device()) as pool:
+            with ParallelReader(threads=2, chunk_bytes=1 << 20, mode="auto", helpers=pool) as r:
+                r.copy(path, [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()])
+            assert r.modes_used == {expected}
+            assert pool.failures == []
+        for name, t in want.items():
+            assert torch.equal(out[name].cpu(), t), name
+    finally:
+        path.unlink()
+        if place == "/dev/shm":
+            directory.rmdir()
