@@ -17,9 +17,10 @@ __all__ = [
     "open_regular", "read_limited", "rename_no_replace",
 ]
 
-# Filesystems whose pages are memory (shmem): no device behind the page cache. The loader stages
-# such files rather than pinning them in place (measured faster); the bundle writer writes them
-# through the page cache rather than O_DIRECT (which there is one more copy, not one less).
+# Filesystems whose pages are memory (shmem): no device behind the page cache. The bundle writer
+# writes such files through the page cache rather than O_DIRECT (which there is one more copy, not
+# one less); the loader stages those held in 4 KiB pages rather than pinning them in place
+# (in_base_memory_pages: measured faster).
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "shm"})
 
 
