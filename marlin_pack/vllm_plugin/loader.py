@@ -26,11 +26,13 @@ checkpoint is loaded by vLLM's ``DefaultModelLoader``; without it the load stops
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -51,8 +53,7 @@ from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, p
 from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool, exits_in_background
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
-from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader
-from marlin_pack.vllm_plugin.helper_policy import claim_early, helpers_help, pool_key, uses_helpers
+from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader, resolve_mode
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
@@ -60,7 +61,7 @@ from marlin_pack.vllm_plugin.patches.placeholders import stub_quantized_placehol
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
-__all__ = ["MarlinPrepackedLoader"]
+__all__ = ["MarlinPrepackedLoader", "uses_helpers"]
 
 # Common tensors from this size on are read with the parallel reader (see _common_weights), and copied
 # beside the construction with common_during_build (common_prefill).
@@ -68,8 +69,42 @@ _LARGE_COMMON = 16 << 20
 # common_io staged: this process's reader of the common tensors beside the construction (pinned: 2 x 64 MiB a thread).
 _COMMON_STAGED_THREADS, _COMMON_STAGED_CHUNK = 4, 64 << 20
 
+# io_mode auto starts copy helpers only with this many usable cores (4 helpers x 4 threads measured best on 16).
+_HELPER_MIN_CORES = 8
 # GPU memory set aside per copy helper's CUDA context (a driver-API context without torch; generous).
 _HELPER_CONTEXT_BYTES = 512 << 20
+
+
+def helpers_help(vllm_config: VllmConfig, model_config: ModelConfig) -> bool:
+    """Whether ``io_mode: auto`` should copy a bundle with helper processes (``processes``).
+
+    Only where that was measured to pay and to work: one engine process on the host's GPUs
+    (TP=1, no pipeline or data parallelism: several ranks would each start helpers and contend
+    for cores and page pins), enough cores, and device memory from PyTorch's ordinary
+    allocator (the helpers open it with legacy CUDA IPC, which the sleep-mode allocator and
+    ``expandable_segments`` do not support). Elsewhere ``auto`` stays ``registered``.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return (
+        vllm_config.parallel_config.world_size_across_dp == 1
+        and not model_config.enable_sleep_mode
+        and "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+        and cores >= _HELPER_MIN_CORES
+    )
+
+
+def uses_helpers(io_mode: str, path: Callable[[], Path], usable: Callable[[], bool]) -> bool:
+    """Whether ``io_mode`` copies the bundle file at ``path()`` with helper processes (``processes``).
+
+    ``auto`` does where helpers are ``usable()`` and the file is not on a tmpfs of 4 KiB pages
+    (:func:`resolve_mode`); both are asked only for ``auto``.
+    """
+    if io_mode != "auto":
+        return io_mode == "processes"
+    return resolve_mode(io_mode, path(), helpers=usable()) == "processes"
 
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
@@ -123,7 +158,6 @@ class _Timings:
     wait: float = 0.0  # beside: how long loading then waited for the copy
     modes: str = "-"  # the reader modes the copy used
     helpers_ready: float | None = None  # seconds from the helpers' start until the copy found them ready
-    helpers_early: bool = False  # the helpers were started as the weight-cache daemon began (helper_policy.start_early)
     common: float = 0.0
     common_beside: int | None = None  # common_during_build: the checkpoint names loaded by the copy beside the construction
     common_copy: float | None = None  # common_io staged: how long their own copy took, from its start to its end
@@ -136,8 +170,7 @@ class _Timings:
     def copy_text(self) -> str:
         text = f"read+copy {self.copy:.2f} s ({self.copy_bytes / 1e9:.2f} GB, {self.rate:.1f} GB/s)"
         if self.helpers_ready is not None:
-            early = " (started with the daemon)" if self.helpers_early else ""
-            text += f", helpers{early} ready after {self.helpers_ready:.2f} s"
+            text += f", helpers ready after {self.helpers_ready:.2f} s"
         return f"{text} beside create and common, waited {self.wait:.2f} s" if self.beside else text
 
     def common_text(self) -> str:
@@ -240,36 +273,29 @@ class MarlinPrepackedLoader(BaseModelLoader):
         return model
 
     def _start_helpers(self, vllm_config: VllmConfig, model_config: ModelConfig, bundle: SelectedBundle) -> HelperPool | None:
-        """Helpers for the ``processes`` mode (those a weight-cache daemon started early, if they match); None for other modes."""
+        """Helpers for the ``processes`` mode; None for other modes."""
         if not torch.cuda.is_available():
             return None
-        key = pool_key(self.options, torch.cuda.current_device())
-        early = claim_early(key)
-
         def usable() -> bool:
-            return helpers_help(vllm_config, model_config) and self._helpers_fit(bundle, contexts_up=early is not None)
+            return helpers_help(vllm_config, model_config) and self._helpers_fit(bundle)
 
         if not uses_helpers(self.options.io_mode, lambda: bundle.rank_file, usable):
-            if early is not None:
-                early.close(wait=not exits_in_background())
             return None
-        self._timings.helpers_early = early is not None
-        return early or HelperPool(
-            self.options.io_processes, key[1],
+        return HelperPool(
+            self.options.io_processes, torch.cuda.current_device(),
             staged=self.options.io_staged, defer_unregister=self.options.io_defer_unregister, nice=self.options.io_helper_nice,
         )
 
-    def _helpers_fit(self, bundle: SelectedBundle, contexts_up: bool = False) -> bool:
+    def _helpers_fit(self, bundle: SelectedBundle) -> bool:
         """Whether the GPU has room for the helpers' CUDA contexts beside the model's weights.
 
         They live only while the model loads, but a model that just fits must not fail to load
-        because of them (``auto`` then stays in-process). ``contexts_up``: they are already
-        started (a daemon's early helpers), so the free memory already counts them.
+        because of them (``auto`` then stays in-process).
         """
         count = self.options.io_processes or DEFAULT_PROCESSES
         free, _ = torch.cuda.mem_get_info()
         weights = sum(f.stat().st_size for f in (bundle.rank_file, bundle.common_file))
-        return free >= weights + (0 if contexts_up else count * _HELPER_CONTEXT_BYTES)
+        return free >= weights + count * _HELPER_CONTEXT_BYTES
 
     def _create_checked(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, bundle: SelectedBundle, t0: float,

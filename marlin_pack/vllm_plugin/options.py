@@ -71,10 +71,6 @@ class LoaderOptions:
         io_helper_nice: with helpers, the niceness they add to their own (``os.nice``), so that
             vLLM's own work beside the copy (building the model, placing, the common tensors)
             keeps its CPU time; 0..19, default 0.
-        io_early_helpers: in a weight-cache daemon (``vllm preload``) whose loader would copy with
-            helpers, start them as the daemon's process begins, before vLLM's set-up and the
-            model's imports, so that they are ready when the copy starts (see
-            :mod:`.helper_policy`); default true. Engines start them when the model is built.
     """
 
     bundle: Path | None = None
@@ -93,7 +89,6 @@ class LoaderOptions:
     io_defer_unregister: bool = False
     io_common_by_helpers: bool = False
     io_helper_nice: int = 0
-    io_early_helpers: bool = True
 
     @property
     def full_hash(self) -> bool | None:
@@ -103,7 +98,6 @@ class LoaderOptions:
 OPTION_KEYS = (
     "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "common_during_build",
     "common_io", "io_own_share", "io_staged", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
-    "io_early_helpers",
 )
 
 
@@ -143,7 +137,7 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     if not isinstance(during_build, bool):
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
     flags = {}
-    for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build", "io_early_helpers"):
+    for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build"):
         flags[key] = extra.get(key, getattr(LoaderOptions, key))
         if not isinstance(flags[key], bool):
             raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")

@@ -757,53 +757,6 @@ def test_auto_io_mode_starts_helpers_only_where_they_help(
     assert [e for e in events if e.startswith("start")] == (["start None helpers for device 0"] if starts else [])
 
 
-@pytest.mark.parametrize("case", ["taken", "other settings", "staged file", "no room counted twice"])
-def test_loader_takes_the_helpers_a_daemon_started_early(
-    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, case: str, marlin_log: list[str]
-) -> None:
-    """A weight-cache daemon starts the helpers as its process begins (helper_policy.start_early): the
-    loader takes that pool instead of starting one when it was started with the loader's settings
-    (else it ends and the loader starts its own), ends it where the loader uses no helpers (a bundle on
-    a tmpfs of 4 KiB pages), and does not count the started contexts' memory twice in its room check."""
-    import marlin_pack.vllm_plugin.loader as loader_mod
-    from marlin_pack.vllm_plugin import gpu_reader, helper_policy
-    from marlin_pack.vllm_plugin.copy_helpers import exit_in_background
-
-    events = _FakeHelpers.events = []
-    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    files = (awq_bundle / "marlin-pack/tp1/rank-0.safetensors", awq_bundle / "marlin-pack/common.safetensors")
-    bundle_bytes = sum(f.stat().st_size for f in files)
-    # Room for the weights only: enough once the early helpers' contexts are up (free memory counts them already).
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (bundle_bytes + (1 if case == "no room counted twice" else 4 << 30), 80 << 30))
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.setattr(gpu_reader, "in_base_memory_pages", lambda path: case == "staged file")
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    fake_create_model(monkeypatch, awq_bundle)
-    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
-    loader = make_loader()
-    early = _FakeHelpers(None, 0)
-    key = helper_policy.pool_key(loader.options, 1 if case == "other settings" else 0)
-    monkeypatch.setattr(helper_policy, "_EARLY", [(key, early)])
-    events.clear()
-    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16), exit_in_background():
-        model = loader.create_model(vllm_config, model_config)
-        loader.load_weights(model, model_config)
-    assert helper_policy._EARLY == []
-    starts = [e for e in events if e.startswith("start")]
-    placed = next(m for m in marlin_log if "placed" in m)
-    if case in ("taken", "no room counted twice"):
-        assert starts == [] and early.closed  # used, then ended by loading as its own pool would be
-        assert "helpers (started with the daemon) ready after 0.25 s" in placed
-    elif case == "other settings":
-        assert starts == ["start None helpers for device 0"] and early.closed
-        assert "(started with the daemon)" not in placed
-    else:  # staged: no helpers at all; the early ones end without waiting (a daemon)
-        assert starts == [] and events[:1] == ["close wait=False"]
-        assert "helpers" not in placed
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_large_common_tensors_are_copied_in_one_batch(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, tied: bool) -> None:
     """At TP=1 on a GPU the large common tensors a plain copy loads go straight into their parameters, all

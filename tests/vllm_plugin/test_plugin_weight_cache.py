@@ -215,49 +215,6 @@ def test_daemon_fill_says_when_it_began_after_run_daemon(
     assert began >= 0.05
 
 
-@pytest.mark.parametrize("draft", [False, True])
-def test_run_daemon_starts_the_helpers_first_and_the_fill_ends_those_not_taken(
-    registered: None, monkeypatch: pytest.MonkeyPatch, draft: bool
-) -> None:
-    """run_daemon asks helper_policy.start_early for the daemon's device (local_rank) before anything
-    else (not for a draft model's daemon, whose loader loads the ordinary way); a pool the fill did not
-    take ends when the fill does, and when the daemon fails before its fill."""
-    import importlib
-
-    from marlin_pack.vllm_plugin import helper_policy, patches
-
-    daemon_mod = importlib.import_module(DAEMON_MODULE)
-    calls: list[Any] = []
-    ended: list[bool] = []
-    pool = SimpleNamespace(close=lambda wait=True: ended.append(wait))
-
-    def start_early(vllm_config: Any, device_index: int) -> Any:
-        calls.append((vllm_config, device_index))
-        helper_policy._EARLY.append(((4, device_index, 0, False, 0), pool))
-        return pool
-
-    monkeypatch.setattr(helper_policy, "start_early", start_early)
-    monkeypatch.setattr(helper_policy, "_EARLY", [])
-    config = SimpleNamespace()
-
-    def stock(*args: Any, **kwargs: Any) -> None:
-        assert ended == []  # still waiting for the fill
-        fake = SimpleNamespace(role="target", global_rank=0, vllm_config=_configs()[0], model_config=SimpleNamespace(quantization="x"))
-        fake.vllm_config.load_config = SimpleNamespace(load_format="marlin_prepacked")
-        _patch("WeightCacheDaemon.get_model").make(lambda self: "model")(fake)  # a fill that takes no helpers
-        assert ended == ([] if draft else [False])
-        raise RuntimeError("the daemon stops")
-
-    monkeypatch.setattr(daemon_mod, "_run_daemon", stock)
-    try:
-        with pytest.raises(RuntimeError, match="the daemon stops"):
-            run_daemon(0, 2, config, "tcp://127.0.0.1:9", None, None, draft)
-    finally:
-        patches.uninstall_all()
-    assert calls == ([] if draft else [(config, 2)])
-    assert helper_policy._EARLY == [] and ended == ([] if draft else [False])
-
-
 # --- a daemon -> IPC round trip on real vLLM layers -----------------------------------------
 
 ROUND_TRIPS = {

@@ -16,9 +16,7 @@ work with it:
   they never call ``load_general_plugins()``. ``_run_daemon`` of the daemon module is
   replaced by :func:`run_daemon`, a module-level function that pickles by reference: every
   spawned daemon first registers marlin-pack, then runs vLLM's own ``_run_daemon``. The
-  daemon module is patched when first imported (only ``vllm preload`` imports it). For a
-  ``marlin_prepacked`` fill it first starts the loader's copy helpers
-  (:func:`~marlin_pack.vllm_plugin.helper_policy.start_early`).
+  daemon module is patched when first imported (only ``vllm preload`` imports it).
 """
 
 from __future__ import annotations
@@ -158,7 +156,6 @@ def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], n
         # freezes), and full collections during the construction would walk every object of the imports.
         freeze_gc_heap()
         from marlin_pack.vllm_plugin.copy_helpers import exit_in_background
-        from marlin_pack.vllm_plugin.helper_policy import discard_early
 
         t0 = time.perf_counter()
         try:
@@ -167,8 +164,6 @@ def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], n
         except Exception as e:
             _log_hint(e)
             raise
-        finally:
-            discard_early()  # helpers run_daemon started that the loader did not take
         logger.info(
             "marlin-pack: %s filled its model in %.2f s (load format %s)%s",
             role,
@@ -198,15 +193,6 @@ def run_daemon(*args: Any, **kwargs: Any) -> Any:
         from vllm.logger import configure_logging
 
         configure_logging(logging_config)
-    # _run_daemon(global_rank, local_rank, vllm_config, distributed_init_method, socket_dir, ready_queue, is_draft, ...)
-    local_rank = args[1] if len(args) > 1 else kwargs.get("local_rank")
-    is_draft = args[6] if len(args) > 6 else kwargs.get("is_draft", False)
-    from marlin_pack.vllm_plugin.helper_policy import discard_early, start_early
-    from marlin_pack.vllm_plugin.version_guard import is_target_vllm
-
-    if vllm_config is not None and isinstance(local_rank, int) and not is_draft and is_target_vllm():
-        # Before register() (which imports the loader) and vLLM's set-up: the helpers' CUDA contexts come up meanwhile.
-        start_early(vllm_config, local_rank)
     register()
     from marlin_pack.vllm_plugin import patches
 
@@ -220,10 +206,7 @@ def run_daemon(*args: Any, **kwargs: Any) -> Any:
         "AWQ/GPTQ Marlin layers accept pre-processed weights)",
         os.getpid(),
     )
-    try:
-        return target(*args, **kwargs)
-    finally:
-        discard_early()  # the daemon failed before its fill took them
+    return target(*args, **kwargs)
 
 
 def _ct_kv_cache_post_processing(original: Callable[..., Any]) -> Callable[..., Any]:
