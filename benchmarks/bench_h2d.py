@@ -9,6 +9,10 @@ On a GPU machine: writes one file of ``--gb`` GB, then in one run prints
 * page cache warm: ``ParallelReader`` (the ``marlin_prepacked`` loader's reader) in each
   ``io_mode`` at several thread counts and window sizes, each as GB/s and as a fraction of
   the pinned bandwidth;
+* with ``--beside``, each warm configuration again with a stand-in for vLLM building a model running
+  in this process beside the copy (Python work, small allocations and kernels, two large
+  allocations like the embedding and the head), and that construction's time alone and beside the
+  copy: what a copy configuration costs the engine's own steps next to it, not just its rate;
 * page cache cold (``posix_fadvise(DONTNEED)`` on the file, which drops its clean pages):
   a plain sequential read, a BLAKE3 file digest (what a first start without stamps does),
   and the reader, so each can be compared with the plain read.
@@ -20,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,14 +86,35 @@ def h2d_gbps(pinned: bool = True, gb: float = 4.0, reps: int = 3) -> float:
     return rate
 
 
-def _reader(path: Path, dst: torch.Tensor, mode: str, threads: int, chunk_mb: int) -> float:
+def _construct(modules: int = 640, large_gb: float = 2.1) -> float:
+    """A stand-in for vLLM building a 70B-shaped model on the GPU (its quantized placeholders are memory-less
+    stubs then): per module some Python work, a small allocation and now and then a small kernel, plus two
+    large allocations (the embedding and the head). Returns its seconds."""
+    t = time.perf_counter()
+    kept = [torch.empty(int(large_gb * 1e9), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    for i in range(modules):
+        kept.append(torch.empty(8192, dtype=torch.float16, device="cuda"))
+        sum(range(5000))  # vLLM's per-module Python work, roughly
+        if i % 8 == 0:
+            kept.append(torch.ones(4096, device="cuda").mul_(2))  # e.g. the rotary cache, a norm's init
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    del kept
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def _reader(
+    path: Path, dst: torch.Tensor, mode: str, threads: int, chunk_mb: int, beside: Callable[[], float] | None = None
+) -> tuple[float, float | None]:
     """One configuration's GB/s. ``mode`` is an ``io_mode``, ``registered+p`` (madvise-populate each
     window before pinning it) or ``processes/P[s][c]`` (P helper processes of ``threads`` threads each,
     started before the clock starts, as the loader starts them while vLLM builds the model; this
     process copies a share beside them unless ``s`` (solo); ``c``: the helpers run with
     ``CUDA_DEVICE_MAX_CONNECTIONS=8``, the driver's default, instead of HelperPool's 1; ``d``: they
     unregister their windows after answering (``--defer-unregister``); ``+S``: S staging threads per
-    helper beside the registered ones, e.g. ``processes/4sd+2``)."""
+    helper beside the registered ones, e.g. ``processes/4sd+2``; with 0 ``threads`` they stage everything).
+    With ``beside``, it runs in this thread while the copy runs on another; returns (GB/s, its seconds)."""
     n = dst.numel()
     items = [CopyItem(off, min(PIECE, n - off), dst[off : off + PIECE]) for off in range(0, n, PIECE)]
     mode, _, procs = mode.partition("/")
@@ -103,17 +131,33 @@ def _reader(path: Path, dst: torch.Tensor, mode: str, threads: int, chunk_mb: in
             helpers.ready()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        with ParallelReader(threads, chunk_mb << 20, mode.removesuffix("+p"), populate=populate, helpers=helpers,  # type: ignore[arg-type]
-                            own_share="s" not in procs) as r:
-            r.copy(path, items)
-        torch.cuda.synchronize()
-        rate = n / (time.perf_counter() - t) / 1e9
+        done: list[float] = []
+        errors: list[BaseException] = []
+
+        def copy() -> None:
+            try:
+                torch.cuda.set_device(dst.device)
+                with ParallelReader(threads, chunk_mb << 20, mode.removesuffix("+p"), populate=populate, helpers=helpers,  # type: ignore[arg-type]
+                                    own_share="s" not in procs) as r:
+                    r.copy(path, items)
+                torch.cuda.synchronize()
+            except BaseException as e:  # noqa: BLE001 - raised below
+                errors.append(e)
+            done.append(time.perf_counter() - t)
+
+        thread = threading.Thread(target=copy)
+        thread.start()
+        construction = beside() if beside is not None else None
+        thread.join()
+        if errors:
+            raise errors[0]
+        rate = n / done[0] / 1e9
     finally:
         if helpers is not None:
             helpers.close()
     if helpers is not None and helpers.failures:
         raise RuntimeError(f"helpers failed, this process read their windows: {helpers.failures}")
-    return rate
+    return rate, construction
 
 
 def main() -> None:
@@ -124,6 +168,8 @@ def main() -> None:
                     "registered:16:256,registered:8:64,registered:16:1024,hybrid:16:128,hybrid:16:256,hybrid:24:256,"
                     "processes/4:4:256,processes/4:8:256,processes/8:4:256,processes/2:8:256")
     ap.add_argument("--cold", default="staged:16:64,registered:16:256,hybrid:16:256")
+    ap.add_argument("--beside", type=int, default=0, metavar="ROUNDS",
+                    help="also run each warm configuration beside a stand-in model construction, this many rounds")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     path = args.dir / "h2d.bin"
@@ -139,7 +185,7 @@ def main() -> None:
     for cfg in args.configs.split(","):
         mode, threads, chunk = cfg.split(":")
         try:
-            rate = _reader(path, dst, mode, int(threads), int(chunk))
+            rate, _ = _reader(path, dst, mode, int(threads), int(chunk))
         except Exception as e:  # noqa: BLE001 - report and go on with the other configurations
             print(f"warm  {cfg}: failed: {e}", flush=True)
             continue
@@ -147,6 +193,17 @@ def main() -> None:
         want = check if want is None else want
         print(f"warm  {mode:10} threads {threads:>2} window {chunk:>4} MiB: {rate:5.1f} GB/s = {rate / pinned:.2f} of pinned"
               f"{'' if check == want else '  (DIFFERENT BYTES)'}", flush=True)
+        if args.beside:
+            alone, beside, rates = [], [], []
+            for _ in range(args.beside):  # alternating: the construction alone, then beside the copy
+                alone.append(_construct())
+                rate, seconds = _reader(path, dst, mode, int(threads), int(chunk), beside=_construct)
+                rates.append(rate)
+                beside.append(seconds)
+            med = statistics.median
+            print(f"      beside a construction (median of {args.beside}): copy {med(rates):5.1f} GB/s = "
+                  f"{med(rates) / pinned:.2f} of pinned; construction {med(alone):.3f} s alone, {med(beside):.3f} s beside "
+                  f"(+{med(beside) - med(alone):.3f} s)", flush=True)
     for cfg in ["plain", "blake3", *args.cold.split(",")] if args.cold else []:  # --cold '': warm only
         _drop(path)
         t = time.perf_counter()
@@ -159,7 +216,7 @@ def main() -> None:
         else:
             mode, threads, chunk = cfg.split(":")
             try:
-                rate = _reader(path, dst, mode, int(threads), int(chunk))
+                rate, _ = _reader(path, dst, mode, int(threads), int(chunk))
             except Exception as e:  # noqa: BLE001
                 print(f"cold  {cfg}: failed: {e}", flush=True)
                 continue

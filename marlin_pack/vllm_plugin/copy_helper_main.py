@@ -163,7 +163,9 @@ class Helper:
             if addr in (None, ctypes.c_void_p(-1).value):
                 raise OSError(ctypes.get_errno(), f"mmap of {job['file']} failed")
             try:
-                return self._copy_windows(fd, addr, size, bases, job["windows"], max(1, int(job["threads"])))
+                # 0 registered threads only beside staging ones: a job must never be answered with nothing copied.
+                threads = max(0 if self.settings.staged else 1, int(job["threads"]))
+                return self._copy_windows(fd, addr, size, bases, job["windows"], threads)
             finally:
                 if self.registered:
                     self.kept_map = (job["file"], addr, size)  # unmapped once its pages are unregistered

@@ -284,7 +284,7 @@ class ParallelReader:
     ) -> None:
         if mode not in IO_MODES:
             raise ValueError(f"io mode {mode!r}: expected one of {', '.join(IO_MODES)}")
-        self.threads = None if threads is None else max(1, threads)
+        self.threads = None if threads is None else max(0, threads)  # 0: processes mode, helpers' staging threads only
         self.chunk = None if chunk_bytes is None else self._round(chunk_bytes)
         self.mode = mode
         # Registered windows: map the window's page-table entries in one madvise before pinning
@@ -314,7 +314,9 @@ class ParallelReader:
         """The mode, threads and window size used for ``path``."""
         mode = resolve_mode(self.mode, path, helpers=self._helpers is not None)
         threads, chunk = MODE_DEFAULTS[mode]
-        return _Plan(mode, self.threads or threads, self.chunk or self._round(chunk))
+        if self.threads is not None:  # 0 (helpers' staging threads only) means the default in the other modes
+            threads = self.threads if mode == "processes" else self.threads or threads
+        return _Plan(mode, threads, self.chunk or self._round(chunk))
 
     def __enter__(self) -> ParallelReader:
         return self
@@ -405,7 +407,7 @@ class ParallelReader:
         mapping: _Mapping | None = None
         try:
             start_event = None
-            workers = min(plan.threads, len(windows))
+            workers = min(max(1, plan.threads), len(windows))
             if device is not None:
                 if record:
                     self.modes_used.add(plan.mode)

@@ -35,7 +35,9 @@ class LoaderOptions:
             refusing a missing, stale or mismatched bundle.
         verify: ``auto`` hashes files whose (size, mtime) stamp changed since the last
             check, ``full`` hashes everything, ``size`` checks sizes and headers only.
-        io_threads: reader threads (each with its own CUDA stream); default per mode.
+        io_threads: reader threads (each with its own CUDA stream); default per mode. With
+            helpers, each helper's registered threads; 0 (only with ``io_staged`` >= 1) leaves
+            the whole copy to the staging threads: no page-locking at all while loading.
         chunk_mb: size of one read / host-to-device copy window, in MiB; default per mode.
         io_mode: how a window reaches the GPU: ``staged`` (read into pinned buffers),
             ``registered`` (page-lock the mapped file in place), ``hybrid`` (half the
@@ -165,11 +167,17 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         bundle_dir = Path(bundle).expanduser() if bundle is not None else None
     except RuntimeError as e:  # "~nosuchuser/x": no such user's home
         raise ValueError(f"model_loader_extra_config['bundle'] is {bundle!r}: {e}") from e
+    staging_only = type(extra.get("io_threads")) is int and extra.get("io_threads") == 0
+    if staging_only and staged == 0:
+        raise ValueError(
+            "model_loader_extra_config['io_threads'] is 0 (no registered threads per copy helper) but io_staged is 0: "
+            "give io_staged >= 1 (staging threads only) or io_threads >= 1"
+        )
     return LoaderOptions(
         bundle=bundle_dir,
         fallback=fallback,
         verify=verify,
-        io_threads=_int_option(extra, "io_threads", LoaderOptions.io_threads, 64),
+        io_threads=0 if staging_only else _int_option(extra, "io_threads", LoaderOptions.io_threads, 64),
         chunk_mb=_int_option(extra, "chunk_mb", LoaderOptions.chunk_mb, 1024),
         io_mode=io_mode,
         io_processes=_int_option(extra, "io_processes", LoaderOptions.io_processes, 32),

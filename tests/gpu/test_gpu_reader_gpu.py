@@ -58,7 +58,7 @@ def test_registered_with_populated_windows(tensor_file: Path) -> None:
 
 @pytest.mark.parametrize("settings", ["plain", "staged", "deferred"])
 @pytest.mark.parametrize("own_share", [True, False])
-@pytest.mark.parametrize(("threads", "chunk"), [(1, 1 << 16), (4, 1 << 16), (3, 1 << 30)])
+@pytest.mark.parametrize(("threads", "chunk"), [(1, 1 << 16), (4, 1 << 16), (3, 1 << 30), (0, 1 << 16)])
 def test_processes_mode_copies_every_byte_in_the_helpers(
     tensor_file: Path, threads: int, chunk: int, own_share: bool, settings: str
 ) -> None:
@@ -66,7 +66,8 @@ def test_processes_mode_copies_every_byte_in_the_helpers(
     several sizes (the caching allocator's segments), at offsets inside them; with ``own_share`` this
     process copies the file's tail beside them. ``staged``: two staging threads per helper with 1 MiB
     buffers (windows cut into several stages) beside the registered ones; ``deferred``: windows
-    unregistered after each job's answer (two jobs, so the second maps the file again)."""
+    unregistered after each job's answer (two jobs, so the second maps the file again). ``threads`` 0:
+    with ``staged`` the staging threads copy everything, else each helper still gets one thread."""
     from marlin_pack.vllm_plugin.copy_helpers import HelperPool
 
     header = read_header(tensor_file)

@@ -23,7 +23,7 @@ import torch
 
 from marlin_pack.vllm_plugin import copy_helper_main
 from marlin_pack.vllm_plugin.copy_helpers import HelperPool, split_by_bytes
-from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
+from marlin_pack.vllm_plugin.gpu_reader import MODE_DEFAULTS, CopyItem, ParallelReader
 from marlin_pack.vllm_plugin.options import parse_extra_config
 
 
@@ -118,6 +118,24 @@ def test_reader_in_processes_mode_reads_cpu_destinations_itself(tmp_path: Path) 
 def test_io_processes_option() -> None:
     o = parse_extra_config({"io_mode": "processes", "io_processes": 2, "io_threads": 8})
     assert (o.io_mode, o.io_processes, o.io_threads) == ("processes", 2, 8)
+
+
+def test_staging_only_helpers_option_and_plan() -> None:
+    """``io_threads: 0`` with ``io_staged``: the helpers get no registered threads; other modes their default."""
+    o = parse_extra_config({"io_mode": "processes", "io_threads": 0, "io_staged": 3})
+    assert (o.io_threads, o.io_staged) == (0, 3)
+    assert ParallelReader(threads=0, chunk_bytes=1 << 16, mode="processes").plan("f").threads == 0
+    assert ParallelReader(threads=0, chunk_bytes=1 << 16, mode="registered").plan("f").threads == MODE_DEFAULTS["registered"][0]
+
+
+def test_reader_with_no_threads_still_reads_cpu_destinations(tmp_path: Path) -> None:
+    data = torch.arange(30_000, dtype=torch.int32)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.numpy().tobytes())
+    out = torch.zeros_like(data)
+    with ParallelReader(threads=0, chunk_bytes=1 << 16, mode="processes") as r:
+        r.copy(path, [CopyItem(0, data.numel() * 4, out)])
+    assert torch.equal(out, data)
     assert parse_extra_config({}).io_processes is None
     with pytest.raises(ValueError, match=r"\['io_processes'\] must be an integer in 1\.\.32"):
         parse_extra_config({"io_processes": 0})
@@ -301,11 +319,13 @@ def _fake_helper(monkeypatch: pytest.MonkeyPatch, settings: object, destination:
         copy_helper_main.Settings(0, defer_unregister=True),
         copy_helper_main.Settings(0, staged=2, stage_bytes=3 << 12),  # windows cut into several stages
         copy_helper_main.Settings(0, staged=2, stage_bytes=1 << 12, defer_unregister=True),
+        copy_helper_main.Settings(0, staged=2, stage_bytes=3 << 12),  # with a job of 0 registered threads (below)
+        copy_helper_main.Settings(0),  # a job of 0 threads without staging ones: still one registered thread
     ],
-    ids=["registered", "deferred", "staged", "staged-deferred"],
+    ids=["registered", "deferred", "staged", "staged-deferred", "staged-only", "no-threads-asked"],
 )
 def test_helper_copies_every_piece_and_unregisters_every_window(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: object
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: object, request: pytest.FixtureRequest
 ) -> None:
     """The helper's own logic on the host (its CUDA calls faked): every piece of every window lands at its
     destination offset, whichever thread takes it (registered or staged), and every registered window is
@@ -325,7 +345,8 @@ def test_helper_copies_every_piece_and_unregisters_every_window(
         hi = min(lo + step, len(data))
         pieces = [[max(a, lo), min(b, hi) - max(a, lo), 0, max(a, lo) + 100] for a, b in itertools.pairwise(cuts) if a < hi and b > lo]
         windows.append([lo, hi, pieces])
-    job = {"file": str(path), "handles": ["00" * 64], "threads": 3, "windows": windows}
+    threads = 0 if request.node.callspec.id in ("staged-only", "no-threads-asked") else 3
+    job = {"file": str(path), "handles": ["00" * 64], "threads": threads, "windows": windows}
     for _ in range(2):  # the same file twice: with deferral the second waits for the first's unregistering
         ctypes.memset(destination, 0, len(destination))
         assert helper.job(job) == len(data)
@@ -340,4 +361,7 @@ def test_helper_copies_every_piece_and_unregisters_every_window(
         assert not helper.cu.registered  # type: ignore[attr-defined]
     staged = settings.staged > 0  # type: ignore[attr-defined]
     registered = helper.cu.calls.count("cuMemHostRegister")  # type: ignore[attr-defined]
-    assert 0 < registered < 2 * len(windows) if staged else registered == 2 * len(windows)  # staged threads took some
+    if threads == 0 and staged:
+        assert registered == 0  # the staging threads copied everything
+    else:
+        assert 0 < registered < 2 * len(windows) if staged else registered == 2 * len(windows)  # staged threads took some
