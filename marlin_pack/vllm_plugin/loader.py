@@ -283,7 +283,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
             return None
         return HelperPool(
             self.options.io_processes, torch.cuda.current_device(),
-            staged=self.options.io_staged, defer_unregister=self.options.io_defer_unregister, nice=self.options.io_helper_nice,
+            staged=self.options.io_staged, stage_mib=self.options.io_stage_mib,
+            defer_unregister=self.options.io_defer_unregister, nice=self.options.io_helper_nice,
         )
 
     def _helpers_fit(self, bundle: SelectedBundle) -> bool:

@@ -65,6 +65,9 @@ class LoaderOptions:
             the model (``after_build``) or from the start (``during_build``).
         io_staged: with helpers, staging threads per helper beside its registered ones (pinned
             buffers, a CPU copy per byte instead of page-locking); default 0.
+        io_stage_mib: with ``io_staged``, the size of each of a staging thread's two pinned buffers,
+            in MiB (1..256, default 64); a helper allocates them before it is ready, so smaller
+            buffers make it ready sooner.
         io_defer_unregister: with helpers, keep the registered windows page-locked until a
             helper's whole share is copied, unregistering them after it answers.
         io_common_by_helpers: with helpers and the copy beside the construction, the helpers also
@@ -88,6 +91,7 @@ class LoaderOptions:
     common_io: CommonIo = "with_rank_file"
     io_own_share: OwnShare = "none"
     io_staged: int = 0
+    io_stage_mib: int = 64
     io_defer_unregister: bool = False
     io_common_by_helpers: bool = False
     io_helper_nice: int = 0
@@ -99,7 +103,7 @@ class LoaderOptions:
 
 OPTION_KEYS = (
     "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "common_during_build",
-    "common_io", "io_own_share", "io_staged", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
+    "common_io", "io_own_share", "io_staged", "io_stage_mib", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
 )
 
 
@@ -185,6 +189,7 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         common_io=common_io,
         io_own_share=own_share,
         io_staged=staged,
+        io_stage_mib=_int_option(extra, "io_stage_mib", LoaderOptions.io_stage_mib, 256),  # type: ignore[arg-type]
         io_helper_nice=nice,
         **flags,
     )

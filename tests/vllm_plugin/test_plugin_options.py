@@ -24,6 +24,7 @@ def test_parse_extra_config_defaults_and_values() -> None:
     assert (parse_extra_config({}).io_staged, parse_extra_config({}).io_defer_unregister) == (0, False)
     o = parse_extra_config({"io_staged": 2, "io_defer_unregister": True, "io_common_by_helpers": True})
     assert (o.io_staged, o.io_defer_unregister, o.io_common_by_helpers) == (2, True, True)
+    assert (parse_extra_config({}).io_stage_mib, parse_extra_config({"io_stage_mib": 16}).io_stage_mib) == (64, 16)
     assert parse_extra_config({}).io_common_by_helpers is False
     assert parse_extra_config({}).io_helper_nice == 0
     assert parse_extra_config({}).common_during_build is False
@@ -48,6 +49,7 @@ def test_option_keys_are_the_options() -> None:
         ({"copy_during_build": 1}, r"\['copy_during_build'\] must be true or false"),
         ({"io_staged": 17}, r"\['io_staged'\] must be an integer in 0\.\.16"),
         ({"io_staged": True}, r"\['io_staged'\] must be an integer"),
+        ({"io_stage_mib": 0}, r"\['io_stage_mib'\] must be an integer in 1\.\.256"),
         ({"io_defer_unregister": "no"}, r"\['io_defer_unregister'\] must be true or false"),
         ({"common_during_build": "yes"}, r"\['common_during_build'\] must be true or false"),
         ({"common_io": "helpers"}, r"\['common_io'\] must be one of \['with_rank_file', 'staged'\]"),
