@@ -329,6 +329,9 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def main() -> None:
+    # A `timeout` around the bench sends SIGTERM: exit through the finally blocks, which end the engines and
+    # daemons (a daemon left behind holds its ~40 GB and starves every later engine on that GPU).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-70b", help="a marlin_pack.testing.synthetic preset, or qwen3-30b-a3b (MoE)")
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")

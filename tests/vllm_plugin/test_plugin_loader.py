@@ -624,8 +624,11 @@ class _FakeHelpers:
 
     events: list[str] = []
 
+    settings: dict[str, object] = {}
+
     def __init__(self, count: int | None, device_index: int, **settings: object) -> None:
         self.events.append(f"start {count} helpers for device {device_index}")
+        _FakeHelpers.settings = settings
         self.closed = False
         self.ready_after = 0.25
 
@@ -672,7 +675,8 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
         )
     vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
     by_helpers = case == "common by helpers"
-    loader = make_loader(io_mode="processes", io_processes=2, fallback=case == "falls back", io_common_by_helpers=by_helpers)
+    staging = {"io_staged": 2, "io_stage_mib": 16} if case == "loads" else {}
+    loader = make_loader(io_mode="processes", io_processes=2, fallback=case == "falls back", io_common_by_helpers=by_helpers, **staging)
     readers: list[tuple[object, object]] = []
     make_reader = loader._reader
 
@@ -693,6 +697,8 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
                     loader.load_weights(model, model_config)  # CPU destinations: read here, the helpers unused
     assert len(seen) == 1
     assert events[0] == "start 2 helpers for device 3"
+    staged, stage_mib = (2, 16) if case == "loads" else (0, 64)
+    assert _FakeHelpers.settings == {"staged": staged, "stage_mib": stage_mib, "defer_unregister": False, "nice": 0}
     if by_helpers:  # ended by loading, after the common tensors; the common reader had them
         assert events[1:] == ["create", "close wait=False", "joined"]
         assert readers[-1][1] == "processes" and isinstance(readers[-1][0], _FakeHelpers)
