@@ -12,7 +12,9 @@ Options, fixed for the helper's life:
     N more threads that pull from the same windows but *stage* them: ``pread`` into two pinned
     buffers of ``--stage-mib`` MiB each (allocated before the helper says it is ready, so while
     vLLM builds the model), then an asynchronous copy. They cost a CPU copy per byte instead of
-    page-locking, so they add bandwidth where pinning is what limits the registered threads.
+    page-locking, so they add bandwidth where pinning is what limits the registered threads. A
+    job of 0 ``threads`` leaves it all to them (no page-locking while loading); without staging
+    threads a job still gets one registered thread.
 ``--defer-unregister``
     registered windows stay page-locked until the job's copies have all completed and the reply
     is sent, then are unregistered (before the next job is read): unregistering is taken off the
