@@ -123,7 +123,6 @@ class HelperPool:
         nice: int = 0,
     ) -> None:
         self.device_index = device_index
-        self.staged = staged
         self._args = [str(device_index), *(["--staged", str(staged), "--stage-mib", str(stage_mib)] if staged else []),
                       *(["--defer-unregister"] if defer_unregister else []), *(["--nice", str(nice)] if nice else [])]
         self._env = {**os.environ, **HELPER_ENV, **(env or {})}  # CUDA_* settings for the helpers only
@@ -272,8 +271,8 @@ class HelperPool:
         for p, (run, encoded) in zip(helpers, jobs, strict=False):
             try:
                 assert p.stdin is not None
-                job = {"file": str(path), "handles": order, "threads": max(threads, 0 if self.staged else 1), "windows": encoded}
-                p.stdin.write(json.dumps(job) + "\n")
+                # threads 0: the helper's staging threads only (a helper without any still registers on one)
+                p.stdin.write(json.dumps({"file": str(path), "handles": order, "threads": threads, "windows": encoded}) + "\n")
                 p.stdin.flush()
                 sent.append((p, run))
             except OSError as e:

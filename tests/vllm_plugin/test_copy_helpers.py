@@ -104,12 +104,13 @@ def test_ready_helpers_that_cannot_prepare_the_job_leave_every_window(tmp_path: 
     assert pool._procs == []  # closed: each helper ended when its input did
 
 
-def test_reader_in_processes_mode_reads_cpu_destinations_itself(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [2, 0])  # 0: the helpers' staging threads only, yet this process reads with one
+def test_reader_in_processes_mode_reads_cpu_destinations_itself(tmp_path: Path, threads: int) -> None:
     data = torch.arange(50_000, dtype=torch.int32)
     path = tmp_path / "f.bin"
     path.write_bytes(data.numpy().tobytes())
     out = torch.zeros_like(data)
-    with ParallelReader(threads=2, chunk_bytes=1 << 16, mode="processes") as r:
+    with ParallelReader(threads=threads, chunk_bytes=1 << 16, mode="processes") as r:
         assert r.copy(path, [CopyItem(0, data.numel() * 4, out)]) == data.numel() * 4
         assert r._helpers is None  # no GPU destination: no helper started
     assert torch.equal(out, data)
@@ -118,6 +119,9 @@ def test_reader_in_processes_mode_reads_cpu_destinations_itself(tmp_path: Path) 
 def test_io_processes_option() -> None:
     o = parse_extra_config({"io_mode": "processes", "io_processes": 2, "io_threads": 8})
     assert (o.io_mode, o.io_processes, o.io_threads) == ("processes", 2, 8)
+    assert parse_extra_config({}).io_processes is None
+    with pytest.raises(ValueError, match=r"\['io_processes'\] must be an integer in 1\.\.32"):
+        parse_extra_config({"io_processes": 0})
 
 
 def test_staging_only_helpers_option_and_plan() -> None:
@@ -126,19 +130,6 @@ def test_staging_only_helpers_option_and_plan() -> None:
     assert (o.io_threads, o.io_staged) == (0, 3)
     assert ParallelReader(threads=0, chunk_bytes=1 << 16, mode="processes").plan("f").threads == 0
     assert ParallelReader(threads=0, chunk_bytes=1 << 16, mode="registered").plan("f").threads == MODE_DEFAULTS["registered"][0]
-
-
-def test_reader_with_no_threads_still_reads_cpu_destinations(tmp_path: Path) -> None:
-    data = torch.arange(30_000, dtype=torch.int32)
-    path = tmp_path / "f.bin"
-    path.write_bytes(data.numpy().tobytes())
-    out = torch.zeros_like(data)
-    with ParallelReader(threads=0, chunk_bytes=1 << 16, mode="processes") as r:
-        r.copy(path, [CopyItem(0, data.numel() * 4, out)])
-    assert torch.equal(out, data)
-    assert parse_extra_config({}).io_processes is None
-    with pytest.raises(ValueError, match=r"\['io_processes'\] must be an integer in 1\.\.32"):
-        parse_extra_config({"io_processes": 0})
 
 
 class _Stream:
