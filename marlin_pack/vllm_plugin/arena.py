@@ -138,8 +138,8 @@ class BackgroundCopy:
         then: Sequence[tuple[str | Path, list[CopyItem]]] = (),
         name: str = "marlin-pack-arena-copy",
     ) -> None:
-        """Copy ``items`` of ``path``, then each ``(path, items)`` of ``then`` with the same reader, on a thread
-        called ``name``."""
+        """Copy ``items`` of ``path``, then each ``(path, items)`` of ``then``, with one reader and in one
+        :meth:`~.gpu_reader.ParallelReader.copy_files` call, on a thread called ``name``."""
         self.bytes = 0
         self.seconds = 0.0
         self.modes_used: set[str] = set()
@@ -158,8 +158,8 @@ class BackgroundCopy:
             if self._device is not None and self._device.type == "cuda":
                 torch.cuda.set_device(self._device)  # the current device is per thread (a TP rank's is not cuda:0)
             with self._make_reader() as reader:
-                for path, items in self._jobs:
-                    self.bytes += reader.copy(path, items)
+                # One call for every file: with helpers, each gets one job holding its share of all of them.
+                self.bytes += reader.copy_files(self._jobs)
                 self.modes_used = set(reader.modes_used)
         except BaseException as e:  # noqa: BLE001 - handed to join()
             self._error = e

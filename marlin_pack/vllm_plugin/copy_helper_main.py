@@ -34,10 +34,13 @@ are off unless the loader is told (``io_defer_unregister``, ``io_staged``).
 Protocol, one JSON object per line:
 
 * helper -> parent, once: ``{"ready": true}`` after creating its CUDA context, or ``{"error": ...}``;
-* parent -> helper, per job: ``{"file": PATH, "handles": [HEX, ...], "threads": T, "windows":
-  [[LO, HI, [[FILE_OFFSET, NBYTES, HANDLE_INDEX, DEST_OFFSET], ...]], ...]}``: each window's pages
-  ``[LO, HI)`` of the file are registered in place (read-only) and its pieces copied to
-  ``DEST_OFFSET`` bytes into the allocation of ``handles[HANDLE_INDEX]`` (a ``cuIpcGetMemHandle``);
+* parent -> helper, per job: ``{"parts": [{"file": PATH, "windows": [[LO, HI, [[FILE_OFFSET, NBYTES,
+  HANDLE_INDEX, DEST_OFFSET], ...]], ...]}, ...], "handles": [HEX, ...], "threads": T}``: each window's
+  pages ``[LO, HI)`` of its part's file are registered in place (read-only) and its pieces copied to
+  ``DEST_OFFSET`` bytes into the allocation of ``handles[HANDLE_INDEX]`` (a ``cuIpcGetMemHandle``).
+  The threads take the windows of every part from one queue: a job of two files (the rank file and
+  the common tensors) has no pause between them, and ``--defer-unregister`` keeps the pages of both
+  until the one reply;
 * helper -> parent, per job: ``{"ok": BYTES}`` once every copy has completed, or ``{"error": ...}``.
 
 End of input: the helper closes its IPC mappings and exits.
@@ -118,6 +121,16 @@ class Settings:
         return cls(ordinal, **kw)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class _Map:
+    """One file of a job, mapped read-only."""
+
+    file: str
+    fd: int
+    addr: int
+    size: int
+
+
 class Helper:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -140,8 +153,8 @@ class Helper:
             self.cu("cuMemHostAlloc", ctypes.byref(ptr), ctypes.c_size_t(settings.stage_bytes), ctypes.c_uint(0))
             self.stage_buffers.append(ptr.value or 0)
         self.registered: list[int] = []  # --defer-unregister: pointers registered by the last job
-        self.kept_map: tuple[str, int, int] | None = None  # and the file map they lie in (file, address, size), unmapped after them
-        self.releasing: tuple[str, threading.Thread] | None = None  # (file, thread) unregistering the last job's pages
+        self.kept_maps: list[_Map] = []  # and the file maps they lie in, unmapped after them
+        self.releasing: tuple[set[str], threading.Thread] | None = None  # (files, thread) unregistering the last job's pages
 
     def _open(self, handle_hex: str) -> int:
         ptr = self.opened.get(handle_hex)
@@ -154,43 +167,55 @@ class Helper:
         return ptr
 
     def job(self, job: dict) -> int:
+        parts = job["parts"]
+        files = {part["file"] for part in parts}
         releasing, self.releasing = self.releasing, None
-        if releasing is not None and releasing[0] == job["file"]:
+        if releasing is not None and releasing[0] & files:
             releasing[1].join()  # the same file's pages again: pinned through one map at a time
         bases = [self._open(h) for h in job["handles"]]
-        fd = os.open(job["file"], os.O_RDONLY)
+        maps: list[_Map] = []
+        try:
+            for part in parts:
+                maps.append(self._map(part["file"]))
+            # 0 registered threads only beside staging ones: a job must never be answered with nothing copied.
+            threads = max(0 if self.settings.staged else 1, int(job["threads"]))
+            windows = [(m, w) for m, part in zip(maps, parts, strict=True) for w in part["windows"]]
+            return self._copy_windows(bases, windows, threads)
+        finally:
+            for m in maps:
+                os.close(m.fd)  # the map stays valid without it
+                if self.registered:
+                    self.kept_maps.append(m)  # unmapped once its pages are unregistered
+                else:
+                    self.libc.munmap(m.addr, m.size)
+
+    def _map(self, file: str) -> _Map:
+        fd = os.open(file, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             addr = self.libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
             if addr in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap of {job['file']} failed")
-            try:
-                # 0 registered threads only beside staging ones: a job must never be answered with nothing copied.
-                threads = max(0 if self.settings.staged else 1, int(job["threads"]))
-                return self._copy_windows(fd, addr, size, bases, job["windows"], threads)
-            finally:
-                if self.registered:
-                    self.kept_map = (job["file"], addr, size)  # unmapped once its pages are unregistered
-                else:
-                    self.libc.munmap(addr, size)
-        finally:
+                raise OSError(ctypes.get_errno(), f"mmap of {file} failed")
+        except BaseException:
             os.close(fd)
+            raise
+        return _Map(file, fd, addr, size)
 
-    def _copy_windows(self, fd: int, addr: int, size: int, bases: list[int], windows: list, threads: int) -> int:
+    def _copy_windows(self, bases: list[int], windows: list[tuple[_Map, list]], threads: int) -> int:
         lock = threading.Lock()
         queue = iter(windows)
         errors: list[BaseException] = []
 
-        def take() -> list | None:
+        def take() -> tuple[_Map, list] | None:
             with lock:
                 return None if errors else next(queue, None)
 
         def work(staging: int | None) -> None:
             try:
                 if staging is None:
-                    self._work(addr, size, bases, take)
+                    self._work(bases, take)
                 else:
-                    self._work_staged(fd, bases, take, self.stage_buffers[2 * staging : 2 * staging + 2])
+                    self._work_staged(bases, take, self.stage_buffers[2 * staging : 2 * staging + 2])
             except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
                 with lock:
                     errors.append(e)
@@ -203,9 +228,9 @@ class Helper:
             t.join()
         if errors:
             raise errors[0]
-        return sum(n for _, _, pieces in windows for _, n, _, _ in pieces)
+        return sum(n for _, (_, _, pieces) in windows for _, n, _, _ in pieces)
 
-    def _work(self, addr: int, size: int, bases: list[int], take) -> None:  # noqa: ANN001
+    def _work(self, bases: list[int], take) -> None:  # noqa: ANN001
         cu = self.cu
         cu("cuCtxSetCurrent", self.ctx)  # the current context is per thread
         stream = ctypes.c_void_p()
@@ -220,12 +245,13 @@ class Helper:
 
         keep = self.settings.defer_unregister  # registered pointers stay until the job is answered
         try:
-            while (window := take()) is not None:
-                lo, hi, pieces = window
+            while (taken := take()) is not None:
+                m, (lo, hi, pieces) = taken
+                addr = m.addr
                 if len(in_flight) == 2 and not keep:
                     release_oldest()
                 lo -= lo % _PAGE
-                hi = min(-(-hi // _PAGE) * _PAGE, -(-size // _PAGE) * _PAGE)
+                hi = min(-(-hi // _PAGE) * _PAGE, -(-m.size // _PAGE) * _PAGE)
                 ptr = addr + lo
                 if self.populate and self.libc.madvise(ctypes.c_void_p(ptr), hi - lo, _MADV_POPULATE_READ) != 0:
                     self.populate = False  # a kernel before 5.14: pinning faults the pages in itself
@@ -253,7 +279,7 @@ class Helper:
             cu("cuStreamSynchronize", stream)
             cu("cuStreamDestroy", stream)
 
-    def _work_staged(self, fd: int, bases: list[int], take, buffers: list[int]) -> None:  # noqa: ANN001
+    def _work_staged(self, bases: list[int], take, buffers: list[int]) -> None:  # noqa: ANN001
         """Windows read into two pinned buffers in turn, each copied while the other is read."""
         cu = self.cu
         cu("cuCtxSetCurrent", self.ctx)
@@ -268,8 +294,8 @@ class Helper:
         step = self.settings.stage_bytes
         k = 0
         try:
-            while (window := take()) is not None:
-                lo, hi, pieces = window
+            while (taken := take()) is not None:
+                m, (lo, hi, pieces) = taken
                 for start in range(lo, hi, step):
                     end = min(hi, start + step)
                     b = k % len(buffers)
@@ -277,7 +303,7 @@ class Helper:
                     if pending[b]:
                         cu("cuEventSynchronize", events[b])  # the copy out of this buffer has finished
                     buf = buffers[b]
-                    self._pread(fd, buf, end - start, start)
+                    self._pread(m.fd, buf, end - start, start)
                     for offset, n, handle_index, dest in pieces:
                         a, z = max(offset, start), min(offset + n, end)
                         if a < z:
@@ -303,13 +329,13 @@ class Helper:
     def unregister_kept(self) -> threading.Thread | None:
         """Unregister (then unmap) what ``--defer-unregister`` kept, on a thread of its own; None if nothing was kept.
 
-        Called after the job's reply: the next job (say the common tensors) starts meanwhile. Its map
-        lies elsewhere (the old one is unmapped only after its pages), so its registrations cannot clash;
-        a job of the same file waits for it all the same (its pages pinned through one map at a time).
+        Called after the job's reply: a next job starts meanwhile. Its maps lie elsewhere (the old
+        ones are unmapped only after their pages), so its registrations cannot clash; a job of one of
+        the same files waits for it all the same (its pages pinned through one map at a time).
         """
         kept, self.registered = self.registered, []
-        mapped, self.kept_map = self.kept_map, None
-        if not kept and mapped is None:
+        maps, self.kept_maps = self.kept_maps, []
+        if not kept and not maps:
             return None
 
         def release() -> None:
@@ -318,12 +344,12 @@ class Helper:
                 for ptr in kept:
                     self.cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
             finally:
-                if mapped is not None:
-                    self.libc.munmap(mapped[1], mapped[2])
+                for m in maps:
+                    self.libc.munmap(m.addr, m.size)
 
         thread = threading.Thread(target=release, name="unregister")
         thread.start()
-        self.releasing = (mapped[0] if mapped is not None else "", thread)
+        self.releasing = ({m.file for m in maps}, thread)
         return thread
 
     def close(self) -> None:

@@ -231,48 +231,66 @@ class HelperPool:
         Calls from several threads run one after the other.
         """
         with self._one_job:
-            return self._copy(path, windows, threads, own)
+            return self._copy([(path, windows)], threads, own)[0]
+
+    def copy_files(self, parts: Sequence[tuple[str | Path, Sequence[WindowLike]]], threads: int) -> list[list[WindowLike]]:
+        """:meth:`copy` of several files at once: each helper gets one job holding its share of all of them.
+
+        The shares are cut from the files' windows in the order given, so no helper waits at the
+        end of one file for the others to finish theirs, and deferred unregistering runs once,
+        after every file. Returns, per part, the windows not known to be copied.
+        """
+        with self._one_job:
+            return self._copy(parts, threads, None)
 
     def _copy(
         self,
-        path: str | Path,
-        windows: Sequence[WindowLike],
+        parts: Sequence[tuple[str | Path, Sequence[WindowLike]]],
         threads: int,
         own: Callable[[list[WindowLike]], None] | None,
-    ) -> list[WindowLike]:
+    ) -> list[list[WindowLike]]:
+        everything = [w for _, windows in parts for w in windows]
+        part_of = {id(w): k for k, (_, windows) in enumerate(parts) for w in windows}
+        lefts: list[list[WindowLike]] = [[] for _ in parts]
+
+        def leave(windows: Sequence[WindowLike]) -> list[list[WindowLike]]:
+            for w in windows:
+                lefts[part_of[id(w)]].append(w)
+            return [sorted(left, key=lambda w: w.lo) for left in lefts]
+
         helpers = self._wait_ready()
-        if not helpers or not windows:
-            if windows and self.failures:
+        if not helpers or not everything:
+            if everything and self.failures:
                 logger.warning("marlin-pack: no copy helper started (%s); this process reads the bundle itself", self.failures[-1])
-            return list(windows)
-        runs = split_by_bytes(windows, len(helpers) + (own is not None))
+            return leave(everything)
+        runs = split_by_bytes(everything, len(helpers) + (own is not None))
         mine: list[WindowLike] = runs.pop() if own is not None else []  # the file's tail: the caller's share
         try:
-            torch.cuda.current_stream(windows[0].pieces[0][2].device).synchronize()
+            torch.cuda.current_stream(everything[0].pieces[0][2].device).synchronize()
             handles: dict[str, int] = {}
             jobs = []
             for run in runs:
-                encoded = []
+                encoded: dict[int, list] = {}  # part -> its windows in this run
                 for w in run:
                     pieces = []
                     for offset, n, dst in w.pieces:
                         handle, dest = self._handle(dst.data_ptr())
                         pieces.append([offset, n, handles.setdefault(handle, len(handles)), dest])
-                    encoded.append([w.lo, w.hi, pieces])
-                jobs.append((run, encoded))
+                    encoded.setdefault(part_of[id(w)], []).append([w.lo, w.hi, pieces])
+                jobs.append((run, [{"file": str(parts[k][0]), "windows": ws} for k, ws in encoded.items()]))
         except Exception as e:  # noqa: BLE001 - no driver, no IPC handle (VMM memory): the caller reads everything
             self.failures.append(f"{type(e).__name__}: {e}")
             logger.warning("marlin-pack: copy helpers not usable (%s); this process reads the bundle itself", self.failures[-1])
-            return list(windows)
+            return leave(everything)
         order = list(handles)
         known = len(self.failures)
         left: list[WindowLike] = []
         sent: list[tuple[subprocess.Popen[str], list[WindowLike]]] = []
-        for p, (run, encoded) in zip(helpers, jobs, strict=False):
+        for p, (run, encoded_parts) in zip(helpers, jobs, strict=False):
             try:
                 assert p.stdin is not None
                 # threads 0: the helper's staging threads only (a helper without any still registers on one)
-                p.stdin.write(json.dumps({"file": str(path), "handles": order, "threads": threads, "windows": encoded}) + "\n")
+                p.stdin.write(json.dumps({"parts": encoded_parts, "handles": order, "threads": threads}) + "\n")
                 p.stdin.flush()
                 sent.append((p, run))
             except OSError as e:
@@ -290,7 +308,7 @@ class HelperPool:
                     left.extend(run)
         if len(self.failures) > known:
             logger.warning("marlin-pack: copy helpers: %s; this process reads what they left", self.failures[-1])
-        return sorted(left, key=lambda w: w.lo)
+        return leave(left)
 
     def close(self, wait: bool = True) -> None:
         """End the helpers: each exits (closing its IPC mappings and CUDA context) when its input ends.

@@ -48,6 +48,7 @@ threads pin at most two windows of the page cache each.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -56,7 +57,7 @@ import os
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,6 +261,26 @@ class _Plan:
     chunk: int
 
 
+@dataclass(eq=False)
+class _OpenFile:
+    """One file of a :meth:`ParallelReader.copy_files` call: open, its windows planned."""
+
+    path: str | Path
+    plan: _Plan
+    fd: int
+    file_size: int
+    windows: list[_Window]
+    device: torch.device | None
+
+
+def _device_of(windows: list[_Window]) -> torch.device | None:
+    """The one CUDA device the windows' destinations are on (None: all on the CPU)."""
+    devices = {p[2].device for w in windows for p in w.pieces if p[2].device.type != "cpu"}
+    if len(devices) > 1:
+        raise ValueError(f"destinations span several devices: {sorted(map(str, devices))}")
+    return devices.pop() if devices else None
+
+
 class ParallelReader:
     """Reads byte ranges of files into tensors with several threads.
 
@@ -362,37 +383,59 @@ class ParallelReader:
         All copies are complete when this returns. Destinations may be on one CUDA
         device or on the CPU.
         """
-        plan = self.plan(path)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            file_size = os.fstat(fd).st_size
-            windows = _windows(items, plan.chunk, file_size)
-            if not windows:
-                return 0
-            devices = {p[2].device for w in windows for p in w.pieces if p[2].device.type != "cpu"}
-            if len(devices) > 1:
-                raise ValueError(f"destinations span several devices: {sorted(map(str, devices))}")
-            device = devices.pop() if devices else None
-            total = sum(p[1] for w in windows for p in w.pieces)
-            if device is not None and plan.mode == "processes":
-                self.modes_used.add(plan.mode)
-                # This process registers its own share (and whatever the helpers leave) in place.
-                here = _Plan("registered", MODE_DEFAULTS["registered"][0], plan.chunk)
+        return self.copy_files([(path, items)])
 
-                def own(share: list[_Window]) -> None:
-                    self._wait_own_turn()
-                    self._read(here, fd, file_size, share, device, record=False)
+    def copy_files(self, jobs: Sequence[tuple[str | Path, Iterable[CopyItem]]]) -> int:
+        """:meth:`copy` of several files, in order; returns the bytes copied.
 
-                left = self._pool_for(device).copy(path, windows, plan.threads, own=own if self.own_share else None)
-                if left:
-                    self._wait_own_turn()
-                    self._read(here, fd, file_size, left, device)  # shows as "registered" beside "processes"
-            else:
-                self._read(plan, fd, file_size, windows, device)
-        finally:
-            os.close(fd)
+        In ``processes`` mode the helpers get every file's windows in one job each (see
+        :meth:`HelperPool.copy_files`), so the files follow one another without a pause.
+        """
+        with contextlib.ExitStack() as stack:
+            opened = []
+            for path, items in jobs:
+                plan = self.plan(path)
+                fd = os.open(path, os.O_RDONLY)
+                stack.callback(os.close, fd)
+                file_size = os.fstat(fd).st_size
+                windows = _windows(items, plan.chunk, file_size)
+                opened.append(_OpenFile(path, plan, fd, file_size, windows, _device_of(windows)))
+            helped = [f for f in opened if f.windows and f.device is not None and f.plan.mode == "processes"]
+            if len({f.device for f in helped}) > 1:
+                raise ValueError(f"destinations span several devices: {sorted({str(f.device) for f in helped})}")
+            if helped:
+                self._copy_with_helpers(helped)
+            for f in opened:
+                if f not in helped and f.windows:
+                    self._read(f.plan, f.fd, f.file_size, f.windows, f.device)
+        total = sum(p[1] for f in opened for w in f.windows for p in w.pieces)
         self.bytes_read += total
         return total
+
+    def _copy_with_helpers(self, files: list[_OpenFile]) -> None:
+        """The ``processes`` mode: the helpers copy ``files`` (and this process its share, for one file
+        with ``own_share``); this process registers whatever they leave itself."""
+        self.modes_used.add("processes")
+        device = files[0].device
+        assert device is not None
+        threads = max(f.plan.threads for f in files)
+        # This process registers its own share (and whatever the helpers leave) in place.
+        here = [_Plan("registered", MODE_DEFAULTS["registered"][0], f.plan.chunk) for f in files]
+        pool = self._pool_for(device)
+        if len(files) == 1:
+            f = files[0]
+
+            def own(share: list[_Window]) -> None:
+                self._wait_own_turn()
+                self._read(here[0], f.fd, f.file_size, share, device, record=False)
+
+            lefts = [pool.copy(f.path, f.windows, threads, own=own if self.own_share else None)]
+        else:
+            lefts = pool.copy_files([(f.path, f.windows) for f in files], threads)
+        for f, plan, left in zip(files, here, lefts, strict=True):
+            if left:
+                self._wait_own_turn()
+                self._read(plan, f.fd, f.file_size, left, device)  # shows as "registered" beside "processes"
 
     def _wait_own_turn(self) -> None:
         if self.own_after is not None:

@@ -86,6 +86,40 @@ def test_processes_mode_copies_every_byte_in_the_helpers(
         assert torch.equal(out[name].cpu(), t), name
 
 
+@pytest.mark.parametrize("settings", ["plain", "staged", "deferred"])
+@pytest.mark.parametrize("helpers", [1, 3])
+def test_processes_mode_copies_several_files_in_one_job_per_helper(
+    tensor_file: Path, tmp_path: Path, settings: str, helpers: int
+) -> None:
+    """``copy_files`` (the rank file and the common tensors): every byte of both files lands, copied by the
+    helpers, whose shares cut across the two files; then a job of one of the same files (``deferred``: it
+    waits for the first job's pages to be unregistered)."""
+    from marlin_pack.vllm_plugin.copy_helpers import HelperPool
+
+    g = torch.Generator().manual_seed(1)
+    other = tmp_path / "common.safetensors"
+    save_file({"embed": torch.randn(1000, 257, generator=g).half(), "norm": torch.randn(99, generator=g)}, str(other))
+    files = [tensor_file, other]
+    headers = [read_header(f) for f in files]
+    wants = [load_file(str(f)) for f in files]
+    outs = [{n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in h.tensors.items()} for h in headers]
+    extra = {"staged": {"staged": 2, "stage_mib": 1}, "deferred": {"defer_unregister": True}}.get(settings, {})
+    with HelperPool(helpers, torch.cuda.current_device(), **extra) as pool:  # type: ignore[arg-type]
+        with ParallelReader(threads=2, chunk_bytes=1 << 16, mode="processes", helpers=pool, own_share=False) as r:
+            jobs = [
+                (f, [CopyItem(i.start, i.nbytes, out[n]) for n, i in h.tensors.items()])
+                for f, h, out in zip(files, headers, outs, strict=True)
+            ]
+            n = r.copy_files(jobs)
+            n += r.copy_files(jobs[1:])  # the common file again, alone
+        assert pool.failures == []
+        assert r.modes_used == {"processes"}
+    assert n == sum(i.nbytes for h in headers for i in h.tensors.values()) + sum(i.nbytes for i in headers[1].tensors.values())
+    for want, out in zip(wants, outs, strict=True):
+        for name, t in want.items():
+            assert torch.equal(out[name].cpu(), t), name
+
+
 def test_processes_mode_left_windows_are_read_here(tensor_file: Path) -> None:
     """A helper that fails (here: a helper script that answers ready, then errors) costs speed, not bytes."""
     import textwrap

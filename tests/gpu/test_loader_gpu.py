@@ -304,14 +304,16 @@ def test_prepacked_io_modes_match_ordinary_loading(
 @pytest.mark.parametrize(
     "io",
     # In this process (the rank file, then the common tensors, on its reader threads), by helpers (what
-    # auto picks for a bundle on disk where they fit), and by helpers with the common tensors staged in this
-    # process at the same time (common_io staged).
+    # auto picks for a bundle on disk where they fit; one job per helper holding both files), the same with
+    # deferred unregistering (the pages of both files kept until the job's reply), and by helpers with the
+    # common tensors staged in this process at the same time (common_io staged).
     [
         {"common_during_build": True, "io_mode": "staged"},
         {"common_during_build": True, "io_mode": "processes", "io_processes": 2},
+        {"common_during_build": True, "io_mode": "processes", "io_processes": 2, "io_defer_unregister": True},
         {"common_during_build": True, "common_io": "staged", "io_mode": "processes", "io_processes": 2},
     ],
-    ids=["staged", "processes", "processes-common-staged"],
+    ids=["staged", "processes", "processes-deferred", "processes-common-staged"],
 )
 def test_common_tensors_copied_beside_the_construction_match_ordinary_loading(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], io: dict[str, Any]
@@ -321,7 +323,7 @@ def test_common_tensors_copied_beside_the_construction_match_ordinary_loading(
     kind = "gptq4-vocab"
     reference = ordinary(kind)
     code, log, result = run_engine(
-        workdir / f"common-{io.get('io_mode', 'auto')}-{io.get('common_io', 'with_rank_file')}", checkpoints[kind],
+        workdir / f"common-{io.get('io_mode', 'auto')}-{io.get('common_io', 'with_rank_file')}-{len(io)}", checkpoints[kind],
         load_format="marlin_prepacked", model_loader_extra_config=io,
     )
     assert code == 0 and result is not None, log[-4000:]

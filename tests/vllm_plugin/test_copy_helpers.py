@@ -145,7 +145,8 @@ def _answering_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int,
         print(json.dumps({{"ready": True}}), flush=True)
         for line in sys.stdin:
             with open(os.path.join({str(tmp_path)!r}, f"helper-{{os.getpid()}}.log"), "a") as f:
-                f.write(json.dumps([w[0] for w in json.loads(line)["windows"]]) + "\\n")
+                parts = json.loads(line)["parts"]
+                f.write(json.dumps([[os.path.basename(part["file"]), w[0]] for part in parts for w in part["windows"]]) + "\\n")
             print(json.dumps({answer}), flush=True)
     """
     pool = HelperPool(count, 0, script=_script(tmp_path, body))
@@ -154,8 +155,14 @@ def _answering_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int,
     return pool
 
 
-def _sent(tmp_path: Path) -> list[list[int]]:
+def _sent_files(tmp_path: Path) -> list[list[list]]:
+    """Each job the helpers were sent: its windows as ``[file name, window start]``."""
     return sorted(json.loads(line) for p in tmp_path.glob("helper-*.log") for line in p.read_text().splitlines())
+
+
+def _sent(tmp_path: Path) -> list[list[int]]:
+    """Each job the helpers were sent: its windows' starts."""
+    return [[lo for _, lo in job] for job in _sent_files(tmp_path)]
 
 
 def test_own_share_is_the_tail_and_runs_beside_the_helpers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,6 +198,29 @@ def test_when_the_callers_share_fails_the_helpers_are_still_waited_for(tmp_path:
     with pool, pytest.raises(OSError, match="disk gone"):
         pool.copy(tmp_path / "f", windows, threads=1, own=own)
     assert answered[-1] == {"ok": 0}  # the helper's job reply was read before the error went up
+
+
+def test_copy_files_gives_each_helper_one_job_cut_across_the_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank file and the common tensors: the shares are cut from both files' windows in order, so a
+    helper's one job may hold the end of one file and the start of the next."""
+    rank, common = _windows([10] * 6), _windows([10] * 2)
+    with _answering_pool(tmp_path, monkeypatch, 2, '{"ok": 0}') as pool:
+        assert pool.copy_files([(tmp_path / "rank", rank), (tmp_path / "common", common)], threads=1) == [[], []]
+        assert pool.failures == []
+    assert _sent_files(tmp_path) == [
+        [["rank", 0], ["rank", 10], ["rank", 20], ["rank", 30]],
+        [["rank", 40], ["rank", 50], ["common", 0], ["common", 10]],
+    ]
+
+
+def test_copy_files_hands_a_failed_helpers_windows_back_per_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rank, common = _windows([10] * 3), _windows([10] * 3)
+    with _answering_pool(tmp_path, monkeypatch, 1, '{"error": "RuntimeError: injected"}') as pool:
+        assert pool.copy_files([(tmp_path / "rank", rank), (tmp_path / "common", common)], threads=1) == [rank, common]
+        assert "injected" in pool.failures[0]
+    pool = _answering_pool(tmp_path, monkeypatch, 1, '{"ok": 0}')
+    pool.close()
+    assert pool.copy_files([(tmp_path / "rank", rank), (tmp_path / "common", common)], threads=1) == [rank, common]
 
 
 def test_a_closed_pool_leaves_every_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -337,7 +367,7 @@ def test_helper_copies_every_piece_and_unregisters_every_window(
         pieces = [[max(a, lo), min(b, hi) - max(a, lo), 0, max(a, lo) + 100] for a, b in itertools.pairwise(cuts) if a < hi and b > lo]
         windows.append([lo, hi, pieces])
     threads = 0 if request.node.callspec.id in ("staged-only", "no-threads-asked") else 3
-    job = {"file": str(path), "handles": ["00" * 64], "threads": threads, "windows": windows}
+    job = {"parts": [{"file": str(path), "windows": windows}], "handles": ["00" * 64], "threads": threads}
     for _ in range(2):  # the same file twice: with deferral the second waits for the first's unregistering
         ctypes.memset(destination, 0, len(destination))
         assert helper.job(job) == len(data)
@@ -356,3 +386,41 @@ def test_helper_copies_every_piece_and_unregisters_every_window(
         assert registered == 0  # the staging threads copied everything
     else:
         assert 0 < registered < 2 * len(windows) if staged else registered == 2 * len(windows)  # staged threads took some
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_helper_job_of_two_files_copies_both_and_releases_their_pages_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, defer: bool
+) -> None:
+    """One job holding the rank file and the common tensors: the threads (registered and staged) take windows
+    of both files; with ``defer_unregister`` the pages of both stay registered until the reply, are released
+    together, and a next job of one of those files waits for that."""
+    first, second = bytes(range(256)) * 40, bytes(reversed(range(256))) * 30  # windows end inside pages
+    paths = [tmp_path / "rank.bin", tmp_path / "common.bin"]
+    for path, data in zip(paths, (first, second), strict=True):
+        path.write_bytes(data)
+    destination = ctypes.create_string_buffer(len(first) + len(second))
+    helper = _fake_helper(monkeypatch, copy_helper_main.Settings(0, staged=1, stage_bytes=1 << 12, defer_unregister=defer), destination)
+    step = 2 * mmap.PAGESIZE
+
+    def part(path: Path, size: int, at: int) -> dict:
+        windows = [[lo, min(lo + step, size), [[lo, min(lo + step, size) - lo, 0, at + lo]]] for lo in range(0, size, step)]
+        return {"file": str(path), "windows": windows}
+
+    parts = [part(paths[0], len(first), 0), part(paths[1], len(second), len(first))]
+    assert helper.job({"parts": parts, "handles": ["00" * 64], "threads": 2}) == len(first) + len(second)
+    assert destination.raw == first + second
+    assert bool(helper.cu.registered) is defer  # type: ignore[attr-defined]
+    thread = helper.unregister_kept()
+    assert (thread is not None) is defer
+    if thread is not None:
+        assert helper.releasing is not None and helper.releasing[0] == {str(p) for p in paths}
+    ctypes.memset(destination, 0, len(destination))
+    assert helper.job({"parts": parts[1:], "handles": ["00" * 64], "threads": 2}) == len(second)
+    assert destination.raw[len(first) :] == second
+    if thread is not None:
+        assert not thread.is_alive()  # the common file's pages were released before they were registered again
+    later = helper.unregister_kept()
+    if later is not None:
+        later.join()
+    assert not helper.cu.registered  # type: ignore[attr-defined]

@@ -71,16 +71,18 @@ def fake_create_model(monkeypatch: pytest.MonkeyPatch, model: Path, tp_size: int
 
 
 def on_reader_copy(monkeypatch: pytest.MonkeyPatch, seen: Callable[[str], object]) -> None:
-    """Call ``seen(file name)`` as every ``ParallelReader.copy`` begins (on the reader's caller's thread)."""
+    """Call ``seen(file name)`` for each file as every ``ParallelReader.copy_files`` (which ``copy`` calls) begins
+    (on the reader's caller's thread)."""
     from marlin_pack.vllm_plugin import gpu_reader
 
-    copy = gpu_reader.ParallelReader.copy
+    copy_files = gpu_reader.ParallelReader.copy_files
 
-    def seen_copy(self: Any, path: Any, items: Any) -> int:
-        seen(Path(path).name)
-        return copy(self, path, items)
+    def seen_copy(self: Any, jobs: Any) -> int:
+        for path, _ in jobs:
+            seen(Path(path).name)
+        return copy_files(self, jobs)
 
-    monkeypatch.setattr(gpu_reader.ParallelReader, "copy", seen_copy)
+    monkeypatch.setattr(gpu_reader.ParallelReader, "copy_files", seen_copy)
 
 
 def with_vllm_embeddings(monkeypatch: pytest.MonkeyPatch, model_dir: Path, padding: int = 0) -> dict[str, Any]:
@@ -428,7 +430,7 @@ def test_background_copy_opens_its_gate_before_waiting(end: str) -> None:
         def __exit__(self, *exc: object) -> None:
             pass
 
-        def copy(self, path: Any, items: Any) -> int:
+        def copy_files(self, jobs: Any) -> int:
             assert gate.wait(timeout=30), "the gate stayed shut"
             return 7
 
@@ -442,14 +444,14 @@ def test_rank_file_copy_failure_surfaces_in_load_weights(awq_bundle: Path, monke
     """A read error in the background copy is raised by load_weights (after the copy ended), not lost."""
     from marlin_pack.vllm_plugin import gpu_reader
 
-    copy = gpu_reader.ParallelReader.copy
+    copy_files = gpu_reader.ParallelReader.copy_files
 
-    def failing(self: Any, path: Any, items: Any) -> int:
-        if Path(path).name == "rank-0.safetensors":
+    def failing(self: Any, jobs: Any) -> int:
+        if any(Path(path).name == "rank-0.safetensors" for path, _ in jobs):
             raise OSError(5, "Input/output error")
-        return copy(self, path, items)
+        return copy_files(self, jobs)
 
-    monkeypatch.setattr(gpu_reader.ParallelReader, "copy", failing)
+    monkeypatch.setattr(gpu_reader.ParallelReader, "copy_files", failing)
     fake_create_model(monkeypatch, awq_bundle)
     vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
     loader = make_loader()
