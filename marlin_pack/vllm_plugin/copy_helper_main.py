@@ -29,7 +29,8 @@ threads, pinned 55.5 GB/s): 27.8-31.2 GB/s as is; unregistering costs as much as
 (py-spy: 299 against 272 samples), and deferring it gives 39.3-40.2 GB/s; with 2 staging threads
 per helper as well 44.1 GB/s (0.79 of pinned); staging threads alone 35.6-36.3 GB/s. Inside an
 engine the faster copy slowed the engine's own steps beside it as much as it gained, so both
-are off unless the loader is told (``io_defer_unregister``, ``io_staged``).
+are off there unless the loader is told (``io_defer_unregister``, ``io_staged``); a weight-cache
+daemon's fill defers unregistering by default (it does not wait for its helpers to exit).
 
 Protocol, one JSON object per line:
 

@@ -53,7 +53,9 @@ class LoaderOptions:
         common_during_build: with ``copy_during_build`` at TP=1, also copy the large common tensors
             (embedding, output head) beside the construction, into tensors of their own that their
             parameters are then pointed at (vLLM's embedding method makes no placeholders meanwhile),
-            instead of reading them once the model is built; default false.
+            instead of reading them once the model is built. Default: on in a weight-cache daemon's
+            fill (with ``io_defer_unregister``, fill 1.28-1.48 s against 1.57-1.78 s for a 70B on an
+            H200), off in an engine.
         common_io: with ``common_during_build``, who copies those common tensors: the rank file's
             reader once the rank file is copied (``with_rank_file``, the default; with helpers,
             the helpers), or this process at the same time as the rank file, through pinned
@@ -69,7 +71,9 @@ class LoaderOptions:
             in MiB (1..256, default 64); a helper allocates them before it is ready, so smaller
             buffers make it ready sooner.
         io_defer_unregister: with helpers, keep the registered windows page-locked until a
-            helper's whole share is copied, unregistering them after it answers.
+            helper's whole share is copied, unregistering them after it answers. Default: on in a
+            weight-cache daemon's fill (its helpers exit in the background), off in an engine (which
+            waits for its helpers to exit before vLLM measures the free memory).
         io_common_by_helpers: with helpers and the copy beside the construction, the helpers also
             copy the large common tensors (embedding, head) once they are done with the rank
             file, instead of this process reading them beside them.
@@ -87,12 +91,12 @@ class LoaderOptions:
     io_mode: IoMode = "auto"
     io_processes: int | None = None
     copy_during_build: bool = True
-    common_during_build: bool = False
+    common_during_build: bool | None = None  # None: on in a weight-cache daemon's fill, off in an engine
     common_io: CommonIo = "with_rank_file"
     io_own_share: OwnShare = "none"
     io_staged: int = 0
     io_stage_mib: int = 64
-    io_defer_unregister: bool = False
+    io_defer_unregister: bool | None = None  # None: as common_during_build
     io_common_by_helpers: bool = False
     io_helper_nice: int = 0
 
@@ -145,7 +149,7 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     flags = {}
     for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build"):
         flags[key] = extra.get(key, getattr(LoaderOptions, key))
-        if not isinstance(flags[key], bool):
+        if not isinstance(flags[key], bool) and not (key not in extra and flags[key] is None):
             raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")
     staged = extra.get("io_staged", LoaderOptions.io_staged)
     if isinstance(staged, bool) or not isinstance(staged, int) or not 0 <= staged <= 16:

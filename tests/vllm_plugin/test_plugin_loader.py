@@ -285,7 +285,7 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
     assert loader._timings.beside is during_build and loader._timings.copy_bytes == sum(t.nbytes for t in reference.values())
 
 
-@pytest.mark.parametrize("common_io", ["with_rank_file", "staged"])
+@pytest.mark.parametrize("common_io", ["with_rank_file", "staged", "daemon default"])
 @pytest.mark.parametrize("padded_vocab", [False, True])
 def test_common_tensors_copy_beside_the_construction(
     make_bundle: Any, monkeypatch: pytest.MonkeyPatch, padded_vocab: bool, common_io: str
@@ -295,10 +295,13 @@ def test_common_tensors_copy_beside_the_construction(
     (staged), started before vLLM builds the model, whose embedding and head (vLLM's own classes) are memory-less
     stubs meanwhile; once built they point at those copies and are not fed to vLLM. A parameter of another shape
     (a padded vocabulary) gets memory before vLLM's weight loader writes into it, and holds what that loader
-    writes."""
+    writes. In a weight-cache daemon's fill (``exit_in_background``) this is the default."""
+    import contextlib
     import threading
 
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from marlin_pack.vllm_plugin.copy_helpers import exit_in_background
 
     model_dir = make_bundle("gptq", "tiny")
     common = load_file(str(model_dir / "marlin-pack" / "common.safetensors"))
@@ -307,13 +310,16 @@ def test_common_tensors_copy_beside_the_construction(
     on_reader_copy(monkeypatch, lambda name: reads.append((name, threading.current_thread().name)))
     during = with_vllm_embeddings(monkeypatch, model_dir, padding=64 if padded_vocab else 0)
     vllm_config, model_config = fake_engine(model_dir, "auto_gptq", monkeypatch)
-    loader = make_loader(io_threads=2, chunk_mb=1, common_during_build=True, common_io=common_io)
+    daemon = common_io == "daemon default"
+    options = {} if daemon else {"common_during_build": True, "common_io": common_io}
+    loader = make_loader(io_threads=2, chunk_mb=1, **options)
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         from marlin_pack.vllm_plugin import patches
 
         patches.install()  # the engine's worker has them: the embedding method's stubs
-        model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
-        loader.load_weights(model, model_config)  # type: ignore[arg-type]
+        with exit_in_background() if daemon else contextlib.nullcontext():  # as the daemon's get_model
+            model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+            loader.load_weights(model, model_config)  # type: ignore[arg-type]
         process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= during["stubs"]
     background = [name for name, thread in reads if thread == "marlin-pack-arena-copy"]
@@ -692,15 +698,18 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
             with pytest.raises(LoadRefusedError):
                 loader.create_model(vllm_config, model_config)
         else:
-            model = loader.create_model(vllm_config, model_config)
-            if case in ("loads", "common by helpers", "daemon"):
-                assert events[:1] == ["start 2 helpers for device 3"] and "create" in events
-                with exit_in_background() if case == "daemon" else contextlib.nullcontext():
+            with exit_in_background() if case == "daemon" else contextlib.nullcontext():  # as the daemon's get_model
+                model = loader.create_model(vllm_config, model_config)
+                if case in ("loads", "common by helpers", "daemon"):
+                    assert events[:1] == ["start 2 helpers for device 3"] and "create" in events
                     loader.load_weights(model, model_config)  # CPU destinations: read here, the helpers unused
     assert len(seen) == 1
     assert events[0] == "start 2 helpers for device 3"
     staged, stage_mib = (2, 16) if case == "loads" else (0, 64)
-    assert _FakeHelpers.settings == {"staged": staged, "stage_mib": stage_mib, "defer_unregister": False, "nice": 0}
+    # A daemon's defaults: deferred unregistering (and the common tensors copied with the rank file, see
+    # test_daemon_defaults_copy_the_common_tensors_beside_the_construction).
+    deferred = case == "daemon"
+    assert _FakeHelpers.settings == {"staged": staged, "stage_mib": stage_mib, "defer_unregister": deferred, "nice": 0}
     if by_helpers:  # ended by loading, after the common tensors; the common reader had them
         assert events[1:] == ["create", "close wait=False", "joined"]
         assert readers[-1][1] == "processes" and isinstance(readers[-1][0], _FakeHelpers)

@@ -21,13 +21,14 @@ def test_parse_extra_config_defaults_and_values() -> None:
     assert parse_extra_config({}).copy_during_build is True
     assert parse_extra_config({"copy_during_build": False}).copy_during_build is False
     assert parse_extra_config({"io_own_share": "during_build"}).io_own_share == "during_build"
-    assert (parse_extra_config({}).io_staged, parse_extra_config({}).io_defer_unregister) == (0, False)
+    assert (parse_extra_config({}).io_staged, parse_extra_config({}).io_defer_unregister) == (0, None)  # None: by role
     o = parse_extra_config({"io_staged": 2, "io_defer_unregister": True, "io_common_by_helpers": True})
     assert (o.io_staged, o.io_defer_unregister, o.io_common_by_helpers) == (2, True, True)
     assert (parse_extra_config({}).io_stage_mib, parse_extra_config({"io_stage_mib": 16}).io_stage_mib) == (64, 16)
     assert parse_extra_config({}).io_common_by_helpers is False
     assert parse_extra_config({}).io_helper_nice == 0
-    assert parse_extra_config({}).common_during_build is False
+    assert parse_extra_config({}).common_during_build is None  # on in a daemon's fill, off in an engine
+    assert parse_extra_config({"common_during_build": False}).common_during_build is False
     assert parse_extra_config({"common_during_build": True}).common_during_build is True
     assert parse_extra_config({}).common_io == "with_rank_file"
     assert parse_extra_config({"common_io": "staged"}).common_io == "staged"
@@ -52,6 +53,7 @@ def test_option_keys_are_the_options() -> None:
         ({"io_stage_mib": 0}, r"\['io_stage_mib'\] must be an integer in 1\.\.256"),
         ({"io_defer_unregister": "no"}, r"\['io_defer_unregister'\] must be true or false"),
         ({"common_during_build": "yes"}, r"\['common_during_build'\] must be true or false"),
+        ({"common_during_build": None}, r"\['common_during_build'\] must be true or false"),  # JSON null: not the default
         ({"common_io": "helpers"}, r"\['common_io'\] must be one of \['with_rank_file', 'staged'\]"),
         ({"io_common_by_helpers": 1}, r"\['io_common_by_helpers'\] must be true or false"),
         ({"io_helper_nice": 20}, r"\['io_helper_nice'\] must be an integer in 0\.\.19"),
