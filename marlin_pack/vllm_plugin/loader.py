@@ -284,19 +284,20 @@ class MarlinPrepackedLoader(BaseModelLoader):
         return HelperPool(
             self.options.io_processes, torch.cuda.current_device(),
             staged=self.options.io_staged, stage_mib=self.options.io_stage_mib,
-            defer_unregister=self._in_daemon_by_default(self.options.io_defer_unregister), nice=self.options.io_helper_nice,
+            defer_unregister=self._in_daemon_by_default(self.options.io_defer_unregister, helpers=True), nice=self.options.io_helper_nice,
         )
 
     @staticmethod
-    def _in_daemon_by_default(option: bool | None) -> bool:
-        """An option whose default (None) is on in a weight-cache daemon's fill and off in an engine.
+    def _in_daemon_by_default(option: bool | None, helpers: bool) -> bool:
+        """An option whose default (None) is on in a weight-cache daemon's fill that copies with helpers,
+        and off in an engine (or without helpers, where it was not measured).
 
         ``common_during_build`` with ``io_defer_unregister``: the helpers copy the rank file and the
         common tensors in one job each beside vLLM's construction and unregister the pages after it.
         A daemon does not wait for them to exit; an engine would (vLLM measures the free memory after
         loading), and there the 70B figures did not settle it (see docs/performance.md).
         """
-        return exits_in_background() if option is None else option
+        return exits_in_background() and helpers if option is None else option
 
     def _helpers_fit(self, bundle: SelectedBundle) -> bool:
         """Whether the GPU has room for the helpers' CUDA contexts beside the model's weights.
@@ -378,7 +379,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
             return None
         t0 = time.perf_counter()
         arena = layout.allocate()
-        common = CommonPrefill.allocate(bundle, _LARGE_COMMON) if self._in_daemon_by_default(self.options.common_during_build) else None
+        during = self._in_daemon_by_default(self.options.common_during_build, helpers=helpers is not None)
+        common = CommonPrefill.allocate(bundle, _LARGE_COMMON) if during else None
         self._timings.arena = time.perf_counter() - t0
         built = threading.Event() if self.options.io_own_share == "after_build" else None
         # common_io staged: the common tensors get a reader of their own in this process, through pinned buffers

@@ -54,8 +54,8 @@ class LoaderOptions:
             (embedding, output head) beside the construction, into tensors of their own that their
             parameters are then pointed at (vLLM's embedding method makes no placeholders meanwhile),
             instead of reading them once the model is built. Default: on in a weight-cache daemon's
-            fill (with ``io_defer_unregister``, fill 1.28-1.48 s against 1.57-1.78 s for a 70B on an
-            H200), off in an engine.
+            fill that copies with helpers (with ``io_defer_unregister``, fill 1.28-1.48 s against
+            1.57-1.78 s for a 70B on an H200), off in an engine and without helpers.
         common_io: with ``common_during_build``, who copies those common tensors: the rank file's
             reader once the rank file is copied (``with_rank_file``, the default; with helpers,
             the helpers), or this process at the same time as the rank file, through pinned

@@ -285,7 +285,7 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
     assert loader._timings.beside is during_build and loader._timings.copy_bytes == sum(t.nbytes for t in reference.values())
 
 
-@pytest.mark.parametrize("common_io", ["with_rank_file", "staged", "daemon default"])
+@pytest.mark.parametrize("common_io", ["with_rank_file", "staged", "daemon default", "daemon without helpers"])
 @pytest.mark.parametrize("padded_vocab", [False, True])
 def test_common_tensors_copy_beside_the_construction(
     make_bundle: Any, monkeypatch: pytest.MonkeyPatch, padded_vocab: bool, common_io: str
@@ -295,7 +295,8 @@ def test_common_tensors_copy_beside_the_construction(
     (staged), started before vLLM builds the model, whose embedding and head (vLLM's own classes) are memory-less
     stubs meanwhile; once built they point at those copies and are not fed to vLLM. A parameter of another shape
     (a padded vocabulary) gets memory before vLLM's weight loader writes into it, and holds what that loader
-    writes. In a weight-cache daemon's fill (``exit_in_background``) this is the default."""
+    writes. In a weight-cache daemon's fill (``exit_in_background``) that copies with helpers this is the default;
+    without helpers (not measured there) it is not."""
     import contextlib
     import threading
 
@@ -310,8 +311,17 @@ def test_common_tensors_copy_beside_the_construction(
     on_reader_copy(monkeypatch, lambda name: reads.append((name, threading.current_thread().name)))
     during = with_vllm_embeddings(monkeypatch, model_dir, padding=64 if padded_vocab else 0)
     vllm_config, model_config = fake_engine(model_dir, "auto_gptq", monkeypatch)
-    daemon = common_io == "daemon default"
-    options = {} if daemon else {"common_during_build": True, "common_io": common_io}
+    daemon = common_io.startswith("daemon")
+    options: dict[str, Any] = {"common_during_build": True, "common_io": common_io}
+    if common_io == "daemon default":  # helpers started (they leave CPU destinations to this process)
+        import marlin_pack.vllm_plugin.loader as loader_mod
+
+        monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        options = {"io_mode": "processes"}
+    elif common_io == "daemon without helpers":
+        options = {}
     loader = make_loader(io_threads=2, chunk_mb=1, **options)
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         from marlin_pack.vllm_plugin import patches
@@ -321,6 +331,9 @@ def test_common_tensors_copy_beside_the_construction(
             model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
             loader.load_weights(model, model_config)  # type: ignore[arg-type]
         process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
+    if common_io == "daemon without helpers":
+        assert not during["stubs"] & {"model.embed_tokens.weight", "lm_head.weight"} and loader._timings.common_beside is None
+        return
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= during["stubs"]
     background = [name for name, thread in reads if thread == "marlin-pack-arena-copy"]
     own = [name for name, thread in reads if thread == "marlin-pack-common-copy"]
@@ -707,7 +720,7 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     assert events[0] == "start 2 helpers for device 3"
     staged, stage_mib = (2, 16) if case == "loads" else (0, 64)
     # A daemon's defaults: deferred unregistering (and the common tensors copied with the rank file, see
-    # test_daemon_defaults_copy_the_common_tensors_beside_the_construction).
+    # test_common_tensors_copy_beside_the_construction[daemon default]).
     deferred = case == "daemon"
     assert _FakeHelpers.settings == {"staged": staged, "stage_mib": stage_mib, "defer_unregister": deferred, "nice": 0}
     if by_helpers:  # ended by loading, after the common tensors; the common reader had them
