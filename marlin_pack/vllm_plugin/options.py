@@ -64,7 +64,9 @@ class LoaderOptions:
             the rank file too: not at all (``none``, the default: the helpers copy everything;
             pages pinned in the engine's process slow its own work beside the copy, vLLM's
             construction, the placing of the tensors, the common tensors), once vLLM has built
-            the model (``after_build``) or from the start (``during_build``).
+            the model (``after_build``) or from the start (``during_build``). With
+            ``common_during_build`` and ``common_io`` ``with_rank_file`` (one job for the rank file
+            and the common tensors) the helpers copy everything.
         io_staged: with helpers, staging threads per helper beside its registered ones (pinned
             buffers, a CPU copy per byte instead of page-locking); default 0.
         io_stage_mib: with ``io_staged``, the size of each of a staging thread's two pinned buffers,
