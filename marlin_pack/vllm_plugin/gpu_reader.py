@@ -401,8 +401,7 @@ class ParallelReader:
                 windows = _windows(items, plan.chunk, file_size)
                 opened.append(_OpenFile(path, plan, fd, file_size, windows, _device_of(windows)))
             helped = [f for f in opened if f.windows and f.device is not None and f.plan.mode == "processes"]
-            if len({f.device for f in helped}) > 1:
-                raise ValueError(f"destinations span several devices: {sorted({str(f.device) for f in helped})}")
+            _device_of([w for f in helped for w in f.windows])  # one job per helper: one device for every file
             if helped:
                 self._copy_with_helpers(helped)
             for f in opened:
