@@ -127,7 +127,7 @@ def _env() -> dict[str, str]:
             "VLLM_PORT": str(_PORT[0])}
 
 
-_MARLIN_KEYS = ("marlin-pack: validate", "marlin-pack: placed", "filled its model", "daemon warm-up", "copy helpers", "model runner")
+_MARLIN_KEYS = ("marlin-pack: validate", "marlin-pack: placed", "filled its model", "daemon warm-up", "copy helpers")
 
 
 def _marlin_lines(log: str) -> list[str]:
@@ -216,11 +216,8 @@ def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profil
     prof = re.search(r"PROFILE-BEGIN\n(.*?)PROFILE-END", p.stdout, re.S)
     result["profile"] = prof.group(1) if prof else ""
     # One line per engine as it ends, so a sitting cut short still shows the rows it finished.
-    print(f"  {mode} engine: Model loading took {result['model_loading_s']} s, engine start {result['engine_start_s']:.2f} s; "
-          f"{' | '.join(result['marlin_pack_log'][-1:])}", flush=True)
-    for x in result["marlin_pack_log"][:-1]:  # the copy's line, the helpers' start and exit
-        if any(k in x for k in ("placed", "model runner", "to exit")):
-            print(f"    {x}", flush=True)
+    print(f"  {mode} engine: Model loading took {result['model_loading_s']} s; {' | '.join(result['marlin_pack_log'][-1:])}",
+          flush=True)
     return result
 
 

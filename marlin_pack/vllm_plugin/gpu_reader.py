@@ -37,7 +37,7 @@ measured 10.1 GB/s registered against 12.7-19.7 GB/s staged, because page-lockin
 huge pages (:func:`marlin_pack.io.files.in_base_memory_pages`); on a huge-page tmpfs a 70B rank
 file measured 2.69 s staged against 1.66-2.05 s ``processes`` ("Model loading took"). Other
 files go ``processes`` when the reader was given a :class:`HelperPool` (the loader starts one when
-they can help, see ``helper_policy.helpers_help``), else ``registered``. File reads, registration and copies
+they can help, see ``loader.helpers_help``), else ``registered``. File reads, registration and copies
 release the GIL, so Python overhead is per window, not per byte. CPU destinations are
 read into directly (no staging), which is also what the CPU tests exercise.
 

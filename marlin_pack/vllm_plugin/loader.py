@@ -26,11 +26,13 @@ checkpoint is loaded by vLLM's ``DefaultModelLoader``; without it the load stops
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -51,16 +53,7 @@ from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, p
 from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool, exits_in_background
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
-from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader
-from marlin_pack.vllm_plugin.helper_policy import (
-    claim_early,
-    default_in_daemon,
-    discard_early,
-    helpers_help,
-    pool_key,
-    start_pool,
-    uses_helpers,
-)
+from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader, resolve_mode
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
@@ -68,7 +61,7 @@ from marlin_pack.vllm_plugin.patches.placeholders import stub_quantized_placehol
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
-__all__ = ["MarlinPrepackedLoader"]
+__all__ = ["MarlinPrepackedLoader", "uses_helpers"]
 
 # Common tensors from this size on are read with the parallel reader (see _common_weights), and copied
 # beside the construction with common_during_build (common_prefill).
@@ -76,8 +69,42 @@ _LARGE_COMMON = 16 << 20
 # common_io staged: this process's reader of the common tensors beside the construction (pinned: 2 x 64 MiB a thread).
 _COMMON_STAGED_THREADS, _COMMON_STAGED_CHUNK = 4, 64 << 20
 
+# io_mode auto starts copy helpers only with this many usable cores (4 helpers x 4 threads measured best on 16).
+_HELPER_MIN_CORES = 8
 # GPU memory set aside per copy helper's CUDA context (a driver-API context without torch; generous).
 _HELPER_CONTEXT_BYTES = 512 << 20
+
+
+def helpers_help(vllm_config: VllmConfig, model_config: ModelConfig) -> bool:
+    """Whether ``io_mode: auto`` should copy a bundle with helper processes (``processes``).
+
+    Only where that was measured to pay and to work: one engine process on the host's GPUs
+    (TP=1, no pipeline or data parallelism: several ranks would each start helpers and contend
+    for cores and page pins), enough cores, and device memory from PyTorch's ordinary
+    allocator (the helpers open it with legacy CUDA IPC, which the sleep-mode allocator and
+    ``expandable_segments`` do not support). Elsewhere ``auto`` stays ``registered``.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return (
+        vllm_config.parallel_config.world_size_across_dp == 1
+        and not model_config.enable_sleep_mode
+        and "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+        and cores >= _HELPER_MIN_CORES
+    )
+
+
+def uses_helpers(io_mode: str, path: Callable[[], Path], usable: Callable[[], bool]) -> bool:
+    """Whether ``io_mode`` copies the bundle file at ``path()`` with helper processes (``processes``).
+
+    ``auto`` does where helpers are ``usable()`` and the file is not on a tmpfs of 4 KiB pages
+    (:func:`resolve_mode`); both are asked only for ``auto``.
+    """
+    if io_mode != "auto":
+        return io_mode == "processes"
+    return resolve_mode(io_mode, path(), helpers=usable()) == "processes"
 
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
@@ -131,7 +158,6 @@ class _Timings:
     wait: float = 0.0  # beside: how long loading then waited for the copy
     modes: str = "-"  # the reader modes the copy used
     helpers_ready: float | None = None  # seconds from the helpers' start until the copy found them ready
-    helpers_early: float | None = None  # started while vLLM built its model runner: this many seconds before the loader took them
     common: float = 0.0
     common_beside: int | None = None  # common_during_build: the checkpoint names loaded by the copy beside the construction
     common_copy: float | None = None  # common_io staged: how long their own copy took, from its start to its end
@@ -144,8 +170,7 @@ class _Timings:
     def copy_text(self) -> str:
         text = f"read+copy {self.copy:.2f} s ({self.copy_bytes / 1e9:.2f} GB, {self.rate:.1f} GB/s)"
         if self.helpers_ready is not None:
-            early = "" if self.helpers_early is None else f" (started {self.helpers_early:.2f} s before the load)"
-            text += f", helpers{early} ready after {self.helpers_ready:.2f} s"
+            text += f", helpers ready after {self.helpers_ready:.2f} s"
         return f"{text} beside create and common, waited {self.wait:.2f} s" if self.beside else text
 
     def common_text(self) -> str:
@@ -248,35 +273,42 @@ class MarlinPrepackedLoader(BaseModelLoader):
         return model
 
     def _start_helpers(self, vllm_config: VllmConfig, model_config: ModelConfig, bundle: SelectedBundle) -> HelperPool | None:
-        """Helpers for the ``processes`` mode (those started while vLLM built its model runner, if they match); None for other modes."""
+        """Helpers for the ``processes`` mode; None for other modes."""
         if not torch.cuda.is_available():
             return None
-        key = pool_key(self.options, torch.cuda.current_device())
-        early = claim_early(key)
-
         def usable() -> bool:
-            return helpers_help(vllm_config, model_config) and self._helpers_fit(bundle, contexts_up=early is not None)
+            return helpers_help(vllm_config, model_config) and self._helpers_fit(bundle)
 
         if not uses_helpers(self.options.io_mode, lambda: bundle.rank_file, usable):
-            if early is not None:
-                early[0].close(wait=not exits_in_background())
             return None
-        if early is not None:
-            self._timings.helpers_early = early[1]
-            return early[0]
-        return start_pool(key)
+        return HelperPool(
+            self.options.io_processes, torch.cuda.current_device(),
+            staged=self.options.io_staged, stage_mib=self.options.io_stage_mib,
+            defer_unregister=self._in_daemon_by_default(self.options.io_defer_unregister, helpers=True), nice=self.options.io_helper_nice,
+        )
 
-    def _helpers_fit(self, bundle: SelectedBundle, contexts_up: bool = False) -> bool:
+    @staticmethod
+    def _in_daemon_by_default(option: bool | None, helpers: bool) -> bool:
+        """An option whose default (None) is on in a weight-cache daemon's fill that copies with helpers,
+        and off in an engine (or without helpers, where it was not measured).
+
+        ``common_during_build`` with ``io_defer_unregister``: the helpers copy the rank file and the
+        common tensors in one job each beside vLLM's construction and unregister the pages after it.
+        A daemon does not wait for them to exit; an engine would (vLLM measures the free memory after
+        loading), and there the 70B figures did not settle it (see docs/performance.md).
+        """
+        return exits_in_background() and helpers if option is None else option
+
+    def _helpers_fit(self, bundle: SelectedBundle) -> bool:
         """Whether the GPU has room for the helpers' CUDA contexts beside the model's weights.
 
         They live only while the model loads, but a model that just fits must not fail to load
-        because of them (``auto`` then stays in-process). ``contexts_up``: they are started
-        already (:func:`~.helper_policy.start_early`), so the free memory counts them.
+        because of them (``auto`` then stays in-process).
         """
         count = self.options.io_processes or DEFAULT_PROCESSES
         free, _ = torch.cuda.mem_get_info()
         weights = sum(f.stat().st_size for f in (bundle.rank_file, bundle.common_file))
-        return free >= weights + (0 if contexts_up else count * _HELPER_CONTEXT_BYTES)
+        return free >= weights + count * _HELPER_CONTEXT_BYTES
 
     def _create_checked(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, bundle: SelectedBundle, t0: float,
@@ -347,7 +379,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             return None
         t0 = time.perf_counter()
         arena = layout.allocate()
-        during = default_in_daemon(self.options.common_during_build, helpers=helpers is not None)
+        during = self._in_daemon_by_default(self.options.common_during_build, helpers=helpers is not None)
         common = CommonPrefill.allocate(bundle, _LARGE_COMMON) if during else None
         self._timings.arena = time.perf_counter() - t0
         built = threading.Event() if self.options.io_own_share == "after_build" else None
@@ -551,14 +583,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """The engine path: create, place, vLLM post-processing (no-op for prepacked layers), timings."""
-        try:
-            return self._load_model(vllm_config, model_config, prefix)
-        finally:
-            discard_early()  # helpers started for this load that it did not take (a fallback, a draft model, a failure)
-
-    def _load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
         if self._is_draft(vllm_config, model_config) or self._decide(vllm_config, model_config).fallback:
-            discard_early()
             return self._default_loader().load_model(
                 vllm_config=vllm_config, model_config=model_config, prefix=prefix
             )

@@ -43,7 +43,7 @@ class LoaderOptions:
             ``registered`` (page-lock the mapped file in place), ``hybrid`` (half the
             threads each way), ``processes`` (registered in ``io_processes`` helper
             processes of ``io_threads`` threads each) or ``auto`` (staged for a file on
-            a tmpfs without huge pages, else processes where helpers help, see ``helper_policy.helpers_help``, else
+            a tmpfs without huge pages, else processes where helpers help, see ``loader.helpers_help``, else
             registered).
         io_processes: helper processes of the ``processes`` mode; default 4.
         copy_during_build: start copying the rank file into its device memory before vLLM
@@ -82,10 +82,6 @@ class LoaderOptions:
         io_helper_nice: with helpers, the niceness they add to their own (``os.nice``), so that
             vLLM's own work beside the copy (building the model, placing, the common tensors)
             keeps its CPU time; 0..19, default 0.
-        io_early_helpers: in an engine whose loader will copy with helpers, start them while vLLM
-            builds its model runner (after its GPU memory snapshot, before the model's loading), so
-            that their CUDA contexts are up when the copy starts (see :mod:`.helper_policy`);
-            ``false`` starts them as the model's construction begins. Default true.
     """
 
     bundle: Path | None = None
@@ -105,7 +101,6 @@ class LoaderOptions:
     io_defer_unregister: bool | None = None  # None: as common_during_build
     io_common_by_helpers: bool = False
     io_helper_nice: int = 0
-    io_early_helpers: bool = True
 
     @property
     def full_hash(self) -> bool | None:
@@ -115,7 +110,6 @@ class LoaderOptions:
 OPTION_KEYS = (
     "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "common_during_build",
     "common_io", "io_own_share", "io_staged", "io_stage_mib", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
-    "io_early_helpers",
 )
 
 
@@ -155,7 +149,7 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     if not isinstance(during_build, bool):
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
     flags = {}
-    for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build", "io_early_helpers"):
+    for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build"):
         flags[key] = extra.get(key, getattr(LoaderOptions, key))
         if not isinstance(flags[key], bool) and not (key not in extra and flags[key] is None):
             raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")

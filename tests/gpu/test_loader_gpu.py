@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -280,29 +279,23 @@ def test_prepacked_matches_ordinary_loading(
         {"io_mode": "processes", "io_processes": 2},
         {"io_mode": "processes", "io_processes": 2, "io_own_share": "after_build"},
         {"io_mode": "processes", "io_processes": 2, "io_defer_unregister": True, "io_staged": 1, "io_common_by_helpers": True},
-        {"io_mode": "processes", "io_processes": 2, "io_early_helpers": False},
         {"io_mode": "staged"},
     ],
-    ids=["processes", "processes-own-share-after-build", "processes-deferred-staged-common", "processes-started-by-the-loader", "staged"],
+    ids=["processes", "processes-own-share-after-build", "processes-deferred-staged-common", "staged"],
 )
 def test_prepacked_io_modes_match_ordinary_loading(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], io: dict[str, Any]
 ) -> None:
     """The reader's other modes inside an engine: the same parameters, bit for bit; in ``processes``
     mode the helpers copied (nothing was left to the engine's process), and with ``io_own_share`` the engine
-    read its share once the model was built. The helpers are started while vLLM builds its model runner
-    (``io_early_helpers``, the default) and the loader takes them, or by the loader when that is off."""
+    read its share once the model was built."""
     kind = "awq4-padded"
     reference = ordinary(kind)
     code, log, result = run_engine(
-        workdir / f"io-{io['io_mode']}-{len(io)}", checkpoints[kind], load_format="marlin_prepacked", model_loader_extra_config=io
+        workdir / f"io-{io['io_mode']}", checkpoints[kind], load_format="marlin_prepacked", model_loader_extra_config=io
     )
     assert code == 0 and result is not None, log[-4000:]
     assert f"io_mode {io['io_mode']}," in log, log[-4000:]  # processes: no "processes/registered" (left windows)
-    early = io["io_mode"] == "processes" and io.get("io_early_helpers", True)
-    assert ("copy helpers started while vLLM builds its model runner" in log) is early, log[-4000:]
-    assert (re.search(r"helpers \(started [\d.]+ s before the load\) ready after", log) is not None) is early, log[-4000:]
-    log = log.replace("copy helpers started while vLLM builds its model runner", "")
     assert "copy helpers" not in log and "no copy helper started" not in log, log[-4000:]
     check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked {io}")
     assert_params_identical(reference["params"], result["params"])

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from marlin_pack.errors import LoadRefusedError
-from marlin_pack.vllm_plugin import LOAD_FORMAT, helper_policy
+from marlin_pack.vllm_plugin import LOAD_FORMAT
 from marlin_pack.vllm_plugin.layer_check import LayerFacts
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked
 from marlin_pack.vllm_plugin.stubs import is_stub
@@ -316,7 +314,9 @@ def test_common_tensors_copy_beside_the_construction(
     daemon = common_io.startswith("daemon")
     options: dict[str, Any] = {"common_during_build": True, "common_io": common_io}
     if common_io == "daemon default":  # helpers started (they leave CPU destinations to this process)
-        monkeypatch.setattr(helper_policy, "HelperPool", _FakeHelpers)
+        import marlin_pack.vllm_plugin.loader as loader_mod
+
+        monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         options = {"io_mode": "processes"}
@@ -487,8 +487,10 @@ def test_construction_failure_ends_the_copy_first(awq_bundle: Path, monkeypatch:
 
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+    import marlin_pack.vllm_plugin.loader as loader_mod
+
     events = _FakeHelpers.events = []
-    monkeypatch.setattr(helper_policy, "HelperPool", _FakeHelpers)
+    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
@@ -680,7 +682,7 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     from marlin_pack.vllm_plugin.engine import layer_facts
 
     events = _FakeHelpers.events = []
-    monkeypatch.setattr(helper_policy, "HelperPool", _FakeHelpers)
+    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     seen = fake_create_model(monkeypatch, awq_bundle)
@@ -755,10 +757,11 @@ def test_auto_io_mode_starts_helpers_only_where_they_help(
 ) -> None:
     """io_mode auto: copy helpers (the processes mode) for one engine process on a file on disk with
     enough cores and PyTorch's ordinary allocator; otherwise none are started (registered or staged)."""
+    import marlin_pack.vllm_plugin.loader as loader_mod
     from marlin_pack.vllm_plugin import gpu_reader
 
     events = _FakeHelpers.events = []
-    monkeypatch.setattr(helper_policy, "HelperPool", _FakeHelpers)
+    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     files = (awq_bundle / "marlin-pack/tp1/rank-0.safetensors", awq_bundle / "marlin-pack/common.safetensors")
@@ -780,80 +783,8 @@ def test_auto_io_mode_starts_helpers_only_where_they_help(
     assert loader.options.io_mode == "auto"
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         loader.create_model(vllm_config, model_config)
-    # 4: HelperPool's default count (the rank file's copy, started with the construction, may have ended them already)
-    assert [e for e in events if e.startswith("start")] == (["start 4 helpers for device 0"] if starts else [])
-
-
-@pytest.mark.parametrize("case", ["taken", "other settings", "staged file", "no room counted twice"])
-def test_loader_takes_the_helpers_started_while_vllm_built_its_model_runner(
-    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, case: str, marlin_log: list[str]
-) -> None:
-    """An engine's worker starts the helpers before its model runner (helper_policy.start_early): the
-    loader takes that pool instead of starting one when it was started with the loader's settings
-    (else it ends, waited for, and the loader starts its own), ends it where the loader uses no helpers
-    (a bundle on a tmpfs of 4 KiB pages), and does not count the started contexts' memory twice."""
-    from marlin_pack.vllm_plugin import gpu_reader
-
-    events = _FakeHelpers.events = []
-    monkeypatch.setattr(helper_policy, "HelperPool", _FakeHelpers)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    files = (awq_bundle / "marlin-pack/tp1/rank-0.safetensors", awq_bundle / "marlin-pack/common.safetensors")
-    bundle_bytes = sum(f.stat().st_size for f in files)
-    # Room for the weights only: enough once the early helpers' contexts are up (free memory counts them already).
-    free = bundle_bytes + (1 if case == "no room counted twice" else 4 << 30)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free, 80 << 30))
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.setattr(gpu_reader, "in_base_memory_pages", lambda path: case == "staged file")
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    fake_create_model(monkeypatch, awq_bundle)
-    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
-    loader = make_loader()
-    early = _FakeHelpers(None, 0)
-    key = helper_policy.pool_key(loader.options, 1 if case == "other settings" else 0)
-    monkeypatch.setattr(helper_policy, "_EARLY", [(key, early, time.perf_counter() - 0.5)])
-    events.clear()
-    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
-        model = loader.create_model(vllm_config, model_config)
-        loader.load_weights(model, model_config)
-    assert helper_policy._EARLY == []
-    starts = [e for e in events if e.startswith("start")]
-    placed = next(m for m in marlin_log if "placed" in m)
-    if case in ("taken", "no room counted twice"):
-        assert starts == [] and early.closed and events[-1] == "joined"  # used, then ended by loading and waited for
-        found = re.search(r"helpers \(started ([\d.]+) s before the load\) ready after 0\.25 s", placed)
-        assert found and float(found[1]) >= 0.5, placed  # the pool's age when the loader took it
-    elif case == "other settings":  # ended and waited for first (this process goes on), then a pool of its own
-        assert events[:3] == ["close wait=True", "joined", "start 4 helpers for device 0"] and early.closed
-        assert "before the load" not in placed
-    else:  # staged: no helpers at all; the early ones end, waited for (an engine measures memory after loading)
-        assert starts == [] and events == ["close wait=True", "joined"]
-        assert "helpers" not in placed
-
-
-@pytest.mark.parametrize("how", ["falls back", "refused"])
-def test_load_model_ends_helpers_started_early_that_it_did_not_take(
-    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, how: str
-) -> None:
-    """A load that falls back to the ordinary way, or fails, ends the early helpers and waits for them
-    (their CUDA contexts must be gone before vLLM measures the memory left after loading)."""
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
-    events = _FakeHelpers.events = []
-    fake_create_model(monkeypatch, awq_bundle)
-    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
-    model_config.dtype = torch.bfloat16  # the bundle is float16: refused, or loaded the ordinary way
-    early = _FakeHelpers(None, 0)
-    monkeypatch.setattr(helper_policy, "_EARLY", [(helper_policy.pool_key(make_loader().options, 0), early, 0.0)])
-    monkeypatch.setattr(DefaultModelLoader, "load_model", lambda self, **kw: events.append("ordinary load") or "ordinary")
-    if how == "falls back":
-        assert make_loader(fallback=True).load_model(vllm_config, model_config) == "ordinary"
-        assert events[1:] == ["close wait=True", "joined", "ordinary load"]  # gone before the ordinary load
-    else:
-        with pytest.raises(LoadRefusedError):
-            make_loader().load_model(vllm_config, model_config)
-        assert events[1:] == ["close wait=True", "joined"]
-    assert helper_policy._EARLY == []
+    # None: HelperPool's default count (the rank file's copy, started with the construction, may have ended them already)
+    assert [e for e in events if e.startswith("start")] == (["start None helpers for device 0"] if starts else [])
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -33,8 +33,6 @@ def test_parse_extra_config_defaults_and_values() -> None:
     assert parse_extra_config({}).common_io == "with_rank_file"
     assert parse_extra_config({"common_io": "staged"}).common_io == "staged"
     assert parse_extra_config({"io_helper_nice": 19}).io_helper_nice == 19
-    assert parse_extra_config({}).io_early_helpers is True
-    assert parse_extra_config({"io_early_helpers": False}).io_early_helpers is False
 
 
 def test_option_keys_are_the_options() -> None:
@@ -58,8 +56,6 @@ def test_option_keys_are_the_options() -> None:
         ({"common_during_build": None}, r"\['common_during_build'\] must be true or false"),  # JSON null: not the default
         ({"common_io": "helpers"}, r"\['common_io'\] must be one of \['with_rank_file', 'staged'\]"),
         ({"io_common_by_helpers": 1}, r"\['io_common_by_helpers'\] must be true or false"),
-        ({"io_early_helpers": "no"}, r"\['io_early_helpers'\] must be true or false"),
-        ({"io_early_helpers": None}, r"\['io_early_helpers'\] must be true or false"),
         ({"io_helper_nice": 20}, r"\['io_helper_nice'\] must be an integer in 0\.\.19"),
         ({"io_helper_nice": -1}, r"\['io_helper_nice'\] must be an integer in 0\.\.19"),
         ({"io_own_share": True}, r"\['io_own_share'\] must be one of \['during_build', 'after_build', 'none'\]"),

@@ -18,7 +18,6 @@ _MISSING = object()
 
 _CT = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:CompressedTensorsLinearMethod"
 _WORKER_LOAD_MODEL = "vllm.v1.worker.gpu_worker:Worker.load_model"
-_WORKER_MODEL_RUNNER = "vllm.v1.worker.gpu_worker:Worker._init_workspace_and_model_runner"
 EXPECTED_TARGETS = {
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod.process_weights_after_loading",
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod.supports_pre_processed_weights",
@@ -40,7 +39,6 @@ EXPECTED_TARGETS = {
     "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader._build_model",
     "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader._fallback_load",
     _WORKER_LOAD_MODEL,
-    _WORKER_MODEL_RUNNER,
     f"{DAEMON_MODULE}:WeightCacheDaemon.get_model",
     RUN_DAEMON,
     "vllm.model_executor.layers.quantization.utils.gptq_utils:deepcopy",
@@ -82,7 +80,6 @@ def test_patches_inventory() -> None:
         f"{DAEMON_MODULE}:WeightCacheDaemon.get_model",
         RUN_DAEMON,
         _WORKER_LOAD_MODEL,
-        _WORKER_MODEL_RUNNER,
     }
 
 

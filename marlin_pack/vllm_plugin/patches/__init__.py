@@ -9,8 +9,7 @@ loader builds a model it fills from a bundle.
 model loading for marlin-pack's start paths. ``construct``: vLLM's per-layer bookkeeping while it
 builds a model (GPTQ quant-config copies and quantized-module lookups, reload records) made
 cheap for those paths; ``cache_key``: likewise the checkpoint fingerprint of the weight cache's
-key. ``early_helpers``: the loader's copy helpers started while vLLM's worker builds its model
-runner. ``registry``: install (version guarded, idempotent) and uninstall. Each patch names the
+key. ``registry``: install (version guarded, idempotent) and uninstall. Each patch names the
 upstream change that retires it.
 """
 
@@ -20,7 +19,6 @@ from marlin_pack._constants import TARGET_VLLM_VERSION
 from marlin_pack.vllm_plugin.patches import (
     cache_key,
     construct,
-    early_helpers,
     gc_freeze,
     moe_post_processing,
     placeholders,
@@ -38,7 +36,6 @@ PATCHES: tuple[Patch, ...] = (
     *moe_post_processing.PATCHES,
     *weight_cache.PATCHES,
     *gc_freeze.PATCHES,
-    *early_helpers.PATCHES,
     *construct.PATCHES,
     *cache_key.PATCHES,
 )
