@@ -216,8 +216,11 @@ def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profil
     prof = re.search(r"PROFILE-BEGIN\n(.*?)PROFILE-END", p.stdout, re.S)
     result["profile"] = prof.group(1) if prof else ""
     # One line per engine as it ends, so a sitting cut short still shows the rows it finished.
-    print(f"  {mode} engine: Model loading took {result['model_loading_s']} s; {' | '.join(result['marlin_pack_log'][-1:])}",
-          flush=True)
+    print(f"  {mode} engine: Model loading took {result['model_loading_s']} s, engine start {result['engine_start_s']:.2f} s; "
+          f"{' | '.join(result['marlin_pack_log'][-1:])}", flush=True)
+    for x in result["marlin_pack_log"][:-1]:  # the copy's line and the helpers' exit
+        if any(k in x for k in ("placed", "to exit")):
+            print(f"    {x}", flush=True)
     return result
 
 
