@@ -113,24 +113,26 @@ def _reader(
     process copies a share beside them unless ``s`` (solo); ``c``: the helpers run with
     ``CUDA_DEVICE_MAX_CONNECTIONS=8``, the driver's default, instead of HelperPool's 1; ``d``: they
     unregister their windows after answering (``--defer-unregister``); ``+S``: S staging threads per
-    helper beside the registered ones, e.g. ``processes/4sd+2``; with 0 ``threads`` they stage everything).
+    helper beside the registered ones, e.g. ``processes/4sd+2``; with 0 ``threads`` they stage everything;
+    ``w``: the clock starts before the helpers do, so the figure includes their start, as the loader's does).
     With ``beside``, it runs in this thread while the copy runs on another; returns (GB/s, its seconds)."""
     n = dst.numel()
     items = [CopyItem(off, min(PIECE, n - off), dst[off : off + PIECE]) for off in range(0, n, PIECE)]
     mode, _, procs = mode.partition("/")
     procs, _, staged = procs.partition("+")
     populate = mode.endswith("+p")
-    count = int(procs.rstrip("scd") or 4)
+    count = int(procs.rstrip("scdw") or 4)
+    t_start = time.perf_counter()
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"} if "c" in procs else None
     helpers = (
         HelperPool(count, torch.cuda.current_device(), env=env, staged=int(staged or 0), defer_unregister="d" in procs)
         if mode == "processes" else None
     )
     try:
-        if helpers is not None:
+        if helpers is not None and "w" not in procs:
             helpers.ready()
         torch.cuda.synchronize()
-        t = time.perf_counter()
+        t = t_start if "w" in procs else time.perf_counter()
         done: list[float] = []
         errors: list[BaseException] = []
 
