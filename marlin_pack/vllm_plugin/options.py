@@ -150,8 +150,8 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
     flags = {}
     for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build"):
-        flags[key] = extra.get(key, getattr(LoaderOptions, key))
-        if not isinstance(flags[key], bool) and not (key not in extra and flags[key] is None):
+        flags[key] = extra.get(key, getattr(LoaderOptions, key))  # a default may be None (decided where it is used)
+        if key in extra and not isinstance(flags[key], bool):
             raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")
     staged = extra.get("io_staged", LoaderOptions.io_staged)
     if isinstance(staged, bool) or not isinstance(staged, int) or not 0 <= staged <= 16:
