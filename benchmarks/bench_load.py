@@ -353,10 +353,47 @@ def main() -> None:
                     "interleaved, and print each one's median and best")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and bundles (disk!)")
     ap.add_argument("--reuse", action="store_true", help="use a checkpoint and bundle an earlier --keep run left (no convert row)")
+    ap.add_argument("--helper-service", type=int, default=0, metavar="N",
+                    help="run `marlin-pack helpers` (N helpers on GPU 0) for the whole sitting: engines take its helpers "
+                         "unless their config says \"io_helper_service\": false")
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="sample every engine and daemon with py-spy (PY_SPY or PATH) into DIR/*.raw and print where the "
                          "loader's time went")
     args = ap.parse_args()
+    service = _start_helper_service(args.helper_service) if args.helper_service else None
+    try:
+        _sitting(args)
+    finally:
+        if service is not None:
+            service.stop()
+
+
+def _start_helper_service(processes: int):  # noqa: ANN202 - a HelperService
+    """``marlin-pack helpers`` in this process (its helpers are processes of their own), in a fresh directory
+    that every engine of the sitting is pointed at; prints what their CUDA contexts hold on the GPU."""
+    import tempfile
+
+    from marlin_pack.vllm_plugin.helper_service import HelperService
+
+    directory = Path(tempfile.mkdtemp(prefix="mph-", dir="/tmp"))
+    os.environ["MARLIN_PACK_HELPERS_DIR"] = str(directory)
+    t = time.perf_counter()
+    service = HelperService([0], processes=processes, directory=directory, log=lambda line: print(line, flush=True))
+    service.start()
+    ready = time.perf_counter() - t
+    pids = {str(h.proc.pid) for h in service.helpers}
+    try:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30).stdout
+        mib = [int(used) for pid, used in (line.split(", ") for line in apps.splitlines() if ", " in line) if pid in pids]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        mib = []
+    print(f"helper service: {len(service.helpers)} helpers ready {ready:.2f} s after its start, in {directory}; "
+          f"GPU memory per helper {mib or 'unknown'} MiB", flush=True)
+    return service
+
+
+def _sitting(args: argparse.Namespace) -> None:
     if args.py_spy:
         args.py_spy.mkdir(parents=True, exist_ok=True)
         SPY_DIR.append(args.py_spy)

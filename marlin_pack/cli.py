@@ -250,6 +250,55 @@ def daemon(ctx: typer.Context, model_dir: ModelArg) -> None:
 
 
 @app.command()
+def helpers(
+    device: Annotated[
+        list[int] | None, typer.Option("--device", "-d", min=0, help="A CUDA device to serve (repeat for more) \\[default: every one].")
+    ] = None,
+    processes: Annotated[int, typer.Option("--processes", min=1, max=32, help="Copy helpers per device.")] = 4,
+    staged: Annotated[int, typer.Option("--staged", min=0, max=16, help="Staging threads per helper (as the loader's io_staged).")] = 0,
+    stage_mib: Annotated[int, typer.Option("--stage-mib", min=1, max=256, help="Each staging buffer, in MiB.")] = 64,
+    nice: Annotated[int, typer.Option("--nice", min=0, max=19, help="Niceness the helpers add to their own.")] = 0,
+) -> None:
+    """Keep copy helpers ready for marlin_prepacked engines on this host, until Ctrl-C.
+
+    An engine's loader otherwise starts its own helpers (~0.25 s of CUDA contexts inside every start)
+    and waits for them to exit. Engines of this user on a served GPU use these instead (loader option
+    io_helper_service, default true). Each helper keeps a CUDA context on its GPU while it runs.
+    Sockets: $MARLIN_PACK_HELPERS_DIR, else $XDG_RUNTIME_DIR/marlin-pack-helpers, else /tmp/marlin-pack-helpers-UID.
+    """  # noqa: E501
+    from marlin_pack.vllm_plugin.helper_service import HelperService, device_count
+
+    devices = sorted(set(device)) if device else list(range(device_count()))
+    service = HelperService(devices, processes=processes, staged=staged, stage_mib=stage_mib, nice=nice,
+                            log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
+    with _status(f"starting {processes} copy helpers on {len(devices)} GPU(s)"):
+        service.start()
+    try:
+        table = Table(title=f"marlin-pack copy helpers in {service.directory}")
+        for column in ("device", "GPU", "helpers ready"):
+            table.add_column(column)
+        for d in devices:
+            mine = [h for h in service.helpers if h.device == d]
+            ready = [h for h in mine if h.uuid is not None]
+            table.add_row(str(d), ready[0].uuid if ready else "-", f"{len(ready)} of {len(mine)}")
+        out.print(table)
+        err.print("serving marlin_prepacked engines of this user; Ctrl-C stops", highlight=False)
+        service.wait()
+    finally:
+        service.stop()
+
+
+@contextmanager
+def _status(what: str) -> Iterator[None]:
+    """A spinner on stderr while ``what`` runs (none when stderr is not a terminal)."""
+    if not err.is_terminal:
+        yield
+        return
+    with err.status(what):
+        yield
+
+
+@app.command()
 def schema() -> None:
     """Print the manifest's JSON schema."""
     from marlin_pack.schemas import manifest_json_schema

@@ -1,8 +1,10 @@
 """A helper process of the ``processes`` reader mode: registered copies of file windows into GPU memory.
 
-Run as ``python -S copy_helper_main.py DEVICE_ORDINAL [--staged N] [--stage-mib M] [--defer-unregister] [--nice N]``
-by :mod:`.copy_helpers`. Standard library only (``ctypes`` on the CUDA driver, ``libcuda.so.1``): no
-torch, no site packages, so it starts in a fraction of a second. One process's page-locking of
+Run as ``python -S copy_helper_main.py DEVICE_ORDINAL [--staged N] [--stage-mib M] [--defer-unregister]
+[--nice N] [--listen DIR --slot K]`` by :mod:`.copy_helpers` (one engine's helper, for one load) or by
+:mod:`.helper_service` (``marlin-pack helpers``: a helper that outlives engines). Standard library
+only (``ctypes`` on the CUDA driver, ``libcuda.so.1``): no torch, no site packages, so it starts in a
+fraction of a second. One process's page-locking of
 page-cache pages (``cuMemHostRegister``) plateaus at ~21-25 GB/s whatever its thread count, while
 several processes together reach ~30 GB/s (``benchmarks/bench_h2d_procs.py``), hence helpers.
 
@@ -23,6 +25,14 @@ Options, fixed for the helper's life:
 ``--nice N``
     the helper lowers its scheduling priority by N (0..19) before it starts any thread, so that
     the engine's own work beside the copy keeps its CPU time.
+``--listen DIR --slot K``
+    a service helper: it binds the Unix socket ``DIR/<GPU UUID>.K.sock`` and serves one engine
+    (one connection of the same user) at a time, each a *session* of the protocol below, until
+    its standard input ends (its service stopped). Its CUDA context is created once, before any
+    engine asks: an engine then finds it ready at once. A session ends with the engine's
+    ``{"end": true}`` (answered ``{"closed": true}`` once the engine's memory is no longer
+    mapped here) or its connection closing; a connection while a session runs is answered
+    ``{"error": "busy"}``.
 
 Measured on an H200 host (``benchmarks/bench_h2d.py --gb 16 --cold ''``, 4 helpers of 4 registered
 threads, pinned 55.5 GB/s): 27.8-31.2 GB/s as is; unregistering costs as much as registering
@@ -34,7 +44,8 @@ daemon's fill defers unregistering by default (it does not wait for its helpers 
 
 Protocol, one JSON object per line:
 
-* helper -> parent, once: ``{"ready": true}`` after creating its CUDA context, or ``{"error": ...}``;
+* helper -> parent, once: ``{"ready": true, "protocol": PROTOCOL}`` after creating its CUDA context, or
+  ``{"error": ...}`` (a service helper says it to its service, with ``"socket"``, and again to each engine);
 * parent -> helper, per job: ``{"parts": [{"file": PATH, "windows": [[LO, HI, [[FILE_OFFSET, NBYTES,
   HANDLE_INDEX, DEST_OFFSET], ...]], ...]}, ...], "handles": [HEX, ...], "threads": T}``: each window's
   pages ``[LO, HI)`` of its part's file are registered in place (read-only) and its pieces copied to
@@ -44,7 +55,10 @@ Protocol, one JSON object per line:
   until the one reply;
 * helper -> parent, per job: ``{"ok": BYTES}`` once every copy has completed, or ``{"error": ...}``.
 
-End of input: the helper closes its IPC mappings and exits.
+* parent -> helper: ``{"end": true}``, answered ``{"closed": true}`` once its IPC mappings are closed
+  (a service helper, which goes on serving; a helper of its own engine exits at the end of its input).
+
+End of input: the helper closes its IPC mappings and exits (a service helper: ends the session).
 """
 
 from __future__ import annotations
@@ -53,6 +67,9 @@ import contextlib
 import ctypes
 import json
 import os
+import socket
+import stat
+import struct
 import sys
 import threading
 from dataclasses import dataclass
@@ -63,6 +80,8 @@ _REGISTER_FLAGS = 0x01 | 0x08  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTE
 _IPC_LAZY_ENABLE_PEER_ACCESS = 0x1
 _STREAM_NON_BLOCKING = 0x1
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+# Bumped when the lines change meaning: an engine only uses service helpers that speak its protocol.
+PROTOCOL = 1
 
 
 class _IpcHandle(ctypes.Structure):
@@ -102,6 +121,8 @@ class Settings:
     stage_bytes: int = 64 << 20  # each staging thread's two pinned buffers
     defer_unregister: bool = False
     nice: int = 0  # added to the helper's niceness before its threads start (they inherit it)
+    listen: str | None = None  # a service helper: the directory of its socket
+    slot: int = 0  # and its number among the device's service helpers
 
     @classmethod
     def parse(cls, argv: list[str]) -> Settings:
@@ -117,6 +138,10 @@ class Settings:
                 kw["nice"] = min(19, max(0, int(rest.pop(0))))
             elif flag == "--stage-mib" and rest:
                 kw["stage_bytes"] = max(1, int(rest.pop(0))) << 20
+            elif flag == "--listen" and rest:
+                kw["listen"] = rest.pop(0)
+            elif flag == "--slot" and rest:
+                kw["slot"] = max(0, int(rest.pop(0)))
             else:
                 raise ValueError(f"unknown helper argument {flag!r}")
         return cls(ordinal, **kw)  # type: ignore[arg-type]
@@ -142,6 +167,7 @@ class Helper:
         self.cu("cuInit", 0)
         dev = ctypes.c_int()
         self.cu("cuDeviceGet", ctypes.byref(dev), settings.ordinal)
+        self.dev = dev
         self.ctx = ctypes.c_void_p()
         self.cu("cuDevicePrimaryCtxRetain", ctypes.byref(self.ctx), dev)
         self.cu("cuCtxSetCurrent", self.ctx)
@@ -156,6 +182,10 @@ class Helper:
         self.registered: list[int] = []  # --defer-unregister: pointers registered by the last job
         self.kept_maps: list[_Map] = []  # and the file maps they lie in, unmapped after them
         self.releasing: tuple[set[str], threading.Thread] | None = None  # (files, thread) unregistering the last job's pages
+
+    def uuid(self) -> str:
+        """The device's UUID as ``nvidia-smi`` writes it (``GPU-xxxxxxxx-xxxx-...``): the same in every process."""
+        return device_uuid(self.cu, self.dev)
 
     def _open(self, handle_hex: str) -> int:
         ptr = self.opened.get(handle_hex)
@@ -359,9 +389,139 @@ class Helper:
         self.opened.clear()
 
 
-def _say(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
+def device_uuid(cu: _Driver, dev: ctypes.c_int) -> str:
+    """``cuDeviceGetUuid`` of ``dev``, formatted as ``nvidia-smi`` does (``GPU-8-4-4-4-12`` hex digits)."""
+    raw = (ctypes.c_char * 16)()
+    cu("cuDeviceGetUuid", raw, dev)
+    h = bytes(raw).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _say(obj: dict, out=None) -> None:  # noqa: ANN001 - a text file
+    out = out or sys.stdout
+    out.write(json.dumps(obj) + "\n")
+    out.flush()
+
+
+def bind_listener(path: str) -> socket.socket:
+    """A Unix socket listening at ``path``; a stale socket file (nobody answers there) is replaced.
+
+    Refuses when a live helper answers at ``path`` or something other than a socket lies there.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise FileExistsError(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # left by a helper that died
+        else:
+            raise FileExistsError(f"a helper already listens at {path}")
+        finally:
+            probe.close()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket is the owner's only (its directory is too)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(8)
+    return listener
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of the Unix socket ``conn`` (``SO_PEERCRED``)."""
+    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
+def serve_session(helper: Helper, conn: socket.socket) -> None:
+    """One engine's session on a service helper: the jobs of the protocol until ``{"end": true}`` or EOF.
+
+    The engine's memory is unmapped (its IPC handles closed) before ``{"closed": true}`` and in any
+    case before the next session; deferred unregistering runs after each reply, as in a helper of
+    its own engine.
+    """
+    rfile, wfile = conn.makefile("r", encoding="utf-8"), conn.makefile("w", encoding="utf-8")
+    ended = False
+    try:
+        helper.cu("cuCtxSetCurrent", helper.ctx)  # this thread opens and closes the IPC mappings
+        _say({"ready": True, "protocol": PROTOCOL}, wfile)
+        for line in rfile:
+            try:
+                job = json.loads(line)
+                if job.get("end") is True:
+                    ended = True
+                    break
+                _say({"ok": helper.job(job)}, wfile)
+            except Exception as e:  # noqa: BLE001 - the engine re-reads this job's windows itself
+                _say({"error": f"{type(e).__name__}: {e}"}, wfile)
+            helper.unregister_kept()  # after the reply: off the engine's path
+    except OSError:
+        pass  # the engine went away: its memory is unmapped below all the same
+    finally:
+        with contextlib.suppress(Exception):
+            helper.close()
+        if ended:
+            with contextlib.suppress(OSError):
+                _say({"closed": True}, wfile)
+        for f in (rfile, wfile):
+            with contextlib.suppress(OSError):
+                f.close()
+        conn.close()
+
+
+def serve(helper: Helper, listener: socket.socket) -> None:
+    """Accept engines of this user forever, one session at a time (others are told ``busy``)."""
+    busy = threading.Lock()
+    me = os.getuid()
+
+    def session(conn: socket.socket) -> None:
+        try:
+            serve_session(helper, conn)
+        finally:
+            busy.release()
+
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return  # the listener was closed
+        try:
+            if peer_uid(conn) != me:
+                conn.close()  # another user's process: it gets nothing, not even a reason
+                continue
+            if not busy.acquire(blocking=False):
+                conn.sendall((json.dumps({"error": "busy"}) + "\n").encode())
+                conn.close()
+                continue
+        except OSError:
+            conn.close()
+            continue
+        threading.Thread(target=session, args=(conn,), name="session", daemon=True).start()
+
+
+def _main_service(helper: Helper) -> int:
+    """A service helper: listen, say where, serve until standard input ends (the service stopped)."""
+    settings = helper.settings
+    try:
+        path = os.path.join(settings.listen or "", f"{helper.uuid()}.{settings.slot}.sock")
+        listener = bind_listener(path)
+    except Exception as e:  # noqa: BLE001 - told to the service in one line
+        _say({"error": f"{type(e).__name__}: {e}"})
+        return 1
+    threading.Thread(target=serve, args=(helper, listener), name="accept", daemon=True).start()
+    _say({"ready": True, "protocol": PROTOCOL, "socket": path, "uuid": helper.uuid()})
+    sys.stdin.read()  # until the service closes our input (or dies)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
     sys.stdout.flush()
+    os._exit(0)  # a session still running ends with us: its engine reads what is left itself
 
 
 def main(argv: list[str]) -> int:
@@ -370,7 +530,9 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001 - no CUDA driver, no device: the parent reads on its own
         _say({"error": f"{type(e).__name__}: {e}"})
         return 1
-    _say({"ready": True})
+    if helper.settings.listen is not None:
+        return _main_service(helper)
+    _say({"ready": True, "protocol": PROTOCOL})
     status = 0
     releasing: list[threading.Thread] = []
     for line in sys.stdin:

@@ -10,6 +10,9 @@ started while vLLM builds the model), hands each a contiguous share of the windo
 handles of the destination allocations, and waits for them. The calling process may take a share
 too (``own``), copying it while the helpers copy theirs.
 
+Where ``marlin-pack helpers`` runs for the device (:mod:`.helper_service`), the pool takes its helpers
+instead of starting its own: they are ready at once, and the engine does not wait for them to exit.
+
 Nothing here is needed for correctness: a helper that cannot start (no ``libcuda``, memory
 allocated by a VMM allocator that has no IPC handle, a sandbox) or fails mid-job only costs
 speed, because :meth:`HelperPool.copy` returns the windows it did not finish and the caller
@@ -25,6 +28,7 @@ import json
 import logging
 import os
 import select
+import socket
 import subprocess
 import sys
 import threading
@@ -35,12 +39,17 @@ from typing import Protocol
 
 import torch
 
+from marlin_pack.vllm_plugin.copy_helper_main import PROTOCOL, peer_uid
+from marlin_pack.vllm_plugin.helper_service import find_sockets
+
 __all__ = ["HelperPool", "split_by_bytes"]
 
 logger = logging.getLogger("vllm.marlin_pack")
 
 _HELPER = Path(__file__).with_name("copy_helper_main.py")
 _READY_TIMEOUT_S = 30.0
+_CLOSE_TIMEOUT_S = 10.0  # a service helper closing its IPC mappings of our memory
+_SERVICE_READY_TIMEOUT_S = 2.0  # service helpers answer at once; a slower one is left out
 # Helpers when the caller does not say (bench_h2d_procs: 4 processes x 4 threads measured best).
 DEFAULT_PROCESSES = 4
 # One hardware work queue per helper context instead of 8: creating and tearing down the queues is
@@ -88,6 +97,16 @@ class _CudaDriver:
             raise RuntimeError(f"cuMemGetAddressRange failed with CUDA error {err}")
         return base.value
 
+    def uuid(self, ordinal: int) -> str:
+        """The UUID of the device ``ordinal`` as the service helpers name their sockets."""
+        dev = ctypes.c_int()
+        raw = (ctypes.c_char * 16)()
+        err = self.lib.cuDeviceGet(ctypes.byref(dev), ordinal) or self.lib.cuDeviceGetUuid_v2(raw, dev)
+        if err != 0:
+            raise RuntimeError(f"cuDeviceGetUuid failed with CUDA error {err}")
+        h = bytes(raw).hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
     def ipc_handle(self, base: int) -> str:
         handle = (ctypes.c_char * 64)()
         err = self.lib.cuIpcGetMemHandle(handle, ctypes.c_uint64(base))
@@ -96,9 +115,117 @@ class _CudaDriver:
         return bytes(handle).hex()
 
 
+class _Channel:
+    """One helper as the pool sees it: lines of JSON both ways."""
+
+    rfile: object  # a text file with readline(), select()-able
+
+    def send(self, obj: dict) -> None:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        """No more jobs."""
+        raise NotImplementedError
+
+    def wait_gone(self) -> None:
+        """After :meth:`end`: wait until the helper holds nothing of this process (its IPC mappings closed)."""
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def gone_why(self) -> str:
+        """Why its output ended."""
+        raise NotImplementedError
+
+
+class _OwnHelper(_Channel):
+    """A helper this pool started: a child process on pipes, which exits at the end of its input."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.rfile = proc.stdout
+
+    def send(self, obj: dict) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def end(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def wait_gone(self) -> None:
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def gone_why(self) -> str:
+        return f"exited with status {self.proc.wait()}"
+
+
+class _ServiceHelper(_Channel):
+    """A helper of ``marlin-pack helpers``, on a Unix socket; it goes on living after this pool."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect(str(path))
+            uid = peer_uid(self.sock)
+            if uid != os.getuid():  # our GPU memory is written by whoever answers here
+                raise PermissionError(f"the helper at {path} runs as user {uid}, not as this process's user {os.getuid()}")
+        except BaseException:
+            self.sock.close()
+            raise
+        self.rfile = self.sock.makefile("r", encoding="utf-8")
+        self.wfile = self.sock.makefile("w", encoding="utf-8")
+        self.ended = False
+
+    def send(self, obj: dict) -> None:
+        self.wfile.write(json.dumps(obj) + "\n")
+        self.wfile.flush()
+
+    def end(self) -> None:
+        try:
+            self.send({"end": True})
+            self.ended = True
+        except OSError:
+            self.close()
+
+    def wait_gone(self) -> None:
+        try:
+            if self.ended:  # answered once its IPC mappings of our memory are closed
+                HelperPool._read(self, time.monotonic() + _CLOSE_TIMEOUT_S)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for f in (self.rfile, self.wfile, self.sock):
+            with contextlib.suppress(OSError):
+                f.close()  # type: ignore[attr-defined]
+
+    def kill(self) -> None:
+        self.close()
+
+    def gone_why(self) -> str:
+        return f"the service helper at {self.path} closed the connection"
+
+
 class HelperPool:
     """``count`` (default :data:`DEFAULT_PROCESSES`) helper processes for the CUDA device ``device_index``,
-    started now, ready later.
+    started now, ready later; or, with ``service`` (the default) and ``marlin-pack helpers`` serving
+    the device, that service's helpers (``source`` says which), ready already, whatever ``count``.
 
     ``staged``: staging threads per helper beside its registered ones (two pinned buffers of
     ``stage_mib`` MiB each, allocated as the helper starts); ``defer_unregister``: windows stay
@@ -121,12 +248,14 @@ class HelperPool:
         stage_mib: int = 64,
         defer_unregister: bool = False,
         nice: int = 0,
+        service: bool = True,
     ) -> None:
         self.device_index = device_index
         self._args = [str(device_index), *(["--staged", str(staged), "--stage-mib", str(stage_mib)] if staged else []),
                       *(["--defer-unregister"] if defer_unregister else []), *(["--nice", str(nice)] if nice else [])]
         self._env = {**os.environ, **HELPER_ENV, **(env or {})}  # CUDA_* settings for the helpers only
-        self._procs: list[subprocess.Popen[str]] = []
+        self._procs: list[_Channel] = []
+        self.source = "own"  # or "service": helpers of marlin-pack helpers (their settings are the service's)
         self._reapers: list[threading.Thread] = []
         self._closed = False
         self._ready: list[bool] | None = None
@@ -138,13 +267,48 @@ class HelperPool:
         self.ready_after: float | None = None  # seconds from the pool's start until the first job found its helpers ready
         # Started from a thread: the caller (vLLM building the model) goes on meanwhile.
         count = max(1, count or DEFAULT_PROCESSES)
-        self._spawner = threading.Thread(target=self._spawn, args=(count, script), name="marlin-pack-helpers", daemon=True)
+        self._spawner = threading.Thread(target=self._start, args=(count, script, service), name="marlin-pack-helpers", daemon=True)
         self._spawner.start()
+
+    def _start(self, count: int, script: Path, service: bool) -> None:
+        if service:
+            self._procs = self._from_service()
+            if self._procs:
+                self.source = "service"
+                return
+        self._spawn(count, script)
+
+    def _from_service(self) -> list[_Channel]:
+        """The service helpers of this device that answer ready (none without a service).
+
+        What keeps one out (a stale socket, a busy or older helper) is logged, not counted among
+        :attr:`failures`: the pool then starts helpers of its own.
+        """
+        try:
+            sockets = find_sockets(_CudaDriver().uuid(self.device_index))
+        except Exception:  # noqa: BLE001 - no driver here: no service either
+            return []
+        usable: list[_Channel] = []
+        deadline = time.monotonic() + _SERVICE_READY_TIMEOUT_S
+        for path in sockets:
+            try:
+                helper = _ServiceHelper(path)
+            except OSError as e:  # a stale socket (its service died), or another user's helper
+                logger.warning("marlin-pack: not using the service helper at %s: %s", path, e)
+                continue
+            reply = self._read(helper, deadline)
+            if reply.get("ready") is True and reply.get("protocol") == PROTOCOL:
+                usable.append(helper)
+                continue
+            why = reply.get("error") or f"protocol {reply.get('protocol')!r}, expected {PROTOCOL}: restart `marlin-pack helpers`"
+            logger.warning("marlin-pack: not using the service helper at %s: %s", path, why)
+            helper.kill()
+        return usable
 
     def _spawn(self, count: int, script: Path) -> None:
         for _ in range(count):
             try:
-                self._procs.append(
+                self._procs.append(_OwnHelper(
                     subprocess.Popen(
                         [sys.executable, "-S", str(script), *self._args],
                         stdin=subprocess.PIPE,
@@ -154,7 +318,7 @@ class HelperPool:
                         bufsize=1,
                         env=self._env,
                     )
-                )
+                ))
             except OSError as e:
                 self.failures.append(f"could not start a helper: {e}")
                 break
@@ -169,7 +333,7 @@ class HelperPool:
         """Wait until every helper has started (or failed to); the number ready."""
         return len(self._wait_ready())
 
-    def _wait_ready(self) -> list[subprocess.Popen[str]]:
+    def _wait_ready(self) -> list[_Channel]:
         """The helpers that said they are ready (each gets ``_READY_TIMEOUT_S`` from now at most)."""
         if self._closed:
             return []
@@ -178,6 +342,9 @@ class HelperPool:
             deadline = time.monotonic() + _READY_TIMEOUT_S
             self._ready = []
             for p in self._procs:
+                if self.source == "service":  # answered ready as they were connected to
+                    self._ready.append(True)
+                    continue
                 reply = self._read(p, deadline)
                 ok = reply.get("ready") is True
                 if not ok:
@@ -188,15 +355,17 @@ class HelperPool:
         return [p for p, ok in zip(self._procs, self._ready, strict=True) if ok]
 
     @staticmethod
-    def _read(p: subprocess.Popen[str], deadline: float | None) -> dict:
-        assert p.stdout is not None
+    def _read(p: _Channel, deadline: float | None) -> dict:
         if deadline is not None:
-            ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            ready, _, _ = select.select([p.rfile], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
-                return {"error": f"no answer within {_READY_TIMEOUT_S:.0f} s"}
-        line = p.stdout.readline()
+                return {"error": "no answer in time"}
+        try:
+            line = p.rfile.readline()  # type: ignore[attr-defined]
+        except OSError as e:
+            return {"error": f"{type(e).__name__}: {e}"}
         if not line:
-            return {"error": f"exited with status {p.wait()}"}
+            return {"error": p.gone_why()}
         try:
             reply = json.loads(line)
         except ValueError:
@@ -285,13 +454,11 @@ class HelperPool:
         order = list(handles)
         known = len(self.failures)
         left: list[WindowLike] = []
-        sent: list[tuple[subprocess.Popen[str], list[WindowLike]]] = []
+        sent: list[tuple[_Channel, list[WindowLike]]] = []
         for p, (run, encoded_parts) in zip(helpers, jobs, strict=False):
             try:
-                assert p.stdin is not None
                 # threads 0: the helper's staging threads only (a helper without any still registers on one)
-                p.stdin.write(json.dumps({"parts": encoded_parts, "handles": order, "threads": threads}) + "\n")
-                p.stdin.flush()
+                p.send({"parts": encoded_parts, "handles": order, "threads": threads})
                 sent.append((p, run))
             except OSError as e:
                 self.failures.append(f"a helper stopped: {e}")
@@ -311,7 +478,8 @@ class HelperPool:
         return leave(left)
 
     def close(self, wait: bool = True) -> None:
-        """End the helpers: each exits (closing its IPC mappings and CUDA context) when its input ends.
+        """End the helpers: each exits (closing its IPC mappings and CUDA context) when its input ends;
+        a service helper closes its mappings of this process's memory and goes on serving.
 
         ``wait=False`` returns at once and a thread reaps them (:meth:`join` waits for it):
         tearing a CUDA context down takes a while, and the loader has other work meanwhile.
@@ -321,11 +489,7 @@ class HelperPool:
         self._closed = True
         procs, self._procs = self._procs, []
         for p in procs:
-            try:
-                if p.stdin is not None:
-                    p.stdin.close()
-            except OSError:
-                pass
+            p.end()
         if wait:
             _reap(procs)
             self.join()
@@ -371,12 +535,6 @@ def exits_in_background() -> bool:
     return _EXIT_IN_BACKGROUND.get()
 
 
-def _reap(procs: list[subprocess.Popen[str]]) -> None:
+def _reap(procs: list[_Channel]) -> None:
     for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        if p.stdout is not None:
-            p.stdout.close()
+        p.wait_gone()

@@ -158,6 +158,7 @@ class _Timings:
     wait: float = 0.0  # beside: how long loading then waited for the copy
     modes: str = "-"  # the reader modes the copy used
     helpers_ready: float | None = None  # seconds from the helpers' start until the copy found them ready
+    helpers_source: str = "own"  # or "service": marlin-pack helpers' (HelperPool.source)
     common: float = 0.0
     common_beside: int | None = None  # common_during_build: the checkpoint names loaded by the copy beside the construction
     common_copy: float | None = None  # common_io staged: how long their own copy took, from its start to its end
@@ -171,6 +172,7 @@ class _Timings:
         text = f"read+copy {self.copy:.2f} s ({self.copy_bytes / 1e9:.2f} GB, {self.rate:.1f} GB/s)"
         if self.helpers_ready is not None:
             text += f", helpers ready after {self.helpers_ready:.2f} s"
+            text += " (the helper service's)" if self.helpers_source == "service" else ""
         return f"{text} beside create and common, waited {self.wait:.2f} s" if self.beside else text
 
     def common_text(self) -> str:
@@ -285,6 +287,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             self.options.io_processes, torch.cuda.current_device(),
             staged=self.options.io_staged, stage_mib=self.options.io_stage_mib,
             defer_unregister=self._in_daemon_by_default(self.options.io_defer_unregister, helpers=True), nice=self.options.io_helper_nice,
+            service=self.options.io_helper_service,
         )
 
     @staticmethod
@@ -435,9 +438,12 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 if exits_in_background():  # a weight-cache daemon: nothing is measured after its fill
                     logger.info("marlin-pack: the copy helpers exit in the background (weight-cache daemon)")
                 else:  # their CUDA contexts must be gone before vLLM measures the GPU memory left for the KV cache
-                    t0 = time.perf_counter()
+                    t0 = time.perf_counter()  # (a service's stay, counted before and after alike: they only unmap our memory)
                     helpers.join()
-                    logger.info("marlin-pack: waited %.2f s for the copy helpers to exit", time.perf_counter() - t0)
+                    logger.info(
+                        "marlin-pack: waited %.2f s for the copy helpers to %s", time.perf_counter() - t0,
+                        "let go of this process's memory" if helpers.source == "service" else "exit",
+                    )
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         fill, state.fill = state.fill, None
@@ -490,7 +496,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 self._timings.modes = "/".join(sorted(fill.copy.modes_used)) or "-"
                 fill.common = None  # the copies no parameter was pointed at go
             if helpers is not None:
-                self._timings.helpers_ready = helpers.ready_after
+                self._timings.helpers_ready, self._timings.helpers_source = helpers.ready_after, helpers.source
         self._timings.place = t1 - t0 - (0.0 if fill is not None else self._timings.copy)
         self._timings.common = t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.

@@ -82,6 +82,11 @@ class LoaderOptions:
         io_helper_nice: with helpers, the niceness they add to their own (``os.nice``), so that
             vLLM's own work beside the copy (building the model, placing, the common tensors)
             keeps its CPU time; 0..19, default 0.
+        io_helper_service: with helpers, use the helpers of ``marlin-pack helpers`` where it serves this
+            GPU (ready at once, and not waited for after loading; their settings are the service's,
+            so ``io_processes``, ``io_staged``, ``io_stage_mib``, ``io_defer_unregister`` and
+            ``io_helper_nice`` do not apply to them); ``false`` always starts the engine's own.
+            Default true; without a service the engine starts its own.
     """
 
     bundle: Path | None = None
@@ -101,6 +106,7 @@ class LoaderOptions:
     io_defer_unregister: bool | None = None  # None: as common_during_build
     io_common_by_helpers: bool = False
     io_helper_nice: int = 0
+    io_helper_service: bool = True
 
     @property
     def full_hash(self) -> bool | None:
@@ -110,6 +116,7 @@ class LoaderOptions:
 OPTION_KEYS = (
     "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "common_during_build",
     "common_io", "io_own_share", "io_staged", "io_stage_mib", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
+    "io_helper_service",
 )
 
 
@@ -149,7 +156,7 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     if not isinstance(during_build, bool):
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
     flags = {}
-    for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build"):
+    for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build", "io_helper_service"):
         flags[key] = extra.get(key, getattr(LoaderOptions, key))  # a default may be None (decided where it is used)
         if key in extra and not isinstance(flags[key], bool):
             raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")

@@ -120,6 +120,40 @@ def test_processes_mode_copies_several_files_in_one_job_per_helper(
             assert torch.equal(out[name].cpu(), t), name
 
 
+def test_service_helpers_copy_every_byte_engine_after_engine(tensor_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``marlin-pack helpers``: two pools in a row (two engines' loads) take the service's helpers, which
+    copy every byte (nothing left to this process), are ready at once and go on serving; stopping the
+    service removes its sockets."""
+    import tempfile
+
+    from marlin_pack.vllm_plugin.copy_helpers import HelperPool
+    from marlin_pack.vllm_plugin.helper_service import HelperService
+
+    d = Path(tempfile.mkdtemp(prefix="mph-", dir="/tmp"))
+    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(d))
+    header = read_header(tensor_file)
+    want = load_file(str(tensor_file))
+    service = HelperService([torch.cuda.current_device()], processes=2, directory=d)
+    service.start()
+    try:
+        assert all(h.uuid is not None for h in service.helpers)
+        for _ in range(2):
+            out = {n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
+            with HelperPool(4, torch.cuda.current_device()) as pool:
+                with ParallelReader(threads=2, chunk_bytes=1 << 16, mode="processes", helpers=pool, own_share=False) as r:
+                    n = r.copy(tensor_file, [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()])
+                assert (pool.source, pool.ready(), pool.failures) == ("service", 2, [])
+                assert pool.ready_after is not None and pool.ready_after < 0.2
+                assert r.modes_used == {"processes"}
+            assert n == sum(i.nbytes for i in header.tensors.values())
+            for name, t in want.items():
+                assert torch.equal(out[name].cpu(), t), name
+            assert all(h.proc.poll() is None for h in service.helpers)
+    finally:
+        service.stop()
+    assert list(d.iterdir()) == []
+
+
 def test_processes_mode_left_windows_are_read_here(tensor_file: Path) -> None:
     """A helper that fails (here: a helper script that answers ready, then errors) costs speed, not bytes."""
     import textwrap

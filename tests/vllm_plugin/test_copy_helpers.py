@@ -13,13 +13,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+from helper_fakes import fake_helper
 
 from marlin_pack.vllm_plugin import copy_helper_main
 from marlin_pack.vllm_plugin.copy_helpers import HelperPool, split_by_bytes
@@ -283,56 +282,6 @@ def test_helper_lowers_its_priority_before_its_threads_start() -> None:
     assert out == [str(min(19, base + 6))] * 2
 
 
-class _FakeDriver:
-    """The helper's CUDA driver calls, done on the host: a "device pointer" is a host address (an IPC
-    handle opens the destination buffer), copies are ``memmove`` at once, streams and events are
-    tokens. Records what is registered, so a test can check every registration is undone."""
-
-    def __init__(self, destination: ctypes.Array) -> None:
-        self.destination = destination
-        self.registered: dict[int, int] = {}
-        self.calls: list[str] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, name: str, *args: object) -> None:
-        with self.lock:
-            self.calls.append(name)
-        if name in ("cuStreamCreate", "cuEventCreate"):
-            args[0]._obj.value = 1  # type: ignore[attr-defined]
-        elif name == "cuIpcOpenMemHandle":
-            args[0]._obj.value = ctypes.addressof(self.destination)  # type: ignore[attr-defined]
-        elif name == "cuMemHostRegister":
-            time.sleep(0.005)  # pinning is the slow step: staging threads beside take windows too
-            with self.lock:
-                ptr = args[0].value  # type: ignore[attr-defined]
-                assert ptr not in self.registered, "a range registered twice"
-                self.registered[ptr] = args[1].value  # type: ignore[attr-defined]
-        elif name == "cuMemHostUnregister":
-            with self.lock:
-                del self.registered[args[0].value]  # type: ignore[attr-defined]
-        elif name == "cuMemcpyHtoDAsync":
-            ctypes.memmove(args[0].value, args[1].value, args[2].value)  # type: ignore[attr-defined]
-
-
-def _fake_helper(monkeypatch: pytest.MonkeyPatch, settings: object, destination: ctypes.Array) -> copy_helper_main.Helper:
-    """A Helper whose CUDA calls go to :class:`_FakeDriver` (its staging buffers plain host memory)."""
-    driver = _FakeDriver(destination)
-    buffers: list[ctypes.Array] = []
-
-    def alloc(name: str, *args: object) -> None:
-        if name == "cuMemHostAlloc":
-            buffers.append(ctypes.create_string_buffer(args[1].value))  # type: ignore[attr-defined]
-            args[0]._obj.value = ctypes.addressof(buffers[-1])  # type: ignore[attr-defined]
-        else:
-            driver(name, *args)
-
-    monkeypatch.setattr(copy_helper_main, "_Driver", lambda: alloc)
-    helper = copy_helper_main.Helper(settings)  # type: ignore[arg-type]
-    helper.cu = driver  # type: ignore[assignment]
-    helper._keep = buffers  # type: ignore[attr-defined]
-    return helper
-
-
 @pytest.mark.parametrize(
     "settings",
     [
@@ -356,7 +305,7 @@ def test_helper_copies_every_piece_and_unregisters_every_window(
     path = tmp_path / "f.bin"
     path.write_bytes(data)
     destination = ctypes.create_string_buffer(len(data) + 100)
-    helper = _fake_helper(monkeypatch, settings, destination)
+    helper = fake_helper(monkeypatch, settings, destination)
     # As the reader cuts them: page-aligned windows of 3 pages (the last one ends inside a page); the
     # pieces are the tensors' parts in each, tensors of odd sizes, each 100 bytes further on in the destination.
     cuts = [0, 1, 8192, 8193 + 4096 * 5, 100_003, 200_000, len(data)]
@@ -400,7 +349,7 @@ def test_helper_job_of_two_files_copies_both_and_releases_their_pages_together(
     for path, data in zip(paths, (first, second), strict=True):
         path.write_bytes(data)
     destination = ctypes.create_string_buffer(len(first) + len(second))
-    helper = _fake_helper(monkeypatch, copy_helper_main.Settings(0, staged=1, stage_bytes=1 << 12, defer_unregister=defer), destination)
+    helper = fake_helper(monkeypatch, copy_helper_main.Settings(0, staged=1, stage_bytes=1 << 12, defer_unregister=defer), destination)
     step = 2 * mmap.PAGESIZE
 
     def part(path: Path, size: int, at: int) -> dict:

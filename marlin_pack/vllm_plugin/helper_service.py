@@ -1,0 +1,253 @@
+"""``marlin-pack helpers``: copy helpers that outlive engines, so that an engine's copy starts at once.
+
+An engine's own copy helpers (:mod:`.copy_helpers`) are started by its loader and need ~0.25 s (four
+CUDA contexts, which the driver creates one after another) before they copy anything; the engine then
+waits for them to exit (their contexts hold GPU memory) before vLLM measures the memory left for the
+KV cache. Both sit inside every start, and vLLM 0.33.0 leaves no earlier point to start them at (see
+docs/performance.md). A *helper service* starts the same helpers (:mod:`.copy_helper_main` with
+``--listen``) once, for every GPU it is given, each listening on a Unix socket
+``DIR/<GPU UUID>.<K>.sock``; an engine's loader finds the sockets of its GPU and hands its jobs to
+those helpers, which are ready already and go on living after it.
+
+Their CUDA contexts stay on the GPU meanwhile (an engine's memory snapshot counts them as another
+process's memory, before and after loading alike, so the KV cache is sized as without them).
+
+``DIR`` is ``$MARLIN_PACK_HELPERS_DIR``, else ``$XDG_RUNTIME_DIR/marlin-pack-helpers``, else
+``/tmp/marlin-pack-helpers-<uid>``; it must belong to the user and be closed to others (0700): a
+helper writes into the GPU memory of whoever it serves, so engines only talk to helpers in such a
+directory, and helpers only serve processes of their own user.
+
+No torch, no vLLM: the CLI imports this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import select
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from marlin_pack.errors import MarlinPackError
+
+__all__ = ["HelperService", "ServiceError", "ServiceHelper", "device_count", "find_sockets", "socket_dir", "trusted_dir"]
+
+_HELPER = Path(__file__).with_name("copy_helper_main.py")
+_READY_TIMEOUT_S = 60.0
+_SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+# Same as an engine's own helpers (copy_helpers.HELPER_ENV, repeated here to keep torch out of the CLI).
+_HELPER_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+class ServiceError(MarlinPackError):
+    """The helper service cannot start (no GPU, an unsafe socket directory, helpers that fail)."""
+
+
+def socket_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the service's sockets live: ``$MARLIN_PACK_HELPERS_DIR``, ``$XDG_RUNTIME_DIR/marlin-pack-helpers``
+    or ``/tmp/marlin-pack-helpers-<uid>``."""
+    env = os.environ if environ is None else environ
+    if env.get("MARLIN_PACK_HELPERS_DIR"):
+        return Path(env["MARLIN_PACK_HELPERS_DIR"])
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"]) / "marlin-pack-helpers"
+    return Path(f"/tmp/marlin-pack-helpers-{os.getuid()}")
+
+
+def trusted_dir(path: Path, create: bool = False) -> Path:
+    """``path`` if it is a real directory of this user that no one else may enter or write; raises otherwise.
+
+    ``create``: make it (mode 0700) when missing.
+    """
+    if create:
+        try:
+            path.mkdir(mode=0o700, parents=True)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise ServiceError(f"cannot create the helpers' socket directory {path}: {e.strerror}; set MARLIN_PACK_HELPERS_DIR") from e
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        raise ServiceError(f"no helpers' socket directory at {path}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ServiceError(f"{path} is not a directory (a link or a file); expected the helpers' socket directory")
+    if st.st_uid != os.getuid():
+        raise ServiceError(
+            f"{path} belongs to user {st.st_uid}, not to you ({os.getuid()}); set MARLIN_PACK_HELPERS_DIR to a directory of your own"
+        )
+    if st.st_mode & 0o077:
+        raise ServiceError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); expected 700: chmod 700 {path}")
+    return path
+
+
+def find_sockets(uuid: str, directory: Path | None = None) -> list[Path]:
+    """The service helpers' sockets for the GPU ``uuid``, in slot order; none when the directory is not trusted."""
+    directory = socket_dir() if directory is None else directory
+    try:
+        trusted_dir(directory)
+    except ServiceError:
+        return []
+    found = []
+    for p in directory.glob(f"{uuid}.*.sock"):
+        slot = p.name[len(uuid) + 1 : -len(".sock")]
+        if slot.isdigit():
+            found.append((int(slot), p))
+    return [p for _, p in sorted(found)]
+
+
+def device_count() -> int:
+    """CUDA devices the driver sees (honouring ``CUDA_VISIBLE_DEVICES``); raises :class:`ServiceError` without one."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise ServiceError(f"no CUDA driver here ({e}); the helper service needs a GPU") from None
+    err = lib.cuInit(0)
+    count = ctypes.c_int()
+    if err == 0:
+        err = lib.cuDeviceGetCount(ctypes.byref(count))
+    if err != 0 or count.value == 0:
+        raise ServiceError(
+            f"no CUDA device here (cuInit / cuDeviceGetCount: error {err}, {count.value} devices); the helper service needs a GPU"
+        )
+    return count.value
+
+
+@dataclass
+class ServiceHelper:
+    """One running service helper."""
+
+    device: int
+    slot: int
+    args: list[str]
+    proc: subprocess.Popen[str]
+    socket: Path | None = None
+    uuid: str | None = None
+    restarts: int = 0
+
+
+@dataclass
+class HelperService:
+    """The service's helpers: ``processes`` per device in ``devices``, listening in ``directory``.
+
+    ``defer_unregister`` is on by default here: a helper unregisters a job's pages after its answer,
+    and no engine waits for that. ``staged`` / ``stage_mib`` / ``nice`` as for an engine's own
+    helpers (:class:`.copy_helpers.HelperPool`).
+
+    Example:
+        >>> service = HelperService([0], processes=4)
+        >>> service.start()          # raises ServiceError if no helper could start
+        >>> service.wait()           # until SIGINT / SIGTERM; then service.stop()
+    """
+
+    devices: Sequence[int]
+    processes: int = 4
+    directory: Path = field(default_factory=socket_dir)
+    staged: int = 0
+    stage_mib: int = 64
+    defer_unregister: bool = True
+    nice: int = 0
+    script: Path = _HELPER
+    helpers: list[ServiceHelper] = field(default_factory=list)
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+
+    def _argv(self, device: int, slot: int) -> list[str]:
+        return [
+            str(device), "--listen", str(self.directory), "--slot", str(slot),
+            *(["--staged", str(self.staged), "--stage-mib", str(self.stage_mib)] if self.staged else []),
+            *(["--defer-unregister"] if self.defer_unregister else []), *(["--nice", str(self.nice)] if self.nice else []),
+        ]
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-S", str(self.script), *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+            env={**os.environ, **_HELPER_ENV}, start_new_session=True,  # Ctrl-C reaches the service, which ends them
+        )
+
+    def start(self) -> None:
+        """Start every helper and wait until each listens; raises :class:`ServiceError` if none could."""
+        trusted_dir(self.directory, create=True)
+        longest = len(str(self.directory / "GPU-00000000-0000-0000-0000-000000000000.00.sock"))
+        if longest > _SOCKET_PATH_MAX:
+            raise ServiceError(
+                f"the helpers' socket directory {self.directory} is too long for a Unix socket path ({longest} > "
+                f"{_SOCKET_PATH_MAX} bytes); set MARLIN_PACK_HELPERS_DIR to a shorter one"
+            )
+        for device in self.devices:
+            for slot in range(self.processes):
+                args = self._argv(device, slot)
+                self.helpers.append(ServiceHelper(device, slot, args, self._spawn(args)))
+        failures = [f"GPU {h.device} helper {h.slot}: {why}" for h in self.helpers if (why := self._await_ready(h)) is not None]
+        if len(failures) == len(self.helpers):
+            self.stop()
+            raise ServiceError(f"no copy helper started ({failures[0]})")
+        for line in failures:
+            self.log(f"marlin-pack helpers: {line}")
+
+    def _await_ready(self, h: ServiceHelper) -> str | None:
+        """None once ``h`` listens (its socket and UUID noted), else why not."""
+        assert h.proc.stdout is not None
+        ready, _, _ = select.select([h.proc.stdout], [], [], _READY_TIMEOUT_S)
+        line = h.proc.stdout.readline() if ready else ""
+        try:
+            reply = json.loads(line) if line else {}
+        except ValueError:
+            reply = {"error": f"unreadable answer {line[:80]!r}"}
+        if not isinstance(reply, dict) or reply.get("ready") is not True:
+            h.proc.kill()
+            h.proc.wait()
+            return str(reply.get("error") if isinstance(reply, dict) and reply.get("error") else "no answer")
+        h.socket, h.uuid = Path(reply["socket"]), str(reply["uuid"])
+        return None
+
+    def check(self) -> None:
+        """Restart helpers that died (each at most 3 times), so that engines keep finding them."""
+        for h in self.helpers:
+            if h.proc.poll() is None or h.restarts >= 3:
+                continue
+            self.log(f"marlin-pack helpers: GPU {h.device} helper {h.slot} exited with status {h.proc.returncode}; restarting it")
+            h.restarts += 1
+            h.proc = self._spawn(h.args)
+            why = self._await_ready(h)
+            if why is not None:
+                self.log(f"marlin-pack helpers: GPU {h.device} helper {h.slot} did not restart: {why}")
+
+    def wait(self, poll_s: float = 2.0) -> None:
+        """Serve until SIGINT or SIGTERM, restarting helpers that die."""
+        stop = threading.Event()
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not stop.wait(poll_s):
+                self.check()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End every helper (each unlinks its socket as it exits)."""
+        for h in self.helpers:
+            if h.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    h.proc.stdin.close()
+        deadline = time.monotonic() + timeout_s
+        for h in self.helpers:
+            try:
+                h.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                h.proc.kill()
+                h.proc.wait()
+            if h.socket is not None and h.proc.returncode != 0:
+                with contextlib.suppress(OSError):
+                    h.socket.unlink()
+            if h.proc.stdout is not None:
+                h.proc.stdout.close()

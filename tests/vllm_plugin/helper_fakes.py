@@ -1,0 +1,61 @@
+"""A copy helper (``copy_helper_main.Helper``) whose CUDA driver calls are done on the host, for tests without a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import pytest
+
+from marlin_pack.vllm_plugin import copy_helper_main
+
+
+class FakeDriver:
+    """The helper's CUDA driver calls, done on the host: a "device pointer" is a host address (an IPC
+    handle opens the destination buffer), copies are ``memmove`` at once, streams and events are
+    tokens. Records what is registered, so a test can check every registration is undone."""
+
+    def __init__(self, destination: ctypes.Array) -> None:
+        self.destination = destination
+        self.registered: dict[int, int] = {}
+        self.calls: list[str] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str, *args: object) -> None:
+        with self.lock:
+            self.calls.append(name)
+        if name in ("cuStreamCreate", "cuEventCreate"):
+            args[0]._obj.value = 1  # type: ignore[attr-defined]
+        elif name == "cuIpcOpenMemHandle":
+            args[0]._obj.value = ctypes.addressof(self.destination)  # type: ignore[attr-defined]
+        elif name == "cuMemHostRegister":
+            time.sleep(0.005)  # pinning is the slow step: staging threads beside take windows too
+            with self.lock:
+                ptr = args[0].value  # type: ignore[attr-defined]
+                assert ptr not in self.registered, "a range registered twice"
+                self.registered[ptr] = args[1].value  # type: ignore[attr-defined]
+        elif name == "cuMemHostUnregister":
+            with self.lock:
+                del self.registered[args[0].value]  # type: ignore[attr-defined]
+        elif name == "cuMemcpyHtoDAsync":
+            ctypes.memmove(args[0].value, args[1].value, args[2].value)  # type: ignore[attr-defined]
+
+
+def fake_helper(monkeypatch: pytest.MonkeyPatch, settings: object, destination: ctypes.Array) -> copy_helper_main.Helper:
+    """A Helper whose CUDA calls go to :class:`FakeDriver` (its staging buffers plain host memory)."""
+    driver = FakeDriver(destination)
+    buffers: list[ctypes.Array] = []
+
+    def alloc(name: str, *args: object) -> None:
+        if name == "cuMemHostAlloc":
+            buffers.append(ctypes.create_string_buffer(args[1].value))  # type: ignore[attr-defined]
+            args[0]._obj.value = ctypes.addressof(buffers[-1])  # type: ignore[attr-defined]
+        else:
+            driver(name, *args)
+
+    monkeypatch.setattr(copy_helper_main, "_Driver", lambda: alloc)
+    helper = copy_helper_main.Helper(settings)  # type: ignore[arg-type]
+    helper.cu = driver  # type: ignore[assignment]
+    helper._keep = buffers  # type: ignore[attr-defined]
+    return helper

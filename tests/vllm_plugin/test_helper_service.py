@@ -1,0 +1,378 @@
+"""``marlin-pack helpers`` without a GPU: the service helpers' sessions (their CUDA calls faked), an
+engine's pool taking them or starting its own, the socket directory's trust rules and the service's
+life. The copies themselves are checked on a GPU (tests/gpu/test_gpu_reader_gpu.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from helper_fakes import fake_helper
+from typer.testing import CliRunner
+
+from marlin_pack.cli import app
+from marlin_pack.vllm_plugin import copy_helper_main, copy_helpers
+from marlin_pack.vllm_plugin.copy_helper_main import PROTOCOL, Settings, bind_listener, serve
+from marlin_pack.vllm_plugin.copy_helpers import HelperPool
+from marlin_pack.vllm_plugin.helper_service import HelperService, ServiceError, find_sockets, socket_dir, trusted_dir
+from marlin_pack.vllm_plugin.options import parse_extra_config
+
+DATA = bytes(range(256)) * 64  # 16 KiB: four pages
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short private directory (a Unix socket path holds 107 bytes; pytest's tmp_path can be longer)."""
+    d = Path(tempfile.mkdtemp(prefix="mph-", dir="/tmp"))  # mode 0700
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class _Served:
+    helper: copy_helper_main.Helper
+    destination: ctypes.Array
+    path: Path
+    listener: socket.socket
+    file: Path
+
+
+@pytest.fixture
+def served(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Served]:
+    """A service helper (CUDA faked: its "device memory" is ``destination``) listening in ``sock_dir``."""
+    destination = ctypes.create_string_buffer(len(DATA))
+    helper = fake_helper(monkeypatch, Settings(0, defer_unregister=True), destination)
+    path = sock_dir / f"{helper.uuid()}.0.sock"
+    listener = bind_listener(str(path))
+    threading.Thread(target=serve, args=(helper, listener), daemon=True).start()
+    file = tmp_path / "rank.bin"
+    file.write_bytes(DATA)
+    try:
+        yield _Served(helper, destination, path, listener, file)
+    finally:
+        listener.close()
+
+
+def _job(file: Path) -> dict:
+    windows = [[lo, lo + 4096, [[lo, 4096, 0, lo]]] for lo in range(0, len(DATA), 4096)]
+    return {"parts": [{"file": str(file), "windows": windows}], "handles": ["00" * 64], "threads": 2}
+
+
+class _Conn:
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.sock.settimeout(10)
+        self.r, self.w = self.sock.makefile("r"), self.sock.makefile("w")
+
+    def say(self, obj: dict) -> None:
+        self.w.write(json.dumps(obj) + "\n")
+        self.w.flush()
+
+    def hear(self) -> dict | None:
+        line = self.r.readline()
+        return json.loads(line) if line else None
+
+    def close(self) -> None:
+        for f in (self.r, self.w, self.sock):
+            f.close()
+
+
+def _wait_until(condition, timeout: float = 10.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_service_helper_serves_one_engine_at_a_time_and_unmaps_it_at_the_end(served: _Served) -> None:
+    first = _Conn(served.path)
+    assert first.hear() == {"ready": True, "protocol": PROTOCOL}
+    second = _Conn(served.path)
+    assert second.hear() == {"error": "busy"}  # a session runs: told at once, not kept waiting
+    assert second.hear() is None
+    first.say(_job(served.file))
+    assert first.hear() == {"ok": len(DATA)}
+    assert served.destination.raw == DATA
+    assert served.helper.opened  # the engine's memory is mapped while its session lasts
+    first.say({"end": True})
+    assert first.hear() == {"closed": True}
+    assert served.helper.opened == {} and "cuIpcCloseMemHandle" in served.helper.cu.calls  # type: ignore[attr-defined]
+    first.close()
+    # The next engine: a session of its own; this one goes away without "end" (its process died).
+    ctypes.memset(served.destination, 0, len(DATA))
+    third = _Conn(served.path)
+    assert third.hear() == {"ready": True, "protocol": PROTOCOL}
+    third.say(_job(served.file))
+    assert third.hear() == {"ok": len(DATA)}
+    assert served.destination.raw == DATA
+    third.close()
+    assert _wait_until(lambda: not served.helper.opened)
+    assert _wait_until(lambda: not served.helper.cu.registered)  # type: ignore[attr-defined]  # deferred unregistering ran
+
+
+def test_a_service_helper_answers_a_bad_job_and_goes_on(served: _Served, tmp_path: Path) -> None:
+    conn = _Conn(served.path)
+    assert conn.hear() == {"ready": True, "protocol": PROTOCOL}
+    conn.say(_job(tmp_path / "missing.bin"))
+    reply = conn.hear()
+    assert reply is not None and "missing.bin" in reply["error"]
+    conn.say(_job(served.file))
+    assert conn.hear() == {"ok": len(DATA)}
+    conn.close()
+
+
+def test_a_service_helper_serves_no_other_user(served: _Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(copy_helper_main, "peer_uid", lambda conn: os.getuid() + 1)
+    conn = _Conn(served.path)
+    assert conn.hear() is None  # closed without a word: no session, no job
+    conn.close()
+
+
+def test_bind_listener_replaces_a_stale_socket_only(sock_dir: Path) -> None:
+    path = sock_dir / "x.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))
+    dead.close()  # its file stays: a helper that died
+    live = bind_listener(str(path))
+    try:
+        assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+        with pytest.raises(FileExistsError, match="already listens"):
+            bind_listener(str(path))
+    finally:
+        live.close()
+    plain = sock_dir / "plain"
+    plain.write_text("not a socket")
+    with pytest.raises(FileExistsError, match="not a socket"):
+        bind_listener(str(plain))
+    assert plain.read_text() == "not a socket"
+
+
+# -- an engine's pool ---------------------------------------------------------------------------
+
+
+@dataclass
+class _W:
+    lo: int
+    hi: int
+    pieces: list = field(default_factory=list)
+
+
+class _Stream:
+    def synchronize(self) -> None:
+        pass
+
+
+class _Driver:
+    def uuid(self, ordinal: int) -> str:
+        return "GPU-00000000-0000-0000-0000-000000000000"  # what the faked helper reports
+
+
+def _pool(monkeypatch: pytest.MonkeyPatch, sock_dir: Path, destination: ctypes.Array, **kw: object) -> HelperPool:
+    """A pool whose device is faked: destinations are views of ``destination``, the service sockets in ``sock_dir``."""
+    monkeypatch.setattr(copy_helpers, "_CudaDriver", _Driver)
+    monkeypatch.setattr(copy_helpers, "find_sockets", lambda uuid: find_sockets(uuid, sock_dir))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    pool = HelperPool(2, 0, **kw)  # type: ignore[arg-type]
+    base = ctypes.addressof(destination)
+    monkeypatch.setattr(pool, "_handle", lambda ptr: ("00" * 64, ptr - base))
+    return pool
+
+
+def _windows(destination: ctypes.Array) -> list[_W]:
+    view = torch.frombuffer(destination, dtype=torch.uint8)
+    return [_W(lo, lo + 4096, [(lo, 4096, view[lo : lo + 4096])]) for lo in range(0, len(DATA), 4096)]
+
+
+def test_a_pool_takes_the_service_helpers_and_leaves_them_serving(served: _Served, sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pool's destinations: views of the buffer the faked helper writes to.
+    with _pool(monkeypatch, sock_dir, served.destination, script=Path("/nonexistent")) as pool:
+        assert pool.copy(served.file, _windows(served.destination), threads=2) == []
+        assert pool.source == "service" and pool.failures == []
+        assert pool.ready() == 1  # the service's one helper, whatever count said
+    assert served.destination.raw == DATA
+    assert served.helper.opened == {}  # closed before close() returned
+    again = _Conn(served.path)
+    assert again.hear() == {"ready": True, "protocol": PROTOCOL}  # still serving
+    again.close()
+
+
+def _own_helper_script(tmp_path: Path) -> Path:
+    script = tmp_path / "own.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            print(json.dumps({"ok": 0}), flush=True)
+    """))
+    return script
+
+
+def test_a_pool_starts_its_own_helpers_past_a_stale_busy_or_older_service(
+    served: _Served, sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(sock_dir / "GPU-00000000-0000-0000-0000-000000000000.1.sock"))
+    stale.close()
+    busy = _Conn(served.path)  # another engine holds the one live helper
+    assert busy.hear() == {"ready": True, "protocol": PROTOCOL}
+    with caplog.at_level(logging.WARNING, logger="vllm.marlin_pack"):
+        pool = _pool(monkeypatch, sock_dir, served.destination, script=_own_helper_script(tmp_path))
+        with pool:
+            assert pool.ready() == 2
+            assert pool.source == "own"
+    assert "busy" in caplog.text and ".1.sock" in caplog.text
+    busy.close()
+    monkeypatch.setattr(copy_helpers, "PROTOCOL", PROTOCOL + 1)  # an engine newer than the service
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.marlin_pack"), _pool(monkeypatch, sock_dir, served.destination,
+                                                                            script=_own_helper_script(tmp_path)) as pool:
+        assert pool.ready() == 2 and pool.source == "own"
+    assert "restart `marlin-pack helpers`" in caplog.text
+
+
+def test_a_pool_refuses_a_service_helper_of_another_user(
+    served: _Served, sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(copy_helpers, "peer_uid", lambda conn: os.getuid() + 1)
+    with caplog.at_level(logging.WARNING, logger="vllm.marlin_pack"), _pool(monkeypatch, sock_dir, served.destination,
+                                                                            script=_own_helper_script(tmp_path)) as pool:
+        assert pool.source == "own" and pool.ready() == 2
+    assert "runs as user" in caplog.text
+
+
+def test_without_the_option_a_pool_never_looks_for_a_service(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def looked(uuid: str) -> list[Path]:
+        raise AssertionError("looked for a service")
+
+    destination = ctypes.create_string_buffer(16)
+    pool = _pool(monkeypatch, sock_dir, destination, script=_own_helper_script(tmp_path), service=False)
+    monkeypatch.setattr(copy_helpers, "find_sockets", looked)
+    with pool:
+        assert pool.ready() == 2 and pool.source == "own"
+    assert parse_extra_config({}).io_helper_service is True
+    assert parse_extra_config({"io_helper_service": False}).io_helper_service is False
+    with pytest.raises(ValueError, match=r"\['io_helper_service'\] must be true or false"):
+        parse_extra_config({"io_helper_service": "no"})
+
+
+# -- the socket directory -----------------------------------------------------------------------
+
+
+def test_socket_dir_default_order() -> None:
+    assert socket_dir({"MARLIN_PACK_HELPERS_DIR": "/a", "XDG_RUNTIME_DIR": "/run/user/5"}) == Path("/a")
+    assert socket_dir({"XDG_RUNTIME_DIR": "/run/user/5"}) == Path("/run/user/5/marlin-pack-helpers")
+    assert socket_dir({}) == Path(f"/tmp/marlin-pack-helpers-{os.getuid()}")
+
+
+def test_only_a_private_directory_of_this_user_is_trusted(sock_dir: Path) -> None:
+    made = trusted_dir(sock_dir / "new" / "dir", create=True)
+    assert oct(made.stat().st_mode & 0o777) == oct(0o700)
+    open_dir = sock_dir / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o755)
+    with pytest.raises(ServiceError, match="open to other users.*chmod 700"):
+        trusted_dir(open_dir)
+    link = sock_dir / "link"
+    link.symlink_to(made)
+    with pytest.raises(ServiceError, match="not a directory"):
+        trusted_dir(link)
+    with pytest.raises(ServiceError, match="no helpers' socket directory"):
+        trusted_dir(sock_dir / "missing")
+    uuid = "GPU-1"
+    for name in (f"{uuid}.10.sock", f"{uuid}.2.sock", f"{uuid}.x.sock", "GPU-2.0.sock", f"{uuid}.0.sock"):
+        (open_dir / name).touch()
+        (made / name).touch()
+    assert find_sockets(uuid, open_dir) == []  # anyone could have put those there
+    assert [p.name for p in find_sockets(uuid, made)] == [f"{uuid}.0.sock", f"{uuid}.2.sock", f"{uuid}.10.sock"]
+
+
+# -- the service ---------------------------------------------------------------------------------
+
+
+_LISTENING_FAKE = """
+    import json, os, sys
+    args = sys.argv[1:]
+    d, slot = args[args.index("--listen") + 1], args[args.index("--slot") + 1]
+    if os.environ.get("FAIL_SLOT") == slot:
+        print(json.dumps({{"error": "RuntimeError: boom"}}), flush=True)
+        sys.exit(1)
+    path = os.path.join(d, f"GPU-{{args[0]}}.{{slot}}.sock")
+    open(path, "w").close()
+    print(json.dumps({{"ready": True, "protocol": {protocol}, "socket": path, "uuid": "GPU-" + args[0]}}), flush=True)
+    sys.stdin.read()
+    os.unlink(path)
+"""
+
+
+def _service(sock_dir: Path, tmp_path: Path, **kw: object) -> HelperService:
+    script = tmp_path / "listening.py"
+    script.write_text(textwrap.dedent(_LISTENING_FAKE.format(protocol=PROTOCOL)))
+    return HelperService([0, 1], processes=2, directory=sock_dir / "s", script=script, log=lambda line: None, **kw)  # type: ignore[arg-type]
+
+
+def test_the_service_starts_its_helpers_restarts_the_dead_and_stops(sock_dir: Path, tmp_path: Path) -> None:
+    service = _service(sock_dir, tmp_path)
+    service.start()
+    try:
+        assert sorted(p.name for p in (sock_dir / "s").iterdir()) == ["GPU-0.0.sock", "GPU-0.1.sock", "GPU-1.0.sock", "GPU-1.1.sock"]
+        assert all(h.uuid == f"GPU-{h.device}" for h in service.helpers)
+        assert service.helpers[0].args[:5] == ["0", "--listen", str(sock_dir / "s"), "--slot", "0"]
+        assert "--defer-unregister" in service.helpers[0].args
+        service.helpers[1].proc.kill()
+        service.helpers[1].proc.wait()
+        service.check()
+        assert service.helpers[1].restarts == 1 and service.helpers[1].proc.poll() is None
+    finally:
+        service.stop()
+    assert all(h.proc.returncode == 0 for h in service.helpers)
+    assert list((sock_dir / "s").iterdir()) == []
+
+
+def test_the_service_reports_helpers_that_fail(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAIL_SLOT", "1")
+    lines: list[str] = []
+    service = _service(sock_dir, tmp_path)
+    service.log = lines.append
+    service.start()  # half of them: it serves with the others, and says so
+    service.stop()
+    assert len(lines) == 2 and all("helper 1: RuntimeError: boom" in line for line in lines)
+    monkeypatch.setenv("FAIL_SLOT", "0")
+    with pytest.raises(ServiceError, match=r"no copy helper started \(GPU 0 helper 0: RuntimeError: boom\)"):
+        HelperService([0], processes=1, directory=sock_dir / "s", script=tmp_path / "listening.py", log=lambda line: None).start()
+
+
+def test_the_service_refuses_an_open_socket_directory(sock_dir: Path, tmp_path: Path) -> None:
+    (sock_dir / "s").mkdir(mode=0o777)
+    (sock_dir / "s").chmod(0o777)
+    with pytest.raises(ServiceError, match="open to other users"):
+        _service(sock_dir, tmp_path).start()
+
+
+def test_helpers_command_without_a_gpu_is_one_line_and_exit_1(sock_dir: Path) -> None:
+    if Path("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists() or torch.cuda.is_available():
+        pytest.skip("a CUDA driver is installed here")
+    r = subprocess.run([sys.executable, "-m", "marlin_pack.cli", "helpers"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "MARLIN_PACK_HELPERS_DIR": str(sock_dir)})
+    assert r.returncode == 1
+    assert "the helper service needs a GPU" in r.stderr and "Traceback" not in r.stderr
+    assert CliRunner().invoke(app, ["helpers", "--processes", "0"]).exit_code == 2  # typer's own range check
