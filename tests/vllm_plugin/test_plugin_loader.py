@@ -652,6 +652,7 @@ class _FakeHelpers:
         _FakeHelpers.settings = settings
         self.closed = False
         self.ready_after = 0.25
+        self.source = "own"
 
     def close(self, wait: bool = True) -> None:
         if not self.closed:  # as HelperPool.close: a second call ends nothing more...
@@ -697,7 +698,9 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
     by_helpers = case == "common by helpers"
     staging = {"io_staged": 2, "io_stage_mib": 16} if case == "loads" else {}
-    loader = make_loader(io_mode="processes", io_processes=2, fallback=case == "falls back", io_common_by_helpers=by_helpers, **staging)
+    no_service = {"io_helper_service": False} if case == "refused" else {}  # the option reaches the pool
+    loader = make_loader(io_mode="processes", io_processes=2, fallback=case == "falls back", io_common_by_helpers=by_helpers,
+                         **staging, **no_service)
     readers: list[tuple[object, object]] = []
     make_reader = loader._reader
 
@@ -722,7 +725,9 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     # A daemon's defaults: deferred unregistering (and the common tensors copied with the rank file, see
     # test_common_tensors_copy_beside_the_construction[daemon default]).
     deferred = case == "daemon"
-    assert _FakeHelpers.settings == {"staged": staged, "stage_mib": stage_mib, "defer_unregister": deferred, "nice": 0}
+    assert _FakeHelpers.settings == {
+        "staged": staged, "stage_mib": stage_mib, "defer_unregister": deferred, "nice": 0, "service": case != "refused"
+    }
     if by_helpers:  # ended by loading, after the common tensors; the common reader had them
         assert events[1:] == ["create", "close wait=False", "joined"]
         assert readers[-1][1] == "processes" and isinstance(readers[-1][0], _FakeHelpers)
