@@ -101,7 +101,8 @@ class _CudaDriver:
         """The UUID of the device ``ordinal`` as the service helpers name their sockets."""
         dev = ctypes.c_int()
         raw = (ctypes.c_char * 16)()
-        err = self.lib.cuDeviceGet(ctypes.byref(dev), ordinal) or self.lib.cuDeviceGetUuid_v2(raw, dev)
+        # cuInit first: harmless where torch has initialised the driver, needed where nothing has yet.
+        err = self.lib.cuInit(0) or self.lib.cuDeviceGet(ctypes.byref(dev), ordinal) or self.lib.cuDeviceGetUuid_v2(raw, dev)
         if err != 0:
             raise RuntimeError(f"cuDeviceGetUuid failed with CUDA error {err}")
         h = bytes(raw).hex()
