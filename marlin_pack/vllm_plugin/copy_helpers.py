@@ -39,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from marlin_pack.vllm_plugin.copy_helper_main import PROTOCOL, peer_uid
+from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, format_uuid, peer_uid
 from marlin_pack.vllm_plugin.helper_service import find_sockets
 
 __all__ = ["HelperPool", "split_by_bytes"]
@@ -52,11 +52,6 @@ _CLOSE_TIMEOUT_S = 10.0  # a service helper closing its IPC mappings of our memo
 _SERVICE_READY_TIMEOUT_S = 2.0  # service helpers answer at once; a slower one is left out
 # Helpers when the caller does not say (bench_h2d_procs: 4 processes x 4 threads measured best).
 DEFAULT_PROCESSES = 4
-# One hardware work queue per helper context instead of 8: creating and tearing down the queues is
-# what slows the engine's own CUDA calls while helpers start and exit. benchmarks/bench_helpers_start.py
-# on an H200, 4 helpers beside a 640-allocation stand-in construction: +0.42 s -> +0.18 s, ending them
-# 0.26 -> 0.11 s; bench_h2d.py processes/4 36.3 vs 37.1 GB/s with it (copies lose nothing).
-HELPER_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
 class WindowLike(Protocol):
@@ -105,8 +100,7 @@ class _CudaDriver:
         err = self.lib.cuInit(0) or self.lib.cuDeviceGet(ctypes.byref(dev), ordinal) or self.lib.cuDeviceGetUuid_v2(raw, dev)
         if err != 0:
             raise RuntimeError(f"cuDeviceGetUuid failed with CUDA error {err}")
-        h = bytes(raw).hex()
-        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+        return format_uuid(bytes(raw))
 
     def ipc_handle(self, base: int) -> str:
         handle = (ctypes.c_char * 64)()

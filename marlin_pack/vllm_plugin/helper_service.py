@@ -38,14 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from marlin_pack.errors import MarlinPackError
+from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV
 
 __all__ = ["HelperService", "ServiceError", "ServiceHelper", "device_count", "find_sockets", "socket_dir", "trusted_dir"]
 
 _HELPER = Path(__file__).with_name("copy_helper_main.py")
 _READY_TIMEOUT_S = 60.0
 _SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
-# Same as an engine's own helpers (copy_helpers.HELPER_ENV, repeated here to keep torch out of the CLI).
-_HELPER_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
 class ServiceError(MarlinPackError):
@@ -171,7 +170,7 @@ class HelperService:
         return subprocess.Popen(
             [sys.executable, "-S", str(self.script), *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
-            env={**os.environ, **_HELPER_ENV}, start_new_session=True,  # Ctrl-C reaches the service, which ends them
+            env={**os.environ, **HELPER_ENV}, start_new_session=True,  # Ctrl-C reaches the service, which ends them
         )
 
     def start(self) -> None:
