@@ -169,8 +169,8 @@ class _OwnHelper(_Channel):
         return f"exited with status {self.proc.wait()}"
 
 
-class _ServiceHelper(_Channel):
-    """A helper of ``marlin-pack helpers``, on a Unix socket; it goes on living after this pool."""
+class _ServiceSession(_Channel):
+    """A session with a helper of ``marlin-pack helpers``, on a Unix socket; the helper goes on living after it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -287,7 +287,7 @@ class HelperPool:
         deadline = time.monotonic() + _SERVICE_READY_TIMEOUT_S
         for path in sockets:
             try:
-                helper = _ServiceHelper(path)
+                helper = _ServiceSession(path)
             except OSError as e:  # a stale socket (its service died), or another user's helper
                 logger.warning("marlin-pack: not using the service helper at %s: %s", path, e)
                 continue
