@@ -72,6 +72,7 @@ import stat
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _PROT_READ, _MAP_SHARED = 1, 1
@@ -94,8 +95,12 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
+class CudaError(RuntimeError):
+    """A CUDA driver call failed: the helper's context may be unusable from now on."""
+
+
 class _Driver:
-    """The few CUDA driver calls the helper makes, each raising on a non-zero result."""
+    """The few CUDA driver calls the helper makes, each raising :class:`CudaError` on a non-zero result."""
 
     def __init__(self) -> None:
         self.lib = ctypes.CDLL("libcuda.so.1")
@@ -104,7 +109,7 @@ class _Driver:
         fn = getattr(self.lib, name + "_v2", None) or getattr(self.lib, name)
         err = fn(*args)
         if err != 0:
-            raise RuntimeError(f"{name} failed with CUDA error {err}")
+            raise CudaError(f"{name} failed with CUDA error {err}")
 
 
 def _libc() -> ctypes.CDLL:
@@ -452,15 +457,15 @@ def peer_uid(conn: socket.socket) -> int:
     return uid
 
 
-def serve_session(helper: Helper, conn: socket.socket) -> None:
+def serve_session(helper: Helper, conn: socket.socket) -> bool:
     """One engine's session on a service helper: the jobs of the protocol until ``{"end": true}`` or EOF.
 
     The engine's memory is unmapped (its IPC handles closed) before ``{"closed": true}`` and in any
     case before the next session; deferred unregistering runs after each reply, as in a helper of
-    its own engine.
+    its own engine. Returns False when a CUDA call failed in it (the context may be unusable).
     """
     rfile, wfile = conn.makefile("r", encoding="utf-8"), conn.makefile("w", encoding="utf-8")
-    ended = False
+    ended, healthy = False, True
     try:
         helper.cu("cuCtxSetCurrent", helper.ctx)  # this thread opens and closes the IPC mappings
         _say({"ready": True, "protocol": PROTOCOL}, wfile)
@@ -472,8 +477,11 @@ def serve_session(helper: Helper, conn: socket.socket) -> None:
                     break
                 _say({"ok": helper.job(job)}, wfile)
             except Exception as e:  # noqa: BLE001 - the engine re-reads this job's windows itself
+                healthy = healthy and not isinstance(e, CudaError)
                 _say({"error": f"{type(e).__name__}: {e}"}, wfile)
             helper.unregister_kept()  # after the reply: off the engine's path
+    except CudaError:
+        healthy = False
     except OSError:
         pass  # the engine went away: its memory is unmapped below all the same
     finally:
@@ -486,17 +494,25 @@ def serve_session(helper: Helper, conn: socket.socket) -> None:
             with contextlib.suppress(OSError):
                 f.close()
         conn.close()
+    return healthy
 
 
-def serve(helper: Helper, listener: socket.socket) -> None:
-    """Accept engines of this user forever, one session at a time (others are told ``busy``)."""
+def serve(helper: Helper, listener: socket.socket, on_unhealthy: Callable[[], None] | None = None) -> None:
+    """Accept engines of this user until the listener closes, one session at a time (others are told ``busy``).
+
+    ``on_unhealthy``: called after a session in which a CUDA call failed, before the next one
+    (a service helper exits there, and its service starts a fresh one).
+    """
     busy = threading.Lock()
     me = os.getuid()
 
     def session(conn: socket.socket) -> None:
+        healthy = False
         try:
-            serve_session(helper, conn)
+            healthy = serve_session(helper, conn)
         finally:
+            if not healthy and on_unhealthy is not None:
+                on_unhealthy()  # still holding busy: no session starts on this context meanwhile
             busy.release()
 
     while True:
@@ -527,7 +543,12 @@ def _main_service(helper: Helper) -> int:
     except Exception as e:  # noqa: BLE001 - told to the service in one line
         _say({"error": f"{type(e).__name__}: {e}"})
         return 1
-    threading.Thread(target=serve, args=(helper, listener), name="accept", daemon=True).start()
+    def unhealthy() -> None:  # a CUDA call failed: a fresh helper (its service restarts it) rather than this context
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os._exit(3)
+
+    threading.Thread(target=serve, args=(helper, listener, unhealthy), name="accept", daemon=True).start()
     _say({"ready": True, "protocol": PROTOCOL, "socket": path, "uuid": helper.uuid()})
     sys.stdin.read()  # until the service closes our input (or dies)
     with contextlib.suppress(OSError):

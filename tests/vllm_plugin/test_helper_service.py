@@ -52,6 +52,7 @@ class _Served:
     path: Path
     listener: socket.socket
     file: Path
+    unhealthy: list[str]  # one entry per session after which the helper would have exited
 
 
 @pytest.fixture
@@ -61,11 +62,12 @@ def served(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> I
     helper = fake_helper(monkeypatch, Settings(0, defer_unregister=True), destination)
     path = sock_dir / f"{helper.uuid()}.0.sock"
     listener = bind_listener(str(path))
-    threading.Thread(target=serve, args=(helper, listener), daemon=True).start()
+    unhealthy: list[str] = []
+    threading.Thread(target=serve, args=(helper, listener, lambda: unhealthy.append("exit")), daemon=True).start()
     file = tmp_path / "rank.bin"
     file.write_bytes(DATA)
     try:
-        yield _Served(helper, destination, path, listener, file)
+        yield _Served(helper, destination, path, listener, file, unhealthy)
     finally:
         listener.close()
 
@@ -139,6 +141,31 @@ def test_a_service_helper_answers_a_bad_job_and_goes_on(served: _Served, tmp_pat
     conn.say(_job(served.file))
     assert conn.hear() == {"ok": len(DATA)}
     conn.close()
+    assert _wait_until(lambda: not served.helper.opened)
+    assert served.unhealthy == []  # a missing file is the engine's problem, not the helper's context
+
+
+def test_a_failed_cuda_call_ends_the_service_helper_after_its_session(served: _Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA error may leave the helper's context unusable: the session goes on (the engine reads what is
+    left), and once it ends the helper is ended too (its service starts a fresh one)."""
+    driver = served.helper.cu
+
+    def failing(name: str, *args: object) -> None:
+        if name == "cuMemcpyHtoDAsync":
+            raise copy_helper_main.CudaError("cuMemcpyHtoDAsync failed with CUDA error 700")
+        driver(name, *args)
+
+    conn = _Conn(served.path)
+    assert conn.hear() == {"ready": True, "protocol": PROTOCOL}
+    served.helper.cu = failing  # type: ignore[assignment]
+    conn.say(_job(served.file))
+    reply = conn.hear()
+    assert reply is not None and "CudaError" in reply["error"] and "700" in reply["error"]
+    assert served.unhealthy == []  # not while the engine is still in its session
+    conn.say({"end": True})
+    assert conn.hear() == {"closed": True}
+    conn.close()
+    assert _wait_until(lambda: served.unhealthy == ["exit"])
 
 
 def test_a_service_helper_serves_no_other_user(served: _Served, monkeypatch: pytest.MonkeyPatch) -> None:
