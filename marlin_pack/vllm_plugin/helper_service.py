@@ -216,6 +216,7 @@ class HelperService:
                 continue
             self.log(f"marlin-pack helpers: GPU {h.device} helper {h.slot} exited with status {h.proc.returncode}; restarting it")
             h.restarts += 1
+            _close_pipes(h.proc)
             h.proc = self._spawn(h.args)
             why = self._await_ready(h)
             if why is not None:
@@ -248,5 +249,11 @@ class HelperService:
             if h.socket is not None and h.proc.returncode != 0:
                 with contextlib.suppress(OSError):
                     h.socket.unlink()
-            if h.proc.stdout is not None:
-                h.proc.stdout.close()
+            _close_pipes(h.proc)
+
+
+def _close_pipes(proc: subprocess.Popen[str]) -> None:
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()

@@ -112,6 +112,7 @@ def test_a_service_helper_serves_one_engine_at_a_time_and_unmaps_it_at_the_end(s
     second = _Conn(served.path)
     assert second.hear() == {"error": "busy"}  # a session runs: told at once, not kept waiting
     assert second.hear() is None
+    second.close()
     first.say(_job(served.file))
     assert first.hear() == {"ok": len(DATA)}
     assert served.destination.raw == DATA
