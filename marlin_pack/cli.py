@@ -258,6 +258,9 @@ def helpers(
     staged: Annotated[int, typer.Option("--staged", min=0, max=16, help="Staging threads per helper (as the loader's io_staged).")] = 0,
     stage_mib: Annotated[int, typer.Option("--stage-mib", min=1, max=256, help="Each staging buffer, in MiB.")] = 64,
     nice: Annotated[int, typer.Option("--nice", min=0, max=19, help="Niceness the helpers add to their own.")] = 0,
+    status: Annotated[
+        bool, typer.Option("--status", help="Only show the running helpers (ready, busy, stale) and exit: 0 if one is ready.")
+    ] = False,
 ) -> None:
     """Keep copy helpers ready for marlin_prepacked engines on this host, until Ctrl-C.
 
@@ -266,8 +269,22 @@ def helpers(
     io_helper_service, default true). Each helper keeps a CUDA context on its GPU while it runs.
     Sockets: $MARLIN_PACK_HELPERS_DIR, else $XDG_RUNTIME_DIR/marlin-pack-helpers, else /tmp/marlin-pack-helpers-UID.
     """  # noqa: E501
-    from marlin_pack.vllm_plugin.helper_service import HelperService, device_count
+    from marlin_pack.vllm_plugin.helper_service import HelperService, device_count, service_status, socket_dir
 
+    if status:
+        rows = service_status()
+        if not rows:
+            err.print(f"no copy helpers in {socket_dir()}: start them with `marlin-pack helpers`", highlight=False)
+            raise typer.Exit(1)
+        table = Table(title=f"marlin-pack copy helpers in {socket_dir()}")
+        for column in ("GPU", "helper", "state"):
+            table.add_column(column)
+        for uuid, slot, state in rows:
+            table.add_row(uuid, str(slot), state)
+        out.print(table)
+        if not any(state == "ready" for _, _, state in rows):
+            raise typer.Exit(1)
+        return
     devices = sorted(set(device)) if device else list(range(device_count()))
     service = HelperService(devices, processes=processes, staged=staged, stage_mib=stage_mib, nice=nice,
                             log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))

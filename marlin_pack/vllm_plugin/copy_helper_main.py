@@ -457,12 +457,14 @@ def peer_uid(conn: socket.socket) -> int:
     return uid
 
 
-def serve_session(helper: Helper, conn: socket.socket) -> bool:
+def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] | None = None) -> bool:
     """One engine's session on a service helper: the jobs of the protocol until ``{"end": true}`` or EOF.
 
     The engine's memory is unmapped (its IPC handles closed) before ``{"closed": true}`` and in any
     case before the next session; deferred unregistering runs after each reply, as in a helper of
     its own engine. Returns False when a CUDA call failed in it (the context may be unusable).
+    ``free`` is called, when it went well, just before ``{"closed": true}``: an engine that hears it
+    and connects again at once is served, not told ``busy``.
     """
     rfile, wfile = conn.makefile("r", encoding="utf-8"), conn.makefile("w", encoding="utf-8")
     ended, healthy = False, True
@@ -488,6 +490,8 @@ def serve_session(helper: Helper, conn: socket.socket) -> bool:
         with contextlib.suppress(Exception):
             helper.close()
         if ended:
+            if healthy and free is not None:
+                free()
             with contextlib.suppress(OSError):
                 _say({"closed": True}, wfile)
         for f in (rfile, wfile):
@@ -507,13 +511,20 @@ def serve(helper: Helper, listener: socket.socket, on_unhealthy: Callable[[], No
     me = os.getuid()
 
     def session(conn: socket.socket) -> None:
+        freed = []
+
+        def free() -> None:
+            freed.append(True)
+            busy.release()
+
         healthy = False
         try:
-            healthy = serve_session(helper, conn)
+            healthy = serve_session(helper, conn, free)
         finally:
             if not healthy and on_unhealthy is not None:
                 on_unhealthy()  # still holding busy: no session starts on this context meanwhile
-            busy.release()
+            if not freed:
+                busy.release()
 
     while True:
         try:

@@ -28,6 +28,7 @@ import json
 import os
 import select
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -38,9 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from marlin_pack.errors import MarlinPackError
-from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV
+from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, peer_uid
 
-__all__ = ["HelperService", "ServiceError", "ServiceHelper", "device_count", "find_sockets", "socket_dir", "trusted_dir"]
+__all__ = [
+    "HelperService", "ServiceError", "ServiceHelper", "device_count", "find_sockets", "probe", "service_status", "socket_dir",
+    "trusted_dir",
+]
 
 _HELPER = Path(__file__).with_name("copy_helper_main.py")
 _READY_TIMEOUT_S = 60.0
@@ -102,6 +106,60 @@ def find_sockets(uuid: str, directory: Path | None = None) -> list[Path]:
         if slot.isdigit():
             found.append((int(slot), p))
     return [p for _, p in sorted(found)]
+
+
+def probe(path: Path, timeout_s: float = 2.0) -> str:
+    """What answers at the service socket ``path``: ``ready``, ``busy`` (serving an engine), ``stale`` (nobody:
+    its helper died), ``another user's``, ``protocol N`` (a helper of another marlin-pack) or ``no answer``.
+
+    A ready helper is asked for an empty session, ended at once.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return "stale"
+        if peer_uid(sock) != os.getuid():
+            return "another user's"
+        rfile, wfile = sock.makefile("r", encoding="utf-8"), sock.makefile("w", encoding="utf-8")
+        try:
+            reply = json.loads(rfile.readline() or "{}")
+            if not isinstance(reply, dict):
+                return "no answer"
+            if reply.get("error") == "busy":
+                return "busy"
+            if reply.get("ready") is not True:
+                return "no answer"
+            if reply.get("protocol") != PROTOCOL:
+                return f"protocol {reply.get('protocol')}"
+            wfile.write(json.dumps({"end": True}) + "\n")
+            wfile.flush()
+            rfile.readline()
+            return "ready"
+        except (OSError, ValueError):
+            return "no answer"
+        finally:
+            for f in (rfile, wfile):
+                with contextlib.suppress(OSError):
+                    f.close()
+    finally:
+        sock.close()
+
+
+def service_status(directory: Path | None = None) -> list[tuple[str, int, str]]:
+    """``(GPU UUID, slot, probe(...))`` for every service socket in ``directory`` (default :func:`socket_dir`).
+
+    Raises :class:`ServiceError` when the directory is missing or not trusted.
+    """
+    directory = trusted_dir(socket_dir() if directory is None else directory)
+    rows = []
+    for p in directory.glob("*.*.sock"):
+        uuid, _, slot = p.name[: -len(".sock")].rpartition(".")
+        if slot.isdigit():
+            rows.append((uuid, int(slot), p))
+    return [(uuid, slot, probe(p)) for uuid, slot, p in sorted(rows)]
 
 
 def device_count() -> int:

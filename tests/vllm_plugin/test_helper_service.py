@@ -29,7 +29,7 @@ from marlin_pack.cli import app
 from marlin_pack.vllm_plugin import copy_helper_main, copy_helpers
 from marlin_pack.vllm_plugin.copy_helper_main import PROTOCOL, Settings, bind_listener, serve
 from marlin_pack.vllm_plugin.copy_helpers import HelperPool
-from marlin_pack.vllm_plugin.helper_service import HelperService, ServiceError, find_sockets, socket_dir, trusted_dir
+from marlin_pack.vllm_plugin.helper_service import HelperService, ServiceError, find_sockets, service_status, socket_dir, trusted_dir
 from marlin_pack.vllm_plugin.options import parse_extra_config
 
 DATA = bytes(range(256)) * 64  # 16 KiB: four pages
@@ -269,6 +269,8 @@ def test_a_pool_starts_its_own_helpers_past_a_stale_busy_or_older_service(
             assert pool.ready() == 2
             assert pool.source == "own"
     assert "busy" in caplog.text and ".1.sock" in caplog.text
+    busy.say({"end": True})
+    assert busy.hear() == {"closed": True}  # free again once this is heard
     busy.close()
     monkeypatch.setattr(copy_helpers, "PROTOCOL", PROTOCOL + 1)  # an engine newer than the service
     caplog.clear()
@@ -404,3 +406,33 @@ def test_helpers_command_without_a_gpu_is_one_line_and_exit_1(sock_dir: Path) ->
     assert r.returncode == 1
     assert "the helper service needs a GPU" in r.stderr and "Traceback" not in r.stderr
     assert CliRunner().invoke(app, ["helpers", "--processes", "0"]).exit_code == 2  # typer's own range check
+
+
+def test_status_tells_ready_busy_and_stale_helpers_apart(served: _Served, sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(sock_dir / "GPU-00000000-0000-0000-0000-000000000000.1.sock"))
+    stale.close()
+    uuid = "GPU-00000000-0000-0000-0000-000000000000"
+    assert service_status(sock_dir) == [(uuid, 0, "ready"), (uuid, 1, "stale")]
+    assert _wait_until(lambda: not served.helper.opened)  # the probe's session ended
+    busy = _Conn(served.path)
+    assert busy.hear() == {"ready": True, "protocol": PROTOCOL}
+    assert service_status(sock_dir)[0] == (uuid, 0, "busy")
+    busy.close()
+    monkeypatch.setattr(copy_helper_main, "PROTOCOL", PROTOCOL + 1)  # a helper of another marlin-pack
+    assert _wait_until(lambda: service_status(sock_dir)[0] == (uuid, 0, f"protocol {PROTOCOL + 1}"))
+    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(sock_dir))
+    r = CliRunner().invoke(app, ["helpers", "--status"])
+    assert r.exit_code == 1 and "protocol" in r.output and "stale" in r.output  # none ready
+    monkeypatch.setattr(copy_helper_main, "PROTOCOL", PROTOCOL)
+    r = CliRunner().invoke(app, ["helpers", "--status"])
+    assert r.exit_code == 0 and "ready" in r.output, r.output
+
+
+def test_status_without_helpers(sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(sock_dir))
+    r = CliRunner().invoke(app, ["helpers", "--status"])
+    assert r.exit_code == 1 and "no copy helpers in" in r.output
+    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(sock_dir / "missing"))
+    r = CliRunner().invoke(app, ["helpers", "--status"])  # main() turns this into one line and exit 1
+    assert isinstance(r.exception, ServiceError) and "no helpers' socket directory" in str(r.exception)
