@@ -81,7 +81,9 @@ def trusted_dir(path: Path, create: bool = False) -> Path:
     try:
         st = path.lstat()
     except FileNotFoundError:
-        raise ServiceError(f"no helpers' socket directory at {path}") from None
+        raise ServiceError(
+            f"no helpers' socket directory at {path}: no copy helpers run there; start them with `marlin-pack helpers`"
+        ) from None
     if not stat.S_ISDIR(st.st_mode):
         raise ServiceError(f"{path} is not a directory (a link or a file); expected the helpers' socket directory")
     if st.st_uid != os.getuid():
