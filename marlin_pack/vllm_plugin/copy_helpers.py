@@ -27,8 +27,6 @@ import ctypes
 import json
 import logging
 import os
-import select
-import socket
 import subprocess
 import sys
 import threading
@@ -39,8 +37,8 @@ from typing import Protocol
 
 import torch
 
-from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, format_uuid, peer_uid
-from marlin_pack.vllm_plugin.helper_service import find_sockets
+from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, format_uuid
+from marlin_pack.vllm_plugin.helper_service import ServiceSession, find_sockets, read_reply
 
 __all__ = ["HelperPool", "split_by_bytes"]
 
@@ -48,7 +46,6 @@ logger = logging.getLogger("vllm.marlin_pack")
 
 _HELPER = Path(__file__).with_name("copy_helper_main.py")
 _READY_TIMEOUT_S = 30.0
-_CLOSE_TIMEOUT_S = 10.0  # a service helper closing its IPC mappings of our memory
 _SERVICE_READY_TIMEOUT_S = 2.0  # service helpers answer at once; a slower one is left out
 # Helpers when the caller does not say (bench_h2d_procs: 4 processes x 4 threads measured best).
 DEFAULT_PROCESSES = 4
@@ -111,7 +108,8 @@ class _CudaDriver:
 
 
 class _Channel:
-    """One helper as the pool sees it: lines of JSON both ways."""
+    """One helper as the pool sees it: lines of JSON both ways. :class:`_OwnHelper` or a service's
+    :class:`.helper_service.ServiceSession` (the same methods)."""
 
     rfile: object  # a text file with readline(), select()-able
 
@@ -147,11 +145,9 @@ class _OwnHelper(_Channel):
         self.proc.stdin.flush()
 
     def end(self) -> None:
-        try:
-            if self.proc.stdin is not None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-        except OSError:
-            pass
 
     def wait_gone(self) -> None:
         try:
@@ -167,54 +163,6 @@ class _OwnHelper(_Channel):
 
     def gone_why(self) -> str:
         return f"exited with status {self.proc.wait()}"
-
-
-class _ServiceSession(_Channel):
-    """A session with a helper of ``marlin-pack helpers``, on a Unix socket; the helper goes on living after it."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.sock.connect(str(path))
-            uid = peer_uid(self.sock)
-            if uid != os.getuid():  # our GPU memory is written by whoever answers here
-                raise PermissionError(f"the helper at {path} runs as user {uid}, not as this process's user {os.getuid()}")
-        except BaseException:
-            self.sock.close()
-            raise
-        self.rfile = self.sock.makefile("r", encoding="utf-8")
-        self.wfile = self.sock.makefile("w", encoding="utf-8")
-        self.ended = False
-
-    def send(self, obj: dict) -> None:
-        self.wfile.write(json.dumps(obj) + "\n")
-        self.wfile.flush()
-
-    def end(self) -> None:
-        try:
-            self.send({"end": True})
-            self.ended = True
-        except OSError:
-            self.close()
-
-    def wait_gone(self) -> None:
-        try:
-            if self.ended:  # answered once its IPC mappings of our memory are closed
-                HelperPool._read(self, time.monotonic() + _CLOSE_TIMEOUT_S)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        for f in (self.rfile, self.wfile, self.sock):
-            with contextlib.suppress(OSError):
-                f.close()  # type: ignore[attr-defined]
-
-    def kill(self) -> None:
-        self.close()
-
-    def gone_why(self) -> str:
-        return f"the service helper at {self.path} closed the connection"
 
 
 class HelperPool:
@@ -287,15 +235,15 @@ class HelperPool:
         deadline = time.monotonic() + _SERVICE_READY_TIMEOUT_S
         for path in sockets:
             try:
-                helper = _ServiceSession(path)
+                helper = ServiceSession(path)
             except OSError as e:  # a stale socket (its service died), or another user's helper
                 logger.warning("marlin-pack: not using the service helper at %s: %s", path, e)
                 continue
-            reply = self._read(helper, deadline)
-            if reply.get("ready") is True and reply.get("protocol") == PROTOCOL:
-                usable.append(helper)
+            state = helper.hello(deadline)
+            if state == "ready":
+                usable.append(helper)  # type: ignore[arg-type]  # a _Channel by its methods
                 continue
-            why = reply.get("error") or f"protocol {reply.get('protocol')!r}, expected {PROTOCOL}: restart `marlin-pack helpers`"
+            why = f"{state}, expected {PROTOCOL}: restart `marlin-pack helpers`" if state.startswith("protocol ") else state
             logger.warning("marlin-pack: not using the service helper at %s: %s", path, why)
             helper.kill()
         return usable
@@ -351,21 +299,7 @@ class HelperPool:
 
     @staticmethod
     def _read(p: _Channel, deadline: float | None) -> dict:
-        if deadline is not None:
-            ready, _, _ = select.select([p.rfile], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                return {"error": "no answer in time"}
-        try:
-            line = p.rfile.readline()  # type: ignore[attr-defined]
-        except OSError as e:
-            return {"error": f"{type(e).__name__}: {e}"}
-        if not line:
-            return {"error": p.gone_why()}
-        try:
-            reply = json.loads(line)
-        except ValueError:
-            return {"error": f"unreadable answer {line[:80]!r}"}
-        return reply if isinstance(reply, dict) else {"error": f"unexpected answer {line[:80]!r}"}
+        return read_reply(p.rfile, deadline, p.gone_why)
 
     def _handle(self, ptr: int) -> tuple[str, int]:
         """The IPC handle of the allocation holding device pointer ``ptr``, and ``ptr``'s offset in it."""

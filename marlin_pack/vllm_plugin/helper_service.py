@@ -42,12 +42,13 @@ from marlin_pack.errors import MarlinPackError
 from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, peer_uid
 
 __all__ = [
-    "HelperService", "ServiceError", "ServiceHelper", "device_count", "find_sockets", "probe", "service_status", "socket_dir",
-    "trusted_dir",
+    "HelperService", "ServiceError", "ServiceHelper", "ServiceSession", "device_count", "find_sockets", "probe", "read_reply",
+    "service_status", "socket_dir", "trusted_dir",
 ]
 
 _HELPER = Path(__file__).with_name("copy_helper_main.py")
 _READY_TIMEOUT_S = 60.0
+_CLOSE_TIMEOUT_S = 10.0  # a service helper closing its IPC mappings of an engine's memory
 _SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
@@ -110,44 +111,104 @@ def find_sockets(uuid: str, directory: Path | None = None) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def read_reply(rfile, deadline: float | None, gone_why: Callable[[], str]) -> dict:  # noqa: ANN001 - a text file
+    """A helper's next line of the protocol as a dict; ``{"error": ...}`` when none comes by ``deadline``
+    (None: wait), the line is not a JSON object, or its output ended (``gone_why()`` says why)."""
+    if deadline is not None:
+        ready, _, _ = select.select([rfile], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return {"error": "no answer in time"}
+    try:
+        line = rfile.readline()
+    except OSError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    if not line:
+        return {"error": gone_why()}
+    try:
+        reply = json.loads(line)
+    except ValueError:
+        return {"error": f"unreadable answer {line[:80]!r}"}
+    return reply if isinstance(reply, dict) else {"error": f"unexpected answer {line[:80]!r}"}
+
+
+class ServiceSession:
+    """A session with the service helper at ``path`` (its client side): the connection, checked to be of
+    this user, then the protocol's lines. The helper goes on living after the session.
+
+    Raises :class:`OSError` when nobody listens there (a stale socket), :class:`PermissionError` when
+    the helper runs as another user (it would write into this process's GPU memory).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect(str(path))
+            uid = peer_uid(self.sock)
+            if uid != os.getuid():  # our GPU memory is written by whoever answers here
+                raise PermissionError(f"the helper at {path} runs as user {uid}, not as this process's user {os.getuid()}")
+        except BaseException:
+            self.sock.close()
+            raise
+        self.rfile = self.sock.makefile("r", encoding="utf-8")
+        self.wfile = self.sock.makefile("w", encoding="utf-8")
+        self.ended = False
+
+    def hello(self, deadline: float | None) -> str:
+        """The helper's first answer: ``ready`` (speaking this protocol), ``busy``, ``protocol N`` or why not."""
+        reply = read_reply(self.rfile, deadline, self.gone_why)
+        if reply.get("ready") is True:
+            return "ready" if reply.get("protocol") == PROTOCOL else f"protocol {reply.get('protocol')!r}"
+        return str(reply.get("error") or f"unexpected answer {reply!r}")
+
+    def send(self, obj: dict) -> None:
+        self.wfile.write(json.dumps(obj) + "\n")
+        self.wfile.flush()
+
+    def end(self) -> None:
+        """No more jobs: the helper closes its IPC mappings of this process's memory and answers."""
+        try:
+            self.send({"end": True})
+            self.ended = True
+        except OSError:
+            self.close()
+
+    def wait_gone(self, timeout_s: float = _CLOSE_TIMEOUT_S) -> None:
+        """After :meth:`end`: wait (at most ``timeout_s``) for that answer, then close the connection."""
+        try:
+            if self.ended:
+                read_reply(self.rfile, time.monotonic() + timeout_s, self.gone_why)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for f in (self.rfile, self.wfile, self.sock):
+            with contextlib.suppress(OSError):
+                f.close()
+
+    kill = close  # the pool's name for giving up on a helper
+
+    def gone_why(self) -> str:
+        return f"the service helper at {self.path} closed the connection"
+
+
 def probe(path: Path, timeout_s: float = 2.0) -> str:
     """What answers at the service socket ``path``: ``ready``, ``busy`` (serving an engine), ``stale`` (nobody:
     its helper died), ``another user's``, ``protocol N`` (a helper of another marlin-pack) or ``no answer``.
 
     A ready helper is asked for an empty session, ended at once.
     """
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout_s)
     try:
-        try:
-            sock.connect(str(path))
-        except OSError:
-            return "stale"
-        if peer_uid(sock) != os.getuid():
-            return "another user's"
-        rfile, wfile = sock.makefile("r", encoding="utf-8"), sock.makefile("w", encoding="utf-8")
-        try:
-            reply = json.loads(rfile.readline() or "{}")
-            if not isinstance(reply, dict):
-                return "no answer"
-            if reply.get("error") == "busy":
-                return "busy"
-            if reply.get("ready") is not True:
-                return "no answer"
-            if reply.get("protocol") != PROTOCOL:
-                return f"protocol {reply.get('protocol')}"
-            wfile.write(json.dumps({"end": True}) + "\n")
-            wfile.flush()
-            rfile.readline()
-            return "ready"
-        except (OSError, ValueError):
-            return "no answer"
-        finally:
-            for f in (rfile, wfile):
-                with contextlib.suppress(OSError):
-                    f.close()
-    finally:
-        sock.close()
+        session = ServiceSession(path)
+    except PermissionError:
+        return "another user's"
+    except OSError:
+        return "stale"
+    state = session.hello(time.monotonic() + timeout_s)
+    if state == "ready":
+        session.end()
+    session.wait_gone(timeout_s)
+    return state if state in ("ready", "busy") or state.startswith("protocol ") else "no answer"
 
 
 def service_status(directory: Path | None = None) -> list[tuple[str, int, str]]:

@@ -26,7 +26,7 @@ from helper_fakes import fake_helper
 from typer.testing import CliRunner
 
 from marlin_pack.cli import app
-from marlin_pack.vllm_plugin import copy_helper_main, copy_helpers
+from marlin_pack.vllm_plugin import copy_helper_main, copy_helpers, helper_service
 from marlin_pack.vllm_plugin.copy_helper_main import PROTOCOL, Settings, bind_listener, serve
 from marlin_pack.vllm_plugin.copy_helpers import HelperPool
 from marlin_pack.vllm_plugin.helper_service import HelperService, ServiceError, find_sockets, service_status, socket_dir, trusted_dir
@@ -272,7 +272,7 @@ def test_a_pool_starts_its_own_helpers_past_a_stale_busy_or_older_service(
     busy.say({"end": True})
     assert busy.hear() == {"closed": True}  # free again once this is heard
     busy.close()
-    monkeypatch.setattr(copy_helpers, "PROTOCOL", PROTOCOL + 1)  # an engine newer than the service
+    monkeypatch.setattr(helper_service, "PROTOCOL", PROTOCOL + 1)  # an engine newer than the service
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="vllm.marlin_pack"), _pool(monkeypatch, sock_dir, served.destination,
                                                                             script=_own_helper_script(tmp_path)) as pool:
@@ -283,7 +283,7 @@ def test_a_pool_starts_its_own_helpers_past_a_stale_busy_or_older_service(
 def test_a_pool_refuses_a_service_helper_of_another_user(
     served: _Served, sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(copy_helpers, "peer_uid", lambda conn: os.getuid() + 1)
+    monkeypatch.setattr(helper_service, "peer_uid", lambda conn: os.getuid() + 1)
     with caplog.at_level(logging.WARNING, logger="vllm.marlin_pack"), _pool(monkeypatch, sock_dir, served.destination,
                                                                             script=_own_helper_script(tmp_path)) as pool:
         assert pool.source == "own" and pool.ready() == 2
