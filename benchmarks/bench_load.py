@@ -356,11 +356,14 @@ def main() -> None:
     ap.add_argument("--helper-service", type=int, default=0, metavar="N",
                     help="run `marlin-pack helpers` (N helpers on GPU 0) for the whole sitting: engines take its helpers "
                          "unless their config says \"io_helper_service\": false")
+    ap.add_argument("--helper-retain-gib", type=float, default=0.0, metavar="G",
+                    help="with --helper-service: the helpers keep up to G GiB of bundle pages registered between engines "
+                         "(`marlin-pack helpers --retain-gib`); the first engine of a bundle page-locks them, later ones do not")
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="sample every engine and daemon with py-spy (PY_SPY or PATH) into DIR/*.raw and print where the "
                          "loader's time went")
     args = ap.parse_args()
-    service = _start_helper_service(args.helper_service) if args.helper_service else None
+    service = _start_helper_service(args.helper_service, args.helper_retain_gib) if args.helper_service else None
     try:
         _sitting(args)
     finally:
@@ -368,7 +371,7 @@ def main() -> None:
             service.stop()
 
 
-def _start_helper_service(processes: int):  # noqa: ANN202 - a HelperService
+def _start_helper_service(processes: int, retain_gib: float = 0.0):  # noqa: ANN202 - a HelperService
     """``marlin-pack helpers`` in this process (its helpers are processes of their own), in a fresh directory
     that every engine of the sitting is pointed at; prints what their CUDA contexts hold on the GPU."""
     import tempfile
@@ -378,7 +381,9 @@ def _start_helper_service(processes: int):  # noqa: ANN202 - a HelperService
     directory = Path(tempfile.mkdtemp(prefix="mph-", dir="/tmp"))
     os.environ["MARLIN_PACK_HELPERS_DIR"] = str(directory)
     t = time.perf_counter()
-    service = HelperService([0], processes=processes, directory=directory, log=lambda line: print(line, flush=True))
+    retain_mib = int(retain_gib * 1024 / processes + 0.999)  # per helper, as the command splits it
+    service = HelperService([0], processes=processes, directory=directory, retain_mib=retain_mib,
+                            log=lambda line: print(line, flush=True))
     service.start()
     ready = time.perf_counter() - t
     pids = {str(h.proc.pid) for h in service.helpers}
@@ -388,7 +393,8 @@ def _start_helper_service(processes: int):  # noqa: ANN202 - a HelperService
         mib = [int(used) for pid, used in (line.split(", ") for line in apps.splitlines() if ", " in line) if pid in pids]
     except (OSError, subprocess.SubprocessError, ValueError):
         mib = []
-    print(f"helper service: {len(service.helpers)} helpers ready {ready:.2f} s after its start, in {directory}; "
+    print(f"helper service: {len(service.helpers)} helpers ready {ready:.2f} s after its start, in {directory}, "
+          f"retaining up to {retain_mib} MiB of pages each; "
           f"GPU memory per helper {mib or 'unknown'} MiB", flush=True)
     return service
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import shlex
 import sys
@@ -258,6 +259,14 @@ def helpers(
     staged: Annotated[int, typer.Option("--staged", min=0, max=16, help="Staging threads per helper (as the loader's io_staged).")] = 0,
     stage_mib: Annotated[int, typer.Option("--stage-mib", min=1, max=256, help="Each staging buffer, in MiB.")] = 64,
     nice: Annotated[int, typer.Option("--nice", min=0, max=19, help="Niceness the helpers add to their own.")] = 0,
+    retain_gib: Annotated[
+        float,
+        typer.Option(
+            "--retain-gib", min=0,
+            help="Keep up to this many GiB of bundle pages per GPU page-locked between engines (pinned host memory): "
+            "later starts of the same bundle copy without page-locking. 0: none.",
+        ),
+    ] = 0,
     status: Annotated[
         bool, typer.Option("--status", help="Only show the running helpers (ready, busy, stale) and exit: 0 if one is ready.")
     ] = False,
@@ -267,6 +276,7 @@ def helpers(
     An engine's loader otherwise starts its own helpers (~0.25 s of CUDA contexts inside every start)
     and waits for them to exit. Engines of this user on a served GPU use these instead (loader option
     io_helper_service, default true). Each helper keeps a CUDA context on its GPU while it runs.
+    With --retain-gib the helpers also keep a bundle's pages page-locked for the next engine.
     Sockets: $MARLIN_PACK_HELPERS_DIR, else $XDG_RUNTIME_DIR/marlin-pack-helpers, else /tmp/marlin-pack-helpers-UID.
     """  # noqa: E501
     from marlin_pack.vllm_plugin.helper_service import HelperService, device_count, service_status, socket_dir
@@ -277,16 +287,18 @@ def helpers(
             err.print(f"no copy helpers in {socket_dir()}: start them with `marlin-pack helpers`", highlight=False)
             raise typer.Exit(1)
         table = Table(title=f"marlin-pack copy helpers in {socket_dir()}")
-        for column in ("GPU", "helper", "state"):
+        for column in ("GPU", "helper", "state", "retained"):
             table.add_column(column)
-        for uuid, slot, state in rows:
-            table.add_row(uuid, str(slot), state)
+        for row in rows:
+            retained = "-" if row.retained_bytes is None else f"{row.retained_bytes / 2**30:.2f} GiB"
+            table.add_row(row.uuid, str(row.slot), row.state, retained)
         out.print(table)
-        if not any(state == "ready" for _, _, state in rows):
+        if not any(row.state == "ready" for row in rows):
             raise typer.Exit(1)
         return
     devices = sorted(set(device)) if device else list(range(device_count()))
-    service = HelperService(devices, processes=processes, staged=staged, stage_mib=stage_mib, nice=nice,
+    retain_mib = math.ceil(retain_gib * 1024 / processes) if retain_gib else 0  # the budget is per helper
+    service = HelperService(devices, processes=processes, staged=staged, stage_mib=stage_mib, nice=nice, retain_mib=retain_mib,
                             log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
     with _status(f"starting {processes} copy helpers on {len(devices)} GPU(s)"):
         service.start()

@@ -25,6 +25,14 @@ Options, fixed for the helper's life:
 ``--nice N``
     the helper lowers its scheduling priority by N (0..19) before it starts any thread, so that
     the engine's own work beside the copy keeps its CPU time.
+``--retain-mib M``
+    a service helper keeps up to M MiB of the windows it registered page-locked after its
+    sessions, with their files' maps: a later engine loading the same bundle has those windows
+    copied at once, without page-locking them again (the page cache's pages stay pinned in host
+    memory meanwhile, which is why it is off unless asked). A kept file is let go when it changes
+    (another inode, size or time: a rewritten bundle), is deleted, or, when a session's windows
+    did not fit, was not used by that session (the latest bundle then takes the room); each
+    check runs as a session ends, after the engine was answered, and again before a job.
 ``--listen DIR --slot K``
     a service helper: it binds the Unix socket ``DIR/<GPU UUID>.K.sock`` and serves one engine
     (one connection of the same user) at a time, each a *session* of the protocol below, until
@@ -72,8 +80,9 @@ import stat
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _PROT_READ, _MAP_SHARED = 1, 1
 _MADV_POPULATE_READ = 22
@@ -134,6 +143,7 @@ class Settings:
     nice: int = 0  # added to the helper's niceness before its threads start (they inherit it)
     listen: str | None = None  # a service helper: the directory of its socket
     slot: int = 0  # and its number among the device's service helpers
+    retain_bytes: int = 0  # registered windows a service helper keeps between sessions (--retain-mib)
 
     @classmethod
     def parse(cls, argv: list[str]) -> Settings:
@@ -153,6 +163,8 @@ class Settings:
                 kw["listen"] = rest.pop(0)
             elif flag == "--slot" and rest:
                 kw["slot"] = max(0, int(rest.pop(0)))
+            elif flag == "--retain-mib" and rest:
+                kw["retain_bytes"] = max(0, int(rest.pop(0))) << 20
             else:
                 raise ValueError(f"unknown helper argument {flag!r}")
         return cls(ordinal, **kw)  # type: ignore[arg-type]
@@ -166,6 +178,38 @@ class _Map:
     fd: int
     addr: int
     size: int
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells a file's bytes apart from a rewritten file's: a retained map is used only while the path still has it."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _page_range(lo: int, hi: int, size: int) -> tuple[int, int]:
+    """A window's pages as registered: ``[lo, hi)`` widened to whole pages, not past the file's last page."""
+    return lo - lo % _PAGE, min(-(-hi // _PAGE) * _PAGE, -(-size // _PAGE) * _PAGE)
+
+
+@dataclass
+class _Retained:
+    """A file whose registered windows a service helper keeps between sessions (``--retain-mib``)."""
+
+    map: _Map  # its descriptor stays open: staging threads read through it
+    identity: tuple[int, ...]  # of the file when it was mapped
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # registered page ranges, each its own registration
+    used: float = 0.0  # time.monotonic() of the last job that had it
+
+    @property
+    def nbytes(self) -> int:
+        return sum(hi - lo for lo, hi in self.ranges)
+
+    def holds(self, lo: int, hi: int) -> bool:
+        """Whether ``[lo, hi)`` lies inside one retained registration (a copy must not cross two: CUDA refuses it)."""
+        return any(a <= lo and hi <= b for a, b in self.ranges)
+
+    def clashes(self, lo: int, hi: int) -> bool:
+        """Whether ``[lo, hi)`` overlaps a retained registration without lying inside it (windows cut otherwise)."""
+        return any(a < hi and lo < b for a, b in self.ranges) and not self.holds(lo, hi)
 
 
 class Helper:
@@ -190,9 +234,13 @@ class Helper:
             ptr = ctypes.c_void_p()
             self.cu("cuMemHostAlloc", ctypes.byref(ptr), ctypes.c_size_t(settings.stage_bytes), ctypes.c_uint(0))
             self.stage_buffers.append(ptr.value or 0)
-        self.registered: list[int] = []  # --defer-unregister: pointers registered by the last job
+        self.registered: list[tuple[str, int]] = []  # --defer-unregister: (file, pointer) registered by the last job
         self.kept_maps: list[_Map] = []  # and the file maps they lie in, unmapped after them
         self.releasing: tuple[set[str], threading.Thread] | None = None  # (files, thread) unregistering the last job's pages
+        self.retained: dict[str, _Retained] = {}  # --retain-mib: file path -> what stays registered of it
+        self.retain_lock = threading.Lock()  # the threads of a job, and a session ending beside the next one
+        self.overflowed = False  # a window of this session found no room among the retained ones
+        self.job_lock = threading.Lock()  # held by a job, and by let_go releasing retained files
 
     def uuid(self) -> str:
         """The device's UUID as ``nvidia-smi`` writes it (``GPU-xxxxxxxx-xxxx-...``): the same in every process."""
@@ -209,6 +257,11 @@ class Helper:
         return ptr
 
     def job(self, job: dict) -> int:
+        """Copy the job's windows (the protocol's job line); the bytes copied."""
+        with self.job_lock:
+            return self._job(job)
+
+    def _job(self, job: dict) -> int:
         parts = job["parts"]
         files = {part["file"] for part in parts}
         releasing, self.releasing = self.releasing, None
@@ -218,13 +271,15 @@ class Helper:
         maps: list[_Map] = []
         try:
             for part in parts:
-                maps.append(self._map(part["file"]))
+                maps.append(self._retained_map(part) or self._map(part["file"]))
             # 0 registered threads only beside staging ones: a job must never be answered with nothing copied.
             threads = max(0 if self.settings.staged else 1, int(job["threads"]))
             windows = [(m, w) for m, part in zip(maps, parts, strict=True) for w in part["windows"]]
             return self._copy_windows(bases, windows, threads)
         finally:
             for m in maps:
+                if self._retained_of(m) is not None:
+                    continue  # stays mapped and open for the next engines
                 os.close(m.fd)  # the map stays valid without it
                 if self.registered:
                     self.kept_maps.append(m)  # unmapped once its pages are unregistered
@@ -277,13 +332,15 @@ class Helper:
         cu("cuCtxSetCurrent", self.ctx)  # the current context is per thread
         stream = ctypes.c_void_p()
         cu("cuStreamCreate", ctypes.byref(stream), ctypes.c_uint(_STREAM_NON_BLOCKING))
-        in_flight: list[tuple[int, ctypes.c_void_p]] = []  # (registered pointer, event after its copies)
+        # (its file, the registered pointer or None for a retained window, the event after its copies)
+        in_flight: list[tuple[str, int | None, ctypes.c_void_p]] = []
 
         def release_oldest() -> None:
-            ptr, event = in_flight.pop(0)
+            _, ptr, event = in_flight.pop(0)
             cu("cuEventSynchronize", event)
             cu("cuEventDestroy", event)
-            cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
+            if ptr is not None:
+                cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
 
         keep = self.settings.defer_unregister  # registered pointers stay until the job is answered
         try:
@@ -292,19 +349,25 @@ class Helper:
                 addr = m.addr
                 if len(in_flight) == 2 and not keep:
                     release_oldest()
-                lo -= lo % _PAGE
-                hi = min(-(-hi // _PAGE) * _PAGE, -(-m.size // _PAGE) * _PAGE)
-                ptr = addr + lo
-                if self.populate and self.libc.madvise(ctypes.c_void_p(ptr), hi - lo, _MADV_POPULATE_READ) != 0:
-                    self.populate = False  # a kernel before 5.14: pinning faults the pages in itself
-                cu("cuMemHostRegister", ctypes.c_void_p(ptr), ctypes.c_size_t(hi - lo), ctypes.c_uint(_REGISTER_FLAGS))
+                lo, hi = _page_range(lo, hi, m.size)
+                ptr: int | None = addr + lo
+                retained = self._retained_of(m)
+                if retained is not None and retained.holds(lo, hi):
+                    ptr = None  # registered by an earlier job and retained: nothing to pin, nothing to release
+                else:
+                    if self.populate and self.libc.madvise(ctypes.c_void_p(ptr), hi - lo, _MADV_POPULATE_READ) != 0:
+                        self.populate = False  # a kernel before 5.14: pinning faults the pages in itself
+                    cu("cuMemHostRegister", ctypes.c_void_p(ptr), ctypes.c_size_t(hi - lo), ctypes.c_uint(_REGISTER_FLAGS))
                 event = ctypes.c_void_p()
                 try:
                     cu("cuEventCreate", ctypes.byref(event), ctypes.c_uint(0x2))  # CU_EVENT_DISABLE_TIMING
                 except BaseException:
-                    cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
+                    if ptr is not None:
+                        cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
                     raise
-                in_flight.append((ptr, event))
+                if ptr is not None and retained is not None and self._retain(retained, lo, hi):
+                    ptr = None  # registered now, retained for the next engines
+                in_flight.append((m.file, ptr, event))
                 for offset, n, handle_index, dest in pieces:
                     cu("cuMemcpyHtoDAsync", ctypes.c_uint64(bases[handle_index] + dest), ctypes.c_void_p(addr + offset),
                        ctypes.c_size_t(n), stream)
@@ -312,9 +375,10 @@ class Helper:
         finally:
             if keep:
                 cu("cuStreamSynchronize", stream)
-                for ptr, event in in_flight:
+                for file, ptr, event in in_flight:
                     cu("cuEventDestroy", event)
-                    self.registered.append(ptr)  # list.append is atomic: threads share the list safely
+                    if ptr is not None:
+                        self.registered.append((file, ptr))  # list.append is atomic: threads share the list safely
                 in_flight.clear()
             while in_flight:
                 release_oldest()
@@ -338,6 +402,12 @@ class Helper:
         try:
             while (taken := take()) is not None:
                 m, (lo, hi, pieces) = taken
+                retained = self._retained_of(m)
+                if retained is not None and retained.holds(*_page_range(lo, hi, m.size)):
+                    for offset, n, handle_index, dest in pieces:  # already page-locked: no staging
+                        cu("cuMemcpyHtoDAsync", ctypes.c_uint64(bases[handle_index] + dest), ctypes.c_void_p(m.addr + offset),
+                           ctypes.c_size_t(n), stream)
+                    continue
                 for start in range(lo, hi, step):
                     end = min(hi, start + step)
                     b = k % len(buffers)
@@ -368,6 +438,88 @@ class Helper:
                 raise OSError(err, f"read at offset {offset + done}: {os.strerror(err) if got < 0 else 'end of file'}")
             done += got
 
+    def _retained_map(self, part: dict) -> _Map | None:
+        """The map of ``part``'s file to use and retain (``--retain-mib``), or None: map it for this job only.
+
+        A retained map is reused while the path still names the same file. A rewritten file's
+        retained pages are let go first, and so are they when this job's windows are cut otherwise
+        (a copy may not cross two registrations).
+        """
+        if not self.settings.retain_bytes:
+            return None
+        file = part["file"]
+        identity = _identity(os.stat(file))
+        with self.retain_lock:
+            retained = self.retained.get(file)
+            stale = None
+            if retained is not None and (
+                retained.identity != identity
+                or any(retained.clashes(*_page_range(lo, hi, retained.map.size)) for lo, hi, _ in part["windows"])
+            ):
+                stale, retained = self.retained.pop(file), None
+        if stale is not None:
+            self._release([stale])
+        if retained is None:
+            m = self._map(file)
+            if _identity(os.fstat(m.fd)) != identity:  # replaced while we looked: used once, not retained
+                return m
+            retained = _Retained(m, identity)
+            with self.retain_lock:
+                self.retained[file] = retained
+        retained.used = time.monotonic()
+        return retained.map
+
+    def _retained_of(self, m: _Map) -> _Retained | None:
+        retained = self.retained.get(m.file)
+        return retained if retained is not None and retained.map is m else None
+
+    def _retain(self, retained: _Retained, lo: int, hi: int) -> bool:
+        """Retain the registration of ``[lo, hi)`` if the budget has room; False (and noted) when it has not."""
+        with self.retain_lock:
+            if self.retained_bytes() + hi - lo > self.settings.retain_bytes:
+                self.overflowed = True
+                return False
+            retained.ranges.append((lo, hi))
+            return True
+
+    def retained_bytes(self) -> int:
+        """Bytes of file pages this helper keeps registered between sessions."""
+        return sum(r.nbytes for r in list(self.retained.values()))
+
+    def let_go(self, since: float | None = None) -> int:
+        """Release retained files that changed or vanished and, after a session (begun at ``since``) whose
+        windows did not all fit, those it did not use: the latest bundle gets the room. Returns how many.
+
+        Waits for a job running meanwhile (the next engine's session may have begun): nothing it
+        copies from is released under it.
+        """
+        with self.job_lock:
+            with self.retain_lock:
+                overflowed, self.overflowed = self.overflowed, False
+                gone = []
+                for file, retained in list(self.retained.items()):
+                    try:
+                        changed = _identity(os.stat(file)) != retained.identity
+                    except OSError:
+                        changed = True
+                    if changed or (overflowed and since is not None and retained.used < since):
+                        gone.append(self.retained.pop(file))
+            self._release(gone)
+        return len(gone)
+
+    def _release(self, gone: list[_Retained]) -> None:
+        """Unregister, unmap and close what the files ``gone`` (already out of :attr:`retained`) held."""
+        if not gone:
+            return
+        self.cu("cuCtxSetCurrent", self.ctx)  # the current context is per thread
+        for r in gone:
+            try:
+                for lo, _ in r.ranges:
+                    self.cu("cuMemHostUnregister", ctypes.c_void_p(r.map.addr + lo))
+            finally:
+                self.libc.munmap(r.map.addr, r.map.size)
+                os.close(r.map.fd)
+
     def unregister_kept(self) -> threading.Thread | None:
         """Unregister (then unmap) what ``--defer-unregister`` kept, on a thread of its own; None if nothing was kept.
 
@@ -383,7 +535,7 @@ class Helper:
         def release() -> None:
             try:
                 self.cu("cuCtxSetCurrent", self.ctx)  # the current context is per thread
-                for ptr in kept:
+                for _, ptr in kept:
                     self.cu("cuMemHostUnregister", ctypes.c_void_p(ptr))
             finally:
                 for m in maps:
@@ -391,7 +543,8 @@ class Helper:
 
         thread = threading.Thread(target=release, name="unregister")
         thread.start()
-        self.releasing = ({m.file for m in maps}, thread)
+        # With them, a retained file's windows that found no room: its map stays, its file is in the set.
+        self.releasing = ({m.file for m in maps} | {file for file, _ in kept}, thread)
         return thread
 
     def close(self) -> None:
@@ -464,13 +617,21 @@ def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] 
     case before the next session; deferred unregistering runs after each reply, as in a helper of
     its own engine. Returns False when a CUDA call failed in it (the context may be unusable).
     ``free`` is called, when it went well, just before ``{"closed": true}``: an engine that hears it
-    and connects again at once is served, not told ``busy``.
+    and connects again at once is served, not told ``busy``. Retained files that changed, or that
+    the latest bundle needs the room of, are let go last (:meth:`Helper.let_go`), off the engine's path.
+
+    With ``--retain-mib``, the ready line also says ``"retained_bytes"``: what stays registered from
+    earlier sessions.
     """
     rfile, wfile = conn.makefile("r", encoding="utf-8"), conn.makefile("w", encoding="utf-8")
     ended, healthy = False, True
+    began = time.monotonic()
     try:
         helper.cu("cuCtxSetCurrent", helper.ctx)  # this thread opens and closes the IPC mappings
-        _say({"ready": True, "protocol": PROTOCOL}, wfile)
+        ready: dict[str, object] = {"ready": True, "protocol": PROTOCOL}
+        if helper.settings.retain_bytes:
+            ready["retained_bytes"] = helper.retained_bytes()
+        _say(ready, wfile)
         for line in rfile:
             try:
                 job = json.loads(line)
@@ -498,6 +659,13 @@ def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] 
             with contextlib.suppress(OSError):
                 f.close()
         conn.close()
+    if healthy and helper.settings.retain_bytes:
+        try:
+            helper.let_go(began)
+        except CudaError:
+            healthy = False
+        except OSError:
+            pass
     return healthy
 
 

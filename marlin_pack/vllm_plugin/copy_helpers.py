@@ -208,6 +208,7 @@ class HelperPool:
         self.failures: list[str] = []
         self._started = time.perf_counter()
         self.ready_after: float | None = None  # seconds from the pool's start until the first job found its helpers ready
+        self.retained_bytes: int | None = None  # service helpers that retain pages: what they held registered as they were taken
         # Started from a thread: the caller (vLLM building the model) goes on meanwhile.
         count = max(1, count or DEFAULT_PROCESSES)
         self._spawner = threading.Thread(target=self._start, args=(count, script, service), name="marlin-pack-helpers", daemon=True)
@@ -242,6 +243,8 @@ class HelperPool:
             state = helper.hello(deadline)
             if state == "ready":
                 usable.append(helper)  # type: ignore[arg-type]  # a _Channel by its methods
+                if helper.retained_bytes is not None:
+                    self.retained_bytes = (self.retained_bytes or 0) + helper.retained_bytes
                 continue
             why = f"{state}, expected {PROTOCOL}: restart `marlin-pack helpers`" if state.startswith("protocol ") else state
             logger.warning("marlin-pack: not using the service helper at %s: %s", path, why)

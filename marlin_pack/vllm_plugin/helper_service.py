@@ -12,6 +12,11 @@ those helpers, which are ready already and go on living after it.
 Their CUDA contexts stay on the GPU meanwhile (an engine's memory snapshot counts them as another
 process's memory, before and after loading alike, so the KV cache is sized as without them).
 
+With ``retain_mib`` (``marlin-pack helpers --retain-gib N``) the helpers also keep the bundle pages
+they page-locked for one engine registered for the next ones, up to that budget: a later start of the
+same bundle skips page-locking, the slow half of the copy. Those page-cache pages stay pinned in host
+memory while they are retained (see ``--retain-mib`` in :mod:`.copy_helper_main`).
+
 ``DIR`` is ``$MARLIN_PACK_HELPERS_DIR``, else ``$XDG_RUNTIME_DIR/marlin-pack-helpers``, else
 ``/tmp/marlin-pack-helpers-<uid>``; it must belong to the user and be closed to others (0700): a
 helper writes into the GPU memory of whoever it serves, so engines only talk to helpers in such a
@@ -37,13 +42,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from marlin_pack.errors import MarlinPackError
 from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, peer_uid
 
 __all__ = [
-    "HelperService", "ServiceError", "ServiceHelper", "ServiceSession", "device_count", "find_sockets", "probe", "read_reply",
-    "service_status", "socket_dir", "trusted_dir",
+    "HelperService", "HelperState", "ServiceError", "ServiceHelper", "ServiceSession", "device_count", "find_sockets", "probe",
+    "read_reply", "service_status", "socket_dir", "trusted_dir",
 ]
 
 _HELPER = Path(__file__).with_name("copy_helper_main.py")
@@ -153,11 +159,14 @@ class ServiceSession:
         self.rfile = self.sock.makefile("r", encoding="utf-8")
         self.wfile = self.sock.makefile("w", encoding="utf-8")
         self.ended = False
+        self.retained_bytes: int | None = None  # said by a ready helper that retains pages between engines
 
     def hello(self, deadline: float | None) -> str:
         """The helper's first answer: ``ready`` (speaking this protocol), ``busy``, ``protocol N`` or why not."""
         reply = read_reply(self.rfile, deadline, self.gone_why)
         if reply.get("ready") is True:
+            retained = reply.get("retained_bytes")
+            self.retained_bytes = retained if isinstance(retained, int) and not isinstance(retained, bool) else None
             return "ready" if reply.get("protocol") == PROTOCOL else f"protocol {reply.get('protocol')!r}"
         return str(reply.get("error") or f"unexpected answer {reply!r}")
 
@@ -192,27 +201,37 @@ class ServiceSession:
         return f"the service helper at {self.path} closed the connection"
 
 
-def probe(path: Path, timeout_s: float = 2.0) -> str:
+class HelperState(NamedTuple):
+    """One service socket as :func:`service_status` found it."""
+
+    uuid: str  # the GPU's
+    slot: int
+    state: str  # as :func:`probe` says
+    retained_bytes: int | None = None  # bundle pages it keeps registered between engines (a ready helper with a budget)
+
+
+def probe(path: Path, timeout_s: float = 2.0) -> tuple[str, int | None]:
     """What answers at the service socket ``path``: ``ready``, ``busy`` (serving an engine), ``stale`` (nobody:
-    its helper died), ``another user's``, ``protocol N`` (a helper of another marlin-pack) or ``no answer``.
+    its helper died), ``another user's``, ``protocol N`` (a helper of another marlin-pack) or ``no answer``;
+    and, for a ready helper that retains pages between engines, how many bytes it holds.
 
     A ready helper is asked for an empty session, ended at once.
     """
     try:
         session = ServiceSession(path)
     except PermissionError:
-        return "another user's"
+        return "another user's", None
     except OSError:
-        return "stale"
+        return "stale", None
     state = session.hello(time.monotonic() + timeout_s)
     if state == "ready":
         session.end()
     session.wait_gone(timeout_s)
-    return state if state in ("ready", "busy") or state.startswith("protocol ") else "no answer"
+    return (state if state in ("ready", "busy") or state.startswith("protocol ") else "no answer"), session.retained_bytes
 
 
-def service_status(directory: Path | None = None) -> list[tuple[str, int, str]]:
-    """``(GPU UUID, slot, probe(...))`` for every service socket in ``directory`` (default :func:`socket_dir`).
+def service_status(directory: Path | None = None) -> list[HelperState]:
+    """A :class:`HelperState` for every service socket in ``directory`` (default :func:`socket_dir`), in order.
 
     Raises :class:`ServiceError` when the directory is missing or not trusted.
     """
@@ -222,7 +241,7 @@ def service_status(directory: Path | None = None) -> list[tuple[str, int, str]]:
         uuid, _, slot = p.name[: -len(".sock")].rpartition(".")
         if slot.isdigit():
             rows.append((uuid, int(slot), p))
-    return [(uuid, slot, probe(p)) for uuid, slot, p in sorted(rows)]
+    return [HelperState(uuid, slot, *probe(p)) for uuid, slot, p in sorted(rows)]
 
 
 def device_count() -> int:
@@ -261,7 +280,8 @@ class HelperService:
 
     ``defer_unregister`` is on by default here: a helper unregisters a job's pages after its answer,
     and no engine waits for that. ``staged`` / ``stage_mib`` / ``nice`` as for an engine's own
-    helpers (:class:`.copy_helpers.HelperPool`).
+    helpers (:class:`.copy_helpers.HelperPool`). ``retain_mib``: what *each* helper keeps registered
+    between engines (0: nothing).
 
     Example:
         >>> service = HelperService([0], processes=4)
@@ -276,6 +296,7 @@ class HelperService:
     stage_mib: int = 64
     defer_unregister: bool = True
     nice: int = 0
+    retain_mib: int = 0
     script: Path = _HELPER
     helpers: list[ServiceHelper] = field(default_factory=list)
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
@@ -285,6 +306,7 @@ class HelperService:
             str(device), "--listen", str(self.directory), "--slot", str(slot),
             *(["--staged", str(self.staged), "--stage-mib", str(self.stage_mib)] if self.staged else []),
             *(["--defer-unregister"] if self.defer_unregister else []), *(["--nice", str(self.nice)] if self.nice else []),
+            *(["--retain-mib", str(self.retain_mib)] if self.retain_mib else []),
         ]
 
     def _spawn(self, args: list[str]) -> subprocess.Popen[str]:

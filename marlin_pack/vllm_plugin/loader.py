@@ -159,6 +159,7 @@ class _Timings:
     modes: str = "-"  # the reader modes the copy used
     helpers_ready: float | None = None  # seconds from the helpers' start until the copy found them ready
     helpers_source: str = "own"  # or "service": marlin-pack helpers' (HelperPool.source)
+    helpers_retained: int | None = None  # bytes the service's helpers held registered from earlier engines, if they retain
     common: float = 0.0
     common_beside: int | None = None  # common_during_build: the checkpoint names loaded by the copy beside the construction
     common_copy: float | None = None  # common_io staged: how long their own copy took, from its start to its end
@@ -173,6 +174,10 @@ class _Timings:
         if self.helpers_ready is not None:
             text += f", helpers ready after {self.helpers_ready:.2f} s"
             text += " (the helper service's)" if self.helpers_source == "service" else ""
+            if self.helpers_retained is not None:  # large or small: a real bundle or a test's
+                n = self.helpers_retained
+                text += f", {n / 1e9:.2f} GB" if n >= 1e9 else f", {n / 1e6:.1f} MB"
+                text += " of pages retained registered"
         return f"{text} beside create and common, waited {self.wait:.2f} s" if self.beside else text
 
     def common_text(self) -> str:
@@ -497,6 +502,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 fill.common = None  # the copies no parameter was pointed at go
             if helpers is not None:
                 self._timings.helpers_ready, self._timings.helpers_source = helpers.ready_after, helpers.source
+                self._timings.helpers_retained = helpers.retained_bytes
         self._timings.place = t1 - t0 - (0.0 if fill is not None else self._timings.copy)
         self._timings.common = t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.

@@ -120,10 +120,14 @@ def test_processes_mode_copies_several_files_in_one_job_per_helper(
             assert torch.equal(out[name].cpu(), t), name
 
 
-def test_service_helpers_copy_every_byte_engine_after_engine(tensor_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``marlin-pack helpers``: two pools in a row (two engines' loads) take the service's helpers, which
-    copy every byte (nothing left to this process), are ready at once and go on serving; stopping the
-    service removes its sockets."""
+@pytest.mark.parametrize("retain_mib", [0, 64])
+def test_service_helpers_copy_every_byte_engine_after_engine(
+    tensor_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, retain_mib: int
+) -> None:
+    """``marlin-pack helpers``: pools in a row (engines' loads) take the service's helpers, which copy every
+    byte (nothing left to this process), are ready at once and go on serving; stopping the service removes
+    its sockets. ``retain_mib``: the second pool finds the file's pages still registered (its helpers
+    say so); then the file is rewritten (renamed over) and the third pool gets the new bytes."""
     import tempfile
 
     from marlin_pack.vllm_plugin.copy_helpers import HelperPool
@@ -131,20 +135,29 @@ def test_service_helpers_copy_every_byte_engine_after_engine(tensor_file: Path, 
 
     d = Path(tempfile.mkdtemp(prefix="mph-", dir="/tmp"))
     monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(d))
-    header = read_header(tensor_file)
-    want = load_file(str(tensor_file))
-    service = HelperService([torch.cuda.current_device()], processes=2, directory=d)
+    file = tmp_path / "rank.safetensors"
+    shutil.copyfile(tensor_file, file)
+    service = HelperService([torch.cuda.current_device()], processes=2, directory=d, retain_mib=retain_mib)
     service.start()
     try:
         assert all(h.uuid is not None for h in service.helpers)
-        for _ in range(2):
+        for round_ in range(3):
+            if round_ == 2:  # a rewritten bundle: other bytes under the same name
+                new = tmp_path / "new.safetensors"
+                save_file({n: (t + 1 if t.is_floating_point() else t ^ 0x5A5A) for n, t in load_file(str(file)).items()}, str(new))
+                os.replace(new, file)
+            header, want = read_header(file), load_file(str(file))
             out = {n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
             with HelperPool(4, torch.cuda.current_device()) as pool:
                 with ParallelReader(threads=2, chunk_bytes=1 << 16, mode="processes", helpers=pool, own_share=False) as r:
-                    n = r.copy(tensor_file, [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()])
+                    n = r.copy(file, [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()])
                 assert (pool.source, pool.ready(), pool.failures) == ("service", 2, [])
                 assert pool.ready_after is not None and pool.ready_after < 0.2
                 assert r.modes_used == {"processes"}
+                if retain_mib:
+                    assert (pool.retained_bytes or 0) > 0 if round_ > 0 else pool.retained_bytes == 0
+                else:
+                    assert pool.retained_bytes is None
             assert n == sum(i.nbytes for i in header.tensors.values())
             for name, t in want.items():
                 assert torch.equal(out[name].cpu(), t), name

@@ -304,9 +304,12 @@ def test_prepacked_io_modes_match_ordinary_loading(
 def test_prepacked_with_the_helper_service_matches_ordinary_loading(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``marlin-pack helpers`` running: two engines in a row take its helpers (ready at once, not waited
-    for to exit), with and without the common tensors in their job, and hold the same parameters as
-    ordinary loading; the command then stops on SIGTERM and removes its sockets."""
+    """``marlin-pack helpers --retain-gib 1`` running: engines in a row take its helpers (ready at once, not
+    waited for to exit), with and without the common tensors in their job, and hold the same parameters
+    as ordinary loading; from the second on, the helpers hold the bundle's pages registered from before
+    (they say how much), and the copy from them is as exact. The command then stops on SIGTERM and
+    removes its sockets."""
+    import re
     import signal
     import tempfile
     import time
@@ -316,19 +319,24 @@ def test_prepacked_with_the_helper_service_matches_ordinary_loading(
     d = Path(tempfile.mkdtemp(prefix="mph-", dir="/tmp"))
     monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(d))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    service = subprocess.Popen([sys.executable, "-m", "marlin_pack.cli", "helpers", "--device", "0", "--processes", "2"],
+    service = subprocess.Popen([sys.executable, "-m", "marlin_pack.cli", "helpers", "--device", "0", "--processes", "2",
+                                "--retain-gib", "1"],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
         while len(list(d.glob("*.sock"))) < 2 and service.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(list(d.glob("*.sock"))) == 2, service.stdout.read() if service.poll() is not None else "no sockets in 60 s"
-        for io in ({"io_mode": "processes"}, {"io_mode": "processes", "common_during_build": True}):
+        runs = [{"io_mode": "processes"}, {"io_mode": "processes"}, {"io_mode": "processes", "common_during_build": True}]
+        for k, io in enumerate(runs):
             code, log, result = run_engine(
-                workdir / f"service-{len(io)}", checkpoints[kind], load_format="marlin_prepacked", model_loader_extra_config=io
+                workdir / f"service-{k}", checkpoints[kind], load_format="marlin_prepacked", model_loader_extra_config=io
             )
             assert code == 0 and result is not None, log[-4000:]
             assert "(the helper service's)" in log and "let go of this process's memory" in log, log[-4000:]
+            retained = re.search(r", ([0-9.]+) (GB|MB) of pages retained registered", log)
+            assert retained is not None, log[-4000:]
+            assert (float(retained.group(1)) > 0) == (k > 0), retained.group(0)  # said as each engine took them
             assert "no copy helper started" not in log and "not using the service helper" not in log, log[-4000:]
             check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked {io} with the service")
             assert_params_identical(reference["params"], result["params"])

@@ -413,14 +413,14 @@ def test_status_tells_ready_busy_and_stale_helpers_apart(served: _Served, sock_d
     stale.bind(str(sock_dir / "GPU-00000000-0000-0000-0000-000000000000.1.sock"))
     stale.close()
     uuid = "GPU-00000000-0000-0000-0000-000000000000"
-    assert service_status(sock_dir) == [(uuid, 0, "ready"), (uuid, 1, "stale")]
+    assert service_status(sock_dir) == [(uuid, 0, "ready", None), (uuid, 1, "stale", None)]
     assert _wait_until(lambda: not served.helper.opened)  # the probe's session ended
     busy = _Conn(served.path)
     assert busy.hear() == {"ready": True, "protocol": PROTOCOL}
-    assert service_status(sock_dir)[0] == (uuid, 0, "busy")
+    assert service_status(sock_dir)[0] == (uuid, 0, "busy", None)
     busy.close()
     monkeypatch.setattr(copy_helper_main, "PROTOCOL", PROTOCOL + 1)  # a helper of another marlin-pack
-    assert _wait_until(lambda: service_status(sock_dir)[0] == (uuid, 0, f"protocol {PROTOCOL + 1}"))
+    assert _wait_until(lambda: service_status(sock_dir)[0] == (uuid, 0, f"protocol {PROTOCOL + 1}", None))
     monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(sock_dir))
     r = CliRunner().invoke(app, ["helpers", "--status"])
     assert r.exit_code == 1 and "protocol" in r.output and "stale" in r.output  # none ready

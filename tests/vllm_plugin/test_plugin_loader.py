@@ -653,6 +653,7 @@ class _FakeHelpers:
         self.closed = False
         self.ready_after = 0.25
         self.source = "own"
+        self.retained_bytes: int | None = None
 
     def close(self, wait: bool = True) -> None:
         if not self.closed:  # as HelperPool.close: a second call ends nothing more...
@@ -850,3 +851,14 @@ def test_large_common_tensors_are_copied_in_one_batch(awq_bundle: Path, monkeypa
         others = large
     for name in others:
         assert torch.equal(params[name], want[name]), name
+
+
+def test_the_timings_line_says_whose_helpers_and_what_they_retained() -> None:
+    from marlin_pack.vllm_plugin.loader import _Timings
+
+    t = _Timings(copy=1.0, copy_bytes=40_000_000_000, helpers_ready=0.02, helpers_source="service", helpers_retained=39_500_000_000)
+    assert "40.0 GB/s), helpers ready after 0.02 s (the helper service's), 39.50 GB of pages retained registered" in t.copy_text()
+    t.helpers_retained = 3_400_000
+    assert "(the helper service's), 3.4 MB of pages retained registered" in t.copy_text()
+    t.helpers_source, t.helpers_retained = "own", None
+    assert t.copy_text().endswith("helpers ready after 0.02 s")
