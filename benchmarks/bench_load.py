@@ -359,11 +359,15 @@ def main() -> None:
     ap.add_argument("--helper-retain-gib", type=float, default=0.0, metavar="G",
                     help="with --helper-service: the helpers keep up to G GiB of bundle pages registered between engines "
                          "(`marlin-pack helpers --retain-gib`); the first engine of a bundle page-locks them, later ones do not")
+    ap.add_argument("--helper-preload", action="store_true",
+                    help="with --helper-retain-gib: page-lock each bundle's TP=1 files in the helpers before its engines "
+                         "(`marlin-pack helpers --preload`), so that the first engine copies without page-locking too")
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="sample every engine and daemon with py-spy (PY_SPY or PATH) into DIR/*.raw and print where the "
                          "loader's time went")
     args = ap.parse_args()
     service = _start_helper_service(args.helper_service, args.helper_retain_gib) if args.helper_service else None
+    args.service = service
     try:
         _sitting(args)
     finally:
@@ -451,6 +455,11 @@ def _sitting(args: argparse.Namespace) -> None:
         bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
         disk = _disk_write_gbps(bundle.parent) if not reused else float("nan")
         warm_gb = _warm([model, bundle])
+        if args.helper_preload and args.service is not None:
+            t = time.perf_counter()
+            done = args.service.preload([bundle / "tp1" / "rank-0.safetensors", bundle / "common.safetensors"])
+            print(f"{fmt}: helper service page-locked {sum(done.values()) / 1e9:.2f} GB of the bundle in "
+                  f"{time.perf_counter() - t:.2f} s (--helper-preload)", flush=True)
         rank_gb = manifest.tensor_parallel[0].ranks[0].file.size / 1e9
         print(f"{fmt}: {'reused' if reused else f'generated in {gen_s:.1f} s; convert --device cuda {conv_s:.1f} s'}; "
               f"rank file {rank_gb:.1f} GB; bundle {bundle_gb:.1f} GB, a plain durable write of it at this disk's "

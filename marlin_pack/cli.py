@@ -267,6 +267,14 @@ def helpers(
             "later starts of the same bundle copy without page-locking. 0: none.",
         ),
     ] = 0,
+    preload: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--preload", exists=True, dir_okay=True, file_okay=True, readable=True,
+            help="A bundle file to page-lock in the helpers at once, or a directory (its *.safetensors), so that even the "
+            "first engine copies without page-locking (repeat for more; needs --retain-gib). Every served GPU gets them all.",
+        ),
+    ] = None,
     status: Annotated[
         bool, typer.Option("--status", help="Only show the running helpers (ready, busy, stale) and exit: 0 if one is ready.")
     ] = False,
@@ -296,12 +304,24 @@ def helpers(
         if not any(row.state == "ready" for row in rows):
             raise typer.Exit(1)
         return
+    files = _preload_files(preload or [])
+    if files and not retain_gib:
+        raise MarlinPackError("--preload page-locks files for later engines: give the helpers room with --retain-gib GIB")
     devices = sorted(set(device)) if device else list(range(device_count()))
     retain_mib = math.ceil(retain_gib * 1024 / processes) if retain_gib else 0  # the budget is per helper
     service = HelperService(devices, processes=processes, staged=staged, stage_mib=stage_mib, nice=nice, retain_mib=retain_mib,
                             log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
     with _status(f"starting {processes} copy helpers on {len(devices)} GPU(s)"):
         service.start()
+    if files:
+        try:
+            with _status(f"page-locking {len(files)} file(s) in the helpers"):
+                done = service.preload(files)
+        except BaseException:
+            service.stop()
+            raise
+        for d, n in sorted(done.items()):
+            err.print(f"GPU {d}: {n / 2**30:.2f} GiB of {len(files)} file(s) page-locked for the next engines", highlight=False)
     try:
         table = Table(title=f"marlin-pack copy helpers in {service.directory}")
         for column in ("device", "GPU", "helpers ready"):
@@ -315,6 +335,20 @@ def helpers(
         service.wait()
     finally:
         service.stop()
+
+
+def _preload_files(paths: list[Path]) -> list[Path]:
+    """``--preload`` paths as files: a directory stands for its ``*.safetensors`` files."""
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(p.glob("*.safetensors"))
+            if not found:
+                raise MarlinPackError(f"--preload {p}: no *.safetensors file in this directory; give a bundle's tp directory or its files")
+            files.extend(found)
+        else:
+            files.append(p)
+    return files
 
 
 @contextmanager

@@ -447,7 +447,7 @@ class Helper:
         """
         if not self.settings.retain_bytes:
             return None
-        file = part["file"]
+        file = os.path.realpath(part["file"])  # one entry per file, however an engine names it
         identity = _identity(os.stat(file))
         with self.retain_lock:
             retained = self.retained.get(file)
@@ -481,6 +481,42 @@ class Helper:
                 return False
             retained.ranges.append((lo, hi))
             return True
+
+    def retain(self, parts: list[dict]) -> int:
+        """Page-lock and retain the ranges ``[{"file": PATH, "ranges": [[LO, HI], ...]}, ...]`` ahead of any
+        engine (``marlin-pack helpers --preload``); the bytes newly retained. Ranges past the budget are
+        left alone (not registered)."""
+        if not self.settings.retain_bytes:
+            raise ValueError("this helper retains nothing (started without --retain-mib)")
+        done = 0
+        with self.job_lock:
+            for part in parts:
+                m = self._retained_map({"file": part["file"], "windows": [[lo, hi, []] for lo, hi in part["ranges"]]})
+                retained = self._retained_of(m) if m is not None else None
+                if retained is None:  # replaced while we looked: nothing to keep
+                    if m is not None:
+                        os.close(m.fd)
+                        self.libc.munmap(m.addr, m.size)
+                    continue
+                for lo, hi in part["ranges"]:
+                    lo, hi = _page_range(int(lo), min(int(hi), m.size), m.size)
+                    if hi <= lo or retained.holds(lo, hi):
+                        continue
+                    if self.retained_bytes() + hi - lo > self.settings.retain_bytes:
+                        break
+                    ptr = m.addr + lo
+                    if self.populate and self.libc.madvise(ctypes.c_void_p(ptr), hi - lo, _MADV_POPULATE_READ) != 0:
+                        self.populate = False
+                    self.cu("cuMemHostRegister", ctypes.c_void_p(ptr), ctypes.c_size_t(hi - lo), ctypes.c_uint(_REGISTER_FLAGS))
+                    with self.retain_lock:
+                        retained.ranges.append((lo, hi))
+                    done += hi - lo
+        return done
+
+    def retained_ranges(self) -> list[list]:
+        """``[[file, [[lo, hi], ...]], ...]``: what this helper keeps registered, as its ready line says it."""
+        with self.retain_lock:
+            return [[file, [list(r) for r in sorted(k.ranges)]] for file, k in self.retained.items()]
 
     def retained_bytes(self) -> int:
         """Bytes of file pages this helper keeps registered between sessions."""
@@ -620,8 +656,8 @@ def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] 
     and connects again at once is served, not told ``busy``. Retained files that changed, or that
     the latest bundle needs the room of, are let go last (:meth:`Helper.let_go`), off the engine's path.
 
-    With ``--retain-mib``, the ready line also says ``"retained_bytes"``: what stays registered from
-    earlier sessions.
+    With ``--retain-mib``, the ready line also says ``"retained_bytes"`` and ``"retained"`` (``[[FILE,
+    [[LO, HI], ...]], ...]``): what stays registered from earlier sessions, and where.
     """
     rfile, wfile = conn.makefile("r", encoding="utf-8"), conn.makefile("w", encoding="utf-8")
     ended, healthy = False, True
@@ -631,6 +667,7 @@ def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] 
         ready: dict[str, object] = {"ready": True, "protocol": PROTOCOL}
         if helper.settings.retain_bytes:
             ready["retained_bytes"] = helper.retained_bytes()
+            ready["retained"] = helper.retained_ranges()  # the engine hands these windows to this helper
         _say(ready, wfile)
         for line in rfile:
             try:
@@ -638,7 +675,7 @@ def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] 
                 if job.get("end") is True:
                     ended = True
                     break
-                _say({"ok": helper.job(job)}, wfile)
+                _say({"ok": helper.retain(job["retain"]) if "retain" in job else helper.job(job)}, wfile)
             except Exception as e:  # noqa: BLE001 - the engine re-reads this job's windows itself
                 healthy = healthy and not isinstance(e, CudaError)
                 _say({"error": f"{type(e).__name__}: {e}"}, wfile)

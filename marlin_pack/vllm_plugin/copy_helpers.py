@@ -40,6 +40,8 @@ import torch
 from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, format_uuid
 from marlin_pack.vllm_plugin.helper_service import ServiceSession, find_sockets, read_reply
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
 __all__ = ["HelperPool", "split_by_bytes"]
 
 logger = logging.getLogger("vllm.marlin_pack")
@@ -55,6 +57,50 @@ class WindowLike(Protocol):
     lo: int
     hi: int
     pieces: list[tuple[int, int, torch.Tensor]]
+
+
+def shares_by_affinity(
+    windows: Sequence[WindowLike],
+    files: Sequence[str],
+    held: Sequence[dict[str, list[tuple[int, int]]]],
+    helpers: int,
+    own: bool,
+) -> tuple[list[list[WindowLike]], list[WindowLike]]:
+    """Each helper's windows (the k-th list for the k-th helper; some may be empty), and the caller's (with
+    ``own``): a window that a service helper holds registered
+    (``held[k]``: file -> page ranges, see ``--retain-mib``) goes to that helper, which copies it without
+    page-locking; the others go in contiguous runs, the caller taking the tail and the helpers holding
+    least topped up first, towards equal bytes. Without anything held this is :func:`split_by_bytes`.
+    """
+    owner: list[int | None] = []
+    for w, file in zip(windows, files, strict=True):
+        lo, hi = w.lo - w.lo % _PAGE, -(-w.hi // _PAGE) * _PAGE
+        owner.append(next((k for k, h in enumerate(held) if any(a <= lo and hi <= b for a, b in h.get(file, ()))), None))
+    if all(k is None for k in owner):
+        runs = split_by_bytes(windows, helpers + own)
+        return runs, (runs.pop() if own else [])
+    position = {id(w): i for i, w in enumerate(windows)}
+    size = {id(w): sum(n for _, n, _ in w.pieces) for w in windows}
+    target = sum(size.values()) / (helpers + own)  # what each copier should end with
+    runs = [[w for w, k in zip(windows, owner, strict=True) if k == j] for j in range(helpers)]
+    rest = [w for w, k in zip(windows, owner, strict=True) if k is None]
+    loads = [sum(size[id(w)] for w in run) for run in runs]
+    wants = [max(0.0, target - load) for load in loads] + ([target] if own else [])
+    scale = min(1.0, sum(size[id(w)] for w in rest) / sum(wants)) if sum(wants) > 0 else 0.0
+    i = 0
+    for j in sorted(range(helpers), key=lambda j: loads[j]):  # the least loaded topped up first, from the front
+        got = 0
+        while i < len(rest) and got + size[id(rest[i])] / 2 <= wants[j] * scale:
+            runs[j].append(rest[i])
+            got += size[id(rest[i])]
+            i += 1
+        loads[j] += got
+    mine = rest[i:] if own else []  # the caller: the tail, as without anything held
+    if not own and i < len(rest):
+        runs[min(range(helpers), key=lambda j: loads[j])].extend(rest[i:])
+    for run in runs:
+        run.sort(key=lambda w: position[id(w)])  # file order: each reads on sequentially
+    return runs, mine
 
 
 def split_by_bytes(windows: Sequence[WindowLike], parts: int) -> list[list[WindowLike]]:
@@ -209,6 +255,7 @@ class HelperPool:
         self._started = time.perf_counter()
         self.ready_after: float | None = None  # seconds from the pool's start until the first job found its helpers ready
         self.retained_bytes: int | None = None  # service helpers that retain pages: what they held registered as they were taken
+        self._held: list[dict[str, list[tuple[int, int]]]] = []  # per service helper taken: file -> its retained page ranges
         # Started from a thread: the caller (vLLM building the model) goes on meanwhile.
         count = max(1, count or DEFAULT_PROCESSES)
         self._spawner = threading.Thread(target=self._start, args=(count, script, service), name="marlin-pack-helpers", daemon=True)
@@ -245,6 +292,7 @@ class HelperPool:
                 usable.append(helper)  # type: ignore[arg-type]  # a _Channel by its methods
                 if helper.retained_bytes is not None:
                     self.retained_bytes = (self.retained_bytes or 0) + helper.retained_bytes
+                self._held.append(helper.retained)
                 continue
             why = f"{state}, expected {PROTOCOL}: restart `marlin-pack helpers`" if state.startswith("protocol ") else state
             logger.warning("marlin-pack: not using the service helper at %s: %s", path, why)
@@ -364,13 +412,16 @@ class HelperPool:
             if everything and self.failures:
                 logger.warning("marlin-pack: no copy helper started (%s); this process reads the bundle itself", self.failures[-1])
             return leave(everything)
-        runs = split_by_bytes(everything, len(helpers) + (own is not None))
-        mine: list[WindowLike] = runs.pop() if own is not None else []  # the file's tail: the caller's share
+        held = self._held if self.source == "service" and len(self._held) == len(helpers) else []
+        files = [os.path.realpath(path) for path, _ in parts]
+        runs, mine = shares_by_affinity(everything, [files[part_of[id(w)]] for w in everything], held, len(helpers),
+                                        own is not None)
         try:
             torch.cuda.current_stream(everything[0].pieces[0][2].device).synchronize()
             handles: dict[str, int] = {}
             jobs = []
-            for run in runs:
+            paired = [(p, run) for p, run in zip(helpers, runs, strict=False) if run]
+            for _, run in paired:
                 encoded: dict[int, list] = {}  # part -> its windows in this run
                 for w in run:
                     pieces = []
@@ -387,7 +438,7 @@ class HelperPool:
         known = len(self.failures)
         left: list[WindowLike] = []
         sent: list[tuple[_Channel, list[WindowLike]]] = []
-        for p, (run, encoded_parts) in zip(helpers, jobs, strict=False):
+        for (p, _), (run, encoded_parts) in zip(paired, jobs, strict=True):
             try:
                 # threads 0: the helper's staging threads only (a helper without any still registers on one)
                 p.send({"parts": encoded_parts, "handles": order, "threads": threads})

@@ -48,8 +48,8 @@ from marlin_pack.errors import MarlinPackError
 from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, peer_uid
 
 __all__ = [
-    "HelperService", "HelperState", "ServiceError", "ServiceHelper", "ServiceSession", "device_count", "find_sockets", "probe",
-    "read_reply", "service_status", "socket_dir", "trusted_dir",
+    "HelperService", "HelperState", "ServiceError", "ServiceHelper", "ServiceSession", "device_count", "find_sockets",
+    "preload_shares", "probe", "read_reply", "service_status", "socket_dir", "trusted_dir",
 ]
 
 _HELPER = Path(__file__).with_name("copy_helper_main.py")
@@ -137,6 +137,44 @@ def read_reply(rfile, deadline: float | None, gone_why: Callable[[], str]) -> di
     return reply if isinstance(reply, dict) else {"error": f"unexpected answer {line[:80]!r}"}
 
 
+def _ranges(said: object) -> dict[str, list[tuple[int, int]]]:
+    """A ready line's ``"retained"`` (``[[FILE, [[LO, HI], ...]], ...]``) as a dict; what does not parse is left out."""
+    found: dict[str, list[tuple[int, int]]] = {}
+    for entry in said if isinstance(said, list) else []:
+        try:
+            file, ranges = entry
+            found[str(file)] = [(int(lo), int(hi)) for lo, hi in ranges]
+        except (TypeError, ValueError):
+            continue
+    return found
+
+
+def preload_shares(files: Sequence[tuple[str, int]], window: int, helpers: int) -> list[list[dict]]:
+    """The ``retain`` lines that page-lock ``files`` (``(path, size)``) in ``window``-byte blocks, cut into at
+    most ``helpers`` contiguous shares of about equal bytes (one per helper, in order).
+
+    Blocks at multiples of ``window``: a loader reading with windows of that size (``chunk_mb``, 256 MiB
+    by default in the ``processes`` mode) cuts each of its windows inside one block, which is what a
+    copy from a retained registration needs.
+    """
+    blocks = [(path, lo, min(lo + window, size)) for path, size in files for lo in range(0, size, window)]
+    total = sum(hi - lo for _, lo, hi in blocks)
+    shares: list[list[tuple[str, int, int]]] = [[]]
+    done = 0
+    for block in blocks:
+        if shares[-1] and len(shares) < helpers and done >= total * len(shares) / helpers:
+            shares.append([])
+        shares[-1].append(block)
+        done += block[2] - block[1]
+    lines = []
+    for share in shares:
+        by_file: dict[str, list[list[int]]] = {}
+        for path, lo, hi in share:
+            by_file.setdefault(path, []).append([lo, hi])
+        lines.append([{"file": path, "ranges": ranges} for path, ranges in by_file.items()])
+    return [line for line in lines if line]
+
+
 class ServiceSession:
     """A session with the service helper at ``path`` (its client side): the connection, checked to be of
     this user, then the protocol's lines. The helper goes on living after the session.
@@ -160,6 +198,7 @@ class ServiceSession:
         self.wfile = self.sock.makefile("w", encoding="utf-8")
         self.ended = False
         self.retained_bytes: int | None = None  # said by a ready helper that retains pages between engines
+        self.retained: dict[str, list[tuple[int, int]]] = {}  # and where: file -> registered page ranges
 
     def hello(self, deadline: float | None) -> str:
         """The helper's first answer: ``ready`` (speaking this protocol), ``busy``, ``protocol N`` or why not."""
@@ -167,6 +206,7 @@ class ServiceSession:
         if reply.get("ready") is True:
             retained = reply.get("retained_bytes")
             self.retained_bytes = retained if isinstance(retained, int) and not isinstance(retained, bool) else None
+            self.retained = _ranges(reply.get("retained"))
             return "ready" if reply.get("protocol") == PROTOCOL else f"protocol {reply.get('protocol')!r}"
         return str(reply.get("error") or f"unexpected answer {reply!r}")
 
@@ -300,6 +340,59 @@ class HelperService:
     script: Path = _HELPER
     helpers: list[ServiceHelper] = field(default_factory=list)
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+
+    def preload(self, files: Sequence[str | Path], window_mib: int = 256) -> dict[int, int]:
+        """Page-lock ``files`` in every served GPU's helpers now (``retain_mib`` must be set), so that even the
+        first engine of that bundle copies without page-locking; GPU -> bytes retained. The files' pages are
+        read into the page cache on the way. Raises :class:`ServiceError` when nothing could be retained."""
+        if not self.retain_mib:
+            raise ServiceError("preloading needs helpers that retain pages: give a budget (--retain-gib)")
+        sizes = []
+        for f in files:
+            try:
+                sizes.append((str(Path(f).resolve()), Path(f).stat().st_size))
+            except OSError as e:
+                raise ServiceError(f"cannot preload {f}: {e.strerror or e}") from None
+        done: dict[int, int] = {}
+        problems: list[str] = []
+        lock = threading.Lock()
+
+        def one(h: ServiceHelper, line: list[dict]) -> None:
+            try:
+                session = ServiceSession(h.socket)  # type: ignore[arg-type]
+            except OSError as e:
+                with lock:
+                    problems.append(f"GPU {h.device} helper {h.slot}: {e}")
+                return
+            try:
+                state = session.hello(time.monotonic() + _READY_TIMEOUT_S)
+                reply = {"error": state} if state != "ready" else None
+                if reply is None:
+                    session.send({"retain": line})
+                    reply = read_reply(session.rfile, None, session.gone_why)
+                    session.end()
+                with lock:
+                    if "ok" in reply:
+                        done[h.device] = done.get(h.device, 0) + int(reply["ok"])
+                    else:
+                        problems.append(f"GPU {h.device} helper {h.slot}: {reply.get('error')}")
+            finally:
+                session.wait_gone()
+
+        threads = []
+        for device in self.devices:
+            mine = [h for h in self.helpers if h.device == device and h.socket is not None and h.proc.poll() is None]
+            for h, line in zip(mine, preload_shares(sizes, window_mib << 20, len(mine)), strict=False):
+                threads.append(threading.Thread(target=one, args=(h, line), name="preload"))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for line in problems:
+            self.log(f"marlin-pack helpers: preload: {line}")
+        if not any(done.values()):
+            raise ServiceError(f"nothing preloaded ({problems[0] if problems else 'no helper ready'})")
+        return done
 
     def _argv(self, device: int, slot: int) -> list[str]:
         return [

@@ -120,14 +120,16 @@ def test_processes_mode_copies_several_files_in_one_job_per_helper(
             assert torch.equal(out[name].cpu(), t), name
 
 
-@pytest.mark.parametrize("retain_mib", [0, 64])
+@pytest.mark.parametrize(("retain_mib", "preload"), [(0, False), (64, False), (64, True)], ids=["plain", "retain", "preload"])
 def test_service_helpers_copy_every_byte_engine_after_engine(
-    tensor_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, retain_mib: int
+    tensor_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, retain_mib: int, preload: bool
 ) -> None:
     """``marlin-pack helpers``: pools in a row (engines' loads) take the service's helpers, which copy every
     byte (nothing left to this process), are ready at once and go on serving; stopping the service removes
     its sockets. ``retain_mib``: the second pool finds the file's pages still registered (its helpers
-    say so); then the file is rewritten (renamed over) and the third pool gets the new bytes."""
+    say so); then the file is rewritten (renamed over) and the third pool gets the new bytes. ``preload``:
+    the file is page-locked before the first pool, whose windows (cut inside the preloaded blocks) are then
+    all held: no helper retains more after it."""
     import tempfile
 
     from marlin_pack.vllm_plugin.copy_helpers import HelperPool
@@ -141,6 +143,9 @@ def test_service_helpers_copy_every_byte_engine_after_engine(
     service.start()
     try:
         assert all(h.uuid is not None for h in service.helpers)
+        if preload:
+            assert sum(service.preload([file]).values()) >= file.stat().st_size
+        before = None
         for round_ in range(3):
             if round_ == 2:  # a rewritten bundle: other bytes under the same name
                 new = tmp_path / "new.safetensors"
@@ -155,7 +160,10 @@ def test_service_helpers_copy_every_byte_engine_after_engine(
                 assert pool.ready_after is not None and pool.ready_after < 0.2
                 assert r.modes_used == {"processes"}
                 if retain_mib:
-                    assert (pool.retained_bytes or 0) > 0 if round_ > 0 else pool.retained_bytes == 0
+                    assert (pool.retained_bytes or 0) > 0 if round_ > 0 or preload else pool.retained_bytes == 0
+                    if preload and round_ == 1:
+                        assert pool.retained_bytes == before  # the first pool's windows were all held already
+                    before = pool.retained_bytes
                 else:
                     assert pool.retained_bytes is None
             assert n == sum(i.nbytes for i in header.tensors.values())

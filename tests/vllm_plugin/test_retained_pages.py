@@ -15,6 +15,7 @@ import socket
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from typer.testing import CliRunner
 from marlin_pack.cli import app
 from marlin_pack.vllm_plugin import copy_helper_main, helper_service
 from marlin_pack.vllm_plugin.copy_helper_main import PROTOCOL, Helper, Settings, bind_listener, serve
-from marlin_pack.vllm_plugin.helper_service import HelperService, HelperState, service_status
+from marlin_pack.vllm_plugin.copy_helpers import shares_by_affinity
+from marlin_pack.vllm_plugin.helper_service import HelperService, HelperState, ServiceHelper, preload_shares, service_status
 
 PAGE = mmap.PAGESIZE
 
@@ -202,9 +204,10 @@ def test_a_retaining_service_helper_says_what_it_holds(sock_dir: Path, tmp_path:
     listener = bind_listener(str(path))
     threading.Thread(target=serve, args=(helper, listener), daemon=True).start()
     try:
-        for retained in (0, size):
+        where = [[os.path.realpath(file), [[lo, lo + 2 * PAGE] for lo in range(0, size, 2 * PAGE)]]]
+        for retained, ranges in ((0, []), (size, where)):
             conn = _Conn(path)
-            assert conn.hear() == {"ready": True, "protocol": PROTOCOL, "retained_bytes": retained}
+            assert conn.hear() == {"ready": True, "protocol": PROTOCOL, "retained_bytes": retained, "retained": ranges}
             ctypes.memset(destination, 0, size)
             conn.say(_job(file, size, 2))
             assert conn.hear() == {"ok": size}
@@ -249,3 +252,116 @@ def test_without_a_budget_nothing_is_retained(tmp_path: Path, monkeypatch: pytes
     assert helper.retained == {} and helper.cu.registered == {} and _registers(helper) == 8  # type: ignore[attr-defined]
     assert _open_fds() == fds
     assert copy_helper_main.Settings(0).retain_bytes == 0
+
+
+def test_preloaded_blocks_hold_every_window_cut_inside_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``retain`` (what ``--preload`` sends): blocks page-locked before any engine; an engine's windows of the
+    same size (cut inside them, whatever tensors they hold) are then copied without page-locking."""
+    size = 13 * PAGE + 50
+    path = tmp_path / "rank.bin"
+    path.write_bytes(data := _data(9, size))
+    destination = ctypes.create_string_buffer(size)
+    helper = fake_helper(monkeypatch, Settings(0, defer_unregister=True, retain_bytes=1 << 30), destination)
+    blocks = [[lo, min(lo + 4 * PAGE, size)] for lo in range(0, size, 4 * PAGE)]
+    assert helper.retain([{"file": str(path), "ranges": blocks}]) == 13 * PAGE + PAGE  # the last page whole
+    assert helper.retain([{"file": str(path), "ranges": blocks}]) == 0  # held already
+    registered = _registers(helper)
+    job = _job(path, size, 4)
+    for w in job["parts"][0]["windows"]:  # windows narrower than their block: a header before, nothing after
+        w[0] = w[0] + 100
+        w[2] = [[w[0], w[1] - w[0], 0, w[0]]]
+    ctypes.memset(destination, 0, size)
+    assert _run(helper, job) == sum(w[1] - w[0] for w in job["parts"][0]["windows"])
+    assert destination.raw[100 : 4 * PAGE] == data[100 : 4 * PAGE] and destination.raw[-50:] == data[-50:]
+    assert _registers(helper) == registered
+
+
+def test_preload_stops_at_the_budget_and_needs_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "rank.bin"
+    path.write_bytes(_data(10, 8 * PAGE))
+    helper = fake_helper(monkeypatch, Settings(0, retain_bytes=3 * PAGE), ctypes.create_string_buffer(1))
+    assert helper.retain([{"file": str(path), "ranges": [[0, 2 * PAGE], [2 * PAGE, 4 * PAGE], [4 * PAGE, 8 * PAGE]]}]) == 2 * PAGE
+    assert helper.retained_bytes() == 2 * PAGE == sum(helper.cu.registered.values())  # type: ignore[attr-defined]
+    plain = fake_helper(monkeypatch, Settings(0), ctypes.create_string_buffer(1))
+    with pytest.raises(ValueError, match="retains nothing"):
+        plain.retain([{"file": str(path), "ranges": [[0, PAGE]]}])
+
+
+def test_preload_shares_cut_files_into_blocks_and_contiguous_equal_shares() -> None:
+    mib = 1 << 20
+    lines = preload_shares([("/b/rank-0", 10 * mib + 5), ("/b/common", 3 * mib)], 4 * mib, 2)
+    assert lines == [
+        [{"file": "/b/rank-0", "ranges": [[0, 4 * mib], [4 * mib, 8 * mib]]}],
+        [{"file": "/b/rank-0", "ranges": [[8 * mib, 10 * mib + 5]]}, {"file": "/b/common", "ranges": [[0, 3 * mib]]}],
+    ]
+    assert len(preload_shares([("/f", mib)], 4 * mib, 4)) == 1  # fewer blocks than helpers: fewer lines
+    assert preload_shares([], 4 * mib, 2) == []
+
+
+class _W:
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi, self.pieces = lo, hi, [(lo, hi - lo, None)]
+
+
+def test_windows_go_to_the_helper_that_holds_them() -> None:
+    windows = [_W(k * 4 * PAGE, (k + 1) * 4 * PAGE) for k in range(8)]
+    files = ["/b/rank-0"] * 8
+    # Nothing held: contiguous shares by bytes, the caller's the tail.
+    runs, mine = shares_by_affinity(windows, files, [{}, {}], 2, own=True)
+    assert (runs, mine) == ([windows[:3], windows[3:6]], windows[6:])
+    # Helper 1 holds windows 0-3 (in one block), helper 0 holds 6: each gets its own; of the rest (4, 5, 7)
+    # the caller takes the tail and the helper holding less the others, towards equal bytes, in file order.
+    held = [{"/b/rank-0": [(6 * 4 * PAGE, 7 * 4 * PAGE)]}, {"/b/rank-0": [(0, 16 * PAGE)], "/other": [(0, 1 << 30)]}]
+    runs, mine = shares_by_affinity(windows, files, held, 2, own=True)
+    assert runs == [[windows[4], windows[6]], windows[:4]] and mine == [windows[5], windows[7]]
+    # No caller's share, two held by each of three helpers but none by the fourth: it gets the rest.
+    held = [{"/b/rank-0": [(lo, lo + 8 * PAGE)]} for lo in (0, 8 * PAGE, 16 * PAGE)] + [{}]
+    runs, mine = shares_by_affinity(windows, files, held, 4, own=False)
+    assert runs == [windows[0:2], windows[2:4], windows[4:6], windows[6:8]] and mine == []
+    # A window only partly inside a held range is not held.
+    runs, mine = shares_by_affinity(windows[:1], files[:1], [{"/b/rank-0": [(0, 2 * PAGE)]}], 1, own=False)
+    assert (runs, mine) == ([windows[:1]], [])
+
+
+def test_the_service_preloads_through_its_helpers_and_engines_find_the_pages(
+    sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = 9 * PAGE
+    file = tmp_path / "rank.bin"
+    file.write_bytes(data := _data(11, size))
+    destination = ctypes.create_string_buffer(size)
+    helper = fake_helper(monkeypatch, Settings(0, defer_unregister=True, retain_bytes=1 << 30), destination)
+    path = sock_dir / f"{helper.uuid()}.0.sock"
+    listener = bind_listener(str(path))
+    threading.Thread(target=serve, args=(helper, listener), daemon=True).start()
+    service = HelperService([0], processes=1, directory=sock_dir, retain_mib=1024, log=lambda line: None)
+    alive = types.SimpleNamespace(poll=lambda: None)
+    service.helpers = [ServiceHelper(0, 0, [], alive, socket=path, uuid=helper.uuid())]  # type: ignore[arg-type]
+    try:
+        assert service.preload([file], window_mib=1) == {0: size}
+        registered = _registers(helper)
+        assert registered == 1  # one block of 1 MiB holds the whole file
+        conn = _Conn(path)
+        hello = conn.hear()
+        assert hello is not None and hello["retained"] == [[os.path.realpath(file), [[0, size]]]]
+        conn.say(_job(file, size, 2))
+        assert conn.hear() == {"ok": size} and destination.raw == data
+        conn.say({"end": True})
+        assert conn.hear() == {"closed": True}
+        conn.close()
+        assert _registers(helper) == registered  # the engine's copy page-locked nothing
+        with pytest.raises(helper_service.ServiceError, match="cannot preload"):
+            service.preload([tmp_path / "missing.bin"])
+    finally:
+        listener.close()
+    with pytest.raises(helper_service.ServiceError, match="--retain-gib"):
+        HelperService([0]).preload([file])
+
+
+def test_preload_on_the_command_line(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    r = CliRunner().invoke(app, ["helpers", "--preload", str(tmp_path / "empty")])
+    assert r.exit_code == 1 and "no *.safetensors file" in str(r.exception)
+    (tmp_path / "rank-0.safetensors").write_bytes(b"x")
+    r = CliRunner().invoke(app, ["helpers", "--preload", str(tmp_path)])
+    assert r.exit_code == 1 and "--retain-gib" in str(r.exception)
