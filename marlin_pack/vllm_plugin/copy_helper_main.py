@@ -29,10 +29,13 @@ Options, fixed for the helper's life:
     a service helper keeps up to M MiB of the windows it registered page-locked after its
     sessions, with their files' maps: a later engine loading the same bundle has those windows
     copied at once, without page-locking them again (the page cache's pages stay pinned in host
-    memory meanwhile, which is why it is off unless asked). A kept file is let go when it changes
-    (another inode, size or time: a rewritten bundle), is deleted, or, when a session's windows
-    did not fit, was not used by that session (the latest bundle then takes the room); each
-    check runs as a session ends, after the engine was answered, and again before a job.
+    memory meanwhile, which is why it is off unless asked). A retained file is let go when it
+    changes (another inode, size or time: a rewritten bundle), is deleted, is read in windows cut
+    otherwise, or, when a session's windows did not fit, was not used by that session (the latest
+    bundle then takes the room); each check runs as a session ends, after the engine was
+    answered, and again before a job. The ready line lists what is retained, so that an engine
+    hands those windows to this helper; a ``retain`` line (``marlin-pack helpers --preload``)
+    page-locks ranges before any engine asks.
 ``--listen DIR --slot K``
     a service helper: it binds the Unix socket ``DIR/<GPU UUID>.K.sock`` and serves one engine
     (one connection of the same user) at a time, each a *session* of the protocol below, until
@@ -63,6 +66,8 @@ Protocol, one JSON object per line:
   until the one reply;
 * helper -> parent, per job: ``{"ok": BYTES}`` once every copy has completed, or ``{"error": ...}``.
 
+* service -> service helper (``--preload``): ``{"retain": [{"file": PATH, "ranges": [[LO, HI], ...]}, ...]}``,
+  answered ``{"ok": BYTES}`` (newly retained) once they are page-locked;
 * parent -> helper: ``{"end": true}``, answered ``{"closed": true}`` once its IPC mappings are closed
   (a service helper, which goes on serving; a helper of its own engine exits at the end of its input).
 
@@ -263,7 +268,8 @@ class Helper:
 
     def _job(self, job: dict) -> int:
         parts = job["parts"]
-        files = {part["file"] for part in parts}
+        # As given and as a retained map names them (its windows past the budget are among the released).
+        files = {part["file"] for part in parts} | {os.path.realpath(part["file"]) for part in parts}
         releasing, self.releasing = self.releasing, None
         if releasing is not None and releasing[0] & files:
             releasing[1].join()  # the same file's pages again: pinned through one map at a time
@@ -530,6 +536,9 @@ class Helper:
         copies from is released under it.
         """
         with self.job_lock:
+            releasing, self.releasing = self.releasing, None
+            if releasing is not None:
+                releasing[1].join()  # windows past the budget lie in retained maps too: unregistered before an unmap
             with self.retain_lock:
                 overflowed, self.overflowed = self.overflowed, False
                 gone = []

@@ -365,3 +365,31 @@ def test_preload_on_the_command_line(tmp_path: Path) -> None:
     (tmp_path / "rank-0.safetensors").write_bytes(b"x")
     r = CliRunner().invoke(app, ["helpers", "--preload", str(tmp_path)])
     assert r.exit_code == 1 and "--retain-gib" in str(r.exception)
+
+
+def test_a_file_named_through_a_link_is_one_retained_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retained files are keyed by their real path: an engine naming the bundle through a link shares the
+    entry, and its windows past the budget (deferred, unregistering on a slow thread) are released before
+    the next job registers them again in the same map."""
+    size = 8 * PAGE
+    real = tmp_path / "real.bin"
+    real.write_bytes(data := _data(12, size))
+    link = tmp_path / "link.bin"
+    link.symlink_to(real)
+    destination = ctypes.create_string_buffer(size)
+    helper = fake_helper(monkeypatch, Settings(0, defer_unregister=True, retain_bytes=4 * PAGE), destination)
+    driver = helper.cu
+
+    def slow(name: str, *args: object) -> None:
+        if name == "cuMemHostUnregister":
+            time.sleep(0.05)
+        driver(name, *args)
+
+    helper.cu = slow  # type: ignore[assignment]
+    for path in (link, link, real):
+        ctypes.memset(destination, 0, size)
+        assert helper.job(_job(path, size, 2)) == size and destination.raw == data
+        helper.unregister_kept()  # not waited for: the next job must wait for it itself
+    assert list(helper.retained) == [os.path.realpath(real)] and helper.retained_bytes() == 4 * PAGE
+    assert helper.let_go() == 0  # waits for the last unregistering
+    assert sum(driver.registered.values()) == 4 * PAGE  # type: ignore[attr-defined]
