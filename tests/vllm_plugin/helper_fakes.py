@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import json
+import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +62,25 @@ def fake_helper(monkeypatch: pytest.MonkeyPatch, settings: object, destination: 
     helper.cu = driver  # type: ignore[assignment]
     helper._keep = buffers  # type: ignore[attr-defined]
     return helper
+
+
+class Conn:
+    """An engine's side of a service helper's socket, line by line (for tests that speak the protocol)."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.sock.settimeout(10)
+        self.r, self.w = self.sock.makefile("r"), self.sock.makefile("w")
+
+    def say(self, obj: dict) -> None:
+        self.w.write(json.dumps(obj) + "\n")
+        self.w.flush()
+
+    def hear(self) -> dict | None:
+        line = self.r.readline()
+        return json.loads(line) if line else None
+
+    def close(self) -> None:
+        for f in (self.r, self.w, self.sock):
+            f.close()

@@ -5,14 +5,11 @@ life. The copies themselves are checked on a GPU (tests/gpu/test_gpu_reader_gpu.
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -22,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helper_fakes import fake_helper
+from helper_fakes import Conn, fake_helper
 from typer.testing import CliRunner
 
 from marlin_pack.cli import app
@@ -33,16 +30,6 @@ from marlin_pack.vllm_plugin.helper_service import HelperService, ServiceError, 
 from marlin_pack.vllm_plugin.options import parse_extra_config
 
 DATA = bytes(range(256)) * 64  # 16 KiB: four pages
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short private directory (a Unix socket path holds 107 bytes; pytest's tmp_path can be longer)."""
-    d = Path(tempfile.mkdtemp(prefix="mph-", dir="/tmp"))  # mode 0700
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @dataclass
@@ -77,26 +64,6 @@ def _job(file: Path) -> dict:
     return {"parts": [{"file": str(file), "windows": windows}], "handles": ["00" * 64], "threads": 2}
 
 
-class _Conn:
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(str(path))
-        self.sock.settimeout(10)
-        self.r, self.w = self.sock.makefile("r"), self.sock.makefile("w")
-
-    def say(self, obj: dict) -> None:
-        self.w.write(json.dumps(obj) + "\n")
-        self.w.flush()
-
-    def hear(self) -> dict | None:
-        line = self.r.readline()
-        return json.loads(line) if line else None
-
-    def close(self) -> None:
-        for f in (self.r, self.w, self.sock):
-            f.close()
-
-
 def _wait_until(condition, timeout: float = 10.0) -> bool:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while not condition():
@@ -107,9 +74,9 @@ def _wait_until(condition, timeout: float = 10.0) -> bool:  # noqa: ANN001
 
 
 def test_a_service_helper_serves_one_engine_at_a_time_and_unmaps_it_at_the_end(served: _Served) -> None:
-    first = _Conn(served.path)
+    first = Conn(served.path)
     assert first.hear() == {"ready": True, "protocol": PROTOCOL}
-    second = _Conn(served.path)
+    second = Conn(served.path)
     assert second.hear() == {"error": "busy"}  # a session runs: told at once, not kept waiting
     assert second.hear() is None
     second.close()
@@ -123,7 +90,7 @@ def test_a_service_helper_serves_one_engine_at_a_time_and_unmaps_it_at_the_end(s
     first.close()
     # The next engine: a session of its own; this one goes away without "end" (its process died).
     ctypes.memset(served.destination, 0, len(DATA))
-    third = _Conn(served.path)
+    third = Conn(served.path)
     assert third.hear() == {"ready": True, "protocol": PROTOCOL}
     third.say(_job(served.file))
     assert third.hear() == {"ok": len(DATA)}
@@ -134,7 +101,7 @@ def test_a_service_helper_serves_one_engine_at_a_time_and_unmaps_it_at_the_end(s
 
 
 def test_a_service_helper_answers_a_bad_job_and_goes_on(served: _Served, tmp_path: Path) -> None:
-    conn = _Conn(served.path)
+    conn = Conn(served.path)
     assert conn.hear() == {"ready": True, "protocol": PROTOCOL}
     conn.say(_job(tmp_path / "missing.bin"))
     reply = conn.hear()
@@ -156,7 +123,7 @@ def test_a_failed_cuda_call_ends_the_service_helper_after_its_session(served: _S
             raise copy_helper_main.CudaError("cuMemcpyHtoDAsync failed with CUDA error 700")
         driver(name, *args)
 
-    conn = _Conn(served.path)
+    conn = Conn(served.path)
     assert conn.hear() == {"ready": True, "protocol": PROTOCOL}
     served.helper.cu = failing  # type: ignore[assignment]
     conn.say(_job(served.file))
@@ -171,7 +138,7 @@ def test_a_failed_cuda_call_ends_the_service_helper_after_its_session(served: _S
 
 def test_a_service_helper_serves_no_other_user(served: _Served, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(copy_helper_main, "peer_uid", lambda conn: os.getuid() + 1)
-    conn = _Conn(served.path)
+    conn = Conn(served.path)
     assert conn.hear() is None  # closed without a word: no session, no job
     conn.close()
 
@@ -239,7 +206,7 @@ def test_a_pool_takes_the_service_helpers_and_leaves_them_serving(served: _Serve
         assert pool.ready() == 1  # the service's one helper, whatever count said
     assert served.destination.raw == DATA
     assert served.helper.opened == {}  # closed before close() returned
-    again = _Conn(served.path)
+    again = Conn(served.path)
     assert again.hear() == {"ready": True, "protocol": PROTOCOL}  # still serving
     again.close()
 
@@ -261,7 +228,7 @@ def test_a_pool_starts_its_own_helpers_past_a_stale_busy_or_older_service(
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(sock_dir / "GPU-00000000-0000-0000-0000-000000000000.1.sock"))
     stale.close()
-    busy = _Conn(served.path)  # another engine holds the one live helper
+    busy = Conn(served.path)  # another engine holds the one live helper
     assert busy.hear() == {"ready": True, "protocol": PROTOCOL}
     with caplog.at_level(logging.WARNING, logger="vllm.marlin_pack"):
         pool = _pool(monkeypatch, sock_dir, served.destination, script=_own_helper_script(tmp_path))
@@ -415,7 +382,7 @@ def test_status_tells_ready_busy_and_stale_helpers_apart(served: _Served, sock_d
     uuid = "GPU-00000000-0000-0000-0000-000000000000"
     assert service_status(sock_dir) == [(uuid, 0, "ready", None), (uuid, 1, "stale", None)]
     assert _wait_until(lambda: not served.helper.opened)  # the probe's session ended
-    busy = _Conn(served.path)
+    busy = Conn(served.path)
     assert busy.hear() == {"ready": True, "protocol": PROTOCOL}
     assert service_status(sock_dir)[0] == (uuid, 0, "busy", None)
     busy.close()

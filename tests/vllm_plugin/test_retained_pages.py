@@ -7,20 +7,17 @@ tests/gpu/test_gpu_reader_gpu.py."""
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
-import shutil
-import socket
-import tempfile
 import threading
 import time
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helper_fakes import fake_helper
+from helper_fakes import Conn, fake_helper
 from typer.testing import CliRunner
 
 from marlin_pack.cli import app
@@ -165,36 +162,18 @@ def _later_than_every_use(helper: Helper) -> float:
     return stamp
 
 
+@dataclass
+class _Served:
+    helper: Helper
+    path: Path  # its socket
+    destination: ctypes.Array
+    file: Path
+    data: bytes
+
+
 @pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="mpr-", dir="/tmp"))  # short: a Unix socket path holds 107 bytes
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-class _Conn:
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(str(path))
-        self.sock.settimeout(10)
-        self.r, self.w = self.sock.makefile("r"), self.sock.makefile("w")
-
-    def say(self, obj: dict) -> None:
-        self.w.write(json.dumps(obj) + "\n")
-        self.w.flush()
-
-    def hear(self) -> dict | None:
-        line = self.r.readline()
-        return json.loads(line) if line else None
-
-    def close(self) -> None:
-        for f in (self.r, self.w, self.sock):
-            f.close()
-
-
-def test_a_retaining_service_helper_says_what_it_holds(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def served(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Served]:
+    """A retaining service helper (CUDA faked) listening in ``sock_dir``, and an 8-page file for it to copy."""
     size = 8 * PAGE
     file = tmp_path / "rank.bin"
     file.write_bytes(data := _data(7, size))
@@ -204,24 +183,29 @@ def test_a_retaining_service_helper_says_what_it_holds(sock_dir: Path, tmp_path:
     listener = bind_listener(str(path))
     threading.Thread(target=serve, args=(helper, listener), daemon=True).start()
     try:
-        where = [[os.path.realpath(file), [[lo, lo + 2 * PAGE] for lo in range(0, size, 2 * PAGE)]]]
-        for retained, ranges in ((0, []), (size, where)):
-            conn = _Conn(path)
-            assert conn.hear() == {"ready": True, "protocol": PROTOCOL, "retained_bytes": retained, "retained": ranges}
-            ctypes.memset(destination, 0, size)
-            conn.say(_job(file, size, 2))
-            assert conn.hear() == {"ok": size}
-            assert destination.raw == data
-            conn.say({"end": True})
-            assert conn.hear() == {"closed": True}
-            conn.close()
-        assert _registers(helper) == 4  # the second engine's copy page-locked nothing
-        assert service_status(sock_dir) == [HelperState(helper.uuid(), 0, "ready", size)]
-        monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(sock_dir))
-        r = CliRunner().invoke(app, ["helpers", "--status"])
-        assert r.exit_code == 0 and f"{size / 2**30:.2f} GiB" in r.output, r.output
+        yield _Served(helper, path, destination, file, data)
     finally:
         listener.close()
+
+
+def test_a_retaining_service_helper_says_what_it_holds(served: _Served, sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    helper, file, size = served.helper, served.file, len(served.data)
+    where = [[os.path.realpath(file), [[lo, lo + 2 * PAGE] for lo in range(0, size, 2 * PAGE)]]]
+    for retained, ranges in ((0, []), (size, where)):
+        conn = Conn(served.path)
+        assert conn.hear() == {"ready": True, "protocol": PROTOCOL, "retained_bytes": retained, "retained": ranges}
+        ctypes.memset(served.destination, 0, size)
+        conn.say(_job(file, size, 2))
+        assert conn.hear() == {"ok": size}
+        assert served.destination.raw == served.data
+        conn.say({"end": True})
+        assert conn.hear() == {"closed": True}
+        conn.close()
+    assert _registers(helper) == 4  # the second engine's copy page-locked nothing
+    assert service_status(sock_dir) == [HelperState(helper.uuid(), 0, "ready", size)]
+    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(sock_dir))
+    r = CliRunner().invoke(app, ["helpers", "--status"])
+    assert r.exit_code == 0 and f"{size / 2**30:.2f} GiB" in r.output, r.output
 
 
 def test_retain_reaches_each_helper_as_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -323,37 +307,25 @@ def test_windows_go_to_the_helper_that_holds_them() -> None:
     assert (runs, mine) == ([windows[:1]], [])
 
 
-def test_the_service_preloads_through_its_helpers_and_engines_find_the_pages(
-    sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    size = 9 * PAGE
-    file = tmp_path / "rank.bin"
-    file.write_bytes(data := _data(11, size))
-    destination = ctypes.create_string_buffer(size)
-    helper = fake_helper(monkeypatch, Settings(0, defer_unregister=True, retain_bytes=1 << 30), destination)
-    path = sock_dir / f"{helper.uuid()}.0.sock"
-    listener = bind_listener(str(path))
-    threading.Thread(target=serve, args=(helper, listener), daemon=True).start()
+def test_the_service_preloads_through_its_helpers_and_engines_find_the_pages(served: _Served, sock_dir: Path, tmp_path: Path) -> None:
+    helper, file, size = served.helper, served.file, len(served.data)
     service = HelperService([0], processes=1, directory=sock_dir, retain_mib=1024, log=lambda line: None)
     alive = types.SimpleNamespace(poll=lambda: None)
-    service.helpers = [ServiceHelper(0, 0, [], alive, socket=path, uuid=helper.uuid())]  # type: ignore[arg-type]
-    try:
-        assert service.preload([file], window_mib=1) == {0: size}
-        registered = _registers(helper)
-        assert registered == 1  # one block of 1 MiB holds the whole file
-        conn = _Conn(path)
-        hello = conn.hear()
-        assert hello is not None and hello["retained"] == [[os.path.realpath(file), [[0, size]]]]
-        conn.say(_job(file, size, 2))
-        assert conn.hear() == {"ok": size} and destination.raw == data
-        conn.say({"end": True})
-        assert conn.hear() == {"closed": True}
-        conn.close()
-        assert _registers(helper) == registered  # the engine's copy page-locked nothing
-        with pytest.raises(helper_service.ServiceError, match="cannot preload"):
-            service.preload([tmp_path / "missing.bin"])
-    finally:
-        listener.close()
+    service.helpers = [ServiceHelper(0, 0, [], alive, socket=served.path, uuid=helper.uuid())]  # type: ignore[arg-type]
+    assert service.preload([file], window_mib=1) == {0: size}
+    registered = _registers(helper)
+    assert registered == 1  # one block of 1 MiB holds the whole file
+    conn = Conn(served.path)
+    hello = conn.hear()
+    assert hello is not None and hello["retained"] == [[os.path.realpath(file), [[0, size]]]]
+    conn.say(_job(file, size, 2))
+    assert conn.hear() == {"ok": size} and served.destination.raw == served.data
+    conn.say({"end": True})
+    assert conn.hear() == {"closed": True}
+    conn.close()
+    assert _registers(helper) == registered  # the engine's copy page-locked nothing
+    with pytest.raises(helper_service.ServiceError, match="cannot preload"):
+        service.preload([tmp_path / "missing.bin"])
     with pytest.raises(helper_service.ServiceError, match="--retain-gib"):
         HelperService([0]).preload([file])
 
