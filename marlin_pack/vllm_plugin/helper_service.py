@@ -14,7 +14,7 @@ process's memory, before and after loading alike, so the KV cache is sized as wi
 
 With ``retain_mib`` (``marlin-pack helpers --retain-gib N``) the helpers also keep the bundle pages
 they page-locked for one engine registered for the next ones, up to that budget: a later start of the
-same bundle skips page-locking, the slow half of the copy. Those page-cache pages stay pinned in host
+same bundle skips page-locking, what keeps a copy below pinned speed. Those page-cache pages stay pinned in host
 memory while they are retained (see ``--retain-mib`` in :mod:`.copy_helper_main`).
 
 ``DIR`` is ``$MARLIN_PACK_HELPERS_DIR``, else ``$XDG_RUNTIME_DIR/marlin-pack-helpers``, else
