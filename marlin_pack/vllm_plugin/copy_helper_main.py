@@ -361,9 +361,7 @@ class Helper:
                 if retained is not None and retained.holds(lo, hi):
                     ptr = None  # registered by an earlier job and retained: nothing to pin, nothing to release
                 else:
-                    if self.populate and self.libc.madvise(ctypes.c_void_p(ptr), hi - lo, _MADV_POPULATE_READ) != 0:
-                        self.populate = False  # a kernel before 5.14: pinning faults the pages in itself
-                    cu("cuMemHostRegister", ctypes.c_void_p(ptr), ctypes.c_size_t(hi - lo), ctypes.c_uint(_REGISTER_FLAGS))
+                    self._pin(ptr, hi - lo)
                 event = ctypes.c_void_p()
                 try:
                     cu("cuEventCreate", ctypes.byref(event), ctypes.c_uint(0x2))  # CU_EVENT_DISABLE_TIMING
@@ -444,6 +442,15 @@ class Helper:
                 raise OSError(err, f"read at offset {offset + done}: {os.strerror(err) if got < 0 else 'end of file'}")
             done += got
 
+    def _pin(self, ptr: int, nbytes: int) -> None:
+        """Page-lock ``nbytes`` of a file map at ``ptr`` for copies (read-only), its page-table entries faulted in first."""
+        if self.populate and self.libc.madvise(ctypes.c_void_p(ptr), nbytes, _MADV_POPULATE_READ) != 0:
+            self.populate = False  # a kernel before 5.14: pinning faults the pages in itself
+        self.cu("cuMemHostRegister", ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), ctypes.c_uint(_REGISTER_FLAGS))
+
+    def _has_room(self, nbytes: int) -> bool:
+        return self.retained_bytes() + nbytes <= self.settings.retain_bytes
+
     def _retained_map(self, part: dict) -> _Map | None:
         """The map of ``part``'s file to use and retain (``--retain-mib``), or None: map it for this job only.
 
@@ -482,7 +489,7 @@ class Helper:
     def _retain(self, retained: _Retained, lo: int, hi: int) -> bool:
         """Retain the registration of ``[lo, hi)`` if the budget has room; False (and noted) when it has not."""
         with self.retain_lock:
-            if self.retained_bytes() + hi - lo > self.settings.retain_bytes:
+            if not self._has_room(hi - lo):
                 self.overflowed = True
                 return False
             retained.ranges.append((lo, hi))
@@ -508,12 +515,9 @@ class Helper:
                     lo, hi = _page_range(int(lo), min(int(hi), m.size), m.size)
                     if hi <= lo or retained.holds(lo, hi):
                         continue
-                    if self.retained_bytes() + hi - lo > self.settings.retain_bytes:
+                    if not self._has_room(hi - lo):
                         break
-                    ptr = m.addr + lo
-                    if self.populate and self.libc.madvise(ctypes.c_void_p(ptr), hi - lo, _MADV_POPULATE_READ) != 0:
-                        self.populate = False
-                    self.cu("cuMemHostRegister", ctypes.c_void_p(ptr), ctypes.c_size_t(hi - lo), ctypes.c_uint(_REGISTER_FLAGS))
+                    self._pin(m.addr + lo, hi - lo)
                     with self.retain_lock:
                         retained.ranges.append((lo, hi))
                     done += hi - lo
