@@ -97,6 +97,24 @@ def wrap(cls):
         return m
     cls.load_model = load_model
 wrap(BaseModelLoader); wrap(MarlinPrepackedLoader); wrap(IpcModelLoader)
+phases = {}  # an attach's steps inside load_model, seconds (where a first attach's time goes)
+if mode == 'ipc':
+    import vllm.model_executor.model_loader.weight_cache.ipc_loader as ipc
+    def timed(owner, name, label):
+        orig = getattr(owner, name)
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
+        setattr(owner, name, run)
+    for owner, name, label in ((IpcModelLoader, '_fetch_entries', 'fetch'), (ipc, 'initialize_model', 'construct'),
+                               (ipc, 'check_ipc_quant_support', 'quant_check'), (IpcModelLoader, '_apply_entries', 'map'),
+                               (ipc, 'process_weights_after_loading', 'post_process'),
+                               (ipc, '_materialize_remaining_meta_tensors', 'materialize'),
+                               (IpcModelLoader, '_watch_daemon', 'watch')):
+        timed(owner, name, label)
 from vllm import LLM, SamplingParams
 kw = dict(model=model, enforce_eager=True, max_model_len=512, attention_backend=attn, dtype='float16',
           skip_tokenizer_init=True, seed=0)
@@ -111,7 +129,8 @@ t = time.perf_counter()
 llm = LLM(**kw)
 start_s = time.perf_counter() - t
 out = llm.generate([{'prompt_token_ids': [1, 2, 3, 4]}], SamplingParams(max_tokens=4, temperature=0))
-print('RESULT ' + json.dumps({'engine_start_s': start_s, 'tokens': list(out[0].outputs[0].token_ids), **peak}))
+print('RESULT ' + json.dumps({'engine_start_s': start_s, 'tokens': list(out[0].outputs[0].token_ids), **peak,
+                              'phases': {k: round(v, 4) for k, v in phases.items()}}))
 """
 
 LOAD_RE = r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds"
@@ -218,6 +237,9 @@ def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profil
     # One line per engine as it ends, so a sitting cut short still shows the rows it finished.
     print(f"  {mode} engine: Model loading took {result['model_loading_s']} s, engine start {result['engine_start_s']:.2f} s; "
           f"{' | '.join(result['marlin_pack_log'][-1:])}", flush=True)
+    if result.get("phases"):
+        print(f"    load_model {result.get('load_model_s', 0):.3f} s: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in result["phases"].items()), flush=True)
     for x in result["marlin_pack_log"][:-1]:  # the copy's line and the helpers' exit
         if any(k in x for k in ("placed", "to exit")):
             print(f"    {x}", flush=True)
