@@ -12,9 +12,11 @@ durable write of as many bytes to the same disk: the bound of a conversion) into
 
 * ``ordinary``: vLLM's own loading of the checkpoint, Marlin forced;
 * ``prepacked``: ``--load-format marlin_prepacked``, once per ``--io`` loader configuration;
-* with ``--daemon FMT``: ``marlin-pack daemon`` filled from the bundle, then two engines with
-  ``--load-format ipc_cache`` attaching to it, one after the other; with ``--ablate construct,cache_key``
-  a third one without those patch modules of ``marlin_pack.vllm_plugin.patches`` (before/after in one sitting).
+* with ``--daemon FMT``: ``marlin-pack daemon`` filled from the bundle, then engines with
+  ``--load-format ipc_cache`` attaching to it, one after the other (``--attaches N``, 2 by default); with
+  ``--ablate construct,cache_key`` each is followed by one without those patch modules of
+  ``marlin_pack.vllm_plugin.patches`` (before/after side by side in one sitting). Each attach prints the
+  steps of its ``load_model`` (the daemon's answer, construction, mapping, post-processing).
 
 It prints vLLM's "Model loading took" seconds for each engine, the ratios to ordinary, the
 loader's own phase line, the daemon's fill time, the peak GPU memory torch allocated during
@@ -89,7 +91,8 @@ def wrap(cls):
         m = orig(self, *a, **k); torch.cuda.synchronize()
         if prof:
             prof.disable(); s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats('cumulative').print_stats(35)
+            pstats.Stats(prof, stream=s).sort_stats('cumulative').print_stats(45)
+            pstats.Stats(prof, stream=s).sort_stats('tottime').print_stats(30)
             print('PROFILE-BEGIN\n' + s.getvalue() + 'PROFILE-END', flush=True)
         peak['load_model_s'] = time.perf_counter() - t
         peak['peak_alloc_gb'] = torch.cuda.max_memory_allocated() / 1e9
@@ -265,10 +268,11 @@ def _wait_socket(proc: subprocess.Popen, sdir: Path, timeout: float = 600) -> bo
 
 
 def _daemon_rows(
-    model: Path, bundle: Path, attn: str, profile: bool, log_dir: Path, ablate: str = "", io: str = "{}", attach: bool = True
+    model: Path, bundle: Path, attn: str, profile: bool, log_dir: Path, ablate: str = "", io: str = "{}", attach: bool = True,
+    attaches: int = 2,
 ) -> dict:
-    """Fill a daemon from the bundle, then (``attach``) attach two ipc_cache engines one after the other (and,
-    with ``ablate``, a third without those marlin-pack patch modules)."""
+    """Fill a daemon from the bundle, then (``attach``) attach ``attaches`` ipc_cache engines one after the other
+    (with ``ablate``, each followed by one without those marlin-pack patch modules: pairs side by side)."""
     sdir = Path(tempfile.mkdtemp(prefix="mpb-", dir="/tmp"))
     log_path = log_dir / f"daemon-{model.name}.log"
     argv = [sys.executable, "-m", "marlin_pack.cli", "daemon", str(model), *DAEMON_FLAGS,
@@ -294,10 +298,13 @@ def _daemon_rows(
         if not attach:
             return rows
         extra = {"socket_dir": str(sdir), "fallback": False, "state_timeout_s": 600}
-        for k in (1, 2):
-            rows[f"attach{k}"] = _engine(model, "ipc", attn, extra, profile=profile and k == 2)
-        if ablate:
-            rows[f"attach3 without {ablate}"] = _engine(model, "ipc", attn, extra, ablate=ablate)
+        n = 0
+        for k in range(1, attaches + 1):
+            n += 1
+            rows[f"attach{n}"] = _engine(model, "ipc", attn, extra, profile=profile and k == 2)
+            if ablate:
+                n += 1
+                rows[f"attach{n} without {ablate}"] = _engine(model, "ipc", attn, extra, ablate=ablate)
         return rows
     finally:
         os.killpg(daemon.pid, signal.SIGTERM)
@@ -370,7 +377,9 @@ def main() -> None:
     ap.add_argument("--daemon", default="", help="formats (comma-separated) that also get the daemon rows")
     ap.add_argument("--no-ordinary", action="store_true", help="skip the ordinary engine")
     ap.add_argument("--profile", action="store_true", help="cProfile the prepacked and 2nd attach load_model")
-    ap.add_argument("--ablate", default="", help="patch modules (e.g. construct,cache_key) a 3rd attach engine runs without")
+    ap.add_argument("--ablate", default="", help="patch modules (e.g. construct,cache_key,prefetch) that an attach engine "
+                    "after each attach runs without")
+    ap.add_argument("--attaches", type=int, default=2, help="ipc_cache engines attached to the daemon, one after the other")
     ap.add_argument("--rounds", type=int, default=1, help="run every prepacked and daemon configuration this many times, "
                     "interleaved, and print each one's median and best")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and bundles (disk!)")
@@ -505,7 +514,7 @@ def _sitting(args: argparse.Namespace) -> None:
             for j, io in enumerate(daemon_ios):
                 attach = k == args.rounds - 1 and j == len(daemon_ios) - 1  # the attaches: the very last daemon
                 r = _daemon_rows(model, bundle, args.attention_backend, args.profile and attach, args.workdir,
-                                 args.ablate if attach else "", io=io, attach=attach)
+                                 args.ablate if attach else "", io=io, attach=attach, attaches=args.attaches)
                 rows[f"fill_s {io}{tag}"] = r.pop("fill_s")
                 rows[f"ready_s {io}{tag}"] = r.pop("ready_s")
                 rows.setdefault("daemon_log", []).extend(r.pop("daemon_log"))
