@@ -377,7 +377,7 @@ def main() -> None:
     ap.add_argument("--daemon", default="", help="formats (comma-separated) that also get the daemon rows")
     ap.add_argument("--no-ordinary", action="store_true", help="skip the ordinary engine")
     ap.add_argument("--profile", action="store_true", help="cProfile the prepacked and 2nd attach load_model")
-    ap.add_argument("--ablate", default="", help="patch modules (e.g. construct,cache_key,prefetch) that an attach engine "
+    ap.add_argument("--ablate", default="", help="patch modules (e.g. construct,cache_key) that an attach engine "
                     "after each attach runs without")
     ap.add_argument("--attaches", type=int, default=2, help="ipc_cache engines attached to the daemon, one after the other")
     ap.add_argument("--rounds", type=int, default=1, help="run every prepacked and daemon configuration this many times, "

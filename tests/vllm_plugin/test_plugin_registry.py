@@ -46,9 +46,6 @@ EXPECTED_TARGETS = {
     "vllm.model_executor.layers.quantization.utils.gptq_utils:is_layer_gptq_quantized",
     "vllm.model_executor.model_loader.reload.meta:_parameter_storage_ptrs",
     "vllm.model_executor.model_loader.weight_cache.protocol:filter_duplicate_safetensors_files",
-    "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader._state_for_key",
-    "vllm.model_executor.model_loader.weight_cache.ipc_loader:initialize_model",
-    "vllm.model_executor.model_loader.weight_cache.ipc_loader:check_ipc_quant_support",
 }
 
 

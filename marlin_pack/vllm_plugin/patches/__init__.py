@@ -9,8 +9,7 @@ loader builds a model it fills from a bundle.
 model loading for marlin-pack's start paths. ``construct``: vLLM's per-layer bookkeeping while it
 builds a model (GPTQ quant-config copies and quantized-module lookups, reload records) made
 cheap for those paths; ``cache_key``: likewise the checkpoint fingerprint of the weight cache's
-key. ``prefetch``: an ``ipc_cache`` engine asks the daemon for its tensors while it builds its
-model. ``registry``: install (version guarded, idempotent) and uninstall. Each patch names the
+key. ``registry``: install (version guarded, idempotent) and uninstall. Each patch names the
 upstream change that retires it.
 """
 
@@ -24,7 +23,6 @@ from marlin_pack.vllm_plugin.patches import (
     moe_post_processing,
     placeholders,
     post_processing,
-    prefetch,
     weight_cache,
 )
 from marlin_pack.vllm_plugin.patches.registry import Patch, installed, uninstall_all
@@ -40,7 +38,6 @@ PATCHES: tuple[Patch, ...] = (
     *gc_freeze.PATCHES,
     *construct.PATCHES,
     *cache_key.PATCHES,
-    *prefetch.PATCHES,
 )
 
 
