@@ -298,13 +298,10 @@ def _daemon_rows(
         if not attach:
             return rows
         extra = {"socket_dir": str(sdir), "fallback": False, "state_timeout_s": 600}
-        n = 0
         for k in range(1, attaches + 1):
-            n += 1
-            rows[f"attach{n}"] = _engine(model, "ipc", attn, extra, profile=profile and k == 2)
+            rows[f"attach{k}"] = _engine(model, "ipc", attn, extra, profile=profile and k == 2)
             if ablate:
-                n += 1
-                rows[f"attach{n} without {ablate}"] = _engine(model, "ipc", attn, extra, ablate=ablate)
+                rows[f"attach{k} without {ablate}"] = _engine(model, "ipc", attn, extra, ablate=ablate)
         return rows
     finally:
         os.killpg(daemon.pid, signal.SIGTERM)
