@@ -15,7 +15,8 @@ Each preset gets a *sparse* checkpoint (every safetensors header, no data:
 Variants run in their own processes, alternating ``--rounds`` times: ``before`` without the patch
 modules ``construct`` and ``cache_key`` of :mod:`marlin_pack.vllm_plugin.patches`, ``after`` with
 them; with ``--baseline-tree DIR`` (e.g. ``git archive <commit> marlin_pack | tar -x -C DIR``)
-``before`` imports that tree's marlin-pack instead. Per phase it prints the best first build of a
+``before`` imports that tree's marlin-pack instead (add ``--baseline-patches`` to keep all of that
+tree's patches installed: two trees compared as engines run them). Per phase it prints the best first build of a
 process (cold, like an engine's only build), the best build overall, and before:after.
 
 CPU stand-ins (this benchmark only): the quantization and kernel-selection modules see an SM90
@@ -177,6 +178,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="before/after process pairs, alternating (the best counts)")
     ap.add_argument("--profile", type=int, default=0, help="print the top N cumulative cProfile entries of one more build")
     ap.add_argument("--baseline-tree", type=Path, default=None, help="marlin-pack checkout to run as 'before'")
+    ap.add_argument("--baseline-patches", action="store_true",
+                    help="with --baseline-tree: 'before' keeps every patch of its tree (compares two trees)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the sparse checkpoints go (default: a temp dir)")
     ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -193,7 +196,9 @@ def main() -> None:
         for i in range(args.rounds):  # alternating, so that a busy spell of the machine hits both variants
             for variant, tree in trees.items():
                 profile = args.profile if i == args.rounds - 1 else 0
-                results[variant].append(_run_child("engine", model_dir, variant, args.repeats, profile, tree))
+                # cpu_engine.setup leaves out the construction patches for "before" only
+                as_variant = "after" if variant == "before" and args.baseline_patches else variant
+                results[variant].append(_run_child("engine", model_dir, as_variant, args.repeats, profile, tree))
         _report(preset, args.format, results)
 
 

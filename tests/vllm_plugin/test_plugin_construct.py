@@ -3,7 +3,8 @@
 * ``is_layer_gptq_quantized`` through the name index answers exactly as vLLM's own function
   (cases and a seeded random search over names, prefixes and fused mappings);
 * the quant-config copy is shallow only when ``override_config`` provably changes nothing;
-* the reload record skips parameter storage pointers only where vLLM never reads them;
+* the reload record skips parameter storage pointers only where vLLM never reads them, and
+  asks for the default device once per model, recording per module what vLLM records;
 * whole models (vLLM's real model classes, built on ``meta`` as an ``ipc_cache`` engine builds
   them) are the same with and without the patches: every module's type, quant method and its
   configuration, kernel, parameters (class, shape, dtype, attributes), buffers and reload
@@ -179,6 +180,54 @@ def test_storage_pointers_only_for_modules_with_non_persistent_buffers(active: N
     rotary.inner = torch.nn.Linear(2, 2)
     assert wrapped(plain) == set() and meta._parameter_storage_ptrs(plain)  # nothing reads them: not collected
     assert wrapped(rotary) == meta._parameter_storage_ptrs(rotary) != set()
+
+
+def _record_of(modules: list[torch.nn.Module]) -> list[Any]:
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return [_value((LAYERWISE_INFO[m].restore_metadata, LAYERWISE_INFO[m].restore_device)) for m in modules]
+
+
+def _tree() -> torch.nn.Module:
+    root = torch.nn.Module()
+    root.proj = torch.nn.Linear(3, 4)
+    root.proj.weight.extra = "kept"  # attributes ride along on the meta copies
+    root.rotary = torch.nn.Module()
+    root.rotary.register_buffer("cache", torch.zeros(2), persistent=False)
+    root.rotary.register_buffer("table", torch.ones(3))
+    return root
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_reload_record_is_vllms_with_the_device_asked_once(active: None, device: str) -> None:
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    original = layerwise.record_metadata_for_reloading
+    recorded = construct._record(original)
+    with torch.device(device):
+        stock, patched = _tree(), _tree()
+        original(stock)
+        before = len(layerwise.LAYERWISE_INFO)
+        recorded(patched)
+    assert len(layerwise.LAYERWISE_INFO) == before + len(list(patched.modules()))
+    assert _record_of(list(patched.modules())) == _record_of(list(stock.modules()))
+    assert layerwise.LAYERWISE_INFO[patched].restore_device == torch.device(device)
+    # A module vLLM already holds an entry for keeps that entry, updated (as get_layerwise_info does).
+    entry = layerwise.LAYERWISE_INFO[patched.proj]
+    entry.load_numel = 7
+    with torch.device("meta"):
+        recorded(patched)
+    assert layerwise.LAYERWISE_INFO[patched.proj] is entry and entry.load_numel == 7
+    assert entry.restore_device == torch.device("meta")
+
+
+def test_reload_record_inactive_is_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(construct, "fast_build_active", lambda: False)
+    calls: list[Any] = []
+    recorded = construct._record(calls.append)
+    model = torch.nn.Linear(2, 2)
+    recorded(model)
+    assert calls == [model]
 
 
 # --- whole models -----------------------------------------------------------------------------

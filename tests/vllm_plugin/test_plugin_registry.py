@@ -45,6 +45,7 @@ EXPECTED_TARGETS = {
     "vllm.model_executor.layers.quantization.auto_gptq:deepcopy",
     "vllm.model_executor.layers.quantization.utils.gptq_utils:is_layer_gptq_quantized",
     "vllm.model_executor.model_loader.reload.meta:_parameter_storage_ptrs",
+    "vllm.model_executor.model_loader.utils:record_metadata_for_reloading",
     "vllm.model_executor.model_loader.weight_cache.protocol:filter_duplicate_safetensors_files",
 }
 
