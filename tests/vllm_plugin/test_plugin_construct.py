@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import enum
 import functools
+import gc
 import json
 import random
 import types
@@ -204,12 +205,18 @@ def test_reload_record_is_vllms_with_the_device_asked_once(active: None, device:
 
     original = layerwise.record_metadata_for_reloading
     recorded = construct._record(original)
-    with torch.device(device):
-        stock, patched = _tree(), _tree()
-        original(stock)
-        before = len(layerwise.LAYERWISE_INFO)
-        recorded(patched)
-    assert len(layerwise.LAYERWISE_INFO) == before + len(list(patched.modules()))
+    # LAYERWISE_INFO is weak-keyed: a collection of earlier tests' models while counting would move the count.
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.device(device):
+            stock, patched = _tree(), _tree()
+            original(stock)
+            before = len(layerwise.LAYERWISE_INFO)
+            recorded(patched)
+        assert len(layerwise.LAYERWISE_INFO) == before + len(list(patched.modules()))
+    finally:
+        gc.enable()
     assert _record_of(list(patched.modules())) == _record_of(list(stock.modules()))
     assert layerwise.LAYERWISE_INFO[patched].restore_device == torch.device(device)
     # A module vLLM already holds an entry for keeps that entry, updated (as get_layerwise_info does).
