@@ -37,8 +37,8 @@ from typing import Protocol
 
 import torch
 
-from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, format_uuid
-from marlin_pack.vllm_plugin.helper_service import ServiceSession, find_sockets, read_reply
+from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL
+from marlin_pack.vllm_plugin.helper_service import ServiceSession, find_sockets, gpu_uuid, read_reply
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -137,13 +137,7 @@ class _CudaDriver:
 
     def uuid(self, ordinal: int) -> str:
         """The UUID of the device ``ordinal`` as the service helpers name their sockets."""
-        dev = ctypes.c_int()
-        raw = (ctypes.c_char * 16)()
-        # cuInit first: harmless where torch has initialised the driver, needed where nothing has yet.
-        err = self.lib.cuInit(0) or self.lib.cuDeviceGet(ctypes.byref(dev), ordinal) or self.lib.cuDeviceGetUuid_v2(raw, dev)
-        if err != 0:
-            raise RuntimeError(f"cuDeviceGetUuid failed with CUDA error {err}")
-        return format_uuid(bytes(raw))
+        return gpu_uuid(ordinal, self.lib)
 
     def ipc_handle(self, base: int) -> str:
         handle = (ctypes.c_char * 64)()
@@ -219,7 +213,8 @@ class HelperPool:
     ``staged``: staging threads per helper beside its registered ones (two pinned buffers of
     ``stage_mib`` MiB each, allocated as the helper starts); ``defer_unregister``: windows stay
     page-locked until the helper has answered; ``nice``: added to the helpers' niceness (see
-    :mod:`.copy_helper_main`).
+    :mod:`.copy_helper_main`); ``service_dir``: where to look for the service's sockets (default
+    :func:`.helper_service.socket_dir`; a weight-cache daemon's own service, :mod:`.daemon_preload`).
 
     Example:
         >>> with HelperPool(4, torch.cuda.current_device()) as pool:
@@ -238,8 +233,10 @@ class HelperPool:
         defer_unregister: bool = False,
         nice: int = 0,
         service: bool = True,
+        service_dir: Path | None = None,
     ) -> None:
         self.device_index = device_index
+        self._service_dir = service_dir  # where the service's sockets are (None: helper_service.socket_dir())
         self._args = [str(device_index), *(["--staged", str(staged), "--stage-mib", str(stage_mib)] if staged else []),
                       *(["--defer-unregister"] if defer_unregister else []), *(["--nice", str(nice)] if nice else [])]
         self._env = {**os.environ, **HELPER_ENV, **(env or {})}  # CUDA_* settings for the helpers only
@@ -276,7 +273,7 @@ class HelperPool:
         :attr:`failures`: the pool then starts helpers of its own.
         """
         try:
-            sockets = find_sockets(_CudaDriver().uuid(self.device_index))
+            sockets = find_sockets(_CudaDriver().uuid(self.device_index), self._service_dir)
         except Exception:  # noqa: BLE001 - no driver here: no service either
             return []
         usable: list[_Channel] = []

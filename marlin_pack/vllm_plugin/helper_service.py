@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from marlin_pack.errors import MarlinPackError
-from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, peer_uid
+from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, format_uuid, peer_uid
 
 __all__ = [
-    "HelperService", "HelperState", "ServiceError", "ServiceHelper", "ServiceSession", "device_count", "find_sockets",
+    "HelperService", "HelperState", "ServiceError", "ServiceHelper", "ServiceSession", "device_count", "find_sockets", "gpu_uuid",
     "preload_shares", "probe", "read_reply", "service_status", "socket_dir", "trusted_dir",
 ]
 
@@ -282,6 +282,23 @@ def service_status(directory: Path | None = None) -> list[HelperState]:
         if slot.isdigit():
             rows.append((uuid, int(slot), p))
     return [HelperState(uuid, slot, *probe(p)) for uuid, slot, p in sorted(rows)]
+
+
+def gpu_uuid(ordinal: int, lib: ctypes.CDLL | None = None) -> str:
+    """The UUID of the CUDA device ``ordinal`` as service helpers name their sockets (``lib``: ``libcuda.so.1``).
+
+    Raises :class:`RuntimeError` when the driver cannot say (no driver, no such device)."""
+    try:
+        lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise RuntimeError(f"no CUDA driver here ({e})") from None
+    dev = ctypes.c_int()
+    raw = (ctypes.c_char * 16)()
+    # cuInit first: harmless where torch has initialised the driver, needed where nothing has yet.
+    err = lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(dev), ordinal) or lib.cuDeviceGetUuid_v2(raw, dev)
+    if err != 0:
+        raise RuntimeError(f"cuDeviceGetUuid failed with CUDA error {err}")
+    return format_uuid(bytes(raw))
 
 
 def device_count() -> int:

@@ -47,7 +47,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
 from marlin_pack.errors import BundleError, MismatchField
 from marlin_pack.io.safetensors_io import TensorInfo
-from marlin_pack.vllm_plugin import patches
+from marlin_pack.vllm_plugin import daemon_preload, patches
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
 from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, plain_copy_target
 from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool, exits_in_background
@@ -288,11 +288,13 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
         if not uses_helpers(self.options.io_mode, lambda: bundle.rank_file, usable):
             return None
+        # A weight-cache daemon that page-locked its bundle as it started: that service's helpers copy it.
+        service_dir = daemon_preload.ready_service_dir() if self.options.io_helper_service else None
         return HelperPool(
             self.options.io_processes, torch.cuda.current_device(),
             staged=self.options.io_staged, stage_mib=self.options.io_stage_mib,
             defer_unregister=self._in_daemon_by_default(self.options.io_defer_unregister, helpers=True), nice=self.options.io_helper_nice,
-            service=self.options.io_helper_service,
+            service=self.options.io_helper_service, service_dir=service_dir,
         )
 
     @staticmethod

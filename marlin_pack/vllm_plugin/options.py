@@ -87,6 +87,10 @@ class LoaderOptions:
             so ``io_processes``, ``io_staged``, ``io_stage_mib``, ``io_defer_unregister`` and
             ``io_helper_nice`` do not apply to them); ``false`` always starts the engine's own.
             Default true; without a service the engine starts its own.
+        daemon_preload: in a weight-cache daemon (``vllm preload``, ``marlin-pack daemon``) of one GPU whose
+            fill copies with helpers: start those helpers as the daemon process starts and page-lock the
+            bundle in them while vLLM is still importing and configuring, so that the fill copies without
+            page-locking (see :mod:`.daemon_preload`). Default true; no effect in engines.
     """
 
     bundle: Path | None = None
@@ -107,6 +111,7 @@ class LoaderOptions:
     io_common_by_helpers: bool = False
     io_helper_nice: int = 0
     io_helper_service: bool = True
+    daemon_preload: bool = True
 
     @property
     def full_hash(self) -> bool | None:
@@ -116,7 +121,7 @@ class LoaderOptions:
 OPTION_KEYS = (
     "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "common_during_build",
     "common_io", "io_own_share", "io_staged", "io_stage_mib", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
-    "io_helper_service",
+    "io_helper_service", "daemon_preload",
 )
 
 
@@ -156,7 +161,7 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     if not isinstance(during_build, bool):
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
     flags = {}
-    for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build", "io_helper_service"):
+    for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build", "io_helper_service", "daemon_preload"):
         flags[key] = extra.get(key, getattr(LoaderOptions, key))  # a default may be None (decided where it is used)
         if key in extra and not isinstance(flags[key], bool):
             raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")

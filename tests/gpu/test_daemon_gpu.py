@@ -312,6 +312,11 @@ def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
         r"weight-cache target daemon rank 0 filled its model in [0-9.]+ s \(load format marlin_prepacked\)",
         log,
     )
+    if "io_mode processes" in log and not name.startswith("qwen3moe"):
+        # The fill copied with helpers: those the daemon started as its process began (daemon_preload), with the
+        # bundle page-locked in them by then, so its copy registered nothing.
+        assert re.search(r"GB of the bundle page-locked in \d+ copy helpers", log), proc.tail()
+        assert "(the helper service's)" in log and "of pages retained registered" in log, proc.tail()
     if name in DAEMON_ARGS:  # common_during_build: the embedding and the head copied beside the construction
         assert "(2 of its names copied beside the construction)" in log, proc.tail()
     if name == "gptq8" and run.vllm_cli_daemon:

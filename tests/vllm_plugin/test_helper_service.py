@@ -185,7 +185,7 @@ class _Driver:
 def _pool(monkeypatch: pytest.MonkeyPatch, sock_dir: Path, destination: ctypes.Array, **kw: object) -> HelperPool:
     """A pool whose device is faked: destinations are views of ``destination``, the service sockets in ``sock_dir``."""
     monkeypatch.setattr(copy_helpers, "_CudaDriver", _Driver)
-    monkeypatch.setattr(copy_helpers, "find_sockets", lambda uuid: find_sockets(uuid, sock_dir))
+    monkeypatch.setattr(copy_helpers, "find_sockets", lambda uuid, directory=None: find_sockets(uuid, directory or sock_dir))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     pool = HelperPool(2, 0, **kw)  # type: ignore[arg-type]
     base = ctypes.addressof(destination)
@@ -258,7 +258,7 @@ def test_a_pool_refuses_a_service_helper_of_another_user(
 
 
 def test_without_the_option_a_pool_never_looks_for_a_service(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def looked(uuid: str) -> list[Path]:
+    def looked(uuid: str, directory: Path | None = None) -> list[Path]:
         raise AssertionError("looked for a service")
 
     destination = ctypes.create_string_buffer(16)

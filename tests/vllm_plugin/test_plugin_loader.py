@@ -727,7 +727,8 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     # test_common_tensors_copy_beside_the_construction[daemon default]).
     deferred = case == "daemon"
     assert _FakeHelpers.settings == {
-        "staged": staged, "stage_mib": stage_mib, "defer_unregister": deferred, "nice": 0, "service": case != "refused"
+        "staged": staged, "stage_mib": stage_mib, "defer_unregister": deferred, "nice": 0, "service": case != "refused",
+        "service_dir": None,  # no daemon page-locked its bundle as it started (daemon_preload)
     }
     if by_helpers:  # ended by loading, after the common tensors; the common reader had them
         assert events[1:] == ["create", "close wait=False", "joined"]

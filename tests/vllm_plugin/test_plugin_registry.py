@@ -40,6 +40,7 @@ EXPECTED_TARGETS = {
     "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader._fallback_load",
     _WORKER_LOAD_MODEL,
     f"{DAEMON_MODULE}:WeightCacheDaemon.get_model",
+    f"{DAEMON_MODULE}:get_draft_daemon_config",
     RUN_DAEMON,
     "vllm.model_executor.layers.quantization.utils.gptq_utils:deepcopy",
     "vllm.model_executor.layers.quantization.auto_gptq:deepcopy",
@@ -79,6 +80,7 @@ def test_patches_inventory() -> None:
     assert len(PATCHES) == len(EXPECTED_TARGETS)
     assert {p.target for p in PATCHES if p.deferred} == {
         f"{DAEMON_MODULE}:WeightCacheDaemon.get_model",
+        f"{DAEMON_MODULE}:get_draft_daemon_config",
         RUN_DAEMON,
         _WORKER_LOAD_MODEL,
     }

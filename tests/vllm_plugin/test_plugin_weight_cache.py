@@ -197,11 +197,10 @@ def test_daemon_fill_says_when_it_began_after_run_daemon(
     import importlib
     import time
 
-    from marlin_pack.vllm_plugin import patches
-    from marlin_pack.vllm_plugin.patches import weight_cache
+    from marlin_pack.vllm_plugin import daemon_process, patches
 
     daemon_mod = importlib.import_module(DAEMON_MODULE)
-    monkeypatch.setattr(weight_cache, "_DAEMON_STARTED", [])
+    monkeypatch.setattr(daemon_process, "_DAEMON_STARTED", [])
     monkeypatch.setattr(daemon_mod, "_run_daemon", lambda *a, **k: time.sleep(0.05))  # vLLM building the daemon
     try:
         run_daemon(0, 0, SimpleNamespace(), "tcp://127.0.0.1:9")

@@ -14,25 +14,28 @@ work with it:
   configured, so daemon and engine keys still match on what the user typed.
 * vLLM's daemon spawn: ``vllm preload`` starts its daemons with the ``spawn`` method and
   they never call ``load_general_plugins()``. ``_run_daemon`` of the daemon module is
-  replaced by :func:`run_daemon`, a module-level function that pickles by reference: every
-  spawned daemon first registers marlin-pack, then runs vLLM's own ``_run_daemon``. The
-  daemon module is patched when first imported (only ``vllm preload`` imports it).
+  replaced by :func:`.daemon_process.run_daemon`, a module-level function that pickles by
+  reference: every spawned daemon first registers marlin-pack, then runs vLLM's own
+  ``_run_daemon``. The daemon module is patched when first imported (only ``vllm preload``
+  imports it).
+* The daemon's page-locking ahead of its fill (:mod:`.daemon_preload`): ``get_draft_daemon_config``,
+  which ``vllm preload`` calls with the final configuration just before it spawns the daemons,
+  also plans it; the daemon's ``get_model`` stops it after the fill.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from marlin_pack.vllm_plugin.patches import registry
+from marlin_pack.vllm_plugin import daemon_preload, daemon_process
+from marlin_pack.vllm_plugin.daemon_process import run_daemon
 from marlin_pack.vllm_plugin.patches.registry import Patch
 
 __all__ = ["DAEMON_MODULE", "RUN_DAEMON", "CACHE_QUANTIZATIONS", "PATCHES", "force_marlin_for_cache", "run_daemon"]
@@ -57,8 +60,6 @@ _UNSUPPORTED_HINT = (
 # AWQ/GPTQ quantizations whose experts (AutoAWQMoEMethod/AutoGPTQMoEMethod) the cache shares on Marlin MoE.
 MOE_CACHE_QUANTIZATIONS = frozenset({"auto_awq", "auto_gptq", "awq", "awq_marlin", "gptq", "gptq_marlin"})
 
-# When run_daemon began in this process (perf_counter), for the fill's log line.
-_DAEMON_STARTED: list[float] = []
 # id(KernelConfig) -> (the config, its linear_backend_per_quant and moe_backend before we forced Marlin).
 _FORCED: dict[int, tuple[Any, Any, Any]] = {}
 
@@ -145,6 +146,19 @@ def _ipc_loader_step(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _daemons_spawned_for(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``get_draft_daemon_config(vllm_config)``: ``vllm preload``'s last look at the final configuration before
+    it spawns its daemons, where marlin-pack plans the page-locking a daemon starts with (:mod:`.daemon_preload`)."""
+
+    @functools.wraps(original)
+    def get_draft_daemon_config(vllm_config: Any) -> Any:
+        draft = original(vllm_config)
+        daemon_preload.export(vllm_config, draft=draft is not None)
+        return draft
+
+    return get_draft_daemon_config
+
+
 def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], nn.Module]:
     @functools.wraps(original)
     def get_model(self: Any) -> nn.Module:
@@ -164,49 +178,19 @@ def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], n
         except Exception as e:
             _log_hint(e)
             raise
+        finally:
+            daemon_preload.stop()  # the bundle's pages, page-locked as the daemon started, are not needed any more
+        began = daemon_process.started()
         logger.info(
             "marlin-pack: %s filled its model in %.2f s (load format %s)%s",
             role,
             time.perf_counter() - t0,
             self.vllm_config.load_config.load_format,
-            f"; the fill began {t0 - _DAEMON_STARTED[0]:.2f} s after the daemon process began its run" if _DAEMON_STARTED else "",
+            f"; the fill began {t0 - began:.2f} s after the daemon process began its run" if began is not None else "",
         )
         return model
 
     return get_model
-
-
-def run_daemon(*args: Any, **kwargs: Any) -> Any:
-    """Spawn target standing in for vLLM's ``_run_daemon``: register marlin-pack, then run it.
-
-    ``vllm preload`` pickles the target by reference
-    (``marlin_pack.vllm_plugin.patches.weight_cache.run_daemon``), so the spawned process
-    imports this module and runs this function first.
-    """
-    _DAEMON_STARTED[:] = [time.perf_counter()]
-    from marlin_pack.vllm_plugin import register
-
-    # Spawned daemons start with logging unconfigured; configure it as _run_daemon will, first,
-    # so that marlin-pack's own messages (and registration errors) are shown.
-    vllm_config = args[2] if len(args) > 2 else kwargs.get("vllm_config")
-    if (logging_config := getattr(vllm_config, "logging_config", None)) is not None:
-        from vllm.logger import configure_logging
-
-        configure_logging(logging_config)
-    register()
-    from marlin_pack.vllm_plugin import patches
-
-    patches.install()  # idempotent; also where register() ran before and its patches were removed
-    module = importlib.import_module(DAEMON_MODULE)  # patched on import (or already)
-    target = registry.original(RUN_DAEMON) if RUN_DAEMON in registry.installed() else module._run_daemon
-    if target is run_daemon:  # never recurse, whatever state the registry is in
-        raise RuntimeError("marlin-pack: vLLM's _run_daemon is not available in this daemon process")
-    logger.info(
-        "marlin-pack: plugin active in weight-cache daemon process %d (marlin_prepacked load format, "
-        "AWQ/GPTQ Marlin layers accept pre-processed weights)",
-        os.getpid(),
-    )
-    return target(*args, **kwargs)
 
 
 def _ct_kv_cache_post_processing(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -251,6 +235,12 @@ PATCHES = (
         "CompressedTensorsKVCacheMethod.process_weights_after_loading",
         _ct_kv_cache_post_processing,
         remove_when="CompressedTensorsKVCacheMethod handles pre-processed (weight-cache) weights like BaseKVCacheMethod",
+    ),
+    Patch(
+        f"{DAEMON_MODULE}:get_draft_daemon_config",
+        _daemons_spawned_for,
+        remove_when="vllm preload page-locks a bundle ahead of its daemons' fill, or gives plugins a hook before it spawns them",
+        deferred=True,
     ),
     Patch(
         RUN_DAEMON,

@@ -1,0 +1,290 @@
+"""``daemon_preload``: a weight-cache daemon page-locks its bundle while vLLM is still starting it.
+
+The plan is made in the ``vllm preload`` process from a real bundle and a stand-in configuration;
+the daemon side runs with a stand-in helper service (the real one needs a GPU: the GPU suite runs
+it), except for the spawned-process test, which checks the premise the design rests on: a spawned
+daemon imports the spawn target's module before it unpickles its configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from marlin_pack.vllm_plugin import LOAD_FORMAT, daemon_preload
+from marlin_pack.vllm_plugin.helper_service import ServiceError
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No page-locking left from another test; no real service socket directory; 16 usable cores."""
+    monkeypatch.setattr(daemon_preload, "_CURRENT", None)
+    monkeypatch.delenv(daemon_preload.ENV, raising=False)
+    empty = tmp_path / "no-service"
+    empty.mkdir(mode=0o700)
+    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(empty))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+
+
+def _config(model: Path, extra: dict | None = None, *, load_format: str = LOAD_FORMAT, tp: int = 1, dp: int = 1,
+            sleep: bool = False) -> SimpleNamespace:
+    """What plan() and export() read of a VllmConfig."""
+    from vllm.config.kernel import KernelConfig
+
+    return SimpleNamespace(
+        load_config=SimpleNamespace(load_format=load_format, model_loader_extra_config=extra or {}),
+        kernel_config=KernelConfig(),
+        speculative_config=None,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_size=dp,
+                                        world_size_across_dp=tp * dp),
+        model_config=SimpleNamespace(model=str(model), dtype=torch.float16, quantization="auto_awq", enable_sleep_mode=sleep,
+                                     revision=None),
+    )
+
+
+@pytest.fixture
+def model(make_bundle) -> Path:  # type: ignore[no-untyped-def]
+    return make_bundle("awq", "tiny")
+
+
+def test_plan_names_the_files_the_daemons_fill_copies(model: Path) -> None:
+    found = daemon_preload.plan(_config(model, {"chunk_mb": 64, "io_processes": 3, "io_staged": 1, "io_helper_nice": 5}))
+    assert found is not None
+    bundle = model / "marlin-pack"
+    rank_file, common = bundle / "tp1" / "rank-0.safetensors", bundle / "common.safetensors"
+    assert found["files"] == [str(rank_file.resolve()), str(common.resolve())]
+    assert found["bytes"] == rank_file.stat().st_size + common.stat().st_size
+    assert found["parent"] == os.getpid() and found["device"] == 0
+    assert (found["processes"], found["window_mib"], found["staged"], found["nice"]) == (3, 64, 1, 5)
+    defaults = daemon_preload.plan(_config(model))
+    assert defaults is not None and (defaults["processes"], defaults["window_mib"], defaults["staged"]) == (4, 256, 0)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["another load format", "daemon_preload off", "no helper service", "registered mode", "too few cores", "sleep mode",
+     "a 4 KiB-page tmpfs", "an unknown option", "no bundle", "a bundle for another dtype"],
+)
+def test_no_plan_where_the_fill_would_not_copy_with_helpers(model: Path, case: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    extra: dict[str, Any] = {
+        "daemon_preload off": {"daemon_preload": False},
+        "no helper service": {"io_helper_service": False},
+        "registered mode": {"io_mode": "registered"},
+        "an unknown option": {"no_such_option": 1},
+        "no bundle": {"bundle": str(tmp_path / "missing")},
+    }.get(case, {})
+    config = _config(model, extra, load_format="auto" if case == "another load format" else LOAD_FORMAT, sleep=case == "sleep mode")
+    if case == "too few cores":
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    if case == "a 4 KiB-page tmpfs":  # auto stages such files in the daemon's own process: no helpers
+        from marlin_pack.vllm_plugin import gpu_reader
+
+        monkeypatch.setattr(gpu_reader, "in_base_memory_pages", lambda path: True)
+    if case == "a bundle for another dtype":
+        config.model_config.dtype = torch.bfloat16
+    assert daemon_preload.plan(config) is None  # never raises: the daemon's loader reports a bad bundle
+
+
+@pytest.mark.parametrize("case", ["one daemon", "tp 2", "dp 2", "a draft daemon"])
+def test_export_plans_only_a_single_daemon(model: Path, case: str) -> None:
+    env = {daemon_preload.ENV: "left from before"}
+    config = _config(model, tp=2 if case == "tp 2" else 1, dp=2 if case == "dp 2" else 1)
+    found = daemon_preload.export(config, draft=case == "a draft daemon", environ=env)
+    if case == "one daemon":
+        assert found is not None and json.loads(env[daemon_preload.ENV]) == found
+    else:
+        assert found is None and daemon_preload.ENV not in env
+
+
+class _FakeService:
+    """Stands in for HelperService: records what the daemon asked of it."""
+
+    made: list[_FakeService] = []
+    fail: str | None = None
+
+    def __init__(self, devices: list[int], **settings: Any) -> None:
+        self.devices, self.settings, self.calls = devices, settings, []
+        _FakeService.made.append(self)
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def preload(self, files: list[str], window_mib: int) -> dict[int, int]:
+        self.calls.append(("preload", files, window_mib))
+        if _FakeService.fail:
+            raise ServiceError(_FakeService.fail)
+        return {self.devices[0]: 3 << 20}
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+
+def _spec(**changes: Any) -> dict:
+    spec = {"parent": os.getppid(), "files": ["/b/tp1/rank-0.safetensors", "/b/common.safetensors"], "bytes": 3 << 20,
+            "device": 1, "processes": 2, "window_mib": 256, "staged": 0, "stage_mib": 64, "nice": 0}
+    return {**spec, **changes}
+
+
+@pytest.fixture
+def fake_service(monkeypatch: pytest.MonkeyPatch) -> type[_FakeService]:
+    _FakeService.made, _FakeService.fail = [], None
+    monkeypatch.setattr(daemon_preload, "HelperService", _FakeService)
+    return _FakeService
+
+
+def test_a_daemon_page_locks_its_bundle_in_a_private_service_then_stops_it(
+    fake_service: type[_FakeService], marlin_log: list[str]
+) -> None:
+    env = {daemon_preload.ENV: json.dumps(_spec())}
+    preload = daemon_preload.start_from_environment(env)
+    assert preload is not None and daemon_preload.current() is preload
+    assert daemon_preload.ENV not in env  # the daemon's own children never see the plan
+    directory = daemon_preload.ready_service_dir(timeout_s=10)
+    assert directory == preload.directory and directory.is_dir() and (directory.stat().st_mode & 0o777) == 0o700
+    (service,) = fake_service.made
+    assert service.devices == [1]
+    assert service.settings["directory"] == directory and service.settings["processes"] == 2
+    assert service.settings["retain_mib"] == 3  # room for every byte in each helper
+    assert service.calls == ["start", ("preload", ["/b/tp1/rank-0.safetensors", "/b/common.safetensors"], 256)]
+    assert any("page-locked in 2 copy helpers" in m for m in marlin_log)
+    daemon_preload.stop()  # after the fill: in the background
+    deadline = time.monotonic() + 10
+    while (service.calls[-1] != "stop" or directory.exists()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.calls[-1] == "stop" and not directory.exists()
+    assert daemon_preload.ready_service_dir() is None  # stopped: the loader starts its own helpers
+    preload.stop()
+    assert service.calls.count("stop") == 1  # once
+
+
+@pytest.mark.parametrize("case", ["another parent", "no files", "not JSON"])
+def test_a_plan_not_made_for_this_process_is_ignored(fake_service: type[_FakeService], case: str) -> None:
+    raw = {"another parent": json.dumps(_spec(parent=os.getppid() + 1)), "no files": json.dumps(_spec(files=[])),
+           "not JSON": "{"}[case]
+    env = {daemon_preload.ENV: raw}
+    assert daemon_preload.start_from_environment(env) is None
+    assert daemon_preload.ENV not in env and daemon_preload.current() is None and fake_service.made == []
+    assert daemon_preload.ready_service_dir() is None
+
+
+def test_when_page_locking_fails_the_fill_copies_as_usual(fake_service: type[_FakeService], marlin_log: list[str]) -> None:
+    fake_service.fail = "no copy helper started (no CUDA driver)"
+    preload = daemon_preload.start_from_environment({daemon_preload.ENV: json.dumps(_spec())})
+    assert preload is not None
+    assert daemon_preload.ready_service_dir(timeout_s=10) is None
+    assert any("not page-locked ahead of its fill" in m and "no copy helper started" in m for m in marlin_log)
+    deadline = time.monotonic() + 10
+    while fake_service.made[0].calls[-1] != "stop" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fake_service.made[0].calls[-1] == "stop"
+
+
+def test_a_running_helper_service_for_the_gpu_wins(fake_service: type[_FakeService], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch, marlin_log: list[str]) -> None:
+    served = tmp_path / "served"
+    served.mkdir(mode=0o700)
+    (served / "GPU-7.0.sock").touch()
+    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(served))
+    monkeypatch.setattr(daemon_preload, "gpu_uuid", lambda device: f"GPU-{device + 6}")
+    assert daemon_preload.start_from_environment({daemon_preload.ENV: json.dumps(_spec(device=1))}) is not None
+    assert daemon_preload.ready_service_dir(timeout_s=10) is None
+    assert fake_service.made == []  # nothing started: the loader takes marlin-pack helpers' own
+    assert any("serves this GPU already" in m for m in marlin_log)
+
+
+def test_the_patched_get_draft_daemon_config_plans_the_preload(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from marlin_pack.vllm_plugin.patches import weight_cache
+
+    monkeypatch.setenv(daemon_preload.ENV, "left from before")
+    config = _config(model)
+    assert weight_cache._daemons_spawned_for(lambda c: None)(config) is None
+    assert json.loads(os.environ[daemon_preload.ENV])["files"][0].endswith("rank-0.safetensors")
+    draft = object()
+    assert weight_cache._daemons_spawned_for(lambda c: draft)(config) is draft
+    assert daemon_preload.ENV not in os.environ
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_daemon_stops_the_preload_after_its_fill(fails: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from marlin_pack.vllm_plugin.patches import weight_cache
+
+    stopped: list[bool] = []
+    monkeypatch.setattr(daemon_preload, "stop", lambda: stopped.append(True))
+
+    def get_model(self: object) -> str:
+        if fails:
+            raise RuntimeError("the fill failed")
+        return "model"
+
+    fake = SimpleNamespace(role="target", global_rank=0, vllm_config=SimpleNamespace(load_config=SimpleNamespace(load_format="x"),
+                           kernel_config=None), model_config=SimpleNamespace(quantization=None))
+    wrapped = weight_cache._daemon_get_model(get_model)
+    if fails:
+        with pytest.raises(RuntimeError, match="the fill failed"):
+            wrapped(fake)
+    else:
+        assert wrapped(fake) == "model"
+    assert stopped == [True]
+
+
+def test_the_loader_takes_the_daemons_service(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.config.load import LoadConfig
+
+    import marlin_pack.vllm_plugin.loader as loader_mod
+
+    pools: list[dict] = []
+    monkeypatch.setattr(loader_mod, "HelperPool", lambda count, device, **kw: pools.append(kw) or "pool")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    asked: list[bool] = []
+    monkeypatch.setattr(daemon_preload, "ready_service_dir", lambda: asked.append(True) or tmp_path)
+    config = _config(model)
+    bundle = SimpleNamespace(rank_file=model / "marlin-pack" / "tp1" / "rank-0.safetensors")
+    for service in (True, False):
+        loader = loader_mod.MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={
+            "io_mode": "processes", "io_helper_service": service}))
+        assert loader._start_helpers(config, config.model_config, bundle) == "pool"
+    assert [p["service_dir"] for p in pools] == [tmp_path, None] and asked == [True]  # no service asked for: not looked at
+
+
+_PROBE = """
+import json, sys
+m = sys.modules.get("marlin_pack.vllm_plugin.daemon_preload")
+open({path!r}, "w").write(json.dumps({{"started": m is not None and m.current() is not None}}))
+"""
+
+
+class _Probe:
+    """Unpickled in the spawned process after the target (a Process's attributes in order): notes whether the
+    page-locking had begun by then."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (exec, (_PROBE.format(path=str(self.path)),))
+
+
+def test_a_spawned_daemon_begins_page_locking_before_its_configuration_is_unpickled(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from marlin_pack.vllm_plugin import daemon_process
+
+    report = tmp_path / "report.json"
+    monkeypatch.setenv(daemon_preload.ENV, json.dumps(_spec(parent=os.getpid(), files=[str(tmp_path / "none")])))
+    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(tmp_path / "sockets"))  # made by the child's (failing) service
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=daemon_process.started)  # vLLM spawns daemon_process.run_daemon: the same module
+    proc.probe = _Probe(report)  # type: ignore[attr-defined]  # pickled after the target, as vLLM's config is
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0
+    assert json.loads(report.read_text()) == {"started": True}
