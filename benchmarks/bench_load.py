@@ -340,12 +340,18 @@ def _warm(paths: list[Path]) -> float:
     return n / 1e9
 
 
+def _repeat(ios: list[str], i: int) -> str:
+    """`` (n)`` for the n-th time (n > 1) a configuration appears in one round's list, so that each keeps its row."""
+    n = ios[: i + 1].count(ios[i])
+    return f" ({n})" if n > 1 else ""
+
+
 def _per_config(rows: dict) -> dict[str, list[float]]:
     """Each configuration's figures over the rounds ("prepacked {io} #k" -> "prepacked {io}"): engines'
     Model loading took, daemons' fill."""
     out: dict[str, list[float]] = {}
     for key, value in rows.items():
-        base = re.sub(r" #\d+$", "", key)
+        base = re.sub(r"( \(\d+\))?( #\d+)?$", "", key)  # a configuration's repeats and rounds together
         if isinstance(value, dict) and value.get("model_loading_s") is not None and base.startswith("prepacked"):
             out.setdefault(base, []).append(value["model_loading_s"])
         elif key.startswith("fill_s ") and value is not None:
@@ -504,7 +510,7 @@ def _sitting(args: argparse.Namespace) -> None:
             for i, io in enumerate(engine_ios):
                 extra = {**json.loads(io), "bundle": str(bundle)}
                 try:
-                    rows[f"prepacked {io}{tag}"] = _engine(model, "prepacked", args.attention_backend, extra,
+                    rows[f"prepacked {io}{_repeat(engine_ios, i)}{tag}"] = _engine(model, "prepacked", args.attention_backend, extra,
                                                            profile=args.profile and i == 0 and k == 0)
                 except SystemExit as e:  # one loader configuration failing should not end the sitting
                     print(f"prepacked {io}: {e}", flush=True)
@@ -512,8 +518,8 @@ def _sitting(args: argparse.Namespace) -> None:
                 attach = k == args.rounds - 1 and j == len(daemon_ios) - 1  # the attaches: the very last daemon
                 r = _daemon_rows(model, bundle, args.attention_backend, args.profile and attach, args.workdir,
                                  args.ablate if attach else "", io=io, attach=attach, attaches=args.attaches)
-                rows[f"fill_s {io}{tag}"] = r.pop("fill_s")
-                rows[f"ready_s {io}{tag}"] = r.pop("ready_s")
+                rows[f"fill_s {io}{_repeat(daemon_ios, j)}{tag}"] = r.pop("fill_s")
+                rows[f"ready_s {io}{_repeat(daemon_ios, j)}{tag}"] = r.pop("ready_s")
                 rows.setdefault("daemon_log", []).extend(r.pop("daemon_log"))
                 rows.update(r)
         report.append((fmt, rows))
@@ -549,8 +555,9 @@ def _sitting(args: argparse.Namespace) -> None:
                 print(f"         {line}{share}")
         for line in rows.get("daemon_log", []):
             print(f"  daemon {line}")
-        if args.rounds > 1:
-            for label, values in _per_config(rows).items():
+        per_config = _per_config(rows)
+        if any(len(values) > 1 for values in per_config.values()):  # rounds, or a configuration given twice
+            for label, values in per_config.items():
                 print(f"{fmt:6} {label:40} median {statistics.median(values):.2f} s, best {min(values):.2f} s "
                       f"of {len(values)}: {' '.join(f'{v:.2f}' for v in values)}")
     if args.profile:

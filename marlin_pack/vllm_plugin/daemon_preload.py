@@ -128,9 +128,9 @@ def export(vllm_config: Any, draft: bool, environ: dict[str, str] | None = None)
         return None
     env[ENV] = json.dumps(found)
     logger.info(
-        "marlin-pack: the weight-cache daemon page-locks its bundle (%d files, %.2f GB) in copy helpers while it starts, "
+        "marlin-pack: the weight-cache daemon page-locks its bundle (%d files, %s) in copy helpers while it starts, "
         "so that its fill copies without page-locking (\"daemon_preload\": false turns this off)",
-        len(found["files"]), found["bytes"] / 1e9,
+        len(found["files"]), _size(found["bytes"]),
     )
     return found
 
@@ -241,11 +241,15 @@ def ready_service_dir(timeout_s: float = _WAIT_S) -> Path | None:
         stop()
         return None
     logger.info(
-        "marlin-pack: %.2f GB of the bundle page-locked in %d copy helpers in %.2f s, %.2f s before the copy began",
-        preload.locked / 1e9, int(preload.spec["processes"]), preload.seconds or 0.0,
+        "marlin-pack: %s of the bundle page-locked in %d copy helpers in %.2f s, %.2f s before the copy began",
+        _size(preload.locked), int(preload.spec["processes"]), preload.seconds or 0.0,
         time.perf_counter() - preload.began - (preload.seconds or 0.0),
     )
     return preload.directory
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def stop() -> None:

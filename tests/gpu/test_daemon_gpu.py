@@ -315,7 +315,7 @@ def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
     if "io_mode processes" in log and not name.startswith("qwen3moe"):
         # The fill copied with helpers: those the daemon started as its process began (daemon_preload), with the
         # bundle page-locked in them by then, so its copy registered nothing.
-        assert re.search(r"GB of the bundle page-locked in \d+ copy helpers", log), proc.tail()
+        assert re.search(r"[0-9.]+ [GM]B of the bundle page-locked in \d+ copy helpers", log), proc.tail()
         assert "(the helper service's)" in log and "of pages retained registered" in log, proc.tail()
     if name in DAEMON_ARGS:  # common_during_build: the embedding and the head copied beside the construction
         assert "(2 of its names copied beside the construction)" in log, proc.tail()
