@@ -13,7 +13,9 @@ Usage::
 Modules: ``loader`` (the model loader), ``options`` (its extra config), ``decision`` (pure
 checks over plain facts), ``engine`` (every read of vLLM internals), ``gpu_reader`` (bundle
 bytes to the GPU), ``patches/`` (the registry of vLLM patches), ``launcher``
-(``marlin-pack daemon``).
+(``marlin-pack daemon``), ``daemon_process`` (the spawn target of ``vllm preload``'s daemons),
+``daemon_preload`` (a daemon page-locking its bundle while it starts), ``copy_helpers`` /
+``helper_service`` / ``copy_helper_main`` (the copy helper processes).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 
 from marlin_pack._constants import LOAD_FORMAT
 
-__all__ = ["register", "is_registered", "LOAD_FORMAT"]
+__all__ = ["register", "is_registered", "ensure_registered", "LOAD_FORMAT"]
 
 _REGISTERED = False
 
@@ -65,3 +67,18 @@ def register() -> None:
 def is_registered() -> bool:
     """Whether :func:`register` succeeded in this process."""
     return _REGISTERED
+
+
+def ensure_registered() -> bool:
+    """:func:`register`, then install marlin-pack's patches again where something removed them since (idempotent).
+
+    For marlin-pack's own ways into vLLM (``marlin-pack daemon``, a spawned weight-cache daemon), which
+    must run with every patch in place whatever happened in the process before. Returns :func:`is_registered`.
+    """
+    register()
+    if not is_registered():
+        return False
+    from marlin_pack.vllm_plugin import patches
+
+    patches.install()
+    return True

@@ -82,8 +82,7 @@ def plan(vllm_config: Any) -> dict | None:
         from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES
         from marlin_pack.vllm_plugin.decision import check_engine, resolve_bundle_dir
         from marlin_pack.vllm_plugin.engine import engine_facts
-        from marlin_pack.vllm_plugin.gpu_reader import MODE_DEFAULTS
-        from marlin_pack.vllm_plugin.loader import helpers_help, uses_helpers
+        from marlin_pack.vllm_plugin.gpu_reader import MODE_DEFAULTS, helpers_help, uses_helpers
 
         model_config = vllm_config.model_config
         facts = engine_facts(vllm_config, model_config)

@@ -37,7 +37,7 @@ measured 10.1 GB/s registered against 12.7-19.7 GB/s staged, because page-lockin
 huge pages (:func:`marlin_pack.io.files.in_base_memory_pages`); on a huge-page tmpfs a 70B rank
 file measured 2.69 s staged against 1.66-2.05 s ``processes`` ("Model loading took"). Other
 files go ``processes`` when the reader was given a :class:`HelperPool` (the loader starts one when
-they can help, see ``loader.helpers_help``), else ``registered``. File reads, registration and copies
+they can help, see :func:`helpers_help`), else ``registered``. File reads, registration and copies
 release the GIL, so Python overhead is per window, not per byte. CPU destinations are
 read into directly (no staging), which is also what the CPU tests exercise.
 
@@ -61,6 +61,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -243,6 +244,43 @@ MODE_DEFAULTS: dict[str, tuple[int, int]] = {
     "hybrid": (16, 64 << 20),
     "processes": (4, 256 << 20),  # threads per helper process
 }
+# io_mode auto starts copy helpers only with this many usable cores (4 helpers x 4 threads measured best on 16).
+_HELPER_MIN_CORES = 8
+
+
+def helpers_help(vllm_config: Any, model_config: Any) -> bool:
+    """Whether ``io_mode: auto`` should copy a bundle with helper processes (``processes``), for vLLM's
+    ``VllmConfig`` / ``ModelConfig`` (read, not imported: a daemon's page-locking plan asks this too).
+
+    Only where that was measured to pay and to work: one engine process on the host's GPUs
+    (TP=1, no pipeline or data parallelism: several ranks would each start helpers and contend
+    for cores and page pins), enough cores, and device memory from PyTorch's ordinary
+    allocator (the helpers open it with legacy CUDA IPC, which the sleep-mode allocator and
+    ``expandable_segments`` do not support). Elsewhere ``auto`` stays ``registered``.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return (
+        vllm_config.parallel_config.world_size_across_dp == 1
+        and not model_config.enable_sleep_mode
+        and "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+        and cores >= _HELPER_MIN_CORES
+    )
+
+
+def uses_helpers(io_mode: str, path: Callable[[], Path], usable: Callable[[], bool]) -> bool:
+    """Whether ``io_mode`` copies the bundle file at ``path()`` with helper processes (``processes``).
+
+    ``auto`` does where helpers are ``usable()`` and the file is not on a tmpfs of 4 KiB pages
+    (:func:`resolve_mode`); both are asked only for ``auto``.
+    """
+    if io_mode != "auto":
+        return io_mode == "processes"
+    return resolve_mode(io_mode, path(), helpers=usable()) == "processes"
+
+
 def resolve_mode(mode: str, path: str | Path, helpers: bool = False) -> str:
     """``auto``: ``staged`` for a file in memory held in 4 KiB pages (a tmpfs without huge pages), else
     ``processes`` when copy helpers are available (``helpers``: the caller started or may start a

@@ -118,16 +118,14 @@ def run(argv: Sequence[str]) -> None:
     """
     import importlib
 
-    from marlin_pack.vllm_plugin import is_registered, patches, register
-    from marlin_pack.vllm_plugin.patches.weight_cache import DAEMON_MODULE
+    from marlin_pack.vllm_plugin import ensure_registered
+    from marlin_pack.vllm_plugin.daemon_process import DAEMON_MODULE
 
-    register()
-    if not is_registered():
+    if not ensure_registered():  # also where register() ran before and its patches were removed
         raise MarlinPackError(
             f"could not register the {LOAD_FORMAT} load format with vLLM (see the log above); "
             f"is vLLM {TARGET_VLLM_VERSION} installed?"
         )
-    patches.install()  # idempotent; also where register() ran before and its patches were removed
     importlib.import_module(DAEMON_MODULE)  # vllm preload imports it later; the registry patches it on import
 
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -26,13 +26,11 @@ checkpoint is loaded by vLLM's ``DefaultModelLoader``; without it the load stops
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -53,7 +51,7 @@ from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, p
 from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool, exits_in_background
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
-from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader, resolve_mode
+from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader, helpers_help, uses_helpers
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
@@ -61,7 +59,7 @@ from marlin_pack.vllm_plugin.patches.placeholders import stub_quantized_placehol
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
 from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
-__all__ = ["MarlinPrepackedLoader", "uses_helpers"]
+__all__ = ["MarlinPrepackedLoader"]
 
 # Common tensors from this size on are read with the parallel reader (see _common_weights), and copied
 # beside the construction with common_during_build (common_prefill).
@@ -69,42 +67,8 @@ _LARGE_COMMON = 16 << 20
 # common_io staged: this process's reader of the common tensors beside the construction (pinned: 2 x 64 MiB a thread).
 _COMMON_STAGED_THREADS, _COMMON_STAGED_CHUNK = 4, 64 << 20
 
-# io_mode auto starts copy helpers only with this many usable cores (4 helpers x 4 threads measured best on 16).
-_HELPER_MIN_CORES = 8
 # GPU memory set aside per copy helper's CUDA context (a driver-API context without torch; generous).
 _HELPER_CONTEXT_BYTES = 512 << 20
-
-
-def helpers_help(vllm_config: VllmConfig, model_config: ModelConfig) -> bool:
-    """Whether ``io_mode: auto`` should copy a bundle with helper processes (``processes``).
-
-    Only where that was measured to pay and to work: one engine process on the host's GPUs
-    (TP=1, no pipeline or data parallelism: several ranks would each start helpers and contend
-    for cores and page pins), enough cores, and device memory from PyTorch's ordinary
-    allocator (the helpers open it with legacy CUDA IPC, which the sleep-mode allocator and
-    ``expandable_segments`` do not support). Elsewhere ``auto`` stays ``registered``.
-    """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return (
-        vllm_config.parallel_config.world_size_across_dp == 1
-        and not model_config.enable_sleep_mode
-        and "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-        and cores >= _HELPER_MIN_CORES
-    )
-
-
-def uses_helpers(io_mode: str, path: Callable[[], Path], usable: Callable[[], bool]) -> bool:
-    """Whether ``io_mode`` copies the bundle file at ``path()`` with helper processes (``processes``).
-
-    ``auto`` does where helpers are ``usable()`` and the file is not on a tmpfs of 4 KiB pages
-    (:func:`resolve_mode`); both are asked only for ``auto``.
-    """
-    if io_mode != "auto":
-        return io_mode == "processes"
-    return resolve_mode(io_mode, path(), helpers=usable()) == "processes"
 
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.

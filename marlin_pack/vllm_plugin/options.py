@@ -43,7 +43,7 @@ class LoaderOptions:
             ``registered`` (page-lock the mapped file in place), ``hybrid`` (half the
             threads each way), ``processes`` (registered in ``io_processes`` helper
             processes of ``io_threads`` threads each) or ``auto`` (staged for a file on
-            a tmpfs without huge pages, else processes where helpers help, see ``loader.helpers_help``, else
+            a tmpfs without huge pages, else processes where helpers help, see ``gpu_reader.helpers_help``, else
             registered).
         io_processes: helper processes of the ``processes`` mode; default 4.
         copy_during_build: start copying the rank file into its device memory before vLLM

@@ -35,15 +35,13 @@ from typing import Any
 from torch import nn
 
 from marlin_pack.vllm_plugin import daemon_preload, daemon_process
-from marlin_pack.vllm_plugin.daemon_process import run_daemon
+from marlin_pack.vllm_plugin.daemon_process import DAEMON_MODULE, RUN_DAEMON, run_daemon, stands_in_for
 from marlin_pack.vllm_plugin.patches.registry import Patch
 
 __all__ = ["DAEMON_MODULE", "RUN_DAEMON", "CACHE_QUANTIZATIONS", "PATCHES", "force_marlin_for_cache", "run_daemon"]
 
 logger = logging.getLogger("vllm.marlin_pack")
 
-DAEMON_MODULE = "vllm.model_executor.model_loader.weight_cache.daemon"
-RUN_DAEMON = f"{DAEMON_MODULE}:_run_daemon"
 _IPC_LOADER = "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader"
 # ModelConfig.quantization of AWQ/GPTQ checkpoints (vLLM resolves them to auto_awq/auto_gptq), and of
 # compressed-tensors ones (only their WNA16 Marlin layers accept pre-processed weights).
@@ -244,7 +242,7 @@ PATCHES = (
     ),
     Patch(
         RUN_DAEMON,
-        lambda _original: run_daemon,
+        stands_in_for,
         remove_when="vllm preload's spawned daemons call load_general_plugins()",
         deferred=True,
     ),
