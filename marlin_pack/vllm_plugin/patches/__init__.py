@@ -5,12 +5,12 @@ the weight cache); ``moe_post_processing``: likewise their Marlin MoE experts me
 ``placeholders``: the linear methods' ``create_weights`` makes placeholders without memory while the
 loader builds a model it fills from a bundle.
 ``weight_cache``: Marlin for weight-cache processes, an unchanged cache key, the plugin in
-``vllm preload``'s spawned daemons and the page-locking planned for them (``daemon_preload``). ``gc_freeze``: the GC heap frozen before vLLM's timed
-model loading for marlin-pack's start paths. ``construct``: vLLM's per-layer bookkeeping while it
-builds a model (GPTQ quant-config copies and quantized-module lookups, reload records) made
-cheap for those paths; ``cache_key``: likewise the checkpoint fingerprint of the weight cache's
-key. ``registry``: install (version guarded, idempotent) and uninstall. Each patch names the
-upstream change that retires it.
+``vllm preload``'s spawned daemons and the page-locking planned for them (``daemon_preload``).
+``gc_freeze``: the GC heap frozen before vLLM's timed model loading for marlin-pack's start paths.
+``construct``: vLLM's per-layer bookkeeping while it builds a model (GPTQ quant-config copies and
+quantized-module lookups, reload records) made cheap for those paths; ``cache_key``: likewise the
+checkpoint fingerprint of the weight cache's key. ``registry``: install (version guarded,
+idempotent) and uninstall. Each patch names the upstream change that retires it.
 """
 
 from __future__ import annotations
