@@ -119,9 +119,8 @@ def export(vllm_config: Any, draft: bool, environ: dict[str, str] | None = None)
 
     Only a single daemon (one GPU, no ``draft`` daemon beside it) gets a plan."""
     env = os.environ if environ is None else environ
-    parallel = vllm_config.parallel_config
-    world = parallel.data_parallel_size * parallel.pipeline_parallel_size * parallel.tensor_parallel_size
-    found = None if draft or world != 1 else plan(vllm_config)
+    # One daemon: vLLM's own count of the processes (TP, PCP, PP and DP), as helpers_help reads it.
+    found = None if draft or vllm_config.parallel_config.world_size_across_dp != 1 else plan(vllm_config)
     if found is None:
         env.pop(ENV, None)
         return None
@@ -153,6 +152,7 @@ class Preload:
         try:
             spec = self.spec
             device = int(spec["device"])
+            # No socket at all: no service, and no driver call (cuInit) to learn this GPU's UUID.
             if list(socket_dir().glob("*.sock")) and find_sockets(gpu_uuid(device)):
                 self.error = "marlin-pack helpers serves this GPU already (the loader uses it)"
                 return
