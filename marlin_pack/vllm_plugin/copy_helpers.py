@@ -214,7 +214,7 @@ class HelperPool:
     ``stage_mib`` MiB each, allocated as the helper starts); ``defer_unregister``: windows stay
     page-locked until the helper has answered; ``nice``: added to the helpers' niceness (see
     :mod:`.copy_helper_main`); ``service_dir``: where to look for the service's sockets (default
-    :func:`.helper_service.socket_dir`; a weight-cache daemon's own service, :mod:`.daemon_preload`).
+    :func:`.helper_service.socket_dir`; a daemon's or an engine's own service started early, :mod:`.preload`).
 
     Example:
         >>> with HelperPool(4, torch.cuda.current_device()) as pool:

@@ -7,7 +7,7 @@ that function first: it registers marlin-pack, then runs vLLM's own ``_run_daemo
 
 A spawned process unpickles its target before its arguments, so a daemon imports this module
 before vLLM's configuration (whose unpickling imports torch and vLLM, seconds before the daemon
-builds its model): importing it starts the page-locking :mod:`.daemon_preload` planned for this
+builds its model): importing it starts the page-locking :mod:`.preload` planned for this
 daemon, so that it runs while the daemon is still starting. Hence its imports stay light (no
 torch, no vLLM, none of the patches at import).
 """
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from marlin_pack.vllm_plugin import daemon_preload
+from marlin_pack.vllm_plugin import preload
 
 __all__ = ["DAEMON_MODULE", "RUN_DAEMON", "run_daemon", "stands_in_for", "started"]
 
@@ -35,7 +35,7 @@ _DAEMON_STARTED: list[float] = []
 # vLLM's _run_daemon, as the registry found it when it installed run_daemon in its place.
 _VLLM_RUN_DAEMON: list[Callable[..., Any]] = []
 
-daemon_preload.start_from_environment()  # a no-op unless vllm preload planned it for this process
+preload.start_from_environment()  # a no-op unless vllm preload planned it for this process
 
 
 def started() -> float | None:

@@ -48,8 +48,8 @@ from marlin_pack.errors import MarlinPackError
 from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, format_uuid, peer_uid
 
 __all__ = [
-    "HelperService", "HelperState", "ServiceError", "ServiceHelper", "ServiceSession", "device_count", "find_sockets", "gpu_uuid",
-    "preload_shares", "probe", "read_reply", "service_status", "socket_dir", "trusted_dir",
+    "HELPER_CONTEXT_BYTES", "HelperService", "HelperState", "ServiceError", "ServiceHelper", "ServiceSession", "device_count",
+    "find_sockets", "gpu_uuid", "preload_shares", "probe", "read_reply", "service_status", "socket_dir", "trusted_dir",
 ]
 
 _HELPER = Path(__file__).with_name("copy_helper_main.py")
@@ -282,6 +282,11 @@ def service_status(directory: Path | None = None) -> list[HelperState]:
         if slot.isdigit():
             rows.append((uuid, int(slot), p))
     return [HelperState(uuid, slot, *probe(p)) for uuid, slot, p in sorted(rows)]
+
+
+# GPU memory set aside per copy helper's CUDA context (a driver-API context without torch; nvidia-smi showed
+# 518 MiB each on an H200).
+HELPER_CONTEXT_BYTES = 512 << 20
 
 
 def gpu_uuid(ordinal: int, lib: ctypes.CDLL | None = None) -> str:

@@ -45,13 +45,14 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
 from marlin_pack.errors import BundleError, MismatchField
 from marlin_pack.io.safetensors_io import TensorInfo
-from marlin_pack.vllm_plugin import daemon_preload, patches
+from marlin_pack.vllm_plugin import patches, preload
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
 from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, plain_copy_target
 from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool, exits_in_background
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader, helpers_help, uses_helpers
+from marlin_pack.vllm_plugin.helper_service import HELPER_CONTEXT_BYTES
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
@@ -66,10 +67,6 @@ __all__ = ["MarlinPrepackedLoader"]
 _LARGE_COMMON = 16 << 20
 # common_io staged: this process's reader of the common tensors beside the construction (pinned: 2 x 64 MiB a thread).
 _COMMON_STAGED_THREADS, _COMMON_STAGED_CHUNK = 4, 64 << 20
-
-# GPU memory set aside per copy helper's CUDA context (a driver-API context without torch; generous).
-_HELPER_CONTEXT_BYTES = 512 << 20
-
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
 logger = init_logger("vllm.marlin_pack")
@@ -214,6 +211,13 @@ class MarlinPrepackedLoader(BaseModelLoader):
     def download_model(self, model_config: ModelConfig) -> None:
         self._default_loader().download_model(model_config)
 
+    def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
+        """0 (the weights are this process's); vLLM's GPU worker asks just before its memory snapshot, so this is
+        where it waits for the copy helpers it started early to hold their CUDA contexts (:func:`.preload.await_helpers`):
+        the snapshot then counts them, as the measurement after the profile run does."""
+        preload.await_helpers()
+        return 0
+
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """Build the model with Marlin forced for mixed-precision layers and check its layers."""
         patches.install()
@@ -252,8 +256,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
         if not uses_helpers(self.options.io_mode, lambda: bundle.rank_file, usable):
             return None
-        # A weight-cache daemon that page-locked its bundle as it started: that service's helpers copy it.
-        service_dir = daemon_preload.ready_service_dir() if self.options.io_helper_service else None
+        # A weight-cache daemon or an engine that page-locked its bundle as it started: that service's helpers copy it.
+        service_dir = preload.ready_service_dir() if self.options.io_helper_service else None
         return HelperPool(
             self.options.io_processes, torch.cuda.current_device(),
             staged=self.options.io_staged, stage_mib=self.options.io_stage_mib,
@@ -282,7 +286,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         count = self.options.io_processes or DEFAULT_PROCESSES
         free, _ = torch.cuda.mem_get_info()
         weights = sum(f.stat().st_size for f in (bundle.rank_file, bundle.common_file))
-        return free >= weights + count * _HELPER_CONTEXT_BYTES
+        return free >= weights + count * HELPER_CONTEXT_BYTES
 
     def _create_checked(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, bundle: SelectedBundle, t0: float,

@@ -90,7 +90,12 @@ class LoaderOptions:
         daemon_preload: in a weight-cache daemon (``vllm preload``, ``marlin-pack daemon``) of one GPU whose
             fill copies with helpers: start those helpers as the daemon process starts and page-lock the
             bundle in them while vLLM is still importing and configuring, so that the fill copies without
-            page-locking (see :mod:`.daemon_preload`). Default true; no effect in engines.
+            page-locking (see :mod:`.preload`). Default true; no effect in engines.
+        engine_preload: in an engine of one GPU whose loader copies with helpers: start those helpers as vLLM's
+            GPU worker begins setting up and page-lock the bundle in them beside that set-up and the model's
+            construction, so that the copy does not page-lock; they live until the KV cache is sized (their
+            CUDA contexts, ~0.5 GiB each, are counted as another process's memory). Only where the GPU keeps
+            room for them above ``--gpu-memory-utilization``. Default true; no effect in daemons.
     """
 
     bundle: Path | None = None
@@ -112,6 +117,7 @@ class LoaderOptions:
     io_helper_nice: int = 0
     io_helper_service: bool = True
     daemon_preload: bool = True
+    engine_preload: bool = True
 
     @property
     def full_hash(self) -> bool | None:
@@ -121,7 +127,7 @@ class LoaderOptions:
 OPTION_KEYS = (
     "bundle", "fallback", "verify", "io_threads", "chunk_mb", "io_mode", "io_processes", "copy_during_build", "common_during_build",
     "common_io", "io_own_share", "io_staged", "io_stage_mib", "io_defer_unregister", "io_common_by_helpers", "io_helper_nice",
-    "io_helper_service", "daemon_preload",
+    "io_helper_service", "daemon_preload", "engine_preload",
 )
 
 
@@ -161,7 +167,8 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
     if not isinstance(during_build, bool):
         raise ValueError(f"model_loader_extra_config['copy_during_build'] must be true or false, got {during_build!r}")
     flags = {}
-    for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build", "io_helper_service", "daemon_preload"):
+    for key in ("io_defer_unregister", "io_common_by_helpers", "common_during_build", "io_helper_service", "daemon_preload",
+                "engine_preload"):
         flags[key] = extra.get(key, getattr(LoaderOptions, key))  # a default may be None (decided where it is used)
         if key in extra and not isinstance(flags[key], bool):
             raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, got {flags[key]!r}")

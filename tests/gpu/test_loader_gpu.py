@@ -273,12 +273,44 @@ def test_prepacked_matches_ordinary_loading(
     assert_params_identical(reference["params"], result["params"])
 
 
+def test_engine_preload_page_locks_ahead_and_sizes_the_kv_cache_as_without(
+    workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict]
+) -> None:
+    """``engine_preload`` (the default): the worker starts copy helpers as it sets up, they page-lock the bundle
+    before the copy and the loader's pool takes them; the same parameters as ordinary loading, and the KV cache
+    vLLM sizes from its memory snapshot and profile run is the one an engine gets with the option off (the
+    helpers' contexts are in both measurements, then they are stopped)."""
+    import re
+
+    kind = "gptq4-vocab"
+    reference = ordinary(kind)
+    kv: dict[bool, float] = {}
+    for on in (True, False):
+        code, log, result = run_engine(
+            workdir / f"engine-preload-{on}", checkpoints[kind], load_format="marlin_prepacked",
+            model_loader_extra_config={"io_mode": "processes", "engine_preload": on},
+        )
+        assert code == 0 and result is not None, log[-4000:]
+        assert ("while vLLM sets up its GPU worker" in log) is on, log[-4000:]
+        assert (re.search(r"[0-9.]+ [GM]B of the bundle page-locked in 4 copy helpers", log) is not None) is on, log[-4000:]
+        assert "was not page-locked ahead" not in log and "no copy helper started" not in log, log[-4000:]
+        found = re.search(r"Available KV cache memory: ([0-9.]+) GiB", log)
+        assert found is not None, log[-4000:]
+        kv[on] = float(found.group(1))
+        check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked engine_preload {on}")
+        assert_params_identical(reference["params"], result["params"])
+    # Four helper contexts are ~2 GiB: counted at one measurement and not the other, the KV cache would differ by that.
+    assert abs(kv[True] - kv[False]) < 0.25, kv
+
+
 @pytest.mark.parametrize(
     "io",
     [
-        {"io_mode": "processes", "io_processes": 2},
-        {"io_mode": "processes", "io_processes": 2, "io_own_share": "after_build"},
-        {"io_mode": "processes", "io_processes": 2, "io_defer_unregister": True, "io_staged": 1, "io_common_by_helpers": True},
+        # The engine's own helpers, started by the loader (engine_preload is tested on its own below).
+        {"io_mode": "processes", "io_processes": 2, "engine_preload": False},
+        {"io_mode": "processes", "io_processes": 2, "io_own_share": "after_build", "engine_preload": False},
+        {"io_mode": "processes", "io_processes": 2, "io_defer_unregister": True, "io_staged": 1, "io_common_by_helpers": True,
+         "engine_preload": False},
         {"io_mode": "staged"},
     ],
     ids=["processes", "processes-own-share-after-build", "processes-deferred-staged-common", "staged"],

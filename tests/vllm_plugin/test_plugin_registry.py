@@ -18,6 +18,8 @@ _MISSING = object()
 
 _CT = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:CompressedTensorsLinearMethod"
 _WORKER_LOAD_MODEL = "vllm.v1.worker.gpu_worker:Worker.load_model"
+_WORKER_INIT_DEVICE = "vllm.v1.worker.gpu_worker:Worker.init_device"
+_WORKER_INITIALIZE_FROM_CONFIG = "vllm.v1.worker.gpu_worker:Worker.initialize_from_config"
 EXPECTED_TARGETS = {
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod.process_weights_after_loading",
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod.supports_pre_processed_weights",
@@ -39,6 +41,8 @@ EXPECTED_TARGETS = {
     "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader._build_model",
     "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader._fallback_load",
     _WORKER_LOAD_MODEL,
+    _WORKER_INIT_DEVICE,
+    _WORKER_INITIALIZE_FROM_CONFIG,
     f"{DAEMON_MODULE}:WeightCacheDaemon.get_model",
     f"{DAEMON_MODULE}:get_draft_daemon_config",
     RUN_DAEMON,
@@ -83,6 +87,8 @@ def test_patches_inventory() -> None:
         f"{DAEMON_MODULE}:get_draft_daemon_config",
         RUN_DAEMON,
         _WORKER_LOAD_MODEL,
+        _WORKER_INIT_DEVICE,
+        _WORKER_INITIALIZE_FROM_CONFIG,
     }
 
 

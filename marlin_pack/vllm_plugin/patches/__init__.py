@@ -6,6 +6,8 @@ the weight cache); ``moe_post_processing``: likewise their Marlin MoE experts me
 loader builds a model it fills from a bundle.
 ``weight_cache``: Marlin for weight-cache processes, an unchanged cache key, the plugin in
 ``vllm preload``'s spawned daemons and the page-locking planned for them (``daemon_preload``).
+``worker_preload``: an engine's GPU worker starts the helpers that page-lock its bundle as it sets up, and
+stops them once the KV cache is sized (``engine_preload``).
 ``gc_freeze``: the GC heap frozen before vLLM's timed model loading for marlin-pack's start paths.
 ``construct``: vLLM's per-layer bookkeeping while it builds a model (GPTQ quant-config copies and
 quantized-module lookups, reload records) made cheap for those paths; ``cache_key``: likewise the
@@ -24,6 +26,7 @@ from marlin_pack.vllm_plugin.patches import (
     placeholders,
     post_processing,
     weight_cache,
+    worker_preload,
 )
 from marlin_pack.vllm_plugin.patches.registry import Patch, installed, uninstall_all
 from marlin_pack.vllm_plugin.version_guard import vllm_version
@@ -35,6 +38,7 @@ PATCHES: tuple[Patch, ...] = (
     *placeholders.PATCHES,
     *moe_post_processing.PATCHES,
     *weight_cache.PATCHES,
+    *worker_preload.PATCHES,
     *gc_freeze.PATCHES,
     *construct.PATCHES,
     *cache_key.PATCHES,

@@ -18,7 +18,7 @@ work with it:
   reference: every spawned daemon first registers marlin-pack, then runs vLLM's own
   ``_run_daemon``. The daemon module is patched when first imported (only ``vllm preload``
   imports it).
-* The daemon's page-locking ahead of its fill (:mod:`.daemon_preload`): ``get_draft_daemon_config``,
+* The daemon's page-locking ahead of its fill (:mod:`.preload`): ``get_draft_daemon_config``,
   which ``vllm preload`` calls with the final configuration just before it spawns the daemons,
   also plans it; the daemon's ``get_model`` stops it after the fill.
 """
@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from marlin_pack.vllm_plugin import daemon_preload, daemon_process
+from marlin_pack.vllm_plugin import daemon_process, preload
 from marlin_pack.vllm_plugin.daemon_process import DAEMON_MODULE, RUN_DAEMON, run_daemon, stands_in_for
 from marlin_pack.vllm_plugin.patches.registry import Patch
 
@@ -146,12 +146,12 @@ def _ipc_loader_step(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _daemons_spawned_for(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``get_draft_daemon_config(vllm_config)``: ``vllm preload``'s last look at the final configuration before
-    it spawns its daemons, where marlin-pack plans the page-locking a daemon starts with (:mod:`.daemon_preload`)."""
+    it spawns its daemons, where marlin-pack plans the page-locking a daemon starts with (:mod:`.preload`)."""
 
     @functools.wraps(original)
     def get_draft_daemon_config(vllm_config: Any) -> Any:
         draft = original(vllm_config)
-        daemon_preload.export(vllm_config, draft=draft is not None)
+        preload.export(vllm_config, draft=draft is not None)
         return draft
 
     return get_draft_daemon_config
@@ -177,7 +177,7 @@ def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], n
             _log_hint(e)
             raise
         finally:
-            daemon_preload.stop()  # the bundle's pages, page-locked as the daemon started, are not needed any more
+            preload.stop()  # the bundle's pages, page-locked as the daemon started, are not needed any more
         began = daemon_process.started()
         logger.info(
             "marlin-pack: %s filled its model in %.2f s (load format %s)%s",
