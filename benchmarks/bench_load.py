@@ -234,12 +234,14 @@ def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profil
     log = p.stdout + p.stderr  # vLLM logs to stdout/stderr; parse its own timing line
     m = re.search(LOAD_RE, log)
     result["model_loading_s"] = float(m.group(2)) if m else None
+    kv = re.search(r"Available KV cache memory: ([0-9.]+) GiB", log)  # sized from vLLM's memory snapshot and profile run
+    result["kv_cache_gib"] = float(kv.group(1)) if kv else None
     result["marlin_pack_log"] = _marlin_lines(log)
     prof = re.search(r"PROFILE-BEGIN\n(.*?)PROFILE-END", p.stdout, re.S)
     result["profile"] = prof.group(1) if prof else ""
     # One line per engine as it ends, so a sitting cut short still shows the rows it finished.
     print(f"  {mode} engine: Model loading took {result['model_loading_s']} s, engine start {result['engine_start_s']:.2f} s; "
-          f"{' | '.join(result['marlin_pack_log'][-1:])}", flush=True)
+          f"KV cache {result['kv_cache_gib']} GiB; {' | '.join(result['marlin_pack_log'][-1:])}", flush=True)
     if result.get("phases"):
         print(f"    load_model {result.get('load_model_s', 0):.3f} s: "
               + ", ".join(f"{k} {v:.3f}" for k, v in result["phases"].items()), flush=True)
