@@ -326,6 +326,7 @@ def ready_service_dir(timeout_s: float = _WAIT_S) -> Path | None:
     if preload is None or preload.stopped:
         return None
     role = "engine" if preload.engine else "daemon"
+    asked = time.perf_counter()
     if not preload.done.wait(timeout_s):
         logger.warning("marlin-pack: the %s's copy helpers did not page-lock its bundle in %.0f s; copying without them", role, timeout_s)
         _stop_unless_counted(preload)
@@ -339,10 +340,12 @@ def ready_service_dir(timeout_s: float = _WAIT_S) -> Path | None:
                        role, preload.error or "nothing was page-locked")
         _stop_unless_counted(preload)
         return None
+    now = time.perf_counter()
     logger.info(
-        "marlin-pack: %s of the bundle page-locked in %d copy helpers in %.2f s, %.2f s before the copy began",
+        "marlin-pack: %s of the bundle page-locked in %d copy helpers in %.2f s, %.2f s before the copy began "
+        "(the loader waited %.2f s for it)",
         _size(preload.locked), int(preload.spec["processes"]), preload.seconds or 0.0,
-        time.perf_counter() - preload.began - (preload.seconds or 0.0),
+        now - preload.began - (preload.seconds or 0.0), now - asked,
     )
     return preload.directory
 
