@@ -14,8 +14,9 @@ Modules: ``loader`` (the model loader), ``options`` (its extra config), ``decisi
 checks over plain facts), ``engine`` (every read of vLLM internals), ``gpu_reader`` (bundle
 bytes to the GPU), ``patches/`` (the registry of vLLM patches), ``launcher``
 (``marlin-pack daemon``), ``daemon_process`` (the spawn target of ``vllm preload``'s daemons),
-``daemon_preload`` (a daemon page-locking its bundle while it starts), ``copy_helpers`` /
-``helper_service`` / ``copy_helper_main`` (the copy helper processes).
+``preload`` (copy helpers page-locking the bundle before the copy: a daemon as it starts, an
+engine as its worker sets up), ``copy_helpers`` / ``helper_service`` / ``copy_helper_main`` (the
+copy helper processes).
 """
 
 from __future__ import annotations
