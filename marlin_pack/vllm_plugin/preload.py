@@ -226,12 +226,15 @@ def _no_room(device: int, processes: int, utilization: float) -> str | None:
     helpers alive then take theirs from it. Asks NVML (no CUDA context), as vLLM's platform does."""
     from vllm.utils.import_utils import import_pynvml
 
-    nvml = import_pynvml()
-    nvml.nvmlInit()
     try:
-        info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByUUID(gpu_uuid(device)))
-    finally:
-        nvml.nvmlShutdown()
+        nvml = import_pynvml()
+        nvml.nvmlInit()
+        try:
+            info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByUUID(gpu_uuid(device)))
+        finally:
+            nvml.nvmlShutdown()
+    except Exception as e:  # noqa: BLE001 - e.g. a MIG instance, which NVML names otherwise: then no helpers ahead
+        return f"NVML could not say how much memory the GPU has free ({type(e).__name__}: {e})"
     need = processes * HELPER_CONTEXT_BYTES + _ENGINE_BASELINE_BYTES
     if info.free - need >= utilization * info.total:
         return None

@@ -445,3 +445,20 @@ def test_a_slow_helper_start_is_waited_for(model: Path, fake_service: type[_Fake
     preload.await_helpers(timeout_s=10)
     assert fake_service.made[0].calls[0] == "start"  # the contexts exist when vLLM takes its snapshot
     preload.stop_after_memory_profile()
+
+
+def test_no_room_when_nvml_cannot_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU NVML does not know by that UUID (a MIG instance): no helpers ahead, said as a reason, not a failure."""
+    import vllm.utils.import_utils as import_utils
+
+    nvml = _FakeNvml(140 << 30, 141 << 30)
+
+    def unknown(uuid: str) -> str:
+        raise LookupError(f"no GPU {uuid}")
+
+    nvml.nvmlDeviceGetHandleByUUID = unknown  # type: ignore[method-assign]
+    monkeypatch.setattr(import_utils, "import_pynvml", lambda: nvml)
+    monkeypatch.setattr(preload, "gpu_uuid", lambda device: "GPU-x")
+    why = preload._no_room(0, 4, 0.9)
+    assert why is not None and "NVML could not say" in why and "no GPU GPU-x" in why
+    assert nvml.calls == ["init", "shutdown"]
