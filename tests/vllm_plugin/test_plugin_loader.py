@@ -728,7 +728,7 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     deferred = case == "daemon"
     assert _FakeHelpers.settings == {
         "staged": staged, "stage_mib": stage_mib, "defer_unregister": deferred, "nice": 0, "service": case != "refused",
-        "service_dir": None,  # no daemon page-locked its bundle as it started (daemon_preload)
+        "service_dir": None,  # no daemon or engine page-locked its bundle ahead of the copy (preload)
     }
     if by_helpers:  # ended by loading, after the common tensors; the common reader had them
         assert events[1:] == ["create", "close wait=False", "joined"]
