@@ -80,7 +80,9 @@ def plan(vllm_config: Any, role: str = "daemon") -> dict | None:
     from marlin_pack.vllm_plugin.options import parse_extra_config
 
     load_config = vllm_config.load_config
-    if str(load_config.load_format) != LOAD_FORMAT:
+    # One process (vLLM's own count over TP, PCP, PP and DP, as helpers_help reads it): an explicit io_mode
+    # "processes" skips helpers_help, and several ranks would each start a service on the same cores.
+    if str(load_config.load_format) != LOAD_FORMAT or vllm_config.parallel_config.world_size_across_dp != 1:
         return None
     try:
         options = parse_extra_config(load_config.model_loader_extra_config or {})
@@ -130,8 +132,7 @@ def export(vllm_config: Any, draft: bool, environ: dict[str, str] | None = None)
 
     Only a single daemon (one GPU, no ``draft`` daemon beside it) gets a plan."""
     env = os.environ if environ is None else environ
-    # One daemon: vLLM's own count of the processes (TP, PCP, PP and DP), as helpers_help reads it.
-    found = None if draft or vllm_config.parallel_config.world_size_across_dp != 1 else plan(vllm_config)
+    found = None if draft else plan(vllm_config)  # plan() is None for more than one daemon
     if found is None:
         env.pop(ENV, None)
         return None
@@ -284,15 +285,13 @@ def start_from_environment(environ: dict[str, str] | None = None) -> Preload | N
 def start_in_worker(worker: Any) -> Preload | None:
     """As vLLM's GPU ``worker`` begins ``init_device``: start the page-locking its loader's copy will use, on a thread.
 
-    Only for a single-process engine (vLLM's ``world_size_across_dp`` 1) that :func:`plan` finds a plan
-    for (``engine_preload``), and not in a process that started one already. Never raises."""
+    Only where :func:`plan` finds a plan (``engine_preload``; a single-process engine), and not in a process
+    that started one already. Never raises."""
     if _CURRENT is not None:
         return None
     try:
         vllm_config = worker.vllm_config
-        if vllm_config.parallel_config.world_size_across_dp != 1:
-            return None
-        spec = plan(vllm_config, role="engine")
+        spec = plan(vllm_config, role="engine")  # None for an engine of several processes
         if spec is None:
             return None
         spec["device"] = int(getattr(worker, "local_rank", 0) or 0)
