@@ -245,8 +245,8 @@ def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profil
     if result.get("phases"):
         print(f"    load_model {result.get('load_model_s', 0):.3f} s: "
               + ", ".join(f"{k} {v:.3f}" for k, v in result["phases"].items()), flush=True)
-    for x in result["marlin_pack_log"][:-1]:  # the copy's line and the helpers' exit
-        if any(k in x for k in ("placed", "to exit")):
+    for x in result["marlin_pack_log"][:-1]:  # the copy's line, the helpers' exit and the engine's page-locking ahead
+        if any(k in x for k in ("placed", "to exit", "page-locked in")):
             print(f"    {x}", flush=True)
     return result
 

@@ -214,7 +214,8 @@ class HelperPool:
     ``stage_mib`` MiB each, allocated as the helper starts); ``defer_unregister``: windows stay
     page-locked until the helper has answered; ``nice``: added to the helpers' niceness (see
     :mod:`.copy_helper_main`); ``service_dir``: where to look for the service's sockets (default
-    :func:`.helper_service.socket_dir`; a daemon's or an engine's own service started early, :mod:`.preload`).
+    :func:`.helper_service.socket_dir`; a daemon's or an engine's own service started early, :mod:`.preload`),
+    or a callable giving it (or None), called on the pool's starting thread: the caller goes on meanwhile.
 
     Example:
         >>> with HelperPool(4, torch.cuda.current_device()) as pool:
@@ -233,7 +234,7 @@ class HelperPool:
         defer_unregister: bool = False,
         nice: int = 0,
         service: bool = True,
-        service_dir: Path | None = None,
+        service_dir: Path | Callable[[], Path | None] | None = None,
     ) -> None:
         self.device_index = device_index
         self._service_dir = service_dir  # where the service's sockets are (None: helper_service.socket_dir())
@@ -260,6 +261,8 @@ class HelperPool:
 
     def _start(self, count: int, script: Path, service: bool) -> None:
         if service:
+            if callable(self._service_dir):  # e.g. waits for a page-locking still under way (preload), beside the caller's work
+                self._service_dir = self._service_dir()
             self._procs = self._from_service()
             if self._procs:
                 self.source = "service"

@@ -256,8 +256,9 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
         if not uses_helpers(self.options.io_mode, lambda: bundle.rank_file, usable):
             return None
-        # A weight-cache daemon or an engine that page-locked its bundle as it started: that service's helpers copy it.
-        service_dir = preload.ready_service_dir() if self.options.io_helper_service else None
+        # A weight-cache daemon or an engine that page-locks its bundle as it starts: that service's helpers copy it.
+        # The pool waits for the page-locking on its starting thread, so vLLM builds the model meanwhile.
+        service_dir = preload.ready_service_dir if self.options.io_helper_service and preload.current() is not None else None
         return HelperPool(
             self.options.io_processes, torch.cuda.current_device(),
             staged=self.options.io_staged, stage_mib=self.options.io_stage_mib,

@@ -24,8 +24,8 @@ fresh 0700 directory) on a thread, which page-locks the files the copy will read
   measured the memory after its profile run (:func:`stop_after_memory_profile`), so that they count as
   another process's memory both times and the KV cache is sized as without them.
 
-The loader waits for the page-locking (:func:`ready_service_dir`) before its copy; its helper pool
-then takes that service's helpers, with every window held already. Only where the loader copies with
+The loader's helper pool waits for the page-locking (:func:`ready_service_dir`) on its starting thread,
+while vLLM builds the model, and then takes that service's helpers, with every window held already. Only where the loader copies with
 helpers (``io_mode`` resolving to ``processes``: enough cores, no sleep mode, a bundle not on a tmpfs
 of 4 KiB pages) in a single process (one GPU), for a bundle without experts layers, with
 ``io_helper_service`` on, when no ``marlin-pack helpers`` serves that GPU already (the loader uses that
@@ -322,8 +322,9 @@ def await_helpers(timeout_s: float = 60.0) -> None:
 
 
 def ready_service_dir(timeout_s: float = _WAIT_S) -> Path | None:
-    """For the loader, before it starts copying: the socket directory of this process's page-locking service
-    once it has page-locked the files; None where there is none (or it failed, said here once)."""
+    """For the loader's helper pool, as it starts (beside vLLM's construction of the model): the socket directory
+    of this process's page-locking service once it has page-locked the files; None where there is none (or it
+    failed, said here once)."""
     preload = _CURRENT
     if preload is None or preload.stopped:
         return None
@@ -344,8 +345,8 @@ def ready_service_dir(timeout_s: float = _WAIT_S) -> Path | None:
         return None
     now = time.perf_counter()
     logger.info(
-        "marlin-pack: %s of the bundle page-locked in %d copy helpers in %.2f s, %.2f s before the copy began "
-        "(the loader waited %.2f s for it)",
+        "marlin-pack: %s of the bundle page-locked in %d copy helpers in %.2f s, %.2f s before the loader's helper pool "
+        "took them (which waited %.2f s for it, beside vLLM's construction of the model)",
         _size(preload.locked), int(preload.spec["processes"]), preload.seconds or 0.0,
         now - preload.began - (preload.seconds or 0.0), now - asked,
     )

@@ -211,6 +211,32 @@ def test_a_pool_takes_the_service_helpers_and_leaves_them_serving(served: _Serve
     again.close()
 
 
+def test_a_pool_asks_for_its_service_directory_on_its_starting_thread(
+    served: _Served, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A page-locking still under way (preload): the caller (vLLM building the model) must not wait for it.
+    released, asked = threading.Event(), []
+
+    def service_dir() -> Path:
+        asked.append(threading.current_thread().name)
+        assert released.wait(10)
+        return sock_dir
+
+    looked_in: list[Path | None] = []
+    with _pool(monkeypatch, sock_dir, served.destination, script=Path("/nonexistent"), service_dir=service_dir) as pool:
+        def look(uuid: str, directory: Path | None = None) -> list[Path]:
+            looked_in.append(directory)
+            return find_sockets(uuid, directory)
+
+        monkeypatch.setattr(copy_helpers, "find_sockets", look)
+        time.sleep(0.05)
+        assert asked == ["marlin-pack-helpers"] and looked_in == []  # constructed; the thread still waits
+        released.set()
+        assert pool.copy(served.file, _windows(served.destination), threads=2) == []
+        assert pool.source == "service" and looked_in == [sock_dir]
+    assert served.destination.raw == DATA
+
+
 def _own_helper_script(tmp_path: Path) -> Path:
     script = tmp_path / "own.py"
     script.write_text(textwrap.dedent("""
