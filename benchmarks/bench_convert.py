@@ -11,6 +11,10 @@ is written durably (O_DIRECT and fsync), so a second baseline, ``read+write+fsyn
 its files: on a slow disk the sync, not the conversion, sets the convert time. Peak memory is the process's anonymous RSS
 (heap), sampled every 10 ms; memory-mapped checkpoint pages are page cache, not heap,
 and are reported separately as peak RSS.
+
+A small VM's wall times vary from one process to the next (the same plain read+write was measured
+at 0.6 and 1.4 s in one run), so besides the medians the script prints every round, the ratio of the
+best rounds, and the CPU time (user + system, whole process) each side used.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def sample():
 threading.Thread(target=sample, daemon=True).start()
 mode, src, dst, device = sys.argv[1:5]
 import torch
+start = resource.getrusage(resource.RUSAGE_SELF)  # CPU time from here: importing torch is not the work
 t0 = time.perf_counter()
 if mode in ('baseline', 'durable'):
     import os
@@ -54,8 +59,9 @@ else:
     if device.startswith('cuda'):
         torch.cuda.synchronize()
 dt = time.perf_counter() - t0
-maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({'seconds': dt, 'import_s': imported if mode == 'convert' else 0.0, 'peak_anon': peak[0], 'maxrss': maxrss}))
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({'seconds': dt, 'import_s': imported if mode == 'convert' else 0.0, 'peak_anon': peak[0],
+                  'maxrss': usage.ru_maxrss * 1024, 'cpu_s': usage.ru_utime + usage.ru_stime - start.ru_utime - start.ru_stime}))
 """
 
 
@@ -92,6 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     args.workdir.mkdir(exist_ok=True)
     rows = []
+    per_round: dict[str, dict[str, list[dict]]] = {}
     for fmt in args.formats.split(","):
         src = _checkpoint(args.workdir, fmt, args.preset, args.device)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
@@ -113,6 +120,7 @@ def main() -> None:
         imp = statistics.median(r["import_s"] for r in conv)
         rows.append((fmt, size, b, d, c, max(r["peak_anon"] for r in base), max(r["peak_anon"] for r in conv),
                      max(r["maxrss"] for r in conv), imp))
+        per_round[fmt] = runs
     print(f"\npreset {args.preset}, {args.rounds} round(s), median seconds, convert on {args.device}")
     print(f"{'format':6} {'size GB':>8} {'read+write s':>13} {'+fsync s':>9} {'convert s':>10} {'ratio':>6} {'ratio fsync':>12} "
           f"{'heap r+w GB':>12} {'heap conv GB':>13} {'rss conv GB':>12}")
@@ -123,6 +131,15 @@ def main() -> None:
     for fmt, _, b, d, c, _, _, _, imp in rows:
         print(f"{fmt:6} convert without importing marlin_pack: {c - imp:.2f} s (ratio {(c - imp) / b:.2f}, "
               f"fsync {(c - imp) / d:.2f}; import {imp:.2f} s)")
+    print("every round (wall s), best of each side, and CPU time (user + system, median s):")
+    for fmt, runs in per_round.items():
+        best = {mode: min(r["seconds"] for r in rs) for mode, rs in runs.items()}
+        cpu = {mode: statistics.median(r["cpu_s"] for r in rs) for mode, rs in runs.items()}
+        for mode, rs in runs.items():
+            print(f"{fmt:6} {mode:9} " + " ".join(f"{r['seconds']:.2f}" for r in rs) + f"   best {best[mode]:.2f}   cpu {cpu[mode]:.2f}")
+        print(f"{fmt:6} best convert / best read+write {best['convert'] / best['baseline']:.2f}, "
+              f"/ best read+write+fsync {best['convert'] / best['durable']:.2f}; "
+              f"CPU time convert / read+write {cpu['convert'] / cpu['baseline']:.2f}")
 
 
 if __name__ == "__main__":
