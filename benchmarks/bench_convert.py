@@ -14,7 +14,7 @@ and are reported separately as peak RSS.
 
 A small VM's wall times vary from one process to the next (the same plain read+write was measured
 at 0.6 and 1.4 s in one run), so besides the medians the script prints every round, the ratio of the
-best rounds, and the CPU time (user + system, whole process) each side used.
+best rounds, and the CPU time each side used (user + system of the whole process, counted after importing torch).
 """
 
 from __future__ import annotations
