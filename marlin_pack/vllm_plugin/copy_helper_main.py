@@ -665,9 +665,10 @@ def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] 
     The engine's memory is unmapped (its IPC handles closed) before ``{"closed": true}`` and in any
     case before the next session; deferred unregistering runs after each reply, as in a helper of
     its own engine. Returns False when a CUDA call failed in it (the context may be unusable).
-    ``free`` is called, when it went well, just before ``{"closed": true}``: an engine that hears it
-    and connects again at once is served, not told ``busy``. Retained files that changed, or that
-    the latest bundle needs the room of, are let go last (:meth:`Helper.let_go`), off the engine's path.
+    ``free`` is called, when it went well, just before ``{"closed": true}`` (or before the connection
+    closes, when it ended at EOF): an engine that hears it and connects again at once is served, not told
+    ``busy``. Retained files that changed, or that the latest bundle needs the room of, are let go last
+    (:meth:`Helper.let_go`), off the engine's path.
 
     With ``--retain-mib``, the ready line also says ``"retained_bytes"`` and ``"retained"`` (``[[FILE,
     [[LO, HI], ...]], ...]``): what stays registered from earlier sessions, and where.
@@ -700,9 +701,9 @@ def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] 
     finally:
         with contextlib.suppress(Exception):
             helper.close()
+        if healthy and free is not None:
+            free()  # before the connection closes, also at EOF: whoever saw it close finds this helper free
         if ended:
-            if healthy and free is not None:
-                free()
             with contextlib.suppress(OSError):
                 _say({"closed": True}, wfile)
         for f in (rfile, wfile):

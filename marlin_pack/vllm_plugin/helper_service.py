@@ -230,6 +230,19 @@ class ServiceSession:
         finally:
             self.close()
 
+    def hang_up(self, timeout_s: float) -> None:
+        """Without :meth:`end`: say no more and wait (at most ``timeout_s``) until the helper has closed its
+        side, so that it is free for the next connection when this returns; then close ours."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + timeout_s
+            while "error" not in read_reply(self.rfile, deadline, self.gone_why):
+                pass  # lines a helper still had to say; its end of output (or the deadline) says "error"
+        except OSError:
+            pass
+        finally:
+            self.close()
+
     def close(self) -> None:
         for f in (self.rfile, self.wfile, self.sock):
             with contextlib.suppress(OSError):
@@ -266,7 +279,9 @@ def probe(path: Path, timeout_s: float = 2.0) -> tuple[str, int | None]:
     state = session.hello(time.monotonic() + timeout_s)
     if state == "ready":
         session.end()
-    session.wait_gone(timeout_s)
+        session.wait_gone(timeout_s)
+    else:  # a helper of another protocol, or one answering busy: wait until it has let this connection go
+        session.hang_up(timeout_s)
     return (state if state in ("ready", "busy") or state.startswith("protocol ") else "no answer"), session.retained_bytes
 
 

@@ -26,7 +26,15 @@ from marlin_pack.cli import app
 from marlin_pack.vllm_plugin import copy_helper_main, copy_helpers, helper_service
 from marlin_pack.vllm_plugin.copy_helper_main import PROTOCOL, Settings, bind_listener, serve
 from marlin_pack.vllm_plugin.copy_helpers import HelperPool
-from marlin_pack.vllm_plugin.helper_service import HelperService, ServiceError, find_sockets, service_status, socket_dir, trusted_dir
+from marlin_pack.vllm_plugin.helper_service import (
+    HelperService,
+    ServiceError,
+    find_sockets,
+    probe,
+    service_status,
+    socket_dir,
+    trusted_dir,
+)
 from marlin_pack.vllm_plugin.options import parse_extra_config
 
 DATA = bytes(range(256)) * 64  # 16 KiB: four pages
@@ -420,6 +428,15 @@ def test_status_tells_ready_busy_and_stale_helpers_apart(served: _Served, sock_d
     monkeypatch.setattr(copy_helper_main, "PROTOCOL", PROTOCOL)
     r = CliRunner().invoke(app, ["helpers", "--status"])
     assert r.exit_code == 0 and "ready" in r.output, r.output
+
+
+def test_a_probe_leaves_the_helper_free_for_the_next_one(served: _Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A probe that hangs up without a goodbye (the helper speaks another protocol) returns only once the
+    # helper has let it go: probes back to back never find it "busy" with the last one (seen once in CI).
+    monkeypatch.setattr(copy_helper_main, "PROTOCOL", PROTOCOL + 1)
+    assert [probe(served.path)[0] for _ in range(30)] == [f"protocol {PROTOCOL + 1}"] * 30
+    monkeypatch.setattr(copy_helper_main, "PROTOCOL", PROTOCOL)
+    assert [probe(served.path)[0] for _ in range(30)] == ["ready"] * 30
 
 
 def test_status_without_helpers(sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
