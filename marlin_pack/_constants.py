@@ -10,7 +10,7 @@ __all__ = [
     "LAYOUT_VERSION",
     "LOAD_FORMAT",
     "MANIFEST_NAME",
-    "STAMPS_NAME",
+    "LEGACY_STAMPS_NAME",
     "TARGET_VLLM_VERSION",
     "DEBUG_ENV",
     "SUPPORTED_GROUP_SIZES",
@@ -34,9 +34,9 @@ COMMON_FILE = "common.safetensors"
 # top-level ``*.safetensors`` of a model directory, so a bundle there is never
 # mistaken for checkpoint weights.
 BUNDLE_DIRNAME = "marlin-pack"
-# Local, non-deterministic cache of (size, mtime) stamps of files whose full
-# SHA-256 was checked; not part of the bundle's content.
-STAMPS_NAME = ".stamps.json"
+# The stamp cache earlier versions kept inside a bundle: never read (stamps are per user, see
+# marlin_pack.io.stamps); only tolerated in a bundle that --force replaces.
+LEGACY_STAMPS_NAME = ".stamps.json"
 DEBUG_ENV = "MARLIN_PACK_DEBUG"
 # Group sizes MarlinLinearKernel accepts in vLLM 0.33.0 (-1: one group per output channel).
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)

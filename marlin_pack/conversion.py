@@ -22,10 +22,10 @@ import torch
 
 from marlin_pack._constants import TARGET_VLLM_VERSION
 from marlin_pack._version import __version__
-from marlin_pack.bundle.integrity import source_digest, source_stamp_key
+from marlin_pack.bundle.integrity import source_digest
 from marlin_pack.bundle.writer import BundleWriter, check_output
 from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedCheckpointError
-from marlin_pack.io.hashing import file_digest, hash_workers, sha256_bytes
+from marlin_pack.io.hashing import FileChangedError, HashedFile, hash_file, hash_workers, sha256_bytes
 from marlin_pack.io.safetensors_io import StreamWriter, read_header_bytes
 from marlin_pack.marlin.moe import ExpertTensors
 from marlin_pack.marlin.rank_tensors import build_rank_tensors, tensor_specs
@@ -44,6 +44,7 @@ from marlin_pack.marlin.sharding import (
 )
 from marlin_pack.moe_conversion import MoePlan, build_moe_layer, check_moe_settings, plan_moe, read_moe_layer
 from marlin_pack.schemas import (
+    OUTPUT_HEAD_NAMES,
     LayerEntry,
     Manifest,
     Producer,
@@ -214,7 +215,7 @@ def _check_layer_count(ckpt: Checkpoint, dims: ModelDims) -> None:
         )
 
 
-_HEADS = ("lm_head.weight", "output.weight")  # the output projection's checkpoint names (InternLM2: output)
+_HEADS = OUTPUT_HEAD_NAMES  # the output projection's checkpoint names (InternLM2: output), all the manifest lets an alias be
 
 
 def tied_copies(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, str]:
@@ -243,7 +244,17 @@ def tied_copies(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, str]:
     return copies
 
 
-def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str, Future[str]]]) -> Source:
+def _source_hash(name: str, fut: Future[HashedFile]) -> HashedFile:
+    """A source file's hash; a file written or replaced while it was hashed is a one-line refusal."""
+    try:
+        return fut.result()
+    except FileChangedError as e:
+        raise CheckpointError(
+            f"{name} {e.strerror}; nothing was written, re-run when the checkpoint is no longer being written"
+        ) from e
+
+
+def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str, Future[HashedFile]]]) -> Source:
     found = ckpt.quant_settings()
     if found is None:  # plan.source was read from these settings: unreachable unless the config changed meanwhile
         raise CheckpointError(f"{ckpt.dir}'s quantization settings disappeared while converting; re-run when the checkpoint is complete")
@@ -251,7 +262,7 @@ def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str
         SourceFile(
             name=name,
             size=(ckpt.dir / name).stat().st_size,
-            blake3=fut.result(),
+            blake3=_source_hash(name, fut).digest,
             header_sha256=sha256_bytes(read_header_bytes(ckpt.dir / name)),
         )
         for name, fut in hashes
@@ -472,7 +483,7 @@ def convert(
     pool = ThreadPoolExecutor(max_workers=hash_workers(len(ckpt.files)))
     try:
         with _torch_threads(1 if dev.type == "cpu" else None), BundleWriter.create(out, force=force) as bundle:
-            hashes = [(f, pool.submit(file_digest, ckpt.dir / f, 1)) for f in ckpt.files]
+            hashes = [(f, pool.submit(hash_file, ckpt.dir / f, 1)) for f in ckpt.files]
             aliases = tied_copies(ckpt, plan) if plan.dims.tie_word_embeddings else {}
             stored = [n for n in plan.common if n not in aliases]
             bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
@@ -489,8 +500,7 @@ def convert(
                 tensor_parallel=bundle.close_ranks(plan.entries, {tp: plan.moe.entries(tp) for tp in tps} if plan.moe else None),
             )
             ckpt.check_unchanged()  # after hashing and reading: the hashes describe the data converted
-            stamps = [(source_stamp_key(f.name), ckpt.dir / f.name, f.blake3) for f in manifest.source.files]
-            bundle.finish(manifest, stamps)
+            bundle.finish(manifest, [fut.result() for _, fut in hashes])
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         ckpt.close()

@@ -170,7 +170,7 @@ def verify(
             )
             report.checks.extend(Check(name, "skipped", why) for name in _SOURCE_STAGES)
             return report
-        stage("source", lambda: (check_source(m, source, bundle, full_hash=True), "checkpoint files match the manifest")[1])
+        stage("source", lambda: (check_source(m, source, full_hash=True), "checkpoint files match the manifest")[1])
         ckpt: Checkpoint | None = None
         plan: ConversionPlan | None = None
 

@@ -6,11 +6,15 @@
   ``MODEL_DIR/marlin-pack`` (read-only, cached).
 * ``damaged_copy(model_dir, damage)``: a private copy of a checkpoint (and its bundle) for one
   test, with ``damage(copy)`` applied; tests that break files use this, never the cache.
+
+Stamps (``marlin_pack.io.stamps``) go to a directory of this test session (``MARLIN_PACK_STAMPS``),
+never to the user's own store; a test about stamps points it elsewhere itself.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +45,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_stamps(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """This session's stamp store, for every test and the processes they start."""
+    os.environ["MARLIN_PACK_STAMPS"] = str(tmp_path_factory.mktemp("stamps") / "store")
 
 
 CheckpointFactory = Callable[..., Path]

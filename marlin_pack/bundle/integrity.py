@@ -1,24 +1,62 @@
 """Are the bundle's files, and the checkpoint it was made from, exactly what the manifest records?
 
-Sizes are always compared; SHA-256 is computed per ``full_hash`` (always, never, or only for
-files whose stamp in ``.stamps.json`` no longer matches, see :mod:`marlin_pack.io.hashing`).
+Sizes are always compared; BLAKE3 is computed per ``full_hash``: always, never, or only for
+files without a stamp of this user for their current identity (:mod:`marlin_pack.io.stamps`).
+Each check returns a :class:`HashReport` of what it hashed, so a start that hashes can say so.
 No vLLM, no torch.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from marlin_pack._constants import STAMPS_NAME
 from marlin_pack.bundle.reader import resolve_file
 from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, MismatchField, UnsupportedCheckpointError
 from marlin_pack.io.checkpoint_files import QUANTIZE_CONFIG_NAME, quant_settings, read_json, weight_files
-from marlin_pack.io.hashing import StampCache, file_digests, sha256_bytes
+from marlin_pack.io.hashing import FileChangedError, HashedFile, file_digests, sha256_bytes
 from marlin_pack.io.safetensors_io import read_header_bytes
+from marlin_pack.io.stamps import StampStore
 from marlin_pack.schemas import FileEntry, Manifest, QuantSettings, SourceFile
 
-__all__ = ["canonical_json", "source_digest", "check_files", "check_source", "source_stamp_key"]
+__all__ = ["HashReport", "canonical_json", "source_digest", "check_files", "check_source"]
+
+
+@dataclass(frozen=True)
+class HashReport:
+    """What a check hashed: files, bytes and seconds; where this user's stamps are, or why none are kept."""
+
+    files: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    stamped: int = 0
+    stamps: Path | None = None
+    unavailable: str | None = None
+
+    def add(self, other: HashReport) -> HashReport:
+        """Both reports together (the stamp location of either)."""
+        return HashReport(
+            self.files + other.files, self.nbytes + other.nbytes, self.seconds + other.seconds, self.stamped + other.stamped,
+            self.stamps or other.stamps, self.unavailable or other.unavailable,
+        )
+
+    def summary(self) -> str | None:
+        """One line for a log or ``check``: what was hashed and whether the next start does it again; None if nothing."""
+        if not self.files:
+            return None
+        amount = f"{self.nbytes / 1e9:.2f} GB" if self.nbytes >= 1e8 else f"{self.nbytes / 1e6:.2f} MB"
+        done = f"hashed {amount} ({self.files} files) in {self.seconds:.2f} s"
+        if self.unavailable:
+            return f"{done}; {self.unavailable}, so every start hashes them again"
+        if self.stamped < self.files:
+            return (
+                f"{done}; stamped {self.stamped} of them in {self.stamps}: the others changed less than a second before "
+                "they were hashed, so the next start hashes them again"
+            )
+        return f"{done}; stamped in {self.stamps}: starts by this user on this host skip it while the files are unchanged"
 
 
 def canonical_json(obj: object) -> bytes:
@@ -72,14 +110,39 @@ def _check_source_settings(manifest: Manifest, model_dir: Path) -> None:
         )
 
 
-def source_stamp_key(file_name: str) -> str:
-    """The stamp-cache key of a source checkpoint file (bundle files use their own path)."""
-    return f"source:{file_name}"
+def _needs_hash(stamps: StampStore, path: Path, expected: str, full_hash: bool | None) -> bool:
+    """Whether ``full_hash`` (see :func:`check_files`) and this user's stamps call for hashing the file."""
+    return not (full_hash is False or (full_hash is None and stamps.trusted(path, expected)))
 
 
-def _needs_hash(stamps: StampCache, key: str, path: Path, expected: str, full_hash: bool | None) -> bool:
-    """Whether ``full_hash`` (see :func:`check_files`) and the stamps call for hashing the file."""
-    return not (full_hash is False or (full_hash is None and stamps.trusted(key, path, expected)))
+def _hash_all(
+    stamps: StampStore, to_hash: list[tuple[str, Path, str]], failed: Callable[[str, OSError | str], Exception]
+) -> HashReport:
+    """Hash ``(name, path, expected blake3)`` in parallel; stamp the ones that match; the first failure, in order, raises.
+
+    ``failed(name, why)``: the exception for a file that cannot be read or changed while hashed
+    (an OSError) or hashed to another digest (the digest found).
+    """
+    t0 = time.perf_counter()
+    results = file_digests([p for _, p, _ in to_hash])
+    seconds = time.perf_counter() - t0
+    good: list[HashedFile] = []
+    for (name, _, expected), hashed in zip(to_hash, results, strict=True):
+        if isinstance(hashed, OSError):
+            raise failed(name, hashed) from hashed
+        if hashed.digest != expected:
+            raise failed(name, hashed.digest)
+        good.append(hashed)
+    for hashed in good:
+        stamps.record(hashed)
+    stamped = 0 if stamps.unavailable else sum(h.stampable for h in good)
+    return HashReport(len(good), sum(h.identity[0] for h in good), seconds, stamped, stamps.where, stamps.unavailable)
+
+
+def _unreadable(e: OSError) -> str:
+    if isinstance(e, FileChangedError):
+        return f"{e.strerror}: something is writing it; nothing was stamped, check again once it is complete"
+    return f"cannot be read ({e.strerror or e})"
 
 
 def check_files(
@@ -88,55 +151,53 @@ def check_files(
     entries: list[FileEntry] | None = None,
     *,
     full_hash: bool | None = None,
-) -> None:
-    """Check sizes and SHA-256 of bundle files.
+) -> HashReport:
+    """Check sizes and BLAKE3 digests of bundle files; what was hashed.
 
     Args:
         entries: files to check (default: all of the manifest's).
         full_hash: True hashes every file; False checks sizes only; None (default)
-            hashes only files whose stat differs from their last checked stamp.
+            hashes only files without a stamp of this user for their current identity.
 
     Raises:
-        BundleError: a file is missing, has another size, or another hash.
+        BundleError: a file is missing, has another size, another hash, or changed while hashed.
     """
-    stamps = StampCache(bundle_dir / STAMPS_NAME)
-    to_hash: list[tuple[FileEntry, Path]] = []
-    for entry in manifest.files() if entries is None else entries:  # cheap checks first, every file
-        path = resolve_file(bundle_dir, entry)
-        if not path.is_file():
-            raise BundleError(f"bundle file {entry.path} is missing; re-run `marlin-pack convert --force`")
-        size = path.stat().st_size
-        if size != entry.size:
-            raise BundleError(
-                f"bundle file {entry.path} is {size} bytes, manifest says {entry.size}: "
-                "truncated or replaced; re-run `marlin-pack convert --force`"
-            )
-        if _needs_hash(stamps, entry.path, path, entry.blake3, full_hash):
-            to_hash.append((entry, path))
-    # Then the hashes, in parallel; a failure is reported for the first file in manifest order.
-    for (entry, path), digest in zip(to_hash, file_digests([p for _, p in to_hash]), strict=True):
-        if isinstance(digest, OSError):
-            raise BundleError(
-                f"bundle file {entry.path} cannot be read ({digest.strerror or digest}); the serving user must be able to "
-                "read the bundle (check its permissions), or re-run `marlin-pack convert --force`"
-            ) from digest
-        if digest != entry.blake3:
-            raise BundleError(
-                f"bundle file {entry.path} has blake3 {digest[:16]}…, manifest says "
-                f"{entry.blake3[:16]}…: the file was modified; re-run `marlin-pack convert --force`"
-            )
-        stamps.record(entry.path, path, digest)
-    stamps.save()
+    with StampStore.open() as stamps:
+        to_hash: list[tuple[str, Path, str]] = []
+        for entry in manifest.files() if entries is None else entries:  # cheap checks first, every file
+            path = resolve_file(bundle_dir, entry)
+            if not path.is_file():
+                raise BundleError(f"bundle file {entry.path} is missing; re-run `marlin-pack convert --force`")
+            size = path.stat().st_size
+            if size != entry.size:
+                raise BundleError(
+                    f"bundle file {entry.path} is {size} bytes, manifest says {entry.size}: "
+                    "truncated or replaced; re-run `marlin-pack convert --force`"
+                )
+            if _needs_hash(stamps, path, entry.blake3, full_hash):
+                to_hash.append((entry.path, path, entry.blake3))
+        expected = {e.path: e.blake3 for e in manifest.files()}
+        return _hash_all(stamps, to_hash, lambda name, why: _bundle_file_failed(name, why, expected[name]))
 
 
-def check_source(
-    manifest: Manifest, model_dir: str | Path, bundle_dir: str | Path, *, full_hash: bool | None = None
-) -> None:
+def _bundle_file_failed(name: str, why: OSError | str, expected: str) -> BundleError:
+    if isinstance(why, OSError):
+        advice = "" if isinstance(why, FileChangedError) else (
+            "; the serving user must be able to read the bundle (check its permissions), or re-run `marlin-pack convert --force`"
+        )
+        return BundleError(f"bundle file {name} {_unreadable(why)}{advice}")
+    return BundleError(
+        f"bundle file {name} has blake3 {why[:16]}…, manifest says {expected[:16]}…: the file was modified; "
+        "re-run `marlin-pack convert --force`"
+    )
+
+
+def check_source(manifest: Manifest, model_dir: str | Path, *, full_hash: bool | None = None) -> HashReport:
     """Check that ``model_dir`` holds the checkpoint the bundle was made from.
 
     Compares the quantization settings that decide the bundle (and the manifest's digest), the set of
     ``*.safetensors`` files, their sizes and header digests, and (per ``full_hash``, as in
-    :func:`check_files`) their full SHA-256. Stamps of checked files are kept in ``bundle_dir``.
+    :func:`check_files`) their full BLAKE3 digests, stamped in this user's stamp store; what was hashed.
 
     Raises:
         BundleMismatchError: with ``field`` ``source.quant_settings`` / ``source.files`` /
@@ -155,46 +216,49 @@ def check_source(
             f"{model_dir} holds safetensors files {found}, the bundle was made from {expected}; "
             "re-convert this checkpoint",
         )
-    stamps = StampCache(Path(bundle_dir) / STAMPS_NAME)
-    to_hash: list[tuple[SourceFile, Path]] = []
-    for f in manifest.source.files:
-        path = model_dir / f.name
-        try:
-            size = path.stat().st_size
-        except OSError as e:  # e.g. a dangling symlink: a pruned Hugging Face cache blob
-            raise BundleMismatchError(
-                MismatchField.source_files,
-                f"source file {f.name} cannot be read ({e.strerror or e}); restore the checkpoint (download it again)",
-            ) from e
-        if size != f.size:
-            raise BundleMismatchError(
-                MismatchField.source_size,
-                f"source file {f.name} is {size} bytes, the bundle was made from {f.size}; re-convert",
-            )
-        try:
-            header = sha256_bytes(read_header_bytes(path))
-        except (OSError, ValueError) as e:
-            raise BundleMismatchError(
-                MismatchField.source_header, f"source file {f.name} is unreadable ({e}); re-convert"
-            ) from e
-        if header != f.header_sha256:
-            raise BundleMismatchError(
-                MismatchField.source_header,
-                f"source file {f.name} has other tensors than when the bundle was made; re-convert",
-            )
-        if _needs_hash(stamps, source_stamp_key(f.name), path, f.blake3, full_hash):
-            to_hash.append((f, path))
-    for (f, path), digest in zip(to_hash, file_digests([p for _, p in to_hash]), strict=True):
-        if isinstance(digest, OSError):
-            raise BundleMismatchError(
-                MismatchField.source_blake3,
-                f"source file {f.name} cannot be read ({digest.strerror or digest}); check its permissions",
-            ) from digest
-        if digest != f.blake3:
-            raise BundleMismatchError(
-                MismatchField.source_blake3,
-                f"source file {f.name} changed since the bundle was made (blake3 {digest[:16]}…, "
-                f"expected {f.blake3[:16]}…); re-run `marlin-pack convert --force`",
-            )
-        stamps.record(source_stamp_key(f.name), path, digest)
-    stamps.save()
+    digests = {f.name: f.blake3 for f in manifest.source.files}
+    with StampStore.open() as stamps:
+        to_hash = [_checked_source_file(model_dir, f, full_hash, stamps) for f in manifest.source.files]
+        return _hash_all(stamps, [t for t in to_hash if t], lambda name, why: _source_file_failed(name, why, digests[name]))
+
+
+def _checked_source_file(
+    model_dir: Path, f: SourceFile, full_hash: bool | None, stamps: StampStore
+) -> tuple[str, Path, str] | None:
+    """Size and header of one source file checked; ``(name, path, blake3)`` if it is to be hashed."""
+    path = model_dir / f.name
+    try:
+        size = path.stat().st_size
+    except OSError as e:  # e.g. a dangling symlink: a pruned Hugging Face cache blob
+        raise BundleMismatchError(
+            MismatchField.source_files,
+            f"source file {f.name} cannot be read ({e.strerror or e}); restore the checkpoint (download it again)",
+        ) from e
+    if size != f.size:
+        raise BundleMismatchError(
+            MismatchField.source_size,
+            f"source file {f.name} is {size} bytes, the bundle was made from {f.size}; re-convert",
+        )
+    try:
+        header = sha256_bytes(read_header_bytes(path))
+    except (OSError, ValueError) as e:
+        raise BundleMismatchError(
+            MismatchField.source_header, f"source file {f.name} is unreadable ({e}); re-convert"
+        ) from e
+    if header != f.header_sha256:
+        raise BundleMismatchError(
+            MismatchField.source_header,
+            f"source file {f.name} has other tensors than when the bundle was made; re-convert",
+        )
+    return (f.name, path, f.blake3) if _needs_hash(stamps, path, f.blake3, full_hash) else None
+
+
+def _source_file_failed(name: str, why: OSError | str, expected: str) -> BundleMismatchError:
+    if isinstance(why, OSError):
+        advice = "" if isinstance(why, FileChangedError) else "; check its permissions"
+        return BundleMismatchError(MismatchField.source_blake3, f"source file {name} {_unreadable(why)}{advice}")
+    return BundleMismatchError(
+        MismatchField.source_blake3,
+        f"source file {name} changed since the bundle was made (blake3 {why[:16]}…, expected {expected[:16]}…); "
+        "re-run `marlin-pack convert --force`",
+    )

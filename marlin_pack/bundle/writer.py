@@ -14,7 +14,7 @@ or, with ``--force``, onto a directory that is a marlin-pack bundle and holds no
         writer = bundle.open_rank(tp, rank, specs)       # StreamWriter; write tensors in order
         common = bundle.close_common()                   # its FileEntry, once written and fsynced
         sets = bundle.close_ranks(layers_by_tp)
-        bundle.finish(manifest, source_stamps)           # manifest, stamps, fsync, atomic rename
+        bundle.finish(manifest, source_hashes)           # manifest, stamps, fsync, atomic rename
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marlin_pack._constants import COMMON_FILE, MANIFEST_NAME, STAMPS_NAME
+from marlin_pack._constants import COMMON_FILE, LEGACY_STAMPS_NAME, MANIFEST_NAME
 from marlin_pack.bundle.rank_files import common_metadata, rank_file_path, rank_metadata
 from marlin_pack.bundle.reader import listed_files
 from marlin_pack.errors import BundleError, MarlinPackError, OutputExistsError
 from marlin_pack.io.files import rename_no_replace
-from marlin_pack.io.hashing import StampCache
+from marlin_pack.io.hashing import HashedFile
 from marlin_pack.io.safetensors_io import StreamWriter
+from marlin_pack.io.stamps import StampStore
 from marlin_pack.schemas import FileEntry, LayerEntry, Manifest, MoeLayerEntry, RankEntry, TensorParallelSet
 
 if TYPE_CHECKING:
@@ -67,21 +68,22 @@ def foreign_entry(out: Path) -> str | None:
 
     A replaceable bundle parses as a marlin-pack manifest (of any format version: re-converting
     is how an older bundle is upgraded) and holds only what a conversion writes: the manifest,
-    the stamp cache, the common file and the rank files (and their folders).
+    the common file and the rank files (and their folders), and the stamp cache older versions
+    kept in the bundle.
     """
     try:
         files = listed_files(out)
     except BundleError as e:
         return f"it is not a marlin-pack bundle ({e})"
-    allowed = {MANIFEST_NAME, STAMPS_NAME, *files}
+    allowed = {MANIFEST_NAME, LEGACY_STAMPS_NAME, *files}
     folders = {str(Path(p).parent) for p in allowed} - {"."}
     for path in sorted(out.rglob("*")):
         rel = path.relative_to(out).as_posix()
         if rel in allowed and path.is_file() and not path.is_symlink():
             continue
-        if rel == STAMPS_NAME and not path.is_symlink() and (not path.is_dir() or not any(path.iterdir())):
+        if rel == LEGACY_STAMPS_NAME and not path.is_symlink() and (not path.is_dir() or not any(path.iterdir())):
             continue  # a damaged stamp cache (FIFO, empty directory) is still only a cache
-        if rel.startswith(f"{STAMPS_NAME}.") and rel.endswith(".tmp") and path.is_file():
+        if rel.startswith(f"{LEGACY_STAMPS_NAME}.") and rel.endswith(".tmp") and path.is_file():
             continue  # a stamp-cache write interrupted by a crash
         if rel in folders and path.is_dir() and not path.is_symlink():
             continue
@@ -271,12 +273,15 @@ class BundleWriter:
             sets.append(TensorParallelSet(tp_size=tp, ranks=ranks, layers=layers[tp], moe_layers=(moe_layers or {}).get(tp, [])))
         return sets
 
-    def finish(self, manifest: Manifest, source_stamps: list[tuple[str, Path, str]]) -> None:
-        """Write the manifest and the stamp cache, then publish the bundle at ``out``.
+    def finish(self, manifest: Manifest, source_hashes: list[HashedFile]) -> None:
+        """Write the manifest, then publish the bundle at ``out`` and stamp its files and the source's.
+
+        Stamps go to this user's stamp store (:mod:`marlin_pack.io.stamps`), so that this user's
+        first start need not hash again: the bundle files, hashed while this process wrote them
+        (stamped only where no one else could write them), and the source files as hashed.
 
         Args:
-            source_stamps: ``(stamp key, path, blake3)`` of source files hashed while converting,
-                so the loader's first start need not hash them again.
+            source_hashes: the source files hashed while converting (identity held still while hashed).
 
         Raises:
             OutputExistsError: something that may not be replaced appeared at ``out`` meanwhile.
@@ -285,15 +290,13 @@ class BundleWriter:
             f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
-        # The hashes were just computed from these exact files: let the first start skip re-hashing.
-        stamps = StampCache(self.tmp / STAMPS_NAME)
-        for entry in manifest.files():
-            stamps.record(entry.path, self.tmp / entry.path, entry.blake3)
-        for key, path, sha in source_stamps:
-            stamps.record(key, path, sha)
-        stamps.save()
         self._publish()
         self._published = True
+        with StampStore.open() as stamps:  # after the rename: it keeps each file's identity
+            for entry in manifest.files():
+                stamps.record_written(self.out / entry.path, entry.blake3)
+            for hashed in source_hashes:
+                stamps.record(hashed)
 
     def _track(self, w: StreamWriter) -> StreamWriter:
         self._open.append(w)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from marlin_pack._constants import KERNEL_NAME, LAYOUT_VERSION
-from marlin_pack.bundle.integrity import check_files, check_source
+from marlin_pack.bundle.integrity import HashReport, check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header
 from marlin_pack.bundle.reader import read_manifest, resolve_file
 from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, LoadRefusedError, MismatchField
@@ -73,6 +73,7 @@ class SelectedBundle:
     common_file: Path
     rank_header: SafetensorsHeader
     common_header: SafetensorsHeader
+    hashed: HashReport = HashReport()  # what the checks hashed (nothing: stamps vouched, or ``verify: size``)
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
 
     Order: manifest (format version), engine fit (vLLM version, dtype, TP, kernel
     settings), the source checkpoint (quantization config, files, sizes, headers, hashes
-    by stamp), then this rank's file and the common file (sizes, hashes by stamp,
+    unless this user's stamps vouch for them), then this rank's file and the common file (sizes, hashes likewise,
     readable, headers and metadata exactly as the manifest implies).
 
     Raises:
@@ -250,10 +251,10 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     manifest: Manifest = _with_field(F.manifest, lambda: read_manifest(bundle_dir))
     tp_set = check_engine(manifest, facts)
     model_dir = _resolve(facts.model, facts.revision).dir
-    _with_field(F.source, lambda: check_source(manifest, model_dir, bundle_dir, full_hash=options.full_hash))
+    hashed: HashReport = _with_field(F.source, lambda: check_source(manifest, model_dir, full_hash=options.full_hash))
     rank_entry = tp_set.ranks[facts.tp_rank].file
     entries = [manifest.common, rank_entry]
-    _with_field(F.files, lambda: check_files(bundle_dir, manifest, entries, full_hash=options.full_hash))
+    hashed = hashed.add(_with_field(F.files, lambda: check_files(bundle_dir, manifest, entries, full_hash=options.full_hash)))
     rank_file = _with_field(F.files, lambda: resolve_file(bundle_dir, rank_entry))
     common_file = _with_field(F.files, lambda: resolve_file(bundle_dir, manifest.common))
     common_header = _with_field(F.files, lambda: _checked_common_header(manifest, common_file))
@@ -266,6 +267,7 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
         common_file=common_file,
         rank_header=_with_field(F.files, lambda: _checked_header(manifest, tp_set, facts.tp_rank, rank_file)),
         common_header=common_header,
+        hashed=hashed,
     )
 
 

@@ -203,6 +203,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     decision.field,
                     decision.reason,
                 )
+            elif decision.bundle is not None and (hashed := decision.bundle.hashed.summary()) is not None:
+                logger.warning("marlin-pack: rank %d %s", facts.tp_rank, hashed)
             self._decisions[key] = decision
         return self._decisions[key]
 

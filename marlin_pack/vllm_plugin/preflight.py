@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from marlin_pack._constants import TARGET_VLLM_VERSION
+from marlin_pack.bundle.integrity import HashReport
 from marlin_pack.errors import LoadRefusedError
 from marlin_pack.vllm_plugin.decision import EngineFacts, decide
 from marlin_pack.vllm_plugin.options import parse_extra_config
@@ -33,6 +34,7 @@ class RankOutcome:
     decision: Outcome
     field: str | None
     message: str
+    hashed: HashReport = HashReport()
 
     def to_dict(self) -> dict[str, object]:
         return {"rank": self.rank, "decision": self.decision, "field": self.field, "message": self.message}
@@ -55,6 +57,14 @@ class PreflightReport:
         return None
 
     @property
+    def hashed(self) -> HashReport:
+        """What the checks of every rank hashed together (the source once, then each rank's files)."""
+        total = HashReport()
+        for r in self.ranks:
+            total = total.add(r.hashed)
+        return total
+
+    @property
     def decision(self) -> Outcome:
         problem = self.first_problem
         return "load" if problem is None else problem.decision
@@ -67,8 +77,17 @@ class PreflightReport:
             "message": problem.message if problem else f"every rank of tp {self.tp_size} loads from the bundle",
             "tp_size": self.tp_size,
             "vllm_version": self.vllm_version,
+            "hashed": _hash_dict(self.hashed),
             "ranks": [r.to_dict() for r in self.ranks],
         }
+
+
+def _hash_dict(h: HashReport) -> dict[str, object]:
+    stamps = None if h.stamps is None or h.unavailable else str(h.stamps)
+    return {
+        "files": h.files, "bytes": h.nbytes, "seconds": round(h.seconds, 3), "stamped": h.stamped, "stamps": stamps,
+        "unavailable": h.unavailable,
+    }
 
 
 def installed_vllm_version() -> str:
@@ -126,5 +145,5 @@ def preflight(
                 f"{entry.path} ({len(sel.tp_set.layers)} layers, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} "
                 f"from {sel.bundle_dir}"
             )
-            report.ranks.append(RankOutcome(r, "load", None, message))
+            report.ranks.append(RankOutcome(r, "load", None, message, sel.hashed))
     return report

@@ -54,7 +54,7 @@ def _bundle_digests(model: Path, tps: tuple[int, ...]) -> dict[str, str]:
     return {
         p.relative_to(bundle).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(bundle.rglob("*"))
-        if p.is_file() and p.name != ".stamps.json"  # the stamp cache is local state, not content
+        if p.is_file()
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -231,8 +232,8 @@ def test_write_failures_other_than_space_do_not_blame_space(awq: Path, monkeypat
 
 def test_force_replaces_a_bundle_whose_stamp_cache_is_damaged(awq: Path) -> None:
     convert(awq)
-    stamps = awq / "marlin-pack" / ".stamps.json"
-    stamps.unlink()
+    stamps = awq / "marlin-pack" / ".stamps.json"  # the stamp cache earlier versions kept in the bundle
+    assert not os.path.lexists(stamps)  # stamps live in the user's store now
     stamps.mkdir()  # a cache, even a broken one, is the bundle's own
     convert(awq, force=True)
-    assert stamps.is_file()
+    assert not os.path.lexists(stamps) and (awq / "marlin-pack" / "manifest.json").is_file()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from marlin_pack import CheckpointError, convert
-from marlin_pack._constants import MANIFEST_NAME, STAMPS_NAME
+from marlin_pack._constants import MANIFEST_NAME
 from marlin_pack.testing.synthetic_moe import MOE_PRESETS, write_moe_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")]
@@ -50,7 +50,7 @@ def _bundle_files(bundle: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(bundle)): p.read_bytes()
         for p in sorted(bundle.rglob("*"))
-        if p.is_file() and p.name not in (MANIFEST_NAME, STAMPS_NAME)
+        if p.is_file() and p.name != MANIFEST_NAME
     }
 
 

@@ -1,14 +1,20 @@
-"""The stamp cache: bound to each file's identity, ignored when corrupt, never littering."""
+"""The per-user stamp store: bound to each file's identity, private to its user, never written through a planted path."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from marlin_pack.io.hashing import StampCache, file_digest
+from marlin_pack.io import hashing
+from marlin_pack.io.hashing import hash_file
+from marlin_pack.io.stamps import STAMPS_ENV, StampStore, stamps_dir
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files of another user")
 
 
 def _file(path: Path, data: bytes) -> Path:
@@ -16,47 +22,143 @@ def _file(path: Path, data: bytes) -> Path:
     return path
 
 
-def test_same_size_edit_with_restored_mtime_is_not_trusted(tmp_path: Path) -> None:
+@pytest.fixture(autouse=True)
+def _settled_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files written by a test count as settled (as a checkpoint downloaded earlier), unless a test says otherwise."""
+    monkeypatch.setattr(hashing, "RACY_NS", -1)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[StampStore]:
+    with StampStore.open({STAMPS_ENV: str(tmp_path / "stamps")}) as s:
+        yield s
+
+
+def test_the_store_is_a_private_directory_outside_any_bundle(tmp_path: Path) -> None:
+    assert stamps_dir({STAMPS_ENV: "/x/y"}) == Path("/x/y")
+    assert stamps_dir({"XDG_STATE_HOME": "/state", "HOME": "/home/u"}) == Path("/state/marlin-pack/stamps")
+    assert stamps_dir({"HOME": "/home/u"}) == Path("/home/u/.cache/marlin-pack/stamps")
+    assert stamps_dir({"XDG_STATE_HOME": "relative", "HOME": "/home/u"}) == Path("/home/u/.cache/marlin-pack/stamps")
+    with StampStore.open({STAMPS_ENV: str(tmp_path / "a" / "stamps")}) as s:
+        assert s.unavailable is None
+        assert stat.S_IMODE((tmp_path / "a" / "stamps").stat().st_mode) == 0o700
+
+
+def test_a_looser_directory_of_ours_is_tightened(tmp_path: Path) -> None:
+    d = tmp_path / "stamps"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    with StampStore.open({STAMPS_ENV: str(d)}) as s:
+        assert s.unavailable is None
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_a_symlinked_stamp_directory_is_not_used(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "stamps").symlink_to(real)
+    f = _file(tmp_path / "a", b"data")
+    with StampStore.open({STAMPS_ENV: str(tmp_path / "stamps")}) as s:
+        assert s.unavailable is not None and "symlink" in s.unavailable and STAMPS_ENV in s.unavailable
+        s.record(hash_file(f))
+        assert not s.trusted(f, hash_file(f).digest)
+    assert list(real.iterdir()) == []
+
+
+@as_root
+def test_a_directory_of_another_user_is_not_trusted(tmp_path: Path) -> None:
+    d = tmp_path / "stamps"
+    d.mkdir(mode=0o700)
+    f = _file(tmp_path / "a", b"data")
+    with StampStore.open({STAMPS_ENV: str(d)}) as s:  # stamped by its owner ...
+        s.record(hash_file(f))
+    os.chown(d, 12345, 12345)  # ... which is now someone else
+    with StampStore.open({STAMPS_ENV: str(d)}) as s:
+        assert s.unavailable is not None and "uid 12345" in s.unavailable
+        assert not s.trusted(f, hash_file(f).digest)
+
+
+@as_root
+def test_a_stamp_file_of_another_user_is_not_trusted(tmp_path: Path, store: StampStore) -> None:
+    f = _file(tmp_path / "a", b"data")
+    store.record(hash_file(f))
+    assert store.trusted(f, hash_file(f).digest)
+    (stamp,) = [p for p in store.where.iterdir()]
+    os.chown(stamp, 12345, 12345)
+    assert not store.trusted(f, hash_file(f).digest)
+
+
+def test_a_planted_stamp_symlink_is_neither_followed_nor_written_through(tmp_path: Path, store: StampStore) -> None:
+    f = _file(tmp_path / "a", b"data")
+    victim = _file(tmp_path / "victim", b"secret")
+    os.chmod(victim, 0o600)
+    st = f.stat()
+    (store.where / f"{st.st_dev}-{st.st_ino}.json").symlink_to(victim)
+    assert not store.trusted(f, hash_file(f).digest)  # O_NOFOLLOW: not read
+    store.record(hash_file(f))  # replaces the link itself
+    assert victim.read_bytes() == b"secret"
+    assert store.trusted(f, hash_file(f).digest)
+    assert not [p for p in store.where.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_same_size_edit_with_restored_mtime_is_not_trusted(tmp_path: Path, store: StampStore) -> None:
     # `touch -r` (or utime) restores size and mtime after an edit; the change time still moves.
     f = _file(tmp_path / "a.bin", b"0123456789")
-    stamps = StampCache(tmp_path / ".stamps.json")
-    stamps.record("a", f, file_digest(f))
-    assert stamps.trusted("a", f, file_digest(f))
+    old = hash_file(f)
+    store.record(old)
+    assert store.trusted(f, old.digest)
     st = f.stat()
-    old_sha = file_digest(f)
     f.write_bytes(b"9876543210")
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
-    assert not stamps.trusted("a", f, old_sha)
+    assert not store.trusted(f, old.digest)
 
 
-def test_swapped_files_written_in_one_tick_are_not_trusted(tmp_path: Path) -> None:
+def test_swapped_files_are_not_trusted(tmp_path: Path, store: StampStore) -> None:
     a, b = _file(tmp_path / "a", b"A" * 64), _file(tmp_path / "b", b"B" * 64)
-    t = a.stat().st_mtime_ns
-    os.utime(b, ns=(t, t))
-    stamps = StampCache(tmp_path / ".stamps.json")
-    sha_a, sha_b = file_digest(a), file_digest(b)
-    stamps.record("a", a, sha_a)
-    stamps.record("b", b, sha_b)
+    ha, hb = hash_file(a), hash_file(b)
+    store.record(ha)
+    store.record(hb)
     os.rename(a, tmp_path / "tmp")
     os.rename(b, a)
     os.rename(tmp_path / "tmp", b)
-    assert not stamps.trusted("a", a, sha_a) and not stamps.trusted("b", b, sha_b)
+    assert not store.trusted(a, ha.digest) and not store.trusted(b, hb.digest)
 
 
-def test_a_copy_with_equal_mtime_is_not_trusted(tmp_path: Path) -> None:
+def test_a_copy_with_equal_mtime_is_not_trusted(tmp_path: Path, store: StampStore) -> None:
     a = _file(tmp_path / "a", b"x" * 100)
-    stamps = StampCache(tmp_path / ".stamps.json")
-    stamps.record("a", a, file_digest(a))
+    store.record(hash_file(a))
     copy = tmp_path / "copy"
     shutil.copy2(a, copy)
     os.replace(copy, a)  # same bytes, size and mtime, another file
-    assert not stamps.trusted("a", a, file_digest(a))
+    assert not store.trusted(a, hash_file(a).digest)
 
 
-@pytest.mark.parametrize("damage", ["nested", "directory", "list", "garbage", "fifo"])
-def test_corrupt_cache_is_ignored_and_rewritten(tmp_path: Path, damage: str) -> None:
-    path = tmp_path / ".stamps.json"
+def test_a_stamp_vouches_only_for_its_digest(tmp_path: Path, store: StampStore) -> None:
+    a = _file(tmp_path / "a", b"x" * 100)
+    h = hash_file(a)
+    store.record(h)
+    assert store.trusted(a, h.digest)
+    assert not store.trusted(a, "0" * 64)
+
+
+def test_a_file_changed_just_before_it_was_hashed_is_not_stamped(
+    tmp_path: Path, store: StampStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A write in the same clock tick as the last one would leave the identity unchanged: such a hash is used, not kept.
+    monkeypatch.setattr(hashing, "RACY_NS", 1_000_000_000)
+    f = _file(tmp_path / "fresh", b"new")
+    h = hash_file(f)
+    assert not h.stampable
+    store.record(h)
+    assert not store.trusted(f, h.digest)
+
+
+@pytest.mark.parametrize("damage", ["nested", "directory", "list", "garbage", "fifo", "huge"])
+def test_a_corrupt_stamp_is_ignored_and_replaced(tmp_path: Path, store: StampStore, damage: str) -> None:
+    f = _file(tmp_path / "a", b"data")
+    st = f.stat()
+    path = store.where / f"{st.st_dev}-{st.st_ino}.json"
     if damage == "nested":
         path.write_text("[" * 100_000 + "]" * 100_000)
     elif damage == "directory":
@@ -65,38 +167,31 @@ def test_corrupt_cache_is_ignored_and_rewritten(tmp_path: Path, damage: str) -> 
         path.write_text("[1, 2]")
     elif damage == "garbage":
         path.write_bytes(b"\xff\xfe{")
+    elif damage == "huge":
+        path.write_text('{"format": 1, "pad": "' + "x" * 100_000 + '"}')
     else:
         os.mkfifo(path)
-    f = _file(tmp_path / "a", b"data")
-    stamps = StampCache(path)  # never raises, never blocks
-    assert not stamps.trusted("a", f, file_digest(f))
-    stamps.record("a", f, file_digest(f))
-    stamps.save()  # may fail to replace a directory or FIFO: silently, and without leftovers
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".stamps.json", "a"]
+    h = hash_file(f)
+    assert not store.trusted(f, h.digest)  # never raises, never blocks
+    store.record(h)  # may fail to replace a directory: silently, and without leftovers
+    assert sorted(p.name for p in store.where.iterdir()) == [path.name]
+    assert store.trusted(f, h.digest) == (damage != "directory")
 
 
-def test_file_digests_in_parallel_keep_order_and_errors(tmp_path) -> None:
+def test_record_written_only_for_files_no_one_else_can_write(tmp_path: Path, store: StampStore) -> None:
     import blake3
 
-    from marlin_pack.io.hashing import file_digests
-
-    paths = []
-    for i in range(5):
-        p = tmp_path / f"f{i}"
-        p.write_bytes(bytes([i]) * (1 << 20) * (i + 1))
-        paths.append(p)
-    paths.insert(2, tmp_path / "missing")
-    got = file_digests(paths)
-    assert isinstance(got[2], OSError)
-    want = [blake3.blake3(p.read_bytes()).hexdigest() for p in paths if p.exists()]
-    assert [g for g in got if not isinstance(g, OSError)] == want
-
-
-def test_file_digest_of_an_empty_file_and_threads(tmp_path) -> None:
-    import blake3
-
-    empty, big = tmp_path / "empty", tmp_path / "big"
-    empty.write_bytes(b"")
-    big.write_bytes(bytes(range(256)) * (1 << 16))
-    assert file_digest(empty) == blake3.blake3(b"").hexdigest()
-    assert file_digest(big, threads=1) == file_digest(big) == blake3.blake3(big.read_bytes()).hexdigest()
+    d = tmp_path / "out"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    mine = _file(d / "mine", b"m" * 10)
+    os.chmod(mine, 0o644)
+    shared = _file(d / "shared", b"s" * 10)
+    os.chmod(shared, 0o664)
+    link = d / "link"
+    link.symlink_to(mine)
+    for p in (mine, shared, link):
+        store.record_written(p, blake3.blake3(p.read_bytes()).hexdigest())
+    assert store.trusted(mine, blake3.blake3(b"m" * 10).hexdigest())
+    assert not store.trusted(shared, blake3.blake3(b"s" * 10).hexdigest())
+    assert len(list(store.where.iterdir())) == 1  # the symlink recorded nothing of its own

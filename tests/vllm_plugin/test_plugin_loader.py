@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -863,3 +864,31 @@ def test_the_timings_line_says_whose_helpers_and_what_they_retained() -> None:
     assert "(the helper service's), 3.4 MB of pages retained registered" in t.copy_text()
     t.helpers_source, t.helpers_retained = "own", None
     assert t.copy_text().endswith("helpers ready after 0.02 s")
+
+
+def test_a_start_that_hashes_says_how_much_and_how_long_once(
+    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A start whose files this user has no stamps for hashes them and logs one WARNING line (gigabytes, seconds,
+    where the stamps went); the next start, stamped, logs nothing of the kind."""
+    import logging
+
+    from marlin_pack.io import hashing
+
+    monkeypatch.setattr(hashing, "RACY_NS", -1)  # the copy's files count as settled
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(tmp_path / "stamps"))
+    model_dir = damaged_copy(awq_bundle)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("vllm.marlin_pack").addHandler(handler)
+    try:
+        for _ in range(2):
+            vllm_config, model_config = fake_engine(model_dir, "auto_awq", monkeypatch)
+            assert make_loader()._decide(vllm_config, model_config).bundle is not None
+    finally:
+        logging.getLogger("vllm.marlin_pack").removeHandler(handler)
+    hashed = [r.getMessage() for r in records if "hashed" in r.getMessage()]
+    assert len(hashed) == 1 and records[0].levelno == logging.WARNING, hashed
+    assert re.match(r"marlin-pack: rank 0 hashed [\d.]+ [MG]B \(3 files\) in [\d.]+ s; stamped in ", hashed[0]), hashed
+    assert str(tmp_path / "stamps") in hashed[0]

@@ -21,12 +21,20 @@ def model(make_bundle: Any, damaged_copy: Any) -> Path:
     return damaged_copy(make_bundle("gptq", "tiny", tp_sizes=(1, 2)))
 
 
+@pytest.fixture
+def settled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files a test just copied count as settled (as a downloaded checkpoint): their hashes are stamped."""
+    from marlin_pack.io import hashing
+
+    monkeypatch.setattr(hashing, "RACY_NS", -1)
+
+
 def _check(*args: str) -> tuple[int, dict]:
     r = runner.invoke(app, ["check", *args, "--json"])
     return r.exit_code, json.loads(r.stdout)
 
 
-def test_intact_bundle_loads_on_every_rank(model: Path) -> None:
+def test_intact_bundle_loads_on_every_rank(model: Path, settled: None) -> None:
     code, data = _check(str(model), "--tp", "2")
     assert code == 0 and data["decision"] == "load" and data["field"] is None
     assert [r["rank"] for r in data["ranks"]] == [0, 1] and all(r["decision"] == "load" for r in data["ranks"])
@@ -97,17 +105,64 @@ def test_unreadable_bundle_file_is_a_refusal(model: Path, monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize("damage", ["nested", "directory"])
-def test_corrupt_stamps_never_refuse_an_intact_bundle(model: Path, damage: str) -> None:
-    stamps = model / "marlin-pack" / ".stamps.json"
-    stamps.unlink()
+def test_a_stamp_cache_left_in_the_bundle_is_neither_read_nor_rewritten(model: Path, damage: str) -> None:
+    stamps = model / "marlin-pack" / ".stamps.json"  # where earlier versions kept stamps
+    stamps.unlink(missing_ok=True)
     if damage == "nested":
         stamps.write_text("[" * 100_000)
     else:
         stamps.mkdir()
+    before = sorted(p.name for p in (model / "marlin-pack").iterdir())
     assert preflight(model).decision == "load"
-    assert not [p for p in (model / "marlin-pack").iterdir() if p.name.endswith(".tmp")]
+    assert sorted(p.name for p in (model / "marlin-pack").iterdir()) == before
 
 
 def test_bundle_option_with_unknown_user_is_an_option_error(model: Path) -> None:
     r = runner.invoke(app, ["check", str(model), "--bundle", "~nosuchuser-marlin/x"])
     assert r.exit_code == 2 and "nosuchuser" in r.output
+
+
+def test_check_says_what_it_hashed_and_where_the_stamps_are(
+    model: Path, settled: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(tmp_path / "stamps"))
+    code, first = _check(str(model), "--tp", "2")
+    assert code == 0 and first["hashed"]["files"] > 0 and first["hashed"]["stamps"] == str(tmp_path / "stamps")
+    r = runner.invoke(app, ["check", str(model), "--tp", "2"])
+    assert r.exit_code == 0 and [ln for ln in r.stdout.splitlines() if ln.startswith("check hashed")] == [], r.stdout  # stamped: nothing
+    code, again = _check(str(model), "--tp", "2", "--verify", "full")
+    assert again["hashed"]["files"] >= first["hashed"]["files"]  # full: every file of every rank, stamps or not
+    code, sizes = _check(str(model), "--tp", "2", "--verify", "size")
+    assert sizes["hashed"]["files"] == 0
+
+
+def test_check_says_every_start_will_hash_where_stamps_cannot_be_kept(
+    model: Path, settled: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(tmp_path / "a-file" / "stamps"))  # a read-only home, say
+    for _ in range(2):
+        r = runner.invoke(app, ["check", str(model)])
+        assert r.exit_code == 0, r.stdout
+        (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("check hashed")]
+        assert "MARLIN_PACK_STAMPS" in line and line.endswith("so every start hashes them again"), line
+
+
+def test_a_bundle_on_a_read_only_volume_is_hashed_once(model: Path, settled: None) -> None:
+    """Checks write nothing into the bundle (a container image, a read-only volume): the user's stamps let
+    the second check hash nothing."""
+    bundle = model / "marlin-pack"
+    before = {p.name: p.stat().st_mtime_ns for p in bundle.rglob("*")}
+    assert preflight(model, tp_size=2).decision == "load"
+    second = preflight(model, tp_size=2)
+    assert second.decision == "load" and second.hashed.files == 0
+    assert {p.name: p.stat().st_mtime_ns for p in bundle.rglob("*")} == before
+
+
+def test_the_first_check_after_convert_hashes_nothing(make_checkpoint: Any, damaged_copy: Any, settled: None) -> None:
+    """convert stamps what it hashed (the checkpoint) and what it wrote (the bundle) in this user's store."""
+    from marlin_pack import convert
+
+    model = damaged_copy(make_checkpoint("awq"))
+    convert(model, tp_sizes=(1, 2))
+    assert [r.hashed.files for r in preflight(model, tp_size=2).ranks] == [0, 0]

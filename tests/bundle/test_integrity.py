@@ -1,0 +1,112 @@
+"""Attacks on ``verify: auto``'s stamps, replayed through the loader's own decision (``preflight``, as ``check``).
+
+Each is what a user who can write a bundle or a checkpoint directory, but not the serving
+user's files, could try: plant symlinks where stamps are written, change a file while it is
+hashed, forge stamps. None may make a check write outside its store or vouch for bytes it did
+not hash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+
+from marlin_pack.vllm_plugin.preflight import preflight
+
+LEGACY_STAMPS = ".stamps.json"  # where earlier versions kept stamps, inside each bundle
+
+
+def _tree(d: Path) -> dict[str, tuple[int, int]]:
+    return {p.relative_to(d).as_posix(): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in sorted(d.rglob("*"))}
+
+
+def _flip(path: Path, offset: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+    finally:
+        os.close(fd)
+
+
+def _data_offset(path: Path) -> int:
+    """An offset inside the tensor data (past the safetensors header) of ``path``."""
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    return 8 + header_len + 16
+
+
+def test_planted_stamp_symlinks_are_never_written_through(make_bundle: Any, damaged_copy: Any, tmp_path: Path) -> None:
+    model = damaged_copy(make_bundle("awq"))  # a copy: new inodes, so the check hashes (and stamps) again
+    bundle = model / "marlin-pack"
+    victim = tmp_path / "victim"
+    victim.write_text("root's secret")
+    os.chmod(victim, 0o600)
+    (bundle / f"{LEGACY_STAMPS}.{os.getpid()}.tmp").symlink_to(victim)
+    (bundle / LEGACY_STAMPS).unlink(missing_ok=True)
+    (bundle / LEGACY_STAMPS).symlink_to(victim)
+    before = _tree(bundle)
+    assert preflight(model, verify="auto").decision == "load"
+    assert preflight(model, verify="full").decision == "load"
+    assert victim.read_text() == "root's secret"
+    assert _tree(bundle) == before  # a check writes nothing into a bundle (a read-only volume is fine)
+
+
+class _FlipAfterHashing:
+    """blake3 whose hasher flips a byte of ``target`` once, right after it hashed a buffer of ``target``'s size."""
+
+    def __init__(self, target: Path) -> None:
+        self.target, self.size, self.done, self.real = target, target.stat().st_size, False, blake3.blake3
+        self.AUTO = blake3.blake3.AUTO
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        outer, h = self, self.real(*args, **kwargs)
+
+        class Hasher:
+            def update(self, data: Any) -> None:
+                h.update(data)
+                if not outer.done and len(data) == outer.size:
+                    outer.done = True
+                    _flip(outer.target, _data_offset(outer.target))
+
+            def hexdigest(self) -> str:
+                return h.hexdigest()
+
+        return Hasher()
+
+
+@pytest.mark.parametrize("which", ["bundle", "source"])
+def test_a_file_tampered_while_it_is_hashed_is_never_vouched_for(
+    make_bundle: Any, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    model = damaged_copy(make_bundle("awq"))
+    target = model / "marlin-pack/tp1/rank-0.safetensors" if which == "bundle" else next(model.glob("*.safetensors"))
+    os.utime(target, ns=(1, 1))  # as an older file: an in-place write visibly moves its times
+    flipper = _FlipAfterHashing(target)
+    monkeypatch.setattr(blake3, "blake3", flipper)
+    preflight(model, verify="auto")  # refused (changed while hashed) or, at worst, loaded without a stamp
+    assert flipper.done
+    monkeypatch.undo()
+    again = preflight(model, verify="auto")  # the tampered bytes must be hashed, and refused
+    assert again.decision == "refuse", again.to_dict()
+    assert again.ranks[0].field == ("files" if which == "bundle" else "source.blake3")
+
+
+def test_forged_stamps_in_the_bundle_do_not_vouch_for_another_checkpoint(make_bundle: Any, damaged_copy: Any) -> None:
+    model = damaged_copy(make_bundle("awq"))
+    bundle = model / "marlin-pack"
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    source = next(model.glob("*.safetensors"))
+    _flip(source, _data_offset(source))  # another checkpoint's weights: same names, shapes and header
+    forged = {}
+    for f in manifest["source"]["files"]:  # this checkpoint's identities with the bundle's recorded digests
+        st = (model / f["name"]).stat()
+        forged[f"source:{f['name']}"] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, f["blake3"]]
+    (bundle / LEGACY_STAMPS).write_text(json.dumps(forged))
+    report = preflight(model, verify="auto")
+    assert report.decision == "refuse" and report.ranks[0].field == "source.blake3", report.to_dict()
+    assert "changed since the bundle was made" in report.ranks[0].message
