@@ -273,6 +273,36 @@ def test_prepacked_matches_ordinary_loading(
     assert_params_identical(reference["params"], result["params"])
 
 
+def test_a_start_without_stamps_hashes_once_says_so_and_writes_nothing_into_the_bundle(
+    workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine whose user has no stamps for the files it checks (another user converted them, a fresh host)
+    hashes them and logs one WARNING line saying how much and how long; the next engine of the same user,
+    stamped, hashes nothing. Neither writes into the bundle (a read-only volume is fine); both load the
+    parameters ordinary loading holds, bit for bit."""
+    import time
+
+    kind = "awq4"
+    reference = ordinary(kind)
+    model = workdir / "stamps-awq4"
+    shutil.copytree(checkpoints[kind], model)  # new inodes: no stamp vouches for any of them
+    time.sleep(1.1)  # files changed within the last second are hashed but not stamped (coarse file-system clocks)
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(workdir / "stamps-store"))
+    bundle = model / "marlin-pack"
+    before = {p.relative_to(bundle).as_posix(): p.stat().st_mtime_ns for p in bundle.rglob("*")}
+    logs = []
+    for i in range(2):
+        code, log, result = run_engine(workdir / f"stamps-{i}", model, load_format="marlin_prepacked")
+        assert code == 0 and result is not None, log[-4000:]
+        assert_params_identical(reference["params"], result["params"])
+        logs.append([ln for ln in log.splitlines() if "marlin-pack: rank 0 hashed" in ln])
+    print("first start:", logs[0])
+    assert len(logs[0]) == 1 and "WARNING" in logs[0][0].split("marlin-pack:")[0] and "(3 files)" in logs[0][0], logs[0]
+    assert "stamped in " + str(workdir / "stamps-store") in logs[0][0], logs[0]
+    assert logs[1] == [], logs[1]
+    assert {p.relative_to(bundle).as_posix(): p.stat().st_mtime_ns for p in bundle.rglob("*")} == before
+
+
 def test_engine_preload_page_locks_ahead_and_sizes_the_kv_cache_as_without(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict]
 ) -> None:
