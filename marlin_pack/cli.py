@@ -15,7 +15,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -25,6 +24,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from marlin_pack._constants import DEBUG_ENV
 from marlin_pack._version import __version__
@@ -37,8 +37,16 @@ app = typer.Typer(
     add_completion=False,
     help="Convert AWQ/GPTQ checkpoints into vLLM 0.33.0's Marlin layout, offline, and verify the result.",
 )
-out = Console()
-err = Console(stderr=True)
+# User text (paths, model and tensor names, messages quoting them) is printed as it is: these consoles
+# read no markup and no emoji codes in strings, so "x[/y]" cannot raise and "Llama [old]" keeps "[old]".
+# Colours come as Text spans (_styled), never as markup inside strings; every str printed is plain text.
+out = Console(markup=False, emoji=False)
+err = Console(stderr=True, markup=False, emoji=False)
+
+
+def _styled(*parts: str | tuple[str, str]) -> Text:
+    """One line of plain text with styled spans, e.g. ``_styled(("error:", "red"), " ", message)``."""
+    return Text.assemble(*parts)
 
 ModelArg = Annotated[
     str, typer.Argument(metavar="MODEL", help="Checkpoint directory, or a Hugging Face model id (org/name) as given to vllm serve.")
@@ -64,10 +72,10 @@ def _progress(enabled: bool, what: str) -> Iterator[Callable[[int, int, str], No
         yield None
         return
     with Progress(
-        TextColumn(f"[bold]{what}"),
+        TextColumn(what, style="bold", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # a file or layer name: plain text, never markup
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=err,
@@ -105,14 +113,14 @@ def convert(
             )
     except KeyboardInterrupt as e:  # SIGINT, or SIGTERM/SIGHUP (Interrupted): the writer removed its files
         signum = getattr(e, "signum", 2)
-        err.print(f"[red]interrupted[/] ({e or 'SIGINT'}): nothing was written (partial output removed)", highlight=False)
+        err.print(_styled(("interrupted", "red"), f" ({e or 'SIGINT'}): nothing was written (partial output removed)"), highlight=False)
         raise typer.Exit(128 + signum) from None
     bundle = output or _default_bundle(model_dir, revision)
     if as_json:
         out.print_json(json.dumps({"bundle": str(bundle), "manifest": manifest.model_dump(mode="json")}))
         return
     _render_manifest(manifest, bundle)
-    out.print(f"[green]wrote[/] {bundle}")
+    out.print(_styled(("wrote", "green"), f" {bundle}"), soft_wrap=True)
 
 
 @app.command()
@@ -139,9 +147,9 @@ def verify(
         out.print_json(json.dumps({"ok": report.ok, "checks": [c.to_dict() for c in report.checks]}))
     else:
         table = Table("check", "result", "detail", title=f"verify {bundle}")
-        marks = {"ok": "[green]ok[/]", "failed": "[red]FAILED[/]", "skipped": "[yellow]skipped[/]"}
+        marks = {"ok": Text("ok", "green"), "failed": Text("FAILED", "red"), "skipped": Text("skipped", "yellow")}
         for c in report.checks:
-            table.add_row(c.name, marks[c.status], escape(c.detail))
+            table.add_row(c.name, marks[c.status], c.detail)
         out.print(table)
     failed = report.first_failure
     if failed is not None:
@@ -190,7 +198,9 @@ def check(
     else:
         colour = {"load": "green", "fallback": "yellow", "refuse": "red"}
         for r in report.ranks:
-            out.print(f"rank {r.rank}/{report.tp_size}: [{colour[r.decision]}]{r.decision}[/] {escape(r.message)}", soft_wrap=True)
+            out.print(_styled(f"rank {r.rank}/{report.tp_size}: ", (r.decision, colour[r.decision]), f" {r.message}"), soft_wrap=True)
+        if (hashed := report.hashed.summary()) is not None:
+            out.print(f"check {hashed}", soft_wrap=True)
     if report.decision == "refuse":
         raise typer.Exit(1)
 
@@ -357,7 +367,7 @@ def _status(what: str) -> Iterator[None]:
     if not err.is_terminal:
         yield
         return
-    with err.status(what):
+    with err.status(Text(what)):  # a Status reads a str as markup whatever the console's setting
         yield
 
 
@@ -415,13 +425,16 @@ def _run_app() -> None:
     except MarlinPackError as e:
         if os.environ.get(DEBUG_ENV):
             raise
-        err.print(f"[red]error:[/] {e}", soft_wrap=True, highlight=False)
-        err.print(f"[dim](set {DEBUG_ENV}=1 for a traceback)[/]")
+        err.print(_styled(("error:", "red"), f" {e}"), soft_wrap=True, highlight=False)
+        err.print(_styled((f"(set {DEBUG_ENV}=1 for a traceback)", "dim")))
         sys.exit(1)
     except Exception as e:  # a bug, not bad input: still one line, but say so
         if os.environ.get(DEBUG_ENV):
             raise
-        err.print(f"[red]internal error:[/] {type(e).__name__}: {e}; set {DEBUG_ENV}=1 and report the traceback", soft_wrap=True)
+        err.print(
+            _styled(("internal error:", "red"), f" {type(e).__name__}: {e}; set {DEBUG_ENV}=1 and report the traceback"),
+            soft_wrap=True, highlight=False,
+        )
         sys.exit(2)
 
 

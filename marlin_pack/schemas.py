@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections.abc import Iterable
 from enum import Enum, unique
 from typing import TYPE_CHECKING, Annotated, Literal
@@ -55,13 +56,21 @@ __all__ = [
     "TensorParallelSet",
     "Manifest",
     "manifest_json_schema",
+    "weight_file_name_problem",
+    "OUTPUT_HEAD_NAMES",
 ]
 
+# Matched with fullmatch: "$" alone also matches before a trailing newline.
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 # Relative POSIX path of plain names: no "..", no absolute paths, no backslashes.
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$")
 _MAX_BYTES = 1 << 46  # 64 TiB: far above any real file, below anything absurd
 _MAX_DIM = 1 << 24
+# A checkpoint tensor's name, as Hugging Face modules make them (dotted identifiers).
+_TENSOR_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.]*$")
+_MAX_TENSOR_NAME = 300
+# A tied output head's checkpoint names (InternLM2: output): what common_aliases may name (conversion.tied_copies).
+OUTPUT_HEAD_NAMES = ("lm_head.weight", "output.weight")
 
 
 class _Strict(BaseModel):
@@ -163,13 +172,13 @@ class LayerKind(str, Enum):
 
 
 def _check_path(value: str) -> str:
-    if not _SAFE_PATH.match(value) or len(value) > 255:
+    if not _SAFE_PATH.fullmatch(value) or len(value) > 255:
         raise ValueError(f"unsafe path {value!r}: expected a relative path of plain names")
     return value
 
 
 def _check_hex(value: str) -> str:
-    if not _HEX64.match(value):
+    if not _HEX64.fullmatch(value):
         raise ValueError(f"expected 64 lowercase hex digits, found {value!r}")
     return value
 
@@ -185,6 +194,33 @@ class FileEntry(_Strict):
     _h = field_validator("blake3")(classmethod(lambda cls, v: _check_hex(v)))
 
 
+def weight_file_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a weight file of a checkpoint (None: it can), as a clause after the name.
+
+    vLLM 0.33.0 loads the files ``glob("MODEL_DIR/*.safetensors")`` finds (``DefaultModelLoader``,
+    filtered by ``model.safetensors.index.json`` when there is one) through safetensors: any top-level
+    name ending in ``.safetensors``, spaces and non-ASCII letters included, except hidden ones (glob
+    skips names starting with a dot) and names that are not UTF-8 (safetensors opens UTF-8 paths
+    only). marlin-pack records such names in the manifest as they are. It refuses only control
+    characters too (a newline or an escape sequence in a name would break its one-line reports).
+    """
+    if "/" in name or "\0" in name:
+        return "is not a plain file name"
+    if name.startswith("."):
+        return "is hidden (starts with a dot): vLLM 0.33.0 does not load it"
+    if not name.endswith(".safetensors") or name == ".safetensors":
+        return "is not a *.safetensors file"
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not UTF-8: safetensors (and so vLLM 0.33.0) cannot open it"
+    if len(encoded) > 255:
+        return f"is {len(encoded)} bytes long, more than a file name can be (255)"
+    if any(unicodedata.category(c) == "Cc" for c in name):
+        return "holds control characters (a newline, a tab, an escape): marlin-pack's one-line reports could not show it"
+    return None
+
+
 class SourceFile(_Strict):
     """A ``*.safetensors`` file of the source checkpoint."""
 
@@ -196,8 +232,10 @@ class SourceFile(_Strict):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, v: str) -> str:
-        if "/" in _check_path(v):
-            raise ValueError(f"source file {v!r} must be a plain file name")
+        """Any name vLLM loads as a weight file (``weight_file_name_problem``); joined to MODEL_DIR, it stays inside it."""
+        why = weight_file_name_problem(v)
+        if why is not None:
+            raise ValueError(f"source file {v!r} {why}")
         return v
 
     _h = field_validator("blake3", "header_sha256")(classmethod(lambda cls, v: _check_hex(v)))
@@ -438,6 +476,25 @@ class Manifest(_Strict):
     )
     tensor_parallel: list[TensorParallelSet] = Field(min_length=1)
 
+    @field_validator("common_aliases")
+    @classmethod
+    def _alias_names(cls, v: dict[str, str]) -> dict[str, str]:
+        """Every alias is a tied output head (the only copy ``convert`` stores once) fed as a plain tensor name.
+
+        The loader hands the stored tensor to vLLM under each alias: checked here, where every
+        reader of a manifest (``verify``, ``check``, the loader) passes, never on the GPU.
+        """
+        for alias, stored in v.items():
+            for name in (alias, stored):
+                if len(name) > _MAX_TENSOR_NAME or not _TENSOR_NAME.fullmatch(name):
+                    raise ValueError(f"common_aliases maps {alias!r} to {stored!r}: {name!r} is not a tensor name")
+            if not any(alias == h or alias.endswith(f".{h}") for h in OUTPUT_HEAD_NAMES):
+                raise ValueError(
+                    f"common_aliases maps {alias!r} to {stored!r}: only an output head ({', '.join(OUTPUT_HEAD_NAMES)}) "
+                    "is stored as a copy of another tensor"
+                )
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
         sizes = [s.tp_size for s in self.tensor_parallel]
@@ -447,12 +504,30 @@ class Manifest(_Strict):
             raise ValueError("activation_dtype must equal serving_dtype (16-bit activations only)")
         if set(self.common_aliases) & set(self.common_aliases.values()):
             raise ValueError("common_aliases must point at stored tensors, not at other aliases")
+        self._aliases_outside_quantized_layers()
         if self.format_version < 4 and any(s.moe_layers for s in self.tensor_parallel):
             raise ValueError("moe_layers need format_version 4")
         paths = [self.common.path] + [r.file.path for s in self.tensor_parallel for r in s.ranks]
         if len(paths) != len(set(paths)):
             raise ValueError("a file is listed twice")
         return self
+
+    def _aliases_outside_quantized_layers(self) -> None:
+        """No alias names (or points at) a tensor of a quantized layer: those come from the rank files only."""
+        prefixes: set[str] = set()
+        for s in self.tensor_parallel:
+            for e in s.layers:
+                parent = e.name.rpartition(".")[0]
+                prefixes.add(f"{e.name}.")
+                prefixes.update(f"{parent}.{p.name}." if parent else f"{p.name}." for p in e.parts)  # checkpoint modules
+            prefixes.update(f"{m.name}." for m in s.moe_layers)
+        for alias, stored in self.common_aliases.items():
+            for name in (alias, stored):
+                layer = next((p for p in prefixes if name.startswith(p)), None)
+                if layer is not None:
+                    raise ValueError(
+                        f"common_aliases maps {alias!r} to {stored!r}: {name} is a tensor of the quantized layer {layer[:-1]}"
+                    )
 
     @property
     def tp_sizes(self) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -132,3 +133,88 @@ def test_main_freezes_the_heap_before_python_exits(argv: list[str], monkeypatch:
     with pytest.raises(SystemExit):
         cli.main()
     assert frozen == [True]
+
+
+# --- user text is printed as it is (issue 47, items 10-13) ------------------------------------
+
+
+def _run_wide(*args: str) -> subprocess.CompletedProcess[str]:
+    """``_run`` with a console wide enough that rich wraps no path."""
+    code = "from marlin_pack.cli import main; import sys; sys.argv = ['marlin-pack', *sys.argv[1:]]; main()"
+    env = {**os.environ, "COLUMNS": "400"}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("where", ["x[/y]", "Llama [old]", "[bold]b:thumbs_up:"])
+def test_paths_are_printed_as_they_are_never_as_markup(make_checkpoint, tmp_path: Path, where: str) -> None:
+    d = tmp_path / where / "m"
+    shutil.copytree(make_checkpoint("awq", "tiny", group_size=32), d)
+    r = _run_wide("convert", str(d))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"wrote {d}/marlin-pack" in r.stdout and f"bundle         {d}/marlin-pack" in r.stdout
+    r = _run_wide("verify", str(d / "marlin-pack"))
+    assert r.returncode == 0 and f"verify {d}/marlin-pack" in r.stdout, r.stdout + r.stderr
+    r = _run_wide("check", str(d))
+    assert r.returncode == 0 and f"from {d}/marlin-pack" in r.stdout, r.stdout + r.stderr
+    r = _run_wide("inspect", str(d / "[red]missing[/]"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"error: no bundle at {d}/[red]missing[/]: "), r.stderr
+
+
+def test_progress_bar_shows_names_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from marlin_pack import cli
+
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "err", Console(file=buf, force_terminal=True, width=200, markup=False, color_system=None))
+    with cli._progress(True, "converting") as update:
+        assert update is not None
+        update(1, 2, "x[/y] [bold]z")
+    assert "x[/y] [bold]z" in buf.getvalue()
+
+
+def test_bad_compressed_tensors_regex_is_one_line_exit_1(make_checkpoint, tmp_path: Path) -> None:
+    d = tmp_path / "ct"
+    shutil.copytree(make_checkpoint("ct"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = ["re:("]
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = _run_wide("convert", str(d))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "internal error" not in r.stderr
+    assert r.stderr.startswith("error: compressed-tensors config_groups['group_0'] targets entry 're:(' is not a valid regular expression")
+    assert not (d / "marlin-pack").exists()
+
+
+@pytest.mark.parametrize("name", ["model 00001.safetensors", "modèle.safetensors", "模型.safetensors"])
+def test_weight_file_names_vllm_loads_convert(make_checkpoint, tmp_path: Path, name: str) -> None:
+    d = _ckpt(make_checkpoint, tmp_path)
+    (d / "model.safetensors").rename(d / name)
+    r = _run_wide("convert", str(d), "--json")
+    assert r.returncode == 0, r.stderr
+    assert [f["name"] for f in json.loads(r.stdout)["manifest"]["source"]["files"]] == [name]
+    assert _run_wide("verify", str(d / "marlin-pack")).returncode == 0
+    assert _run_wide("check", str(d)).returncode == 0
+
+
+def test_weight_file_name_with_a_newline_is_refused_in_one_line(make_checkpoint, tmp_path: Path) -> None:
+    d = _ckpt(make_checkpoint, tmp_path)
+    (d / "model.safetensors").rename(d / "a\nb.safetensors")
+    r = _run_wide("convert", str(d))
+    assert r.returncode == 1 and "internal error" not in r.stderr
+    assert r.stderr.startswith("error: ") and len(r.stderr.splitlines()) == 2  # the error and the MARLIN_PACK_DEBUG hint
+    assert "'a\\nb.safetensors'" in r.stderr and "control characters" in r.stderr
+    assert not (d / "marlin-pack").exists()
+
+
+def test_check_refuses_an_alias_naming_a_quantized_tensor(make_checkpoint, tmp_path: Path) -> None:
+    d = _ckpt(make_checkpoint, tmp_path)
+    assert _run("convert", str(d)).returncode == 0
+    path = d / "marlin-pack" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["common_aliases"] = {"model.layers.0.self_attn.qkv_proj.qweight": "model.embed_tokens.weight"}
+    path.write_text(json.dumps(m))
+    r = _run_wide("check", str(d))
+    assert r.returncode == 1 and "refuse" in r.stdout and "common_aliases" in r.stdout, r.stdout

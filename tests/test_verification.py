@@ -267,3 +267,18 @@ def test_manifest_that_is_not_a_regular_file_is_refused_without_blocking(bundle:
         m.symlink_to("/dev/zero")  # stat says 0 bytes; reading never ends
     name, detail = _failure(bundle)
     assert name == "manifest" and "not a regular file" in detail
+
+
+@pytest.mark.parametrize(
+    "edit,field",
+    [(lambda m: m["common"].update(path=m["common"]["path"] + "\n"), "field common.path"),
+     (lambda m: m["common"].update(blake3=m["common"]["blake3"] + "\n"), "field common.blake3"),
+     (lambda m: m.update(common_aliases={"lm_head.weight\n": "model.embed_tokens.weight"}), "field common_aliases")],
+)
+def test_manifest_names_with_a_trailing_newline_are_refused(bundle: Path, edit, field: str) -> None:
+    """A regex's "$" also matches before a final newline: the schema matches names whole."""
+    m = json.loads((bundle / "manifest.json").read_text())
+    edit(m)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    name, detail = _failure(bundle)
+    assert name == "manifest" and field in detail

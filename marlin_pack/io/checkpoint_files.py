@@ -19,6 +19,7 @@ from marlin_pack.schemas import (
     GptqSettings,
     QuantSettings,
     SettingsFile,
+    weight_file_name_problem,
 )
 
 __all__ = [
@@ -269,19 +270,35 @@ def quant_settings(model_dir: Path, config: dict) -> FoundSettings | None:
 
 
 def weight_files(model_dir: Path) -> list[str]:
-    """The weight files: those the index names if there is one (others, e.g. Mistral's
-    ``consolidated.safetensors``, are not part of the checkpoint), else every top-level one."""
+    """The weight files, as vLLM 0.33.0 finds them: those the index names if there is one (others, e.g.
+    Mistral's ``consolidated.safetensors``, are not part of the checkpoint), else every top-level one
+    but hidden ones (vLLM's ``glob`` skips names starting with a dot).
+
+    Raises:
+        CheckpointError: no weight file, an index naming a file that is not there, or a weight file
+            whose name a manifest cannot record (``weight_file_name_problem``).
+    """
     index = model_dir / INDEX_NAME
-    found = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    found = sorted(p.name for p in model_dir.glob("*.safetensors") if not p.name.startswith("."))
     if index.exists():
         weight_map = read_json(index, INDEX_NAME).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index} has no weight_map; restore the index file")
         files = sorted(set(map(str, weight_map.values())))
+        _check_names(files, f"{INDEX_NAME} names")
         missing = [f for f in files if f not in found]
         if missing:
             raise CheckpointError(f"{INDEX_NAME} names {missing[0]}, which is not in {model_dir}; download the missing shard")
         return files
     if not found:
         raise CheckpointError(f"no *.safetensors files in {model_dir}; marlin-pack reads safetensors checkpoints only")
+    _check_names(found, f"{model_dir} holds")
     return found
+
+
+def _check_names(names: list[str], where: str) -> None:
+    """A one-line refusal for the first weight file name vLLM would not load or a manifest cannot record."""
+    for name in names:
+        why = weight_file_name_problem(name)
+        if why is not None:
+            raise CheckpointError(f"{where} weight file {name!r}, which {why}; rename the file (and its index entries)")

@@ -46,8 +46,8 @@ __all__ = [
     "StreamWriter",
 ]
 
-# A header is JSON text naming each tensor once: 100 MiB is far above any real one.
-MAX_HEADER_BYTES = 100 << 20
+# safetensors' own limit (100 MB: it refuses a longer header, so vLLM could not open the file), far above any real header.
+MAX_HEADER_BYTES = 100_000_000
 
 # safetensors dtype code -> (torch dtype attribute, bytes per element). The one table.
 _DTYPES: dict[str, tuple[str, int]] = {
@@ -142,7 +142,12 @@ def _read_header_bytes(path: Path) -> tuple[bytes, int]:
         if len(prefix) < 8:
             raise SafetensorsFormatError(f"{path.name} is {size} bytes: too short for safetensors; the file is truncated")
         (n,) = struct.unpack("<Q", prefix)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
+        if n > MAX_HEADER_BYTES:  # whatever the file's size: a header this long is not one, not a cut-off file
+            raise SafetensorsFormatError(
+                f"{path.name} declares a {n}-byte header in a {size}-byte file, more than the {MAX_HEADER_BYTES:,} bytes "
+                "safetensors (and so vLLM) accepts: the header is oversized, the file is corrupt or not safetensors"
+            )
+        if 8 + n > size:
             raise SafetensorsFormatError(
                 f"{path.name} declares a {n}-byte header in a {size}-byte file; the file is truncated or not safetensors"
             )

@@ -206,6 +206,8 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
             f"architecture is {name!r}{why}, expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     cfg = {**arch.defaults, **{k: v for k, v in text.items() if v is not None}}
+    if "vocab_size" in cfg:  # vLLM sizes the embeddings and lm_head by it (absent: transformers' default)
+        _int(cfg, "vocab_size")
     heads = _int(cfg, "num_attention_heads")
     hidden = _int(cfg, "hidden_size")
     # hidden / heads is what vLLM computes without config.head_dim (Qwen2 and InternLM2 always do)

@@ -20,7 +20,7 @@ from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.schemas import CompressedTensorsSettings, CompressedTensorsWeights, QuantScheme, SourceFormat, WeightType
 from marlin_pack.sources.base import ModuleTensors
 from marlin_pack.sources.checkpoint import Checkpoint
-from marlin_pack.sources.expect import check_group_size, expect, expect_scales, num_groups
+from marlin_pack.sources.expect import check_group_size, check_regex, expect, expect_scales, num_groups
 
 __all__ = ["CompressedTensorsSource", "unpack_ct", "FUSED_SHARDS"]
 
@@ -48,6 +48,16 @@ def _match(value: str, target: str, contains: bool = False) -> bool:
     if contains:
         return target.lower() in value.lower()
     return target == value
+
+
+def _check_patterns(s: CompressedTensorsSettings) -> None:
+    """Refuse a ``re:`` entry of ``ignore`` or of a group's ``targets`` that does not compile, naming the setting."""
+    entries = [(f"compressed-tensors ignore entry {t!r}", t) for t in s.ignore]
+    for name, g in s.config_groups.items():
+        entries += [(f"compressed-tensors config_groups[{name!r}] targets entry {t!r}", t) for t in g.targets]
+    for setting, entry in entries:
+        if entry.startswith("re:"):
+            check_regex(entry[3:], setting)
 
 
 def _shards(name: str) -> list[str]:
@@ -91,6 +101,7 @@ class CompressedTensorsSource:
                 "compressed-tensors transform_config (rotations) is set: vLLM wraps such layers in a transform method; "
                 "marlin-pack converts plain Marlin layers only"
             )
+        _check_patterns(s)
         schemes: dict[tuple[int, int, bool], list[str]] = {}
         for name, g in s.config_groups.items():
             if g.weights is None:

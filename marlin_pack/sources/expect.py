@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from marlin_pack._constants import SUPPORTED_GROUP_SIZES
 from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
 from marlin_pack.sources.checkpoint import Checkpoint
 
-__all__ = ["expect", "expect_scales", "check_group_size", "num_groups"]
+__all__ = ["expect", "expect_scales", "check_group_size", "num_groups", "check_regex"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -50,3 +52,19 @@ def num_groups(size_k: int, group_size: int, name: str) -> int:
     if size_k % group_size:
         raise UnsupportedCheckpointError(f"{name}: {size_k} input features are not a multiple of group_size {group_size}")
     return size_k // group_size
+
+
+def check_regex(pattern: str, setting: str) -> re.Pattern[str]:
+    """A regular expression from a quantization config, compiled; else a one-line refusal naming ``setting``
+    (the config entry that holds it, e.g. ``GPTQ dynamic rule '-:('``).
+
+    vLLM 0.33.0 matches these patterns (compressed-tensors ``re:`` targets and ignore entries,
+    GPTQModel ``dynamic`` rules) with ``re.match``; one that does not compile would stop vLLM
+    too, so it is bad input, never an internal error.
+    """
+    try:
+        return re.compile(pattern)
+    except (re.error, OverflowError, RecursionError) as e:  # a bad pattern, a huge repeat count, deep nesting
+        raise UnsupportedCheckpointError(
+            f"{setting} is not a valid regular expression ({e}); fix the pattern in the checkpoint's quantization config"
+        ) from None

@@ -11,7 +11,7 @@ from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.schemas import GptqSettings, QuantScheme, SourceFormat, WeightType
 from marlin_pack.sources.base import ModuleTensors
 from marlin_pack.sources.checkpoint import Checkpoint
-from marlin_pack.sources.expect import check_group_size, expect, expect_scales, num_groups
+from marlin_pack.sources.expect import check_group_size, check_regex, expect, expect_scales, num_groups
 
 __all__ = ["GptqV1Source"]
 
@@ -143,10 +143,7 @@ def _check_uniform(s: GptqSettings, group_size: int) -> None:
     """
     base = {"bits": s.bits, "group_size": group_size, "desc_act": bool(s.desc_act), "sym": s.sym}
     for pattern, overrides in s.dynamic.items():
-        try:
-            re.compile(pattern.removeprefix("-:").removeprefix("+:"))
-        except re.error as e:
-            raise UnsupportedCheckpointError(f"GPTQ dynamic rule {pattern!r} is not a valid regular expression ({e})") from e
+        check_regex(pattern.removeprefix("-:").removeprefix("+:"), f"GPTQ dynamic rule {pattern!r}")
         if pattern.startswith("-:"):
             continue
         for key in _OVERRIDABLE:

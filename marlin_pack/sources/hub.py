@@ -25,6 +25,8 @@ CACHE_ENV = "MARLIN_PACK_CACHE"
 # What conversion reads of a repo: config, index, quantize_config.json and the weights.
 _PATTERNS = ["*.json", "*.safetensors"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# What the hub's cache names a snapshot folder by, and marlin-pack its bundle: a full git commit hash.
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class ResolvedModel:
 
 def is_repo_id(model: str) -> bool:
     """``org/name``, as vLLM and the hub take it (not an existing path)."""
-    return bool(_REPO_ID.match(model)) and ".." not in model and not Path(model).exists()
+    return bool(_REPO_ID.fullmatch(model)) and ".." not in model and not Path(model).exists()
 
 
 def cache_root() -> Path:
@@ -74,7 +76,7 @@ def resolve_model(model: str | Path, revision: str | None = None, *, download: b
         snapshots = path.resolve().parent
         if snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
             repo = snapshots.parent.name.removeprefix("models--").replace("--", "/", 1)
-            return ResolvedModel(path, repo, path.resolve().name)
+            return ResolvedModel(path, repo, _commit(path.resolve(), repo))
         return ResolvedModel(path)
     name = str(model)
     if not is_repo_id(name):
@@ -97,4 +99,23 @@ def resolve_model(model: str | Path, revision: str | None = None, *, download: b
                 f"download it once (`hf download {name}`), unset HF_HUB_OFFLINE, or pass a local directory"
             ) from e
         raise CheckpointError(f"cannot fetch {where} from the Hugging Face hub ({type(e).__name__}: {e})") from e
-    return ResolvedModel(snapshot, name, snapshot.name)
+    return ResolvedModel(snapshot, name, _commit(snapshot, name))
+
+
+def _commit(snapshot: Path, repo: str) -> str:
+    """The commit a hub snapshot folder holds: its name, if that is a 40-hex commit hash right under ``snapshots``.
+
+    The hub's cache turns a branch or tag into a commit through its ``refs`` files; one holding ``..``
+    or a path (damaged, or planted) would make anything the commit, and marlin-pack's bundle
+    directory (``models--ORG--NAME/COMMIT``) a path outside its cache.
+
+    Raises:
+        CheckpointError: the folder's name is not a commit hash, or it is not a snapshot of the cache.
+    """
+    if ".." in snapshot.parts or snapshot.parent.name != "snapshots" or not _COMMIT.fullmatch(snapshot.name):
+        raise CheckpointError(
+            f"{repo} resolves to the Hugging Face cache folder {str(snapshot)!r}, expected snapshots/COMMIT with COMMIT a "
+            "40-hex commit hash; the cache's refs file for it is damaged: delete the repo's refs folder and download it again, "
+            "or pass --revision COMMIT"
+        )
+    return snapshot.name

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from marlin_pack.io.safetensors_io import (
+    MAX_HEADER_BYTES,
     SafetensorsFormatError,
     StreamWriter,
     dtype_code,
@@ -115,3 +116,15 @@ def test_stream_writer_digest_is_the_files_digest(tmp_path: Path) -> None:
     with safe_open(str(path), framework="pt") as f:
         for name, t in values.items():
             assert torch.equal(f.get_tensor(name), t)
+
+
+@pytest.mark.parametrize("n", [MAX_HEADER_BYTES + 1, 100 << 20, 1 << 40])
+def test_oversized_header_is_called_oversized_with_the_limit(tmp_path: Path, n: int) -> None:
+    """A header longer than safetensors accepts (100 MB, what vLLM opens) is oversized, not truncated, however long the file."""
+    path = tmp_path / "big.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", n) + b"{}")
+        f.truncate(8 + min(n, 100 << 20) + 16)  # sparse: the header fits in the file when it can
+    with pytest.raises(SafetensorsFormatError, match=rf"declares a {n}-byte header .*more than the 100,000,000 bytes.*oversized"):
+        read_header(path)
+    assert MAX_HEADER_BYTES == 100_000_000

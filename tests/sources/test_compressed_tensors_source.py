@@ -106,3 +106,21 @@ def test_ignore_and_targets_per_layer() -> None:
     qc["config_groups"]["group_0"]["targets"] = ["re:.*mlp\\.(gate|up|down)_proj$"]
     src = source_from_quant_config(qc)
     assert src.vllm_quantizes("model.layers.0.mlp.gate_up_proj") and not src.vllm_quantizes("model.layers.0.self_attn.o_proj")
+
+
+@pytest.mark.parametrize(
+    "where,pattern,setting",
+    [("ignore", "re:(", "ignore entry 're:('"), ("targets", "re:[a-", "config_groups['group_0'] targets entry 're:[a-'"),
+     ("targets", "re:a{99999999999}", "config_groups['group_0'] targets entry"),
+     ("ignore", "re:" + "(" * 2000 + ")" * 2000, "ignore entry")],
+    ids=["ignore-unclosed", "targets-bad-set", "targets-huge-repeat", "ignore-deep-nesting"],
+)
+def test_a_regex_that_does_not_compile_is_refused_naming_the_setting(where: str, pattern: str, setting: str) -> None:
+    qc = compressed_tensors_config(4, 128, True)
+    if where == "ignore":
+        qc["ignore"] = ["lm_head", pattern]
+    else:
+        qc["config_groups"]["group_0"]["targets"] = ["Linear", pattern]
+    with pytest.raises(UnsupportedCheckpointError, match="is not a valid regular expression") as e:
+        source_from_quant_config(qc)
+    assert f"compressed-tensors {setting}" in str(e.value) and "\n" not in str(e.value)

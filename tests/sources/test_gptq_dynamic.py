@@ -68,3 +68,10 @@ def test_bad_regex_is_refused(make_checkpoint, tmp_path: Path) -> None:
     model = _with_dynamic(make_checkpoint("gptq", "tiny"), tmp_path / "m", {"-:([": {}})
     with pytest.raises(UnsupportedCheckpointError, match="not a valid regular expression"):
         convert(model)
+
+
+@pytest.mark.parametrize("rule", ["+:a{99999999999}", "-:" + "(" * 2000 + ")" * 2000], ids=["huge-repeat", "deep-nesting"])
+def test_regex_that_overflows_the_compiler_is_refused(make_checkpoint, tmp_path: Path, rule: str) -> None:
+    model = _with_dynamic(make_checkpoint("gptq", "tiny"), tmp_path / "m", {rule: {}})
+    with pytest.raises(UnsupportedCheckpointError, match=r"GPTQ dynamic rule .* is not a valid regular expression"):
+        convert(model)

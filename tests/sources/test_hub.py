@@ -103,3 +103,36 @@ def test_a_snapshot_folder_is_its_repo_and_commit(hub: Path, tmp_path: Path) -> 
     m = convert(snapshot, force=True)  # converting the snapshot path writes the same cache entry
     assert m.tp_sizes == [1] and not (snapshot / "marlin-pack").exists()
     assert (tmp_path / "mp-cache" / "models--acme--tiny-awq" / ("a" * 40) / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("ref", ["..", "../../models--acme--other/snapshots/" + "c" * 40, "/tmp", "main", "A" * 40])
+def test_a_refs_file_that_is_not_a_commit_hash_is_refused(hub: Path, tmp_path: Path, make_checkpoint: Any, ref: str) -> None:
+    """refs/main holding ``..`` or a path must not become the commit (the bundle would land outside marlin-pack's cache)."""
+    _cache_repo(hub, "acme/other", make_checkpoint("awq"), "c" * 40)
+    root = hub / "models--acme--tiny-awq"
+    if ref == "A" * 40:
+        (root / "snapshots" / ("a" * 40)).rename(root / "snapshots" / ref)
+    elif ref == "main":
+        (root / "snapshots" / ("a" * 40)).rename(root / "snapshots" / "main")
+    (root / "refs" / "main").write_text(ref)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(CheckpointError, match=r"acme/tiny-awq resolves to the Hugging Face cache folder .* 40-hex commit hash") as e:
+        convert(REPO)
+    assert "\n" not in str(e.value)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written anywhere
+    report = preflight(REPO)
+    assert report.decision == "refuse" and "40-hex commit hash" in report.ranks[0].message
+
+
+def test_a_snapshot_folder_not_named_by_a_commit_is_refused(hub: Path) -> None:
+    root = hub / "models--acme--tiny-awq"
+    odd = root / "snapshots" / "x"
+    (root / "snapshots" / ("a" * 40)).rename(odd)
+    with pytest.raises(CheckpointError, match=r"40-hex commit hash"):
+        convert(odd)
+
+
+def test_a_repo_id_with_a_trailing_newline_is_not_one() -> None:
+    from marlin_pack.sources.hub import is_repo_id
+
+    assert is_repo_id("acme/tiny-awq") and not is_repo_id("acme/tiny-awq\n")

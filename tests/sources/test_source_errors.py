@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from marlin_pack import CheckpointError, UnsupportedCheckpointError, convert
+from marlin_pack.bundle.reader import read_manifest
 from marlin_pack.testing.synthetic import PRESETS, write_gptq_checkpoint, write_unquantized_checkpoint
 
 
@@ -234,3 +235,49 @@ def test_shard_that_is_a_device_is_refused_as_such(awq: Path) -> None:
     (awq / "model.safetensors").symlink_to("/dev/zero")
     with pytest.raises(CheckpointError, match=r"model.safetensors is a character device, not a regular file; expected a safetensors"):
         convert(awq)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "32000"])
+def test_bad_vocab_size_is_refused(awq: Path, value: object, edit_config, no_leftovers) -> None:
+    edit_config(awq, vocab_size=value)
+    with pytest.raises(UnsupportedCheckpointError, match=rf"config.json vocab_size is {value!r}, expected a positive integer"):
+        convert(awq)
+    no_leftovers(awq)
+
+
+@pytest.mark.parametrize("name", ["model 1.safetensors", "modèle.safetensors", "模型 (v2).safetensors"])
+def test_weight_file_names_vllm_loads_are_converted(awq: Path, name: str) -> None:
+    (awq / "model.safetensors").rename(awq / name)
+    m = convert(awq)
+    assert [f.name for f in m.source.files] == [name]
+    assert read_manifest(awq / "marlin-pack").source.files[0].name == name
+
+
+def test_hidden_weight_file_is_not_part_of_the_checkpoint(awq: Path) -> None:
+    """vLLM's glob skips names starting with a dot; so does marlin-pack."""
+    save_file({"x": torch.zeros(2)}, str(awq / ".partial.safetensors"))
+    assert [f.name for f in convert(awq).source.files] == ["model.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "name,match",
+    [("a\tb.safetensors", r"weight file 'a\\tb.safetensors', which holds control characters"),
+     ("a\x1b[31mb.safetensors", r"holds control characters")],
+)
+def test_weight_file_names_marlin_pack_cannot_record_are_refused(awq: Path, name: str, match: str, no_leftovers) -> None:
+    (awq / "model.safetensors").rename(awq / name)
+    with pytest.raises(CheckpointError, match=match):
+        convert(awq)
+    no_leftovers(awq)
+
+
+def test_index_naming_an_odd_weight_file_is_refused(make_checkpoint, damaged_copy) -> None:
+    import json
+
+    d = damaged_copy(make_checkpoint("awq", sharded=True))
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"] = {k: (f"sub/{first}" if v == first else v) for k, v in index["weight_map"].items()}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"index.json names weight file 'sub/{first}', which is not a plain file name"):
+        convert(d)

@@ -315,3 +315,27 @@ def test_rank_header_mismatch(awq_bundle: Path) -> None:
     missing = {k: v for k, v in tensors.items() if k != name}
     with pytest.raises(BundleMismatchError, match=r"lacks model.layers.0.self_attn.o_proj.scales"):
         check_rank_header(s.manifest, s.tp_set, s.rank, dataclasses.replace(header, tensors=missing))
+
+
+@pytest.mark.parametrize(
+    "aliases,match",
+    [({"model.layers.0.self_attn.qkv_proj.qweight": "model.embed_tokens.weight"}, "only an output head"),
+     ({"model.layers.0.mlp.down_proj.lm_head.weight": "model.embed_tokens.weight"}, "tensor of the quantized layer"),
+     ({"lm_head.weight\n": "model.embed_tokens.weight"}, "is not a tensor name"),
+     ({"lm_head.weight": "model.embed_tokens.weight\nx"}, "is not a tensor name"),
+     ({"model.lm_head.weight": "model.layers.1.self_attn.q_proj.qweight"}, "tensor of the quantized layer")],
+)
+def test_bad_common_aliases_are_refused_before_the_gpu(awq_bundle: Path, damaged_copy, aliases: dict, match: str) -> None:  # type: ignore[no-untyped-def]
+    """The loader (and ``check``) read the manifest through the schema, which checks every alias: no path skips it."""
+    def edit(d: Path) -> None:
+        path = d / "marlin-pack" / "manifest.json"
+        m = json.loads(path.read_text())
+        m["common_aliases"] = aliases
+        path.write_text(json.dumps(m))
+
+    model = damaged_copy(awq_bundle, edit)
+    with pytest.raises(BundleMismatchError, match=rf"field common_aliases: .*{match}|common_aliases maps .*{match}") as e:
+        select_bundle(LoaderOptions(), facts(model))
+    assert e.value.field == "manifest" and "\n" not in str(e.value).replace("\\n", "")
+    with pytest.raises(LoadRefusedError, match="common_aliases"):
+        decide(LoaderOptions(), facts(model))
