@@ -72,14 +72,27 @@ Protocol, one JSON object per line:
   (a service helper, which goes on serving; a helper of its own engine exits at the end of its input).
 
 End of input: the helper closes its IPC mappings and exits (a service helper: ends the session).
+
+Every line a helper reads is untrusted input, answered and never fatal: a line longer than
+:data:`MAX_LINE` (it is skipped up to its newline), one that is not UTF-8 JSON of an object, a job or
+``retain`` line that is not the shape above (integers where integers go, ``0 <= LO < HI`` with no page
+shared by two windows or ranges of one file, each piece inside its window, ``HANDLE_INDEX`` naming one of
+``handles`` (each 128 hex digits), ``DEST_OFFSET >= 0`` and the piece inside its allocation, ``threads``
+in ``0..MAX_THREADS``, one part per file), a file that is not a regular one (opened non-blocking: a FIFO
+does not hold the helper) or ranges outside it: each is answered ``{"error": "RequestError: ..."}``
+before any driver call, and the next line is read as usual. Only a driver failure that leaves the
+context unusable (:meth:`Helper.context_usable`) ends a service helper, after its session. A client reads
+each reply whole under one deadline (:class:`LineReader`): a peer that says half a line is given up on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import json
 import os
+import select
 import socket
 import stat
 import struct
@@ -103,6 +116,15 @@ PROTOCOL = 1
 # 640-allocation stand-in construction: +0.42 s -> +0.18 s, ending them 0.26 -> 0.11 s; bench_h2d.py
 # processes/4 36.3 vs 37.1 GB/s with it (copies lose nothing).
 HELPER_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+# The longest line either side of the protocol reads (a helper's request, a client's reply), newline included.
+# A job line lists every piece of a helper's share at ~45 bytes a piece: a model of 130k destination pieces (a
+# MoE bundle stored per expert) needs ~6 MB with one helper; 32 MiB is five times that, while a line that never
+# ends costs a helper at most this much (and the parsed job ~10x more) instead of growing it without bound.
+MAX_LINE = 32 << 20
+_READ_CHUNK = 1 << 20  # bytes asked of the kernel per read: a job line comes in a few reads
+# Registered copy threads a job may ask for: the loader's io_threads option allows 1..64.
+MAX_THREADS = 64
+_HANDLE_HEX = 128  # a cuIpcGetMemHandle handle: 64 bytes, as hex digits
 
 
 class _IpcHandle(ctypes.Structure):
@@ -111,6 +133,187 @@ class _IpcHandle(ctypes.Structure):
 
 class CudaError(RuntimeError):
     """A CUDA driver call failed: the helper's context may be unusable from now on."""
+
+
+class RequestError(ValueError):
+    """A request the helper refuses before any driver call (not UTF-8 or JSON, malformed, out of range, naming no
+    regular file): answered with an ``{"error": ...}`` line, never fatal."""
+
+
+class LineTooLong(RequestError):
+    """A line longer than the reader's limit: its bytes are skipped up to its newline, the next line is read as usual."""
+
+
+class LineReader:
+    """Lines of bytes read from the file descriptor ``fd`` (a socket or a pipe), each at most ``limit`` bytes
+    (default :data:`MAX_LINE`), with one deadline over every read of a line.
+
+    A line is read here and not through a buffered file: ``select`` on a file object says only that *some*
+    byte came, after which its ``readline`` blocks until the newline (a peer sending half a line held it
+    forever), and it buffers lines that ``select`` then no longer sees. Never more than ``limit`` bytes of
+    one line are held: a longer line raises :class:`LineTooLong` and the rest of it is skipped.
+    """
+
+    def __init__(self, fd: int, limit: int | None = None) -> None:
+        self.fd = fd
+        self.limit = MAX_LINE if limit is None else limit
+        self.buf = bytearray()
+        self.scanned = 0  # bytes of buf known to hold no newline
+        self.skipping = False  # inside a line found too long: its bytes are dropped up to its newline
+        self.eof = False
+
+    def readline(self, deadline: float | None = None) -> bytes:
+        """The next line with its newline; the bytes left without one when the input ends; ``b""`` after that.
+
+        Raises :class:`TimeoutError` when ``deadline`` (``time.monotonic()``; None: none) passes first (what
+        came of the line is kept for the next call), :class:`LineTooLong` for a line over the limit.
+        """
+        while True:
+            line = self._take_line()
+            if line is not None:
+                return line
+            if self.eof:
+                rest, self.skipping = (b"" if self.skipping else bytes(self.buf)), False
+                self.buf.clear()
+                self.scanned = 0
+                return rest
+            self._fill(deadline)
+
+    def _take_line(self) -> bytes | None:
+        """A whole line out of the buffer, or None; drops a line being skipped, raises on one that grew too long."""
+        while True:
+            nl = self.buf.find(b"\n", self.scanned)
+            if nl < 0:
+                break
+            line = bytes(self.buf[: nl + 1])
+            del self.buf[: nl + 1]
+            self.scanned = 0
+            if self.skipping:
+                self.skipping = False
+                continue
+            if len(line) > self.limit:
+                raise LineTooLong(f"a line of {len(line)} bytes, longer than the protocol's {self.limit}")
+            return line
+        self.scanned = len(self.buf)
+        if self.skipping:
+            self.buf.clear()
+            self.scanned = 0
+        elif len(self.buf) > self.limit:
+            self.buf.clear()
+            self.scanned = 0
+            self.skipping = True
+            raise LineTooLong(f"a line longer than the protocol's {self.limit} bytes (skipped up to its newline)")
+        return None
+
+    def _fill(self, deadline: float | None) -> None:
+        """One read into the buffer, once ``fd`` is readable (by ``deadline``, else :class:`TimeoutError`)."""
+        timeout = None if deadline is None else deadline - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            raise TimeoutError("no whole line in time")
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            raise TimeoutError("no whole line in time")
+        try:
+            chunk = os.read(self.fd, _READ_CHUNK)
+        except BlockingIOError:  # a non-blocking socket that select woke spuriously
+            return
+        if chunk:
+            self.buf += chunk
+        else:
+            self.eof = True
+
+
+def parse_line(line: bytes) -> dict:
+    """A protocol line as a JSON object; :class:`RequestError` when it is not UTF-8, not JSON or not an object."""
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise RequestError(f"a line that is not UTF-8 (byte {e.start}: {line[e.start : e.start + 1]!r})") from None
+    except ValueError as e:  # json.JSONDecodeError, an integer of too many digits
+        raise RequestError(f"a line that is not JSON ({e})") from None
+    except RecursionError:  # arrays nested deeper than the decoder goes
+        raise RequestError("a line of JSON nested too deep") from None
+    if not isinstance(obj, dict):
+        raise RequestError(f"a line that is not a JSON object ({type(obj).__name__})")
+    return obj
+
+
+def _int(value: object, what: str, lo: int = 0, hi: int | None = None) -> int:
+    """``value`` if it is an integer (not a bool, not a float) in ``lo..hi``; :class:`RequestError` otherwise."""
+    if type(value) is not int or value < lo or (hi is not None and value > hi):
+        bounds = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise RequestError(f"{what} must be an integer {bounds}, not {str(value)[:40]!r}")
+    return value
+
+
+def _list(value: object, what: str, length: int | None = None) -> list:
+    """``value`` if it is a JSON array (of ``length`` items, when given); :class:`RequestError` otherwise."""
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        raise RequestError(f"{what} must be an array{f' of {length}' if length is not None else ''}, not {str(value)[:40]!r}")
+    return value
+
+
+def _file(part: object, what: str) -> str:
+    """A part's ``"file"``: a non-empty path without NUL bytes."""
+    if not isinstance(part, dict):
+        raise RequestError(f"{what} must be an object")
+    file = part.get("file")
+    if not isinstance(file, str) or not file or "\0" in file:
+        raise RequestError(f"{what}: \"file\" must be a path, not {str(file)[:40]!r}")
+    return file
+
+
+def _disjoint_pages(ranges: list[tuple[int, int]], what: str) -> None:
+    """Refuse ranges of one file that share a page: registering a page twice fails in the driver."""
+    ordered = sorted(ranges)
+    for (_, hi), (lo, _) in itertools.pairwise(ordered):
+        if -(-hi // _PAGE) > lo // _PAGE:
+            raise RequestError(f"{what}: ranges ending at {hi} and starting at {lo} share a page")
+
+
+def check_job(job: dict) -> None:
+    """Refuse a job line that is not the protocol's (:class:`RequestError`), before any file or driver call:
+    integers where integers go, every window ``0 <= LO < HI`` with no page shared with another window of its
+    file, every piece inside its window, every handle index naming a handle of the job, ``DEST_OFFSET >= 0``,
+    ``threads`` in ``0..MAX_THREADS``. That the windows lie inside their files is checked once they are open
+    (:meth:`Helper._check_inside`), that the pieces fit their allocations once the handles are (:meth:`Helper._check_dest`)."""
+    handles = _list(job.get("handles"), "\"handles\"")
+    for h in handles:
+        if not isinstance(h, str) or len(h) != _HANDLE_HEX or any(c not in "0123456789abcdefABCDEF" for c in h):
+            raise RequestError(f"a handle must be {_HANDLE_HEX} hex digits, not {str(h)[:40]!r}")
+    _int(job.get("threads"), "\"threads\"", 0, MAX_THREADS)
+    for k, part in enumerate(_list(job.get("parts"), "\"parts\"")):
+        what = f"part {k}"
+        _file(part, what)
+        spans = []
+        for window in _list(part.get("windows"), f"{what}: \"windows\""):
+            lo, hi, pieces = _list(window, f"{what}: a window", 3)
+            lo, hi = _int(lo, f"{what}: a window's LO"), _int(hi, f"{what}: a window's HI", lo + 1)
+            spans.append((lo, hi))
+            for piece in _list(pieces, f"{what}: a window's pieces"):
+                offset, n, index, dest = _list(piece, f"{what}: a piece", 4)
+                offset = _int(offset, f"{what}: a piece's FILE_OFFSET", lo, hi)
+                _int(n, f"{what}: a piece's NBYTES", 0, hi - offset)
+                _int(index, f"{what}: a piece's HANDLE_INDEX", 0, len(handles) - 1)
+                _int(dest, f"{what}: a piece's DEST_OFFSET")
+        _disjoint_pages(spans, what)
+
+
+def check_retain(parts: object) -> list[list[tuple[int, int]]]:
+    """A ``retain`` line's ranges per part, refused (:class:`RequestError`) unless each part names a file and
+    its ranges are ``0 <= LO < HI`` sharing no page; that they lie inside the file is checked once it is open."""
+    found = []
+    for k, part in enumerate(_list(parts, "\"retain\"")):
+        what = f"retain part {k}"
+        _file(part, what)
+        ranges = []
+        for r in _list(part.get("ranges"), f"{what}: \"ranges\""):
+            lo, hi = _list(r, f"{what}: a range", 2)
+            lo = _int(lo, f"{what}: a range's LO")
+            ranges.append((lo, _int(hi, f"{what}: a range's HI", lo + 1)))
+        _disjoint_pages(ranges, what)
+        found.append(ranges)
+    return found
 
 
 class _Driver:
@@ -232,6 +435,7 @@ class Helper:
         self.cu("cuDevicePrimaryCtxRetain", ctypes.byref(self.ctx), dev)
         self.cu("cuCtxSetCurrent", self.ctx)
         self.opened: dict[str, int] = {}  # handle hex -> mapped device pointer
+        self.extents: dict[str, int | None] = {}  # handle hex -> its allocation's bytes (None: the driver did not say)
         self.populate = True
         # Two pinned buffers per staging thread, allocated now: the parent starts helpers early.
         self.stage_buffers: list[int] = []
@@ -252,14 +456,55 @@ class Helper:
         return device_uuid(self.cu, self.dev)
 
     def _open(self, handle_hex: str) -> int:
+        """The device pointer an engine's IPC handle maps to here (opened once per session), its extent noted."""
         ptr = self.opened.get(handle_hex)
         if ptr is None:
+            raw = bytes.fromhex(handle_hex)
+            if len(raw) != ctypes.sizeof(_IpcHandle):  # check_job saw to it; memmove must never read past raw
+                raise RequestError(f"an IPC handle of {len(raw)} bytes")
             handle = _IpcHandle()
-            ctypes.memmove(ctypes.addressof(handle), bytes.fromhex(handle_hex), 64)
+            ctypes.memmove(ctypes.addressof(handle), raw, len(raw))
             dptr = ctypes.c_uint64()
             self.cu("cuIpcOpenMemHandle", ctypes.byref(dptr), handle, ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS))
             ptr = self.opened[handle_hex] = dptr.value
+            self.extents[handle_hex] = self._extent(ptr)
         return ptr
+
+    def _extent(self, ptr: int) -> int | None:
+        """Bytes of the allocation mapped at ``ptr`` from ``ptr`` on (``cuMemGetAddressRange``); None if the driver cannot say."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        try:
+            self.cu("cuMemGetAddressRange", ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+        except CudaError:
+            return None  # the copies are then bounded by the driver alone, as before this check
+        return base.value + size.value - ptr if size.value else None
+
+    def _check_dest(self, job: dict) -> None:
+        """Refuse pieces that end past their destination allocation (a copy there faults the context)."""
+        extents = [self.extents.get(h) for h in job["handles"]]
+        for part in job["parts"]:
+            for _, _, pieces in part["windows"]:
+                for _, n, index, dest in pieces:
+                    extent = extents[index]
+                    if extent is not None and dest + n > extent:
+                        raise RequestError(f"a piece of {n} bytes at DEST_OFFSET {dest} ends past its allocation ({extent} bytes)")
+
+    @staticmethod
+    def _check_inside(m: _Map, ranges: list[tuple[int, int]]) -> None:
+        """Refuse file ranges that end past the mapped file: those addresses are no file's pages."""
+        for lo, hi in ranges:
+            if hi > m.size:
+                raise RequestError(f"bytes {lo}..{hi} lie outside {m.file} ({m.size} bytes)")
+
+    def context_usable(self) -> bool:
+        """Whether this helper's CUDA context still works after a failed driver call: a fault in a copy
+        (an illegal address) sticks to the context and every later call reports it; an invalid argument does not."""
+        try:
+            self.cu("cuCtxSetCurrent", self.ctx)
+            self.cu("cuCtxSynchronize")
+        except CudaError:
+            return False
+        return True
 
     def job(self, job: dict) -> int:
         """Copy the job's windows (the protocol's job line); the bytes copied."""
@@ -267,19 +512,23 @@ class Helper:
             return self._job(job)
 
     def _job(self, job: dict) -> int:
+        check_job(job)
         parts = job["parts"]
         # As given and as a retained map names them (its windows past the budget are among the released).
         files = {part["file"] for part in parts} | {os.path.realpath(part["file"]) for part in parts}
         releasing, self.releasing = self.releasing, None
         if releasing is not None and releasing[0] & files:
             releasing[1].join()  # the same file's pages again: pinned through one map at a time
-        bases = [self._open(h) for h in job["handles"]]
         maps: list[_Map] = []
         try:
             for part in parts:
                 maps.append(self._retained_map(part) or self._map(part["file"]))
+                self._check_inside(maps[-1], [(lo, hi) for lo, hi, _ in part["windows"]])
+            self._check_distinct(maps)
+            bases = [self._open(h) for h in job["handles"]]
+            self._check_dest(job)
             # 0 registered threads only beside staging ones: a job must never be answered with nothing copied.
-            threads = max(0 if self.settings.staged else 1, int(job["threads"]))
+            threads = max(0 if self.settings.staged else 1, job["threads"])
             windows = [(m, w) for m, part in zip(maps, parts, strict=True) for w in part["windows"]]
             return self._copy_windows(bases, windows, threads)
         finally:
@@ -292,10 +541,30 @@ class Helper:
                 else:
                     self.libc.munmap(m.addr, m.size)
 
+    @staticmethod
+    def _check_distinct(maps: list[_Map]) -> None:
+        """Refuse a job naming one file in two parts (under two names too): its pages would be registered twice."""
+        seen: set[tuple[int, int]] = set()
+        for m in maps:
+            st = os.fstat(m.fd)
+            if (st.st_dev, st.st_ino) in seen:
+                raise RequestError(f"{m.file} is named by two parts of the job")
+            seen.add((st.st_dev, st.st_ino))
+
     def _map(self, file: str) -> _Map:
-        fd = os.open(file, os.O_RDONLY)
+        """``file`` mapped read-only; :class:`RequestError` unless it is a regular file.
+
+        Opened non-blocking: opening a FIFO for reading otherwise waits for a writer (forever, the helper
+        busy with a client that left), and a device or a directory has no pages to copy from.
+        """
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RequestError(f"{file} is not a regular file")
+            size = st.st_size
+            if size == 0:
+                raise RequestError(f"{file} is empty")  # no window lies in it, and mmap refuses 0 bytes
             addr = self.libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
             if addr in (None, ctypes.c_void_p(-1).value):
                 raise OSError(ctypes.get_errno(), f"mmap of {file} failed")
@@ -500,19 +769,21 @@ class Helper:
         engine (``marlin-pack helpers --preload``); the bytes newly retained. Ranges past the budget are
         left alone (not registered)."""
         if not self.settings.retain_bytes:
-            raise ValueError("this helper retains nothing (started without --retain-mib)")
+            raise RequestError("this helper retains nothing (started without --retain-mib)")
+        checked = check_retain(parts)
         done = 0
         with self.job_lock:
-            for part in parts:
-                m = self._retained_map({"file": part["file"], "windows": [[lo, hi, []] for lo, hi in part["ranges"]]})
+            for part, ranges in zip(parts, checked, strict=True):
+                m = self._retained_map({"file": part["file"], "windows": [[lo, hi, []] for lo, hi in ranges]})
                 retained = self._retained_of(m) if m is not None else None
                 if retained is None:  # replaced while we looked: nothing to keep
                     if m is not None:
                         os.close(m.fd)
                         self.libc.munmap(m.addr, m.size)
                     continue
-                for lo, hi in part["ranges"]:
-                    lo, hi = _page_range(int(lo), min(int(hi), m.size), m.size)
+                self._check_inside(m, ranges)
+                for lo, hi in ranges:
+                    lo, hi = _page_range(lo, hi, m.size)
                     if hi <= lo or retained.holds(lo, hi):
                         continue
                     if not self._has_room(hi - lo):
@@ -659,12 +930,42 @@ def peer_uid(conn: socket.socket) -> int:
     return uid
 
 
+def _next_request(reader: LineReader) -> tuple[dict | None, dict | None]:
+    """The next request line as ``(request, None)``; ``(None, {"error": ...})`` for a line that is none (too long, not
+    UTF-8, not a JSON object: the reply to send before reading on); ``(None, None)`` at the end of input."""
+    try:
+        line = reader.readline()
+    except LineTooLong as e:
+        return None, {"error": f"RequestError: {e}"}
+    if not line:
+        return None, None
+    try:
+        return parse_line(line), None
+    except RequestError as e:
+        return None, {"error": f"RequestError: {e}"}
+
+
+def _answer(helper: Helper, request: dict) -> tuple[dict, bool]:
+    """The reply to a job or ``retain`` line (``{"ok": BYTES}`` or ``{"error": ...}``), and False when it failed in
+    a driver call that left the helper's context unusable (a service helper is replaced after its session).
+
+    Every other failure is the request's (a refused line, a file that is not there, an IPC handle the driver
+    does not know): answered, and the helper serves the next one.
+    """
+    try:
+        return {"ok": helper.retain(request["retain"]) if "retain" in request else helper.job(request)}, True
+    except Exception as e:  # noqa: BLE001 - the engine re-reads this job's windows itself
+        return {"error": f"{type(e).__name__}: {e}"}, not (isinstance(e, CudaError) and not helper.context_usable())
+
+
 def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] | None = None) -> bool:
     """One engine's session on a service helper: the jobs of the protocol until ``{"end": true}`` or EOF.
 
     The engine's memory is unmapped (its IPC handles closed) before ``{"closed": true}`` and in any
     case before the next session; deferred unregistering runs after each reply, as in a helper of
-    its own engine. Returns False when a CUDA call failed in it (the context may be unusable).
+    its own engine. Returns False when a CUDA call failed in it and left the context unusable
+    (:meth:`Helper.context_usable`). Each line is untrusted input (:class:`LineReader`, :func:`parse_line`,
+    :func:`check_job`): one that is not the protocol's is answered ``{"error": ...}`` and the session goes on.
     ``free`` is called, when it went well, just before ``{"closed": true}`` (or before the connection
     closes, when it ended at EOF): an engine that hears it and connects again at once is served, not told
     ``busy``. Retained files that changed, or that the latest bundle needs the room of, are let go last
@@ -673,7 +974,7 @@ def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] 
     With ``--retain-mib``, the ready line also says ``"retained_bytes"`` and ``"retained"`` (``[[FILE,
     [[LO, HI], ...]], ...]``): what stays registered from earlier sessions, and where.
     """
-    rfile, wfile = conn.makefile("r", encoding="utf-8"), conn.makefile("w", encoding="utf-8")
+    reader, wfile = LineReader(conn.fileno()), conn.makefile("w", encoding="utf-8")
     ended, healthy = False, True
     began = time.monotonic()
     try:
@@ -683,16 +984,17 @@ def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] 
             ready["retained_bytes"] = helper.retained_bytes()
             ready["retained"] = helper.retained_ranges()  # the engine hands these windows to this helper
         _say(ready, wfile)
-        for line in rfile:
-            try:
-                job = json.loads(line)
-                if job.get("end") is True:
-                    ended = True
-                    break
-                _say({"ok": helper.retain(job["retain"]) if "retain" in job else helper.job(job)}, wfile)
-            except Exception as e:  # noqa: BLE001 - the engine re-reads this job's windows itself
-                healthy = healthy and not isinstance(e, CudaError)
-                _say({"error": f"{type(e).__name__}: {e}"}, wfile)
+        while True:
+            request, reply = _next_request(reader)
+            if request is None and reply is None:
+                break  # the engine's end of input
+            if request is not None and request.get("end") is True:
+                ended = True
+                break
+            if request is not None:
+                reply, usable = _answer(helper, request)
+                healthy = healthy and usable
+            _say(reply, wfile)  # type: ignore[arg-type]
             helper.unregister_kept()  # after the reply: off the engine's path
     except CudaError:
         healthy = False
@@ -706,9 +1008,8 @@ def serve_session(helper: Helper, conn: socket.socket, free: Callable[[], None] 
         if ended:
             with contextlib.suppress(OSError):
                 _say({"closed": True}, wfile)
-        for f in (rfile, wfile):
-            with contextlib.suppress(OSError):
-                f.close()
+        with contextlib.suppress(OSError):
+            wfile.close()
         conn.close()
     if healthy and helper.settings.retain_bytes:
         try:
@@ -780,7 +1081,8 @@ def _main_service(helper: Helper) -> int:
 
     threading.Thread(target=serve, args=(helper, listener, unhealthy), name="accept", daemon=True).start()
     _say({"ready": True, "protocol": PROTOCOL, "socket": path, "uuid": helper.uuid()})
-    sys.stdin.read()  # until the service closes our input (or dies)
+    while os.read(0, _READ_CHUNK):  # until the service closes our input (or dies); what it says is dropped
+        pass
     with contextlib.suppress(OSError):
         os.unlink(path)
     sys.stdout.flush()
@@ -798,12 +1100,16 @@ def main(argv: list[str]) -> int:
     _say({"ready": True, "protocol": PROTOCOL})
     status = 0
     releasing: list[threading.Thread] = []
-    for line in sys.stdin:
-        try:
-            _say({"ok": helper.job(json.loads(line))})
-        except Exception as e:  # noqa: BLE001 - the parent re-reads this job's windows itself
-            _say({"error": f"{type(e).__name__}: {e}"})
+    reader = LineReader(sys.stdin.fileno())
+    while True:
+        request, reply = _next_request(reader)
+        if request is None and reply is None:
+            break
+        if request is not None:
+            reply, _ = _answer(helper, request)  # an unusable context: this helper exits with its engine's input anyway
+        if "error" in reply:  # type: ignore[operator]
             status = 1
+        _say(reply)  # type: ignore[arg-type]
         thread = helper.unregister_kept()  # after the reply: off the parent's path
         if thread is not None:
             releasing.append(thread)

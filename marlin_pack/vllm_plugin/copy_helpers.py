@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch
 
-from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL
+from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, LineReader
 from marlin_pack.vllm_plugin.helper_service import ServiceSession, find_sockets, gpu_uuid, read_reply
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -151,7 +151,7 @@ class _Channel:
     """One helper as the pool sees it: lines of JSON both ways. :class:`_OwnHelper` or a service's
     :class:`.helper_service.ServiceSession` (the same methods)."""
 
-    rfile: object  # a text file with readline(), select()-able
+    reader: LineReader  # its lines, each read whole under one deadline (helper_service.read_reply)
 
     def send(self, obj: dict) -> None:
         raise NotImplementedError
@@ -177,7 +177,8 @@ class _OwnHelper(_Channel):
 
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.proc = proc
-        self.rfile = proc.stdout
+        assert proc.stdout is not None
+        self.reader = LineReader(proc.stdout.fileno())  # proc.stdout itself is never read: its buffer would hide lines
 
     def send(self, obj: dict) -> None:
         assert self.proc.stdin is not None
@@ -350,7 +351,7 @@ class HelperPool:
 
     @staticmethod
     def _read(p: _Channel, deadline: float | None) -> dict:
-        return read_reply(p.rfile, deadline, p.gone_why)
+        return read_reply(p.reader, deadline, p.gone_why)
 
     def _handle(self, ptr: int) -> tuple[str, int]:
         """The IPC handle of the allocation holding device pointer ``ptr``, and ``ptr``'s offset in it."""
@@ -429,7 +430,8 @@ class HelperPool:
                         handle, dest = self._handle(dst.data_ptr())
                         pieces.append([offset, n, handles.setdefault(handle, len(handles)), dest])
                     encoded.setdefault(part_of[id(w)], []).append([w.lo, w.hi, pieces])
-                jobs.append((run, [{"file": str(parts[k][0]), "windows": ws} for k, ws in encoded.items()]))
+                # The resolved path: a service helper runs elsewhere (its own working directory) and keys its retained files so.
+                jobs.append((run, [{"file": files[k], "windows": ws} for k, ws in encoded.items()]))
         except Exception as e:  # noqa: BLE001 - no driver, no IPC handle (VMM memory): the caller reads everything
             self.failures.append(f"{type(e).__name__}: {e}")
             logger.warning("marlin-pack: copy helpers not usable (%s); this process reads the bundle itself", self.failures[-1])

@@ -31,7 +31,6 @@ import contextlib
 import ctypes
 import json
 import os
-import select
 import signal
 import socket
 import stat
@@ -45,7 +44,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from marlin_pack.errors import MarlinPackError
-from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, format_uuid, peer_uid
+from marlin_pack.vllm_plugin.copy_helper_main import HELPER_ENV, PROTOCOL, LineReader, LineTooLong, format_uuid, parse_line, peer_uid
 
 __all__ = [
     "HELPER_CONTEXT_BYTES", "HelperService", "HelperState", "ServiceError", "ServiceHelper", "ServiceSession", "device_count",
@@ -56,6 +55,7 @@ _HELPER = Path(__file__).with_name("copy_helper_main.py")
 _READY_TIMEOUT_S = 60.0
 _CLOSE_TIMEOUT_S = 10.0  # a service helper closing its IPC mappings of an engine's memory
 _SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+_RESTARTS = 3  # a helper that died is restarted at most this many times; after that the service says so
 
 
 class ServiceError(MarlinPackError):
@@ -117,24 +117,26 @@ def find_sockets(uuid: str, directory: Path | None = None) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def read_reply(rfile, deadline: float | None, gone_why: Callable[[], str]) -> dict:  # noqa: ANN001 - a text file
-    """A helper's next line of the protocol as a dict; ``{"error": ...}`` when none comes by ``deadline``
-    (None: wait), the line is not a JSON object, or its output ended (``gone_why()`` says why)."""
-    if deadline is not None:
-        ready, _, _ = select.select([rfile], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            return {"error": "no answer in time"}
+def read_reply(reader: LineReader, deadline: float | None, gone_why: Callable[[], str]) -> dict:
+    """A helper's next line of the protocol as a dict; ``{"error": ...}`` when the whole line has not come by
+    ``deadline`` (None: wait), it is too long or not a JSON object, or its output ended (``gone_why()`` says why).
+
+    ``deadline`` bounds every read until the newline: a peer that sends half a line is given up on then.
+    """
     try:
-        line = rfile.readline()
+        line = reader.readline(deadline)
+    except TimeoutError:
+        return {"error": "no answer in time"}
+    except LineTooLong as e:
+        return {"error": f"unreadable answer: {e}"}
     except OSError as e:
         return {"error": f"{type(e).__name__}: {e}"}
     if not line:
         return {"error": gone_why()}
     try:
-        reply = json.loads(line)
+        return parse_line(line)
     except ValueError:
         return {"error": f"unreadable answer {line[:80]!r}"}
-    return reply if isinstance(reply, dict) else {"error": f"unexpected answer {line[:80]!r}"}
 
 
 def _ranges(said: object) -> dict[str, list[tuple[int, int]]]:
@@ -194,7 +196,7 @@ class ServiceSession:
         except BaseException:
             self.sock.close()
             raise
-        self.rfile = self.sock.makefile("r", encoding="utf-8")
+        self.reader = LineReader(self.sock.fileno())  # replies, each read under one deadline (read_reply)
         self.wfile = self.sock.makefile("w", encoding="utf-8")
         self.ended = False
         self.retained_bytes: int | None = None  # said by a ready helper that retains pages between engines
@@ -202,7 +204,7 @@ class ServiceSession:
 
     def hello(self, deadline: float | None) -> str:
         """The helper's first answer: ``ready`` (speaking this protocol), ``busy``, ``protocol N`` or why not."""
-        reply = read_reply(self.rfile, deadline, self.gone_why)
+        reply = read_reply(self.reader, deadline, self.gone_why)
         if reply.get("ready") is True:
             retained = reply.get("retained_bytes")
             self.retained_bytes = retained if isinstance(retained, int) and not isinstance(retained, bool) else None
@@ -226,7 +228,7 @@ class ServiceSession:
         """After :meth:`end`: wait (at most ``timeout_s``) for that answer, then close the connection."""
         try:
             if self.ended:
-                read_reply(self.rfile, time.monotonic() + timeout_s, self.gone_why)
+                read_reply(self.reader, time.monotonic() + timeout_s, self.gone_why)
         finally:
             self.close()
 
@@ -236,7 +238,7 @@ class ServiceSession:
         try:
             self.sock.shutdown(socket.SHUT_WR)
             deadline = time.monotonic() + timeout_s
-            while "error" not in read_reply(self.rfile, deadline, self.gone_why):
+            while "error" not in read_reply(self.reader, deadline, self.gone_why):
                 pass  # lines a helper still had to say; its end of output (or the deadline) says "error"
         except OSError:
             pass
@@ -244,7 +246,7 @@ class ServiceSession:
             self.close()
 
     def close(self) -> None:
-        for f in (self.rfile, self.wfile, self.sock):
+        for f in (self.wfile, self.sock):
             with contextlib.suppress(OSError):
                 f.close()
 
@@ -349,6 +351,7 @@ class ServiceHelper:
     socket: Path | None = None
     uuid: str | None = None
     restarts: int = 0
+    given_up: bool = False  # died again after its last restart: said once, not restarted
 
 
 @dataclass
@@ -406,7 +409,7 @@ class HelperService:
                 reply = {"error": state} if state != "ready" else None
                 if reply is None:
                     session.send({"retain": line})
-                    reply = read_reply(session.rfile, None, session.gone_why)
+                    reply = read_reply(session.reader, None, session.gone_why)
                     session.end()
                 with lock:
                     if "ok" in reply:
@@ -467,25 +470,25 @@ class HelperService:
             self.log(f"marlin-pack helpers: {line}")
 
     def _await_ready(self, h: ServiceHelper) -> str | None:
-        """None once ``h`` listens (its socket and UUID noted), else why not."""
+        """None once ``h`` listens (its socket and UUID noted), else why not: its whole ready line must come
+        within ``_READY_TIMEOUT_S`` (a helper that says half a line is killed then)."""
         assert h.proc.stdout is not None
-        ready, _, _ = select.select([h.proc.stdout], [], [], _READY_TIMEOUT_S)
-        line = h.proc.stdout.readline() if ready else ""
-        try:
-            reply = json.loads(line) if line else {}
-        except ValueError:
-            reply = {"error": f"unreadable answer {line[:80]!r}"}
-        if not isinstance(reply, dict) or reply.get("ready") is not True:
+        reply = read_reply(LineReader(h.proc.stdout.fileno()), time.monotonic() + _READY_TIMEOUT_S, lambda: "no answer")
+        if reply.get("ready") is not True or not isinstance(reply.get("socket"), str) or not isinstance(reply.get("uuid"), str):
             h.proc.kill()
             h.proc.wait()
-            return str(reply.get("error") if isinstance(reply, dict) and reply.get("error") else "no answer")
+            return str(reply.get("error") or f"unexpected answer {str(reply)[:80]!r}")
         h.socket, h.uuid = Path(reply["socket"]), str(reply["uuid"])
         return None
 
     def check(self) -> None:
-        """Restart helpers that died (each at most 3 times), so that engines keep finding them."""
+        """Restart helpers that died (each at most ``_RESTARTS`` times), so that engines keep finding them; one
+        that dies again after that is reported once (:meth:`_give_up`), not dropped in silence."""
         for h in self.helpers:
-            if h.proc.poll() is None or h.restarts >= 3:
+            if h.proc.poll() is None or h.given_up:
+                continue
+            if h.restarts >= _RESTARTS:
+                self._give_up(h)
                 continue
             self.log(f"marlin-pack helpers: GPU {h.device} helper {h.slot} exited with status {h.proc.returncode}; restarting it")
             h.restarts += 1
@@ -494,6 +497,18 @@ class HelperService:
             why = self._await_ready(h)
             if why is not None:
                 self.log(f"marlin-pack helpers: GPU {h.device} helper {h.slot} did not restart: {why}")
+
+    def _give_up(self, h: ServiceHelper) -> None:
+        """Say (a warning, once) that ``h`` died again after its last restart and is left dead: its GPU has a helper fewer."""
+        h.given_up = True
+        mine = [o for o in self.helpers if o.device == h.device]
+        alive = sum(o.proc.poll() is None for o in mine)
+        self.log(
+            f"marlin-pack helpers: warning: GPU {h.device} helper {h.slot} exited with status {h.proc.returncode} again after "
+            f"{h.restarts} restarts; not restarting it: GPU {h.device} is served by {alive} of {len(mine)} helpers "
+            "(restart `marlin-pack helpers` to get them all back)"
+        )
+        _close_pipes(h.proc)
 
     def wait(self, poll_s: float = 2.0) -> None:
         """Serve until SIGINT or SIGTERM, restarting helpers that die."""

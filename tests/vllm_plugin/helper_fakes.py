@@ -16,8 +16,8 @@ from marlin_pack.vllm_plugin import copy_helper_main
 
 class FakeDriver:
     """The helper's CUDA driver calls, done on the host: a "device pointer" is a host address (an IPC
-    handle opens the destination buffer), copies are ``memmove`` at once, streams and events are
-    tokens. Records what is registered, so a test can check every registration is undone."""
+    handle opens the destination buffer, the one allocation there is), copies are ``memmove`` at once,
+    streams and events are tokens. Records what is registered, so a test can check every registration is undone."""
 
     def __init__(self, destination: ctypes.Array) -> None:
         self.destination = destination
@@ -32,6 +32,9 @@ class FakeDriver:
             args[0]._obj.value = 1  # type: ignore[attr-defined]
         elif name == "cuIpcOpenMemHandle":
             args[0]._obj.value = ctypes.addressof(self.destination)  # type: ignore[attr-defined]
+        elif name == "cuMemGetAddressRange":  # the one allocation there is: the destination buffer
+            args[0]._obj.value = ctypes.addressof(self.destination)  # type: ignore[attr-defined]
+            args[1]._obj.value = len(self.destination)  # type: ignore[attr-defined]
         elif name == "cuMemHostRegister":
             time.sleep(0.005)  # pinning is the slow step: staging threads beside take windows too
             with self.lock:

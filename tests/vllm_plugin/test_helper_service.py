@@ -122,13 +122,14 @@ def test_a_service_helper_answers_a_bad_job_and_goes_on(served: _Served, tmp_pat
 
 
 def test_a_failed_cuda_call_ends_the_service_helper_after_its_session(served: _Served, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CUDA error may leave the helper's context unusable: the session goes on (the engine reads what is
-    left), and once it ends the helper is ended too (its service starts a fresh one)."""
+    """A CUDA error that leaves the helper's context unusable (an illegal address sticks: every later call,
+    cuCtxSynchronize too, reports it): the session goes on (the engine reads what is left), and once it ends
+    the helper is ended too (its service starts a fresh one)."""
     driver = served.helper.cu
 
     def failing(name: str, *args: object) -> None:
-        if name == "cuMemcpyHtoDAsync":
-            raise copy_helper_main.CudaError("cuMemcpyHtoDAsync failed with CUDA error 700")
+        if name in ("cuMemcpyHtoDAsync", "cuCtxSynchronize"):
+            raise copy_helper_main.CudaError(f"{name} failed with CUDA error 700")
         driver(name, *args)
 
     conn = Conn(served.path)
