@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.marlin.hf_config import top_config
 from marlin_pack.marlin.moe import (
     MOE_ARCHITECTURES,
+    ExpertNaming,
     ExpertTensors,
     MoeArchitecture,
     MoeRankShape,
     build_moe_rank_tensors,
+    expert_naming,
     moe_layer_entry,
     moe_rank_shape,
     moe_tensor_specs,
@@ -45,7 +48,12 @@ class MoePlan:
     hidden: int
     intermediate: int
     awq: bool
+    naming: ExpertNaming | None = None  # the checkpoint's names of the experts (None: the architecture's first)
     shapes: dict[int, MoeRankShape] = field(default_factory=dict)
+
+    def expert(self, layer: int, e: int) -> str:
+        """Checkpoint module of expert ``e`` of decoder layer ``layer``."""
+        return (self.naming or self.arch.namings[0]).expert(self.checkpoint_layers, layer, e)
 
     def name(self, layer: int) -> str:
         """vLLM's experts module of decoder layer ``layer`` (the manifest's and the rank files' name)."""
@@ -61,7 +69,7 @@ class MoePlan:
 def check_moe_settings(ckpt: Checkpoint, source: QuantSource, dims: ModelDims) -> None:
     """Refuse, before any per-layer check, the settings whose experts marlin-pack does not lay out for vLLM 0.33.0's Marlin MoE."""
     arch = dims.architecture
-    _sparse_layers(ckpt.config, dims)
+    _sparse_layers(top_config(ckpt.config), dims)
     if source.format is SourceFormat.compressed_tensors:
         raise UnsupportedCheckpointError(
             f"{arch}: compressed-tensors mixture-of-experts checkpoints are not supported; marlin-pack converts AWQ "
@@ -118,20 +126,24 @@ def plan_moe(ckpt: Checkpoint, source: QuantSource, dims: ModelDims, tp_sizes: l
     name = dims.architecture
     arch = MOE_ARCHITECTURES[name]
     check_moe_settings(ckpt, source, dims)
-    config = ckpt.config
+    config = top_config(ckpt.config)  # as vLLM reads it: transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
     n_experts = _config_int(config, arch.num_experts_key, name)
     inter = _config_int(config, arch.intermediate_key, name)
     awq = source.format is SourceFormat.awq_gemm
     plan = MoePlan(arch, _sparse_layers(config, dims), dims.checkpoint_layers, dims.arch.layers,
                    dims.hidden_size, inter, awq)
+    if plan.layers:  # one naming for the whole checkpoint: every layer is then checked against it
+        plan.naming = expert_naming(arch, ckpt.tensors, plan.checkpoint_layers, plan.layers[0])
+    naming = plan.naming or arch.namings[0]
     for tp in tp_sizes:
         plan.shapes[tp] = moe_rank_shape(n_experts, dims.hidden_size, inter, tp, source.scheme, awq)
     owned: set[str] = set()
-    dims_of = {arch.gate: (dims.hidden_size, inter), arch.up: (dims.hidden_size, inter), arch.down: (inter, dims.hidden_size)}
+    dims_of = {naming.gate: (dims.hidden_size, inter), naming.up: (dims.hidden_size, inter),
+               naming.down: (inter, dims.hidden_size)}
     for layer in plan.layers:
         source.check_layer(plan.name(layer), True, ckpt=ckpt)
         for e in range(n_experts):
-            prefix = arch.checkpoint_expert(plan.checkpoint_layers, layer, e)
+            prefix = plan.expert(layer, e)
             for leaf, (k, n) in dims_of.items():
                 module = f"{prefix}.{leaf}"
                 source.validate(ckpt, module, k, n)
@@ -145,7 +157,7 @@ def read_moe_layer(plan: MoePlan, source: QuantSource, ckpt: Checkpoint, layer: 
     """Every expert of one decoder layer, through the format's reader."""
     n_experts = next(iter(plan.shapes.values())).num_experts
     return [
-        read_expert(source, ckpt, plan.arch, plan.arch.checkpoint_expert(plan.checkpoint_layers, layer, e), plan.hidden,
+        read_expert(source, ckpt, plan.naming or plan.arch, plan.expert(layer, e), plan.hidden,
                     plan.intermediate, device)
         for e in range(n_experts)
     ]

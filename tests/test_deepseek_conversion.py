@@ -123,10 +123,12 @@ def test_unsupported_deepseek_refused_before_writing(tmp_path: Path, config: dic
 
 
 def test_quantized_mtp_layer_without_config_refused(tmp_path: Path) -> None:
-    """A multi-token-prediction layer the config does not announce is not vLLM's to skip: its experts are stray."""
+    """A multi-token-prediction layer the config does not announce is not vLLM's to skip: its experts are stray.
+
+    (``num_nextn_predict_layers: 0``: a V3 config without the key gets DeepseekV3Config's default 1, and vLLM skips it.)"""
     model = write_moe_checkpoint(tmp_path / "m", V3, "awq", mtp_layers=1)
     cfg = json.loads((model / "config.json").read_text())
-    del cfg["num_nextn_predict_layers"]
+    cfg["num_nextn_predict_layers"] = 0
     (model / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedCheckpointError, match=r"^model\.layers\.3\.mlp\.experts\.0\.down_proj\.qweight is an MoE expert"):
         convert(model)

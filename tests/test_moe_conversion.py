@@ -23,7 +23,7 @@ from marlin_pack.errors import UnsupportedCheckpointError
 pytest.importorskip("vllm")
 from moe_checkpoints import write_moe_checkpoint  # noqa: E402
 from oracle_compare import assert_rank_file_equals  # noqa: E402
-from vllm_moe_reference import reference_moe_rank_tensors  # noqa: E402
+from vllm_moe_reference import VllmRefusedError, reference_moe_rank_tensors  # noqa: E402
 
 
 def assert_moe_bundle_equals_vllm(model: Path, bundle: Path, tps: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -185,3 +185,68 @@ def test_format_3_bundles_still_read(tmp_path: Path) -> None:
         s.pop("moe_layers")
     (bundle / "manifest.json").write_text(json.dumps(m))
     assert read_manifest(bundle).format_version == 3
+
+
+def _rename(model: Path, old: str, new: str) -> None:
+    """Rename every tensor whose name contains ``old`` (as another quantizer names the same modules)."""
+    path = model / "model.safetensors"
+    tensors = load_file(path)
+    save_file({k.replace(old, new): v for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def test_mixtral_gate_up_down_proj_naming_bit_exact(tmp_path: Path) -> None:
+    """block_sparse_moe.experts.N.{gate,up,down}_proj (llm-compressor's naming): vLLM's MixtralModel.hf_to_vllm_mapper
+    renames them to w1/w3/w2, so vLLM serves them; so does marlin-pack, bit-exact."""
+    model = write_moe_checkpoint(tmp_path / "m", "MixtralForCausalLM", "gptq")
+    for old, new in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+        _rename(model, old, new)
+    convert(model, tp_sizes=(1, 2))
+    assert assert_moe_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), torch.float16) >= 3 * 2 * 6
+    assert verify(model / "marlin-pack").ok
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"])
+def test_qwen_w1_w2_w3_naming_refused(tmp_path: Path, arch: str) -> None:
+    """vLLM's Qwen MoE classes map experts.N.{gate,up,down}_proj only: RoutedExperts.load_weights matches w1/w3/w2 to no
+    entry and skips them without an error, leaving the experts uninitialised (nothing correct to match); refused, named."""
+    model = write_moe_checkpoint(tmp_path / "m", arch, "gptq")
+    path = model / "model.safetensors"
+    tensors = load_file(path)  # only the experts' projections (Qwen2-MoE's shared expert keeps gate_proj ...)
+    renamed = {}
+    for k, v in tensors.items():
+        if ".experts." in k:
+            for old, new in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
+                k = k.replace(old, new)
+        renamed[k] = v
+    save_file(renamed, str(path), metadata={"format": "pt"})
+    names = load_file(model / "model.safetensors")
+    assert "model.layers.0.mlp.experts.0.w1.qweight" in names
+    with pytest.raises(UnsupportedCheckpointError, match=r"stores its experts as mlp\.experts\.N\.\{w1,w3,w2\}.*gate_proj"):
+        convert(model, tp_sizes=(1,))
+
+
+def test_mixtral_mlp_naming_refused_naming_why(tmp_path: Path) -> None:
+    """transformers 5's mlp.experts.N.{gate,up,down}_proj with the router at mlp.gate (GPTQModel 7's Mixtral)."""
+    model = write_moe_checkpoint(tmp_path / "m", "MixtralForCausalLM", "awq")
+    for old, new in ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+        _rename(model, old, new)
+    with pytest.raises(VllmRefusedError):
+        reference_moe_rank_tensors(model, 1, 0, torch.float16)
+    with pytest.raises(UnsupportedCheckpointError, match="block_sparse_moe") as e:
+        convert(model, tp_sizes=(1,))
+    assert "incomplete" not in str(e.value)
+
+
+def test_fused_expert_gate_up_refused(tmp_path: Path) -> None:
+    """Per-expert fused gate_up_proj: vLLM's RoutedExperts splits it as an unquantized [2I, H] weight; refused, named."""
+    model = write_moe_checkpoint(tmp_path / "m", "Qwen3MoeForCausalLM", "gptq")
+    path = model / "model.safetensors"
+    tensors = load_file(path)
+    out = {k: v for k, v in tensors.items() if ".gate_proj." not in k and ".up_proj." not in k or ".experts." not in k}
+    for k, v in tensors.items():
+        if ".experts." in k and ".gate_proj." in k:
+            up = tensors[k.replace(".gate_proj.", ".up_proj.")]
+            out[k.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([v, up], -1) if v.dim() == 2 else v
+    save_file(out, str(path), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedCheckpointError, match="fused expert tensors"):
+        convert(model, tp_sizes=(1,))

@@ -5,7 +5,8 @@ model class for it builds per decoder layer (``QKVParallelLinear``, ``MergedColu
 ``ColumnParallelLinear``, ``RowParallelLinear``, under vLLM's parameter names), which checkpoint
 modules feed each of them (one module per part, or one module already holding all parts, as
 Phi-3's ``qkv_proj``), where the decoder layers live in the checkpoint and in vLLM, and how the
-dimensions are read from ``config.json``. Adding an architecture is adding a row here, plus
+dimensions are read from ``config.json`` (as transformers' config class of its ``model_type``
+exposes them: :mod:`marlin_pack.marlin.hf_config`). Adding an architecture is adding a row here, plus
 a test against vLLM's own model class (``tests/test_architectures_exact.py``).
 
 Sizes are symbols resolved per model: ``h`` hidden size, ``i`` intermediate size, ``q`` query
@@ -16,7 +17,7 @@ symbols of :func:`marlin_pack.marlin.deepseek.mla_sizes` (``qh``, ``ql``, ``kva`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from marlin_pack.schemas import LayerKind
 
@@ -154,9 +155,6 @@ class Architecture:
     # head_dim: "config" uses config.head_dim when set, else hidden/heads (vLLM's Llama, Gemma, ...);
     # "derived" ignores config.head_dim (vLLM's Qwen2Attention and InternLM2Attention compute it).
     head_dim: str = "config"
-    # transformers' defaults for keys a config.json may omit (vLLM reads transformers' config
-    # object, which fills them); num_key_value_heads defaults to num_attention_heads otherwise.
-    defaults: dict[str, object] = field(default_factory=dict)
     multimodal: bool = False
     # False: vLLM's class has no lm_head at all (logits always from the embeddings) and its
     # load_weights refuses a checkpoint that stores one (gemma2.py has no lm_head).
@@ -177,16 +175,6 @@ class Architecture:
         return (*m.attention, *m.attention_q_lora, *m.shared_experts, *m.dense_mlp)
 
 
-_GEMMA_DEFAULTS = {"head_dim": 256, "tie_word_embeddings": True}
-_GEMMA3_TEXT_DEFAULTS = {
-    "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
-    "num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True,
-}
-
-_DEEPSEEK_DEFAULTS: dict[str, object] = {
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-}
-
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
@@ -194,27 +182,24 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("MistralForCausalLM", "llama.LlamaForCausalLM", LLAMA_LINEARS),
         Architecture("Qwen2ForCausalLM", "qwen2.Qwen2ForCausalLM", LLAMA_LINEARS, head_dim="derived"),
         Architecture("Qwen3ForCausalLM", "qwen3.Qwen3ForCausalLM", LLAMA_LINEARS),
-        Architecture("GemmaForCausalLM", "gemma.GemmaForCausalLM", LLAMA_LINEARS, defaults=_GEMMA_DEFAULTS),
-        Architecture("Gemma2ForCausalLM", "gemma2.Gemma2ForCausalLM", LLAMA_LINEARS, defaults=_GEMMA_DEFAULTS,
+        Architecture("GemmaForCausalLM", "gemma.GemmaForCausalLM", LLAMA_LINEARS),
+        Architecture("Gemma2ForCausalLM", "gemma2.Gemma2ForCausalLM", LLAMA_LINEARS,
                      loads_lm_head=False),
-        Architecture("Gemma3ForCausalLM", "gemma3.Gemma3ForCausalLM", LLAMA_LINEARS, defaults=_GEMMA3_TEXT_DEFAULTS),
+        Architecture("Gemma3ForCausalLM", "gemma3.Gemma3ForCausalLM", LLAMA_LINEARS),
         Architecture("Phi3ForCausalLM", "phi3.Phi3ForCausalLM", PHI3_LINEARS),
         Architecture("GraniteForCausalLM", "granite.GraniteForCausalLM", LLAMA_LINEARS),
-        Architecture("CohereForCausalLM", "commandr.CohereForCausalLM", LLAMA_LINEARS, defaults={"tie_word_embeddings": True}),
-        Architecture("Cohere2ForCausalLM", "commandr.CohereForCausalLM", LLAMA_LINEARS, defaults={"tie_word_embeddings": True}),
+        Architecture("CohereForCausalLM", "commandr.CohereForCausalLM", LLAMA_LINEARS),
+        Architecture("Cohere2ForCausalLM", "commandr.CohereForCausalLM", LLAMA_LINEARS),
         Architecture("InternLM2ForCausalLM", "internlm2.InternLM2ForCausalLM", INTERNLM2_LINEARS, head_dim="derived"),
         Architecture("MixtralForCausalLM", "mixtral.MixtralForCausalLM", MOE_ATTENTION_LINEARS, moe=True),
         Architecture("Qwen3MoeForCausalLM", "qwen3_moe.Qwen3MoeForCausalLM", MOE_ATTENTION_LINEARS, moe=True),
         Architecture("Qwen2MoeForCausalLM", "qwen2_moe.Qwen2MoeForCausalLM", QWEN2_MOE_LINEARS, head_dim="derived",
                      moe=True, intermediate_key="shared_expert_intermediate_size"),
         # DeepSeek-V3 is vLLM's DeepseekV2ForCausalLM code path too (same class body, deepseek_v2.py).
-        # transformers' defaults for the keys that decide the layout (explicit nulls are kept).
         Architecture("DeepseekV2ForCausalLM", "deepseek_v2.DeepseekV2ForCausalLM",
-                     MLA_ATTENTION_LINEARS + DEEPSEEK_SHARED_EXPERTS_LINEARS, moe=True, mla=DEEPSEEK_MLA,
-                     defaults=_DEEPSEEK_DEFAULTS | {"first_k_dense_replace": 0, "n_shared_experts": 2}),
+                     MLA_ATTENTION_LINEARS + DEEPSEEK_SHARED_EXPERTS_LINEARS, moe=True, mla=DEEPSEEK_MLA),
         Architecture("DeepseekV3ForCausalLM", "deepseek_v2.DeepseekV3ForCausalLM",
-                     MLA_ATTENTION_LINEARS + DEEPSEEK_SHARED_EXPERTS_LINEARS, moe=True, mla=DEEPSEEK_MLA,
-                     defaults=_DEEPSEEK_DEFAULTS | {"first_k_dense_replace": 3, "n_shared_experts": 1}),
+                     MLA_ATTENTION_LINEARS + DEEPSEEK_SHARED_EXPERTS_LINEARS, moe=True, mla=DEEPSEEK_MLA),
         Architecture(
             "Qwen2VLForConditionalGeneration", "qwen2_vl.Qwen2VLForConditionalGeneration", LLAMA_LINEARS,
             layers="language_model.model.layers", checkpoint_layers=(*_MM_PREFIXES, "model.layers"),
@@ -228,7 +213,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture(
             "Gemma3ForConditionalGeneration", "gemma3_mm.Gemma3ForConditionalGeneration", LLAMA_LINEARS,
             layers="language_model.model.layers", checkpoint_layers=_MM_PREFIXES,
-            text_config=True, defaults=_GEMMA3_TEXT_DEFAULTS, multimodal=True,
+            text_config=True, multimodal=True,
         ),
         Architecture(
             "Mistral3ForConditionalGeneration", "mistral3.Mistral3ForConditionalGeneration", LLAMA_LINEARS,

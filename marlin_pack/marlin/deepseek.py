@@ -25,14 +25,17 @@ from __future__ import annotations
 
 from marlin_pack.errors import UnsupportedCheckpointError
 from marlin_pack.marlin.architectures import Architecture, Linear, MlaLayout
+from marlin_pack.marlin.hf_config import ARCHITECTURE_MODEL_TYPES, CONFIG_CLASSES
 
 __all__ = ["check_config", "mla_sizes", "sparse_layers", "decoder_linears", "spec_layer_prefixes", "check_tp"]
 
 
 def _get(config: dict, arch: Architecture, key: str) -> object:
-    """``config[key]`` as vLLM reads it through transformers' config class: its default when the key
-    is absent, but an explicit null stays null (q_lora_rank, n_shared_experts)."""
-    return config[key] if key in config else arch.defaults.get(key)
+    """``config[key]`` as vLLM reads it through transformers' config class (``marlin.hf_config``): its
+    default when the key is absent, but an explicit null stays null (q_lora_rank, n_shared_experts)."""
+    if key in config:
+        return config[key]
+    return CONFIG_CLASSES[ARCHITECTURE_MODEL_TYPES[arch.name]].defaults.get(key)
 
 
 def _int(config: dict, arch: Architecture, key: str, *, minimum: int = 1) -> int:

@@ -41,7 +41,9 @@ from marlin_pack.marlin.word_repack import marlin_weights
 from marlin_pack.schemas import MoeLayerEntry, QuantScheme, SourceFormat
 
 __all__ = [
+    "ExpertNaming",
     "MoeArchitecture",
+    "expert_naming",
     "MOE_ARCHITECTURES",
     "MoeRankShape",
     "ExpertTensors",
@@ -60,44 +62,145 @@ _MARLIN_GROUPS = (-1, 32, 64, 128)
 
 
 @dataclass(frozen=True)
-class MoeArchitecture:
-    """Where one architecture's routed experts live, in the checkpoint and in vLLM 0.33.0."""
+class ExpertNaming:
+    """One way a checkpoint names an experts layer's modules: ``{block}.experts.{e}.{gate|up|down}``."""
 
-    name: str
-    vllm_class: str
     block: str  # checkpoint module of the sparse block under a decoder layer
     gate: str  # per-expert leaf names under f"{block}.experts.{e}"
     up: str
     down: str
+    why: str = ""  # how vLLM 0.33.0 loads it (docs)
+
+    def expert(self, layers: str, layer: int, expert: int) -> str:
+        return f"{layers}.{layer}.{self.block}.experts.{expert}"
+
+    def describe(self) -> str:
+        return f"{self.block}.experts.N.{{{self.gate},{self.up},{self.down}}}"
+
+
+@dataclass(frozen=True)
+class MoeArchitecture:
+    """Where one architecture's routed experts live, in the checkpoint and in vLLM 0.33.0.
+
+    ``namings``: every checkpoint naming vLLM 0.33.0's model class loads into its experts (its
+    ``hf_to_vllm_mapper`` and the ``RoutedExperts`` expert mapping built from ``ckpt_names``), the
+    one transformers writes first. ``refused``: namings real quantizers write that vLLM does not
+    load, each with the reason (:func:`expert_naming` names it instead of calling the checkpoint
+    incomplete).
+    """
+
+    name: str
+    vllm_class: str
+    namings: tuple[ExpertNaming, ...]
     num_experts_key: str
     intermediate_key: str
     vllm_experts: str  # vLLM's experts module under a decoder layer
+    refused: tuple[tuple[ExpertNaming, str], ...] = ()
+
+    # The first (transformers') naming, for the docs and callers that name one.
+    @property
+    def block(self) -> str:
+        return self.namings[0].block
+
+    @property
+    def gate(self) -> str:
+        return self.namings[0].gate
+
+    @property
+    def up(self) -> str:
+        return self.namings[0].up
+
+    @property
+    def down(self) -> str:
+        return self.namings[0].down
 
     def checkpoint_expert(self, layers: str, layer: int, expert: int) -> str:
-        return f"{layers}.{layer}.{self.block}.experts.{expert}"
+        return self.namings[0].expert(layers, layer, expert)
 
     def vllm_prefix(self, layers: str, layer: int) -> str:
         return f"{layers}.{layer}.{self.vllm_experts}"
 
 
+_GATE_UP_DOWN = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj", "RoutedExperts' default ckpt_names")
+_MIXTRAL_W = ExpertNaming("block_sparse_moe", "w1", "w3", "w2", "MixtralMoE's ckpt_names (w1, w2, w3)")
+_MIXTRAL_PROJ = ExpertNaming("block_sparse_moe", "gate_proj", "up_proj", "down_proj",
+                             "MixtralModel.hf_to_vllm_mapper renames .gate_proj./.up_proj./.down_proj. to .w1./.w3./.w2.")
+_MLP_W = ExpertNaming("mlp", "w1", "w3", "w2")
+_TF5_MIXTRAL = (
+    "transformers 5's module names (GPTQModel 7 writes them); vLLM 0.33.0's MixtralForCausalLM loads "
+    "block_sparse_moe.experts.N.{w1,w3,w2} or {gate_proj,up_proj,down_proj} (its hf_to_vllm_mapper renames the "
+    "projections, not mlp to block_sparse_moe) and stock vLLM refuses this checkpoint; rename mlp. to "
+    "block_sparse_moe. in the tensor names"
+)
+_W_NAMES = ("vLLM 0.33.0's {cls} loads experts as mlp.experts.N.{{gate_proj,up_proj,down_proj}} only (no mapping from "
+            "w1/w3/w2); rename them to gate_proj/up_proj/down_proj")
+
+
+def _qwen_like(name: str, vllm_class: str, num_experts_key: str) -> MoeArchitecture:
+    cls = vllm_class.split(".")[-1]
+    return MoeArchitecture(name, vllm_class, (_GATE_UP_DOWN,), num_experts_key, "moe_intermediate_size",
+                           "mlp.experts.routed_experts", refused=((_MLP_W, _W_NAMES.format(cls=cls)),))
+
+
 MOE_ARCHITECTURES: dict[str, MoeArchitecture] = {
     a.name: a
     for a in (
-        MoeArchitecture("MixtralForCausalLM", "mixtral.MixtralForCausalLM", "block_sparse_moe", "w1", "w3", "w2",
-                        "num_local_experts", "intermediate_size", "block_sparse_moe.experts.routed_experts"),
-        MoeArchitecture("Qwen3MoeForCausalLM", "qwen3_moe.Qwen3MoeForCausalLM", "mlp", "gate_proj", "up_proj", "down_proj",
-                        "num_experts", "moe_intermediate_size", "mlp.experts.routed_experts"),
+        MoeArchitecture("MixtralForCausalLM", "mixtral.MixtralForCausalLM", (_MIXTRAL_W, _MIXTRAL_PROJ),
+                        "num_local_experts", "intermediate_size", "block_sparse_moe.experts.routed_experts",
+                        refused=((ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"), _TF5_MIXTRAL),
+                                 (ExpertNaming("mlp", "w1", "w3", "w2"), _TF5_MIXTRAL))),
+        _qwen_like("Qwen3MoeForCausalLM", "qwen3_moe.Qwen3MoeForCausalLM", "num_experts"),
         # Qwen2-MoE's shared expert (mlp.shared_expert.*) is a dense MLP: ordinary Marlin linears.
-        MoeArchitecture("Qwen2MoeForCausalLM", "qwen2_moe.Qwen2MoeForCausalLM", "mlp", "gate_proj", "up_proj", "down_proj",
-                        "num_experts", "moe_intermediate_size", "mlp.experts.routed_experts"),
+        _qwen_like("Qwen2MoeForCausalLM", "qwen2_moe.Qwen2MoeForCausalLM", "num_experts"),
         # DeepSeek: only some decoder layers have routed experts (marlin.deepseek.sparse_layers); the
         # shared experts (mlp.shared_experts.*) are one dense MLP: ordinary Marlin linears.
-        MoeArchitecture("DeepseekV2ForCausalLM", "deepseek_v2.DeepseekV2ForCausalLM", "mlp", "gate_proj", "up_proj",
-                        "down_proj", "n_routed_experts", "moe_intermediate_size", "mlp.experts.routed_experts"),
-        MoeArchitecture("DeepseekV3ForCausalLM", "deepseek_v2.DeepseekV3ForCausalLM", "mlp", "gate_proj", "up_proj",
-                        "down_proj", "n_routed_experts", "moe_intermediate_size", "mlp.experts.routed_experts"),
+        _qwen_like("DeepseekV2ForCausalLM", "deepseek_v2.DeepseekV2ForCausalLM", "n_routed_experts"),
+        _qwen_like("DeepseekV3ForCausalLM", "deepseek_v2.DeepseekV3ForCausalLM", "n_routed_experts"),
     )
 }
+
+# Fused expert tensors vLLM's RoutedExperts also maps (per expert experts.N.gate_up_proj / w13, or all
+# experts stacked in experts.gate_up_proj): it splits them as unquantized [2I, H] weights, which an
+# AWQ/GPTQ qweight is not.
+_FUSED = ("gate_up_proj", "w13")
+
+
+def expert_naming(arch: MoeArchitecture, names: Iterable[str], layers: str, layer: int) -> ExpertNaming:
+    """The naming of decoder layer ``layer``'s experts in a checkpoint holding tensors ``names``.
+
+    Raises:
+        UnsupportedCheckpointError: a naming vLLM 0.33.0 does not load (naming why), fused expert
+            tensors, or more than one naming in one layer.
+    """
+    here = f"{layers}.{layer}."
+    names = [t for t in names if t.startswith(here)]
+
+    def present(n: ExpertNaming) -> bool:
+        base = f"{here}{n.block}.experts."
+        leaves = (f".{n.gate}.", f".{n.up}.", f".{n.down}.")
+        return any(t.startswith(base) and any(leaf in t[len(base) - 1:] for leaf in leaves) for t in names)
+
+    for block in dict.fromkeys(n.block for n in (*arch.namings, *(r for r, _ in arch.refused))):
+        base = f"{layers}.{layer}.{block}.experts."
+        fused = next((t for t in names if t.startswith(base) and any(f".{f}." in f"{t[len(base) - 1:]}." for f in _FUSED)),
+                     None)
+        if fused is not None:
+            raise UnsupportedCheckpointError(
+                f"{fused}: fused expert tensors (gate and up in one module) are not supported; vLLM 0.33.0 splits them as "
+                f"unquantized weights; marlin-pack converts one module per expert and projection ({arch.namings[0].describe()})"
+            )
+    found = [n for n in arch.namings if present(n)]
+    if len(found) > 1:
+        raise UnsupportedCheckpointError(
+            f"decoder layer {layer} names its experts both {found[0].describe()} and {found[1].describe()}; "
+            "expected one naming per layer"
+        )
+    if found:
+        return found[0]
+    for n, why in arch.refused:
+        if present(n):
+            raise UnsupportedCheckpointError(f"{arch.name} checkpoint stores its experts as {n.describe()}: {why}")
+    return arch.namings[0]  # nothing recognisable: the per-expert checks name the first missing tensor
 
 
 def moe_padded_intermediate(i_part: int, group_size: int) -> int:
@@ -253,9 +356,11 @@ def build_moe_rank_tensors(prefix: str, s: MoeRankShape, scheme: QuantScheme, dt
     return out
 
 
-def read_expert(source: Any, ckpt: Any, arch: MoeArchitecture, prefix: str, hidden: int, intermediate: int,
+def read_expert(source: Any, ckpt: Any, arch: MoeArchitecture | ExpertNaming, prefix: str, hidden: int, intermediate: int,
                 device: torch.device) -> ExpertTensors:
     """One expert's gate/up/down through the format's reader (its checks included), with zero points.
+
+    ``arch``: the checkpoint's naming of the expert's leaves (an architecture: its first naming).
 
     GPTQ readers drop ``qzeros`` (dense Marlin ignores them); vLLM's MoE path keeps them in
     Marlin layout, so they are unpacked here (the reader has already checked they are the

@@ -20,6 +20,7 @@ from marlin_pack.marlin.architectures import (
     Linear,
     architecture_for,
 )
+from marlin_pack.marlin.hf_config import language_config, top_config
 from marlin_pack.marlin.repack import padded_nk
 from marlin_pack.schemas import LayerEntry, LayerKind, LayerPart
 
@@ -168,16 +169,6 @@ def _int(config: dict, key: str) -> int:
     return value
 
 
-def _text_config(config: dict, arch: Architecture) -> dict:
-    """The dictionary the language model's dimensions come from (as transformers builds it)."""
-    if not arch.text_config or config.get("text_config") is None:
-        return config
-    text = config["text_config"]
-    if not isinstance(text, dict):
-        raise UnsupportedCheckpointError(f"config.json text_config is {type(text).__name__}, expected an object")
-    return text
-
-
 def _checkpoint_layers(arch: Architecture, tensor_names: Iterable[str]) -> str:
     """Which of the architecture's accepted checkpoint prefixes this checkpoint uses."""
     names = list(tensor_names)
@@ -188,12 +179,13 @@ def _checkpoint_layers(arch: Architecture, tensor_names: Iterable[str]) -> str:
 
 
 def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
-    """Dimensions of a supported dense decoder from ``config.json`` (and the checkpoint's tensor names,
-    which say where its decoder layers are)."""
+    """Dimensions of a supported dense decoder from ``config.json`` read as vLLM reads it (through the
+    config class of its model type, :func:`~marlin_pack.marlin.hf_config.language_config`), and the
+    checkpoint's tensor names, which say where its decoder layers are."""
     archs = config.get("architectures") or []
     name = archs[0] if isinstance(archs, list) and archs else None
     arch = architecture_for(name)
-    text = _text_config(config, arch) if arch else config
+    text = language_config(config) if arch and arch.text_config else top_config(config)
     if (arch is None or not arch.moe) and any(text.get(k) or config.get(k) for k in _MOE_KEYS):
         moe = ", ".join(a.name for a in ARCHITECTURES.values() if a.moe)
         raise UnsupportedCheckpointError(
@@ -205,7 +197,7 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
         raise UnsupportedCheckpointError(
             f"architecture is {name!r}{why}, expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    cfg = {**arch.defaults, **{k: v for k, v in text.items() if v is not None}}
+    cfg = {k: v for k, v in text.items() if v is not None}
     if "vocab_size" in cfg:  # vLLM sizes the embeddings and lm_head by it (absent: transformers' default)
         _int(cfg, "vocab_size")
     heads = _int(cfg, "num_attention_heads")

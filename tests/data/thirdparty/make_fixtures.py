@@ -21,6 +21,10 @@ torch 2.14.1 (CPU wheel)::
     /work/qenv-autoawq/bin/pip install torch==2.14.1 autoawq==0.2.9 transformers==4.51.3
     /work/qenv-autoawq/bin/python tests/data/thirdparty/make_fixtures.py autoawq
 
+(``autoawq-mixtral-4bit-g128`` was made in a venv on top of the system torch 2.14.0, about a minute to install:
+``python3 -m venv --system-site-packages /work/qenv-autoawq`` then ``pip install torch==2.14.0 autoawq==0.2.9
+transformers==4.51.3 "tokenizers<0.22" "huggingface_hub<1.0" accelerate``.)
+
 Workarounds (CPU, no hub access):
 
 * GPTQModel: ``GPTQMODEL_CPU_WORKERS=2`` (its device thread pool otherwise sizes itself from the
@@ -29,6 +33,8 @@ Workarounds (CPU, no hub access):
   dicts of random token ids, so no tokenizer is used for calibration. GPTQModel still loads a
   tokenizer with the model: a tiny word-level ``PreTrainedTokenizerFast`` is written next to the
   random model (never committed).
+* GPTQModel, Mixtral: ``offload_to_disk=False`` (its lazy loader maps the base model's per-expert
+  ``block_sparse_moe.experts.N.w1`` to transformers 5's fused ``experts.gate_up_proj`` and fails to reshape it).
 * AutoAWQ: transformers 4.51.3; ``calib_data`` is a list of random token-id lists (AutoAWQ uses
   ``list[list[int]]`` as is, no dataset download), ``max_calib_seq_len=64``; ``device_map="cpu"``.
 
@@ -94,6 +100,14 @@ def random_model(out: Path, arch: str = "llama", dtype: str = "float16", **overr
     elif arch == "phi3":
         cfg = transformers.Phi3Config(**kw)
         cls = transformers.Phi3ForCausalLM
+    elif arch == "qwen3_moe":  # 4 experts of 256 (Marlin MoE: hidden a multiple of 128, I/tp a multiple of the group)
+        moe = dict(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, head_dim=32)
+        cfg = transformers.Qwen3MoeConfig(**{**kw, **moe, **overrides})
+        cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        cfg = transformers.MixtralConfig(**{**kw, "intermediate_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                            **overrides})
+        cls = transformers.MixtralForCausalLM
     elif arch == "gemma2":
         cfg = transformers.Gemma2Config(head_dim=kw["hidden_size"] // kw["num_attention_heads"], **kw)
         cls = transformers.Gemma2ForCausalLM
@@ -171,6 +185,13 @@ GPTQMODEL = {
     "gptqmodel-gemma2-4bit-g64": ("gemma2", {"num_hidden_layers": 1}, dict(bits=4, group_size=64, desc_act=False)),
     # quantized lm_head (GPTQ lm_head: true): vLLM serves it, marlin-pack converts decoder layers only
     "gptqmodel-llama-4bit-g128-lmhead": ("llama", {"num_hidden_layers": 1}, dict(bits=4, group_size=128, lm_head=True)),
+    # Mixture of experts, 1 layer, 4 experts of 256: transformers 5 writes num_local_experts for Qwen3-MoE ...
+    "gptqmodel-qwen3moe-4bit-g128": ("qwen3_moe", {"num_hidden_layers": 1}, dict(bits=4, group_size=128, desc_act=False)),
+    # ... and Mixtral's experts under mlp.experts.N.{gate,up,down}_proj (router mlp.gate), which vLLM's Mixtral refuses
+    # (offload_to_disk=False: GPTQModel's lazy loader maps Mixtral's per-expert w1/w2/w3 to a fused tensor and fails)
+    "gptqmodel-mixtral-4bit-g128": (
+        "mixtral", {"num_hidden_layers": 1}, dict(bits=4, group_size=128, desc_act=False, offload_to_disk=False)
+    ),
 }
 
 
@@ -203,6 +224,8 @@ AUTOAWQ = {
     "autoawq-llama-4bit-g64": ("llama", {"intermediate_size": 640}, 64, {"shard_size": "300KB"}),
     # q/k/v biases next to AWQ tensors
     "autoawq-qwen2-4bit-g64": ("qwen2", {"num_hidden_layers": 1}, 64),
+    # Mixtral, 1 layer, 4 experts of 256: block_sparse_moe.experts.N.{w1,w2,w3} (transformers 4.51's names)
+    "autoawq-mixtral-4bit-g128": ("mixtral", {"num_hidden_layers": 1}, 128),
 }
 
 

@@ -1,0 +1,141 @@
+"""``marlin.hf_config`` against transformers' own config classes (what vLLM 0.33.0 reads configs through).
+
+* Every attribute map and default the table keeps equals the installed transformers' class's.
+* ``config.json`` files written by transformers 4.51 and 5 for every supported architecture
+  (``tests/data/configs``) give the same dimensions and expert counts through marlin-pack
+  (:func:`~marlin_pack.marlin.sharding.model_dims`, :func:`~marlin_pack.marlin.hf_config.top_config`)
+  as through ``AutoConfig.from_pretrained`` read the way vLLM's model classes read it.
+* So do configs that omit every key but the architecture (the class defaults).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.marlin.architectures import ARCHITECTURES
+from marlin_pack.marlin.hf_config import ARCHITECTURE_MODEL_TYPES, CONFIG_CLASSES, language_config, top_config
+from marlin_pack.marlin.moe import MOE_ARCHITECTURES
+from marlin_pack.marlin.sharding import model_dims
+
+transformers = pytest.importorskip("transformers")
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "configs"
+# The quantizers' fixtures too: what GPTQModel 7.7 (transformers 5.25) and AutoAWQ (transformers 4.51) wrote.
+THIRDPARTY = Path(__file__).resolve().parents[1] / "data" / "thirdparty"
+FILES = sorted(DATA.glob("transformers*/*.json")) + sorted(THIRDPARTY.glob("*/config.json"))
+# Keys a class derives from others instead of defaulting: left to model_dims (kv heads = heads, head_dim = hidden / heads).
+DERIVED = {"num_key_value_heads", "head_dim"}
+
+
+def _hf(config: dict[str, Any], tmp_path: Path) -> Any:
+    """The config object vLLM 0.33.0 builds from this file (``AutoConfig.from_pretrained``)."""
+    d = tmp_path / "cfg"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    return transformers.AutoConfig.from_pretrained(str(d))
+
+
+def _vllm_view(config: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """What vLLM 0.33.0's model class of ``architectures[0]`` reads from the config object."""
+    name = config["architectures"][0]
+    arch = ARCHITECTURES[name]
+    hf = _hf(config, tmp_path)
+    text = hf.get_text_config() if arch.text_config else hf
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None)
+    out = {
+        "hidden_size": hidden, "num_heads": heads, "num_layers": text.num_hidden_layers,
+        "num_kv_heads": text.num_key_value_heads if getattr(text, "num_key_value_heads", None) is not None else heads,
+        "head_dim": hidden // heads if arch.head_dim == "derived" or head_dim is None else head_dim,
+        "intermediate_size": getattr(text, arch.intermediate_key),
+    }
+    if name in MOE_ARCHITECTURES:  # vLLM's attribute: Mixtral num_local_experts, Qwen num_experts, DeepSeek n_routed_experts
+        m = MOE_ARCHITECTURES[name]
+        out["experts"] = getattr(text, m.num_experts_key)
+        out["moe_intermediate"] = getattr(text, m.intermediate_key)
+    if arch.mla is not None:
+        del out["head_dim"]
+    return out
+
+
+def _ours(config: dict[str, Any]) -> dict[str, Any]:
+    name = config["architectures"][0]
+    d = model_dims(config)
+    out = {"hidden_size": d.hidden_size, "num_heads": d.num_heads, "num_layers": d.num_layers, "num_kv_heads": d.num_kv_heads,
+           "head_dim": d.head_dim, "intermediate_size": d.intermediate_size}
+    if ARCHITECTURES[name].mla is not None:  # vLLM's MLA reads the head dims of its own keys (marlin.deepseek), not head_dim
+        del out["head_dim"]
+    if name in MOE_ARCHITECTURES:
+        m, cfg = MOE_ARCHITECTURES[name], top_config(config)
+        out["experts"], out["moe_intermediate"] = cfg[m.num_experts_key], cfg[m.intermediate_key]
+    return out
+
+
+def test_every_supported_architecture_has_a_config_class() -> None:
+    assert set(ARCHITECTURE_MODEL_TYPES) == set(ARCHITECTURES)
+    assert set(ARCHITECTURE_MODEL_TYPES.values()) <= set(CONFIG_CLASSES)
+
+
+@pytest.mark.parametrize("model_type", [m for m in CONFIG_CLASSES if m != "internlm2"])
+def test_table_matches_transformers_classes(model_type: str) -> None:
+    ours = CONFIG_CLASSES[model_type]
+    cls = transformers.AutoConfig.for_model(model_type)
+    assert type(cls).__name__ == ours.name
+    read = {*ours.defaults, *ours.attribute_map.values(), "num_experts", "num_local_experts", "n_routed_experts"}
+    theirs = {a: t for a, t in type(cls).attribute_map.items() if t in read or a in read}
+    assert dict(ours.attribute_map) == theirs
+    for key, value in ours.defaults.items():
+        assert getattr(cls, key) == value, (model_type, key)
+    if ours.text is not None:
+        assert cls.get_text_config().model_type == ours.text
+
+
+@pytest.mark.parametrize("path", FILES, ids=[f"{p.parent.name}-{p.stem}" if p.stem != "config" else p.parent.name for p in FILES])
+def test_configs_written_by_transformers_4_and_5_read_as_vllm_reads_them(path: Path, tmp_path: Path) -> None:
+    config = json.loads(path.read_text())
+    assert _ours(config) == _vllm_view(config, tmp_path)
+
+
+def test_the_fixture_configs_carry_each_versions_names() -> None:
+    """What the files are for: if a regeneration loses these, the test above no longer covers them."""
+    tf4, tf5 = DATA / "transformers4", DATA / "transformers5"
+    assert (tf4 / "VERSION").read_text().startswith("4.") and (tf5 / "VERSION").read_text().startswith("5.")
+    q4, q5 = (json.loads((d / "qwen3_moe.json").read_text()) for d in (tf4, tf5))
+    assert "num_experts" in q4 and "num_local_experts" not in q4
+    assert "num_local_experts" in q5 and "num_experts" not in q5
+    assert "text_config" not in json.loads((tf4 / "qwen2_vl.json").read_text())
+    assert "hidden_size" in json.loads((tf5 / "qwen2_vl.json").read_text())["text_config"]
+
+
+# Mistral 3 without text_config: transformers builds its own default text config (hidden 5120), which
+# no checkpoint relies on; marlin-pack reads the top level then, as before.
+@pytest.mark.parametrize("name", [n for n in ARCHITECTURES if n not in ("InternLM2ForCausalLM", "Mistral3ForConditionalGeneration")])
+def test_omitted_keys_take_the_class_defaults(name: str, tmp_path: Path) -> None:
+    model_type = ARCHITECTURE_MODEL_TYPES[name]
+    config: dict[str, Any] = {"architectures": [name], "model_type": model_type}
+    if name.startswith("Deepseek"):  # transformers refuses its own default head dims otherwise
+        config.update(n_group=1, topk_group=1)
+    assert _ours(config) == _vllm_view(config, tmp_path)
+
+
+def test_transformers_5_qwen3_moe_expert_count_under_its_alias() -> None:
+    cfg = top_config({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_local_experts": 4})
+    assert cfg["num_experts"] == cfg["num_local_experts"] == 4
+    assert top_config({"model_type": "qwen3_moe"})["num_experts"] == 128  # Qwen3MoeConfig's default
+
+
+def test_an_alias_and_its_attribute_disagreeing_is_refused() -> None:
+    with pytest.raises(UnsupportedCheckpointError, match="num_experts 8 and num_local_experts 4"):
+        top_config({"model_type": "qwen3_moe", "num_experts": 8, "num_local_experts": 4})
+
+
+def test_multimodal_text_config_through_its_class() -> None:
+    text = language_config({"model_type": "mistral3", "text_config": {"model_type": "mistral", "hidden_size": 512}})
+    assert text["hidden_size"] == 512 and text["intermediate_size"] == 14336  # MistralConfig's default
+    flat = language_config({"model_type": "qwen2_vl", "hidden_size": 512})  # transformers < 4.52: flat
+    assert flat["hidden_size"] == 512 and flat["num_key_value_heads"] == 8  # Qwen2VLTextConfig's default
