@@ -208,10 +208,30 @@ def _check_layer_count(ckpt: Checkpoint, dims: ModelDims) -> None:
     layer_index = re.compile(rf"^{re.escape(dims.checkpoint_layers)}\.(\d+)\.")
     present = {int(m.group(1)) for name in ckpt.tensors if (m := layer_index.match(name))}
     held = max(present) + 1 if present else 0
+    if not present:
+        _elsewhere(ckpt, dims)
     if dims.num_layers > held:
         raise CheckpointError(
             f"config.json num_hidden_layers is {dims.num_layers}, the checkpoint holds decoder layers "
             f"0..{held - 1}; the config does not match the weights (layer {held} is missing)"
+        )
+
+
+def _elsewhere(ckpt: Checkpoint, dims: ModelDims) -> None:
+    """Refuse decoder layers stored under a prefix the architecture's vLLM class does not load (Gemma 3
+    multimodal's ``model.layers``: its hf_to_vllm_mapper has no rule for it), naming both prefixes."""
+    held: dict[str, set[str]] = {}  # prefix of layer 0 -> the modules under it
+    for n in ckpt.tensors:
+        if m := re.match(r"^(.+\.layers)\.0\.(.+)\.[^.]+$", n):
+            held.setdefault(m.group(1), set()).add(m.group(2))
+    modules = {p.module for lin in dims.linears(0) for p in lin.parts}  # all of them: not a vision tower's layers
+    found = sorted(prefix for prefix, under in held.items() if modules <= under)
+    if found:
+        accepted = " or ".join(dims.arch.checkpoint_layers)
+        raise UnsupportedCheckpointError(
+            f"the checkpoint's decoder layers are under {', '.join(found)}, but vLLM 0.33.0's "
+            f"{dims.arch.vllm_class.split('.')[-1]} loads {dims.architecture}'s only from {accepted} "
+            f"(its hf_to_vllm_mapper maps no other prefix to {dims.arch.layers}), so vLLM cannot serve it either"
         )
 
 

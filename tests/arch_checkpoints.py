@@ -189,12 +189,16 @@ class InternLM2Config(PretrainedConfig):
 
 def write_arch_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bits: int = 4, group_size: int = 128,
                           dtype: torch.dtype = torch.float16, seed: int = 0, tokenizer: bool = False,
-                          legacy_names: bool = False, **config_overrides: Any) -> Path:
+                          names: str | None = None, **config_overrides: Any) -> Path:
     """Write a tiny quantized checkpoint of ``architecture`` to ``out``.
 
-    ``legacy_names``: for multimodal models, rename the language model's tensors the way
-    transformers < 4.52 wrote them (``model.layers`` for Qwen2-VL / Qwen2.5-VL,
-    ``language_model.model.layers`` for Gemma 3 / Mistral 3).
+    ``names``, for multimodal models: the tensor names as the installed transformers saves them
+    (None; transformers 5 writes the original, pre-4.52 names back), or, whatever it writes, as
+    transformers < 4.52 wrote them ("legacy": ``model.layers`` and ``visual`` for Qwen2-VL /
+    Qwen2.5-VL, ``language_model.model.layers``, ``vision_tower`` for Gemma 3 / Mistral 3), as
+    transformers 4.52 to 4.57 wrote them ("v4.52": ``model.language_model.layers``,
+    ``model.visual`` / ``model.vision_tower``, ``lm_head``), or with the language model under
+    ``model.`` ("model": ``model.layers``, the vision tower left as saved).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,8 +228,9 @@ def write_arch_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bi
     if architecture == "Gemma3ForConditionalGeneration":  # as published Gemma 3 checkpoints name SigLIP
         tensors = {re.sub(r"^(model\.)?vision_tower\.(?!vision_model\.)", r"\1vision_tower.vision_model.", n): t
                    for n, t in tensors.items()}
-    if legacy_names:
-        tensors = {_legacy(architecture, n): t for n, t in tensors.items()}
+    if names is not None:
+        rename = {"legacy": _legacy, "v4.52": _v4_52, "model": _text_under_model}[names]
+        tensors = {rename(architecture, n): t for n, t in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = qc
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -244,3 +249,23 @@ def _legacy(architecture: str, name: str) -> str:
     if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
         return name.removeprefix("model.")
     return name
+
+
+def _v4_52(architecture: str, name: str) -> str:
+    name = _legacy(architecture, name)
+    if architecture.startswith("Qwen2"):
+        if name.startswith("visual."):
+            return f"model.{name}"
+        return "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
+    if name.startswith("language_model.model."):
+        return "model.language_model." + name.removeprefix("language_model.model.")
+    if name.startswith(("vision_tower.", "multi_modal_projector.")):
+        return f"model.{name}"
+    return name.removeprefix("language_model.")  # language_model.lm_head -> lm_head
+
+
+def _text_under_model(architecture: str, name: str) -> str:
+    name = _legacy(architecture, name)
+    if name.startswith("language_model.model."):
+        return "model." + name.removeprefix("language_model.model.")
+    return name.removeprefix("language_model.")

@@ -60,10 +60,12 @@ def test_architecture_bit_exact_tp_1_2_4(tmp_path: Path, arch: str, fmt: str, dt
 
 @pytest.mark.parametrize("arch", [a for a, row in ARCHITECTURES.items() if row.multimodal])
 def test_multimodal_text_layers_quantized_vision_in_common(tmp_path: Path, arch: str) -> None:
-    """Both checkpoint namings (transformers >= 4.52 and older) give vLLM's names; the vision tower
-    and projector are common tensors, under the checkpoint's names (vLLM's load_weights maps them)."""
-    for legacy in (False, True):
-        model = write_arch_checkpoint(tmp_path / f"m{legacy}", arch, "gptq", dtype=torch.bfloat16, legacy_names=legacy)
+    """Both checkpoint namings (transformers 4.52 to 4.57, and older or 5) give vLLM's names; the vision
+    tower and projector are common tensors, under the checkpoint's names (vLLM's load_weights maps them)."""
+    for names in ("v4.52", "legacy"):
+        model = write_arch_checkpoint(tmp_path / names, arch, "gptq", dtype=torch.bfloat16, names=names)
+        with safe_open(str(model / "model.safetensors"), "pt") as f:
+            assert any(n.startswith("model.language_model.layers.") for n in f.keys()) == (names == "v4.52")  # noqa: SIM118
         manifest = convert(model, tp_sizes=(1, 2))
         assert_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), torch.bfloat16)
         assert all(e.name.startswith("language_model.model.layers.") for e in manifest.tensor_parallel[0].layers)
@@ -71,6 +73,31 @@ def test_multimodal_text_layers_quantized_vision_in_common(tmp_path: Path, arch:
             common = set(f.keys())
         assert any("visual" in n or "vision_tower" in n for n in common)
         assert not any(n.endswith((".qweight", ".scales", ".qzeros")) for n in common)
+
+
+@pytest.mark.parametrize("arch", ["Qwen2VLForConditionalGeneration", "Mistral3ForConditionalGeneration"])
+def test_multimodal_language_model_under_model(tmp_path: Path, arch: str) -> None:
+    """vLLM 0.33.0's mapper of Qwen2-VL and Mistral 3 maps ``model.`` to ``language_model.model.``:
+    decoder layers at ``model.layers`` load there, and convert bit-exactly."""
+    model = write_arch_checkpoint(tmp_path / "m", arch, "gptq", dtype=torch.bfloat16, names="model")
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        assert any(n.startswith("model.layers.0.") for n in f.keys())  # noqa: SIM118
+    manifest = convert(model, tp_sizes=(1, 2))
+    assert_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), torch.bfloat16)
+    assert all(e.name.startswith("language_model.model.layers.") for e in manifest.tensor_parallel[0].layers)
+
+
+def test_gemma3_multimodal_refuses_model_layers_as_vllm_does(tmp_path: Path) -> None:
+    """Gemma 3's mapper has no ``model.`` rule: vLLM refuses ``model.layers``, and so does convert, saying why."""
+    from vllm_reference import VllmRefusedError, reference_rank_tensors
+
+    arch = "Gemma3ForConditionalGeneration"
+    model = write_arch_checkpoint(tmp_path / "m", arch, "gptq", dtype=torch.bfloat16, names="model")
+    with pytest.raises(VllmRefusedError, match="no module or parameter named 'model'"):
+        reference_rank_tensors(model, 1, 0, torch.bfloat16)
+    with pytest.raises(UnsupportedCheckpointError, match=r"decoder layers are under model\.layers, .*Gemma3ForConditionalGeneration"
+                       r".* only from model\.language_model\.layers or language_model\.model\.layers"):
+        convert(model)
 
 
 @pytest.mark.parametrize("arch", ["Olmo2ForCausalLM", "Starcoder2ForCausalLM", "FalconForCausalLM"])

@@ -138,7 +138,9 @@ DEEPSEEK_MLA = MlaLayout(MLA_ATTENTION_LINEARS, MLA_Q_LORA_ATTENTION_LINEARS, DE
 
 # Where decoder layers live in multimodal checkpoints: transformers >= 4.52 writes
 # model.language_model.layers, older versions language_model.model.layers (Gemma 3, Mistral 3)
-# or model.layers (Qwen2-VL, Qwen2.5-VL).
+# or model.layers (Qwen2-VL, Qwen2.5-VL). vLLM 0.33.0's hf_to_vllm_mapper of Qwen2-VL, Qwen2.5-VL
+# and Mistral 3 also maps "model." to "language_model.model." (Mistral 3: text-only PEFT/merged
+# names), so model.layers loads there too; Gemma 3's has no such rule and refuses it.
 _MM_PREFIXES = ("model.language_model.layers", "language_model.model.layers")
 
 
@@ -217,7 +219,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         Architecture(
             "Mistral3ForConditionalGeneration", "mistral3.Mistral3ForConditionalGeneration", LLAMA_LINEARS,
-            layers="language_model.model.layers", checkpoint_layers=_MM_PREFIXES,
+            layers="language_model.model.layers", checkpoint_layers=(*_MM_PREFIXES, "model.layers"),
             text_config=True, multimodal=True,
         ),
     )
