@@ -15,6 +15,7 @@ from typing import Any
 
 import blake3
 import pytest
+from hashing_fakes import HookedBlake3
 
 from marlin_pack.vllm_plugin.preflight import preflight
 
@@ -56,27 +57,16 @@ def test_planted_stamp_symlinks_are_never_written_through(make_bundle: Any, dama
     assert _tree(bundle) == before  # a check writes nothing into a bundle (a read-only volume is fine)
 
 
-class _FlipAfterHashing:
-    """blake3 whose hasher flips a byte of ``target`` once, right after it hashed a buffer of ``target``'s size."""
+def _flip_once_after_hashing(target: Path) -> tuple[HookedBlake3, list[bool]]:
+    """A BLAKE3 that flips a data byte of ``target`` once, right after it hashed a buffer of ``target``'s size."""
+    size, done = target.stat().st_size, [False]
 
-    def __init__(self, target: Path) -> None:
-        self.target, self.size, self.done, self.real = target, target.stat().st_size, False, blake3.blake3
-        self.AUTO = blake3.blake3.AUTO
+    def after(n: int) -> None:
+        if not done[0] and n == size:
+            done[0] = True
+            _flip(target, _data_offset(target))
 
-    def __call__(self, *args: object, **kwargs: object) -> object:
-        outer, h = self, self.real(*args, **kwargs)
-
-        class Hasher:
-            def update(self, data: Any) -> None:
-                h.update(data)
-                if not outer.done and len(data) == outer.size:
-                    outer.done = True
-                    _flip(outer.target, _data_offset(outer.target))
-
-            def hexdigest(self) -> str:
-                return h.hexdigest()
-
-        return Hasher()
+    return HookedBlake3(after), done
 
 
 @pytest.mark.parametrize("which", ["bundle", "source"])
@@ -86,10 +76,10 @@ def test_a_file_tampered_while_it_is_hashed_is_never_vouched_for(
     model = damaged_copy(make_bundle("awq"))
     target = model / "marlin-pack/tp1/rank-0.safetensors" if which == "bundle" else next(model.glob("*.safetensors"))
     os.utime(target, ns=(1, 1))  # as an older file: an in-place write visibly moves its times
-    flipper = _FlipAfterHashing(target)
-    monkeypatch.setattr(blake3, "blake3", flipper)
+    hooked, flipped = _flip_once_after_hashing(target)
+    monkeypatch.setattr(blake3, "blake3", hooked)
     preflight(model, verify="auto")  # refused (changed while hashed) or, at worst, loaded without a stamp
-    assert flipper.done
+    assert flipped[0]
     monkeypatch.undo()
     again = preflight(model, verify="auto")  # the tampered bytes must be hashed, and refused
     assert again.decision == "refuse", again.to_dict()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import blake3
 import pytest
+from hashing_fakes import HookedBlake3
 
 from marlin_pack.io import hashing
 from marlin_pack.io.hashing import FileChangedError, file_digest, file_digests, hash_file
@@ -41,27 +42,6 @@ def test_the_identity_is_the_one_of_the_bytes_hashed(tmp_path: Path) -> None:
     assert h.identity == (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
-class _WritingHasher:
-    """blake3 that lets ``during(data)`` change the file once, right after the bytes were hashed."""
-
-    def __init__(self, during) -> None:  # noqa: ANN001
-        self.during, self.real = during, blake3.blake3
-        self.AUTO = blake3.blake3.AUTO
-
-    def __call__(self, *args: object, **kwargs: object) -> object:
-        outer, h = self, self.real(*args, **kwargs)
-
-        class Hasher:
-            def update(self, data: object) -> None:
-                h.update(data)
-                outer.during()
-
-            def hexdigest(self) -> str:
-                return h.hexdigest()
-
-        return Hasher()
-
-
 @pytest.mark.parametrize("change", ["append", "truncate-then-grow", "replace", "in-place"])
 def test_a_file_changed_while_it_is_hashed_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
     f = tmp_path / "f"
@@ -71,7 +51,7 @@ def test_a_file_changed_while_it_is_hashed_is_refused(tmp_path: Path, monkeypatc
     other = tmp_path / "other"
     other.write_bytes(b"y" * (1 << 20))
 
-    def during() -> None:
+    def during(_: int) -> None:
         if change == "append":
             with open(f, "ab") as fh:
                 fh.write(b"more")
@@ -85,7 +65,7 @@ def test_a_file_changed_while_it_is_hashed_is_refused(tmp_path: Path, monkeypatc
             os.pwrite(fd, b"\x01" * 16, 4096)
             os.close(fd)
 
-    monkeypatch.setattr(blake3, "blake3", _WritingHasher(during))
+    monkeypatch.setattr(blake3, "blake3", HookedBlake3(during))
     with pytest.raises(FileChangedError, match="while it was hashed"):
         hash_file(f)
 
