@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from marlin_pack.bundle.reader import resolve_file
@@ -35,12 +35,13 @@ class HashReport:
     stamped: int = 0
     stamps: Path | None = None
     unavailable: str | None = None
+    every_time: bool = False  # ``verify: full``: stamps are not consulted
 
     def add(self, other: HashReport) -> HashReport:
         """Both reports together (the stamp location of either)."""
         return HashReport(
             self.files + other.files, self.nbytes + other.nbytes, self.seconds + other.seconds, self.stamped + other.stamped,
-            self.stamps or other.stamps, self.unavailable or other.unavailable,
+            self.stamps or other.stamps, self.unavailable or other.unavailable, self.every_time or other.every_time,
         )
 
     def summary(self) -> str | None:
@@ -49,6 +50,8 @@ class HashReport:
             return None
         amount = f"{self.nbytes / 1e9:.2f} GB" if self.nbytes >= 1e8 else f"{self.nbytes / 1e6:.2f} MB"
         done = f"hashed {amount} ({self.files} files) in {self.seconds:.2f} s"
+        if self.every_time:
+            return f"{done}; verify full hashes them at every start (auto skips the files this user stamped unchanged)"
         if self.unavailable:
             return f"{done}; {self.unavailable}, so every start hashes them again"
         if self.stamped < self.files:
@@ -177,7 +180,8 @@ def check_files(
             if _needs_hash(stamps, path, entry.blake3, full_hash):
                 to_hash.append((entry.path, path, entry.blake3))
         expected = {e.path: e.blake3 for e in manifest.files()}
-        return _hash_all(stamps, to_hash, lambda name, why: _bundle_file_failed(name, why, expected[name]))
+        report = _hash_all(stamps, to_hash, lambda name, why: _bundle_file_failed(name, why, expected[name]))
+    return replace(report, every_time=full_hash is True)
 
 
 def _bundle_file_failed(name: str, why: OSError | str, expected: str) -> BundleError:
@@ -219,7 +223,8 @@ def check_source(manifest: Manifest, model_dir: str | Path, *, full_hash: bool |
     digests = {f.name: f.blake3 for f in manifest.source.files}
     with StampStore.open() as stamps:
         to_hash = [_checked_source_file(model_dir, f, full_hash, stamps) for f in manifest.source.files]
-        return _hash_all(stamps, [t for t in to_hash if t], lambda name, why: _source_file_failed(name, why, digests[name]))
+        report = _hash_all(stamps, [t for t in to_hash if t], lambda name, why: _source_file_failed(name, why, digests[name]))
+    return replace(report, every_time=full_hash is True)
 
 
 def _checked_source_file(

@@ -132,6 +132,9 @@ def test_check_says_what_it_hashed_and_where_the_stamps_are(
     assert r.exit_code == 0 and [ln for ln in r.stdout.splitlines() if ln.startswith("check hashed")] == [], r.stdout  # stamped: nothing
     code, again = _check(str(model), "--tp", "2", "--verify", "full")
     assert again["hashed"]["files"] >= first["hashed"]["files"]  # full: every file of every rank, stamps or not
+    r = runner.invoke(app, ["check", str(model), "--verify", "full"])
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("check hashed")]
+    assert "verify full hashes them at every start" in line, line
     code, sizes = _check(str(model), "--tp", "2", "--verify", "size")
     assert sizes["hashed"]["files"] == 0
 
