@@ -1,7 +1,8 @@
-"""The README's tables of supported architectures and source formats, generated from the code.
+"""The docs' tables of source formats (README.md) and architectures (docs/architectures.md), generated from the code.
 
-``python -m marlin_pack._docs README.md`` rewrites the blocks between ``<!-- NAME:begin -->`` and
-``<!-- NAME:end -->``; ``tests/test_docs.py`` fails when the README and the code disagree.
+``python -m marlin_pack._docs`` (from the repository root; or with the files to rewrite as arguments)
+rewrites the blocks between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``; ``tests/test_docs.py``
+fails when a page and the code disagree.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from marlin_pack._constants import SUPPORTED_GROUP_SIZES
 from marlin_pack.marlin.architectures import ARCHITECTURES, UNSUPPORTED_ARCHITECTURES, Architecture, Linear
 from marlin_pack.schemas import LayerKind
 
-__all__ = ["architecture_table", "format_table", "render", "main"]
+__all__ = ["DOCS", "architecture_table", "format_table", "render", "main"]
 
 
 def _linears(linears: tuple[Linear, ...]) -> list[str]:
@@ -79,11 +80,18 @@ def format_table() -> str:
 
 
 BLOCKS = {"architectures": architecture_table, "formats": format_table}
+# Which generated blocks each page holds (paths from the repository root).
+DOCS: dict[str, tuple[str, ...]] = {"README.md": ("formats",), "docs/architectures.md": ("architectures",)}
 
 
-def render(text: str) -> str:
-    """``text`` with every generated block replaced by the current table."""
-    for name, make in BLOCKS.items():
+def render(text: str, names: tuple[str, ...] = tuple(BLOCKS)) -> str:
+    """``text`` with each generated block of ``names`` replaced by the current table.
+
+    Raises:
+        ValueError: ``text`` lacks one of those blocks.
+    """
+    for name in names:
+        make = BLOCKS[name]
         pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
         if not pattern.search(text):
             raise ValueError(f"no <!-- {name}:begin --> ... <!-- {name}:end --> block")
@@ -91,9 +99,18 @@ def render(text: str) -> str:
     return text
 
 
+def _names(path: Path, text: str) -> tuple[str, ...]:
+    """The blocks ``path`` must hold: those of :data:`DOCS` for a known page, else those it has."""
+    for rel, names in DOCS.items():
+        if path.as_posix().endswith(rel):
+            return names
+    return tuple(n for n in BLOCKS if f"<!-- {n}:begin -->" in text) or tuple(BLOCKS)
+
+
 def main(argv: list[str]) -> int:
-    for path in map(Path, argv or ["README.md"]):
-        path.write_text(render(path.read_text()))
+    for path in map(Path, argv or list(DOCS)):
+        text = path.read_text()
+        path.write_text(render(text, _names(path, text)))
     return 0
 
 
