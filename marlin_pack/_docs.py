@@ -37,8 +37,9 @@ def _experts(arch: Architecture) -> str:
     from marlin_pack.marlin.moe import MOE_ARCHITECTURES
 
     m = MOE_ARCHITECTURES[arch.name]
-    return (f"{m.vllm_experts.split('.', 1)[1]} (Marlin MoE, all experts stacked) w13 ← {m.block}.experts.*.{m.gate}+{m.up}, "
-            f"w2 ← {m.block}.experts.*.{m.down}")
+    n = m.namings[0]  # the naming transformers writes (the table shows one)
+    return (f"{m.vllm_experts.split('.', 1)[1]} (Marlin MoE, all experts stacked) w13 ← {n.block}.experts.*.{n.gate}+{n.up}, "
+            f"w2 ← {n.block}.experts.*.{n.down}")
 
 
 def _layers(arch: Architecture) -> str:

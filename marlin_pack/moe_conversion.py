@@ -48,12 +48,12 @@ class MoePlan:
     hidden: int
     intermediate: int
     awq: bool
-    naming: ExpertNaming | None = None  # the checkpoint's names of the experts (None: the architecture's first)
+    naming: ExpertNaming  # the checkpoint's names of the experts (no experts layers: the architecture's first)
     shapes: dict[int, MoeRankShape] = field(default_factory=dict)
 
     def expert(self, layer: int, e: int) -> str:
         """Checkpoint module of expert ``e`` of decoder layer ``layer``."""
-        return (self.naming or self.arch.namings[0]).expert(self.checkpoint_layers, layer, e)
+        return self.naming.expert(self.checkpoint_layers, layer, e)
 
     def name(self, layer: int) -> str:
         """vLLM's experts module of decoder layer ``layer`` (the manifest's and the rank files' name)."""
@@ -130,16 +130,14 @@ def plan_moe(ckpt: Checkpoint, source: QuantSource, dims: ModelDims, tp_sizes: l
     n_experts = _config_int(config, arch.num_experts_key, name)
     inter = _config_int(config, arch.intermediate_key, name)
     awq = source.format is SourceFormat.awq_gemm
-    plan = MoePlan(arch, _sparse_layers(config, dims), dims.checkpoint_layers, dims.arch.layers,
-                   dims.hidden_size, inter, awq)
-    if plan.layers:  # one naming for the whole checkpoint: every layer is then checked against it
-        plan.naming = expert_naming(arch, ckpt.tensors, plan.checkpoint_layers, plan.layers[0])
-    naming = plan.naming or arch.namings[0]
+    layers = _sparse_layers(config, dims)
+    # One naming for the whole checkpoint: every layer is then checked against it.
+    naming = expert_naming(arch, ckpt.tensors, dims.checkpoint_layers, layers[0]) if layers else arch.namings[0]
+    plan = MoePlan(arch, layers, dims.checkpoint_layers, dims.arch.layers, dims.hidden_size, inter, awq, naming)
     for tp in tp_sizes:
         plan.shapes[tp] = moe_rank_shape(n_experts, dims.hidden_size, inter, tp, source.scheme, awq)
     owned: set[str] = set()
-    dims_of = {naming.gate: (dims.hidden_size, inter), naming.up: (dims.hidden_size, inter),
-               naming.down: (inter, dims.hidden_size)}
+    dims_of = naming.leaf_dims(dims.hidden_size, inter)
     for layer in plan.layers:
         source.check_layer(plan.name(layer), True, ckpt=ckpt)
         for e in range(n_experts):
@@ -157,7 +155,7 @@ def read_moe_layer(plan: MoePlan, source: QuantSource, ckpt: Checkpoint, layer: 
     """Every expert of one decoder layer, through the format's reader."""
     n_experts = next(iter(plan.shapes.values())).num_experts
     return [
-        read_expert(source, ckpt, plan.naming or plan.arch, plan.expert(layer, e), plan.hidden,
+        read_expert(source, ckpt, plan.naming, plan.expert(layer, e), plan.hidden,
                     plan.intermediate, device)
         for e in range(n_experts)
     ]

@@ -77,6 +77,10 @@ class ExpertNaming:
     def describe(self) -> str:
         return f"{self.block}.experts.N.{{{self.gate},{self.up},{self.down}}}"
 
+    def leaf_dims(self, hidden: int, intermediate: int) -> dict[str, tuple[int, int]]:
+        """Each leaf's ``(input features, output features)``: gate and up map hidden to intermediate, down back."""
+        return {self.gate: (hidden, intermediate), self.up: (hidden, intermediate), self.down: (intermediate, hidden)}
+
 
 @dataclass(frozen=True)
 class MoeArchitecture:
@@ -96,26 +100,6 @@ class MoeArchitecture:
     intermediate_key: str
     vllm_experts: str  # vLLM's experts module under a decoder layer
     refused: tuple[tuple[ExpertNaming, str], ...] = ()
-
-    # The first (transformers') naming, for the docs and callers that name one.
-    @property
-    def block(self) -> str:
-        return self.namings[0].block
-
-    @property
-    def gate(self) -> str:
-        return self.namings[0].gate
-
-    @property
-    def up(self) -> str:
-        return self.namings[0].up
-
-    @property
-    def down(self) -> str:
-        return self.namings[0].down
-
-    def checkpoint_expert(self, layers: str, layer: int, expert: int) -> str:
-        return self.namings[0].expert(layers, layer, expert)
 
     def vllm_prefix(self, layers: str, layer: int) -> str:
         return f"{layers}.{layer}.{self.vllm_experts}"
@@ -356,17 +340,17 @@ def build_moe_rank_tensors(prefix: str, s: MoeRankShape, scheme: QuantScheme, dt
     return out
 
 
-def read_expert(source: Any, ckpt: Any, arch: MoeArchitecture | ExpertNaming, prefix: str, hidden: int, intermediate: int,
+def read_expert(source: Any, ckpt: Any, naming: ExpertNaming, prefix: str, hidden: int, intermediate: int,
                 device: torch.device) -> ExpertTensors:
     """One expert's gate/up/down through the format's reader (its checks included), with zero points.
 
-    ``arch``: the checkpoint's naming of the expert's leaves (an architecture: its first naming).
+    ``naming``: the checkpoint's names of the expert's leaves.
 
     GPTQ readers drop ``qzeros`` (dense Marlin ignores them); vLLM's MoE path keeps them in
     Marlin layout, so they are unpacked here (the reader has already checked they are the
     symmetric constant).
     """
-    dims = {arch.gate: (hidden, intermediate), arch.up: (hidden, intermediate), arch.down: (intermediate, hidden)}
+    dims = naming.leaf_dims(hidden, intermediate)
     mods = {}
     for leaf, (k, n) in dims.items():
         name = f"{prefix}.{leaf}"
@@ -377,4 +361,4 @@ def read_expert(source: Any, ckpt: Any, arch: MoeArchitecture | ExpertNaming, pr
         if source.format is SourceFormat.gptq_v1:
             m.zeros = unpack_cols(ckpt.get(f"{name}.qzeros").to(device), source.bits)
         mods[leaf] = m
-    return ExpertTensors(mods[arch.gate], mods[arch.up], mods[arch.down])
+    return ExpertTensors(mods[naming.gate], mods[naming.up], mods[naming.down])

@@ -53,7 +53,8 @@ def _convert_experts(model: Path, tp: int, rank: int, dtype: torch.dtype, source
     out: dict[str, torch.Tensor] = {}
     try:
         for layer in range(config["num_hidden_layers"]):
-            experts = (read_expert(source, ckpt, arch, arch.checkpoint_expert("model.layers", layer, e), hidden, inter,
+            naming = arch.namings[0]
+            experts = (read_expert(source, ckpt, naming, naming.expert("model.layers", layer, e), hidden, inter,
                                    torch.device("cpu")) for e in range(shape.num_experts))
             prefix = arch.vllm_prefix("model.layers", layer)
             out.update(build_moe_rank_tensors(prefix, shape, source.scheme, dtype, rank, experts, awq))
