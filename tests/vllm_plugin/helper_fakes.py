@@ -7,6 +7,8 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,36 @@ class Conn:
     def close(self) -> None:
         for f in (self.r, self.w, self.sock):
             f.close()
+
+
+@dataclass
+class Served:
+    """A service helper serving on a socket in a test's directory, with its faked device memory and its file."""
+
+    helper: copy_helper_main.Helper
+    destination: ctypes.Array
+    path: Path
+    listener: socket.socket
+    file: Path
+    unhealthy: list[str]  # one entry per session after which the helper would have exited
+    before: set[threading.Thread]  # threads alive before this helper served: other tests' sessions are not waited for
+
+
+def serve_fake_helper(
+    sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: object, data: bytes
+) -> Iterator[Served]:
+    """For a fixture (``yield from``): a :func:`fake_helper` (its "device memory" one allocation of ``len(data)``
+    bytes) bound in ``sock_dir`` and serving sessions on a thread, with ``data`` in ``tmp_path/rank.bin``."""
+    destination = ctypes.create_string_buffer(len(data))
+    helper = fake_helper(monkeypatch, settings, destination)
+    path = sock_dir / f"{helper.uuid()}.0.sock"
+    listener = copy_helper_main.bind_listener(str(path))
+    unhealthy: list[str] = []
+    before = set(threading.enumerate())
+    threading.Thread(target=copy_helper_main.serve, args=(helper, listener, lambda: unhealthy.append("exit")), daemon=True).start()
+    file = tmp_path / "rank.bin"
+    file.write_bytes(data)
+    try:
+        yield Served(helper, destination, path, listener, file, unhealthy, before)
+    finally:
+        listener.close()

@@ -21,15 +21,14 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from helper_fakes import Conn, fake_helper
+from helper_fakes import Conn, Served, fake_helper, serve_fake_helper
 
 from marlin_pack.vllm_plugin import copy_helper_main, copy_helpers, helper_service
-from marlin_pack.vllm_plugin.copy_helper_main import PROTOCOL, Settings, bind_listener, serve
+from marlin_pack.vllm_plugin.copy_helper_main import PROTOCOL, Settings, bind_listener
 from marlin_pack.vllm_plugin.copy_helpers import HelperPool
 from marlin_pack.vllm_plugin.helper_service import HelperService, ServiceError, ServiceSession, find_sockets, probe
 
@@ -40,42 +39,16 @@ HANDLE = "00" * 64
 WAIT_S = 30.0  # a generous bound on what should take milliseconds: a test given up on after it fails
 
 
-@dataclass
-class _Served:
-    helper: copy_helper_main.Helper
-    destination: ctypes.Array
-    path: Path
-    file: Path
-    unhealthy: list[str]  # one entry per session after which the helper would have exited
-    before: set[threading.Thread]  # threads alive before this helper served: other tests' sessions are not waited for
-
-
-def _serve(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: Settings) -> Iterator[_Served]:
-    destination = ctypes.create_string_buffer(len(DATA))
-    helper = fake_helper(monkeypatch, settings, destination)
-    path = sock_dir / f"{helper.uuid()}.0.sock"
-    listener = bind_listener(str(path))
-    unhealthy: list[str] = []
-    before = set(threading.enumerate())
-    threading.Thread(target=serve, args=(helper, listener, lambda: unhealthy.append("exit")), daemon=True).start()
-    file = tmp_path / "rank.bin"
-    file.write_bytes(DATA)
-    try:
-        yield _Served(helper, destination, path, file, unhealthy, before)
-    finally:
-        listener.close()
-
-
 @pytest.fixture
-def served(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Served]:
+def served(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
     """A service helper (CUDA faked: its "device memory" is ``destination``, one allocation) in ``sock_dir``."""
-    yield from _serve(sock_dir, tmp_path, monkeypatch, Settings(0, defer_unregister=True))
+    yield from serve_fake_helper(sock_dir, tmp_path, monkeypatch, Settings(0, defer_unregister=True), DATA)
 
 
 @pytest.fixture
-def retaining(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Served]:
+def retaining(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
     """The same helper with a budget for retained pages (``--retain-mib``)."""
-    yield from _serve(sock_dir, tmp_path, monkeypatch, Settings(0, defer_unregister=True, retain_bytes=1 << 30))
+    yield from serve_fake_helper(sock_dir, tmp_path, monkeypatch, Settings(0, defer_unregister=True, retain_bytes=1 << 30), DATA)
 
 
 def _job(file: Path | str, windows: list | None = None, handles: list | None = None, threads: object = 2) -> dict:
@@ -84,14 +57,14 @@ def _job(file: Path | str, windows: list | None = None, handles: list | None = N
     return {"parts": [{"file": str(file), "windows": windows}], "handles": [HANDLE] if handles is None else handles, "threads": threads}
 
 
-def _sessions_done(served: _Served) -> None:
+def _sessions_done(served: Served) -> None:
     """Wait until the helper's session threads have returned (its verdict on each, healthy or not, is in then)."""
     for t in [t for t in threading.enumerate() if t.name == "session" and t not in served.before]:
         t.join(WAIT_S)
         assert not t.is_alive(), "a session never ended"
 
 
-def _good_session(served: _Served) -> None:
+def _good_session(served: Served) -> None:
     """A whole session that copies the file: the helper is free, serving and its context in use."""
     ctypes.memset(served.destination, 0, len(DATA))
     conn = Conn(served.path)
@@ -134,7 +107,7 @@ def _in_thread(fn: Callable[[], object], timeout: float = WAIT_S) -> object:
     [b"\xff\xfe{}\n", b'{"parts": "\xc3"}\n', b"not json\n", b"[1, 2]\n", b'"a string"\n', b"[" * 100_000 + b"\n"],
     ids=["invalid-utf8", "invalid-utf8-in-json", "not-json", "an-array", "a-string", "nested-deep"],
 )
-def test_a_line_that_is_no_request_is_answered_and_never_ends_the_helper(served: _Served, line: bytes) -> None:
+def test_a_line_that_is_no_request_is_answered_and_never_ends_the_helper(served: Served, line: bytes) -> None:
     """Answered with an error line, the session goes on; five sessions of it and the helper still serves (it
     exited with status 3 on invalid UTF-8 before, and its service gave up on it after the fourth time)."""
     for _ in range(5):
@@ -171,7 +144,7 @@ def test_an_engines_own_helper_answers_a_line_that_is_not_utf8(tmp_path: Path, m
     assert status == 1 and destination.raw == DATA
 
 
-def test_a_driver_error_that_does_not_stick_keeps_the_helper(served: _Served) -> None:
+def test_a_driver_error_that_does_not_stick_keeps_the_helper(served: Served) -> None:
     """An IPC handle the driver refuses (an engine's stale or forged one) is that job's error: the context still
     works, so the helper is not replaced (which cost the GPU that helper for good after four times)."""
     driver = served.helper.cu
@@ -230,7 +203,7 @@ def test_a_helper_that_keeps_dying_is_reported_once(sock_dir: Path, tmp_path: Pa
 # -- item 5: a file that is not a regular one -----------------------------------------------------
 
 
-def test_a_job_naming_a_fifo_is_refused_at_once(served: _Served, tmp_path: Path) -> None:
+def test_a_job_naming_a_fifo_is_refused_at_once(served: Served, tmp_path: Path) -> None:
     """Opening a FIFO for reading waited for a writer forever: the helper stayed busy after its engine left."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -251,7 +224,7 @@ def test_a_job_naming_a_fifo_is_refused_at_once(served: _Served, tmp_path: Path)
 
 
 @pytest.mark.parametrize("name", ["/dev/zero", "dir", "empty"])
-def test_a_job_naming_no_regular_file_with_bytes_is_refused(served: _Served, tmp_path: Path, name: str) -> None:
+def test_a_job_naming_no_regular_file_with_bytes_is_refused(served: Served, tmp_path: Path, name: str) -> None:
     (tmp_path / "dir").mkdir()
     (tmp_path / "empty").touch()
     target = name if name.startswith("/") else tmp_path / name
@@ -301,7 +274,7 @@ _BAD_JOBS = {
 
 
 @pytest.mark.parametrize("bad", list(_BAD_JOBS.values()), ids=list(_BAD_JOBS))
-def test_a_job_outside_its_file_or_the_protocol_is_refused_before_the_driver(served: _Served, bad: dict) -> None:
+def test_a_job_outside_its_file_or_the_protocol_is_refused_before_the_driver(served: Served, bad: dict) -> None:
     """No page-locking and no copy reaches the driver (an offset past the file's end was copied from before:
     SIGSEGV on a stub driver); the job is answered with an error and the next one copied."""
     driver = served.helper.cu
@@ -331,7 +304,7 @@ def test_a_job_outside_its_file_or_the_protocol_is_refused_before_the_driver(ser
     assert served.unhealthy == []
 
 
-def test_a_job_naming_one_file_twice_is_refused(served: _Served, tmp_path: Path) -> None:
+def test_a_job_naming_one_file_twice_is_refused(served: Served, tmp_path: Path) -> None:
     """Two parts of one file (here under two names) would page-lock its pages twice: the driver refuses that."""
     link = tmp_path / "again.bin"
     os.link(served.file, link)
@@ -360,7 +333,7 @@ def test_a_job_naming_one_file_twice_is_refused(served: _Served, tmp_path: Path)
 # -- item 7: a line that never ends ---------------------------------------------------------------
 
 
-def test_a_line_past_the_limit_is_refused_and_skipped(served: _Served, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_line_past_the_limit_is_refused_and_skipped(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     """8 MiB without a newline against a 1 MiB limit: answered as too long (it was read whole, and 2000 MiB
     grew a helper to 2 GB), its rest skipped up to its newline, the next job copied."""
     monkeypatch.setattr(copy_helper_main, "MAX_LINE", 1 << 20)
@@ -549,7 +522,7 @@ def test_a_service_helper_saying_half_a_ready_line_is_given_up_in_time(
      [[0, 2 * PAGE], [PAGE, 3 * PAGE]], [[0]], "x"],
     ids=["negative-offset", "past-eof", "after-eof", "empty", "string", "overlapping", "short", "not-a-list"],
 )
-def test_a_retain_range_outside_the_file_is_refused_before_any_page_locking(retaining: _Served, ranges: object) -> None:
+def test_a_retain_range_outside_the_file_is_refused_before_any_page_locking(retaining: Served, ranges: object) -> None:
     """A negative offset was page-locked before the mapping and counted; nothing is registered or retained now."""
     conn = Conn(retaining.path)
     try:

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helper_fakes import Conn, fake_helper
+from helper_fakes import Conn, Served, serve_fake_helper
 from typer.testing import CliRunner
 
 from marlin_pack.cli import app
 from marlin_pack.vllm_plugin import copy_helper_main, copy_helpers, helper_service
-from marlin_pack.vllm_plugin.copy_helper_main import PROTOCOL, Settings, bind_listener, serve
+from marlin_pack.vllm_plugin.copy_helper_main import PROTOCOL, Settings, bind_listener
 from marlin_pack.vllm_plugin.copy_helpers import HelperPool
 from marlin_pack.vllm_plugin.helper_service import (
     HelperService,
@@ -40,31 +40,10 @@ from marlin_pack.vllm_plugin.options import parse_extra_config
 DATA = bytes(range(256)) * 64  # 16 KiB: four pages
 
 
-@dataclass
-class _Served:
-    helper: copy_helper_main.Helper
-    destination: ctypes.Array
-    path: Path
-    listener: socket.socket
-    file: Path
-    unhealthy: list[str]  # one entry per session after which the helper would have exited
-
-
 @pytest.fixture
-def served(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Served]:
+def served(sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
     """A service helper (CUDA faked: its "device memory" is ``destination``) listening in ``sock_dir``."""
-    destination = ctypes.create_string_buffer(len(DATA))
-    helper = fake_helper(monkeypatch, Settings(0, defer_unregister=True), destination)
-    path = sock_dir / f"{helper.uuid()}.0.sock"
-    listener = bind_listener(str(path))
-    unhealthy: list[str] = []
-    threading.Thread(target=serve, args=(helper, listener, lambda: unhealthy.append("exit")), daemon=True).start()
-    file = tmp_path / "rank.bin"
-    file.write_bytes(DATA)
-    try:
-        yield _Served(helper, destination, path, listener, file, unhealthy)
-    finally:
-        listener.close()
+    yield from serve_fake_helper(sock_dir, tmp_path, monkeypatch, Settings(0, defer_unregister=True), DATA)
 
 
 def _job(file: Path) -> dict:
@@ -81,7 +60,7 @@ def _wait_until(condition, timeout: float = 10.0) -> bool:  # noqa: ANN001
     return True
 
 
-def test_a_service_helper_serves_one_engine_at_a_time_and_unmaps_it_at_the_end(served: _Served) -> None:
+def test_a_service_helper_serves_one_engine_at_a_time_and_unmaps_it_at_the_end(served: Served) -> None:
     first = Conn(served.path)
     assert first.hear() == {"ready": True, "protocol": PROTOCOL}
     second = Conn(served.path)
@@ -108,7 +87,7 @@ def test_a_service_helper_serves_one_engine_at_a_time_and_unmaps_it_at_the_end(s
     assert _wait_until(lambda: not served.helper.cu.registered)  # type: ignore[attr-defined]  # deferred unregistering ran
 
 
-def test_a_service_helper_answers_a_bad_job_and_goes_on(served: _Served, tmp_path: Path) -> None:
+def test_a_service_helper_answers_a_bad_job_and_goes_on(served: Served, tmp_path: Path) -> None:
     conn = Conn(served.path)
     assert conn.hear() == {"ready": True, "protocol": PROTOCOL}
     conn.say(_job(tmp_path / "missing.bin"))
@@ -121,7 +100,7 @@ def test_a_service_helper_answers_a_bad_job_and_goes_on(served: _Served, tmp_pat
     assert served.unhealthy == []  # a missing file is the engine's problem, not the helper's context
 
 
-def test_a_failed_cuda_call_ends_the_service_helper_after_its_session(served: _Served, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_cuda_call_ends_the_service_helper_after_its_session(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     """A CUDA error that leaves the helper's context unusable (an illegal address sticks: every later call,
     cuCtxSynchronize too, reports it): the session goes on (the engine reads what is left), and once it ends
     the helper is ended too (its service starts a fresh one)."""
@@ -145,7 +124,7 @@ def test_a_failed_cuda_call_ends_the_service_helper_after_its_session(served: _S
     assert _wait_until(lambda: served.unhealthy == ["exit"])
 
 
-def test_a_service_helper_serves_no_other_user(served: _Served, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_service_helper_serves_no_other_user(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(copy_helper_main, "peer_uid", lambda conn: os.getuid() + 1)
     conn = Conn(served.path)
     assert conn.hear() is None  # closed without a word: no session, no job
@@ -207,7 +186,7 @@ def _windows(destination: ctypes.Array) -> list[_W]:
     return [_W(lo, lo + 4096, [(lo, 4096, view[lo : lo + 4096])]) for lo in range(0, len(DATA), 4096)]
 
 
-def test_a_pool_takes_the_service_helpers_and_leaves_them_serving(served: _Served, sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_pool_takes_the_service_helpers_and_leaves_them_serving(served: Served, sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The pool's destinations: views of the buffer the faked helper writes to.
     with _pool(monkeypatch, sock_dir, served.destination, script=Path("/nonexistent")) as pool:
         assert pool.copy(served.file, _windows(served.destination), threads=2) == []
@@ -221,7 +200,7 @@ def test_a_pool_takes_the_service_helpers_and_leaves_them_serving(served: _Serve
 
 
 def test_a_pool_asks_for_its_service_directory_on_its_starting_thread(
-    served: _Served, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+    served: Served, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A page-locking still under way (preload): the caller (vLLM building the model) must not wait for it.
     released, asked = threading.Event(), []
@@ -258,7 +237,7 @@ def _own_helper_script(tmp_path: Path) -> Path:
 
 
 def test_a_pool_starts_its_own_helpers_past_a_stale_busy_or_older_service(
-    served: _Served, sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    served: Served, sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(sock_dir / "GPU-00000000-0000-0000-0000-000000000000.1.sock"))
@@ -283,7 +262,7 @@ def test_a_pool_starts_its_own_helpers_past_a_stale_busy_or_older_service(
 
 
 def test_a_pool_refuses_a_service_helper_of_another_user(
-    served: _Served, sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    served: Served, sock_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(helper_service, "peer_uid", lambda conn: os.getuid() + 1)
     with caplog.at_level(logging.WARNING, logger="vllm.marlin_pack"), _pool(monkeypatch, sock_dir, served.destination,
@@ -410,7 +389,7 @@ def test_helpers_command_without_a_gpu_is_one_line_and_exit_1(sock_dir: Path) ->
     assert CliRunner().invoke(app, ["helpers", "--processes", "0"]).exit_code == 2  # typer's own range check
 
 
-def test_status_tells_ready_busy_and_stale_helpers_apart(served: _Served, sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_status_tells_ready_busy_and_stale_helpers_apart(served: Served, sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(sock_dir / "GPU-00000000-0000-0000-0000-000000000000.1.sock"))
     stale.close()
@@ -431,7 +410,7 @@ def test_status_tells_ready_busy_and_stale_helpers_apart(served: _Served, sock_d
     assert r.exit_code == 0 and "ready" in r.output, r.output
 
 
-def test_a_probe_leaves_the_helper_free_for_the_next_one(served: _Served, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_probe_leaves_the_helper_free_for_the_next_one(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     # A probe that hangs up without a goodbye (the helper speaks another protocol) returns only once the
     # helper has let it go: probes back to back never find it "busy" with the last one (seen once in CI).
     monkeypatch.setattr(copy_helper_main, "PROTOCOL", PROTOCOL + 1)
