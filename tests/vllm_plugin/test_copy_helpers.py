@@ -1,6 +1,6 @@
 """``copy_helpers`` / ``copy_helper_main`` (the ``processes`` io mode) without a GPU: how windows are
 shared out, and that a helper that cannot start or fails leaves every window to the caller.
-The copies themselves are checked on a GPU (tests/gpu/test_gpu_reader_gpu.py)."""
+The copies themselves are checked on a GPU (tests/on_gpu/test_gpu_reader_gpu.py)."""
 
 from __future__ import annotations
 

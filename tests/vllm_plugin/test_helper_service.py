@@ -1,6 +1,6 @@
 """``marlin-pack helpers`` without a GPU: the service helpers' sessions (their CUDA calls faked), an
 engine's pool taking them or starting its own, the socket directory's trust rules and the service's
-life. The copies themselves are checked on a GPU (tests/gpu/test_gpu_reader_gpu.py)."""
+life. The copies themselves are checked on a GPU (tests/on_gpu/test_gpu_reader_gpu.py)."""
 
 from __future__ import annotations
 

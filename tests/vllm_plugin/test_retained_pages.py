@@ -2,7 +2,7 @@
 registered for the next engine. Checked on the host with the helper's CUDA calls faked (helper_fakes):
 what is registered once and copied again, the budget, and what lets retained pages go (a rewritten or
 deleted file, windows cut otherwise, a newer bundle that needs the room). Copies on a GPU:
-tests/gpu/test_gpu_reader_gpu.py."""
+tests/on_gpu/test_gpu_reader_gpu.py."""
 
 from __future__ import annotations
 

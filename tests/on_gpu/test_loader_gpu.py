@@ -17,7 +17,7 @@ serialization of the callable) and every engine starts from a clean GPU and fres
 Run on the GPU machine::
 
     pip install -e .    # so the vllm.general_plugins entry point exists
-    python -m pytest tests/gpu/test_loader_gpu.py -m gpu -v
+    python -m pytest tests/on_gpu/test_loader_gpu.py -m gpu -v
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ and Qwen3-MoE AWQ/GPTQ experts; several TP sizes at once (several writers in fli
 
 Run on the GPU machine::
 
-    python -m pytest tests/gpu/test_convert_cuda_gpu.py -m gpu -v
+    python -m pytest tests/on_gpu/test_convert_cuda_gpu.py -m gpu -v
 """
 
 from __future__ import annotations

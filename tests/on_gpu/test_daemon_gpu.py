@@ -39,7 +39,7 @@ so that all of them start concurrently on one GPU.
 Run on the GPU machine::
 
     pip install -e .    # so the vllm.general_plugins entry point exists
-    python -m pytest tests/gpu/test_daemon_gpu.py -m gpu -v -s
+    python -m pytest tests/on_gpu/test_daemon_gpu.py -m gpu -v -s
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
   (a daemon's readiness).
 * :func:`check_logprobs_close` over the JSON results of that engine subprocess.
 
-The test modules import it as ``from _harness import ...``: tests/gpu has no ``__init__.py``,
+The test modules import it as ``from _harness import ...``: tests/on_gpu has no ``__init__.py``,
 so pytest puts this folder on ``sys.path`` (and so does running a file here as a script).
 Importing it touches no GPU (engine subprocesses fork TP workers after importing it).
 """
@@ -386,7 +386,7 @@ class Cluster:
             proc.stop()
         for d in self.sockets:
             shutil.rmtree(d, ignore_errors=True)
-        if os.environ.get("OUT"):  # tests/gpu/device.sh collects $OUT
+        if os.environ.get("OUT"):  # tests/on_gpu/device.sh collects $OUT
             dest = Path(os.environ["OUT"]) / self.logs
             dest.mkdir(parents=True, exist_ok=True)
             for proc in self.procs:

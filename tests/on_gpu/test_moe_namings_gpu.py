@@ -14,7 +14,7 @@ vLLM 0.33.0 refuses it (``tests/sources/test_thirdparty_moe_fixtures.py``), so t
 
 Run on the GPU machine::
 
-    python -m pytest tests/gpu/test_moe_namings_gpu.py -m gpu -v -s
+    python -m pytest tests/on_gpu/test_moe_namings_gpu.py -m gpu -v -s
 """
 
 from __future__ import annotations

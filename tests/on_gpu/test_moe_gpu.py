@@ -26,7 +26,7 @@ Marlin GEMM) after the prepacked layers are finished.
 
 Run on the GPU machine::
 
-    python -m pytest tests/gpu/test_moe_gpu.py -m gpu -v -s
+    python -m pytest tests/on_gpu/test_moe_gpu.py -m gpu -v -s
 """
 
 from __future__ import annotations

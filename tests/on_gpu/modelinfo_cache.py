@@ -7,8 +7,8 @@ subprocess (``_LazyRegisteredModel.inspect_model_cls``: about 25 s there), unles
 0.33.0 wheel is valid on the device, and a stale one is only recomputed). So the device's time
 goes to the runs, not to the inspection:
 
-    python tests/gpu/modelinfo_cache.py .device-carry/mi          # here, once per checkout
-    # in the device call that installs vLLM, carry .device-carry/mi; tests/gpu/device.sh then
+    python tests/on_gpu/modelinfo_cache.py .device-carry/mi          # here, once per checkout
+    # in the device call that installs vLLM, carry .device-carry/mi; tests/on_gpu/device.sh then
     # copies it into vLLM's cache (or: cp -r .device-carry/mi/modelinfos ~/.cache/vllm/)
 """
 

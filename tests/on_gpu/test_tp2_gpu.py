@@ -27,7 +27,7 @@ means equal digests, dtypes and shapes. Outputs are compared like vLLM's
 
 Run on the GPU machine (``-k loader`` / ``-k daemon`` select one half)::
 
-    bash tests/gpu/device.sh tests/gpu/test_tp2_gpu.py
+    bash tests/on_gpu/device.sh tests/on_gpu/test_tp2_gpu.py
 """
 
 from __future__ import annotations
