@@ -11,7 +11,9 @@ durable write of as many bytes to the same disk: the bound of a conversion) into
 ``--bundle-root``, warms the page cache with both, then starts, one engine per process:
 
 * ``ordinary``: vLLM's own loading of the checkpoint, Marlin forced;
-* ``prepacked``: ``--load-format marlin_prepacked``, once per ``--io`` loader configuration;
+* ``prepacked``: ``--load-format marlin_prepacked``, once per ``--io`` configuration: a JSON object whose loader
+  keys (``bundle``, ``fallback``, ``verify``, ``preload``) go to ``--model-loader-extra-config`` and whose other
+  keys (I/O plan fields: ``mode``, ``threads``, ``window_mib``, ``helpers``, ...) to ``MARLIN_PACK_IO``;
 * with ``--daemon FMT``: ``marlin-pack daemon`` filled from the bundle, then engines with
   ``--load-format ipc_cache`` attaching to it, one after the other (``--attaches N``, 2 by default); with
   ``--ablate construct,cache_key`` each is followed by one without those patch modules of
@@ -41,27 +43,28 @@ prepacked engine.
     python benchmarks/bench_load.py --preset qwen3-30b-a3b --formats gptq --daemon gptq --workdir /tmp/bench
 
 A 70B checkpoint (40 GB) and its bundle (38 GB) do not both fit a 64 GiB disk. The loader's
-reader behaves differently on tmpfs (``io_mode`` ``auto`` stages there and pins page-cache
-pages in place elsewhere), so to measure what a server with the bundle on disk gets, put the
+reader behaves differently on tmpfs (the I/O plan stages there and pins page-cache pages in
+place elsewhere), so to measure what a server with the bundle on disk gets, put the
 checkpoint on tmpfs and the bundle on disk: ``--workdir /dev/shm/bench --bundle-root /tmp/bench``.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
+import itertools
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+# The engine harness of the GPU tests: processes in their own sessions, rendezvous ports, daemon flags, readiness.
+from marlin_pack.testing.engine_harness import Cluster, Proc, attach_config, wait_socket
 
 CHILD = r"""
 import cProfile, io, json, os, pstats, sys, time
@@ -138,15 +141,15 @@ print('RESULT ' + json.dumps({'engine_start_s': start_s, 'tokens': list(out[0].o
 
 LOAD_RE = r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds"
 FILL_RE = r"filled its model in ([\d.]+) s"
-DAEMON_FLAGS = ["--dtype", "float16", "--enforce-eager", "--max-model-len", "512", "--gpu-memory-utilization", "0.05",
-                "--kernel-config", '{"enable_flashinfer_autotune": false}']
-_PORT = [23000]
+ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # on top of the harness's process environment
+_RUNS = itertools.count(1)  # numbers the engines' log files
 
 
-def _env() -> dict[str, str]:
-    _PORT[0] += 50
-    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
-            "VLLM_PORT": str(_PORT[0])}
+def _cluster(log_dir: Path) -> Cluster:
+    """The harness's processes for one engine or one daemon and its engines: logs in ``log_dir``, this cwd (relative
+    paths given to the bench hold), 60 s from SIGTERM to SIGKILL (a daemon frees its ~40 GB)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return Cluster(log_dir, logs=None, cwd=Path.cwd(), stop_timeout_s=60)
 
 
 _MARLIN_KEYS = ("marlin-pack: validate", "marlin-pack: placed", "filled its model", "daemon warm-up", "copy helpers")
@@ -218,26 +221,39 @@ def spy_summary(raw: str, under: str | None, top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profile: bool = False, ablate: str = "") -> dict:
+def _split(io: str) -> tuple[dict, dict[str, str]]:
+    """One ``--io`` object: (its loader options, the environment carrying the rest as ``MARLIN_PACK_IO``)."""
+    from marlin_pack.vllm_plugin.options import OPTION_KEYS
+
+    given = json.loads(io)
+    plan = {k: v for k, v in given.items() if k not in OPTION_KEYS}
+    return {k: v for k, v in given.items() if k in OPTION_KEYS}, ({"MARLIN_PACK_IO": json.dumps(plan)} if plan else {})
+
+
+def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profile: bool = False, ablate: str = "",
+            env: dict[str, str] | None = None) -> dict:
     argv = [sys.executable, "-c", CHILD, str(model), mode, attn, json.dumps(extra or {}), str(int(profile)), ablate]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    spy = _Spy(proc.pid, f"{mode}-{len(list(SPY_DIR[0].glob('*.raw')))}") if SPY_DIR else None
-    stdout, stderr = proc.communicate()
-    p = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+    procs = _cluster(model.parent)
+    proc = procs.start(f"engine-{next(_RUNS)}-{mode}-{model.name}", argv, procs.env({**ENV, **(env or {})}))
+    spy = _Spy(proc.popen.pid, f"{mode}-{len(list(SPY_DIR[0].glob('*.raw')))}") if SPY_DIR else None
+    try:
+        code = proc.wait_exit(None)
+    finally:
+        procs.stop()  # its process group: nothing it started outlives it
     if spy is not None:
         spy.stop(wait_only=True)  # it ends with the engine's process
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if p.returncode or line is None:
-        sys.stderr.write(p.stdout[-3000:] + p.stderr[-6000:])
-        raise SystemExit(f"{mode} engine failed (exit {p.returncode})")
+    log = proc.log()  # vLLM logs to stdout/stderr, both in the log; parse its own timing line
+    line = next((x for x in log.splitlines() if x.startswith("RESULT ")), None)
+    if code or line is None:
+        sys.stderr.write(proc.tail(9000))
+        raise SystemExit(f"{mode} engine failed (exit {code})")
     result = json.loads(line[len("RESULT "):])
-    log = p.stdout + p.stderr  # vLLM logs to stdout/stderr; parse its own timing line
     m = re.search(LOAD_RE, log)
     result["model_loading_s"] = float(m.group(2)) if m else None
     kv = re.search(r"Available KV cache memory: ([0-9.]+) GiB", log)  # sized from vLLM's memory snapshot and profile run
     result["kv_cache_gib"] = float(kv.group(1)) if kv else None
     result["marlin_pack_log"] = _marlin_lines(log)
-    prof = re.search(r"PROFILE-BEGIN\n(.*?)PROFILE-END", p.stdout, re.S)
+    prof = re.search(r"PROFILE-BEGIN\n(.*?)PROFILE-END", log, re.S)
     result["profile"] = prof.group(1) if prof else ""
     # One line per engine as it ends, so a sitting cut short still shows the rows it finished.
     print(f"  {mode} engine: Model loading took {result['model_loading_s']} s, engine start {result['engine_start_s']:.2f} s; "
@@ -246,27 +262,9 @@ def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profil
         print(f"    load_model {result.get('load_model_s', 0):.3f} s: "
               + ", ".join(f"{k} {v:.3f}" for k, v in result["phases"].items()), flush=True)
     for x in result["marlin_pack_log"][:-1]:  # the copy's line, the helpers' exit and the engine's page-locking ahead
-        if any(k in x for k in ("placed", "to exit", "page-locked in")):
+        if any(k in x for k in ("placed", "copy helpers to", "page-locked in", "I/O plan")):
             print(f"    {x}", flush=True)
     return result
-
-
-def _wait_socket(proc: subprocess.Popen, sdir: Path, timeout: float = 600) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for path in glob.glob(str(sdir / "*.sock")):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.connect(path)
-                return True
-            except OSError:
-                pass
-            finally:
-                s.close()
-        if proc.poll() is not None:
-            return False
-        time.sleep(0.02)
-    return False
 
 
 def _daemon_rows(
@@ -275,23 +273,22 @@ def _daemon_rows(
 ) -> dict:
     """Fill a daemon from the bundle, then (``attach``) attach ``attaches`` ipc_cache engines one after the other
     (with ``ablate``, each followed by one without those marlin-pack patch modules: pairs side by side)."""
-    sdir = Path(tempfile.mkdtemp(prefix="mpb-", dir="/tmp"))
-    log_path = log_dir / f"daemon-{model.name}.log"
-    argv = [sys.executable, "-m", "marlin_pack.cli", "daemon", str(model), *DAEMON_FLAGS,
-            "--weight-cache-socket-dir", str(sdir), "--model-loader-extra-config", json.dumps({**json.loads(io), "bundle": str(bundle)})]
+    procs = _cluster(log_dir)
+    sdir = procs.socket_dir()
+    options, plan_env = _split(io)
+    config = json.dumps({**options, "bundle": str(bundle)})
     launched = time.perf_counter()
-    with open(log_path, "w") as log:
-        daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-    spy = _Spy(daemon.pid, f"daemon-{len(list(SPY_DIR[0].glob('*.raw')))}") if SPY_DIR else None
+    daemon: Proc = procs.daemon(f"daemon-{model.name}", model, sdir, "--model-loader-extra-config", config, env={**ENV, **plan_env})
+    spy = _Spy(daemon.popen.pid, f"daemon-{len(list(SPY_DIR[0].glob('*.raw')))}") if SPY_DIR else None
     try:
-        up = _wait_socket(daemon, sdir)
+        up = wait_socket(daemon, sdir, timeout=600, poll_s=0.02)
         ready_s = time.perf_counter() - launched  # the whole daemon start: CLI, spawn, vLLM's init, fill, warm-up
         if spy is not None:
             spy.stop()  # the fill is over once the daemon listens
         if not up:
-            sys.stderr.write(log_path.read_text()[-6000:])
+            sys.stderr.write(daemon.tail(6000))
             raise SystemExit("the daemon did not come up")
-        text = log_path.read_text()
+        text = daemon.log()
         m = re.search(FILL_RE, text)
         rows = {"fill_s": float(m.group(1)) if m else None, "ready_s": ready_s, "daemon_log": _marlin_lines(text)}
         print(f"  daemon ({io}) filled from the bundle in {rows['fill_s']} s; listening {ready_s:.2f} s after launch", flush=True)
@@ -299,19 +296,14 @@ def _daemon_rows(
             print(f"    {line}", flush=True)
         if not attach:
             return rows
-        extra = {"socket_dir": str(sdir), "fallback": False, "state_timeout_s": 600}
+        extra = attach_config(sdir)
         for k in range(1, attaches + 1):
             rows[f"attach{k}"] = _engine(model, "ipc", attn, extra, profile=profile and k == 2)
             if ablate:
                 rows[f"attach{k} without {ablate}"] = _engine(model, "ipc", attn, extra, ablate=ablate)
         return rows
     finally:
-        os.killpg(daemon.pid, signal.SIGTERM)
-        try:
-            daemon.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(daemon.pid, signal.SIGKILL)
-        shutil.rmtree(sdir, ignore_errors=True)
+        procs.stop()  # the daemon's process group (SIGTERM, SIGKILL after 60 s) and its socket directory
 
 
 def _disk_write_gbps(directory: Path, nbytes: int = 8 << 30) -> float:
@@ -376,8 +368,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench"))
     ap.add_argument("--bundle-root", type=Path, default=None, help="where bundles go (default: in the checkpoint)")
     ap.add_argument("--attention-backend", default=os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN"))
-    ap.add_argument("--io", default="{}", help="';'-separated loader extra configs, one prepacked engine each (none: no engine)")
-    ap.add_argument("--daemon-io", default="{}", help="';'-separated daemon loader extra configs: each fills a daemon, "
+    ap.add_argument("--io", default="{}", help="';'-separated JSON objects of loader options and I/O plan fields "
+                    "(MARLIN_PACK_IO), one prepacked engine each (none: no engine)")
+    ap.add_argument("--daemon-io", default="{}", help="';'-separated objects as --io: each fills a daemon, "
                     "the last one's gets the attaches")
     ap.add_argument("--daemon", default="", help="formats (comma-separated) that also get the daemon rows")
     ap.add_argument("--no-ordinary", action="store_true", help="skip the ordinary engine")
@@ -389,54 +382,10 @@ def main() -> None:
                     "interleaved, and print each one's median and best")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and bundles (disk!)")
     ap.add_argument("--reuse", action="store_true", help="use a checkpoint and bundle an earlier --keep run left (no convert row)")
-    ap.add_argument("--helper-service", type=int, default=0, metavar="N",
-                    help="run `marlin-pack helpers` (N helpers on GPU 0) for the whole sitting: engines take its helpers "
-                         "unless their config says \"io_helper_service\": false")
-    ap.add_argument("--helper-retain-gib", type=float, default=0.0, metavar="G",
-                    help="with --helper-service: the helpers keep up to G GiB of bundle pages registered between engines "
-                         "(`marlin-pack helpers --retain-gib`); the first engine of a bundle page-locks them, later ones do not")
-    ap.add_argument("--helper-preload", action="store_true",
-                    help="with --helper-retain-gib: page-lock each bundle's TP=1 files in the helpers before its engines "
-                         "(`marlin-pack helpers --preload`), so that the first engine copies without page-locking too")
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="sample every engine and daemon with py-spy (PY_SPY or PATH) into DIR/*.raw and print where the "
                          "loader's time went")
-    args = ap.parse_args()
-    service = _start_helper_service(args.helper_service, args.helper_retain_gib) if args.helper_service else None
-    args.service = service
-    try:
-        _sitting(args)
-    finally:
-        if service is not None:
-            service.stop()
-
-
-def _start_helper_service(processes: int, retain_gib: float = 0.0):  # noqa: ANN202 - a HelperService
-    """``marlin-pack helpers`` in this process (its helpers are processes of their own), in a fresh directory
-    that every engine of the sitting is pointed at; prints what their CUDA contexts hold on the GPU."""
-    import tempfile
-
-    from marlin_pack.vllm_plugin.helper_service import HelperService
-
-    directory = Path(tempfile.mkdtemp(prefix="mph-", dir="/tmp"))
-    os.environ["MARLIN_PACK_HELPERS_DIR"] = str(directory)
-    t = time.perf_counter()
-    retain_mib = int(retain_gib * 1024 / processes + 0.999)  # per helper, as the command splits it
-    service = HelperService([0], processes=processes, directory=directory, retain_mib=retain_mib,
-                            log=lambda line: print(line, flush=True))
-    service.start()
-    ready = time.perf_counter() - t
-    pids = {str(h.proc.pid) for h in service.helpers}
-    try:
-        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=30).stdout
-        mib = [int(used) for pid, used in (line.split(", ") for line in apps.splitlines() if ", " in line) if pid in pids]
-    except (OSError, subprocess.SubprocessError, ValueError):
-        mib = []
-    print(f"helper service: {len(service.helpers)} helpers ready {ready:.2f} s after its start, in {directory}, "
-          f"retaining up to {retain_mib} MiB of pages each; "
-          f"GPU memory per helper {mib or 'unknown'} MiB", flush=True)
-    return service
+    _sitting(ap.parse_args())
 
 
 def _sitting(args: argparse.Namespace) -> None:
@@ -491,11 +440,6 @@ def _sitting(args: argparse.Namespace) -> None:
         bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
         disk = _disk_write_gbps(bundle.parent) if not reused else float("nan")
         warm_gb = _warm([model, bundle])
-        if args.helper_preload and args.service is not None:
-            t = time.perf_counter()
-            done = args.service.preload([bundle / "tp1" / "rank-0.safetensors", bundle / "common.safetensors"])
-            print(f"{fmt}: helper service page-locked {sum(done.values()) / 1e9:.2f} GB of the bundle in "
-                  f"{time.perf_counter() - t:.2f} s (--helper-preload)", flush=True)
         rank_gb = manifest.tensor_parallel[0].ranks[0].file.size / 1e9
         print(f"{fmt}: {'reused' if reused else f'generated in {gen_s:.1f} s; convert --device cuda {conv_s:.1f} s'}; "
               f"rank file {rank_gb:.1f} GB; bundle {bundle_gb:.1f} GB, a plain durable write of it at this disk's "
@@ -510,10 +454,12 @@ def _sitting(args: argparse.Namespace) -> None:
         for k in range(args.rounds):
             tag = f" #{k + 1}" if args.rounds > 1 else ""
             for i, io in enumerate(engine_ios):
-                extra = {**json.loads(io), "bundle": str(bundle)}
+                options, plan_env = _split(io)
+                extra = {**options, "bundle": str(bundle)}
                 try:
-                    rows[f"prepacked {io}{_repeat(engine_ios, i)}{tag}"] = _engine(model, "prepacked", args.attention_backend, extra,
-                                                           profile=args.profile and i == 0 and k == 0)
+                    rows[f"prepacked {io}{_repeat(engine_ios, i)}{tag}"] = _engine(
+                        model, "prepacked", args.attention_backend, extra, profile=args.profile and i == 0 and k == 0, env=plan_env
+                    )
                 except SystemExit as e:  # one loader configuration failing should not end the sitting
                     print(f"prepacked {io}: {e}", flush=True)
             for j, io in enumerate(daemon_ios):

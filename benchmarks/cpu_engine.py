@@ -3,7 +3,9 @@
 vLLM 0.33.0 refuses to build AWQ/GPTQ Marlin layers without a CUDA device; :func:`setup` makes the
 quantization and kernel-selection modules see an SM90 platform and gives attention layers vLLM's
 CPU backend, nothing else. :func:`daemon_state` is what a ``marlin_prepacked`` weight-cache daemon
-would export for a checkpoint, with shapes only (no tensor memory).
+would export for a checkpoint, with shapes only (no tensor memory). Its engines and daemon build the
+model with the settings of every GPU test and benchmark engine (``ENGINE_SETTINGS`` of the engine
+harness, :mod:`marlin_pack.testing.engine_harness`).
 """
 
 from __future__ import annotations
@@ -74,10 +76,27 @@ def _cpu_stand_ins() -> None:
     attention.get_attn_backend = lambda *a, **k: CPUAttentionBackend
 
 
+def _engine_settings() -> dict[str, object]:
+    """The engine harness's ``ENGINE_SETTINGS``, from this checkout's file: a ``--baseline-tree`` child of
+    ``bench_construct.py`` imports another tree's marlin_pack, which may predate the harness (whose import
+    runs the standard library only)."""
+    import importlib.util
+    import sys
+
+    name = "_bench_engine_harness"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "marlin_pack" / "testing" / "engine_harness.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None, path
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return dict(sys.modules[name].ENGINE_SETTINGS)
+
+
 def configs(model_dir: str, load_format: str) -> tuple[object, object]:
     from vllm.config import DeviceConfig, KernelConfig, LoadConfig, ModelConfig, VllmConfig
 
-    mc = ModelConfig(model=model_dir, dtype="float16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=512)
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, **_engine_settings())
     vc = VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"), kernel_config=KernelConfig(),
                     load_config=LoadConfig(load_format=load_format, device="cpu:0"))
     return vc, mc

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import shlex
 import sys
@@ -211,9 +210,9 @@ def _absolute_if_local(model: str) -> str:
 
 
 def _default_bundle(model: str, revision: str | None) -> Path:
-    from marlin_pack.sources.hub import bundle_dir_for, resolve_model
+    from marlin_pack.sources.hub import locate_bundle
 
-    return bundle_dir_for(resolve_model(model, revision, download=False))
+    return locate_bundle(model, revision)
 
 
 def _engine_dtype(model: str, revision: str | None) -> str:
@@ -261,114 +260,28 @@ def daemon(ctx: typer.Context, model_dir: ModelArg) -> None:
 
 
 @app.command()
-def helpers(
-    device: Annotated[
-        list[int] | None, typer.Option("--device", "-d", min=0, help="A CUDA device to serve (repeat for more) \\[default: every one].")
-    ] = None,
-    processes: Annotated[int, typer.Option("--processes", min=1, max=32, help="Copy helpers per device.")] = 4,
-    staged: Annotated[int, typer.Option("--staged", min=0, max=16, help="Staging threads per helper (as the loader's io_staged).")] = 0,
-    stage_mib: Annotated[int, typer.Option("--stage-mib", min=1, max=256, help="Each staging buffer, in MiB.")] = 64,
-    nice: Annotated[int, typer.Option("--nice", min=0, max=19, help="Niceness the helpers add to their own.")] = 0,
-    retain_gib: Annotated[
-        float,
-        typer.Option(
-            "--retain-gib", min=0,
-            help="Keep up to this many GiB of bundle pages per GPU page-locked between engines (pinned host memory): "
-            "later starts of the same bundle copy without page-locking. 0: none.",
-        ),
-    ] = 0,
-    preload: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--preload", exists=True, dir_okay=True, file_okay=True, readable=True,
-            help="A bundle file to page-lock in the helpers at once, or a directory (its *.safetensors), so that even the "
-            "first engine copies without page-locking (repeat for more; needs --retain-gib). Every served GPU gets them all.",
-        ),
-    ] = None,
-    status: Annotated[
-        bool, typer.Option("--status", help="Only show the running helpers (ready, busy, stale) and exit: 0 if one is ready.")
-    ] = False,
-) -> None:
-    """Keep copy helpers ready for marlin_prepacked engines on this host, until Ctrl-C.
+def env() -> None:
+    """Say what marlin-pack changes in vLLM: the targeted release, the installed one, and each patch by purpose.
 
-    An engine's loader otherwise starts its own helpers (~0.25 s of CUDA contexts inside every start)
-    and waits for them to exit. Engines of this user on a served GPU use these instead (loader option
-    io_helper_service, default true). Each helper keeps a CUDA context on its GPU while it runs.
-    With --retain-gib the helpers also keep a bundle's pages page-locked for the next engine.
-    Sockets: $MARLIN_PACK_HELPERS_DIR, else $XDG_RUNTIME_DIR/marlin-pack-helpers, else /tmp/marlin-pack-helpers-UID.
-    """  # noqa: E501
-    from marlin_pack.vllm_plugin.helper_service import HelperService, device_count, service_status, socket_dir
+    Speed patches act only in processes that use marlin_prepacked, ipc_cache or `marlin-pack daemon`.
+    """
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
 
-    if status:
-        rows = service_status()
-        if not rows:
-            err.print(f"no copy helpers in {socket_dir()}: start them with `marlin-pack helpers`", highlight=False)
-            raise typer.Exit(1)
-        table = Table(title=f"marlin-pack copy helpers in {socket_dir()}")
-        for column in ("GPU", "helper", "state", "retained"):
-            table.add_column(column)
-        for row in rows:
-            retained = "-" if row.retained_bytes is None else f"{row.retained_bytes / 2**30:.2f} GiB"
-            table.add_row(row.uuid, str(row.slot), row.state, retained)
-        out.print(table)
-        if not any(row.state == "ready" for row in rows):
-            raise typer.Exit(1)
-        return
-    files = _preload_files(preload or [])
-    if files and not retain_gib:
-        raise MarlinPackError("--preload page-locks files for later engines: give the helpers room with --retain-gib GIB")
-    devices = sorted(set(device)) if device else list(range(device_count()))
-    retain_mib = math.ceil(retain_gib * 1024 / processes) if retain_gib else 0  # the budget is per helper
-    service = HelperService(devices, processes=processes, staged=staged, stage_mib=stage_mib, nice=nice, retain_mib=retain_mib,
-                            log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
-    with _status(f"starting {processes} copy helpers on {len(devices)} GPU(s)"):
-        service.start()
-    if files:
-        try:
-            with _status(f"page-locking {len(files)} file(s) in the helpers"):
-                done = service.preload(files)
-        except BaseException:
-            service.stop()
-            raise
-        for d, n in sorted(done.items()):
-            err.print(f"GPU {d}: {n / 2**30:.2f} GiB of {len(files)} file(s) page-locked for the next engines", highlight=False)
+    from marlin_pack._constants import TARGET_VLLM_VERSION
+    from marlin_pack.patch_list import patch_rows
+
     try:
-        table = Table(title=f"marlin-pack copy helpers in {service.directory}")
-        for column in ("device", "GPU", "helpers ready"):
-            table.add_column(column)
-        for d in devices:
-            mine = [h for h in service.helpers if h.device == d]
-            ready = [h for h in mine if h.uuid is not None]
-            table.add_row(str(d), ready[0].uuid if ready else "-", f"{len(ready)} of {len(mine)}")
-        out.print(table)
-        err.print("serving marlin_prepacked engines of this user; Ctrl-C stops", highlight=False)
-        service.wait()
-    finally:
-        service.stop()
-
-
-def _preload_files(paths: list[Path]) -> list[Path]:
-    """``--preload`` paths as files: a directory stands for its ``*.safetensors`` files."""
-    files: list[Path] = []
-    for p in paths:
-        if p.is_dir():
-            found = sorted(p.glob("*.safetensors"))
-            if not found:
-                raise MarlinPackError(f"--preload {p}: no *.safetensors file in this directory; give a bundle's tp directory or its files")
-            files.extend(found)
-        else:
-            files.append(p)
-    return files
-
-
-@contextmanager
-def _status(what: str) -> Iterator[None]:
-    """A spinner on stderr while ``what`` runs (none when stderr is not a terminal)."""
-    if not err.is_terminal:
-        yield
-        return
-    with err.status(Text(what)):  # a Status reads a str as markup whatever the console's setting
-        yield
+        running = installed_version("vllm")
+    except PackageNotFoundError:
+        running = "not installed"
+    out.print(f"marlin-pack {__version__}; targets vLLM {TARGET_VLLM_VERSION}; installed vLLM {running}", highlight=False)
+    if running != TARGET_VLLM_VERSION:
+        out.print("the plugin installs no patch and registers no load format on this vLLM", highlight=False)
+    table = Table("purpose", "patched in vLLM", "remove when", title="patches installed in every vLLM process")
+    for purpose, target, remove_when in patch_rows():
+        table.add_row(purpose, target, remove_when)
+    out.print(table)
 
 
 @app.command()

@@ -218,3 +218,30 @@ def test_check_refuses_an_alias_naming_a_quantized_tensor(make_checkpoint, tmp_p
     path.write_text(json.dumps(m))
     r = _run_wide("check", str(d))
     assert r.returncode == 1 and "refuse" in r.stdout and "common_aliases" in r.stdout, r.stdout
+
+
+def test_env_lists_every_patch_by_purpose_without_importing_vllm() -> None:
+    """`marlin-pack env`: the targeted and installed vLLM, and a row per patch (purpose, target, upstream change)."""
+    from marlin_pack.patch_list import patch_rows
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from marlin_pack.cli import app; sys.argv = ['marlin-pack', 'env'];\n"
+         "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+         "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'"],
+        capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"}, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "targets vLLM 0.33.0" in done.stdout
+    rows = patch_rows()
+    assert {purpose for purpose, _, _ in rows} == {"correctness", "weight_cache", "speed"}
+    for purpose, target, _ in rows:
+        assert target.split(":")[-1] in done.stdout, target
+
+
+def test_the_helper_service_command_is_gone() -> None:
+    """`marlin-pack helpers` (a socket service keeping helpers between engines) was retired: it measured no gain."""
+    r = _run("helpers")
+    assert r.returncode != 0 and "No such command" in r.stderr
+    import importlib.util
+
+    assert importlib.util.find_spec("marlin_pack.vllm_plugin.helper_service") is None

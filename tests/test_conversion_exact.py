@@ -1,6 +1,6 @@
 """Every tensor the converter writes equals what stock vLLM 0.33.0 holds, bit for bit.
 
-The reference is ``tests/vllm_reference.py``: vLLM's real layers, weight loaders and
+The reference is ``tests/oracles/vllm_reference.py``: vLLM's real layers, weight loaders and
 ``process_weights_after_loading`` on the CPU, with only the CUDA repack op replaced by
 vLLM's own pure-torch reference (``marlin_utils_test.marlin_weights``).
 """
@@ -16,7 +16,7 @@ import torch
 from marlin_pack import convert, verify
 
 pytest.importorskip("vllm")
-from oracle_compare import assert_bundle_equals_vllm  # noqa: E402
+from oracles.oracle_compare import assert_bundle_equals_vllm  # noqa: E402
 
 FORMATS = [("awq", 4), ("gptq", 4), ("gptq", 8)]
 

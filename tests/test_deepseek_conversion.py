@@ -25,8 +25,8 @@ from marlin_pack.schemas import LayerKind
 
 pytest.importorskip("vllm")
 from moe_checkpoints import write_moe_checkpoint  # noqa: E402
-from oracle_compare import assert_rank_file_equals  # noqa: E402
-from vllm_moe_reference import reference_moe_rank_tensors  # noqa: E402
+from oracles.oracle_compare import assert_rank_file_equals  # noqa: E402
+from oracles.vllm_moe_reference import reference_moe_rank_tensors  # noqa: E402
 
 V2, V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
 

@@ -22,8 +22,8 @@ from marlin_pack.errors import UnsupportedCheckpointError
 
 pytest.importorskip("vllm")
 from moe_checkpoints import write_moe_checkpoint  # noqa: E402
-from oracle_compare import assert_rank_file_equals  # noqa: E402
-from vllm_moe_reference import VllmRefusedError, reference_moe_rank_tensors  # noqa: E402
+from oracles.oracle_compare import assert_rank_file_equals  # noqa: E402
+from oracles.vllm_moe_reference import VllmRefusedError, reference_moe_rank_tensors  # noqa: E402
 
 
 def assert_moe_bundle_equals_vllm(model: Path, bundle: Path, tps: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -67,8 +67,10 @@ def test_verify_refuses_an_alias_to_a_missing_tensor(make_checkpoint, tmp_path: 
 
 def test_loader_feeds_the_tensor_under_both_names(make_checkpoint, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
+    from marlin_pack.gpu.host_map import HostMap
+    from marlin_pack.gpu.plan import IoPlan
+    from marlin_pack.gpu.reader import ParallelReader
     from marlin_pack.vllm_plugin.decision import EngineFacts, decide
-    from marlin_pack.vllm_plugin.gpu_reader import HostMap, ParallelReader
     from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
     from marlin_pack.vllm_plugin.options import parse_extra_config
 
@@ -82,7 +84,7 @@ def test_loader_feeds_the_tensor_under_both_names(make_checkpoint, tmp_path: Pat
     bundle = decide(parse_extra_config({}, "marlin_prepacked"), facts).bundle
     assert bundle is not None
     want = load_file(str(model / "model.safetensors"))
-    with ParallelReader(1, 1 << 20) as reader, HostMap(bundle.common_file) as host:
+    with ParallelReader(IoPlan(threads=1, window=1 << 20)) as reader, HostMap(bundle.common_file) as host:
         fed = dict(MarlinPrepackedLoader._common_weights(reader, host, bundle, torch.nn.Module(), torch.device("cpu")))
         assert fed["lm_head.weight"] is fed["model.embed_tokens.weight"]
         assert torch.equal(fed["lm_head.weight"], want["lm_head.weight"])

@@ -142,7 +142,7 @@ def in_base_memory_pages(
 ) -> bool:
     """Whether ``path`` is on a memory filesystem that holds files in base (4 KiB) pages.
 
-    Such files are slow to page-lock in place: pinning walks every page (``benchmarks/bench_pin.py``
+    Such files are slow to page-lock in place: pinning walks every page (``benchmarks/bench_h2d.py --pin``
     on an H200 host: ``cuMemHostRegister`` 16.1 GB/s on a default tmpfs against 37.2 GB/s on a
     ``huge=always`` tmpfs and 37.1 GB/s on ext4). True for ramfs and for tmpfs unless mounted
     ``huge=always`` or ``huge=within_size`` or the kernel forces huge pages on every tmpfs

@@ -7,7 +7,7 @@ modules feed each of them (one module per part, or one module already holding al
 Phi-3's ``qkv_proj``), where the decoder layers live in the checkpoint and in vLLM, and how the
 dimensions are read from ``config.json`` (as transformers' config class of its ``model_type``
 exposes them: :mod:`marlin_pack.marlin.hf_config`). Adding an architecture is adding a row here, plus
-a test against vLLM's own model class (``tests/test_architectures_exact.py``).
+a test against vLLM's own model class (``tests/marlin/test_architectures_exact.py``).
 
 Sizes are symbols resolved per model: ``h`` hidden size, ``i`` intermediate size, ``q`` query
 heads x head_dim, ``kv`` KV heads x head_dim; DeepSeek's multi-head latent attention adds the

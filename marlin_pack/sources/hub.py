@@ -58,6 +58,18 @@ def bundle_dir_for(model: ResolvedModel) -> Path:
     return cache_root() / f"models--{model.repo_id.replace('/', '--')}" / str(model.commit)
 
 
+def locate_bundle(model: str | Path, revision: str | None = None, bundle: str | Path | None = None) -> Path:
+    """The one bundle locator: ``bundle`` when given, else the default bundle of ``model`` (a directory or a repo
+    id already in the Hugging Face cache; nothing is downloaded).
+
+    Raises:
+        CheckpointError: ``model`` is neither a directory nor a cached repo id.
+    """
+    if bundle is not None:
+        return Path(bundle).expanduser()
+    return bundle_dir_for(resolve_model(model, revision, download=False))
+
+
 def resolve_model(model: str | Path, revision: str | None = None, *, download: bool = True) -> ResolvedModel:
     """A local checkpoint directory as it is, or a repo id resolved through the Hugging Face cache.
 

@@ -1,7 +1,8 @@
 """Random AWQ / GPTQ DeepSeek-V2 checkpoints of any size, for benchmarks and GPU runs (no download).
 
-The sibling of :mod:`marlin_pack.testing.synthetic_moe` (whose streaming writer this uses: each
-tensor drawn when its turn comes, on ``device``). The layout is what transformers'
+The sibling of :mod:`marlin_pack.testing.synthetic_moe`; both write through :mod:`.moe_writer`
+(each tensor drawn when its turn comes, on ``device``), so this module holds only the layers, the
+shape and the config. The layout is what transformers'
 ``DeepseekV2ForCausalLM.save_pretrained`` writes (``tests/testing/test_synthetic_deepseek.py``
 checks names, shapes and config against it): per decoder layer the multi-head latent attention
 (``q_proj`` or ``q_a_proj`` + ``q_a_layernorm`` + ``q_b_proj``, ``kv_a_proj_with_mqa``,
@@ -19,8 +20,7 @@ from typing import Any
 
 import torch
 
-from marlin_pack.testing import synthetic as s
-from marlin_pack.testing.synthetic_moe import quant_config, write_specs
+from marlin_pack.testing.moe_writer import Linear, Plain, base_config, write_layout
 
 __all__ = ["DeepseekShape", "DEEPSEEK_PRESETS", "write_deepseek_checkpoint"]
 
@@ -60,6 +60,15 @@ class DeepseekShape:
         experts = [x for e in range(self.n_routed_experts) for x in _mlp(f"mlp.experts.{e}", h, self.moe_intermediate_size)]
         return attn + experts + _mlp("mlp.shared_experts", h, self.moe_intermediate_size * self.n_shared_experts)
 
+    def decoder_layer(self, layer: int) -> list[Linear | Plain]:
+        """One decoder layer's tensors in state-dict order: its linears, its norms, then (sparse layers) the router."""
+        h = self.hidden_size
+        norms = [("self_attn.kv_a_layernorm", self.kv_lora_rank), ("input_layernorm", h), ("post_attention_layernorm", h)]
+        if self.q_lora_rank is not None:
+            norms.append(("self_attn.q_a_layernorm", self.q_lora_rank))
+        router = [Plain("mlp.gate.weight", (self.n_routed_experts, h), "normal")] if layer >= self.first_k_dense_replace else []
+        return [*(Linear(*x) for x in self.linears(layer)), *(Plain(f"{x}.weight", (n,), "near_one") for x, n in norms), *router]
+
 
 def _mlp(prefix: str, h: int, i: int) -> list[tuple[str, int, int]]:
     return [(f"{prefix}.gate_proj", h, i), (f"{prefix}.up_proj", h, i), (f"{prefix}.down_proj", i, h)]
@@ -75,44 +84,19 @@ DEEPSEEK_PRESETS: dict[str, DeepseekShape] = {
 }
 
 
-def _specs(shape: DeepseekShape, qc: dict[str, Any], dtype: torch.dtype) -> list[Any]:
-    h = shape.hidden_size
-    specs = [s._Spec("model.embed_tokens.weight", (shape.vocab_size, h), dtype, "normal")]
-    for layer in range(shape.num_hidden_layers):
-        p = f"model.layers.{layer}"
-        for suffix, k, n in shape.linears(layer):
-            g = qc["group_size"]
-            if g != -1 and k % g:
-                raise ValueError(f"group_size {g} does not divide the {k} in_features of {p}.{suffix}; use 64, 32 or -1")
-            specs += s._linear_specs(f"{p}.{suffix}", k, n, False, qc, dtype)
-        norms = [("self_attn.kv_a_layernorm", shape.kv_lora_rank), ("input_layernorm", h), ("post_attention_layernorm", h)]
-        if shape.q_lora_rank is not None:
-            norms.append(("self_attn.q_a_layernorm", shape.q_lora_rank))
-        specs += [s._Spec(f"{p}.{x}.weight", (n,), dtype, "near_one") for x, n in norms]
-        if layer >= shape.first_k_dense_replace:
-            specs.append(s._Spec(f"{p}.mlp.gate.weight", (shape.n_routed_experts, h), dtype, "normal"))
-    specs.append(s._Spec("model.norm.weight", (h,), dtype, "near_one"))
-    specs.append(s._Spec("lm_head.weight", (shape.vocab_size, h), dtype, "normal"))
-    return specs
-
-
 def _config(shape: DeepseekShape, qc: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """config.json as transformers' DeepseekV2Config saves it (the keys vLLM 0.33.0 reads)."""
     return {
-        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": shape.hidden_size,
+        **base_config(shape, qc, dtype, architecture="DeepseekV2ForCausalLM", model_type="deepseek_v2", dtype_key="dtype"),
         "intermediate_size": shape.intermediate_size, "moe_intermediate_size": shape.moe_intermediate_size,
         "n_routed_experts": shape.n_routed_experts, "n_shared_experts": shape.n_shared_experts,
         "num_experts_per_tok": shape.num_experts_per_tok, "first_k_dense_replace": shape.first_k_dense_replace,
-        "num_hidden_layers": shape.num_hidden_layers, "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_attention_heads, "kv_lora_rank": shape.kv_lora_rank, "q_lora_rank": shape.q_lora_rank,
-        "qk_nope_head_dim": shape.qk_nope_head_dim, "qk_rope_head_dim": shape.qk_rope_head_dim,
-        "qk_head_dim": shape.qk_nope_head_dim + shape.qk_rope_head_dim, "v_head_dim": shape.v_head_dim,
-        "head_dim": shape.qk_rope_head_dim, "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
-        "routed_scaling_factor": 1.0, "vocab_size": shape.vocab_size, "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "hidden_act": "silu",
-        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "tie_word_embeddings": False,
-        "dtype": s._DTYPE_NAMES[dtype], "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02, "use_cache": True,
-        "quantization_config": qc,
+        "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_attention_heads,
+        "kv_lora_rank": shape.kv_lora_rank, "q_lora_rank": shape.q_lora_rank, "qk_nope_head_dim": shape.qk_nope_head_dim,
+        "qk_rope_head_dim": shape.qk_rope_head_dim, "qk_head_dim": shape.qk_nope_head_dim + shape.qk_rope_head_dim,
+        "v_head_dim": shape.v_head_dim, "head_dim": shape.qk_rope_head_dim, "topk_method": "greedy", "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "mlp_bias": False,
     }
 
 
@@ -125,6 +109,5 @@ def write_deepseek_checkpoint(out_dir: str | Path, shape: DeepseekShape, fmt: st
     Example:
         >>> write_deepseek_checkpoint("/tmp/dsv2", DEEPSEEK_PRESETS["deepseek-v2-lite"], "awq", group_size=64, device="cuda")
     """
-    qc = quant_config(fmt, bits, group_size)
-    return write_specs(out_dir, _specs(shape, qc, dtype), _config(shape, qc, dtype), seed=seed, max_shard_bytes=max_shard_bytes,
-                       device=device, tokenizer=tokenizer)
+    return write_layout(out_dir, shape, _config, fmt, bits=bits, group_size=group_size, dtype=dtype, seed=seed,
+                        max_shard_bytes=max_shard_bytes, device=device, tokenizer=tokenizer)

@@ -5,18 +5,23 @@ Installed with the package as the ``vllm.general_plugins`` entry point
 engine core, workers) calls :func:`register` once. Importing this package does not
 import vLLM; :func:`register` does, lazily.
 
+Hence every patch is installed in every vLLM process; a process that uses neither
+``--load-format marlin_prepacked``, ``--load-format ipc_cache`` nor ``marlin-pack daemon``
+behaves exactly as without the plugin: the correctness and weight-cache patches act only on what
+those paths produce, and the speed patches only inside marlin-pack's scope
+(:mod:`.patches.scope`). ``marlin_pack.patch_list.patch_rows()`` lists them all, by purpose.
+
 Usage::
 
     marlin-pack convert MODEL_DIR              # writes MODEL_DIR/marlin-pack
     vllm serve MODEL_DIR --load-format marlin_prepacked
 
 Modules: ``loader`` (the model loader), ``options`` (its extra config), ``decision`` (pure
-checks over plain facts), ``engine`` (every read of vLLM internals), ``gpu_reader`` (bundle
-bytes to the GPU), ``patches/`` (the registry of vLLM patches), ``launcher``
-(``marlin-pack daemon``), ``daemon_process`` (the spawn target of ``vllm preload``'s daemons),
-``preload`` (copy helpers page-locking the bundle before the copy: a daemon as it starts, an
-engine as its worker sets up), ``copy_helpers`` / ``helper_service`` / ``copy_helper_main`` (the
-copy helper processes).
+checks over plain facts), ``engine`` (every read of vLLM internals), ``patches/`` (the registry
+of vLLM patches, by purpose), ``launcher`` (``marlin-pack daemon``), ``daemon_process`` (the spawn
+target of ``vllm preload``'s daemons), ``preload`` (copy helpers page-locking the bundle before the
+copy: a daemon as it starts, an engine as its worker sets up). Bundle bytes reach the GPU through
+:mod:`marlin_pack.gpu` (reader, copy helpers), which does not import vLLM.
 """
 
 from __future__ import annotations

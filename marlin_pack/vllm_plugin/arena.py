@@ -25,7 +25,7 @@ from marlin_pack.marlin.moe import moe_entry_specs
 from marlin_pack.marlin.rank_tensors import tensor_specs
 from marlin_pack.schemas import torch_dtype
 from marlin_pack.vllm_plugin.decision import SelectedBundle
-from marlin_pack.vllm_plugin.gpu_reader import CopyItem, ParallelReader
+from marlin_pack.gpu.reader import CopyItem, ParallelReader
 
 __all__ = ["ARENA_ALIGN", "ArenaLayout", "ArenaSlot", "BackgroundCopy", "release"]
 
@@ -123,9 +123,7 @@ class BackgroundCopy:
 
     ``make_reader`` is called on that thread (one reader for every file); ``on_done`` runs there once the copy has ended
     (done or failed). The items, and so their destinations, are referenced until then: the
-    memory cannot be freed under the copy. ``gate``, an event part of the copy may wait for
-    (the reader's ``own_after``), is set by :meth:`join` and :meth:`abandon` at the latest, so
-    they never wait on a copy that waits on them.
+    memory cannot be freed under the copy.
     """
 
     def __init__(
@@ -134,19 +132,17 @@ class BackgroundCopy:
         path: str | Path,
         items: list[CopyItem],
         on_done: Callable[[], None] | None = None,
-        gate: threading.Event | None = None,
         then: Sequence[tuple[str | Path, list[CopyItem]]] = (),
         name: str = "marlin-pack-arena-copy",
     ) -> None:
         """Copy ``items`` of ``path``, then each ``(path, items)`` of ``then``, with one reader and in one
-        :meth:`~.gpu_reader.ParallelReader.copy_files` call, on a thread called ``name``."""
+        :meth:`~marlin_pack.gpu.reader.ParallelReader.copy_files` call, on a thread called ``name``."""
         self.bytes = 0
         self.seconds = 0.0
         self.modes_used: set[str] = set()
         self._error: BaseException | None = None
         self._jobs = [(path, items), *then]
         self._make_reader, self._on_done = make_reader, on_done
-        self.gate = gate
         devices = {it.dst.device for _, job in self._jobs for it in job}
         self._device = devices.pop() if len(devices) == 1 else None
         self._thread = threading.Thread(target=self._run, name=name)
@@ -175,7 +171,6 @@ class BackgroundCopy:
     def join(self) -> float:
         """Wait for the copy; returns the seconds waited. Raises what the copy raised."""
         t0 = time.perf_counter()
-        self._open_gate()
         self._thread.join()
         waited = time.perf_counter() - t0
         if self._error is not None:
@@ -185,10 +180,5 @@ class BackgroundCopy:
 
     def abandon(self) -> None:
         """Wait for the copy and drop its outcome (the caller is failing or falling back already)."""
-        self._open_gate()
         self._thread.join()
         self._error = None
-
-    def _open_gate(self) -> None:
-        if self.gate is not None:
-            self.gate.set()

@@ -19,7 +19,7 @@ from torch import nn
 
 from marlin_pack.io.safetensors_io import TensorInfo
 from marlin_pack.vllm_plugin.decision import SelectedBundle
-from marlin_pack.vllm_plugin.gpu_reader import CopyItem
+from marlin_pack.gpu.reader import CopyItem
 
 __all__ = ["CommonPrefill", "PLAIN_COPY_LOADERS", "PrefillSlot", "alias_names", "plain_copy_target"]
 

@@ -14,20 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marlin_pack._constants import KERNEL_NAME, LAYOUT_VERSION
+from marlin_pack._constants import KERNEL_NAME, LAYOUT_VERSION, MANIFEST_NAME
 from marlin_pack.bundle.integrity import HashReport, check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header
 from marlin_pack.bundle.reader import read_manifest, resolve_file
 from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, LoadRefusedError, MismatchField
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
 from marlin_pack.schemas import Manifest, TensorParallelSet
-from marlin_pack.sources.hub import ResolvedModel, bundle_dir_for, resolve_model
+from marlin_pack.sources.hub import ResolvedModel, locate_bundle, resolve_model
 from marlin_pack.vllm_plugin.options import LoaderOptions
 
 __all__ = [
     "EngineFacts",
     "SelectedBundle",
     "Decision",
+    "load_manifest",
     "resolve_bundle_dir",
     "check_engine",
     "select_bundle",
@@ -102,16 +103,32 @@ def _resolve(model: str, revision: str | None) -> ResolvedModel:
 
 def resolve_bundle_dir(options: LoaderOptions, model: str, revision: str | None = None) -> Path:
     """The explicit ``bundle`` option, else ``MODEL_DIR/marlin-pack``, else (a repo id) its marlin-pack cache entry."""
-    if options.bundle is not None:
-        return options.bundle
     try:
-        return bundle_dir_for(resolve_model(model, revision, download=False))
+        return locate_bundle(model, revision, options.bundle)
     except CheckpointError as e:
         raise BundleMismatchError(
             F.bundle,
             f"{e}; so it has no marlin-pack bundle: convert it first (`marlin-pack convert {model}`) or name the bundle with "
             '--model-loader-extra-config \'{"bundle": "/path"}\'',
         ) from e
+
+
+_MANIFESTS: dict[tuple[str, int, int, int, int, int], Manifest] = {}
+
+
+def load_manifest(bundle_dir: Path) -> Manifest:
+    """The bundle's manifest, read and validated once per process while the file stays the same (the
+    page-locking planned ahead of the copy and the loader's checks both need it before the GPU)."""
+    path = bundle_dir / MANIFEST_NAME
+    try:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    except OSError:
+        return read_manifest(bundle_dir)  # it says what is wrong
+    if key not in _MANIFESTS:
+        _MANIFESTS.clear()  # one bundle per process, in practice
+        _MANIFESTS[key] = read_manifest(bundle_dir)
+    return _MANIFESTS[key]
 
 
 def _check_target(manifest: Manifest, facts: EngineFacts) -> None:
@@ -248,7 +265,7 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
         BundleMismatchError: naming the field that does not fit.
     """
     bundle_dir = resolve_bundle_dir(options, facts.model, facts.revision)
-    manifest: Manifest = _with_field(F.manifest, lambda: read_manifest(bundle_dir))
+    manifest: Manifest = _with_field(F.manifest, lambda: load_manifest(bundle_dir))
     tp_set = check_engine(manifest, facts)
     model_dir = _resolve(facts.model, facts.revision).dir
     hashed: HashReport = _with_field(F.source, lambda: check_source(manifest, model_dir, full_hash=options.full_hash))

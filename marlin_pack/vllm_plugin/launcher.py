@@ -19,7 +19,7 @@ from pathlib import Path
 
 from marlin_pack._constants import LOAD_FORMAT, MANIFEST_NAME, TARGET_VLLM_VERSION
 from marlin_pack.errors import BundleError, CheckpointError, MarlinPackError
-from marlin_pack.sources.hub import bundle_dir_for, resolve_model
+from marlin_pack.sources.hub import locate_bundle
 
 __all__ = ["preload_argv", "run"]
 
@@ -60,13 +60,10 @@ def _check_bundle(model: str, extra: Sequence[str]) -> None:
         options = parsed
     if options.get("fallback") is True:
         return
-    if options.get("bundle"):
-        bundle = Path(str(options["bundle"]))
-    else:
-        try:  # a directory's MODEL_DIR/marlin-pack, or a cached repo id's marlin-pack cache entry
-            bundle = bundle_dir_for(resolve_model(model, _option(extra, "--revision")[1], download=False))
-        except CheckpointError as e:
-            raise BundleError(f"{e}; `marlin-pack convert {model}` first, or fill the daemon with --load-format auto") from e
+    try:  # the bundle option, or a directory's MODEL_DIR/marlin-pack, or a cached repo id's marlin-pack cache entry
+        bundle = locate_bundle(model, _option(extra, "--revision")[1], str(options["bundle"]) if options.get("bundle") else None)
+    except CheckpointError as e:
+        raise BundleError(f"{e}; `marlin-pack convert {model}` first, or fill the daemon with --load-format auto") from e
     if not (bundle / MANIFEST_NAME).is_file():
         raise BundleError(
             f"no marlin-pack bundle at {bundle} (no {MANIFEST_NAME}): run `marlin-pack convert {model}` "

@@ -26,7 +26,6 @@ checkpoint is loaded by vLLM's ``DefaultModelLoader``; without it the load stops
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -44,15 +43,17 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
 from marlin_pack.errors import BundleError, MismatchField
+from marlin_pack.gpu.helpers import HelperPool, exits_in_background
+from marlin_pack.gpu.host_map import HostMap
+from marlin_pack.gpu.plan import IoPlan
+from marlin_pack.gpu.reader import CopyItem, ParallelReader
 from marlin_pack.io.safetensors_io import TensorInfo
 from marlin_pack.vllm_plugin import patches, preload
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
 from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, plain_copy_target
-from marlin_pack.vllm_plugin.copy_helpers import DEFAULT_PROCESSES, HelperPool, exits_in_background
 from marlin_pack.vllm_plugin.decision import Decision, SelectedBundle, decide, refusal
 from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
-from marlin_pack.vllm_plugin.gpu_reader import CopyItem, HostMap, ParallelReader, helpers_help, uses_helpers
-from marlin_pack.vllm_plugin.helper_service import HELPER_CONTEXT_BYTES
+from marlin_pack.vllm_plugin.io_facts import plan_for
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
@@ -63,10 +64,8 @@ from marlin_pack.vllm_plugin.stubs import materialize_stubs
 __all__ = ["MarlinPrepackedLoader"]
 
 # Common tensors from this size on are read with the parallel reader (see _common_weights), and copied
-# beside the construction with common_during_build (common_prefill).
+# beside the construction where the plan says so (common_prefill).
 _LARGE_COMMON = 16 << 20
-# common_io staged: this process's reader of the common tensors beside the construction (pinned: 2 x 64 MiB a thread).
-_COMMON_STAGED_THREADS, _COMMON_STAGED_CHUNK = 4, 64 << 20
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
 logger = init_logger("vllm.marlin_pack")
@@ -79,31 +78,24 @@ class _ArenaFill:
     layout: ArenaLayout
     arena: torch.Tensor
     copy: BackgroundCopy
-    common: CommonPrefill | None = None  # common_during_build: the large common tensors (after the rank file, or see common_copy)
-    common_copy: BackgroundCopy | None = None  # common_io staged: their own copy, at the same time as the rank file's
+    common: CommonPrefill | None = None  # plan.common_during_build: the large common tensors, copied after the rank file
 
     def abandon(self) -> None:
-        """Wait for the copies and drop their outcome (loading is failing or falling back)."""
+        """Wait for the copy and drop its outcome (loading is failing or falling back)."""
         self.copy.abandon()  # its thread writes into the arena (and uses the helpers) until it ends
-        if self.common_copy is not None:
-            self.common_copy.abandon()
 
     def join(self) -> float:
-        """Wait for the copies (both end, also when one failed); returns the seconds waited. Raises what a copy raised."""
-        try:
-            waited = self.copy.join()
-        except BaseException:
-            if self.common_copy is not None:
-                self.common_copy.abandon()
-            raise
-        return waited + (self.common_copy.join() if self.common_copy is not None else 0.0)
+        """Wait for the copy; returns the seconds waited. Raises what the copy raised."""
+        return self.copy.join()
 
 
 @dataclass
 class _ModelState:
     bundle: SelectedBundle | None  # None: loaded the ordinary way
     layers: dict[str, nn.Module] = field(default_factory=dict)
-    helpers: HelperPool | None = None  # io_mode processes: started before vLLM builds the model, closed after the copies
+    plan: IoPlan = field(default_factory=IoPlan)
+    helpers: HelperPool | None = None  # a helpers plan: started before vLLM builds the model, ended after the copies
+    borrowed: bool = False  # the helpers are the early ones of preload (which ends them), not the loader's
     fill: _ArenaFill | None = None  # the rank file already being copied (dense bundles)
 
 
@@ -119,11 +111,9 @@ class _Timings:
     wait: float = 0.0  # beside: how long loading then waited for the copy
     modes: str = "-"  # the reader modes the copy used
     helpers_ready: float | None = None  # seconds from the helpers' start until the copy found them ready
-    helpers_source: str = "own"  # or "service": marlin-pack helpers' (HelperPool.source)
-    helpers_retained: int | None = None  # bytes the service's helpers held registered from earlier engines, if they retain
+    helpers_retained: int | None = None  # bytes the early helpers held page-locked (preload)
     common: float = 0.0
     common_beside: int | None = None  # common_during_build: the checkpoint names loaded by the copy beside the construction
-    common_copy: float | None = None  # common_io staged: how long their own copy took, from its start to its end
     post: float = 0.0
 
     @property
@@ -134,16 +124,14 @@ class _Timings:
         text = f"read+copy {self.copy:.2f} s ({self.copy_bytes / 1e9:.2f} GB, {self.rate:.1f} GB/s)"
         if self.helpers_ready is not None:
             text += f", helpers ready after {self.helpers_ready:.2f} s"
-            text += " (the helper service's)" if self.helpers_source == "service" else ""
-            if self.helpers_retained is not None:  # large or small: a real bundle or a test's
+            if self.helpers_retained:  # large or small: a real bundle or a test's
                 n = self.helpers_retained
                 text += f", {n / 1e9:.2f} GB" if n >= 1e9 else f", {n / 1e6:.1f} MB"
-                text += " of pages retained registered"
+                text += " page-locked ahead"
         return f"{text} beside create and common, waited {self.wait:.2f} s" if self.beside else text
 
     def common_text(self) -> str:
-        staged = "" if self.common_copy is None else f", staged in {self.common_copy:.2f} s"
-        beside = "" if self.common_beside is None else f" ({self.common_beside} of its names copied beside the construction{staged})"
+        beside = "" if self.common_beside is None else f" ({self.common_beside} of its names copied beside the construction)"
         return f"load common {self.common:.2f} s{beside}"
 
     def create_text(self) -> str:
@@ -164,8 +152,9 @@ class _Timings:
 class MarlinPrepackedLoader(BaseModelLoader):
     """Serve an AWQ/GPTQ checkpoint from its marlin-pack bundle (no repack at start).
 
-    Extra config (``--model-loader-extra-config``): ``bundle``, ``fallback``, ``verify``,
-    ``io_threads``, ``chunk_mb``, ``io_mode``; see :class:`~marlin_pack.vllm_plugin.options.LoaderOptions`.
+    Extra config (``--model-loader-extra-config``): ``bundle``, ``fallback``, ``verify``, ``preload``;
+    see :class:`~marlin_pack.vllm_plugin.options.LoaderOptions`. How the bytes reach the GPU is the
+    :class:`~marlin_pack.gpu.plan.IoPlan`'s (made once, :mod:`.io_facts`).
     """
 
     def __init__(self, load_config: LoadConfig) -> None:
@@ -238,69 +227,59 @@ class MarlinPrepackedLoader(BaseModelLoader):
         force_marlin(vllm_config.kernel_config)
         if bundle.tp_set.moe_layers:  # experts: Marlin MoE for --moe-backend auto (an explicit other one is refused below)
             force_marlin_moe(vllm_config.kernel_config)
-        helpers = self._start_helpers(vllm_config, model_config, bundle)  # they get their CUDA contexts while vLLM builds the model
+        plan, helpers, borrowed = self._plan_and_helpers(vllm_config, model_config, bundle)
         try:
-            model = self._create_checked(vllm_config, model_config, prefix, bundle, t0, helpers)
+            model = self._create_checked(vllm_config, model_config, prefix, bundle, t0, plan, helpers, borrowed)
         except BaseException:
-            if helpers is not None:
-                helpers.close()
+            self._end_helpers(helpers, borrowed)
             raise
-        if self._models[model].helpers is None and helpers is not None:
-            helpers.close()  # fell back to the ordinary way
+        if self._models[model].helpers is None:
+            self._end_helpers(helpers, borrowed)  # fell back to the ordinary way
         return model
 
-    def _start_helpers(self, vllm_config: VllmConfig, model_config: ModelConfig, bundle: SelectedBundle) -> HelperPool | None:
-        """Helpers for the ``processes`` mode; None for other modes."""
-        if not torch.cuda.is_available():
-            return None
-        def usable() -> bool:
-            return helpers_help(vllm_config, model_config) and self._helpers_fit(bundle)
-
-        if not uses_helpers(self.options.io_mode, lambda: bundle.rank_file, usable):
-            return None
-        # A weight-cache daemon or an engine that page-locks its bundle as it starts: that service's helpers copy it.
-        # The pool waits for the page-locking on its starting thread, so vLLM builds the model meanwhile.
-        service_dir = preload.ready_service_dir if self.options.io_helper_service and preload.current() is not None else None
-        return HelperPool(
-            self.options.io_processes, torch.cuda.current_device(),
-            staged=self.options.io_staged, stage_mib=self.options.io_stage_mib,
-            defer_unregister=self._in_daemon_by_default(self.options.io_defer_unregister, helpers=True), nice=self.options.io_helper_nice,
-            service=self.options.io_helper_service, service_dir=service_dir,
+    def _plan_and_helpers(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, bundle: SelectedBundle
+    ) -> tuple[IoPlan, HelperPool | None, bool]:
+        """The I/O plan, and for a helpers plan the pool: the early helpers of :mod:`.preload` (borrowed: they may be
+        page-locking the bundle still) or the loader's own, started now so that they get their CUDA contexts
+        while vLLM builds the model."""
+        taken = preload.take_pool(bundle.rank_file)
+        if taken is not None:
+            pool, plan = taken
+            logger.info("marlin-pack: I/O plan %s: %s", plan.mode, plan.why)
+            return plan, pool, True
+        on_gpu = torch.cuda.is_available()
+        plan = plan_for(
+            vllm_config, model_config, (bundle.rank_file, bundle.common_file), experts=bool(bundle.tp_set.moe_layers),
+            role="daemon" if exits_in_background() else "engine", preload=False,
+            device=torch.cuda.current_device() if on_gpu else 0, gpu=on_gpu,
         )
+        logger.info("marlin-pack: I/O plan %s: %s", plan.mode, plan.why)
+        if plan.mode != "helpers" or not on_gpu:
+            return plan, None, False
+        return plan, HelperPool(plan.helpers, torch.cuda.current_device(), defer_unregister=plan.defer_unregister), False
 
     @staticmethod
-    def _in_daemon_by_default(option: bool | None, helpers: bool) -> bool:
-        """An option whose default (None) is on in a weight-cache daemon's fill that copies with helpers,
-        and off in an engine (or without helpers, where it was not measured).
-
-        ``common_during_build`` with ``io_defer_unregister``: the helpers copy the rank file and the
-        common tensors in one job each beside vLLM's construction and unregister the pages after it.
-        A daemon does not wait for them to exit; an engine would (vLLM measures the free memory after
-        loading), and there the 70B figures did not settle it (see docs/performance.md).
-        """
-        return exits_in_background() and helpers if option is None else option
-
-    def _helpers_fit(self, bundle: SelectedBundle) -> bool:
-        """Whether the GPU has room for the helpers' CUDA contexts beside the model's weights.
-
-        They live only while the model loads, but a model that just fits must not fail to load
-        because of them (``auto`` then stays in-process).
-        """
-        count = self.options.io_processes or DEFAULT_PROCESSES
-        free, _ = torch.cuda.mem_get_info()
-        weights = sum(f.stat().st_size for f in (bundle.rank_file, bundle.common_file))
-        return free >= weights + count * HELPER_CONTEXT_BYTES
+    def _end_helpers(helpers: HelperPool | None, borrowed: bool) -> None:
+        """Helpers no copy will use: the loader's own end; preload's end with preload (an engine's after vLLM's
+        second memory measurement)."""
+        if helpers is None:
+            return
+        if not borrowed:
+            helpers.close()
+        elif exits_in_background():
+            preload.stop()
+        else:
+            helpers.let_go()
 
     def _create_checked(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, bundle: SelectedBundle, t0: float,
-        helpers: HelperPool | None,
+        plan: IoPlan, helpers: HelperPool | None, borrowed: bool,
     ) -> nn.Module:
-        fill = self._start_fill(bundle, helpers)
+        fill = self._start_fill(bundle, plan, helpers, borrowed)
         try:
             with stub_quantized_placeholders(fill is not None, embeddings=fill is not None and fill.common is not None):
                 model = super().create_model(vllm_config, model_config, prefix)
-            if fill is not None and fill.copy.gate is not None:
-                fill.copy.gate.set()  # built: the engine's process may copy its share now (io_own_share after_build)
         except BaseException:
             if fill is not None:
                 fill.abandon()
@@ -343,59 +322,35 @@ class MarlinPrepackedLoader(BaseModelLoader):
             f"; {len(experts)} experts layers use Marlin MoE (moe_backend={vllm_config.kernel_config.moe_backend})"
             if experts else "",
         )
-        self._models[model] = _ModelState(bundle, layers, helpers, fill)
+        self._models[model] = _ModelState(bundle, layers, plan, helpers, borrowed, fill)
         return model
 
-    def _start_fill(self, bundle: SelectedBundle, helpers: HelperPool | None) -> _ArenaFill | None:
-        """Allocate the arena and start copying the rank file into it, before vLLM builds the model.
+    def _start_fill(self, bundle: SelectedBundle, plan: IoPlan, helpers: HelperPool | None, borrowed: bool) -> _ArenaFill | None:
+        """Allocate the arena and start copying the rank file into it, before vLLM builds the model (``plan.during_build``).
 
-        Only for bundles without experts layers: vLLM's Marlin MoE methods keep their device
-        placeholders (not stubbed), so their arena would sit beside them. The arena goes to the
-        default device, which vLLM sets around ``create_model`` (the engine's and the daemon's).
+        Not for bundles with experts layers (the plan says so): vLLM's Marlin MoE methods keep their device
+        placeholders (not stubbed), so their arena would sit beside them. The arena goes to the default
+        device, which vLLM sets around ``create_model`` (the engine's and the daemon's).
         """
-        if not self.options.copy_during_build or bundle.tp_set.moe_layers:
+        if not plan.during_build:
             return None
         layout = ArenaLayout.of(bundle)
         if not layout.slots:
             return None
         t0 = time.perf_counter()
         arena = layout.allocate()
-        during = self._in_daemon_by_default(self.options.common_during_build, helpers=helpers is not None)
-        common = CommonPrefill.allocate(bundle, _LARGE_COMMON) if during else None
+        common = CommonPrefill.allocate(bundle, _LARGE_COMMON) if plan.common_during_build else None
         self._timings.arena = time.perf_counter() - t0
-        built = threading.Event() if self.options.io_own_share == "after_build" else None
-        # common_io staged: the common tensors get a reader of their own in this process, through pinned buffers
-        # (no page-locking here beside the construction), while the rank file's reader copies the rank file.
-        common_copy = None
-        if common is not None and self.options.common_io == "staged":
-            common_copy = BackgroundCopy(
-                lambda: ParallelReader(_COMMON_STAGED_THREADS, _COMMON_STAGED_CHUNK, "staged"),
-                bundle.common_file, common.copy_items(), name="marlin-pack-common-copy",
-            )
         copy = BackgroundCopy(
-            lambda: self._reader(helpers, own_after=built),
+            lambda: ParallelReader(plan, helpers),
             bundle.rank_file,
             layout.copy_items(arena),
-            # The helpers exit as soon as their share is copied: their CUDA contexts go while loading goes on
-            # (unless they copy the common tensors next: then once those are copied).
-            on_done=None if helpers is None or self.options.io_common_by_helpers else (lambda: helpers.close(wait=False)),
-            gate=built,
-            then=[] if common is None or common_copy is not None else [(bundle.common_file, common.copy_items())],
+            # The loader's own helpers exit as soon as the rank file (and any common tensors after it) is copied:
+            # their CUDA contexts go while loading goes on.
+            on_done=None if helpers is None or borrowed else (lambda: helpers.close(wait=False)),
+            then=[] if common is None else [(bundle.common_file, common.copy_items())],
         )
-        return _ArenaFill(layout, arena, copy, common, common_copy)
-
-    def _reader(
-        self, helpers: HelperPool | None, mode: str | None = None, own_after: threading.Event | None = None
-    ) -> ParallelReader:
-        return ParallelReader(
-            self.options.io_threads,
-            None if self.options.chunk_mb is None else self.options.chunk_mb << 20,
-            mode or self.options.io_mode,  # type: ignore[arg-type]
-            helpers=helpers,
-            processes=self.options.io_processes,
-            own_share=self.options.io_own_share != "none",
-            own_after=own_after,
-        )
+        return _ArenaFill(layout, arena, copy, common)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Place the rank file's tensors and mark the layers; load the common tensors via vLLM."""
@@ -412,29 +367,31 @@ class MarlinPrepackedLoader(BaseModelLoader):
             self._load_bundle(state, state.bundle, model, helpers)
         finally:
             if helpers is not None:
-                helpers.close(wait=False)
+                t0 = time.perf_counter()
                 if exits_in_background():  # a weight-cache daemon: nothing is measured after its fill
+                    if state.borrowed:
+                        preload.stop()
+                    else:
+                        helpers.close(wait=False)
                     logger.info("marlin-pack: the copy helpers exit in the background (weight-cache daemon)")
-                else:  # their CUDA contexts must be gone before vLLM measures the GPU memory left for the KV cache
-                    t0 = time.perf_counter()  # (a service's stay, counted before and after alike: they only unmap our memory)
-                    helpers.join()
+                else:  # vLLM measures the GPU memory left for the KV cache next
+                    if state.borrowed:  # preload's: counted before and after alike; they only let go of our memory
+                        helpers.let_go()
+                    else:  # the loader's own: their CUDA contexts must be gone first
+                        helpers.close(wait=False)
+                        helpers.join()
                     logger.info(
                         "marlin-pack: waited %.2f s for the copy helpers to %s", time.perf_counter() - t0,
-                        "let go of this process's memory" if helpers.source == "service" else "exit",
+                        "let go of this process's memory and the pages" if state.borrowed else "exit",
                     )
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         fill, state.fill = state.fill, None
-        # With the rank file copying beside, the common tensors are read here without the helpers (which it
-        # uses), or given to the helpers as their next job (io_common_by_helpers: one copy at a time, in turn).
-        by_helpers = fill is not None and helpers is not None and self.options.io_common_by_helpers
-        if by_helpers:
-            common_helpers, common_mode = helpers, "processes"
-        else:
-            common_helpers = None if fill is not None else helpers
-            common_mode = "registered" if fill is not None and self.options.io_mode == "processes" else None
+        # With the rank file copying beside, this process reads the common tensors itself (the helpers copy the
+        # rank file); without, the rank file and then the common tensors go the plan's way.
+        plan = state.plan.local() if fill is not None else state.plan
         try:
-            with self._reader(common_helpers, common_mode) as reader:
+            with ParallelReader(plan, None if fill is not None else helpers) as reader:
                 t0 = time.perf_counter()
                 layout = fill.layout if fill is not None else ArenaLayout.of(bundle)
                 params = layout.parameters(state.layers)
@@ -446,7 +403,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     self._timings.copy_bytes = reader.copy(bundle.rank_file, layout.copy_items(arena))
                     self._timings.copy = time.perf_counter() - tc
                     self._timings.modes = "/".join(sorted(reader.modes_used)) or "-"
-                    if helpers is not None:
+                    if helpers is not None and not state.borrowed:
                         helpers.close(wait=False)  # they exit while the common tensors load (which this process reads)
                 else:
                     layout.bind(params, fill.arena)
@@ -466,21 +423,18 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 t2 = time.perf_counter()
         finally:
             if fill is not None:
-                waited = fill.join()  # also when loading failed: the copies write into the arena and the common tensors
-                if fill.common_copy is not None:
-                    self._timings.common_copy = fill.common_copy.seconds
+                waited = fill.join()  # also when loading failed: the copy writes into the arena and the common tensors
                 self._timings.copy, self._timings.copy_bytes = fill.copy.seconds, fill.copy.bytes
                 self._timings.beside, self._timings.wait = True, waited
                 self._timings.modes = "/".join(sorted(fill.copy.modes_used)) or "-"
                 fill.common = None  # the copies no parameter was pointed at go
             if helpers is not None:
-                self._timings.helpers_ready, self._timings.helpers_source = helpers.ready_after, helpers.source
-                self._timings.helpers_retained = helpers.retained_bytes
+                self._timings.helpers_ready, self._timings.helpers_retained = helpers.ready_after, helpers.retained_bytes
         self._timings.place = t1 - t0 - (0.0 if fill is not None else self._timings.copy)
         self._timings.common = t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
         logger.info(
-            "marlin-pack: placed %d tensors from %s for tp %d rank %d: %s, %s, io_mode %s, %s",
+            "marlin-pack: placed %d tensors from %s for tp %d rank %d: %s, %s, io %s, %s",
             len(params),
             bundle.rank_file,
             bundle.tp_set.tp_size,

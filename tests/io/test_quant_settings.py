@@ -83,7 +83,7 @@ def test_malformed_settings_refused(qc: dict, match: str) -> None:
     ],
 )
 def test_awq_settings_are_what_vllm_reads(qc: dict) -> None:
-    vr = pytest.importorskip("vllm_reference")
+    vr = pytest.importorskip("oracles.vllm_reference")
     cfg = vr._vllm().auto_awq.AutoAWQConfig.from_config(qc)
     s = parse_quant_settings(qc)
     assert isinstance(s, AwqSettings)
@@ -102,7 +102,7 @@ def test_awq_settings_are_what_vllm_reads(qc: dict) -> None:
     ],
 )
 def test_gptq_settings_are_what_vllm_reads(qc: dict) -> None:
-    vr = pytest.importorskip("vllm_reference")
+    vr = pytest.importorskip("oracles.vllm_reference")
     cfg = vr._vllm().auto_gptq.AutoGPTQConfig.from_config(qc)
     from vllm.model_executor.layers.quantization.utils.gptq_utils import flatten_list
 

@@ -1,4 +1,4 @@
-"""marlin_pack.marlin.moe against vLLM 0.33.0's own MoE post-processing (tests/vllm_moe_reference.py), bit for bit.
+"""marlin_pack.marlin.moe against vLLM 0.33.0's own MoE post-processing (tests/oracles/vllm_moe_reference.py), bit for bit.
 
 For each tiny Mixtral / Qwen3-MoE checkpoint, TP size and rank, every experts layer's tensors
 built by marlin-pack (through the format readers) equal what vLLM's AutoAWQMoEMethod /
@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from moe_checkpoints import write_moe_checkpoint  # noqa: E402
-from vllm_moe_reference import VllmRefusedError, reference_moe_rank_tensors  # noqa: E402
+from oracles.vllm_moe_reference import VllmRefusedError, reference_moe_rank_tensors  # noqa: E402
 
 from marlin_pack.errors import UnsupportedCheckpointError  # noqa: E402
 from marlin_pack.marlin.moe import (  # noqa: E402

@@ -30,7 +30,7 @@ time from the bundle vs from the checkpoint, and engines' model-loading time.
 
 The processes come from ``_harness.Cluster``. Daemons run in their own session (``setsid``),
 each with its own short socket directory (readiness: its socket accepts a connection); their
-process groups are killed at the end. Engines are subprocesses (``_harness.py`` run as a
+process groups are killed at the end. Engines are subprocesses (``marlin_pack.testing.engine_harness`` run as a
 script) with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and an explicit ``kv_cache_memory_bytes``,
 so that all of them start concurrently on one GPU.
 ``MARLIN_PACK_TEST_BENCH_PRESET`` (e.g. ``llama-1gb``) times the fills on a larger AWQ model
@@ -74,8 +74,9 @@ ALL_MODELS = {  # name -> (format, preset, bits, group size)
     "qwen3moe-gptq4": ("moe-gptq", "tiny-qwen3moe", 4, 128),  # mixture of experts (marlin_pack.testing.synthetic_moe)
     "gptq4-vocab": ("gptq", "tiny-vocab", 4, 128),  # an embedding and a head large enough to copy beside the construction
 }
-# Daemon command-line arguments per model: the loader options its fill runs with.
-DAEMON_ARGS = {"gptq4-vocab": ("--model-loader-extra-config", json.dumps({"common_during_build": True}))}
+# The I/O plan a daemon's fill is forced to (MARLIN_PACK_IO) per model: the embedding and the head copied beside the
+# construction whatever the plan would be on this machine.
+DAEMON_IO = {"gptq4-vocab": {"MARLIN_PACK_IO": json.dumps({"common_during_build": True})}}
 # The layers each engine reports (kernels, tensors); the first tensor of the second is poked through the mappings.
 MOE_EXPERTS = "model.layers.0.mlp.experts.routed_experts"
 LAYERS = {"qwen3moe-gptq4": ["model.layers.0.self_attn.qkv_proj", MOE_EXPERTS]}
@@ -170,7 +171,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         vllm_cli = plugin_installed()
         daemons = {
             name: cluster.daemon(
-                f"daemon-{name}", models[name], sdirs[name], *DAEMON_ARGS.get(name, ()), vllm_cli=vllm_cli and name == "gptq8"
+                f"daemon-{name}", models[name], sdirs[name], vllm_cli=vllm_cli and name == "gptq8", env=DAEMON_IO.get(name)
             )
             for name in MODELS
         }
@@ -191,7 +192,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         )
         engines: dict[tuple[str, str], Proc] = {}
         for name, model in models.items():
-            digests = name in DAEMON_ARGS  # every parameter compared (the embedding and the head too)
+            digests = name in DAEMON_IO  # every parameter compared (the embedding and the head too)
             engines[name, "ordinary"] = cluster.engine(
                 f"{name}-ordinary", model, linear_backend="marlin", layers=_layers(name), digests=digests, **_moe(name)
             )
@@ -312,12 +313,12 @@ def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
         r"weight-cache target daemon rank 0 filled its model in [0-9.]+ s \(load format marlin_prepacked\)",
         log,
     )
-    if "io_mode processes" in log and not name.startswith("qwen3moe"):
-        # The fill copied with helpers: those the daemon started as its process began (daemon_preload), with the
+    if "I/O plan helpers" in log and not name.startswith("qwen3moe"):
+        # The fill copied with helpers: those the daemon started as its process began (preload), with the
         # bundle page-locked in them by then, so its copy registered nothing.
         assert re.search(r"[0-9.]+ [GM]B of the bundle page-locked in \d+ copy helpers", log), proc.tail()
-        assert "(the helper service's)" in log and "of pages retained registered" in log, proc.tail()
-    if name in DAEMON_ARGS:  # common_during_build: the embedding and the head copied beside the construction
+        assert " page-locked ahead" in log and "exit in the background" in log, proc.tail()
+    if name in DAEMON_IO:  # common_during_build: the embedding and the head copied beside the construction
         assert "(2 of its names copied beside the construction)" in log, proc.tail()
     if name == "gptq8" and run.vllm_cli_daemon:
         assert "marlin-pack: vllm preload" not in log  # plain `vllm preload`, not the launcher
@@ -325,9 +326,9 @@ def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
         assert "marlin-pack: vllm preload --model" in log
 
 
-@pytest.mark.parametrize("name", [n for n in MODELS if n in DAEMON_ARGS])
+@pytest.mark.parametrize("name", [n for n in MODELS if n in DAEMON_IO])
 def test_daemon_options_keep_every_parameter(run: Results, name: str) -> None:
-    """A daemon filled with other loader options (``common_during_build``: the embedding and the head copied
+    """A daemon filled with another I/O plan (``common_during_build``: the embedding and the head copied
     beside the construction) serves every parameter bit for bit as ordinary loading holds it."""
     ref = run.results[name, "ordinary"]["layers"]["digests"]
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= ref.keys()

@@ -108,9 +108,10 @@ def _engine_main(spec_path: str) -> None:
 
 
 def run_engine(
-    tmp: Path, model: Path, params: bool = True, all_ranks: bool = False, **kwargs: Any
+    tmp: Path, model: Path, params: bool = True, all_ranks: bool = False, io: dict[str, Any] | None = None, **kwargs: Any
 ) -> tuple[int, str, dict | None]:
-    """Run one engine in a subprocess; returns (exit code, combined log, results or None)."""
+    """Run one engine in a subprocess; returns (exit code, combined log, results or None). ``io``: an I/O plan
+    override (``MARLIN_PACK_IO``) for the engine."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec = {
         "model": str(model),
@@ -122,6 +123,9 @@ def run_engine(
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("MARLIN_PACK_IO", None)
+    if io is not None:
+        env["MARLIN_PACK_IO"] = json.dumps(io)
     try:
         proc = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), "engine", str(spec_path)],
@@ -303,13 +307,13 @@ def test_a_start_without_stamps_hashes_once_says_so_and_writes_nothing_into_the_
     assert {p.relative_to(bundle).as_posix(): p.stat().st_mtime_ns for p in bundle.rglob("*")} == before
 
 
-def test_engine_preload_page_locks_ahead_and_sizes_the_kv_cache_as_without(
+def test_preload_page_locks_ahead_and_sizes_the_kv_cache_as_without(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict]
 ) -> None:
-    """``engine_preload`` (the default): the worker starts copy helpers as it sets up, they page-lock the bundle
-    before the copy and the loader's pool takes them; the same parameters as ordinary loading, and the KV cache
-    vLLM sizes from its memory snapshot and profile run is the one an engine gets with the option off (the
-    helpers' contexts are in both measurements, then they are stopped)."""
+    """``preload`` (the default): the worker starts copy helpers as it sets up, they page-lock the bundle before
+    the copy and the loader takes them; the same parameters as ordinary loading, and the KV cache vLLM sizes
+    from its memory snapshot and profile run is the one an engine gets with the option off (the helpers'
+    contexts are in both measurements, then they are stopped)."""
     import re
 
     kind = "gptq4-vocab"
@@ -318,126 +322,86 @@ def test_engine_preload_page_locks_ahead_and_sizes_the_kv_cache_as_without(
     for on in (True, False):
         code, log, result = run_engine(
             workdir / f"engine-preload-{on}", checkpoints[kind], load_format="marlin_prepacked",
-            model_loader_extra_config={"io_mode": "processes", "engine_preload": on},
+            model_loader_extra_config={"preload": on}, io={"mode": "helpers", "preload": on},  # helpers, wherever /tmp is
         )
         assert code == 0 and result is not None, log[-4000:]
         assert ("while vLLM sets up its GPU worker" in log) is on, log[-4000:]
         assert (re.search(r"[0-9.]+ [GM]B of the bundle page-locked in 4 copy helpers", log) is not None) is on, log[-4000:]
-        assert "was not page-locked ahead" not in log and "no copy helper started" not in log, log[-4000:]
+        assert ("let go of this process's memory and the pages" in log) is on, log[-4000:]
+        assert "did not start" not in log and "no copy helper started" not in log, log[-4000:]
         found = re.search(r"Available KV cache memory: ([0-9.]+) GiB", log)
         assert found is not None, log[-4000:]
         kv[on] = float(found.group(1))
-        check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked engine_preload {on}")
+        check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked preload {on}")
         assert_params_identical(reference["params"], result["params"])
     # Four helper contexts are ~2 GiB: counted at one measurement and not the other, the KV cache would differ by that.
     assert abs(kv[True] - kv[False]) < 0.25, kv
 
 
+def test_the_machines_plan_is_logged_and_matches_ordinary_loading(
+    workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict]
+) -> None:
+    """No override: the loader logs the plan it made from the machine, and loads the same parameters."""
+    kind = "awq4-padded"
+    reference = ordinary(kind)
+    code, log, result = run_engine(workdir / "io-default", checkpoints[kind], load_format="marlin_prepacked")
+    assert code == 0 and result is not None, log[-4000:]
+    assert "marlin-pack: I/O plan " in log, log[-4000:]
+    check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", "marlin_prepacked, the machine's plan")
+    assert_params_identical(reference["params"], result["params"])
+
+
 @pytest.mark.parametrize(
     "io",
     [
-        # The engine's own helpers, started by the loader (engine_preload is tested on its own below).
-        {"io_mode": "processes", "io_processes": 2, "engine_preload": False},
-        {"io_mode": "processes", "io_processes": 2, "io_own_share": "after_build", "engine_preload": False},
-        {"io_mode": "processes", "io_processes": 2, "io_defer_unregister": True, "io_staged": 1, "io_common_by_helpers": True,
-         "engine_preload": False},
-        {"io_mode": "staged"},
+        {"mode": "helpers", "helpers": 2, "preload": False},  # the loader's own helpers
+        {"mode": "helpers", "helpers": 2, "defer_unregister": True, "preload": False},
+        {"mode": "registered"},
+        {"mode": "staged"},
     ],
-    ids=["processes", "processes-own-share-after-build", "processes-deferred-staged-common", "staged"],
+    ids=["helpers", "helpers-deferred", "registered", "staged"],
 )
-def test_prepacked_io_modes_match_ordinary_loading(
+def test_prepacked_io_plans_match_ordinary_loading(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], io: dict[str, Any]
 ) -> None:
-    """The reader's other modes inside an engine: the same parameters, bit for bit; in ``processes``
-    mode the helpers copied (nothing was left to the engine's process), and with ``io_own_share`` the engine
-    read its share once the model was built."""
+    """Each way of the I/O plan inside an engine: the same parameters, bit for bit; with helpers they copied
+    everything (nothing was left to the engine's process)."""
     kind = "awq4-padded"
     reference = ordinary(kind)
     code, log, result = run_engine(
-        workdir / f"io-{io['io_mode']}", checkpoints[kind], load_format="marlin_prepacked", model_loader_extra_config=io
+        workdir / f"io-{'-'.join(map(str, io.values()))}", checkpoints[kind], load_format="marlin_prepacked", io=io
     )
     assert code == 0 and result is not None, log[-4000:]
-    assert f"io_mode {io['io_mode']}," in log, log[-4000:]  # processes: no "processes/registered" (left windows)
-    assert "copy helpers" not in log and "no copy helper started" not in log, log[-4000:]
+    assert f"I/O plan {io['mode']}:" in log and f", io {io['mode']}," in log, log[-4000:]  # not "helpers/registered"
+    assert "copy helpers:" not in log and "no copy helper started" not in log, log[-4000:]
     check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked {io}")
     assert_params_identical(reference["params"], result["params"])
 
 
-def test_prepacked_with_the_helper_service_matches_ordinary_loading(
-    workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``marlin-pack helpers --retain-gib 1`` running: engines in a row take its helpers (ready at once, not
-    waited for to exit), with and without the common tensors in their job, and hold the same parameters
-    as ordinary loading; from the second on, the helpers hold the bundle's pages registered from before
-    (they say how much), and the copy from them is as exact. The command then stops on SIGTERM and
-    removes its sockets."""
-    import re
-    import signal
-    import tempfile
-    import time
-
-    kind = "gptq4-vocab"
-    reference = ordinary(kind)
-    d = Path(tempfile.mkdtemp(prefix="mph-", dir="/tmp"))
-    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(d))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    service = subprocess.Popen([sys.executable, "-m", "marlin_pack.cli", "helpers", "--device", "0", "--processes", "2",
-                                "--retain-gib", "1"],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while len(list(d.glob("*.sock"))) < 2 and service.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(list(d.glob("*.sock"))) == 2, service.stdout.read() if service.poll() is not None else "no sockets in 60 s"
-        runs = [{"io_mode": "processes"}, {"io_mode": "processes"}, {"io_mode": "processes", "common_during_build": True}]
-        for k, io in enumerate(runs):
-            code, log, result = run_engine(
-                workdir / f"service-{k}", checkpoints[kind], load_format="marlin_prepacked", model_loader_extra_config=io
-            )
-            assert code == 0 and result is not None, log[-4000:]
-            assert "(the helper service's)" in log and "let go of this process's memory" in log, log[-4000:]
-            retained = re.search(r", ([0-9.]+) (GB|MB) of pages retained registered", log)
-            assert retained is not None, log[-4000:]
-            assert (float(retained.group(1)) > 0) == (k > 0), retained.group(0)  # said as each engine took them
-            assert "no copy helper started" not in log and "not using the service helper" not in log, log[-4000:]
-            check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked {io} with the service")
-            assert_params_identical(reference["params"], result["params"])
-        assert service.poll() is None
-    finally:
-        service.send_signal(signal.SIGTERM)
-        text = service.communicate(timeout=60)[0]
-    assert service.returncode == 0, text
-    assert list(d.glob("*.sock")) == []
-
-
 @pytest.mark.parametrize(
     "io",
-    # In this process (the rank file, then the common tensors, on its reader threads), by helpers (what
-    # auto picks for a bundle on disk where they fit; one job per helper holding both files), the same with
-    # deferred unregistering (the pages of both files kept until the job's reply), and by helpers with the
-    # common tensors staged in this process at the same time (common_io staged).
+    # In this process (the rank file, then the common tensors, on its reader threads), by helpers (one job per
+    # helper holding both files), the same with deferred unregistering (the pages of both kept until the reply).
     [
-        {"common_during_build": True, "io_mode": "staged"},
-        {"common_during_build": True, "io_mode": "processes", "io_processes": 2},
-        {"common_during_build": True, "io_mode": "processes", "io_processes": 2, "io_defer_unregister": True},
-        {"common_during_build": True, "common_io": "staged", "io_mode": "processes", "io_processes": 2},
+        {"common_during_build": True, "mode": "staged"},
+        {"common_during_build": True, "mode": "helpers", "helpers": 2, "preload": False},
+        {"common_during_build": True, "mode": "helpers", "helpers": 2, "defer_unregister": True, "preload": False},
     ],
-    ids=["staged", "processes", "processes-deferred", "processes-common-staged"],
+    ids=["staged", "helpers", "helpers-deferred"],
 )
 def test_common_tensors_copied_beside_the_construction_match_ordinary_loading(
     workdir: Path, checkpoints: dict[str, Path], ordinary: Callable[[str], dict], io: dict[str, Any]
 ) -> None:
-    """``common_during_build``: the embedding and the head are copied beside vLLM's construction (into
-    tensors their parameters are then pointed at); the engine holds the same parameters, bit for bit."""
+    """Common tensors beside the construction (a daemon fill's plan): the embedding and the head are copied
+    beside vLLM's construction (into tensors their parameters are then pointed at); the engine holds the same
+    parameters, bit for bit."""
     kind = "gptq4-vocab"
     reference = ordinary(kind)
     code, log, result = run_engine(
-        workdir / f"common-{io.get('io_mode', 'auto')}-{io.get('common_io', 'with_rank_file')}-{len(io)}", checkpoints[kind],
-        load_format="marlin_prepacked", model_loader_extra_config=io,
+        workdir / f"common-{'-'.join(map(str, io.values()))}", checkpoints[kind], load_format="marlin_prepacked", io=io
     )
     assert code == 0 and result is not None, log[-4000:]
-    beside = "(2 of its names copied beside the construction" + (", staged in " if "common_io" in io else ")")
-    assert beside in log, log[-4000:]
+    assert "(2 of its names copied beside the construction)" in log, log[-4000:]
     check_logprobs_close(reference["outputs"], result["outputs"], "ordinary", f"marlin_prepacked {io}")
     assert_params_identical(reference["params"], result["params"])
 

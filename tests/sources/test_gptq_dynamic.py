@@ -38,7 +38,7 @@ def _with_dynamic(src: Path, dst: Path, dynamic: dict, unquantize: tuple[str, ..
 
 def test_excluded_layers_stay_unquantized_bit_exact(make_checkpoint, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    from oracle_compare import assert_bundle_equals_vllm
+    from oracles.oracle_compare import assert_bundle_equals_vllm
 
     model = _with_dynamic(make_checkpoint("gptq", "tiny"), tmp_path / "m",
                           {r"-:.*layers\.1\.mlp\..*": {}, r"+:.*self_attn.*": {"bits": 4, "group_size": 128}}, MLP1)

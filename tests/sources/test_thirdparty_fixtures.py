@@ -1,6 +1,6 @@
 """Checkpoints written by the real quantizers (GPTQModel, AutoAWQ, optimum), committed under
 ``tests/data/thirdparty/`` (see its README.md and make_fixtures.py): converted, compared bit for
-bit with what stock vLLM 0.33.0 holds (``tests/vllm_reference.py``), verified, and refused exactly
+bit with what stock vLLM 0.33.0 holds (``tests/oracles/vllm_reference.py``), verified, and refused exactly
 where vLLM refuses.
 
 Each fixture's accepted TP sizes are written down here, not derived from the oracle, so a
@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 from marlin_pack import UnsupportedCheckpointError, convert, verify
 
 pytest.importorskip("vllm")
-from oracle_compare import assert_bundle_equals_vllm  # noqa: E402
-from vllm_reference import VllmRefusedError, _OracleBug, reference_rank_tensors  # noqa: E402
+from oracles.oracle_compare import assert_bundle_equals_vllm  # noqa: E402
+from oracles.vllm_reference import VllmRefusedError, _OracleBug, reference_rank_tensors  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "thirdparty"
 CANDIDATE_TPS = (1, 2, 4, 8)

@@ -1,5 +1,5 @@
 """Mixture-of-experts checkpoints written by the real quantizers (``tests/data/thirdparty``): converted and
-compared bit for bit with what stock vLLM 0.33.0 holds (``tests/vllm_moe_reference.py``: its own model
+compared bit for bit with what stock vLLM 0.33.0 holds (``tests/oracles/vllm_moe_reference.py``: its own model
 class, config read through transformers, ``load_weights`` with its ``hf_to_vllm_mapper``), or refused by
 both, marlin-pack naming the reason.
 
@@ -24,9 +24,9 @@ from safetensors import safe_open
 from marlin_pack import UnsupportedCheckpointError, convert, verify
 
 pytest.importorskip("vllm")
-from oracle_compare import assert_rank_file_equals  # noqa: E402
+from oracles.oracle_compare import assert_rank_file_equals  # noqa: E402
+from oracles.vllm_moe_reference import VllmRefusedError, reference_moe_rank_tensors  # noqa: E402
 from test_thirdparty_fixtures import DATA, MOE_ACCEPTED, MOE_REFUSED  # noqa: E402
-from vllm_moe_reference import VllmRefusedError, reference_moe_rank_tensors  # noqa: E402
 
 
 def _copy(name: str, tmp_path: Path) -> Path:

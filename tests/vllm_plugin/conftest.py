@@ -9,23 +9,11 @@ a test needs an unregistered plugin).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short private directory for service sockets (a Unix socket path holds 107 bytes; pytest's tmp_path can be longer)."""
-    d = Path(tempfile.mkdtemp(prefix="mph-", dir="/tmp"))  # mode 0700
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

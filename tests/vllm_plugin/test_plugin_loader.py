@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,12 +20,40 @@ import torch
 from safetensors.torch import load_file
 
 from marlin_pack.errors import LoadRefusedError
+from marlin_pack.gpu.plan import HELPER_CONTEXT_BYTES, GpuRoom, IoPlan
 from marlin_pack.vllm_plugin import LOAD_FORMAT
 from marlin_pack.vllm_plugin.layer_check import LayerFacts
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked
 from marlin_pack.vllm_plugin.stubs import is_stub
 
-vr = pytest.importorskip("vllm_reference")
+vr = pytest.importorskip("oracles.vllm_reference")
+
+
+@pytest.fixture(autouse=True)
+def _no_preload_no_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No early helpers of another test for the loader to take (preload.take_pool); the plan is the machine's."""
+    from marlin_pack.vllm_plugin import preload
+
+    monkeypatch.setattr(preload, "_CURRENT", None)
+    monkeypatch.delenv("MARLIN_PACK_IO", raising=False)
+
+
+def io_plan(monkeypatch: pytest.MonkeyPatch, **fields: object) -> None:
+    """Pick the copy's variant as tests and benchmarks do: ``$MARLIN_PACK_IO`` overrides the loader's I/O plan."""
+    monkeypatch.setenv("MARLIN_PACK_IO", json.dumps(fields))
+
+
+def machine_for_helpers(monkeypatch: pytest.MonkeyPatch, device: int = 0, room: bool = True) -> None:
+    """The machine as the plan sees it is one where copy helpers pay and work: CUDA device ``device``, 16 cores, the
+    bundle on disk, PyTorch's ordinary allocator and (``room``) an almost empty GPU; else NVML cannot say."""
+    from marlin_pack.vllm_plugin import io_facts
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device)
+    monkeypatch.setattr(io_facts, "gpu_room", lambda d: GpuRoom(free=140 << 30, total=141 << 30) if room else None)
+    monkeypatch.setattr(io_facts, "usable_cores", lambda: 16)
+    monkeypatch.setattr(io_facts, "in_base_memory_pages", lambda path: False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
 
 
 def fake_engine(
@@ -42,6 +72,7 @@ def fake_engine(
         speculative_config=None,
         parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1, world_size_across_dp=tp_size),
         device_config=SimpleNamespace(device=torch.device("cpu")),
+        cache_config=SimpleNamespace(gpu_memory_utilization=0.9),
     )
     model_config = SimpleNamespace(
         model=str(model), dtype=torch.float16, quantization=quantization, word_embeddings_untied_by_checkpoint=False,
@@ -74,7 +105,7 @@ def fake_create_model(monkeypatch: pytest.MonkeyPatch, model: Path, tp_size: int
 def on_reader_copy(monkeypatch: pytest.MonkeyPatch, seen: Callable[[str], object]) -> None:
     """Call ``seen(file name)`` for each file as every ``ParallelReader.copy_files`` (which ``copy`` calls) begins
     (on the reader's caller's thread)."""
-    from marlin_pack.vllm_plugin import gpu_reader
+    from marlin_pack.gpu import reader as gpu_reader
 
     copy_files = gpu_reader.ParallelReader.copy_files
 
@@ -184,7 +215,8 @@ def test_placed_layers_equal_stock_vllm_post_processing(make_bundle: Any, monkey
     reference = vr.reference_rank_tensors(model_dir, tp_size, rank, torch.float16)
     fake_create_model(monkeypatch, model_dir, tp_size)
     vllm_config, model_config = fake_engine(model_dir, quantization_of(bundle_args["fmt"]), monkeypatch, tp_size, rank)
-    loader = make_loader(io_threads=2, chunk_mb=1)
+    io_plan(monkeypatch, threads=2, window_mib=1)
+    loader = make_loader()
     with vr._patched(tp_size, rank), vr._vllm().set_default_torch_dtype(torch.float16):
         model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
         layers = quantized_layers(model)
@@ -221,7 +253,8 @@ def test_load_model_flow_on_cpu(make_bundle: Any, monkeypatch: pytest.MonkeyPatc
     reference = vr.reference_rank_tensors(model_dir, 1, 0, torch.float16)
     seen = fake_create_model(monkeypatch, model_dir)
     vllm_config, model_config = fake_engine(model_dir, quantization_of(fmt), monkeypatch)
-    loader = make_loader(io_threads=2)
+    io_plan(monkeypatch, threads=2)
+    loader = make_loader()
     with vr._patched(1, 0):
         model = loader.load_model(vllm_config, model_config)  # type: ignore[arg-type]
     assert seen == [{"mixed_precision": "marlin"}]
@@ -240,9 +273,7 @@ def test_load_model_flow_on_cpu(make_bundle: Any, monkeypatch: pytest.MonkeyPatc
 def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch: pytest.MonkeyPatch, fmt: str, during_build: bool) -> None:
     """Dense bundles: the arena is allocated and the rank file's copy into it starts before vLLM builds the
     model, whose quantized placeholders are memory-less stubs meanwhile; load_weights binds, waits, and the
-    layers hold stock vLLM's tensors. ``copy_during_build: false``: vLLM's placeholders, the copy after."""
-    import threading
-
+    layers hold stock vLLM's tensors. A plan without ``during_build``: vLLM's placeholders, the copy after."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
@@ -266,7 +297,8 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
 
     monkeypatch.setattr(BaseModelLoader, "create_model", create_model)
     vllm_config, model_config = fake_engine(model_dir, quantization_of(fmt), monkeypatch)
-    loader = make_loader(io_threads=2, chunk_mb=1, copy_during_build=during_build)
+    io_plan(monkeypatch, threads=2, window_mib=1, during_build=during_build)
+    loader = make_loader()
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
         loader.load_weights(model, model_config)  # type: ignore[arg-type]
@@ -286,24 +318,24 @@ def test_rank_file_copies_beside_the_construction(make_bundle: Any, monkeypatch:
     assert loader._timings.beside is during_build and loader._timings.copy_bytes == sum(t.nbytes for t in reference.values())
 
 
-@pytest.mark.parametrize("common_io", ["with_rank_file", "staged", "daemon default", "daemon without helpers"])
+@pytest.mark.parametrize("case", ["engine override", "daemon default", "daemon without helpers", "override without helpers"])
 @pytest.mark.parametrize("padded_vocab", [False, True])
 def test_common_tensors_copy_beside_the_construction(
-    make_bundle: Any, monkeypatch: pytest.MonkeyPatch, padded_vocab: bool, common_io: str
+    make_bundle: Any, monkeypatch: pytest.MonkeyPatch, padded_vocab: bool, case: str
 ) -> None:
-    """``common_during_build``: the large common tensors are read beside vLLM's construction, by the rank file's
-    background job after the rank file (``common_io`` with_rank_file) or by a job of their own at the same time
-    (staged), started before vLLM builds the model, whose embedding and head (vLLM's own classes) are memory-less
-    stubs meanwhile; once built they point at those copies and are not fed to vLLM. A parameter of another shape
-    (a padded vocabulary) gets memory before vLLM's weight loader writes into it, and holds what that loader
-    writes. In a weight-cache daemon's fill (``exit_in_background``) that copies with helpers this is the default;
-    without helpers (not measured there) it is not."""
+    """``plan.common_during_build``: the large common tensors are read beside vLLM's construction, by the rank file's
+    background job after the rank file (one job: with helpers, each gets its share of both files), started before
+    vLLM builds the model, whose embedding and head (vLLM's own classes) are memory-less stubs meanwhile; once
+    built they point at those copies and are not fed to vLLM. A parameter of another shape (a padded vocabulary)
+    gets memory before vLLM's weight loader writes into it, and holds what that loader writes. The plan of a
+    weight-cache daemon's fill (``exit_in_background``) that copies with helpers says so; without helpers it does
+    not (the rank file alone beside the construction), but an override without helpers is obeyed."""
     import contextlib
-    import threading
 
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from marlin_pack.vllm_plugin.copy_helpers import exit_in_background
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.gpu.helpers import exit_in_background
 
     model_dir = make_bundle("gptq", "tiny")
     common = load_file(str(model_dir / "marlin-pack" / "common.safetensors"))
@@ -312,18 +344,17 @@ def test_common_tensors_copy_beside_the_construction(
     on_reader_copy(monkeypatch, lambda name: reads.append((name, threading.current_thread().name)))
     during = with_vllm_embeddings(monkeypatch, model_dir, padding=64 if padded_vocab else 0)
     vllm_config, model_config = fake_engine(model_dir, "auto_gptq", monkeypatch)
-    daemon = common_io.startswith("daemon")
-    options: dict[str, Any] = {"common_during_build": True, "common_io": common_io}
-    if common_io == "daemon default":  # helpers started (they leave CPU destinations to this process)
-        import marlin_pack.vllm_plugin.loader as loader_mod
-
-        monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        options = {"io_mode": "processes"}
-    elif common_io == "daemon without helpers":
-        options = {}
-    loader = make_loader(io_threads=2, chunk_mb=1, **options)
+    daemon = case.startswith("daemon")
+    with_helpers = case in ("engine override", "daemon default")
+    _FakeHelpers.events = []
+    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
+    if with_helpers:  # helpers started (they leave CPU destinations to this process)
+        machine_for_helpers(monkeypatch)
+    overrides: dict[str, Any] = {"threads": 2, "window_mib": 1}
+    if "override" in case:
+        overrides["common_during_build"] = True
+    io_plan(monkeypatch, **overrides)
+    loader = make_loader()
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         from marlin_pack.vllm_plugin import patches
 
@@ -332,16 +363,15 @@ def test_common_tensors_copy_beside_the_construction(
             model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
             loader.load_weights(model, model_config)  # type: ignore[arg-type]
         process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
-    if common_io == "daemon without helpers":
+    assert bool(_FakeHelpers.events) is with_helpers
+    if case == "daemon without helpers":
         assert not during["stubs"] & {"model.embed_tokens.weight", "lm_head.weight"} and loader._timings.common_beside is None
+        assert [name for name, _ in reads] == ["rank-0.safetensors"]  # the rank file alone beside the construction
         return
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= during["stubs"]
     background = [name for name, thread in reads if thread == "marlin-pack-arena-copy"]
-    own = [name for name, thread in reads if thread == "marlin-pack-common-copy"]
-    if common_io == "staged":  # two jobs, at the same time
-        assert background == ["rank-0.safetensors"] and own == ["common.safetensors"]
-    else:  # one job, the common tensors after the rank file
-        assert background == ["rank-0.safetensors", "common.safetensors"] and own == []
+    assert background == ["rank-0.safetensors", "common.safetensors"]  # one job, the common tensors after the rank file
+    assert [name for name, thread in reads if thread != "marlin-pack-arena-copy"] == []
     assert not [n for n, p in model.named_parameters() if is_stub(p)]
     embed, head = model.model.embed_tokens.weight, model.lm_head.weight
     assert torch.equal(head, common["lm_head.weight"]) and "lm_head.weight" not in model.fed
@@ -356,9 +386,7 @@ def test_common_tensors_copy_beside_the_construction(
     assert loader._timings.common_beside == (1 if padded_vocab else 2)
     text = loader._timings.common_text()
     assert f"({loader._timings.common_beside} of its names copied beside the construction" in text
-    assert (", staged in " in text) is (common_io == "staged")
-    beside = 0 if common_io == "staged" else sum(common[n].nbytes for n in large)
-    assert loader._timings.copy_bytes == sum(t.nbytes for t in rank.values()) + beside
+    assert loader._timings.copy_bytes == sum(t.nbytes for t in rank.values()) + sum(common[n].nbytes for n in large)
 
 
 def test_stub_placeholders_are_left_to_finishing(make_bundle: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -374,7 +402,8 @@ def test_stub_placeholders_are_left_to_finishing(make_bundle: Any, monkeypatch: 
     reference = vr.reference_rank_tensors(model_dir, 1, 0, torch.float16)
     fake_create_model(monkeypatch, model_dir)
     vllm_config, model_config = fake_engine(model_dir, quantization_of("gptq"), monkeypatch)
-    loader = make_loader(io_threads=2, chunk_mb=1)
+    io_plan(monkeypatch, threads=2, window_mib=1)
+    loader = make_loader()
     materialized: list[int] = []
     materialize = post_processing.materialize_stubs
     monkeypatch.setattr(post_processing, "materialize_stubs", lambda m: materialized.append(materialize(m)) or materialized[-1])
@@ -395,74 +424,49 @@ def test_stub_placeholders_are_left_to_finishing(make_bundle: Any, monkeypatch: 
         assert torch.equal(got[name].detach(), want), name
 
 
-def test_own_share_after_build_waits_for_the_construction(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``io_own_share: after_build``: the copy's gate (the reader's ``own_after``) is shut while vLLM builds
-    the model and opened as soon as it is built; the default has no gate."""
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-
-    import marlin_pack.vllm_plugin.loader as loader_mod
-    from marlin_pack.vllm_plugin.arena import BackgroundCopy
-
-    copies: list[BackgroundCopy] = []
-
-    class Recorded(BackgroundCopy):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            copies.append(self)
-
-    monkeypatch.setattr(loader_mod, "BackgroundCopy", Recorded)
-    fake_create_model(monkeypatch, awq_bundle)
-    build = BaseModelLoader.create_model
-    shut_while_building: list[bool] = []
-    monkeypatch.setattr(BaseModelLoader, "create_model",
-                        lambda *a, **k: shut_while_building.append(not copies[-1].gate.is_set()) or build(*a, **k))
-    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
-    for own_share in ("after_build", "during_build"):
-        loader = make_loader(io_own_share=own_share)
-        with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
-            if own_share == "after_build":
-                model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
-                assert shut_while_building == [True] and copies[-1].gate.is_set()
-                loader.load_weights(model, model_config)  # type: ignore[arg-type]
-            else:
-                monkeypatch.setattr(BaseModelLoader, "create_model", build)
-                loader.load_weights(loader.create_model(vllm_config, model_config), model_config)  # type: ignore[arg-type]
-                assert copies[-1].gate is None
-    assert len(copies) == 2 and all(c.bytes > 0 for c in copies)
-
-
 @pytest.mark.parametrize("end", ["join", "abandon"])
-def test_background_copy_opens_its_gate_before_waiting(end: str) -> None:
-    """A copy waiting on its gate (the engine's share waits for the construction) cannot deadlock the
-    loader: join and abandon open the gate before they wait, on every path (a failed construction too)."""
-    import threading
-
+@pytest.mark.parametrize("fails", [False, True])
+def test_background_copy_waits_for_its_reader_and_hands_over_its_outcome(end: str, fails: bool) -> None:
+    """The copy runs on a thread of its own, every file in one ``copy_files`` call of one reader; ``on_done`` runs on
+    that thread once it ended (done or failed); join waits and raises what the copy raised, abandon waits and drops it."""
     from marlin_pack.vllm_plugin.arena import BackgroundCopy
 
-    gate = threading.Event()
+    release, done = threading.Event(), []
 
-    class GatedReader:
-        modes_used = {"processes"}
+    class SlowReader:
+        modes_used = {"helpers", "registered"}
 
-        def __enter__(self) -> GatedReader:
+        def __enter__(self) -> SlowReader:
             return self
 
         def __exit__(self, *exc: object) -> None:
             pass
 
         def copy_files(self, jobs: Any) -> int:
-            assert gate.wait(timeout=30), "the gate stayed shut"
+            assert release.wait(timeout=30), "never released"
+            assert [path for path, _ in jobs] == ["rank-0.safetensors", "common.safetensors"]
+            if fails:
+                raise OSError(5, "Input/output error")
             return 7
 
-    copy = BackgroundCopy(GatedReader, "rank-0.safetensors", [], gate=gate)  # type: ignore[arg-type]
-    assert not gate.is_set()
-    getattr(copy, end)()
-    assert gate.is_set() and copy.bytes == 7 and copy.modes_used == {"processes"}
+    copy = BackgroundCopy(SlowReader, "rank-0.safetensors", [], on_done=lambda: done.append(threading.current_thread().name),  # type: ignore[arg-type]
+                          then=[("common.safetensors", [])])
+    assert done == []
+    threading.Timer(0.05, release.set).start()
+    if end == "join" and fails:
+        with pytest.raises(OSError, match="Input/output error"):
+            copy.join()
+    else:
+        getattr(copy, end)()
+    assert done == ["marlin-pack-arena-copy"] and release.is_set()
+    assert (copy.bytes, copy.modes_used) == ((0, set()) if fails else (7, {"helpers", "registered"}))
+    if end == "join" and fails:
+        copy.join()  # raised once
 
 
 def test_rank_file_copy_failure_surfaces_in_load_weights(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A read error in the background copy is raised by load_weights (after the copy ended), not lost."""
-    from marlin_pack.vllm_plugin import gpu_reader
+    from marlin_pack.gpu import reader as gpu_reader
 
     copy_files = gpu_reader.ParallelReader.copy_files
 
@@ -484,27 +488,26 @@ def test_rank_file_copy_failure_surfaces_in_load_weights(awq_bundle: Path, monke
 def test_construction_failure_ends_the_copy_first(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM failing to build the model (e.g. out of memory): create_model raises that error once the rank
     file's copy has ended (it writes into the arena and reads with the helpers), then ends the helpers."""
-    import threading
-
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     import marlin_pack.vllm_plugin.loader as loader_mod
 
     events = _FakeHelpers.events = []
     monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    machine_for_helpers(monkeypatch, room=False)  # NVML cannot say: registered, but for the override
+    io_plan(monkeypatch, mode="helpers", helpers=2)
 
     def fails(*args: Any, **kwargs: Any) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
 
     monkeypatch.setattr(BaseModelLoader, "create_model", fails)
     vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
-    loader = make_loader(io_mode="processes", io_processes=2)
+    loader = make_loader()
     with pytest.raises(torch.OutOfMemoryError, match="stand-in"):
         loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
     assert not [t for t in threading.enumerate() if t.name == "marlin-pack-arena-copy"]
-    assert events[0] == "start 2 helpers for device 0" and events[-1] == "joined"
+    # the copy's thread ended them as its copy ended; create_model closed them again and waited for their exit
+    assert events == ["start 2 helpers for device 0", "close wait=False", "joined"]
 
 
 def test_create_model_kernel_mismatch_refuses_or_falls_back(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -531,17 +534,14 @@ def test_create_model_kernel_mismatch_refuses_or_falls_back(awq_bundle: Path, mo
     assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_stub(t)]
 
 
-@pytest.mark.parametrize("common_io", ["with_rank_file", "staged"])
 @pytest.mark.parametrize("fallback", [False, True])
-def test_common_copies_dropped_when_the_built_model_does_not_fit(
-    make_bundle: Any, monkeypatch: pytest.MonkeyPatch, fallback: bool, common_io: str
-) -> None:
-    """``common_during_build`` and a layer vLLM built on another kernel: the load is refused, or (fallback)
+def test_common_copies_dropped_when_the_built_model_does_not_fit(make_bundle: Any, monkeypatch: pytest.MonkeyPatch, fallback: bool) -> None:
+    """``common_during_build`` (helpers) and a layer vLLM built on another kernel: the load is refused, or (fallback)
     the checkpoint loads the ordinary way into a model without stubs; the embedding and the head are
     tensors of their own with vLLM's loaders' bytes, not the copies made beside the construction."""
-    import threading
-
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    import marlin_pack.vllm_plugin.loader as loader_mod
 
     machete_for_down_proj(monkeypatch)
     model_dir = make_bundle("gptq", "tiny")
@@ -550,7 +550,11 @@ def test_common_copies_dropped_when_the_built_model_does_not_fit(
     on_reader_copy(monkeypatch, reads.append)
     during = with_vllm_embeddings(monkeypatch, model_dir)
     vllm_config, model_config = fake_engine(model_dir, "auto_gptq", monkeypatch)
-    loader = make_loader(io_threads=2, chunk_mb=1, common_during_build=True, fallback=fallback, common_io=common_io)
+    events = _FakeHelpers.events = []
+    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
+    machine_for_helpers(monkeypatch)
+    io_plan(monkeypatch, threads=2, window_mib=1, common_during_build=True)
+    loader = make_loader(fallback=fallback)
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         from marlin_pack.vllm_plugin import patches
 
@@ -563,8 +567,9 @@ def test_common_copies_dropped_when_the_built_model_does_not_fit(
             model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
             loader.load_weights(model, model_config)  # type: ignore[arg-type]
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= during["stubs"]
-    assert sorted(reads[:2]) == ["common.safetensors", "rank-0.safetensors"]  # the copies beside the construction ran, and ended
-    assert not [t for t in threading.enumerate() if t.name in ("marlin-pack-arena-copy", "marlin-pack-common-copy")]
+    assert reads[:2] == ["rank-0.safetensors", "common.safetensors"]  # the copy beside the construction ran, and ended
+    assert not [t for t in threading.enumerate() if t.name == "marlin-pack-arena-copy"]
+    assert events == ["start 4 helpers for device 0", "close wait=False", "joined"]  # ended with the unused bundle
     if fallback:
         assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_stub(t)]
         assert not any(is_prepacked(m) for m in model.modules())
@@ -642,19 +647,31 @@ def test_direct_target_only_for_plain_copy_loaders() -> None:
 
 
 class _FakeHelpers:
-    """Stands in for copy_helpers.HelperPool: records when it is started and how it is ended."""
+    """Stands in for gpu.helpers.HelperPool (its API: ``copy_files``, ``let_go``, ``close(wait)``, ``join``, ``ready_after``,
+    ``retained_bytes``, ``failures``): records when it is started and how it is ended. CPU destinations are never given
+    to helpers (the reader reads them itself); a pool asked to copy copies nothing and leaves every window."""
 
     events: list[str] = []
 
     settings: dict[str, object] = {}
 
-    def __init__(self, count: int | None, device_index: int, **settings: object) -> None:
+    def __init__(self, count: int = 4, device_index: int = 0, **settings: object) -> None:
         self.events.append(f"start {count} helpers for device {device_index}")
         _FakeHelpers.settings = settings
         self.closed = False
         self.ready_after = 0.25
-        self.source = "own"
         self.retained_bytes: int | None = None
+        self.failures: list[str] = []
+
+    def ready(self) -> int:
+        return 4
+
+    def copy_files(self, parts: Any, threads: int) -> list[list[Any]]:
+        self.events.append(f"copy {[Path(p).name for p, _ in parts]} with {threads} threads")
+        return [list(windows) for _, windows in parts]
+
+    def let_go(self) -> None:
+        self.events.append("let go")
 
     def close(self, wait: bool = True) -> None:
         if not self.closed:  # as HelperPool.close: a second call ends nothing more...
@@ -667,27 +684,46 @@ class _FakeHelpers:
         self.events.append("joined")
 
 
-@pytest.mark.parametrize("case", ["loads", "refused", "falls back", "common by helpers", "daemon"])
-def test_processes_mode_helpers_start_before_creation_and_always_end(
+def record_readers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[IoPlan, object]]:
+    """The (plan, helpers) of every ParallelReader the loader makes (its background copy's and its own)."""
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.gpu.reader import ParallelReader
+
+    readers: list[tuple[IoPlan, object]] = []
+
+    class Recorded(ParallelReader):
+        def __init__(self, plan: IoPlan | None = None, helpers: Any = None, populate: bool = True) -> None:
+            readers.append((plan, helpers))  # type: ignore[arg-type]
+            super().__init__(plan, helpers, populate)
+
+    monkeypatch.setattr(loader_mod, "ParallelReader", Recorded)
+    return readers
+
+
+@pytest.mark.parametrize("case", ["loads", "refused", "falls back", "daemon", "after build", "two helpers"])
+def test_helpers_start_before_creation_and_end_as_the_plan_says(
     awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, case: str, marlin_log: list[str]
 ) -> None:
-    """io_mode processes: the helpers start before vLLM builds the model (their CUDA contexts come up
-    meanwhile, and the rank file's copy starts at once) and end once the copy is done (without waiting,
-    on the copy's thread, so maybe before the construction ends; but gone before loading returns: vLLM
-    measures the free GPU memory next), or when the bundle is refused or not used. With
-    ``io_common_by_helpers`` they copy the common tensors next (the common reader is given them), so
-    they end only once those are loaded. In a weight-cache daemon (``exit_in_background``), which measures
-    no memory after its fill, loading ends them without waiting for them to exit."""
+    """A helpers plan: the loader's own helpers start before vLLM builds the model (their CUDA contexts come up
+    meanwhile, and the rank file's copy starts at once) and end once the copy is done (without waiting, on the
+    copy's thread, so maybe before the construction ends; but gone before loading returns: vLLM measures the
+    free GPU memory next), or when the bundle is refused or not used. This process reads the common tensors
+    itself beside them (``plan.local()``). Without ``during_build`` the copy after the construction has them,
+    and they end as the rank file is copied. In a weight-cache daemon (``exit_in_background``), which measures no
+    memory after its fill, they defer unregistering and loading ends them without waiting for them to exit."""
     import contextlib
 
     import marlin_pack.vllm_plugin.loader as loader_mod
-    from marlin_pack.vllm_plugin.copy_helpers import exit_in_background
+    from marlin_pack.gpu.helpers import exit_in_background
     from marlin_pack.vllm_plugin.engine import layer_facts
 
     events = _FakeHelpers.events = []
     monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    machine_for_helpers(monkeypatch, device=3)  # the plan picks helpers itself
+    if case == "after build":
+        io_plan(monkeypatch, during_build=False)
+    elif case == "two helpers":
+        io_plan(monkeypatch, helpers=2)  # the plan's count reaches the pool
     seen = fake_create_model(monkeypatch, awq_bundle)
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
@@ -698,19 +734,8 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
             loader_mod, "layer_facts", lambda m, skips_when_marked: dataclasses.replace(layer_facts(m, skips_when_marked), kernel="X")
         )
     vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
-    by_helpers = case == "common by helpers"
-    staging = {"io_staged": 2, "io_stage_mib": 16} if case == "loads" else {}
-    no_service = {"io_helper_service": False} if case == "refused" else {}  # the option reaches the pool
-    loader = make_loader(io_mode="processes", io_processes=2, fallback=case == "falls back", io_common_by_helpers=by_helpers,
-                         **staging, **no_service)
-    readers: list[tuple[object, object]] = []
-    make_reader = loader._reader
-
-    def reader(helpers: object, mode: object = None, **kw: object) -> object:
-        readers.append((helpers, mode))
-        return make_reader(helpers, mode, **kw)
-
-    monkeypatch.setattr(loader, "_reader", reader)
+    loader = make_loader(fallback=case == "falls back")
+    readers = record_readers(monkeypatch)
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
         if case == "refused":
             with pytest.raises(LoadRefusedError):
@@ -718,22 +743,18 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
         else:
             with exit_in_background() if case == "daemon" else contextlib.nullcontext():  # as the daemon's get_model
                 model = loader.create_model(vllm_config, model_config)
-                if case in ("loads", "common by helpers", "daemon"):
-                    assert events[:1] == ["start 2 helpers for device 3"] and "create" in events
+                if case != "falls back":
+                    assert events[0].startswith("start ") and "create" in events
                     loader.load_weights(model, model_config)  # CPU destinations: read here, the helpers unused
     assert len(seen) == 1
-    assert events[0] == "start 2 helpers for device 3"
-    staged, stage_mib = (2, 16) if case == "loads" else (0, 64)
-    # A daemon's defaults: deferred unregistering (and the common tensors copied with the rank file, see
-    # test_common_tensors_copy_beside_the_construction[daemon default]).
-    deferred = case == "daemon"
-    assert _FakeHelpers.settings == {
-        "staged": staged, "stage_mib": stage_mib, "defer_unregister": deferred, "nice": 0, "service": case != "refused",
-        "service_dir": None,  # no daemon or engine page-locked its bundle ahead of the copy (preload)
-    }
-    if by_helpers:  # ended by loading, after the common tensors; the common reader had them
+    assert events[0] == f"start {2 if case == 'two helpers' else 4} helpers for device 3"
+    assert _FakeHelpers.settings == {"defer_unregister": case == "daemon"}  # a daemon's fill: deferred unregistering
+    assert any(m.startswith("marlin-pack: I/O plan helpers: ") for m in marlin_log)
+    pool = readers[0][1]
+    assert isinstance(pool, _FakeHelpers)
+    if case == "after build":  # no copy beside the construction: one reader, with the helpers, after it
         assert events[1:] == ["create", "close wait=False", "joined"]
-        assert readers[-1][1] == "processes" and isinstance(readers[-1][0], _FakeHelpers)
+        assert [(p.mode, h) for p, h in readers] == [("helpers", pool)] and not loader._timings.beside
         return
     # The copy's thread ends them as its copy ends (before or after the construction); then joined (not by a daemon).
     assert sorted(events[1:3]) == ["close wait=False", "create"]
@@ -741,43 +762,111 @@ def test_processes_mode_helpers_start_before_creation_and_always_end(
     if case == "daemon":
         assert any("the copy helpers exit in the background" in m for m in marlin_log)
         assert not any("for the copy helpers to exit" in m for m in marlin_log)
-    elif case == "loads":
+    elif case in ("loads", "two helpers"):
         assert any("for the copy helpers to exit" in m for m in marlin_log)
-    if case == "loads":
-        assert readers[-1] == (None, "registered")  # the common tensors: read here, beside the helpers' copy
+    if case in ("loads", "daemon", "two helpers"):
+        # the rank file beside the construction with the helpers; the common tensors read here, beside the helpers' copy
+        assert sorted((p.mode, h is pool) for p, h in readers) == [("helpers", True), ("registered", False)]
         assert any("placed" in m and "helpers ready after 0.25 s" in m for m in marlin_log)  # the pool's own figure
 
 
-@pytest.mark.parametrize(
-    ("change", "starts"),
-    [
-        ("none", True),
-        ("more ranks", False),  # tensor, pipeline or data parallel: each rank would start helpers
-        ("sleep mode", False),  # the cumem allocator's memory cannot be opened with legacy CUDA IPC
-        ("expandable segments", False),
-        ("few cores", False),
-        ("tmpfs", False),  # staged
-        ("gpu nearly full", False),  # no room for their CUDA contexts beside the weights
-    ],
-)
-def test_auto_io_mode_starts_helpers_only_where_they_help(
-    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, change: str, starts: bool
+@pytest.mark.parametrize("role", ["engine", "daemon"])
+@pytest.mark.parametrize("outcome", ["loads", "falls back", "another rank file"])
+def test_a_preloaded_pool_is_borrowed_and_ended_as_preload_says(
+    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, role: str, outcome: str, marlin_log: list[str]
 ) -> None:
-    """io_mode auto: copy helpers (the processes mode) for one engine process on a file on disk with
-    enough cores and PyTorch's ordinary allocator; otherwise none are started (registered or staged)."""
+    """The early helpers of ``preload`` (page-locking this rank file) are taken with their plan, not started anew;
+    the loader does not close them: in an engine they let go of its memory and the pages (they exit once vLLM has
+    measured its memory again), in a daemon preload stops them. Early helpers for another file are not taken."""
+    import contextlib
+
     import marlin_pack.vllm_plugin.loader as loader_mod
-    from marlin_pack.vllm_plugin import gpu_reader
+    from marlin_pack.gpu.helpers import exit_in_background
+    from marlin_pack.vllm_plugin import preload
+    from marlin_pack.vllm_plugin.engine import layer_facts
 
     events = _FakeHelpers.events = []
     monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    machine_for_helpers(monkeypatch)
+    pool = _FakeHelpers(4, 0)
+    pool.retained_bytes = 3_400_000
+    events.clear()
+    daemon = role == "daemon"
+    plan = IoPlan("helpers", threads=2, window=1 << 20, helpers=4, common_during_build=daemon, defer_unregister=daemon,
+                  preload=True, why="planned ahead")
+    bundle_dir = awq_bundle / "marlin-pack"
+    rank_file = bundle_dir / ("tp2/rank-1.safetensors" if outcome == "another rank file" else "tp1/rank-0.safetensors")
+    early = preload.Preload([str(rank_file.resolve()), str((bundle_dir / "common.safetensors").resolve())], 0, plan, engine=not daemon)
+    early.pool = pool
+    early.helpers_up.set()
+    early.done.set()
+    monkeypatch.setattr(preload, "_CURRENT", early)
+    stops: list[str] = []
+    monkeypatch.setattr(preload, "stop", lambda: stops.append("stop"))
+    if outcome == "falls back":
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        monkeypatch.setattr(
+            loader_mod, "layer_facts", lambda m, skips_when_marked: dataclasses.replace(layer_facts(m, skips_when_marked), kernel="X")
+        )
+        monkeypatch.setattr(DefaultModelLoader, "load_weights", lambda self, m, c: None)  # the checkpoint the ordinary way
+    fake_create_model(monkeypatch, awq_bundle)
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    loader = make_loader(fallback=outcome == "falls back")
+    readers = record_readers(monkeypatch)
+    in_daemon = exit_in_background() if daemon else contextlib.nullcontext()
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16), in_daemon:
+        model = loader.create_model(vllm_config, model_config)
+        loader.load_weights(model, model_config)
+    if outcome == "another rank file":  # the loader's own helpers, ended by the loader
+        assert events[0] == "start 4 helpers for device 0" and "close wait=False" in events
+        assert stops == [] and "let go" not in events and readers[0][1] is not pool
+        return
+    assert not [e for e in events if e.startswith(("start", "close", "joined"))]  # neither started nor closed here
+    assert (events, stops) == (([], ["stop"]) if daemon else (["let go"], []))
+    assert any(m == "marlin-pack: I/O plan helpers: planned ahead" for m in marlin_log)
+    if outcome == "loads":
+        assert readers[0] == (plan, pool)  # the background copy: the carried plan (its threads and window), the pool
+        assert any("placed" in m and "helpers ready after 0.25 s, 3.4 MB page-locked ahead" in m for m in marlin_log)
+        if not daemon:
+            assert any("for the copy helpers to let go of this process's memory and the pages" in m for m in marlin_log)
+    else:
+        assert not any(is_prepacked(m) for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    ("change", "mode"),
+    [
+        ("none", "helpers"),
+        ("more ranks", "registered"),  # tensor, pipeline or data parallel: each rank would start helpers
+        ("sleep mode", "registered"),  # the cumem allocator's memory cannot be opened with legacy CUDA IPC
+        ("expandable segments", "registered"),
+        ("few cores", "registered"),
+        ("tmpfs", "staged"),
+        ("gpu nearly full", "registered"),  # no room for their CUDA contexts beside the engine's share
+        ("gpu unknown", "registered"),  # NVML cannot say
+        ("no gpu", "registered"),
+    ],
+)
+def test_the_plan_starts_helpers_only_where_they_help(
+    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, change: str, mode: str, marlin_log: list[str]
+) -> None:
+    """Without overrides the plan is the machine's: copy helpers for one engine process on a file on disk with
+    enough cores, PyTorch's ordinary allocator and room on the GPU; otherwise none are started (registered or staged)."""
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.gpu import plan as plan_mod
+    from marlin_pack.vllm_plugin import io_facts
+
+    events = _FakeHelpers.events = []
+    monkeypatch.setattr(loader_mod, "HelperPool", _FakeHelpers)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: change != "no gpu")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    files = (awq_bundle / "marlin-pack/tp1/rank-0.safetensors", awq_bundle / "marlin-pack/common.safetensors")
-    bundle_bytes = sum(f.stat().st_size for f in files)
-    room = 4 * (512 << 20) - (1 if change == "gpu nearly full" else 0)  # 4 helpers by default, 512 MiB each
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (bundle_bytes + room, 80 << 30))
+    total = 80 << 30  # the engine keeps --gpu-memory-utilization 0.9 of it; 4 helpers and its own context beside
+    free = math.ceil(0.9 * total) + 4 * HELPER_CONTEXT_BYTES + plan_mod._PROCESS_BASELINE_BYTES - (change == "gpu nearly full")
+    rooms: list[int] = []
+    monkeypatch.setattr(io_facts, "gpu_room", lambda d: rooms.append(d) or (None if change == "gpu unknown" else GpuRoom(free, total)))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4 if change == "few cores" else 16)))
-    monkeypatch.setattr(gpu_reader, "in_base_memory_pages", lambda path: change == "tmpfs")
+    monkeypatch.setattr(io_facts, "in_base_memory_pages", lambda path: change == "tmpfs")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     if change == "expandable segments":
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6, expandable_segments:True")
@@ -788,11 +877,13 @@ def test_auto_io_mode_starts_helpers_only_where_they_help(
     if change == "sleep mode":
         model_config.enable_sleep_mode = True
     loader = make_loader()
-    assert loader.options.io_mode == "auto"
     with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
-        loader.create_model(vllm_config, model_config)
-    # None: HelperPool's default count (the rank file's copy, started with the construction, may have ended them already)
-    assert [e for e in events if e.startswith("start")] == (["start None helpers for device 0"] if starts else [])
+        loader.load_weights(loader.create_model(vllm_config, model_config), model_config)
+    assert [e for e in events if e.startswith("start")] == (["start 4 helpers for device 0"] if mode == "helpers" else [])
+    assert rooms == ([] if change == "no gpu" else [0])  # NVML asked for this process's device, not where there is none
+    (line,) = [m for m in marlin_log if m.startswith("marlin-pack: I/O plan ")]
+    assert line.startswith(f"marlin-pack: I/O plan {mode}: ")
+    assert ("no copy helpers: " in line) is (mode == "registered")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -803,10 +894,11 @@ def test_large_common_tensors_are_copied_in_one_batch(awq_bundle: Path, monkeypa
     destination, so the later tensor in the file is copied after the batch and its bytes win, as
     copying in file order gives. (CPU parameters stand in for the GPU's: the reader reads into them.)"""
     import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.gpu.host_map import HostMap
+    from marlin_pack.gpu.reader import ParallelReader
     from marlin_pack.io.safetensors_io import read_header
     from marlin_pack.vllm_plugin.decision import decide
     from marlin_pack.vllm_plugin.engine import engine_facts
-    from marlin_pack.vllm_plugin.gpu_reader import HostMap, ParallelReader
 
     monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1 << 10)  # the tiny model's embedding and head count as large
     vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
@@ -837,7 +929,7 @@ def test_large_common_tensors_are_copied_in_one_batch(awq_bundle: Path, monkeypa
             calls.append(len(items))
             return super().copy(path, items)  # type: ignore[arg-type]
 
-    with Counting(2, 1 << 16) as reader, HostMap(bundle.common_file) as host:
+    with Counting(IoPlan(threads=2, window=1 << 16)) as reader, HostMap(bundle.common_file) as host:
         fed = dict(loader_mod.MarlinPrepackedLoader._common_weights(reader, host, bundle, model, torch.device("cuda")))
     assert set(fed) == set(header.tensors) - set(large)  # the direct ones are not fed to vLLM
     for name in set(fed):
@@ -855,15 +947,20 @@ def test_large_common_tensors_are_copied_in_one_batch(awq_bundle: Path, monkeypa
         assert torch.equal(params[name], want[name]), name
 
 
-def test_the_timings_line_says_whose_helpers_and_what_they_retained() -> None:
+def test_the_timings_line_says_when_the_helpers_were_ready_and_what_they_page_locked_ahead() -> None:
     from marlin_pack.vllm_plugin.loader import _Timings
 
-    t = _Timings(copy=1.0, copy_bytes=40_000_000_000, helpers_ready=0.02, helpers_source="service", helpers_retained=39_500_000_000)
-    assert "40.0 GB/s), helpers ready after 0.02 s (the helper service's), 39.50 GB of pages retained registered" in t.copy_text()
-    t.helpers_retained = 3_400_000
-    assert "(the helper service's), 3.4 MB of pages retained registered" in t.copy_text()
-    t.helpers_source, t.helpers_retained = "own", None
-    assert t.copy_text().endswith("helpers ready after 0.02 s")
+    t = _Timings(copy=1.0, copy_bytes=40_000_000_000, helpers_ready=0.02, helpers_retained=39_500_000_000)
+    assert t.copy_text() == "read+copy 1.00 s (40.00 GB, 40.0 GB/s), helpers ready after 0.02 s, 39.50 GB page-locked ahead"
+    t.helpers_retained = 3_400_000  # a test's bundle
+    assert t.copy_text().endswith("helpers ready after 0.02 s, 3.4 MB page-locked ahead")
+    for nothing in (None, 0):  # no preload, or nothing page-locked
+        t.helpers_retained = nothing
+        assert t.copy_text().endswith("helpers ready after 0.02 s")
+    t.helpers_ready = None  # no helpers
+    assert t.copy_text() == "read+copy 1.00 s (40.00 GB, 40.0 GB/s)"
+    t.beside, t.wait = True, 0.25
+    assert t.copy_text() == "read+copy 1.00 s (40.00 GB, 40.0 GB/s) beside create and common, waited 0.25 s"
 
 
 def test_a_start_that_hashes_says_how_much_and_how_long_once(

@@ -24,7 +24,7 @@ from marlin_pack.errors import LoadRefusedError
 from marlin_pack.vllm_plugin import LOAD_FORMAT
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked
 
-vmr = pytest.importorskip("vllm_moe_reference")
+vmr = pytest.importorskip("oracles.vllm_moe_reference")
 from moe_checkpoints import write_moe_checkpoint  # noqa: E402
 
 CASES = {
@@ -78,7 +78,8 @@ def _engine(model_dir: Path, quantization: str, dtype: torch.dtype, monkeypatch:
     vllm_config = SimpleNamespace(
         kernel_config=KernelConfig(**kernel),
         speculative_config=None,
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, world_size_across_dp=tp),
+        cache_config=SimpleNamespace(gpu_memory_utilization=0.9),
         device_config=SimpleNamespace(device=torch.device("cpu")),
     )
     model_config = SimpleNamespace(model=str(model_dir), dtype=dtype, quantization=quantization,
@@ -125,7 +126,8 @@ def test_prepacked_moe_model_equals_stock_vllm(moe_bundle: Any, patched: Any, mo
     model_dir = moe_bundle(arch, fmt, dtype)
     reference = vmr.reference_moe_rank_tensors(model_dir, tp, rank, dtype)
     vllm_config, model_config, seen = _engine(model_dir, _quantization(fmt), dtype, monkeypatch, tp, rank)
-    loader = _loader(io_threads=2, chunk_mb=1)
+    monkeypatch.setenv("MARLIN_PACK_IO", '{"threads": 2, "window_mib": 1}')
+    loader = _loader()
     with vmr._moe_patched(tp, rank) as m, m.base.set_default_torch_dtype(dtype):
         # Any repack of the experts would call these: prepacked experts must not.
         monkeypatch.setattr(m.int_wna16, "convert_to_wna16_moe_kernel_format",

@@ -24,7 +24,12 @@ def test_importing_the_plugin_does_not_import_vllm() -> None:
         "marlin_pack.vllm_plugin.decision",
         "marlin_pack.vllm_plugin.layer_check",
         "marlin_pack.vllm_plugin.preflight",
-        "marlin_pack.vllm_plugin.gpu_reader",
+        "marlin_pack.vllm_plugin.preload",
+        "marlin_pack.vllm_plugin.io_facts",
+        "marlin_pack.gpu.plan",
+        "marlin_pack.gpu.gpu_room",
+        "marlin_pack.gpu.helper_protocol",
+        "marlin_pack.patch_list",
         "marlin_pack.vllm_plugin.version_guard",
         "marlin_pack.vllm_plugin.launcher",
         "marlin_pack.vllm_plugin.patches",
@@ -68,7 +73,7 @@ def test_register_is_idempotent_and_get_model_loader_returns_ours(registered: No
         LoadConfig(load_format="marlin_prepacked", model_loader_extra_config={"bundle": "/b", "fallback": True})
     )
     assert loader.options.bundle == Path("/b") and loader.options.fallback
-    with pytest.raises(ValueError, match=r"Unexpected extra config keys for load format marlin_prepacked: \['bogus'\]"):
+    with pytest.raises(ValueError, match=r"unknown key 'bogus' for load format marlin_prepacked"):
         get_model_loader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={"bogus": 1}))
 
 

@@ -1,10 +1,10 @@
 """``preload``: copy helpers page-lock the bundle before the loader copies it, in a weight-cache daemon as it
-starts (``daemon_preload``) and in an engine as its GPU worker sets up (``engine_preload``).
+starts and in an engine as its GPU worker sets up (the ``preload`` option, where the I/O plan copies with helpers).
 
-The plan is made in the ``vllm preload`` process from a real bundle and a stand-in configuration;
-the daemon side runs with a stand-in helper service (the real one needs a GPU: the GPU suite runs
-it), except for the spawned-process test, which checks the premise the design rests on: a spawned
-daemon imports the spawn target's module before it unpickles its configuration.
+The plan is made from a real bundle and a stand-in configuration, the machine as the plan sees it stood in for
+(NVML's room, cores, the file system); the helpers are a stand-in ``HelperPool`` (the real ones need a GPU: the
+GPU suite runs them), except in the spawned-process test, which checks the premise the daemon's side rests on: a
+spawned daemon imports the spawn target's module before it unpickles its configuration.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,23 +21,37 @@ from typing import Any
 import pytest
 import torch
 
-from marlin_pack.vllm_plugin import LOAD_FORMAT, preload
-from marlin_pack.vllm_plugin.helper_service import ServiceError
+from marlin_pack.gpu.plan import GpuRoom, IoPlan
+from marlin_pack.vllm_plugin import LOAD_FORMAT, io_facts, preload
+
+MIB, GIB = 1 << 20, 1 << 30
+
+
+_ROOM: list[GpuRoom | None] = [None]  # what NVML says of the GPU in this test
 
 
 @pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No page-locking left from another test; no real service socket directory; 16 usable cores."""
+def rooms(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """No page-locking left from another test, no overrides; a machine where copy helpers pay and work (16 cores,
+    the bundle on disk, an almost empty 141 GiB GPU). Returns the devices NVML was asked about."""
     monkeypatch.setattr(preload, "_CURRENT", None)
     monkeypatch.delenv(preload.ENV, raising=False)
-    empty = tmp_path / "no-service"
-    empty.mkdir(mode=0o700)
-    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(empty))
+    monkeypatch.delenv("MARLIN_PACK_IO", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(io_facts, "in_base_memory_pages", lambda path: False)
+    asked: list[int] = []
+    _set_room(GpuRoom(free=140 * GIB, total=141 * GIB))
+    monkeypatch.setattr(io_facts, "gpu_room", lambda device: asked.append(device) or _ROOM[0])
+    return asked
+
+
+def _set_room(room: GpuRoom | None) -> None:
+    _ROOM[0] = room
 
 
 def _config(model: Path, extra: dict | None = None, *, load_format: str = LOAD_FORMAT, tp: int = 1, dp: int = 1,
-            sleep: bool = False) -> SimpleNamespace:
+            sleep: bool = False, utilization: float = 0.9) -> SimpleNamespace:
     """What plan() and export() read of a VllmConfig."""
     from vllm.config.kernel import KernelConfig
 
@@ -46,6 +61,7 @@ def _config(model: Path, extra: dict | None = None, *, load_format: str = LOAD_F
         speculative_config=None,
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_size=dp,
                                         world_size_across_dp=tp * dp),
+        cache_config=SimpleNamespace(gpu_memory_utilization=utilization),
         model_config=SimpleNamespace(model=str(model), dtype=torch.float16, quantization="auto_awq", enable_sleep_mode=sleep,
                                      revision=None),
     )
@@ -53,46 +69,77 @@ def _config(model: Path, extra: dict | None = None, *, load_format: str = LOAD_F
 
 @pytest.fixture
 def model(make_bundle) -> Path:  # type: ignore[no-untyped-def]
-    return make_bundle("awq", "tiny")
+    return make_bundle("awq", "tiny", tp_sizes=(1, 2))
 
 
-def test_plan_names_the_files_the_daemons_fill_copies(model: Path) -> None:
-    found = preload.plan(_config(model, {"chunk_mb": 64, "io_processes": 3, "io_staged": 1, "io_helper_nice": 5}))
-    assert found is not None
+def _files(model: Path) -> list[str]:
     bundle = model / "marlin-pack"
-    rank_file, common = bundle / "tp1" / "rank-0.safetensors", bundle / "common.safetensors"
-    assert found["files"] == [str(rank_file.resolve()), str(common.resolve())]
-    assert found["bytes"] == rank_file.stat().st_size + common.stat().st_size
-    assert found["parent"] == os.getpid() and found["device"] == 0
-    assert (found["processes"], found["window_mib"], found["staged"], found["nice"]) == (3, 64, 1, 5)
-    defaults = preload.plan(_config(model))
-    assert defaults is not None and (defaults["processes"], defaults["window_mib"], defaults["staged"]) == (4, 256, 0)
+    return [str((bundle / "tp1" / "rank-0.safetensors").resolve()), str((bundle / "common.safetensors").resolve())]
+
+
+# -- the plan ---------------------------------------------------------------------------------------------------
+
+
+def test_plan_names_the_files_the_daemons_fill_copies_and_carries_its_io_plan(model: Path, rooms: list[int]) -> None:
+    found = preload.plan(_config(model))
+    assert found is not None and json.loads(json.dumps(found)) == found  # travels through the environment
+    assert found["files"] == _files(model)
+    assert found["bytes"] == sum(os.stat(f).st_size for f in found["files"])
+    assert found["parent"] == os.getpid() and found["device"] == 0 and rooms == [0]
+    p = IoPlan.from_json(found["plan"])
+    assert (p.mode, p.helpers, p.threads, p.window, p.preload) == ("helpers", 4, 4, 256 * MIB, True)
+    assert (p.defer_unregister, p.common_during_build, p.during_build) == (True, True, True)  # a daemon's fill
+    assert "page-lock the bundle ahead of the copy" in p.why
+
+
+def test_an_engines_plan_is_for_its_device_and_role(model: Path, rooms: list[int]) -> None:
+    found = preload.plan(_config(model), role="engine", device=2)
+    assert found is not None and found["device"] == 2 and rooms == [2]
+    p = IoPlan.from_json(found["plan"])
+    assert (p.mode, p.preload, p.defer_unregister, p.common_during_build) == ("helpers", True, False, False)
+
+
+def test_the_plan_takes_the_overrides(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MARLIN_PACK_IO", '{"helpers": 2, "window_mib": 64}')
+    found = preload.plan(_config(model))
+    assert found is not None
+    p = IoPlan.from_json(found["plan"])
+    assert (p.helpers, p.window) == (2, 64 * MIB) and p.why.endswith("(overridden by MARLIN_PACK_IO)")
 
 
 @pytest.mark.parametrize(
     "case",
-    ["another load format", "daemon_preload off", "no helper service", "registered mode", "too few cores", "sleep mode",
-     "a 4 KiB-page tmpfs", "an unknown option", "no bundle", "a bundle for another dtype"],
+    ["another load format", "preload off", "an unknown option", "a removed option", "no bundle", "a bundle for another dtype",
+     "too few cores", "sleep mode", "a 4 KiB-page tmpfs", "tp 2", "no room on the GPU", "an unknown GPU",
+     "overridden to registered", "overridden to no preload", "an override that is not JSON"],
 )
-def test_no_plan_where_the_fill_would_not_copy_with_helpers(model: Path, case: str, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_plan_where_the_copy_would_not_use_page_locked_helpers(
+    model: Path, case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     extra: dict[str, Any] = {
-        "daemon_preload off": {"daemon_preload": False},
-        "no helper service": {"io_helper_service": False},
-        "registered mode": {"io_mode": "registered"},
+        "preload off": {"preload": False},
         "an unknown option": {"no_such_option": 1},
+        "a removed option": {"io_mode": "processes"},
         "no bundle": {"bundle": str(tmp_path / "missing")},
     }.get(case, {})
-    config = _config(model, extra, load_format="auto" if case == "another load format" else LOAD_FORMAT, sleep=case == "sleep mode")
+    config = _config(model, extra, load_format="auto" if case == "another load format" else LOAD_FORMAT,
+                     sleep=case == "sleep mode", tp=2 if case == "tp 2" else 1)
     if case == "too few cores":
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    if case == "a 4 KiB-page tmpfs":  # auto stages such files in the daemon's own process: no helpers
-        from marlin_pack.vllm_plugin import gpu_reader
-
-        monkeypatch.setattr(gpu_reader, "in_base_memory_pages", lambda path: True)
+    if case == "a 4 KiB-page tmpfs":  # staged in the process's own threads: no helpers
+        monkeypatch.setattr(io_facts, "in_base_memory_pages", lambda path: True)
     if case == "a bundle for another dtype":
         config.model_config.dtype = torch.bfloat16
-    assert preload.plan(config) is None  # never raises: the daemon's loader reports a bad bundle
+    if case == "no room on the GPU":  # not for 4 helpers' contexts and the process's own (5 GiB), whatever the role
+        _set_room(GpuRoom(free=4 * GIB, total=141 * GIB))
+    if case == "an unknown GPU":
+        _set_room(None)
+    override = {"overridden to registered": '{"mode": "registered"}', "overridden to no preload": '{"preload": false}',
+                "an override that is not JSON": "{"}.get(case)
+    if override is not None:
+        monkeypatch.setenv("MARLIN_PACK_IO", override)
+    for role in ("daemon", "engine"):
+        assert preload.plan(config, role=role) is None  # never raises: the loader reports a bad bundle or option
 
 
 @pytest.mark.parametrize("case", ["one daemon", "tp 2", "dp 2", "a draft daemon"])
@@ -106,100 +153,177 @@ def test_export_plans_only_a_single_daemon(model: Path, case: str) -> None:
         assert found is None and preload.ENV not in env
 
 
-class _FakeService:
-    """Stands in for HelperService: records what the daemon asked of it."""
+# -- a stand-in HelperPool ------------------------------------------------------------------------------------------
 
-    made: list[_FakeService] = []
-    fail: str | None = None
 
-    def __init__(self, devices: list[int], **settings: Any) -> None:
-        self.devices, self.settings, self.calls = devices, settings, []
-        _FakeService.made.append(self)
+class _FakePool:
+    """Stands in for gpu.helpers.HelperPool: records what preload asked of it."""
 
-    def start(self) -> None:
-        self.calls.append("start")
+    made: list[_FakePool] = []
+    ready_count = 2  # helpers that say they are ready
+    fail: Exception | None = None  # raised by the constructor
+    gate: threading.Event | None = None  # ready() waits for it
 
-    def preload(self, files: list[str], window_mib: int) -> dict[int, int]:
-        self.calls.append(("preload", files, window_mib))
-        if _FakeService.fail:
-            raise ServiceError(_FakeService.fail)
-        return {self.devices[0]: 3 << 20}
+    def __init__(self, count: int = 4, device_index: int = 0, *, defer_unregister: bool = False) -> None:
+        if _FakePool.fail is not None:
+            raise _FakePool.fail
+        self.args = (count, device_index, defer_unregister)
+        self.calls: list[Any] = []
+        self.failures: list[str] = []
+        self.ready_after: float | None = None
+        self.retained_bytes: int | None = None
+        _FakePool.made.append(self)
 
-    def stop(self) -> None:
-        self.calls.append("stop")
+    def ready(self) -> int:
+        self.calls.append("ready")
+        if _FakePool.gate is not None:
+            assert _FakePool.gate.wait(timeout=10), "the test never opened the gate"
+        if not _FakePool.ready_count:
+            self.failures.append("a helper did not start: no CUDA driver")
+        return _FakePool.ready_count
+
+    def retain(self, files: list[str], window: int) -> int:
+        self.calls.append(("retain", list(files), window))
+        self.retained_bytes = 3 << 20
+        return 3 << 20
+
+    def let_go(self) -> None:
+        self.calls.append("let go")
+
+    def close(self, wait: bool = True) -> None:
+        self.calls.append("close")
+
+
+@pytest.fixture
+def fake_pool(monkeypatch: pytest.MonkeyPatch) -> type[_FakePool]:
+    from marlin_pack.gpu import helpers
+
+    _FakePool.made, _FakePool.ready_count, _FakePool.fail, _FakePool.gate = [], 2, None, None
+    monkeypatch.setattr(helpers, "HelperPool", _FakePool)  # preload imports it from there as it starts
+    return _FakePool
+
+
+def _plan(**changes: Any) -> IoPlan:
+    return IoPlan(**{**dict(mode="helpers", threads=4, window=256 * MIB, helpers=2, common_during_build=True,
+                            defer_unregister=True, preload=True, why="planned for the daemon"), **changes})
 
 
 def _spec(**changes: Any) -> dict:
     spec = {"parent": os.getppid(), "files": ["/b/tp1/rank-0.safetensors", "/b/common.safetensors"], "bytes": 3 << 20,
-            "device": 1, "processes": 2, "window_mib": 256, "staged": 0, "stage_mib": 64, "nice": 0}
+            "device": 1, "plan": _plan().to_json()}
     return {**spec, **changes}
 
 
-@pytest.fixture
-def fake_service(monkeypatch: pytest.MonkeyPatch) -> type[_FakeService]:
-    _FakeService.made, _FakeService.fail = [], None
-    monkeypatch.setattr(preload, "HelperService", _FakeService)
-    return _FakeService
+def _until(condition: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(condition())
 
 
-def test_a_daemon_page_locks_its_bundle_in_a_private_service_then_stops_it(
-    fake_service: type[_FakeService], marlin_log: list[str]
-) -> None:
+# -- a weight-cache daemon -------------------------------------------------------------------------------------------
+
+
+def test_a_daemon_page_locks_its_bundle_in_its_helpers_then_stops_them(fake_pool: type[_FakePool], marlin_log: list[str]) -> None:
     env = {preload.ENV: json.dumps(_spec())}
     pl = preload.start_from_environment(env)
-    assert pl is not None and preload.current() is pl
+    assert pl is not None and preload.current() is pl and not pl.engine
     assert preload.ENV not in env  # the daemon's own children never see the plan
-    directory = preload.ready_service_dir(timeout_s=10)
-    assert directory == pl.directory and directory.is_dir() and (directory.stat().st_mode & 0o777) == 0o700
-    (service,) = fake_service.made
-    assert service.devices == [1]
-    assert service.settings["directory"] == directory and service.settings["processes"] == 2
-    assert service.settings["retain_mib"] == 3  # room for every byte in each helper
-    assert service.calls == ["start", ("preload", ["/b/tp1/rank-0.safetensors", "/b/common.safetensors"], 256)]
-    assert any("page-locked in 2 copy helpers" in m for m in marlin_log)
+    assert pl.done.wait(timeout=10) and pl.error is None
+    (pool,) = fake_pool.made
+    assert pool.args == (2, 1, True)  # the carried plan's helpers, the spec's device, deferred unregistering
+    assert pool.calls == ["ready", ("retain", ["/b/tp1/rank-0.safetensors", "/b/common.safetensors"], 256 * MIB)]
+    assert pl.plan == _plan() and pl.locked == 3 << 20 and pl.helpers_up.is_set()
+    assert any("3.1 MB of the bundle page-locked in 2 copy helpers" in m for m in marlin_log)
+    assert preload.take_pool(Path("/b/tp1/rank-0.safetensors")) == (pool, _plan())  # the loader takes pool and plan
     preload.stop()  # after the fill: in the background
-    deadline = time.monotonic() + 10
-    while (service.calls[-1] != "stop" or directory.exists()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert service.calls[-1] == "stop" and not directory.exists()
-    assert preload.ready_service_dir() is None  # stopped: the loader starts its own helpers
+    assert _until(lambda: "close" in pool.calls)
+    assert preload.take_pool(Path("/b/tp1/rank-0.safetensors")) is None  # stopped: the loader starts its own helpers
     preload.stop()
-    assert service.calls.count("stop") == 1  # once
+    pl.stop()
+    time.sleep(0.05)
+    assert pool.calls.count("close") == 1  # once
 
 
-@pytest.mark.parametrize("case", ["another parent", "no files", "not JSON"])
-def test_a_plan_not_made_for_this_process_is_ignored(fake_service: type[_FakeService], case: str) -> None:
-    raw = {"another parent": json.dumps(_spec(parent=os.getppid() + 1)), "no files": json.dumps(_spec(files=[])),
-           "not JSON": "{"}[case]
+@pytest.mark.parametrize("case", ["another parent", "no files", "not JSON", "not an object", "no plan", "not a plan",
+                                  "a device that is no number"])
+def test_a_plan_not_made_for_this_process_is_ignored(fake_pool: type[_FakePool], case: str) -> None:
+    raw = {
+        "another parent": json.dumps(_spec(parent=os.getppid() + 1)),
+        "no files": json.dumps(_spec(files=[])),
+        "not JSON": "{",
+        "not an object": json.dumps([_spec()]),
+        "no plan": json.dumps({k: v for k, v in _spec().items() if k != "plan"}),
+        "not a plan": json.dumps(_spec(plan='{"mode": "processes"}')),
+        "a device that is no number": json.dumps(_spec(device="cuda:0")),
+    }[case]
     env = {preload.ENV: raw}
     assert preload.start_from_environment(env) is None
-    assert preload.ENV not in env and preload.current() is None and fake_service.made == []
-    assert preload.ready_service_dir() is None
+    assert preload.ENV not in env and preload.current() is None and fake_pool.made == []
+    assert preload.take_pool(Path("/b/tp1/rank-0.safetensors")) is None
 
 
-def test_when_page_locking_fails_the_fill_copies_as_usual(fake_service: type[_FakeService], marlin_log: list[str]) -> None:
-    fake_service.fail = "no copy helper started (no CUDA driver)"
+def test_one_preload_per_process(fake_pool: type[_FakePool]) -> None:
+    first = preload.start_from_environment({preload.ENV: json.dumps(_spec())})
+    assert first is not None and first.done.wait(timeout=10)
+    env = {preload.ENV: json.dumps(_spec())}
+    assert preload.start_from_environment(env) is None and preload.ENV not in env
+    assert preload.current() is first and len(fake_pool.made) == 1
+    assert preload.start_from_environment({}) is None
+    first.stop()
+
+
+def test_take_pool_only_for_its_rank_file(model: Path, fake_pool: type[_FakePool], tmp_path: Path) -> None:
+    rank = Path(_files(model)[0])
+    pl = preload.start_from_environment({preload.ENV: json.dumps(_spec(files=_files(model)))})
+    assert pl is not None and pl.done.wait(timeout=10)
+    other = model / "marlin-pack" / "tp2" / "rank-1.safetensors"
+    assert other.exists() and preload.take_pool(other) is None  # another rank's file: not what they page-lock
+    link = tmp_path / "rank-0.safetensors"
+    link.symlink_to(rank)
+    assert preload.take_pool(link) == (fake_pool.made[0], _plan())  # the same file, by another name
+    assert preload.take_pool(rank) == (fake_pool.made[0], _plan())
+    pl.stop()
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_when_the_helpers_do_not_start_the_copy_goes_without_them(
+    fake_pool: type[_FakePool], marlin_log: list[str], engine: bool, model: Path
+) -> None:
+    fake_pool.ready_count = 0
+    if engine:
+        pl = preload.start_in_worker(_worker(model))
+    else:
+        pl = preload.start_from_environment({preload.ENV: json.dumps(_spec(files=_files(model)))})
+    assert pl is not None and pl.done.wait(timeout=10)
+    assert pl.error == "a helper did not start: no CUDA driver" and pl.locked == 0
+    assert pl.helpers_up.is_set()  # nothing to wait for at vLLM's snapshot
+    assert preload.take_pool(Path(_files(model)[0])) is None
+    role = "engine" if engine else "daemon"
+    assert any(f"the {role}'s copy helpers did not start (a helper did not start: no CUDA driver); copying without them" in m
+               for m in marlin_log)
+    (pool,) = fake_pool.made
+    assert ("retain" not in [c[0] for c in pool.calls if isinstance(c, tuple)]) and "close" not in pool.calls
+    (preload.stop_after_memory_profile if engine else preload.stop)()  # their contexts go when preload says
+    assert _until(lambda: "close" in pool.calls)
+
+
+def test_a_pool_that_cannot_be_made_is_an_error_not_a_crash(fake_pool: type[_FakePool]) -> None:
+    fake_pool.fail = RuntimeError("no libcuda.so.1")
     pl = preload.start_from_environment({preload.ENV: json.dumps(_spec())})
-    assert pl is not None
-    assert preload.ready_service_dir(timeout_s=10) is None
-    assert any("not page-locked ahead of its copy" in m and "no copy helper started" in m for m in marlin_log)
-    deadline = time.monotonic() + 10
-    while fake_service.made[0].calls[-1] != "stop" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert fake_service.made[0].calls[-1] == "stop"
+    assert pl is not None and pl.done.wait(timeout=10)
+    assert pl.error == "RuntimeError: no libcuda.so.1" and pl.pool is None and pl.helpers_up.is_set()
+    assert pl.seconds is not None
+    assert preload.take_pool(Path("/b/tp1/rank-0.safetensors")) is None
+    pl.stop()
+    assert pl.stopped
 
 
-def test_a_running_helper_service_for_the_gpu_wins(fake_service: type[_FakeService], tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch, marlin_log: list[str]) -> None:
-    served = tmp_path / "served"
-    served.mkdir(mode=0o700)
-    (served / "GPU-7.0.sock").touch()
-    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(served))
-    monkeypatch.setattr(preload, "gpu_uuid", lambda device: f"GPU-{device + 6}")
-    assert preload.start_from_environment({preload.ENV: json.dumps(_spec(device=1))}) is not None
-    assert preload.ready_service_dir(timeout_s=10) is None
-    assert fake_service.made == []  # nothing started: the loader takes marlin-pack helpers' own
-    assert any("serves this GPU already" in m for m in marlin_log)
+def test_a_stop_before_the_start_starts_no_helper(fake_pool: type[_FakePool]) -> None:
+    pl = preload.Preload(["/b/tp1/rank-0.safetensors"], 0, _plan())
+    pl.stop(wait_s=0)
+    pl.run()  # the thread's start came late: no helper is left behind
+    assert fake_pool.made == [] and pl.pool is None and pl.done.is_set()
 
 
 def test_the_patched_get_draft_daemon_config_plans_the_preload(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,7 +332,8 @@ def test_the_patched_get_draft_daemon_config_plans_the_preload(model: Path, monk
     monkeypatch.setenv(preload.ENV, "left from before")
     config = _config(model)
     assert weight_cache._daemons_spawned_for(lambda c: None)(config) is None
-    assert json.loads(os.environ[preload.ENV])["files"][0].endswith("rank-0.safetensors")
+    spec = json.loads(os.environ[preload.ENV])
+    assert spec["files"][0].endswith("rank-0.safetensors") and IoPlan.from_json(spec["plan"]).mode == "helpers"
     draft = object()
     assert weight_cache._daemons_spawned_for(lambda c: draft)(config) is draft
     assert preload.ENV not in os.environ
@@ -216,12 +341,16 @@ def test_the_patched_get_draft_daemon_config_plans_the_preload(model: Path, monk
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_the_daemon_stops_the_preload_after_its_fill(fails: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's fill runs inside the loader's exit_in_background (the one the loader reads), then preload stops."""
+    from marlin_pack.gpu.helpers import exits_in_background
     from marlin_pack.vllm_plugin.patches import weight_cache
 
     stopped: list[bool] = []
     monkeypatch.setattr(preload, "stop", lambda: stopped.append(True))
+    inside: list[bool] = []
 
     def get_model(self: object) -> str:
+        inside.append(exits_in_background())
         if fails:
             raise RuntimeError("the fill failed")
         return "model"
@@ -234,30 +363,28 @@ def test_the_daemon_stops_the_preload_after_its_fill(fails: bool, monkeypatch: p
             wrapped(fake)
     else:
         assert wrapped(fake) == "model"
-    assert stopped == [True]
+    assert stopped == [True] and inside == [True] and not exits_in_background()
 
 
-def test_the_loader_takes_the_daemons_service(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loader_takes_the_preloads_pool_and_plan(model: Path, fake_pool: type[_FakePool], monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.config.load import LoadConfig
 
     import marlin_pack.vllm_plugin.loader as loader_mod
 
-    pools: list[dict] = []
-    monkeypatch.setattr(loader_mod, "HelperPool", lambda count, device, **kw: pools.append(kw) or "pool")
+    started: list[object] = []
+    monkeypatch.setattr(loader_mod, "HelperPool", lambda *a, **k: started.append(a) or "the loader's own")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    asked: list[bool] = []
-    monkeypatch.setattr(preload, "ready_service_dir", lambda: asked.append(True) or tmp_path)
-    monkeypatch.setattr(preload, "current", lambda: "a preload under way")
+    planned: list[object] = []
+    monkeypatch.setattr(loader_mod, "plan_for", lambda *a, **k: planned.append(a))
+    pl = preload.start_from_environment({preload.ENV: json.dumps(_spec(files=_files(model)))})
+    assert pl is not None and pl.done.wait(timeout=10)
     config = _config(model)
     bundle = SimpleNamespace(rank_file=model / "marlin-pack" / "tp1" / "rank-0.safetensors")
-    for service in (True, False):
-        loader = loader_mod.MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={
-            "io_mode": "processes", "io_helper_service": service}))
-        assert loader._start_helpers(config, config.model_config, bundle) == "pool"
-    # Not waited for here: the pool calls it on its starting thread, while vLLM builds the model.
-    assert asked == [] and pools[1]["service_dir"] is None  # no service asked for: not looked at
-    assert pools[0]["service_dir"]() == tmp_path and asked == [True]
+    loader = loader_mod.MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={}))
+    assert loader._plan_and_helpers(config, config.model_config, bundle) == (_plan(), fake_pool.made[0], True)  # type: ignore[arg-type]
+    assert started == [] and planned == []  # no plan made anew, no helpers started
+    pl.stop()
 
 
 _PROBE = """
@@ -283,8 +410,9 @@ def test_a_spawned_daemon_begins_page_locking_before_its_configuration_is_unpick
     from marlin_pack.vllm_plugin import daemon_process
 
     report = tmp_path / "report.json"
-    monkeypatch.setenv(preload.ENV, json.dumps(_spec(parent=os.getpid(), files=[str(tmp_path / "none")])))
-    monkeypatch.setenv("MARLIN_PACK_HELPERS_DIR", str(tmp_path / "sockets"))  # made by the child's (failing) service
+    # One real helper: it cannot start without a GPU (the page-locking then fails, as the daemon's would).
+    monkeypatch.setenv(preload.ENV, json.dumps(_spec(parent=os.getpid(), files=[str(tmp_path / "none")], device=0,
+                                                     plan=_plan(helpers=1).to_json())))
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(target=daemon_process.started)  # vLLM spawns daemon_process.run_daemon: the same module
     proc.probe = _Probe(report)  # type: ignore[attr-defined]  # pickled after the target, as vLLM's config is
@@ -294,116 +422,83 @@ def test_a_spawned_daemon_begins_page_locking_before_its_configuration_is_unpick
     assert json.loads(report.read_text()) == {"started": True}
 
 
-# -- engines (engine_preload) ----------------------------------------------------------------------------------
+# -- engines ------------------------------------------------------------------------------------------------------------
 
 
-def _worker(model: Path, extra: dict | None = None, *, tp: int = 1, utilization: float = 0.9) -> SimpleNamespace:
+def _worker(model: Path, extra: dict | None = None, *, tp: int = 1, utilization: float = 0.9, local_rank: int = 0) -> SimpleNamespace:
     """What start_in_worker reads of vLLM's GPU Worker."""
-    config = _config(model, extra, tp=tp)
-    config.cache_config = SimpleNamespace(gpu_memory_utilization=utilization)
-    return SimpleNamespace(vllm_config=config, local_rank=0)
-
-
-@pytest.mark.parametrize("which", ["daemon_preload", "engine_preload"])
-def test_each_role_has_its_own_option(model: Path, which: str) -> None:
-    config = _config(model, {which: False})
-    planned = {role: preload.plan(config, role=role) is not None for role in ("daemon", "engine")}
-    assert planned == {"daemon": which != "daemon_preload", "engine": which != "engine_preload"}
+    return SimpleNamespace(vllm_config=_config(model, extra, tp=tp, utilization=utilization), local_rank=local_rank)
 
 
 def test_an_engine_worker_page_locks_its_bundle_and_keeps_the_helpers_until_the_kv_cache_is_sized(
-    model: Path, fake_service: type[_FakeService], monkeypatch: pytest.MonkeyPatch, marlin_log: list[str]
+    model: Path, fake_pool: type[_FakePool], rooms: list[int], marlin_log: list[str]
 ) -> None:
-    rooms: list[tuple] = []
-    monkeypatch.setattr(preload, "_no_room", lambda device, processes, utilization: rooms.append((device, processes, utilization)))
-    pl = preload.start_in_worker(_worker(model, utilization=0.8))
+    pl = preload.start_in_worker(_worker(model, utilization=0.8, local_rank=1))
     assert pl is not None and pl.engine and preload.current() is pl
     assert preload.start_in_worker(_worker(model)) is None  # one per process
     preload.await_helpers(timeout_s=10)
-    assert pl.helpers_up.is_set()
-    directory = preload.ready_service_dir(timeout_s=10)
-    assert directory == pl.directory and (directory.stat().st_mode & 0o777) == 0o700
-    assert rooms == [(0, 4, 0.8)]
-    (service,) = fake_service.made
-    assert [c if isinstance(c, str) else c[0] for c in service.calls] == ["start", "preload"]
-    assert service.calls[1][1][0].endswith("rank-0.safetensors")
+    assert pl.helpers_up.is_set() and pl.done.wait(timeout=10)
+    assert rooms == [1]  # NVML asked about the worker's device
+    (pool,) = fake_pool.made
+    assert pool.args == (4, 1, False)  # an engine defers nothing: vLLM measures its memory after the copy
+    assert pool.calls == ["ready", ("retain", _files(model), 256 * MIB)]
+    assert pl.plan.mode == "helpers" and not pl.plan.common_during_build and pl.plan.preload
     assert any("while vLLM sets up its GPU worker" in m for m in marlin_log)
+    assert preload.take_pool(Path(_files(model)[0])) == (pool, pl.plan)
+    preload.stop()  # not after the memory profile: it is the daemon's stop, and stops an engine's too
+    assert _until(lambda: "close" in pool.calls)
+
+
+def test_an_engines_helpers_live_until_the_memory_profile(model: Path, fake_pool: type[_FakePool]) -> None:
+    """They were in vLLM's memory snapshot: stopping them before the profile run's measurement would size the KV cache
+    as if their memory were the engine's to use. The loader only has them let go of its memory (see test_plugin_loader)."""
+    pl = preload.start_in_worker(_worker(model))
+    assert pl is not None and pl.done.wait(timeout=10)
+    (pool,) = fake_pool.made
+    time.sleep(0.05)
+    assert "close" not in pool.calls
     preload.stop_after_memory_profile()
-    deadline = time.monotonic() + 10
-    while (service.calls[-1] != "stop" or directory.exists()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert service.calls[-1] == "stop" and not directory.exists()
+    assert _until(lambda: "close" in pool.calls)
+    preload.stop_after_memory_profile()
+    time.sleep(0.05)
+    assert pool.calls.count("close") == 1
 
 
-@pytest.mark.parametrize("case", ["tp 2", "engine_preload off", "another load format"])
-def test_no_engine_preload_where_the_loader_would_not_use_it(model: Path, case: str, fake_service: type[_FakeService]) -> None:
-    worker = _worker(model, {"engine_preload": False} if case == "engine_preload off" else None, tp=2 if case == "tp 2" else 1)
+def test_a_daemons_helpers_are_not_stopped_by_a_memory_profile(fake_pool: type[_FakePool]) -> None:
+    pl = preload.start_from_environment({preload.ENV: json.dumps(_spec())})
+    assert pl is not None and pl.done.wait(timeout=10)
+    (pool,) = fake_pool.made
+    preload.stop_after_memory_profile()
+    time.sleep(0.05)
+    assert "close" not in pool.calls and not pl.stopped
+    preload.stop()
+    assert _until(lambda: "close" in pool.calls)
+
+
+@pytest.mark.parametrize("case", ["tp 2", "preload off", "another load format", "no GPU room"])
+def test_no_engine_preload_where_the_loader_would_not_use_it(model: Path, case: str, fake_pool: type[_FakePool]) -> None:
+    worker = _worker(model, {"preload": False} if case == "preload off" else None, tp=2 if case == "tp 2" else 1)
     if case == "another load format":
         worker.vllm_config.load_config.load_format = "auto"
+    if case == "no GPU room":
+        _set_room(GpuRoom(free=24 * GIB, total=141 * GIB))
     assert preload.start_in_worker(worker) is None
-    assert preload.current() is None and fake_service.made == []
-
-
-def test_an_engine_whose_page_locking_failed_keeps_the_helpers_until_the_kv_cache_is_sized(
-    model: Path, fake_service: type[_FakeService], monkeypatch: pytest.MonkeyPatch, marlin_log: list[str]
-) -> None:
-    """Their contexts were in vLLM's memory snapshot: stopping them before the profile run's measurement would size
-    the KV cache as if their memory were the engine's to use."""
-    monkeypatch.setattr(preload, "_no_room", lambda *a: None)
-    fake_service.fail = "out of pinnable memory"
-    assert preload.start_in_worker(_worker(model)) is not None
-    assert preload.ready_service_dir(timeout_s=10) is None
-    assert any("engine's bundle was not page-locked" in m and "out of pinnable memory" in m for m in marlin_log)
-    time.sleep(0.05)
-    assert "stop" not in fake_service.made[0].calls
+    assert preload.current() is None and fake_pool.made == []
+    preload.await_helpers(timeout_s=10)  # nothing to wait for
     preload.stop_after_memory_profile()
-    deadline = time.monotonic() + 10
-    while fake_service.made[0].calls[-1] != "stop" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert fake_service.made[0].calls[-1] == "stop"
 
 
-def test_an_engine_without_room_for_the_helpers_starts_none(model: Path, fake_service: type[_FakeService],
-                                                           monkeypatch: pytest.MonkeyPatch, marlin_log: list[str]) -> None:
-    monkeypatch.setattr(preload, "_no_room", lambda *a: "the GPU has 20.0 GiB free of 24.0 GiB")
-    assert preload.start_in_worker(_worker(model)) is not None
-    preload.await_helpers(timeout_s=10)  # returns at once: nothing to wait for
-    assert preload.ready_service_dir(timeout_s=10) is None
-    assert fake_service.made == [] and any("20.0 GiB free of 24.0 GiB" in m for m in marlin_log)
-
-
-class _FakeNvml:
-    def __init__(self, free: int, total: int) -> None:
-        self.info = SimpleNamespace(free=free, total=total)
-        self.calls: list[str] = []
-
-    def nvmlInit(self) -> None:
-        self.calls.append("init")
-
-    def nvmlShutdown(self) -> None:
-        self.calls.append("shutdown")
-
-    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
-        self.calls.append(uuid)
-        return "handle"
-
-    def nvmlDeviceGetMemoryInfo(self, handle: str) -> SimpleNamespace:
-        return self.info
-
-
-@pytest.mark.parametrize(("free_gib", "room"), [(140, True), (128, False), (24, False)])
-def test_room_for_the_helpers_is_measured_against_the_memory_utilization(free_gib: int, room: bool,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    import vllm.utils.import_utils as import_utils
-
-    nvml = _FakeNvml(free_gib << 30, 141 << 30)
-    monkeypatch.setattr(import_utils, "import_pynvml", lambda: nvml)
-    monkeypatch.setattr(preload, "gpu_uuid", lambda device: f"GPU-{device}")
-    why = preload._no_room(3, 4, 0.9)  # 0.9 of 141 GiB = 126.9 GiB; 4 helpers and the engine's own need 5 GiB
-    assert (why is None) is room
-    if not room:
-        assert f"{free_gib:.1f} GiB free of 141.0 GiB" in why and "--gpu-memory-utilization 0.9" in why
-    assert nvml.calls == ["init", "GPU-3", "shutdown"]
+@pytest.mark.parametrize(("free_gib", "utilization", "planned"), [(140, 0.9, True), (128, 0.9, False), (128, 0.8, True), (24, 0.5, False)])
+def test_room_for_the_helpers_is_measured_against_the_memory_utilization(
+    model: Path, fake_pool: type[_FakePool], free_gib: int, utilization: float, planned: bool
+) -> None:
+    """0.9 of 141 GiB is 126.9 GiB, which 4 helpers and the engine's own context (5 GiB) do not fit beside in 128 GiB."""
+    _set_room(GpuRoom(free=free_gib * GIB, total=141 * GIB))
+    pl = preload.start_in_worker(_worker(model, utilization=utilization))
+    assert (pl is not None) is planned
+    if pl is not None:
+        assert pl.done.wait(timeout=10)
+        pl.stop()
 
 
 def test_the_worker_patches_start_before_init_device_and_stop_before_the_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -435,33 +530,41 @@ def test_the_loader_waits_for_the_helpers_before_the_memory_snapshot(monkeypatch
     assert waited == [True]
 
 
-def test_a_slow_helper_start_is_waited_for(model: Path, fake_service: type[_FakeService], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(preload, "_no_room", lambda *a: None)
-    real_start = _FakeService.start
-
-    def slow_start(self: _FakeService) -> None:
-        time.sleep(0.3)
-        real_start(self)
-
-    monkeypatch.setattr(_FakeService, "start", slow_start)
-    assert preload.start_in_worker(_worker(model)) is not None
+def test_a_slow_helper_start_is_waited_for(model: Path, fake_pool: type[_FakePool], marlin_log: list[str]) -> None:
+    fake_pool.gate = threading.Event()
+    threading.Timer(0.3, fake_pool.gate.set).start()
+    pl = preload.start_in_worker(_worker(model))
+    assert pl is not None
     preload.await_helpers(timeout_s=10)
-    assert fake_service.made[0].calls[0] == "start"  # the contexts exist when vLLM takes its snapshot
+    assert fake_pool.gate.is_set() and pl.helpers_up.is_set()  # the contexts exist when vLLM takes its snapshot
+    assert any("for the copy helpers' CUDA contexts before vLLM's memory snapshot" in m for m in marlin_log)
+    assert pl.done.wait(timeout=10)
     preload.stop_after_memory_profile()
 
 
-def test_no_room_when_nvml_cannot_say(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A GPU NVML does not know by that UUID (a MIG instance): no helpers ahead, said as a reason, not a failure."""
-    import vllm.utils.import_utils as import_utils
+def test_helpers_not_up_in_time_are_said_so(model: Path, fake_pool: type[_FakePool], marlin_log: list[str]) -> None:
+    fake_pool.gate = threading.Event()
+    pl = preload.start_in_worker(_worker(model))
+    assert pl is not None
+    try:
+        preload.await_helpers(timeout_s=0.1)
+        assert any("the copy helpers were not up after 0 s, before vLLM's memory snapshot" in m for m in marlin_log)
+    finally:
+        fake_pool.gate.set()
+    assert pl.done.wait(timeout=10)
+    preload.stop_after_memory_profile()
 
-    nvml = _FakeNvml(140 << 30, 141 << 30)
 
-    def unknown(uuid: str) -> str:
-        raise LookupError(f"no GPU {uuid}")
-
-    nvml.nvmlDeviceGetHandleByUUID = unknown  # type: ignore[method-assign]
-    monkeypatch.setattr(import_utils, "import_pynvml", lambda: nvml)
-    monkeypatch.setattr(preload, "gpu_uuid", lambda device: "GPU-x")
-    why = preload._no_room(0, 4, 0.9)
-    assert why is not None and "NVML could not say" in why and "no GPU GPU-x" in why
-    assert nvml.calls == ["init", "shutdown"]
+def test_await_helpers_waits_only_for_an_engines_running_preload(fake_pool: type[_FakePool], model: Path) -> None:
+    preload.await_helpers(timeout_s=10)  # none: at once
+    fake_pool.gate = threading.Event()
+    try:
+        pl = preload.start_from_environment({preload.ENV: json.dumps(_spec())})  # a daemon's: nothing measured
+        assert pl is not None
+        t0 = time.perf_counter()
+        preload.await_helpers(timeout_s=10)
+        assert time.perf_counter() - t0 < 1 and not pl.helpers_up.is_set()
+    finally:
+        fake_pool.gate.set()
+    assert pl.done.wait(timeout=10)
+    pl.stop()

@@ -1,55 +1,64 @@
-"""Every patch marlin-pack applies to vLLM 0.33.0, in one registry.
+"""Every patch marlin-pack applies to vLLM 0.33.0, in one registry, grouped by purpose.
 
-``post_processing``: the AWQ/GPTQ Marlin quant methods accept final tensors (from a bundle or
-the weight cache); ``moe_post_processing``: likewise their Marlin MoE experts methods.
-``placeholders``: the linear methods' ``create_weights`` makes placeholders without memory while the
-loader builds a model it fills from a bundle.
-``weight_cache``: Marlin for weight-cache processes, an unchanged cache key, the plugin in
-``vllm preload``'s spawned daemons and the page-locking planned for them (``daemon_preload``).
-``worker_preload``: an engine's GPU worker starts the helpers that page-lock its bundle as it sets up, and
-stops them once the KV cache is sized (``engine_preload``).
-``gc_freeze``: the GC heap frozen before vLLM's timed model loading for marlin-pack's start paths.
-``construct``: vLLM's per-layer bookkeeping while it builds a model (GPTQ quant-config copies and
-quantized-module lookups, reload records) made cheap for those paths; ``cache_key``: likewise the
-checkpoint fingerprint of the weight cache's key. ``registry``: install (version guarded,
-idempotent) and uninstall. Each patch names the upstream change that retires it.
+What is patched, why (``correctness``, ``weight_cache``, ``speed``) and which upstream change retires
+each patch is data, in :mod:`.catalog`; the modules below build the replacements of their rows:
+
+* ``correctness`` (a bundle is loaded right): ``post_processing`` (the AWQ/GPTQ/compressed-tensors Marlin
+  linear methods finish a layer the loader marked instead of re-processing it), ``moe_post_processing``
+  (likewise their Marlin MoE experts methods), ``placeholders`` (placeholders without memory while the
+  loader builds a model it fills from a bundle).
+* ``weight_cache`` (vLLM's weight cache for those layers): ``post_processing`` / ``moe_post_processing``
+  (``supports_pre_processed_weights`` and the pre-processed branch), ``weight_cache`` (Marlin for
+  weight-cache processes with an unchanged key, compressed-tensors attention on ``meta``, the plugin in
+  ``vllm preload``'s spawned daemons and the page-locking planned for them).
+* ``speed`` (a faster start, inert outside marlin-pack's paths: :mod:`.scope`): ``gc_freeze`` (the GC heap
+  frozen before vLLM's timed loading; an engine's scope entered), ``worker_preload`` (an engine's GPU worker
+  starts the helpers that page-lock its bundle), ``construct`` (vLLM's per-layer bookkeeping while it builds
+  a model), ``cache_key`` (the weight-cache key's checkpoint fingerprint).
+
+``registry``: install (version guarded, idempotent) and uninstall. Importing this package imports neither
+vLLM nor torch (``marlin-pack env`` lists :data:`.catalog.ROWS` through it); :data:`PATCHES` imports the
+patch modules when first read, :func:`install` imports the patched vLLM modules.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from marlin_pack._constants import TARGET_VLLM_VERSION
-from marlin_pack.vllm_plugin.patches import (
-    cache_key,
-    construct,
-    gc_freeze,
-    moe_post_processing,
-    placeholders,
-    post_processing,
-    weight_cache,
-    worker_preload,
-)
-from marlin_pack.vllm_plugin.patches.registry import Patch, installed, uninstall_all
-from marlin_pack.vllm_plugin.version_guard import vllm_version
+from marlin_pack.vllm_plugin.patches import catalog
+from marlin_pack.vllm_plugin.patches.registry import PURPOSES, Patch, installed, uninstall_all
 
-__all__ = ["PATCHES", "Patch", "install", "installed", "uninstall_all"]
+__all__ = ["PATCHES", "PURPOSES", "Patch", "install", "installed", "uninstall_all"]
 
-PATCHES: tuple[Patch, ...] = (
-    *post_processing.PATCHES,
-    *placeholders.PATCHES,
-    *moe_post_processing.PATCHES,
-    *weight_cache.PATCHES,
-    *worker_preload.PATCHES,
-    *gc_freeze.PATCHES,
-    *construct.PATCHES,
-    *cache_key.PATCHES,
-)
+_LOADED: list[tuple[Patch, ...]] = []
+
+
+def _patches() -> tuple[Patch, ...]:
+    """Every provider's patches, in catalog order (each provider's module checks its rows as it builds them)."""
+    if not _LOADED:
+        by_target = {
+            patch.target: patch
+            for provider in catalog.PROVIDERS
+            for patch in importlib.import_module(f"{__name__}.{provider}").PATCHES
+        }
+        _LOADED.append(tuple(by_target[row.target] for row in catalog.ROWS))
+    return _LOADED[0]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PATCHES":
+        return _patches()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def install() -> bool:
     """Install every patch (idempotent) if vLLM is exactly the targeted release; else log once.
 
-    Imports the patched vLLM modules (the daemon's only when vLLM imports it).
+    Imports the patched vLLM modules (the daemon's and the GPU worker's only when vLLM imports them).
     """
     from marlin_pack.vllm_plugin.patches import registry
+    from marlin_pack.vllm_plugin.version_guard import vllm_version
 
-    return registry.install_all(PATCHES, running=vllm_version(), targeted=TARGET_VLLM_VERSION)
+    return registry.install_all(_patches(), running=vllm_version(), targeted=TARGET_VLLM_VERSION)

@@ -8,7 +8,9 @@ Joining each distinct file name once gives the same set, hence the same files (a
 missing file, vLLM's own error: it then runs itself).
 
 Only vLLM's weight-cache module is patched (its imported name; the default loader keeps its
-own), and only for ``--load-format marlin_prepacked`` and ``ipc_cache``.
+own). A ``speed`` patch (:mod:`.catalog`): it answers only inside marlin-pack's scope (:mod:`.scope`:
+an ``ipc_cache`` engine's load, where the engine's key is computed); outside it, and wherever the
+index is unusual, vLLM's function runs with the same arguments.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import json
 import os
 from collections.abc import Callable
 
-from marlin_pack.vllm_plugin.patches.construct import fast_build_active
-from marlin_pack.vllm_plugin.patches.registry import Patch
+from marlin_pack.vllm_plugin.patches import catalog, scope
 
 __all__ = ["PATCHES", "indexed_files"]
 
@@ -44,16 +45,13 @@ def indexed_files(hf_weights_files: list[str], hf_folder: str, index_file: str) 
 def _filter(original: Callable[[list[str], str, str], list[str]]) -> Callable[[list[str], str, str], list[str]]:
     @functools.wraps(original)
     def filter_duplicate_safetensors_files(hf_weights_files: list[str], hf_folder: str, index_file: str) -> list[str]:
-        files = indexed_files(hf_weights_files, hf_folder, index_file) if fast_build_active() else None
+        files = indexed_files(hf_weights_files, hf_folder, index_file) if scope.active() else None
         return original(hf_weights_files, hf_folder, index_file) if files is None else files
 
     return filter_duplicate_safetensors_files
 
 
-PATCHES: tuple[Patch, ...] = (
-    Patch(
-        "vllm.model_executor.model_loader.weight_cache.protocol:filter_duplicate_safetensors_files",
-        _filter,
-        remove_when="filter_duplicate_safetensors_files joins each file name of the index once, not once per tensor",
-    ),
+PATCHES = catalog.patches(
+    __name__,
+    {"vllm.model_executor.model_loader.weight_cache.protocol:filter_duplicate_safetensors_files": _filter},
 )

@@ -29,10 +29,11 @@ device context of the build each answer walks the torch-function mode stack (0.0
 record's 0.033 s on a 2-core CPU). The device cannot change inside the loop, so it is asked once
 and the record is otherwise vLLM's (:func:`_record`).
 
-Only for ``--load-format marlin_prepacked`` and ``ipc_cache`` (including a ``vllm preload`` daemon
-loading ``marlin_prepacked``): other engines keep vLLM's code path. None of them changes what vLLM
-builds (tests/vllm_plugin/test_plugin_construct.py compares every module, quant method,
-parameter, buffer and reload record of models built with and without them).
+``speed`` patches (:mod:`.catalog`), acting only inside marlin-pack's scope (:mod:`.scope`: a
+``marlin_prepacked`` or ``ipc_cache`` engine's load, a weight-cache daemon's fill); outside it each calls
+vLLM's original with the same arguments. None of them changes what vLLM builds
+(tests/vllm_plugin/patches/test_construct.py compares every module, quant method, parameter, buffer and
+reload record of models built with and without them).
 """
 
 from __future__ import annotations
@@ -43,23 +44,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from marlin_pack._constants import LOAD_FORMAT
-from marlin_pack.vllm_plugin.patches.registry import Patch
+from marlin_pack.vllm_plugin.patches import catalog, scope
 
-__all__ = ["FAST_BUILD_LOAD_FORMATS", "PATCHES", "NameIndex", "copy_is_enough", "fast_build_active"]
+__all__ = ["PATCHES", "NameIndex", "copy_is_enough"]
 
-FAST_BUILD_LOAD_FORMATS = frozenset({LOAD_FORMAT, "ipc_cache"})
 _GPTQ_UTILS = "vllm.model_executor.layers.quantization.utils.gptq_utils"
 _AUTO_GPTQ = "vllm.model_executor.layers.quantization.auto_gptq"
-
-
-def fast_build_active() -> bool:
-    """Whether the model being built is for one of :data:`FAST_BUILD_LOAD_FORMATS` (vLLM sets the
-    current config around ``initialize_model`` and the post-processing)."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    load_config = getattr(get_current_vllm_config_or_none(), "load_config", None)
-    return str(getattr(load_config, "load_format", "")) in FAST_BUILD_LOAD_FORMATS
 
 
 def copy_is_enough(config: Any) -> bool:
@@ -84,7 +74,7 @@ def _config_copy(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def deepcopy(x: Any, memo: dict[int, Any] | None = None) -> Any:
-        if memo is None and fast_build_active() and copy_is_enough(x):
+        if memo is None and scope.active() and copy_is_enough(x):
             return copy.copy(x)
         return original(x, memo)
 
@@ -134,7 +124,7 @@ def _layer_quantized(original: Callable[..., bool]) -> Callable[..., bool]:
     @functools.wraps(original)
     def is_layer_gptq_quantized(prefix: str, quantized_layers: Any, fused_mapping: Mapping[str, Any] | None = None) -> bool:
         args = () if fused_mapping is None else (fused_mapping,)
-        index = _index(quantized_layers) if fast_build_active() else None
+        index = _index(quantized_layers) if scope.active() else None
         if index is None or not index.names or not isinstance(prefix, str):
             return original(prefix, quantized_layers, *args)
         proj = prefix.split(".")[-1]
@@ -153,7 +143,7 @@ def _storage_ptrs(original: Callable[[Any], set[int]]) -> Callable[[Any], set[in
     @functools.wraps(original)
     def _parameter_storage_ptrs(layer: Any) -> set[int]:
         # vLLM reads the set only for the layer's non-persistent buffers (_is_non_persistent_parameter_alias_buffer).
-        if not layer._non_persistent_buffers_set and fast_build_active():
+        if scope.active() and not layer._non_persistent_buffers_set:
             return set()
         return original(layer)
 
@@ -169,7 +159,7 @@ def _record(original: Callable[[Any], None]) -> Callable[[Any], None]:
 
     @functools.wraps(original)
     def record_metadata_for_reloading(model: Any) -> None:
-        if not fast_build_active():
+        if not scope.active():
             return original(model)
         import torch
         from vllm.model_executor.model_loader.reload import layerwise, meta
@@ -189,19 +179,13 @@ def _record(original: Callable[[Any], None]) -> Callable[[Any], None]:
     return record_metadata_for_reloading
 
 
-_REMOVE = "vLLM's GPTQ quant-method resolution stops costing O(quantized modules of the checkpoint) per layer"
-PATCHES = (
-    Patch(f"{_GPTQ_UTILS}:deepcopy", _config_copy, remove_when=f"{_REMOVE} (no deep copy without dynamic rules)"),
-    Patch(f"{_AUTO_GPTQ}:deepcopy", _config_copy, remove_when=f"{_REMOVE} (no deep copy without dynamic rules)"),
-    Patch(f"{_GPTQ_UTILS}:is_layer_gptq_quantized", _layer_quantized, remove_when=f"{_REMOVE} (an indexed name lookup)"),
-    Patch(
-        "vllm.model_executor.model_loader.reload.meta:_parameter_storage_ptrs",
-        _storage_ptrs,
-        remove_when="record_metadata_for_reloading stops walking every parameter below every module",
-    ),
-    Patch(
-        "vllm.model_executor.model_loader.utils:record_metadata_for_reloading",
-        _record,
-        remove_when="record_metadata_for_reloading asks for the default device once per model, not twice per module",
-    ),
+PATCHES = catalog.patches(
+    __name__,
+    {
+        f"{_GPTQ_UTILS}:deepcopy": _config_copy,
+        f"{_AUTO_GPTQ}:deepcopy": _config_copy,
+        f"{_GPTQ_UTILS}:is_layer_gptq_quantized": _layer_quantized,
+        "vllm.model_executor.model_loader.reload.meta:_parameter_storage_ptrs": _storage_ptrs,
+        "vllm.model_executor.model_loader.utils:record_metadata_for_reloading": _record,
+    },
 )

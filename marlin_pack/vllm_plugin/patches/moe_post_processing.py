@@ -12,6 +12,9 @@ decisions): ``AutoAWQMoEMethod`` / ``AutoGPTQMoEMethod``'s ``process_weights_aft
 "Finish" (``moe_engine.finish_marlin_moe_layer``) is what vLLM's post-processing does besides
 the tensor transforms: drop unloaded bias placeholders, alias ``w13_weight``/``w2_weight``,
 build the layer's fused-MoE kernel. ``apply()`` is never touched.
+
+Inert outside marlin-pack's paths, as :mod:`.post_processing`: an unmarked layer outside
+``weights_already_processed()`` gets vLLM's own post-processing, called with the same arguments.
 """
 
 from __future__ import annotations
@@ -22,15 +25,12 @@ from typing import Any
 
 from torch import nn
 
+from marlin_pack.vllm_plugin.patches import catalog
 from marlin_pack.vllm_plugin.patches.post_processing import take_prepacked_mark
-from marlin_pack.vllm_plugin.patches.registry import Patch
 
 __all__ = ["MOE_QUANT_METHODS", "PATCHES", "supports_pre_processed_moe"]
 
-MOE_QUANT_METHODS = (
-    "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMoEMethod",
-    "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQMoEMethod",
-)
+MOE_QUANT_METHODS = catalog.MOE_QUANT_METHODS
 
 
 def supports_pre_processed_moe(quant_method: Any) -> bool:
@@ -64,20 +64,10 @@ _SUPPORTS = property(
     supports_pre_processed_moe, doc="marlin-pack: True when run on the Marlin MoE backend with fp16/bf16 activations."
 )
 
-PATCHES = tuple(
-    patch
-    for target in MOE_QUANT_METHODS
-    for patch in (
-        Patch(
-            f"{target}.process_weights_after_loading",
-            _process_weights_after_loading,
-            remove_when="vLLM can load final Marlin MoE tensors into AWQ/GPTQ experts layers (a pre-processed branch "
-            "that only rebuilds the kernel, as Fp8MoEMethod has)",
-        ),
-        Patch(
-            f"{target}.supports_pre_processed_weights",
-            lambda _original: _SUPPORTS,
-            remove_when="vLLM's AWQ/GPTQ MoE methods declare supports_pre_processed_weights for the Marlin MoE backend",
-        ),
-    )
+PATCHES = catalog.patches(
+    __name__,
+    {
+        **{f"{target}.process_weights_after_loading": _process_weights_after_loading for target in MOE_QUANT_METHODS},
+        **{f"{target}.supports_pre_processed_weights": lambda _original: _SUPPORTS for target in MOE_QUANT_METHODS},
+    },
 )

@@ -22,8 +22,12 @@ untied output head, makes stubs too; the loader binds its copies to them, and gi
 does not replace before vLLM's weight loaders write into them.
 
 compressed-tensors' linear method also records its layer here (see
-:func:`~marlin_pack.vllm_plugin.patches.post_processing.supports_pre_processed`): one patch per
-target, so that method's wrapper does both.
+:func:`~marlin_pack.vllm_plugin.patches.post_processing.supports_pre_processed`, which the weight cache's
+checks read in a daemon's fill and an ``ipc_cache`` engine's build): one patch per target, so that
+method's wrapper does both, and it records only inside marlin-pack's scope (:mod:`.scope`, entered by both).
+
+Inert outside marlin-pack's paths: with no stub context (only the loader enters one) and outside the
+scope, each wrapper calls vLLM's ``create_weights`` with the same arguments and does nothing else.
 """
 
 from __future__ import annotations
@@ -39,14 +43,14 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from marlin_pack.vllm_plugin.patches import catalog, scope
 from marlin_pack.vllm_plugin.patches.post_processing import LAYER_REF, QUANT_METHODS
-from marlin_pack.vllm_plugin.patches.registry import Patch
 
 __all__ = ["EMBEDDING_METHOD", "PATCHES", "stub_quantized_placeholders"]
 
 _STUBS: contextvars.ContextVar[bool] = contextvars.ContextVar("marlin_pack_stub_placeholders", default=False)
 _STUB_EMBEDDINGS: contextvars.ContextVar[bool] = contextvars.ContextVar("marlin_pack_stub_embeddings", default=False)
-EMBEDDING_METHOD = "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod"
+EMBEDDING_METHOD = catalog.EMBEDDING_METHOD
 _CT_METHOD = QUANT_METHODS[2]
 # The factories vLLM 0.33.0's linear methods and the WNA16 scheme create placeholders with.
 _FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones})
@@ -85,7 +89,7 @@ def _create_weights(record: bool, active: contextvars.ContextVar[bool] = _STUBS)
     def make(original: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(original)
         def create_weights(self: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> None:
-            if record:
+            if record and scope.active():  # for the weight cache's checks (a daemon's fill, an ipc_cache build)
                 self.__dict__[LAYER_REF] = weakref.ref(layer)
             if not active.get():
                 original(self, layer, *args, **kwargs)
@@ -98,19 +102,10 @@ def _create_weights(record: bool, active: contextvars.ContextVar[bool] = _STUBS)
     return make
 
 
-PATCHES = tuple(
-    Patch(
-        f"{target}.create_weights",
-        _create_weights(record=target == _CT_METHOD),
-        remove_when="vLLM can build quantized layers for a pre-processed load without device placeholders "
-        "(as its ipc_cache loader builds on meta), and compressed-tensors' linear method knows its layer",
-    )
-    for target in QUANT_METHODS
-) + (
-    Patch(
-        f"{EMBEDDING_METHOD}.create_weights",
-        _create_weights(record=False, active=_STUB_EMBEDDINGS),
-        remove_when="vLLM can build a model for a pre-processed load without device placeholders "
-        "(as its ipc_cache loader builds on meta)",
-    ),
+PATCHES = catalog.patches(
+    __name__,
+    {
+        **{f"{target}.create_weights": _create_weights(record=target == _CT_METHOD) for target in QUANT_METHODS},
+        f"{EMBEDDING_METHOD}.create_weights": _create_weights(record=False, active=_STUB_EMBEDDINGS),
+    },
 )

@@ -14,6 +14,13 @@ order:
 "Finish" (``engine.finish_marlin_layer``) sets only what the kernel's post-processing sets
 besides the transformed tensors. The mark is one-shot: a later reload of checkpoint-format
 weights into the same layer is post-processed normally. ``apply()`` is never touched.
+
+Inert outside marlin-pack's paths: only the loader marks layers, and only vLLM's IPC loader
+post-processes under ``weights_already_processed()`` (an ``ipc_cache`` engine); any other layer gets
+vLLM's own post-processing, called with the same arguments. vLLM reads
+``supports_pre_processed_weights`` only in the weight cache's checks (``check_ipc_quant_support``, and
+``process_weights_after_loading`` under ``weights_already_processed()``). Purposes: the post-processing
+is ``correctness``, the opt-in ``weight_cache`` (:mod:`.catalog`).
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from typing import Any
 
 from torch import nn
 
-from marlin_pack.vllm_plugin.patches.registry import Patch, is_replacement
+from marlin_pack.vllm_plugin.patches import catalog
+from marlin_pack.vllm_plugin.patches.registry import is_replacement
 from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
 __all__ = [
@@ -39,17 +47,14 @@ __all__ = [
 ]
 
 _MARK = "_marlin_pack_prepacked"
-# The dense AWQ/GPTQ quant methods served by MarlinLinearKernel, as "module:Class".
-QUANT_METHODS = (
-    "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMarlinLinearMethod",
-    "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQLinearMethod",
-    # Delegates to the layer's scheme; only CompressedTensorsWNA16 on Marlin is finished here.
-    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:CompressedTensorsLinearMethod",
-)
+# The dense AWQ/GPTQ/compressed-tensors quant methods served by MarlinLinearKernel, as "module:Class"
+# (compressed-tensors delegates to the layer's scheme; only CompressedTensorsWNA16 on Marlin is finished here).
+QUANT_METHODS = catalog.QUANT_METHODS
 
 # compressed-tensors' linear method holds no kernel and does not know its layer (the kernel is on
-# layer.scheme; vLLM makes one method object per layer): create_weights records the layer here
-# (patched in .placeholders, which owns the create_weights patches).
+# layer.scheme; vLLM makes one method object per layer): create_weights records the layer here inside
+# marlin-pack's scope, where the weight cache's checks read it (patched in .placeholders, which owns the
+# create_weights patches).
 LAYER_REF = "_marlin_pack_layer"
 
 
@@ -116,21 +121,10 @@ _SUPPORTS = property(
 )
 
 
-PATCHES = tuple(
-    patch
-    for target in QUANT_METHODS
-    for patch in (
-        Patch(
-            f"{target}.process_weights_after_loading",
-            _process_weights_after_loading,
-            remove_when="vLLM can load final Marlin tensors into AWQ/GPTQ layers (a pre-processed load "
-            "path for MarlinLinearKernel, as VocabParallelEmbedding has)",
-        ),
-        Patch(
-            f"{target}.supports_pre_processed_weights",
-            lambda _original: _SUPPORTS,
-            remove_when="vLLM's AWQ/GPTQ linear methods declare supports_pre_processed_weights for "
-            "MarlinLinearKernel (the weight cache then shares their layers)",
-        ),
-    )
+PATCHES = catalog.patches(
+    __name__,
+    {
+        **{f"{target}.process_weights_after_loading": _process_weights_after_loading for target in QUANT_METHODS},
+        **{f"{target}.supports_pre_processed_weights": lambda _original: _SUPPORTS for target in QUANT_METHODS},
+    },
 )

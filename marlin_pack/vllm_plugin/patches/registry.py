@@ -1,9 +1,10 @@
 """A registry of patches to vLLM internals: version-guarded, idempotent, removable.
 
 A :class:`Patch` names its target (``"module:Class.attribute"`` or ``"module:function"``),
-how to build the replacement from the original, and the upstream change that makes it
-unnecessary. :func:`install_all` installs patches only on the exact vLLM release the bundle
-format targets; :func:`uninstall_all` restores every original.
+how to build the replacement from the original, its purpose (:data:`PURPOSES`) and the
+upstream change that makes it unnecessary. :func:`install_all` installs patches only on the
+exact vLLM release the bundle format targets; :func:`uninstall_all` restores every original.
+Which patches exist, with their purposes and exits, is data (:mod:`.catalog`).
 
 A patch whose module vLLM imports only on some paths (``deferred=True``) is not imported by
 :func:`install_all`: a one-module import hook applies it right after that module's first
@@ -22,11 +23,18 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-__all__ = ["Patch", "install_all", "uninstall_all", "installed", "original", "is_replacement"]
+__all__ = ["PURPOSES", "Patch", "install_all", "uninstall_all", "installed", "original", "is_replacement"]
 
 logger = logging.getLogger("vllm.marlin_pack")
 
 _MISSING = object()  # the target attribute did not exist on its owner (inherited or new)
+
+# Why a patch exists, in the order ``marlin-pack env`` lists them:
+# ``correctness``: a bundle is loaded right (its layers finished, not re-processed; placeholders without memory);
+# ``weight_cache``: vLLM's weight cache (``vllm preload`` daemons, ``--load-format ipc_cache``) works for
+#   AWQ/GPTQ/compressed-tensors Marlin layers;
+# ``speed``: nothing but faster starts (inert outside marlin-pack's paths: :mod:`.scope`).
+PURPOSES = ("correctness", "weight_cache", "speed")
 
 
 @dataclass(frozen=True)
@@ -39,13 +47,21 @@ class Patch:
         make: builds the replacement from the original (the raw ``__dict__`` entry, so a
             classmethod arrives as a ``classmethod``; ``None`` if the owner had none).
         remove_when: the upstream vLLM change that makes this patch unnecessary.
+        purpose: one of :data:`PURPOSES`.
         deferred: apply when the module is first imported instead of importing it now.
     """
 
     target: str
     make: Callable[[Any], Any]
     remove_when: str
+    purpose: str
     deferred: bool = False
+
+    def __post_init__(self) -> None:
+        if self.purpose not in PURPOSES:
+            raise ValueError(f"{self.target}: purpose {self.purpose!r} is not one of {PURPOSES}")
+        if not self.remove_when.strip():
+            raise ValueError(f"{self.target}: remove_when must name the upstream change that retires it")
 
     @property
     def module(self) -> str:

@@ -20,7 +20,15 @@ work with it:
   imports it).
 * The daemon's page-locking ahead of its fill (:mod:`.preload`): ``get_draft_daemon_config``,
   which ``vllm preload`` calls with the final configuration just before it spawns the daemons,
-  also plans it; the daemon's ``get_model`` stops it after the fill.
+  also plans it (only for ``--load-format marlin_prepacked``); the daemon's ``get_model`` stops it
+  after the fill.
+* compressed-tensors attention layers of an ``ipc_cache`` engine post-process on ``meta``.
+
+Every patch here is a ``weight_cache`` one (:mod:`.catalog`) and acts only in weight-cache processes:
+the IPC loader's steps run only in ``ipc_cache`` engines, the daemon's functions only in ``vllm preload``
+/ ``marlin-pack daemon`` processes, the KV-cache branch only under ``weights_already_processed()``, and
+``WeightCacheKey`` sees another kernel configuration only where one of those forced Marlin. The IPC
+loader's steps and the daemon's ``get_model`` also enter marlin-pack's scope (:mod:`.scope`) for the build.
 """
 
 from __future__ import annotations
@@ -36,13 +44,17 @@ from torch import nn
 
 from marlin_pack.vllm_plugin import daemon_process, preload
 from marlin_pack.vllm_plugin.daemon_process import DAEMON_MODULE, RUN_DAEMON, run_daemon, stands_in_for
-from marlin_pack.vllm_plugin.patches.registry import Patch
+from marlin_pack.vllm_plugin.patches import catalog, scope
 
 __all__ = ["DAEMON_MODULE", "RUN_DAEMON", "CACHE_QUANTIZATIONS", "PATCHES", "force_marlin_for_cache", "run_daemon"]
 
 logger = logging.getLogger("vllm.marlin_pack")
 
 _IPC_LOADER = "vllm.model_executor.model_loader.weight_cache.ipc_loader:IpcModelLoader"
+_KEY = "vllm.model_executor.model_loader.weight_cache.protocol:WeightCacheKey"
+_CT_KV_CACHE_METHOD = (
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:CompressedTensorsKVCacheMethod"
+)
 # ModelConfig.quantization of AWQ/GPTQ checkpoints (vLLM resolves them to auto_awq/auto_gptq), and of
 # compressed-tensors ones (only their WNA16 Marlin layers accept pre-processed weights).
 CACHE_QUANTIZATIONS = frozenset(
@@ -136,7 +148,8 @@ def _ipc_loader_step(original: Callable[..., Any]) -> Callable[..., Any]:
 
         freeze_gc_heap()  # as the marlin_prepacked loader does: vLLM's later gc.collect() calls stay short
         try:
-            return original(self, vllm_config, model_config, *args, **kwargs)
+            with scope.in_use():
+                return original(self, vllm_config, model_config, *args, **kwargs)
         except Exception as e:
             _log_hint(e)
             raise
@@ -167,11 +180,12 @@ def _daemon_get_model(original: Callable[[Any], nn.Module]) -> Callable[[Any], n
         # As in engines: the daemon calls the loader's create_model/load_weights, not its load_model (which
         # freezes), and full collections during the construction would walk every object of the imports.
         freeze_gc_heap()
-        from marlin_pack.vllm_plugin.copy_helpers import exit_in_background
+        from marlin_pack.gpu.helpers import exit_in_background
 
         t0 = time.perf_counter()
         try:
-            with exit_in_background():  # the loader's copy helpers: no memory is measured after a daemon's fill
+            # The loader's copy helpers: no memory is measured after a daemon's fill.
+            with scope.in_use(), exit_in_background():
                 model = original(self)
         except Exception as e:
             _log_hint(e)
@@ -218,32 +232,15 @@ def _ct_kv_cache_post_processing(original: Callable[..., Any]) -> Callable[..., 
     return process_weights_after_loading
 
 
-_FORCE_MARLIN = "the weight cache picks the mixed-precision kernel whose processed weights it can share"
-PATCHES = (
-    Patch(
-        "vllm.model_executor.model_loader.weight_cache.protocol:WeightCacheKey.from_model_config",
-        _cache_key,
-        remove_when=f"{_FORCE_MARLIN} itself (then no backend is forced and keys match unaided)",
-    ),
-    Patch(f"{_IPC_LOADER}._build_model", _ipc_loader_step, remove_when=_FORCE_MARLIN),
-    Patch(f"{_IPC_LOADER}._fallback_load", _ipc_loader_step, remove_when=_FORCE_MARLIN),
-    Patch(f"{DAEMON_MODULE}:WeightCacheDaemon.get_model", _daemon_get_model, remove_when=_FORCE_MARLIN, deferred=True),
-    Patch(
-        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
-        "CompressedTensorsKVCacheMethod.process_weights_after_loading",
-        _ct_kv_cache_post_processing,
-        remove_when="CompressedTensorsKVCacheMethod handles pre-processed (weight-cache) weights like BaseKVCacheMethod",
-    ),
-    Patch(
-        f"{DAEMON_MODULE}:get_draft_daemon_config",
-        _daemons_spawned_for,
-        remove_when="vllm preload page-locks a bundle ahead of its daemons' fill, or gives plugins a hook before it spawns them",
-        deferred=True,
-    ),
-    Patch(
-        RUN_DAEMON,
-        stands_in_for,
-        remove_when="vllm preload's spawned daemons call load_general_plugins()",
-        deferred=True,
-    ),
+PATCHES = catalog.patches(
+    __name__,
+    {
+        f"{_CT_KV_CACHE_METHOD}.process_weights_after_loading": _ct_kv_cache_post_processing,
+        f"{_KEY}.from_model_config": _cache_key,
+        f"{_IPC_LOADER}._build_model": _ipc_loader_step,
+        f"{_IPC_LOADER}._fallback_load": _ipc_loader_step,
+        f"{DAEMON_MODULE}:WeightCacheDaemon.get_model": _daemon_get_model,
+        f"{DAEMON_MODULE}:get_draft_daemon_config": _daemons_spawned_for,
+        RUN_DAEMON: stands_in_for,
+    },
 )

@@ -8,8 +8,12 @@ contexts must be on the GPU at the snapshot and at the measurement after the pro
 they are stopped just before ``initialize_from_config`` allocates the KV cache, the first step after
 both (and one vLLM takes for attention-free models too, which skip the profile run).
 
-Only ``--load-format marlin_prepacked`` engines for which ``preload.plan`` finds a plan
-(``engine_preload``, default on) are touched; every other engine runs vLLM's methods unchanged.
+``speed`` patches (:mod:`.catalog`). Only ``--load-format marlin_prepacked`` engines for which
+``preload.plan`` finds a plan (``engine_preload``, default on) are touched: ``plan`` answers None for any
+other load format before it reads anything, and ``stop_after_memory_profile`` does nothing where no
+engine helpers were started, so every other engine runs vLLM's methods with the same arguments and
+nothing else happens (they run before and after the load, outside :mod:`.scope`'s ``in_use``; the load
+format is the same test as :func:`.scope.uses_marlin_pack`, narrowed to ``marlin_prepacked``).
 """
 
 from __future__ import annotations
@@ -19,12 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 from marlin_pack.vllm_plugin import preload
-from marlin_pack.vllm_plugin.patches.registry import Patch
+from marlin_pack.vllm_plugin.patches import catalog
 
 __all__ = ["PATCHES"]
-
-_REMOVE_WHEN = "vLLM gives model loaders a hook before its GPU worker's init_device and one after its memory profile"
-
 
 def _init_device(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
@@ -44,7 +45,10 @@ def _initialize_from_config(original: Callable[..., Any]) -> Callable[..., Any]:
     return initialize_from_config
 
 
-PATCHES = (
-    Patch("vllm.v1.worker.gpu_worker:Worker.init_device", _init_device, remove_when=_REMOVE_WHEN, deferred=True),
-    Patch("vllm.v1.worker.gpu_worker:Worker.initialize_from_config", _initialize_from_config, remove_when=_REMOVE_WHEN, deferred=True),
+PATCHES = catalog.patches(
+    __name__,
+    {
+        "vllm.v1.worker.gpu_worker:Worker.init_device": _init_device,
+        "vllm.v1.worker.gpu_worker:Worker.initialize_from_config": _initialize_from_config,
+    },
 )
