@@ -55,7 +55,7 @@ if mode in ('baseline', 'durable'):
 else:
     from marlin_pack import convert
     imported = time.perf_counter() - t0
-    convert(src, dst, tp_sizes=(1,), device=device)
+    convert(src, dst, tp=(1,), device=device)
     if device.startswith('cuda'):
         torch.cuda.synchronize()
 dt = time.perf_counter() - t0

@@ -4,7 +4,7 @@ Importing this package never imports vLLM (nor torch, until an API that needs it
 touched). Public API::
 
     from marlin_pack import convert, verify, Manifest
-    manifest = convert("llama-awq", tp_sizes=(1, 2))
+    manifest = convert("llama-awq", tp=(1, 2)).manifest
     report = verify("llama-awq/marlin-pack")
 """
 

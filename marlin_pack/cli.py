@@ -9,19 +9,12 @@ import shlex
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 from rich.text import Text
 
@@ -29,13 +22,18 @@ from marlin_pack._constants import DEBUG_ENV
 from marlin_pack._version import __version__
 from marlin_pack.errors import MarlinPackError
 
+_CONTEXT = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(
     name="marlin-pack",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
-    help="Convert AWQ/GPTQ checkpoints into vLLM 0.33.0's Marlin layout, offline, and verify the result.",
+    context_settings=_CONTEXT,
+    help="Convert AWQ/GPTQ/compressed-tensors checkpoints into vLLM 0.33.0's post-processed Marlin layout, offline, "
+    "verify the result, and say what an engine will do with it.",
 )
+cache_app = typer.Typer(no_args_is_help=True, context_settings=_CONTEXT, help="List or remove the bundles of model ids.")
+app.add_typer(cache_app, name="cache")
 # User text (paths, model and tensor names, messages quoting them) is printed as it is: these consoles
 # read no markup and no emoji codes in strings, so "x[/y]" cannot raise and "Llama [old]" keeps "[old]".
 # Colours come as Text spans (_styled), never as markup inside strings; every str printed is plain text.
@@ -50,9 +48,53 @@ def _styled(*parts: str | tuple[str, str]) -> Text:
 ModelArg = Annotated[
     str, typer.Argument(metavar="MODEL", help="Checkpoint directory, or a Hugging Face model id (org/name) as given to vllm serve.")
 ]
+TargetArg = Annotated[
+    str, typer.Argument(metavar="MODEL|BUNDLE", help="A bundle directory, or MODEL (a checkpoint directory or a model id): its bundle.")
+]
 RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Branch, tag or commit of a model id \\[default: main].")]
-BundleArg = Annotated[Path, typer.Argument(help="Bundle directory (default location: MODEL_DIR/marlin-pack).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+
+
+class Dtype(str, Enum):
+    """vLLM 0.33.0's --dtype words (float/float32 are refused: these layers run 16-bit activations)."""
+
+    auto = "auto"
+    half = "half"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float = "float"
+    float32 = "float32"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class VerifyMode(str, Enum):
+    auto = "auto"
+    full = "full"
+    size = "size"
+
+
+DtypeOpt = Annotated[
+    Dtype, typer.Option("--dtype", help="The engine's --dtype, as vllm serve takes it (auto: what vLLM picks from config.json).")
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"marlin-pack {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print marlin-pack's version and exit.")
+    ] = False,
+) -> None:
+    """Convert AWQ/GPTQ/compressed-tensors checkpoints into vLLM 0.33.0's post-processed Marlin layout, offline."""
 
 
 def _parse_tp(value: str) -> list[int]:
@@ -66,84 +108,98 @@ def _parse_tp(value: str) -> list[int]:
 
 
 @contextmanager
-def _progress(enabled: bool, what: str) -> Iterator[Callable[[int, int, str], None] | None]:
-    if not enabled or not err.is_terminal:  # no bar (nor stray newlines) in logs and pipes
-        yield None
-        return
-    with Progress(
-        TextColumn(what, style="bold", markup=False),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.description}", markup=False),  # a file or layer name: plain text, never markup
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("", total=None)
+def _progress(enabled: bool, what: str) -> Iterator[Callable[..., None] | None]:
+    """A rich bar on a terminal, plain flushed lines in logs and pipes, nothing for --json (see marlin_pack.progress)."""
+    from marlin_pack.progress import progress_reporter
 
-        def update(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, description=name)
-
+    with progress_reporter(err, enabled, what) as update:
         yield update
 
 
 @app.command()
 def convert(
-    model_dir: ModelArg,
+    model: ModelArg,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Bundle directory \\[default: MODEL_DIR/marlin-pack].")] = None,
-    tp: Annotated[str, typer.Option("--tp", help="Tensor-parallel sizes to write, e.g. 1,2,4,8.")] = "1",
-    dtype: Annotated[
-        str | None, typer.Option("--dtype", help="Serving dtype: float16 or bfloat16 \\[default: what vllm serve --dtype auto picks].")
-    ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle.")] = False,
-    device: Annotated[str, typer.Option("--device", help="Where to do the tensor work: cpu or cuda.")] = "cpu",
+    tp: Annotated[
+        str, typer.Option("--tp", "-tp", "--tensor-parallel-size", help="Tensor-parallel sizes to write, e.g. 1,2,4,8.")
+    ] = "1",
+    dtype: DtypeOpt = Dtype.auto,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle, even an up-to-date one.")] = False,
+    device: Annotated[Device, typer.Option("--device", help="Where to do the tensor work.")] = Device.cpu,
     revision: RevisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write a Marlin bundle for MODEL (engine-free; CPU is enough)."""
+    """Write a Marlin bundle for MODEL (engine-free; CPU is enough).
+
+    Idempotent: an up-to-date bundle for the same settings is reused (exit 0, nothing written), and a conversion of the same output already running is waited for, then its result reused.
+
+    Examples:
+
+      marlin-pack convert ./Llama-3-8B-AWQ --tp 1,2
+
+      marlin-pack convert Qwen/Qwen2.5-7B-Instruct-AWQ -tp 2 --dtype bfloat16
+    """  # noqa: E501
     from marlin_pack.conversion import convert as run_convert
 
-    model_dir = _absolute_if_local(model_dir)
+    model = _local_or_repo(model, revision)
+    _check_dtype_word(dtype.value)
     try:
         with _progress(not as_json, "converting") as progress:
-            manifest = run_convert(
-                model_dir, output, tp_sizes=_parse_tp(tp), dtype=dtype, force=force, device=device, revision=revision, progress=progress
+            result = run_convert(
+                model, output, tp=_parse_tp(tp), dtype=dtype.value, force=force, device=device.value, revision=revision,
+                progress=progress, on_wait=lambda line: err.print(f"marlin-pack: {line}", highlight=False, soft_wrap=True),
             )
     except KeyboardInterrupt as e:  # SIGINT, or SIGTERM/SIGHUP (Interrupted): the writer removed its files
         signum = getattr(e, "signum", 2)
         err.print(_styled(("interrupted", "red"), f" ({e or 'SIGINT'}): nothing was written (partial output removed)"), highlight=False)
         raise typer.Exit(128 + signum) from None
-    bundle = output or _default_bundle(model_dir, revision)
     if as_json:
-        out.print_json(json.dumps({"bundle": str(bundle), "manifest": manifest.model_dump(mode="json")}))
+        body = {"bundle": str(result.bundle), "reused": result.reused, "manifest": result.manifest.model_dump(mode="json")}
+        out.print_json(json.dumps(body))
         return
-    _render_manifest(manifest, bundle)
-    out.print(_styled(("wrote", "green"), f" {bundle}"), soft_wrap=True)
+    if result.reused:
+        sizes = ",".join(map(str, result.manifest.tp_sizes))
+        hashed = result.hashed.summary()
+        checked = f"; checked the checkpoint: {hashed}" if hashed else ""
+        out.print(
+            _styled(("up to date", "green"), f" {result.bundle} (tp {sizes}, {result.manifest.serving_dtype.value}); "
+                    f"nothing written{checked}"),
+            soft_wrap=True, highlight=False,
+        )
+        return
+    _render_manifest(result.manifest, result.bundle)
+    out.print(_styled(("wrote", "green"), f" {result.bundle}"), soft_wrap=True)
 
 
 @app.command()
 def verify(
-    bundle: BundleArg,
+    target: TargetArg,
     source: Annotated[
-        Path | None, typer.Option("--source", help="Checkpoint the bundle was made from \\[default: the bundle's parent].")
+        Path | None, typer.Option("--source", help="Checkpoint the bundle was made from \\[default: MODEL, or the bundle's parent].")
     ] = None,
     integrity_only: Annotated[
         bool, typer.Option("--integrity-only", help="Check the bundle alone (files, hashes, tensors); skip the source checks.")
     ] = False,
+    revision: RevisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Prove a bundle is intact and faithful to its source.
 
-    Exit 0 only when every check ran and passed (with --integrity-only: every bundle check);
-    exit 1 when a check failed or the source checks could not run.
-    """
+    Exit 0 only when every check ran and passed (with --integrity-only: every bundle check); exit 1 when a check failed or the source checks could not run.
+
+    Examples:
+
+      marlin-pack verify ./Llama-3-8B-AWQ
+
+      marlin-pack verify Qwen/Qwen2.5-7B-Instruct-AWQ --integrity-only
+    """  # noqa: E501
     from marlin_pack.verification import verify as run_verify
 
+    bundle, model = _bundle_of(target, revision)
     with _progress(not as_json, "round trip") as progress:
-        report = run_verify(bundle, source, integrity_only=integrity_only, progress=progress)
+        report = run_verify(bundle, source if source is not None else model, integrity_only=integrity_only, progress=progress)
     if as_json:
-        out.print_json(json.dumps({"ok": report.ok, "checks": [c.to_dict() for c in report.checks]}))
+        out.print_json(json.dumps({"bundle": str(bundle), "ok": report.ok, "checks": [c.to_dict() for c in report.checks]}))
     else:
         table = Table("check", "result", "detail", title=f"verify {bundle}")
         marks = {"ok": Text("ok", "green"), "failed": Text("FAILED", "red"), "skipped": Text("skipped", "yellow")}
@@ -162,33 +218,41 @@ def verify(
 
 @app.command()
 def check(
-    model_dir: ModelArg,
+    model: ModelArg,
     bundle: Annotated[Path | None, typer.Option("--bundle", help="Bundle directory \\[default: MODEL_DIR/marlin-pack].")] = None,
-    tp: Annotated[int, typer.Option("--tp", min=1, max=1024, help="The engine's --tensor-parallel-size.")] = 1,
+    tp: Annotated[
+        int, typer.Option("--tp", "-tp", "--tensor-parallel-size", min=1, max=1024, help="The engine's --tensor-parallel-size.")
+    ] = 1,
     rank: Annotated[int | None, typer.Option("--rank", min=0, help="Check one rank only \\[default: every rank].")] = None,
-    dtype: Annotated[
-        str | None, typer.Option("--dtype", help="The engine's --dtype: float16 or bfloat16 \\[default: what --dtype auto picks].")
-    ] = None,
-    verify_mode: Annotated[str, typer.Option("--verify", help="auto (hash what changed), full or size, as the loader.")] = "auto",
+    dtype: DtypeOpt = Dtype.auto,
+    verify_mode: Annotated[VerifyMode, typer.Option("--verify", help="As the loader's verify option: auto hashes what changed.")] = (
+        VerifyMode.auto
+    ),
     fallback: Annotated[bool, typer.Option("--fallback", help="As the loader's fallback: a bad bundle means loading ordinarily.")] = False,
     revision: RevisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Decide, as the marlin_prepacked loader would, whether an engine can serve MODEL_DIR from its bundle.
+    """Decide, as the marlin_prepacked loader would, whether an engine can serve MODEL from its bundle.
 
-    Runs the loader's own pre-GPU checks for every rank (no GPU, no vLLM start): manifest, engine fit, source binding, file integrity, rank headers.
+    Runs the loader's own pre-GPU checks for every rank (no GPU, no vLLM start): manifest, engine fit, source binding, file integrity, rank headers. Takes vllm serve's words for the engine's settings.
 
     Exit 0 to load (or, with --fallback, to fall back), 1 to refuse.
+
+    Examples:
+
+      marlin-pack check ./Llama-3-8B-AWQ -tp 2
+
+      marlin-pack check Qwen/Qwen2.5-7B-Instruct-AWQ --tensor-parallel-size 4 --dtype half
     """  # noqa: E501
     from marlin_pack.vllm_plugin.preflight import preflight
 
-    model_dir = _absolute_if_local(model_dir)
+    model = _local_or_repo(model, revision)
     if rank is not None and rank >= tp:
-        raise typer.BadParameter(f"--rank {rank} is outside --tp {tp}", param_hint="--rank")
+        raise typer.BadParameter(f"--rank {rank} is outside --tensor-parallel-size {tp}", param_hint="--rank")
     try:
         report = preflight(
-            model_dir, bundle=bundle, tp_size=tp, rank=rank, dtype=dtype or _engine_dtype(model_dir, revision),
-            verify=verify_mode, fallback=fallback, revision=revision,
+            model, bundle=bundle, tp_size=tp, rank=rank, dtype=_engine_dtype(model, revision, dtype.value),
+            verify=verify_mode.value, fallback=fallback, revision=revision,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -196,90 +260,193 @@ def check(
         out.print_json(json.dumps(report.to_dict()))
     else:
         colour = {"load": "green", "fallback": "yellow", "refuse": "red"}
-        for r in report.ranks:
-            out.print(_styled(f"rank {r.rank}/{report.tp_size}: ", (r.decision, colour[r.decision]), f" {r.message}"), soft_wrap=True)
+        for ranks, decision, message in _grouped(report):
+            out.print(_styled(f"{ranks}/{report.tp_size}: ", (decision, colour[decision]), f" {message}"), soft_wrap=True)
         if (hashed := report.hashed.summary()) is not None:
             out.print(f"check {hashed}", soft_wrap=True)
     if report.decision == "refuse":
         raise typer.Exit(1)
 
 
-def _absolute_if_local(model: str) -> str:
-    """A local directory as an absolute path (what vLLM and the bundle record see); a repo id as it is."""
-    return str(Path(model).resolve()) if Path(model).is_dir() else model
+def _grouped(report) -> list[tuple[str, str, str]]:  # type: ignore[no-untyped-def]
+    """Ranks with the same decision and message, said once: ``("ranks 0-3", "refuse", why)``."""
+    groups: list[tuple[list[int], str, str]] = []
+    for r in report.ranks:
+        if groups and groups[-1][1:] == (r.decision, r.message):
+            groups[-1][0].append(r.rank)
+        else:
+            groups.append(([r.rank], r.decision, r.message))
+    return [(f"rank {g[0]}" if len(g) == 1 else f"ranks {g[0]}-{g[-1]}", d, m) for g, d, m in groups]
 
 
-def _default_bundle(model: str, revision: str | None) -> Path:
-    from marlin_pack.sources.hub import locate_bundle
+def _local_or_repo(model: str, revision: str | None) -> str:
+    """A local directory as an absolute path (what vLLM and the bundle record see); a repo id as it is.
 
-    return locate_bundle(model, revision)
+    Raises:
+        typer.BadParameter: ``--revision`` given with a local directory (it names a commit of a model id).
+    """
+    if Path(model).is_dir():
+        if revision is not None:
+            raise typer.BadParameter(
+                f"{model} is a local directory; --revision names a branch, tag or commit of a model id: drop it",
+                param_hint="--revision",
+            )
+        return str(Path(model).resolve())
+    return model
 
 
-def _engine_dtype(model: str, revision: str | None) -> str:
-    """The dtype a default `vllm serve MODEL` runs in (what --dtype auto picks)."""
+def _bundle_of(target: str, revision: str | None) -> tuple[Path, str | None]:
+    """The bundle a command was pointed at, and the model it belongs to when MODEL was given (else None).
+
+    ``target``: a bundle directory (it holds manifest.json), a checkpoint directory (its default bundle) or a
+    model id (its bundle in marlin-pack's cache; nothing is downloaded).
+    """
+    from marlin_pack._constants import MANIFEST_NAME
+    from marlin_pack.sources.hub import is_repo_id, locate_bundle
+
+    if Path(target).is_dir() and (Path(target) / MANIFEST_NAME).is_file():
+        if revision is not None:
+            raise typer.BadParameter(f"{target} is a bundle directory; --revision is for a model id: drop it", param_hint="--revision")
+        return Path(target).resolve(), None
+    if not Path(target).is_dir() and not is_repo_id(target):
+        return Path(target), None  # a bundle path that is not there: reading its manifest says so
+    model = _local_or_repo(target, revision)
+    return locate_bundle(model, revision), model
+
+
+def _check_dtype_word(word: str) -> None:
+    """A --dtype word vLLM takes but these layers cannot run in (float, float32) is a usage error, before any work."""
+    from marlin_pack.schemas import serving_dtype_for
+
+    try:
+        serving_dtype_for(word, {})
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--dtype") from None
+
+
+def _engine_dtype(model: str, revision: str | None, word: str) -> str:
+    """The dtype `vllm serve MODEL --dtype WORD` runs in (auto: what vLLM picks from the config)."""
     from marlin_pack.errors import CheckpointError
     from marlin_pack.io.checkpoint_files import read_json, weight_files
     from marlin_pack.io.safetensors_io import read_header
-    from marlin_pack.schemas import default_serving_dtype
+    from marlin_pack.schemas import serving_dtype_for
     from marlin_pack.sources.hub import resolve_model
 
+    _check_dtype_word(word)
     try:
         model_dir = resolve_model(model, revision, download=False).dir
         config = read_json(model_dir / "config.json", "config.json")
         codes = {t.dtype for f in weight_files(model_dir) for t in read_header(model_dir / f).tensors.values()}
     except (CheckpointError, OSError, ValueError):
-        return "float16"  # the source check reports what is wrong with the checkpoint
-    return default_serving_dtype(config, codes).value
+        return serving_dtype_for(word, {"dtype": "float16"}).value  # the source check reports what is wrong
+    return serving_dtype_for(word, config, codes).value
 
 
 @app.command()
-def inspect(bundle: BundleArg, as_json: JsonOpt = False) -> None:
-    """Show what a bundle holds."""
+def inspect(target: TargetArg, revision: RevisionOpt = None, as_json: JsonOpt = False) -> None:
+    """Show what a bundle holds, and where it is.
+
+    Examples:
+
+      marlin-pack inspect ./Llama-3-8B-AWQ
+
+      marlin-pack inspect Qwen/Qwen2.5-7B-Instruct-AWQ --json
+    """
     from marlin_pack.bundle.reader import read_manifest
 
+    bundle, _ = _bundle_of(target, revision)
     manifest = read_manifest(bundle)
     if as_json:
-        out.print_json(manifest.to_json())
+        out.print_json(json.dumps({"bundle": str(bundle), "manifest": manifest.model_dump(mode="json")}))
         return
     _render_manifest(manifest, bundle)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def daemon(ctx: typer.Context, model_dir: ModelArg) -> None:
-    """Run vLLM's weight-cache daemon (vllm preload) for MODEL_DIR, filled from its bundle.
+@cache_app.command("ls")
+def cache_ls(as_json: JsonOpt = False) -> None:
+    """List the bundles of model ids in marlin-pack's cache (beside the Hugging Face cache, or $MARLIN_PACK_CACHE).
 
-    MODEL_DIR comes first; every other argument goes to `vllm preload` unchanged
-    (--load-format defaults to marlin_prepacked). Engines attach with
-    `vllm serve MODEL_DIR --load-format ipc_cache`.
+    Examples:
+
+      marlin-pack cache ls
     """
+    from marlin_pack.sources.cache import cache_root, cached_bundles
+
+    entries = cached_bundles()
+    if as_json:
+        out.print_json(json.dumps([e.to_dict() for e in entries]))
+        return
+    table = Table("model", "commit", "tp", "dtype", "size", "path", title=f"bundles in {cache_root()}")
+    for e in entries:
+        table.add_row(e.repo_id, e.commit[:12], e.tp_text, e.dtype, f"{e.size / 1e9:,.2f} GB", str(e.path))
+    out.print(table)
+
+
+@cache_app.command("rm")
+def cache_rm(
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="The model id (org/name) whose bundles to remove.")],
+    revision: Annotated[
+        str | None, typer.Option("--revision", help="Remove only this commit's bundle \\[default: every commit's].")
+    ] = None,
+) -> None:
+    """Remove the cached bundles of a model id (never its checkpoint in the Hugging Face cache).
+
+    Examples:
+
+      marlin-pack cache rm Qwen/Qwen2.5-7B-Instruct-AWQ
+    """
+    from marlin_pack.sources.cache import remove_cached
+
+    removed = remove_cached(model, revision)
+    if not removed:
+        raise MarlinPackError(f"no cached bundle of {model}{'' if revision is None else ' at ' + revision}; see `marlin-pack cache ls`")
+    for path in removed:
+        out.print(_styled(("removed", "green"), f" {path}"), soft_wrap=True, highlight=False)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def daemon(ctx: typer.Context, model: ModelArg) -> None:
+    """Run vLLM's weight-cache daemon (vllm preload) for MODEL, filled from its bundle.
+
+    MODEL comes first; every other argument goes to `vllm preload` unchanged (--load-format defaults to marlin_prepacked). Engines attach with `vllm serve MODEL --load-format ipc_cache`.
+
+    Examples:
+
+      marlin-pack daemon ./Llama-3-8B-AWQ -tp 2
+    """  # noqa: E501
     from marlin_pack.vllm_plugin.launcher import preload_argv, run
 
-    argv = preload_argv(_absolute_if_local(model_dir), ctx.args)
+    argv = preload_argv(_local_or_repo(model, None), ctx.args)
     err.print(f"marlin-pack: vllm {shlex.join(argv)}", highlight=False, soft_wrap=True, markup=False)
     run(argv)
 
 
 @app.command()
-def env() -> None:
-    """Say what marlin-pack changes in vLLM: the targeted release, the installed one, and each patch by purpose.
+def env(as_json: JsonOpt = False) -> None:
+    """Versions (marlin-pack, vLLM, torch, CUDA), the plugin's registration and each patch by purpose: for bug reports.
 
     Speed patches act only in processes that use marlin_prepacked, ipc_cache or `marlin-pack daemon`.
+
+    Examples:
+
+      marlin-pack env
     """
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed_version
+    from marlin_pack.patch_list import environment, patch_rows
 
-    from marlin_pack._constants import TARGET_VLLM_VERSION
-    from marlin_pack.patch_list import patch_rows
-
-    try:
-        running = installed_version("vllm")
-    except PackageNotFoundError:
-        running = "not installed"
-    out.print(f"marlin-pack {__version__}; targets vLLM {TARGET_VLLM_VERSION}; installed vLLM {running}", highlight=False)
-    if running != TARGET_VLLM_VERSION:
+    facts = environment()
+    rows = patch_rows() if facts["plugin_active"] else []
+    if as_json:
+        out.print_json(json.dumps({**facts, "patches": [dict(zip(("purpose", "target", "remove_when"), r, strict=True)) for r in rows]}))
+        return
+    info = Table.grid(padding=(0, 2))
+    for key, value in facts.items():
+        info.add_row(key.replace("_", " "), str(value))
+    out.print(info)
+    if not facts["plugin_active"]:
         out.print("the plugin installs no patch and registers no load format on this vLLM", highlight=False)
+        return
     table = Table("purpose", "patched in vLLM", "remove when", title="patches installed in every vLLM process")
-    for purpose, target, remove_when in patch_rows():
+    for purpose, target, remove_when in rows:
         table.add_row(purpose, target, remove_when)
     out.print(table)
 
@@ -294,7 +461,7 @@ def schema() -> None:
 
 @app.command()
 def version() -> None:
-    """Print marlin-pack's version."""
+    """Print marlin-pack's version (also: marlin-pack --version)."""
     out.print(__version__)
 
 

@@ -22,8 +22,9 @@ import torch
 
 from marlin_pack._constants import TARGET_VLLM_VERSION
 from marlin_pack._version import __version__
-from marlin_pack.bundle.integrity import source_digest
-from marlin_pack.bundle.writer import BundleWriter, check_output
+from marlin_pack.bundle.existing import reusable_bundle
+from marlin_pack.bundle.integrity import HashReport, source_digest
+from marlin_pack.bundle.writer import BundleWriter, check_output, output_lock
 from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedCheckpointError
 from marlin_pack.io.hashing import FileChangedError, HashedFile, hash_file, hash_workers, sha256_bytes
 from marlin_pack.io.safetensors_io import StreamWriter, read_header_bytes
@@ -43,6 +44,7 @@ from marlin_pack.marlin.sharding import (
     vllm_part_names,
 )
 from marlin_pack.moe_conversion import MoePlan, build_moe_layer, check_moe_settings, plan_moe, read_moe_layer
+from marlin_pack.progress import as_progress_fn
 from marlin_pack.schemas import (
     OUTPUT_HEAD_NAMES,
     LayerEntry,
@@ -53,28 +55,25 @@ from marlin_pack.schemas import (
     SourceFile,
     SourceFormat,
     Target,
-    default_serving_dtype,
+    serving_dtype_for,
     torch_dtype,
 )
 from marlin_pack.sources import Checkpoint, QuantSource, source_from_quant_config
 from marlin_pack.sources.hub import bundle_dir_for, resolve_model
 from marlin_pack.stages import Device, ReadAhead
 
-__all__ = ["convert", "resolve_dtype", "plan_conversion", "ConversionPlan", "ProgressFn"]
+__all__ = ["convert", "Converted", "convertible_tp_sizes", "resolve_dtype", "plan_conversion", "ConversionPlan", "ProgressFn"]
 
 ProgressFn = Callable[[int, int, str], None]
-_DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 
 
 def resolve_dtype(config: dict, dtype: str | None, weight_dtypes: Iterable[str] = ()) -> ServingDtype:
-    """The serving dtype: ``dtype`` if given, else what ``vllm serve --dtype auto`` picks (see
-    :func:`~marlin_pack.schemas.default_serving_dtype`), so a default bundle fits a default engine."""
-    if dtype is not None:
-        try:
-            return ServingDtype(_DTYPE_ALIASES.get(dtype, dtype))
-        except ValueError as e:
-            raise MarlinPackError(f"--dtype {dtype!r} is not supported; expected float16 or bfloat16") from e
-    return default_serving_dtype(config, weight_dtypes)
+    """The serving dtype: what ``vllm serve --dtype DTYPE`` runs in (default ``auto``: from the config), so a
+    default bundle fits a default engine (:func:`~marlin_pack.schemas.serving_dtype_for`)."""
+    try:
+        return serving_dtype_for(dtype, config, weight_dtypes)
+    except ValueError as e:
+        raise MarlinPackError(str(e)) from e
 
 
 @dataclass
@@ -362,6 +361,22 @@ def _spec_bytes(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> in
     return sum(d.itemsize * math.prod(shape) for _, d, shape in specs)
 
 
+def _layer_read_bytes(ckpt: Checkpoint, plan: ConversionPlan) -> list[int]:
+    """Each step's checkpoint bytes (its modules' tensors: what its read takes in), dense layers then experts layers."""
+    by_module: dict[str, int] = {}
+    for name, t in ckpt.tensors.items():
+        module = name.rpartition(".")[0]
+        by_module[module] = by_module.get(module, 0) + t.nbytes
+    sizes = [sum(by_module.get(m.prefix, 0) for m in checkpoint_modules(spec)) for spec in plan.layers]
+    if plan.moe and plan.moe.layers:
+        moe, n_experts = plan.moe, next(iter(plan.moe.shapes.values())).num_experts
+        leaves = (moe.naming.gate, moe.naming.up, moe.naming.down)
+        sizes += [
+            sum(by_module.get(f"{moe.expert(layer, e)}.{leaf}", 0) for e in range(n_experts) for leaf in leaves) for layer in moe.layers
+        ]
+    return sizes
+
+
 def _convert_layers(
     ckpt: Checkpoint, plan: ConversionPlan, tps: list[int], dev: torch.device, bundle: BundleWriter, progress: ProgressFn | None
 ) -> None:
@@ -380,6 +395,9 @@ def _convert_layers(
     moe, moe_layers = plan.moe, plan.moe.layers if plan.moe else []
     n_dense, total = len(plan.layers), len(plan.layers) + len(moe_layers)
     device = Device(dev)
+    report = as_progress_fn(progress) if progress else None
+    read_bytes = _layer_read_bytes(ckpt, plan) if report else []  # the progress protocol's bytes: the checkpoint's, read
+    bytes_total, bytes_done = sum(read_bytes), 0
     ranks: dict[tuple[int, int], StreamWriter] = {}
     for tp in tps:
         specs = [tensor_specs(e, scheme, tdtype, source.format) for e in plan.entries[tp]]
@@ -421,8 +439,9 @@ def _convert_layers(
                         w = ranks[(tp, rank)]
                         write(w, build_moe_layer(moe, scheme, tdtype, tp, rank, layer, experts, _experts_memory(w, dev)))
                 del experts, data
-                if progress:
-                    progress(li + 1, total, moe.name(layer))
+                if report:
+                    bytes_done += read_bytes[li]
+                    report(li + 1, total, moe.name(layer), bytes_done=bytes_done, bytes_total=bytes_total)
                 continue
             parts: dict[str, ModuleTensors] = data  # type: ignore[assignment]
             spec = plan.layers[li]
@@ -439,70 +458,132 @@ def _convert_layers(
                     empty = None if device.cuda else w.empty
                     write(w, build_rank_tensors(entry, scheme, tdtype, *fused, slots, source.format, shape, empty))
             del parts, data, fused
-            if progress:
-                progress(li + 1, total, spec.name)
+            if report:
+                bytes_done += read_bytes[li]
+                report(li + 1, total, spec.name, bytes_done=bytes_done, bytes_total=bytes_total)
+
+
+def convertible_tp_sizes(model: str | Path, candidates: Iterable[int] = (1, 2, 4, 8), revision: str | None = None) -> list[int]:
+    """The sizes among ``candidates`` that ``convert --tp`` accepts for this checkpoint (headers only, nothing
+    converted): what a suggestion to re-convert may name. Empty where the checkpoint cannot be read."""
+    try:
+        ckpt = Checkpoint(resolve_model(model, revision, download=False).dir)
+    except MarlinPackError:
+        return []
+    try:
+        source = source_from_quant_config(ckpt.quantization_config())
+        found = []
+        for tp in candidates:
+            try:
+                plan_conversion(ckpt, source, [tp], torch.float16)
+            except MarlinPackError:
+                continue
+            found.append(tp)
+        return found
+    except MarlinPackError:
+        return []
+    finally:
+        ckpt.close()
+
+
+@dataclass(frozen=True)
+class Converted:
+    """What :func:`convert` made, or found up to date: the bundle's directory and its manifest."""
+
+    bundle: Path
+    manifest: Manifest
+    reused: bool = False  # an up-to-date bundle was already there: nothing was written
+    hashed: HashReport = HashReport()  # reused: what checking the checkpoint hashed
 
 
 def convert(
-    model_dir: str | Path,
-    out_dir: str | Path | None = None,
+    model: str | Path,
+    output: str | Path | None = None,
     *,
-    tp_sizes: tuple[int, ...] | list[int] = (1,),
+    tp: tuple[int, ...] | list[int] = (1,),
     dtype: str | None = None,
     force: bool = False,
     device: str = "cpu",
     revision: str | None = None,
     progress: ProgressFn | None = None,
-) -> Manifest:
+    on_wait: Callable[[str], None] | None = None,
+) -> Converted:
     """Convert an AWQ (GEMM), GPTQ (v1) or compressed-tensors (pack-quantized) checkpoint into a Marlin bundle.
 
-    The bundle holds, for every tensor-parallel size in ``tp_sizes`` and every rank,
-    the tensors stock vLLM 0.33.0 holds after ``process_weights_after_loading`` with
-    ``MarlinLinearKernel``, plus the checkpoint's non-quantized tensors. Output is
-    written to a temporary directory and renamed into place at the end.
+    The bundle holds, for every tensor-parallel size in ``tp`` and every rank, the tensors stock vLLM
+    0.33.0 holds after ``process_weights_after_loading`` with ``MarlinLinearKernel``, plus the
+    checkpoint's non-quantized tensors. Output is written to a temporary directory and renamed into
+    place at the end.
+
+    Idempotent: where an up-to-date bundle of this checkpoint for these settings is at the output, it
+    is reused and nothing is written (:mod:`marlin_pack.bundle.existing`); another conversion of the same
+    output is waited for, then its result reused. Named as the CLI's options.
 
     Args:
-        model_dir: HuggingFace checkpoint directory, or a Hugging Face model id (``org/name``),
+        model: HuggingFace checkpoint directory, or a Hugging Face model id (``org/name``),
             resolved through the hub's cache (downloading unless ``HF_HUB_OFFLINE``).
-        out_dir: bundle directory; default ``MODEL_DIR/marlin-pack``, or for a model id marlin-pack's
+        output: bundle directory; default ``MODEL_DIR/marlin-pack``, or for a model id marlin-pack's
             cache entry of that repo and commit (where the loader looks).
-        tp_sizes: tensor-parallel sizes to write.
-        dtype: serving dtype (``float16``/``bfloat16``); default from config.json.
-        force: replace an existing ``out_dir``.
+        tp: tensor-parallel sizes to write.
+        dtype: serving dtype as vLLM's ``--dtype`` takes it (``auto``, ``half``, ``float16``, ``bfloat16``);
+            default ``auto``: what ``vllm serve`` picks from config.json.
+        force: replace an existing bundle, even an up-to-date one.
         device: ``cpu`` or ``cuda`` for the tensor work.
-        revision: branch, tag or commit of a model id.
-        progress: called as ``progress(done, total, layer_name)``.
+        revision: branch, tag or commit of a model id (an error for a local directory).
+        progress: called as ``progress(done, total, layer_name)`` after each layer, and with
+            ``bytes_done=``/``bytes_total=`` (the checkpoint bytes of the layers read so far / of
+            all of them) where it takes those keywords (see :mod:`marlin_pack.progress`).
+        on_wait: called with a line while another conversion of the same output is waited for.
 
     Returns:
-        The written :class:`~marlin_pack.schemas.Manifest`.
+        :class:`Converted`: the bundle's path and manifest, and whether it was reused.
 
     Raises:
         CheckpointError, UnsupportedCheckpointError, OutputExistsError, MarlinPackError.
 
     Example:
-        >>> manifest = convert("llama-awq", tp_sizes=(1, 2))
-        >>> manifest.tp_sizes
-        [1, 2]
+        >>> result = convert("llama-awq", tp=(1, 2))
+        >>> result.bundle.name, result.manifest.tp_sizes
+        ('marlin-pack', [1, 2])
     """
-    resolved = resolve_model(model_dir, revision)
+    resolved = resolve_model(model, revision)
     model_dir = resolved.dir
-    out = Path(out_dir) if out_dir is not None else bundle_dir_for(resolved)
-    tps = sorted(set(int(t) for t in tp_sizes))
+    out = Path(output) if output is not None else bundle_dir_for(resolved)
+    tps = sorted(set(int(t) for t in tp))
     if not tps or tps[0] < 1:
-        raise MarlinPackError(f"--tp {tp_sizes} is invalid; expected positive sizes such as 1,2,4,8")
+        raise MarlinPackError(f"--tp {tp} is invalid; expected positive sizes such as 1,2,4,8")
     dev = _device(device)
-    out = check_output(model_dir, out, force)
+    if out.is_symlink():
+        out = out.resolve()  # write the link's target, keep the link (the user's layout)
 
     ckpt = Checkpoint(model_dir)
-    source = source_from_quant_config(ckpt.quantization_config())
-    serving_dtype = resolve_dtype(ckpt.config, dtype, {t.dtype for t in ckpt.tensors.values()})
-    tdtype = torch_dtype(serving_dtype)
-    plan = plan_conversion(ckpt, source, tps, tdtype)
+    try:
+        source = source_from_quant_config(ckpt.quantization_config())
+        serving_dtype = resolve_dtype(ckpt.config, dtype, {t.dtype for t in ckpt.tensors.values()})
+        plan = plan_conversion(ckpt, source, tps, torch_dtype(serving_dtype))
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror or e}); choose a writable location with -o") from e
+        with output_lock(out, on_wait):
+            if not force and (found := reusable_bundle(out, model_dir, tps, serving_dtype)) is not None:
+                return Converted(out, found[0], reused=True, hashed=found[1])
+            check_output(model_dir, out, force)
+            manifest = _write_bundle(ckpt, source, plan, serving_dtype, tps, dev, out, force, progress)
+    finally:
+        ckpt.close()
+    return Converted(out, manifest)
 
+
+def _write_bundle(
+    ckpt: Checkpoint, source: QuantSource, plan: ConversionPlan, serving_dtype: ServingDtype, tps: list[int],
+    dev: torch.device, out: Path, force: bool, progress: ProgressFn | None,
+) -> Manifest:
+    """The conversion proper, the output's lock held: every layer streamed into a new bundle published at ``out``."""
     # Source files hash on their own threads while the main thread converts (hashlib releases the GIL).
     pool = ThreadPoolExecutor(max_workers=hash_workers(len(ckpt.files)))
     try:
-        with _torch_threads(1 if dev.type == "cpu" else None), BundleWriter.create(out, force=force) as bundle:
+        with _torch_threads(1 if dev.type == "cpu" else None), BundleWriter.create(out, force=force, locked=True) as bundle:
             hashes = [(f, pool.submit(hash_file, ckpt.dir / f, 1)) for f in ckpt.files]
             aliases = tied_copies(ckpt, plan) if plan.dims.tie_word_embeddings else {}
             stored = [n for n in plan.common if n not in aliases]
@@ -523,5 +604,4 @@ def convert(
             bundle.finish(manifest, [fut.result() for _, fut in hashes])
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        ckpt.close()
     return manifest

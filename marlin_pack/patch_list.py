@@ -1,4 +1,4 @@
-"""What marlin-pack's vLLM plugin patches, as plain rows (for ``marlin-pack env``).
+"""What marlin-pack's vLLM plugin patches, as plain rows, and the versions around it (for ``marlin-pack env``).
 
 The rows come from the data the patch modules themselves are built from
 (:mod:`marlin_pack.vllm_plugin.patches.catalog`), so the listing is what ``register()`` installs on the
@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["PURPOSES", "patch_rows"]
+__all__ = ["PURPOSES", "patch_rows", "environment"]
 
 # The purposes, in the order patch_rows() lists them (as marlin_pack.vllm_plugin.patches.registry.PURPOSES).
 PURPOSES = ("correctness", "weight_cache", "speed")
@@ -33,3 +33,44 @@ def patch_rows() -> list[tuple[str, str, str]]:
     rank = {purpose: i for i, purpose in enumerate(PURPOSES)}
     rows = sorted(catalog.ROWS, key=lambda row: rank[row.purpose])  # stable: catalog order within a purpose
     return [(row.purpose, row.target, row.remove_when) for row in rows]
+
+
+def _installed(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def environment() -> dict[str, object]:
+    """What a bug report needs, read without importing vLLM: versions of marlin-pack, vLLM, torch and its CUDA,
+    the GPU torch sees, and whether vLLM finds the plugin (its ``vllm.general_plugins`` entry point) and would
+    activate it (the installed vLLM is the targeted release)."""
+    from importlib.metadata import entry_points
+
+    from marlin_pack._constants import TARGET_VLLM_VERSION
+    from marlin_pack._version import __version__
+
+    vllm = _installed("vllm")
+    plugins = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "marlin_pack"]
+    facts: dict[str, object] = {
+        "marlin_pack": __version__,
+        "vllm": vllm,
+        "vllm_targeted": TARGET_VLLM_VERSION,
+        "torch": _installed("torch"),
+        "plugin_entry_point": plugins[0].value if plugins else "missing (reinstall marlin-pack into vLLM's environment)",
+        "plugin_active": bool(plugins) and vllm == TARGET_VLLM_VERSION,
+    }
+    try:
+        import torch
+
+        facts["torch_cuda"] = torch.version.cuda or "none (CPU build)"
+        if torch.cuda.is_available():
+            facts["gpu"] = f"{torch.cuda.get_device_name(0)} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(0)))})"
+        else:
+            facts["gpu"] = "none visible"
+    except Exception as e:  # noqa: BLE001 - a broken torch is a fact for the report, not a crash
+        facts["torch_cuda"] = f"unknown ({type(e).__name__}: {e})"
+    return facts

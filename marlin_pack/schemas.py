@@ -34,6 +34,8 @@ __all__ = [
     "ServingDtype",
     "torch_dtype",
     "default_serving_dtype",
+    "VLLM_DTYPES",
+    "serving_dtype_for",
     "FLOAT16_UNSUPPORTED_MODEL_TYPES",
     "LayerKind",
     "FileEntry",
@@ -145,6 +147,35 @@ def default_serving_dtype(config: dict, weight_dtypes: Iterable[str] = ()) -> Se
     if found == "float16" and config.get("model_type") in FLOAT16_UNSUPPORTED_MODEL_TYPES:
         return ServingDtype.bfloat16
     return ServingDtype(found) if found in {d.value for d in ServingDtype} else ServingDtype.bfloat16
+
+
+# vLLM 0.33.0's --dtype words (ModelConfig.dtype) and the dtype each names; None: auto (from the config).
+VLLM_DTYPES: dict[str, str | None] = {
+    "auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32",
+}
+
+
+def serving_dtype_for(word: str | None, config: dict, weight_dtypes: Iterable[str] = ()) -> ServingDtype:
+    """The serving dtype of ``vllm serve --dtype WORD`` for this checkpoint: the one dtype normaliser of every command.
+
+    ``word`` is read as vLLM reads ``--dtype`` (``auto`` or None: :func:`default_serving_dtype`; ``half`` is
+    float16). Raises ValueError (one line, naming what to pass) for a word vLLM does not take, and for float32:
+    vLLM 0.33.0 serves AWQ, GPTQ and compressed-tensors WNA16 with 16-bit activations only.
+    """
+    key = "auto" if word is None else str(word).strip().lower()
+    if key not in VLLM_DTYPES:
+        close = {"fp16": "float16", "f16": "float16", "bf16": "bfloat16", "fp32": "float32", "f32": "float32"}.get(key)
+        hint = f"; did you mean {close}?" if close else ""
+        raise ValueError(f"--dtype {word!r} is not one of vLLM's: {', '.join(VLLM_DTYPES)}{hint}")
+    found = VLLM_DTYPES[key]
+    if found is None:
+        return default_serving_dtype(config, weight_dtypes)
+    if found == "float32":
+        raise ValueError(
+            f"--dtype {word}: vLLM 0.33.0 serves these quantized layers with float16 or bfloat16 activations only; "
+            "pass --dtype auto, float16 or bfloat16"
+        )
+    return ServingDtype(found)
 
 
 def torch_dtype(dtype: ServingDtype | str) -> torch.dtype:

@@ -115,7 +115,7 @@ def make_bundle(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
             model = _write_checkpoint(
                 tmp_path_factory.mktemp(f"bundle-{fmt}{bits}-{preset}"), fmt, preset, bits, group_size, dtype, sharded, seed
             )
-            convert(model, tp_sizes=tp_sizes)
+            convert(model, tp=tp_sizes)
             cache[key] = model
         return cache[key]
 

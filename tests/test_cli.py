@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -105,9 +106,14 @@ def test_strict_manifest_refuses_coerced_values(make_checkpoint, tmp_path: Path)
     assert r.returncode == 1 and "field common.size" in r.stderr
 
 
-def test_help_shows_defaults_in_brackets() -> None:
+def test_help_shows_defaults_choices_and_examples() -> None:
     r = runner.invoke(app, ["convert", "--help"], env={"COLUMNS": "200"})
-    assert "[default: MODEL_DIR/marlin-pack]" in r.stdout and "[default: what vllm serve --dtype auto picks]" in r.stdout
+    assert "[default: MODEL_DIR/marlin-pack]" in r.stdout and "[default: auto]" in r.stdout
+    assert "auto|half|float16|bfloat16|float|float32" in r.stdout and "cpu|cuda" in r.stdout
+    assert "Examples:" in r.stdout and "marlin-pack convert ./Llama-3-8B-AWQ --tp 1,2" in r.stdout
+    for command in ("verify", "check", "inspect", "daemon", "env"):
+        assert "Examples:" in runner.invoke(app, [command, "-h"], env={"COLUMNS": "200"}).stdout, command
+    assert "auto|full|size" in runner.invoke(app, ["check", "-h"], env={"COLUMNS": "200"}).stdout
 
 
 def test_check_path_never_imports_vllm(make_bundle) -> None:
@@ -231,7 +237,8 @@ def test_env_lists_every_patch_by_purpose_without_importing_vllm() -> None:
         capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"}, timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert "targets vLLM 0.33.0" in done.stdout
+    assert re.search(r"vllm targeted +0\.33\.0", done.stdout) and re.search(r"plugin entry point +marlin_pack\.vllm_plugin:register", done.stdout)
+    assert re.search(r"torch +\d", done.stdout) and "torch cuda" in done.stdout and "gpu " in done.stdout, done.stdout
     rows = patch_rows()
     assert {purpose for purpose, _, _ in rows} == {"correctness", "weight_cache", "speed"}
     for purpose, target, _ in rows:
@@ -245,3 +252,91 @@ def test_the_helper_service_command_is_gone() -> None:
     import importlib.util
 
     assert importlib.util.find_spec("marlin_pack.vllm_plugin.helper_service") is None
+
+
+# --- deployable: vLLM's words, MODEL everywhere, idempotent convert, --version / -h ---
+
+
+def test_version_and_short_help() -> None:
+    from marlin_pack import __version__
+
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout.strip() == f"marlin-pack {__version__}"
+    r = runner.invoke(app, ["-h"])
+    assert r.exit_code == 0 and "convert" in r.stdout and "cache" in r.stdout
+    assert runner.invoke(app, ["convert", "-h"]).exit_code == 0
+
+
+def test_check_takes_vllms_words(make_bundle) -> None:
+    d = make_bundle("gptq", "tiny", tp_sizes=(1, 2))
+    for argv in (["-tp", "2"], ["--tensor-parallel-size", "2"], ["--tp", "2"]):
+        r = runner.invoke(app, ["check", str(d), *argv, "--json"])
+        assert r.exit_code == 0 and json.loads(r.stdout)["tp_size"] == 2, (argv, r.output)
+    for word in ("auto", "half", "float16"):
+        r = runner.invoke(app, ["check", str(d), "--dtype", word])
+        assert r.exit_code == 0, (word, r.output)
+    r = runner.invoke(app, ["check", str(d), "--dtype", "bfloat16"])
+    assert r.exit_code == 1 and "start vLLM with --dtype float16 or convert with --dtype bfloat16" in r.stdout, r.output
+
+
+@pytest.mark.parametrize("word, expected", [
+    ("fp16", "'fp16' is not one of 'auto', 'half', 'float16', 'bfloat16', 'float', 'float32'"),
+    ("float32", "float16 or bfloat16 activations only"),
+    ("float", "float16 or bfloat16 activations only"),
+])
+def test_dtype_words_vllm_does_not_serve_here_are_refused_in_one_line(make_bundle, word: str, expected: str) -> None:
+    d = make_bundle("gptq", "tiny")
+    for command in ("check", "convert"):
+        r = _run_wide(command, str(d), "--dtype", word)
+        assert r.returncode == 2 and expected in r.stderr and "Traceback" not in r.stderr, (command, r.stderr)
+
+
+def test_serving_dtype_for_reads_dtype_as_vllm_does() -> None:
+    from marlin_pack.schemas import serving_dtype_for
+
+    assert serving_dtype_for("half", {}).value == serving_dtype_for("float16", {}).value == "float16"
+    assert serving_dtype_for("auto", {"dtype": "bfloat16"}).value == serving_dtype_for(None, {"torch_dtype": "bfloat16"}).value
+    with pytest.raises(ValueError, match="did you mean bfloat16"):
+        serving_dtype_for("bf16", {})
+
+
+def test_a_refusal_shared_by_every_rank_is_printed_once(make_bundle) -> None:
+    d = make_bundle("gptq", "tiny")  # tp 1 only
+    r = runner.invoke(app, ["check", str(d), "-tp", "2"])
+    assert r.exit_code == 1 and r.stdout.count("refuse") == 1 and r.stdout.startswith("ranks 0-1/2: refuse"), r.output
+    assert f"run `marlin-pack convert {d} --tp 1,2 --force`" in r.stdout
+
+
+def test_a_tp_size_the_checkpoint_cannot_take_is_not_suggested(make_bundle) -> None:
+    d = make_bundle("gptq", "tiny")
+    r = runner.invoke(app, ["check", str(d), "-tp", "3"], env={"COLUMNS": "400"})
+    assert r.exit_code == 1 and "--tp 1,3" not in r.stdout, r.output
+    assert re.search(r"cannot be split into \(marlin-pack convert accepts --tp 1(,2)?(,4)?(,8)? for it\)", r.stdout), r.stdout
+
+
+def test_revision_with_a_local_directory_is_an_error(make_bundle) -> None:
+    d = make_bundle("gptq", "tiny")
+    for command in ("check", "convert", "verify", "inspect"):
+        r = runner.invoke(app, [command, str(d), "--revision", "main"])
+        assert r.exit_code == 2 and "--revision" in r.output, (command, r.output)
+
+
+def test_verify_and_inspect_take_the_model_directory(make_bundle) -> None:
+    d = make_bundle("awq", "tiny")
+    r = runner.invoke(app, ["verify", str(d), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["ok"] and json.loads(r.stdout)["bundle"] == str(d / "marlin-pack"), r.output
+    r = runner.invoke(app, ["inspect", str(d), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["bundle"] == str(d / "marlin-pack")
+    r = runner.invoke(app, ["inspect", str(d / "marlin-pack")])
+    assert r.exit_code == 0 and str(d / "marlin-pack") in r.stdout.replace("\n", "")
+
+
+def test_convert_again_is_up_to_date_and_exits_0(make_checkpoint, tmp_path: Path) -> None:
+    d = _ckpt(make_checkpoint, tmp_path)
+    assert runner.invoke(app, ["convert", str(d), "-tp", "1,2"]).exit_code == 0
+    r = _run_wide("convert", str(d), "--tp", "2")
+    assert r.returncode == 0 and f"up to date {d}/marlin-pack (tp 1,2, float16); nothing written" in r.stdout, r.stdout + r.stderr
+    r = runner.invoke(app, ["convert", str(d), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["reused"] is True
+    r = _run_wide("convert", str(d), "--tp", "4")
+    assert r.returncode == 1 and r.stderr.startswith(f"error: {d}/marlin-pack holds a bundle for tp 1,2 in float16, asked for tp 4"), r.stderr

@@ -55,7 +55,7 @@ def test_default_dtype_from_sub_config_or_weights() -> None:
 
 def test_float32_checkpoint_converts_to_bfloat16_by_default(awq_copy: Path, edit_config) -> None:
     edit_config(awq_copy, torch_dtype="float32")
-    assert convert(awq_copy).serving_dtype.value == "bfloat16"
+    assert convert(awq_copy).manifest.serving_dtype.value == "bfloat16"
 
 
 def test_awq_dynamic_overrides_are_refused(awq_copy: Path, edit_config) -> None:
@@ -84,14 +84,14 @@ def test_gptq_settings_only_in_quantize_config_json(tmp_path: Path, edit_config)
     from marlin_pack.vllm_plugin.preflight import preflight
 
     d = write_gptq_checkpoint(tmp_path / "g", PRESETS["tiny"], group_size=64, tokenizer=False)
-    ref = convert(d, tmp_path / "ref")
+    ref = convert(d, tmp_path / "ref").manifest
     cfg = json.loads((d / "config.json").read_text())
     del cfg["quantization_config"]
     (d / "config.json").write_text(json.dumps(cfg))
     qc = json.loads((d / "quantize_config.json").read_text())
     del qc["quant_method"]
     (d / "quantize_config.json").write_text(json.dumps(qc))
-    m = convert(d)
+    m = convert(d).manifest
     assert m.quant == ref.quant and m.source.quant_settings.quant_method == "gptq"
     assert (m.source.quant_settings_file, ref.source.quant_settings_file) == ("quantize_config.json", "config.json")
     got, want = load_file(d / "marlin-pack/tp1/rank-0.safetensors"), load_file(tmp_path / "ref/tp1/rank-0.safetensors")

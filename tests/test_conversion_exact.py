@@ -40,7 +40,7 @@ def _check(make_checkpoint, tmp_path: Path, fmt: str, bits: int, preset: str, gr
     src = make_checkpoint(fmt, preset, bits=bits, group_size=group_size, sharded=sharded)
     model = tmp_path / "model"
     shutil.copytree(src, model)
-    convert(model, tp_sizes=tps, dtype=str(dtype).removeprefix("torch."))
+    convert(model, tp=tps, dtype=str(dtype).removeprefix("torch."))
     n = assert_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
     assert n > 0
     report = verify(model / "marlin-pack")
@@ -82,7 +82,7 @@ def test_sharded_checkpoint(make_checkpoint, tmp_path, fmt, bits) -> None:
 def test_same_input_same_bytes(make_checkpoint, tmp_path) -> None:
     src = make_checkpoint("awq", "tiny", group_size=64)
     a, b = tmp_path / "a", tmp_path / "b"
-    convert(src, a, tp_sizes=(1, 2))
-    convert(src, b, tp_sizes=(1, 2))
+    convert(src, a, tp=(1, 2))
+    convert(src, b, tp=(1, 2))
     for f in sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file()):
         assert (a / f).read_bytes() == (b / f).read_bytes(), f

@@ -59,7 +59,7 @@ def _compare(model: Path, tps: tuple[int, ...], dtype: torch.dtype) -> tuple[int
 def test_deepseek_bundle_bit_exact(tmp_path: Path, case: str) -> None:
     arch, fmt, bits, dtype, tps, options = CASES[case]
     model = write_moe_checkpoint(tmp_path / "m", arch, fmt, bits=bits, dtype=dtype, **options)
-    manifest = convert(model, tp_sizes=tps)
+    manifest = convert(model, tp=tps).manifest
     n, info = _compare(model, tps, dtype)
     assert info["model_class"] == ARCHITECTURES[arch].vllm_class.split(".")[1]  # vLLM's own class for it
     config = json.loads((model / "config.json").read_text())
@@ -118,7 +118,7 @@ def test_unsupported_deepseek_refused_before_writing(tmp_path: Path, config: dic
     cfg.update(config)
     (model / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedCheckpointError, match=match):
-        convert(model, tp_sizes=(tp,))
+        convert(model, tp=(tp,))
     assert not (model / "marlin-pack").exists()
 
 

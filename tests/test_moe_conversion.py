@@ -48,7 +48,7 @@ CASES = [
 @pytest.mark.parametrize("arch,fmt,bits,dtype,tps", CASES, ids=[f"{a[:7]}-{f}{b}-{str(d)[6:]}" for a, f, b, d, _ in CASES])
 def test_moe_bundle_bit_exact(tmp_path: Path, arch: str, fmt: str, bits: int, dtype: torch.dtype, tps: tuple[int, ...]) -> None:
     model = write_moe_checkpoint(tmp_path / "m", arch, fmt, bits=bits, dtype=dtype)
-    manifest = convert(model, tp_sizes=tps)
+    manifest = convert(model, tp=tps).manifest
     assert manifest.serving_dtype.value == str(dtype).removeprefix("torch.")
     n = assert_moe_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
     assert n >= sum(tps) * 2 * 6  # every rank, 2 decoder layers, 6 expert tensors each (plus the dense layers)
@@ -63,7 +63,7 @@ def test_moe_sharded_checkpoint_with_padding(tmp_path: Path) -> None:
     model = write_moe_checkpoint(tmp_path / "m", "Qwen3MoeForCausalLM", "gptq", group_size=32, moe_intermediate_size=192,
                                  sharded=True)
     assert len(list(model.glob("*.safetensors"))) == 2
-    manifest = convert(model, tp_sizes=(1, 2))
+    manifest = convert(model, tp=(1, 2)).manifest
     entry = manifest.tensor_parallel_set(2).moe_layers[0]
     assert (entry.intermediate_size, entry.padded_intermediate) == (96, 128)
     assert_moe_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), torch.float16)
@@ -72,7 +72,7 @@ def test_moe_sharded_checkpoint_with_padding(tmp_path: Path) -> None:
 
 def test_verify_finds_a_changed_expert(tmp_path: Path) -> None:
     model = write_moe_checkpoint(tmp_path / "m", "MixtralForCausalLM", "awq")
-    convert(model, tp_sizes=(2,))
+    convert(model, tp=(2,))
     bundle = model / "marlin-pack"
     # Re-write rank 1 with one scale changed, and the manifest's hash updated: only the rebuild can tell.
     path = bundle / "tp2" / "rank-1.safetensors"
@@ -200,7 +200,7 @@ def test_mixtral_gate_up_down_proj_naming_bit_exact(tmp_path: Path) -> None:
     model = write_moe_checkpoint(tmp_path / "m", "MixtralForCausalLM", "gptq")
     for old, new in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
         _rename(model, old, new)
-    convert(model, tp_sizes=(1, 2))
+    convert(model, tp=(1, 2))
     assert assert_moe_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), torch.float16) >= 3 * 2 * 6
     assert verify(model / "marlin-pack").ok
 
@@ -222,7 +222,7 @@ def test_qwen_w1_w2_w3_naming_refused(tmp_path: Path, arch: str) -> None:
     names = load_file(model / "model.safetensors")
     assert "model.layers.0.mlp.experts.0.w1.qweight" in names
     with pytest.raises(UnsupportedCheckpointError, match=r"stores its experts as mlp\.experts\.N\.\{w1,w3,w2\}.*gate_proj"):
-        convert(model, tp_sizes=(1,))
+        convert(model, tp=(1,))
 
 
 def test_mixtral_mlp_naming_refused_naming_why(tmp_path: Path) -> None:
@@ -233,7 +233,7 @@ def test_mixtral_mlp_naming_refused_naming_why(tmp_path: Path) -> None:
     with pytest.raises(VllmRefusedError):
         reference_moe_rank_tensors(model, 1, 0, torch.float16)
     with pytest.raises(UnsupportedCheckpointError, match="block_sparse_moe") as e:
-        convert(model, tp_sizes=(1,))
+        convert(model, tp=(1,))
     assert "incomplete" not in str(e.value)
 
 
@@ -249,4 +249,4 @@ def test_fused_expert_gate_up_refused(tmp_path: Path) -> None:
             out[k.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([v, up], -1) if v.dim() == 2 else v
     save_file(out, str(path), metadata={"format": "pt"})
     with pytest.raises(UnsupportedCheckpointError, match="fused expert tensors"):
-        convert(model, tp_sizes=(1,))
+        convert(model, tp=(1,))

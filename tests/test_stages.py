@@ -107,7 +107,7 @@ def test_experts_layers_follow_the_dense_ones_through_the_read_ahead(tiny_moe: P
 
     monkeypatch.setattr(conversion, "read_moe_layer", read_moe_layer)
     steps: list[tuple[int, int, str]] = []
-    manifest = convert(tiny_moe, tp_sizes=(1, 2), progress=lambda done, total, name: steps.append((done, total, name)))
+    manifest = convert(tiny_moe, tp=(1, 2), progress=lambda done, total, name: steps.append((done, total, name))).manifest
     dense = len(manifest.tensor_parallel[0].layers)
     experts = [e.name for e in manifest.tensor_parallel[0].moe_layers]
     assert experts == ["model.layers.0.mlp.experts.routed_experts", "model.layers.1.mlp.experts.routed_experts"]
@@ -141,6 +141,6 @@ def test_an_experts_error_is_one_line_and_leaves_no_bundle(
         monkeypatch.setattr(conversion, "build_moe_layer", build_moe_layer)
         error, match = UnsupportedCheckpointError, r"^model\.layers\.1\.mlp\.experts\.routed_experts: 7 experts read, expected 8$"
     with pytest.raises(error, match=match) as e:
-        convert(tiny_moe, tp_sizes=(1, 2))
+        convert(tiny_moe, tp=(1, 2))
     assert "\n" not in str(e.value)
     no_leftovers(tiny_moe)

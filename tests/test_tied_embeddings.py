@@ -34,7 +34,7 @@ def _common_names(model: Path) -> set[str]:
 
 def test_tied_copy_is_stored_once(make_checkpoint, tmp_path: Path) -> None:
     model = _tied_copy(make_checkpoint("awq", "tiny"), tmp_path / "m")
-    manifest = convert(model, tp_sizes=(1, 2))
+    manifest = convert(model, tp=(1, 2)).manifest
     assert manifest.common_aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "lm_head.weight" not in _common_names(model) and "model.embed_tokens.weight" in _common_names(model)
     report = verify(model / "marlin-pack")
@@ -44,7 +44,7 @@ def test_tied_copy_is_stored_once(make_checkpoint, tmp_path: Path) -> None:
 
 def test_tied_but_different_lm_head_is_kept(make_checkpoint, tmp_path: Path) -> None:
     model = _tied_copy(make_checkpoint("gptq", "tiny"), tmp_path / "m", same=False)
-    manifest = convert(model)
+    manifest = convert(model).manifest
     assert manifest.common_aliases == {}
     assert {"lm_head.weight", "model.embed_tokens.weight"} <= _common_names(model)
 
@@ -52,7 +52,7 @@ def test_tied_but_different_lm_head_is_kept(make_checkpoint, tmp_path: Path) -> 
 def test_untied_equal_tensors_are_not_touched(make_checkpoint, tmp_path: Path, edit_config) -> None:
     model = _tied_copy(make_checkpoint("gptq", "tiny"), tmp_path / "m")
     edit_config(model, tie_word_embeddings=False)
-    assert convert(model).common_aliases == {}
+    assert convert(model).manifest.common_aliases == {}
 
 
 def test_verify_refuses_an_alias_to_a_missing_tensor(make_checkpoint, tmp_path: Path) -> None:
@@ -96,5 +96,5 @@ def test_only_the_head_is_deduplicated(make_checkpoint, tmp_path: Path) -> None:
     tensors = load_file(str(model / "model.safetensors"))
     tensors["model.layers.0.input_layernorm.weight"] = tensors["model.norm.weight"].clone()
     save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
-    assert convert(model).common_aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert convert(model).manifest.common_aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     assert {"model.norm.weight", "model.layers.0.input_layernorm.weight"} <= _common_names(model)

@@ -19,7 +19,7 @@ from marlin_pack.io.hashing import file_digest
 def bundle(make_checkpoint, tmp_path: Path) -> Path:
     src = tmp_path / "ckpt"
     shutil.copytree(make_checkpoint("gptq", "tiny-qwen2", bits=4, group_size=32), src)
-    convert(src, tp_sizes=(1, 2))
+    convert(src, tp=(1, 2))
     return src / "marlin-pack"
 
 
@@ -67,7 +67,7 @@ def test_nonzero_weight_padding_fails_round_trip(fmt: str, make_checkpoint, tmp_
 
     src = tmp_path / "ckpt"
     shutil.copytree(make_checkpoint(fmt, "tiny-padded", group_size=32), src)
-    convert(src, tp_sizes=(1,))
+    convert(src, tp=(1,))
     bundle = src / "marlin-pack"
     assert verify(bundle).ok
     path = bundle / "tp1" / "rank-0.safetensors"

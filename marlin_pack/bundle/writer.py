@@ -4,17 +4,18 @@ Everything is written into ``.NAME.tmp-PID-XXXX`` beside the output and renamed 
 the end, so an interrupted or failed conversion never leaves a directory that looks like a
 bundle; on any error (SIGINT, SIGTERM and SIGHUP included) the temporary directory is
 removed, and temporary directories of dead conversions (SIGKILL) are removed by the next one.
-An exclusive lock (``.NAME.lock`` beside the output, removed at the end) keeps two conversions
-from writing one output. Publishing never clobbers: the rename succeeds only onto nothing,
-or, with ``--force``, onto a directory that is a marlin-pack bundle and holds nothing else.
+A lock (``.NAME.lock`` beside the output, removed at the end) keeps two conversions from writing
+one output: the second waits for the first (:func:`output_lock`). Publishing never clobbers: the
+rename succeeds only onto nothing, or, with ``--force``, onto a directory that is a marlin-pack bundle and holds nothing else.
 
-    out = check_output(model_dir, out, force)            # before the long work
-    with BundleWriter.create(out, force=force) as bundle:
-        bundle.write_common(specs, read_tensor)          # written in the background
-        writer = bundle.open_rank(tp, rank, specs)       # StreamWriter; write tensors in order
-        common = bundle.close_common()                   # its FileEntry, once written and fsynced
-        sets = bundle.close_ranks(layers_by_tp)
-        bundle.finish(manifest, source_hashes)           # manifest, stamps, fsync, atomic rename
+    with output_lock(out):                               # waits for another conversion of out
+        out = check_output(model_dir, out, force)        # before the long work
+        with BundleWriter.create(out, force=force, locked=True) as bundle:
+            bundle.write_common(specs, read_tensor)      # written in the background
+            writer = bundle.open_rank(tp, rank, specs)   # StreamWriter; write tensors in order
+            common = bundle.close_common()               # its FileEntry, once written and fsynced
+            sets = bundle.close_ranks(layers_by_tp)
+            bundle.finish(manifest, source_hashes)       # manifest, stamps, fsync, atomic rename
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import os
 import re
 import shutil
 import signal
+import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
 
     from marlin_pack.marlin.rank_tensors import TensorSpec
 
-__all__ = ["Interrupted", "check_output", "foreign_entry", "BundleWriter"]
+__all__ = ["Interrupted", "check_output", "output_lock", "foreign_entry", "BundleWriter"]
 
 # The common file's tensors queued for writing at most (see BundleWriter.write_common).
 _COMMON_BYTES_IN_FLIGHT = 1 << 30
@@ -133,26 +136,77 @@ def _remove_stale_temp_dirs(out: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+_WAIT_NOTICE_S = 30.0  # how often a waiting conversion says it is still waiting
+
+
+def _lock_holder(fd: int) -> str:
+    """``" (pid N)"`` from a lock file's text, or nothing: the file is untrusted (another user may have made it)."""
+    with contextlib.suppress(OSError, ValueError):
+        text = os.pread(fd, 32, 0).decode("ascii").strip()
+        if text.isdigit():
+            return f" (pid {int(text)})"
+    return ""
+
+
 @contextlib.contextmanager
-def _output_lock(out: Path) -> Iterator[None]:
+def output_lock(out: Path, on_wait: Callable[[str], None] | None = None, poll_s: float = 0.2) -> Iterator[None]:
+    """Hold the lock of ``out`` (``.NAME.lock`` beside it): one conversion writes ``out`` at a time.
+
+    A second conversion of the same output **waits** for the first (pods whose init containers start
+    together), saying so through ``on_wait`` at once and every 30 s, and then decides again with the
+    first one's result in place (usually: up to date). The lock is ``flock`` on a file opened without
+    following a symlink; a holder that dies releases it. Removed at the end: a waiter that then holds a
+    lock on the removed file tries again, so two conversions never both believe they hold it.
+
+    Raises:
+        MarlinPackError: the lock file cannot be made (an unwritable folder) or is not a regular file.
+    """
     import fcntl
 
     path = out.parent / f".{out.name}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    began = time.monotonic()
+    noticed = -_WAIT_NOTICE_S
+    while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            raise OutputExistsError(
-                f"another marlin-pack conversion is writing {out} (it holds {path.name}); wait for it or choose another -o"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise MarlinPackError(
+                f"cannot make the lock file {path} ({e.strerror or e}); choose a writable location with -o"
             ) from e
         try:
-            yield
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise MarlinPackError(f"{path} is not a regular file; remove it (it is only a lock) or choose another -o")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                waited = time.monotonic() - began
+                if on_wait is not None and waited - noticed >= _WAIT_NOTICE_S:
+                    noticed = waited
+                    on_wait(f"another marlin-pack conversion{_lock_holder(fd)} is writing {out}; waiting for it "
+                            f"({waited:.0f} s so far)")
+                os.close(fd)
+                fd = -1
+                time.sleep(poll_s)
+                continue
+            try:
+                same = os.fstat(fd).st_ino == os.lstat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the holder removed the file as we took the lock: take the new one
+                continue
+            if os.fstat(fd).st_uid == os.geteuid():  # ours: say who holds it (never write into another user's file)
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            return
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-    finally:
-        os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
 
 @contextlib.contextmanager
@@ -195,17 +249,20 @@ class BundleWriter:
 
     @classmethod
     @contextlib.contextmanager
-    def create(cls, out: Path, *, force: bool = False) -> Iterator[BundleWriter]:
+    def create(cls, out: Path, *, force: bool = False, locked: bool = False) -> Iterator[BundleWriter]:
         """A locked writer over a fresh temporary directory beside ``out``, removed unless :meth:`finish` ran.
 
+        ``locked``: the caller holds :func:`output_lock` of ``out`` already (else it is taken here, waiting for
+        another conversion of ``out``).
+
         Raises:
-            OutputExistsError: another conversion holds the output's lock.
             MarlinPackError: the parent of ``out`` is not writable, or writing failed (disk full, ...).
         """
         with contextlib.ExitStack() as stack:
             try:
                 out.parent.mkdir(parents=True, exist_ok=True)
-                stack.enter_context(_output_lock(out))
+                if not locked:
+                    stack.enter_context(output_lock(out))
                 _remove_stale_temp_dirs(out)
                 tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
                 umask = os.umask(0)

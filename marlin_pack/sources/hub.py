@@ -4,8 +4,9 @@
 repo id resolves, through ``huggingface_hub`` (its cache, ``HF_HOME`` / ``HF_HUB_CACHE``,
 ``HF_HUB_OFFLINE``), to a snapshot folder and the commit it holds. Its bundle is written to
 marlin-pack's own cache, keyed by repo id and commit (never inside the hub's snapshot
-folders): ``$MARLIN_PACK_CACHE`` or ``$XDG_CACHE_HOME/marlin-pack`` (default
-``~/.cache/marlin-pack``), then ``models--ORG--NAME/COMMIT``. A local directory keeps its
+folders): ``$MARLIN_PACK_CACHE``, else ``marlin-pack`` beside the hub's cache under
+``$HF_HOME`` (default ``~/.cache/huggingface/marlin-pack``), so that the volume holding a
+model also holds its bundle; then ``models--ORG--NAME/COMMIT``. A local directory keeps its
 bundle at ``MODEL_DIR/marlin-pack``.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from marlin_pack._constants import BUNDLE_DIRNAME
 from marlin_pack.errors import CheckpointError
 
-__all__ = ["CACHE_ENV", "ResolvedModel", "is_repo_id", "cache_root", "resolve_model", "bundle_dir_for"]
+__all__ = ["CACHE_ENV", "ResolvedModel", "is_repo_id", "hf_home", "cache_root", "locate_bundle", "resolve_model", "bundle_dir_for"]
 
 CACHE_ENV = "MARLIN_PACK_CACHE"
 # What conversion reads of a repo: config, index, quantize_config.json and the weights.
@@ -43,12 +44,20 @@ def is_repo_id(model: str) -> bool:
     return bool(_REPO_ID.fullmatch(model)) and ".." not in model and not Path(model).exists()
 
 
+def hf_home() -> Path:
+    """``$HF_HOME`` as ``huggingface_hub`` reads it (default ``$XDG_CACHE_HOME/huggingface``, ``~/.cache/huggingface``),
+    read at each call (the hub's constant is fixed at its import)."""
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "huggingface"
+
+
 def cache_root() -> Path:
-    """Where bundles of repo ids live: ``$MARLIN_PACK_CACHE``, else ``$XDG_CACHE_HOME/marlin-pack``."""
+    """Where bundles of repo ids live: ``$MARLIN_PACK_CACHE``, else ``$HF_HOME/marlin-pack`` (beside the hub's cache)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "marlin-pack"
+    return hf_home() / "marlin-pack"
 
 
 def bundle_dir_for(model: ResolvedModel) -> Path:

@@ -163,15 +163,27 @@ def _tp_set(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
     try:
         tp_set = manifest.tensor_parallel_set(facts.tp_size)
     except KeyError:
-        sizes = ",".join(map(str, sorted({*manifest.tp_sizes, facts.tp_size})))
-        raise BundleMismatchError(
-            F.tp_size,
-            f"bundle has tp_size {manifest.tp_sizes}, the engine runs tensor_parallel_size={facts.tp_size}; "
-            f"run `marlin-pack convert MODEL_DIR --tp {sizes} --force`",
-        ) from None
+        raise BundleMismatchError(F.tp_size, _tp_advice(manifest, facts)) from None
     if not 0 <= facts.tp_rank < facts.tp_size:
         raise BundleMismatchError(F.tp_rank, f"rank {facts.tp_rank} is outside tp_size {facts.tp_size}")
     return tp_set
+
+
+def _tp_advice(manifest: Manifest, facts: EngineFacts) -> str:
+    """Why the bundle lacks the engine's TP size, naming only sizes ``convert`` accepts for this checkpoint."""
+    from marlin_pack.conversion import convertible_tp_sizes
+
+    held = ",".join(map(str, manifest.tp_sizes))
+    found = f"bundle has tp {held}, the engine runs --tensor-parallel-size {facts.tp_size}"
+    accepted = convertible_tp_sizes(facts.model, sorted({1, 2, 4, 8, facts.tp_size, *manifest.tp_sizes}), facts.revision)
+    if facts.tp_size in accepted:
+        sizes = ",".join(map(str, sorted({*manifest.tp_sizes, facts.tp_size})))
+        return f"{found}; run `marlin-pack convert {facts.model} --tp {sizes} --force`"
+    others = ",".join(map(str, accepted)) or "none of 1,2,4,8"
+    return (
+        f"{found}, which this checkpoint cannot be split into (marlin-pack convert accepts --tp {others} for it); "
+        f"start vLLM with one of those sizes"
+    )
 
 
 def _check_kernel_settings(manifest: Manifest, facts: EngineFacts) -> None:

@@ -50,7 +50,7 @@ CASES: dict[str, tuple[str, Any, dict, tuple[int, ...]]] = {
 
 def _bundle_digests(model: Path, tps: tuple[int, ...]) -> dict[str, str]:
     bundle = model / "marlin-pack"
-    convert(model, tp_sizes=tps)
+    convert(model, tp=tps)
     return {
         p.relative_to(bundle).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(bundle.rglob("*"))

@@ -22,13 +22,43 @@ def test_unwritable_output(awq: Path, tmp_path: Path) -> None:
         convert(awq, blocker / "bundle")
 
 
-def test_existing_output_needs_force(awq: Path) -> None:
+def test_existing_up_to_date_output_is_reused_and_force_replaces_it(awq: Path) -> None:
+    first = convert(awq, tp=(1, 2))
+    manifest = (awq / "marlin-pack" / "manifest.json").stat()
+    again = convert(awq, tp=(2,))  # a subset of what the bundle holds: up to date
+    assert again.reused and not first.reused and again.bundle == first.bundle == awq / "marlin-pack"
+    assert again.manifest == first.manifest
+    assert (awq / "marlin-pack" / "manifest.json").stat().st_ino == manifest.st_ino  # nothing written
+    assert not convert(awq, tp=(1, 2), force=True).reused
+    assert (awq / "marlin-pack" / "manifest.json").stat().st_ino != manifest.st_ino
+
+
+def test_existing_output_for_other_settings_is_refused_naming_the_difference(awq: Path) -> None:
     convert(awq)
-    first = (awq / "marlin-pack" / "manifest.json").read_bytes()
-    with pytest.raises(OutputExistsError, match=r"already exists; pass --force"):
+    with pytest.raises(OutputExistsError, match=r"holds a bundle for tp 1 in float16, asked for tp 2 in float16; "
+                       r"pass --tp 1,2 --force to replace it with one holding both"):
+        convert(awq, tp=(2,))
+    with pytest.raises(OutputExistsError, match=r"holds a bundle for tp 1 in float16, asked for tp 1 in bfloat16; pass --force"):
+        convert(awq, dtype="bfloat16")
+
+
+def test_existing_output_of_a_changed_checkpoint_is_refused(awq: Path) -> None:
+    convert(awq)
+    weights = awq / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # the same header and size, other bytes: only the digest tells
+    weights.write_bytes(bytes(data))
+    with pytest.raises(OutputExistsError, match=r"is not an up-to-date bundle of .*blake3.*pass --force"):
         convert(awq)
-    convert(awq, force=True)
-    assert (awq / "marlin-pack" / "manifest.json").read_bytes() == first
+
+
+def test_existing_output_of_another_format_version_is_refused(awq: Path) -> None:
+    convert(awq)
+    path = awq / "marlin-pack" / "manifest.json"
+    path.write_text(path.read_text().replace('"format_version": ', '"format_version": 9', 1))
+    with pytest.raises(OutputExistsError, match=r"holds a bundle this marlin-pack cannot use .*pass --force"):
+        convert(awq)
+    assert not convert(awq, force=True).reused
 
 
 def test_interrupted_run_leaves_nothing(awq: Path, tmp_path: Path, no_leftovers) -> None:
@@ -148,21 +178,36 @@ def test_output_created_during_the_run_is_never_replaced(awq: Path) -> None:
     assert not [p for p in awq.iterdir() if p.name.startswith(".marlin-pack")]
 
 
-def test_concurrent_conversion_to_one_output_is_refused(awq: Path) -> None:
+def test_a_concurrent_conversion_of_one_output_waits_and_reuses_the_result(awq: Path) -> None:
     import subprocess
     import sys
 
-    # The second conversion starts while the first (in this process) holds the lock.
-    code = "import sys; from marlin_pack import convert; convert(sys.argv[1])"
+    # The second conversion starts while the first (in this process) holds the lock: it waits, then finds the
+    # first one's bundle up to date (an init container of a second pod started at the same time).
+    code = "import sys; from marlin_pack import convert; r = convert(sys.argv[1], on_wait=print); print('REUSED', r.reused)"
+    started: list[tuple[subprocess.Popen, str]] = []
 
     def second(done: int, total: int, name: str) -> None:
         if done == 1:
-            r = subprocess.run([sys.executable, "-c", code, str(awq)], capture_output=True, text=True, timeout=120)
-            assert r.returncode != 0 and "another marlin-pack conversion is writing" in r.stderr, r.stderr
+            proc = subprocess.Popen([sys.executable, "-u", "-c", code, str(awq)], stdout=subprocess.PIPE, text=True)
+            started.append((proc, proc.stdout.readline()))  # its first line: it is waiting (the lock is held)
 
-    convert(awq, progress=second)
-    assert (awq / "marlin-pack" / "manifest.json").is_file()
+    first = convert(awq, progress=second)
+    proc, waiting = started[0]
+    stdout, _ = proc.communicate(timeout=120)
+    assert "another marlin-pack conversion (pid " in waiting and "is writing" in waiting, waiting
+    assert proc.returncode == 0 and "REUSED True" in stdout, stdout
+    assert not first.reused and (awq / "marlin-pack" / "manifest.json").is_file()
     assert not [p for p in awq.iterdir() if p.name.startswith(".marlin-pack.")]  # lock file and temp dir gone
+
+
+def test_the_lock_is_never_taken_through_a_symlink(awq: Path, tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (awq / ".marlin-pack.lock").symlink_to(victim)
+    with pytest.raises(MarlinPackError, match=r"cannot make the lock file"):
+        convert(awq)
+    assert victim.read_text() == "keep" and not (awq / "marlin-pack").exists()
 
 
 def test_force_through_a_symlink_replaces_its_target(awq: Path, tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ def _cases() -> list:
 def test_architecture_bit_exact_tp_1_2_4(tmp_path: Path, arch: str, fmt: str, dtype: torch.dtype) -> None:
     # 4 heads, 2 KV heads: TP 4 replicates KV heads; group 32 keeps whole groups per rank.
     model = write_arch_checkpoint(tmp_path / "model", arch, group_size=32, dtype=dtype, **FORMATS[fmt])
-    convert(model, tp_sizes=(1, 2, 4), dtype=str(dtype).removeprefix("torch."))
+    convert(model, tp=(1, 2, 4), dtype=str(dtype).removeprefix("torch."))
     seen: list[str] = []
     n = assert_bundle_equals_vllm(model, model / "marlin-pack", (1, 2, 4), dtype, model_class=seen)
     assert n >= 7 * 2 * 4 * 2  # every rank, 4 layers x 2 decoder layers, 2+ tensors each
@@ -66,7 +66,7 @@ def test_multimodal_text_layers_quantized_vision_in_common(tmp_path: Path, arch:
         model = write_arch_checkpoint(tmp_path / names, arch, "gptq", dtype=torch.bfloat16, names=names)
         with safe_open(str(model / "model.safetensors"), "pt") as f:
             assert any(n.startswith("model.language_model.layers.") for n in f.keys()) == (names == "v4.52")  # noqa: SIM118
-        manifest = convert(model, tp_sizes=(1, 2))
+        manifest = convert(model, tp=(1, 2)).manifest
         assert_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), torch.bfloat16)
         assert all(e.name.startswith("language_model.model.layers.") for e in manifest.tensor_parallel[0].layers)
         with safe_open(str(model / "marlin-pack" / "common.safetensors"), "pt") as f:
@@ -82,7 +82,7 @@ def test_multimodal_language_model_under_model(tmp_path: Path, arch: str) -> Non
     model = write_arch_checkpoint(tmp_path / "m", arch, "gptq", dtype=torch.bfloat16, names="model")
     with safe_open(str(model / "model.safetensors"), "pt") as f:
         assert any(n.startswith("model.layers.0.") for n in f.keys())  # noqa: SIM118
-    manifest = convert(model, tp_sizes=(1, 2))
+    manifest = convert(model, tp=(1, 2)).manifest
     assert_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), torch.bfloat16)
     assert all(e.name.startswith("language_model.model.layers.") for e in manifest.tensor_parallel[0].layers)
 
@@ -120,4 +120,4 @@ def test_unsupported_architecture_lists_the_supported(make_checkpoint, tmp_path:
 def test_gemma_defaults_to_bfloat16(tmp_path: Path) -> None:
     """vLLM's --dtype auto never picks float16 for Gemma 2/3: neither does convert."""
     model = write_arch_checkpoint(tmp_path / "g", "Gemma2ForCausalLM", "awq", dtype=torch.float16)
-    assert convert(model).serving_dtype.value == "bfloat16"
+    assert convert(model).manifest.serving_dtype.value == "bfloat16"

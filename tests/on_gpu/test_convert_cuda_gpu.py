@@ -55,8 +55,8 @@ def _bundle_files(bundle: Path) -> dict[str, bytes]:
 
 
 def _assert_cuda_equals_cpu(model: Path, out: Path, tps: tuple[int, ...]) -> None:
-    cpu = convert(model, out / "cpu", tp_sizes=tps, device="cpu")
-    cuda = convert(model, out / "cuda", tp_sizes=tps, device="cuda")
+    cpu = convert(model, out / "cpu", tp=tps, device="cpu").manifest
+    cuda = convert(model, out / "cuda", tp=tps, device="cuda").manifest
     want, got = _bundle_files(out / "cpu"), _bundle_files(out / "cuda")
     assert sorted(got) == sorted(want)
     assert "common.safetensors" in want and sum(f.startswith("tp") for f in want) == sum(tps)
@@ -105,7 +105,7 @@ def test_cuda_read_error_is_one_line_and_leaves_no_bundle(make_checkpoint, tmp_p
     monkeypatch.setattr(Checkpoint, "get", get)
     out = tmp_path / "bundle"
     with pytest.raises(CheckpointError, match=rf"^cannot read tensor {re.escape(bad)} \(boom\).*again$") as e:
-        convert(model, out, tp_sizes=(1, 2), device="cuda")
+        convert(model, out, tp=(1, 2), device="cuda")
     assert "\n" not in str(e.value) and readers == {"marlin-pack-read"}
     assert not out.exists() and not list(tmp_path.glob(".bundle.tmp-*"))
     torch.cuda.synchronize()  # nothing left running on the device that fails later

@@ -299,12 +299,12 @@ def test_convert_predicts_the_substring_rule(ckpt, tmp_path: Path, arch: str, lo
 
     model = ckpt(arch, "awq", quant_overrides={"modules_to_not_convert": ["gate"]})
     if loads:
-        convert(model, tmp_path / "bundle", tp_sizes=(1,))
+        convert(model, tmp_path / "bundle", tp=(1,))
         assert (tmp_path / "bundle").is_dir()
     else:
         layer = r"model\.layers\.0\.mlp\.shared_expert\.gate_up_proj"
         with pytest.raises(UnsupportedCheckpointError, match=rf"entry 'gate' is a substring of {layer}"):
-            convert(model, tmp_path / "bundle", tp_sizes=(1,))
+            convert(model, tmp_path / "bundle", tp=(1,))
         assert not (tmp_path / "bundle").exists()
 
 

@@ -28,7 +28,7 @@ def _check(make_checkpoint, tmp_path: Path, fmt: str, bits: int, preset: str, gr
     src = make_checkpoint(fmt, preset, bits=bits, group_size=group_size, dtype=torch.bfloat16, sharded=sharded)
     model = tmp_path / "model"
     shutil.copytree(src, model)
-    convert(model, tp_sizes=tps, dtype=str(dtype).removeprefix("torch."))
+    convert(model, tp=tps, dtype=str(dtype).removeprefix("torch."))
     n = assert_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
     report = verify(model / "marlin-pack")
     assert report.ok, report.first_failure

@@ -42,7 +42,7 @@ def test_excluded_layers_stay_unquantized_bit_exact(make_checkpoint, tmp_path: P
 
     model = _with_dynamic(make_checkpoint("gptq", "tiny"), tmp_path / "m",
                           {r"-:.*layers\.1\.mlp\..*": {}, r"+:.*self_attn.*": {"bits": 4, "group_size": 128}}, MLP1)
-    manifest = convert(model, tp_sizes=(1, 2))
+    manifest = convert(model, tp=(1, 2)).manifest
     names = {e.name for e in manifest.tensor_parallel[0].layers}
     assert "model.layers.1.mlp.gate_up_proj" not in names and "model.layers.0.mlp.gate_up_proj" in names
     assert manifest.source.quant_settings.dynamic == {r"-:.*layers\.1\.mlp\..*": {}, r"+:.*self_attn.*": {"bits": 4, "group_size": 128}}

@@ -2,53 +2,21 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hub_cache import REPO
+from hub_cache import cache_repo as _cache_repo
 
 from marlin_pack import CheckpointError, convert, verify
 from marlin_pack.vllm_plugin.preflight import preflight
 
-REPO = "acme/tiny-awq"
-
-
-def _cache_repo(hub: Path, repo: str, source: Path, commit: str, *, ref: str = "main") -> Path:
-    """The hub's cache layout: refs/REF -> COMMIT, snapshots/COMMIT/* -> ../../blobs/SHA."""
-    root = hub / f"models--{repo.replace('/', '--')}"
-    snapshot = root / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (root / "blobs").mkdir(exist_ok=True)
-    for f in sorted(source.iterdir()):
-        if not f.is_file():
-            continue
-        blob = root / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
-        shutil.copyfile(f, blob)
-        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
-    (root / "refs").mkdir(exist_ok=True)
-    (root / "refs" / ref).write_text(commit)
-    return snapshot
-
-
-@pytest.fixture
-def hub(tmp_path: Path, make_checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> Path:
-    pytest.importorskip("huggingface_hub")
-    import huggingface_hub.constants
-    cache = tmp_path / "hf"
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setenv("MARLIN_PACK_CACHE", str(tmp_path / "mp-cache"))
-    _cache_repo(cache, REPO, make_checkpoint("awq"), "a" * 40)
-    return cache
-
 
 def test_convert_a_repo_id_into_marlin_packs_cache(hub: Path, tmp_path: Path) -> None:
     before = sorted(p.relative_to(hub) for p in hub.rglob("*"))
-    m = convert(REPO, tp_sizes=(1, 2))
+    m = convert(REPO, tp=(1, 2)).manifest
     bundle = tmp_path / "mp-cache" / "models--acme--tiny-awq" / ("a" * 40)
     assert (bundle / "manifest.json").is_file() and m.tp_sizes == [1, 2]
     assert sorted(p.relative_to(hub) for p in hub.rglob("*")) == before  # nothing written into the hub's cache
@@ -100,7 +68,7 @@ def test_a_snapshot_folder_is_its_repo_and_commit(hub: Path, tmp_path: Path) -> 
     convert(REPO)
     assert preflight(str(snapshot)).decision == "load"
     assert not (snapshot / "marlin-pack").exists()
-    m = convert(snapshot, force=True)  # converting the snapshot path writes the same cache entry
+    m = convert(snapshot, force=True).manifest  # converting the snapshot path writes the same cache entry
     assert m.tp_sizes == [1] and not (snapshot / "marlin-pack").exists()
     assert (tmp_path / "mp-cache" / "models--acme--tiny-awq" / ("a" * 40) / "manifest.json").is_file()
 

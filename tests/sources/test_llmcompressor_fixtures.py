@@ -45,14 +45,14 @@ def test_every_fixture_is_listed_and_small() -> None:
 def test_fixture_bundle_equals_stock_vllm(name: str, tmp_path: Path) -> None:
     model = _copy(name, tmp_path)
     tps = ACCEPTED[name]
-    manifest = convert(model, tp_sizes=tps)
+    manifest = convert(model, tp=tps).manifest
     assert manifest.source.format.value == "compressed-tensors"
     assert assert_bundle_equals_vllm(model, model / "marlin-pack", tps, torch.bfloat16) > 0
     report = verify(model / "marlin-pack")
     assert report.ok, report.first_failure
     for tp in {1, 2, 4, 8} - set(tps):  # refused by both
         with pytest.raises(UnsupportedCheckpointError):
-            convert(model, tmp_path / f"tp{tp}", tp_sizes=(tp,))
+            convert(model, tmp_path / f"tp{tp}", tp=(tp,))
         with pytest.raises((VllmRefusedError, ValueError)):
             reference_rank_tensors(model, tp, 0, torch.bfloat16)
 
@@ -61,7 +61,7 @@ def test_ignored_module_goes_to_common(tmp_path: Path) -> None:
     from safetensors import safe_open
 
     model = _copy("gptq-w4a16-actorder-ignore", tmp_path)
-    convert(model, tp_sizes=(1,))
+    convert(model, tp=(1,))
     with safe_open(str(model / "marlin-pack" / "common.safetensors"), "pt") as f:
         assert "model.layers.1.self_attn.o_proj.weight" in f.keys()  # noqa: SIM118
     with safe_open(str(model / "marlin-pack" / "tp1" / "rank-0.safetensors"), "pt") as f:
@@ -83,6 +83,6 @@ def test_refused_like_vllm(tmp_path: Path, edit, message: str) -> None:
     edit(cfg["quantization_config"]["config_groups"]["group_0"]["weights"])
     (model / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedCheckpointError, match=message):
-        convert(model, tp_sizes=(1,))
+        convert(model, tp=(1,))
     with pytest.raises((VllmRefusedError, ValueError)):
         reference_rank_tensors(model, 1, 0, torch.bfloat16)

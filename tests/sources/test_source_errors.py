@@ -248,7 +248,7 @@ def test_bad_vocab_size_is_refused(awq: Path, value: object, edit_config, no_lef
 @pytest.mark.parametrize("name", ["model 1.safetensors", "modèle.safetensors", "模型 (v2).safetensors"])
 def test_weight_file_names_vllm_loads_are_converted(awq: Path, name: str) -> None:
     (awq / "model.safetensors").rename(awq / name)
-    m = convert(awq)
+    m = convert(awq).manifest
     assert [f.name for f in m.source.files] == [name]
     assert read_manifest(awq / "marlin-pack").source.files[0].name == name
 
@@ -256,7 +256,7 @@ def test_weight_file_names_vllm_loads_are_converted(awq: Path, name: str) -> Non
 def test_hidden_weight_file_is_not_part_of_the_checkpoint(awq: Path) -> None:
     """vLLM's glob skips names starting with a dot; so does marlin-pack."""
     save_file({"x": torch.zeros(2)}, str(awq / ".partial.safetensors"))
-    assert [f.name for f in convert(awq).source.files] == ["model.safetensors"]
+    assert [f.name for f in convert(awq).manifest.source.files] == ["model.safetensors"]
 
 
 @pytest.mark.parametrize(

@@ -135,7 +135,7 @@ def test_fixtures_carry_the_quantizers_quirks() -> None:
 def test_convert_is_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path: Path) -> None:
     tps = ACCEPTED[name]
     model = _copy(name, tmp_path)
-    convert(model, tp_sizes=tps, dtype=str(dtype).removeprefix("torch."))
+    convert(model, tp=tps, dtype=str(dtype).removeprefix("torch."))
     n = assert_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     assert n >= 2 * 4 * layers * sum(tps), n  # qweight, scales (+ AWQ zeros, biases) of 4 fused layers per decoder layer
@@ -153,7 +153,7 @@ def test_other_tp_sizes_refused_by_both(name: str, tmp_path: Path) -> None:
         with pytest.raises((VllmRefusedError, _OracleBug)):
             reference_rank_tensors(model, tp, 0, torch.float16)
         with pytest.raises(UnsupportedCheckpointError):
-            convert(model, tp_sizes=(tp,), dtype="float16")
+            convert(model, tp=(tp,), dtype="float16")
         assert not (model / "marlin-pack").exists()
 
 
@@ -166,7 +166,7 @@ def test_what_vllm_serves_but_marlin_pack_refuses(name: str, tps: tuple[int, ...
     model = _copy(name, tmp_path)
     for tp in tps:
         assert reference_rank_tensors(model, tp, 0, torch.float16)  # vLLM serves these TP sizes
-    convert(model, tp_sizes=tps, dtype="float16")
+    convert(model, tp=tps, dtype="float16")
     assert assert_bundle_equals_vllm(model, model / "marlin-pack", tps, torch.float16) > 0
 
 
@@ -176,7 +176,7 @@ def test_checkpoints_vllm_refuses_are_refused(name: str, tmp_path: Path) -> None
     with pytest.raises(VllmRefusedError):
         reference_rank_tensors(model, 1, 0, torch.float16)
     with pytest.raises(UnsupportedCheckpointError, match=REFUSED[name]):
-        convert(model, tp_sizes=(1,))
+        convert(model, tp=(1,))
     assert not (model / "marlin-pack").exists()
 
 

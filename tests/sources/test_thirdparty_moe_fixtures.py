@@ -55,7 +55,7 @@ def test_moe_fixtures_carry_the_quantizers_namings() -> None:
 def test_moe_fixture_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path: Path) -> None:
     tps = MOE_ACCEPTED[name]
     model = _copy(name, tmp_path)
-    manifest = convert(model, tp_sizes=tps, dtype=str(dtype).removeprefix("torch."))
+    manifest = convert(model, tp=tps, dtype=str(dtype).removeprefix("torch.")).manifest
     compared = sum(assert_rank_file_equals(model / "marlin-pack", tp, r, reference_moe_rank_tensors(model, tp, r, dtype))
                    for tp in tps for r in range(tp))
     assert compared >= sum(tps) * (6 + 2 * 2)  # 6 expert tensors and 2 attention linears (qweight, scales) per rank
@@ -69,6 +69,6 @@ def test_moe_fixture_vllm_refuses_is_refused_naming_why(name: str, tmp_path: Pat
     with pytest.raises(VllmRefusedError, match="no module or parameter named"):
         reference_moe_rank_tensors(model, 1, 0, torch.float16)
     with pytest.raises(UnsupportedCheckpointError, match=MOE_REFUSED[name]) as e:
-        convert(model, tp_sizes=(1,))
+        convert(model, tp=(1,))
     assert "incomplete" not in str(e.value)
     assert not (model / "marlin-pack").exists()

@@ -47,7 +47,7 @@ def test_tiny_preset_converts_bit_exact(tmp_path: Path) -> None:
     model = write_deepseek_checkpoint(tmp_path / "m", DEEPSEEK_PRESETS["tiny-deepseek-v2"], "gptq", max_shard_bytes=1 << 20,
                                       dtype=torch.bfloat16, tokenizer=True)
     assert (model / "model.safetensors.index.json").exists() and (model / "tokenizer.json").exists()
-    convert(model, tp_sizes=(2,))
+    convert(model, tp=(2,))
     assert _compare(model, (2,), torch.bfloat16)[0] > 0
     assert verify(model / "marlin-pack").ok
 
@@ -58,7 +58,7 @@ def test_deepseek_v2_lite_preset_shapes(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"group_size 128 does not divide the 10944 in_features of model\.layers\.0\.mlp\.down_proj"):
         write_deepseek_checkpoint(tmp_path / "m", shape, "awq")
     model = write_deepseek_checkpoint(tmp_path / "m", shape, "awq", group_size=64)
-    manifest = convert(model, tp_sizes=(1,))
+    manifest = convert(model, tp=(1,)).manifest
     (entry,) = manifest.tensor_parallel[0].moe_layers
     assert (entry.name, entry.num_experts, entry.hidden_size, entry.intermediate_size) == (
         "model.layers.1.mlp.experts.routed_experts", 8, 2048, 1408)

@@ -21,7 +21,7 @@ def test_tiny_preset_sharded_converts_bit_exact(tmp_path: Path, fmt: str, bits: 
     model = write_moe_checkpoint(tmp_path / "m", MOE_PRESETS["tiny-qwen3moe"], fmt, bits=bits, max_shard_bytes=1 << 20,
                                  tokenizer=True)
     assert (model / "model.safetensors.index.json").exists() and (model / "tokenizer.json").exists()
-    convert(model, tp_sizes=(1, 2))
+    convert(model, tp=(1, 2))
     assert_moe_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), torch.float16)
     assert verify(model / "marlin-pack").ok
 
@@ -32,7 +32,7 @@ def test_qwen3_30b_a3b_preset_shapes(tmp_path: Path) -> None:
     model = write_moe_checkpoint(tmp_path / "m", shape, "gptq")
     cfg = json.loads((model / "config.json").read_text())
     assert (cfg["hidden_size"], cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (2048, 128, 8, 768)
-    manifest = convert(model)
+    manifest = convert(model).manifest
     (entry,) = manifest.tensor_parallel[0].moe_layers
     assert (entry.num_experts, entry.hidden_size, entry.intermediate_size, entry.padded_intermediate) == (128, 2048, 768, 768)
     full = MOE_PRESETS["qwen3-30b-a3b"]

@@ -45,7 +45,7 @@ def moe_bundle(tmp_path_factory: pytest.TempPathFactory) -> Any:
         key = (arch, fmt, dtype, tps)
         if key not in cache:
             model = write_moe_checkpoint(tmp_path_factory.mktemp("moe") / "m", arch, fmt, dtype=dtype)
-            convert(model, tp_sizes=tps)
+            convert(model, tp=tps)
             cache[key] = model
         return cache[key]
 

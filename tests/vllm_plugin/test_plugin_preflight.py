@@ -167,5 +167,5 @@ def test_the_first_check_after_convert_hashes_nothing(make_checkpoint: Any, dama
     from marlin_pack import convert
 
     model = damaged_copy(make_checkpoint("awq"))
-    convert(model, tp_sizes=(1, 2))
+    convert(model, tp=(1, 2))
     assert [r.hashed.files for r in preflight(model, tp_size=2).ranks] == [0, 0]
