@@ -33,7 +33,7 @@ def main() -> None:
     model = args.workdir / f"check-{args.preset}-awq"
     if not (model / "marlin-pack" / "manifest.json").is_file():
         write_awq_checkpoint(model, PRESETS[args.preset], tokenizer=False)
-        convert(model, force=True)
+        convert(model, force=True, kernel="marlin")
     size = sum(p.stat().st_size for p in model.rglob("*.safetensors"))
 
     def timed(verify: str) -> tuple[float, int]:

@@ -432,7 +432,7 @@ def _sitting(args: argparse.Namespace) -> None:
             gen_s = time.perf_counter() - t
             spy = _Spy(os.getpid(), f"convert-{fmt}", under=None) if SPY_DIR else None
             t = time.perf_counter()
-            manifest = convert(model, bundle, tp=(1,), dtype="float16", device="cuda", force=True).manifest
+            manifest = convert(model, bundle, tp=(1,), dtype="float16", device="cuda", force=True, kernel="marlin").manifest
             conv_s = time.perf_counter() - t
             if spy is not None:
                 spy.stop()

@@ -117,8 +117,8 @@ def daemon_state(model_dir: str) -> object:
     from vllm.model_executor.model_loader.weight_cache.protocol import TensorEntry, WeightCacheState
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from marlin_pack.conversion import plan_conversion
     from marlin_pack.marlin.rank_tensors import tensor_specs
+    from marlin_pack.planning import plan_conversion
     from marlin_pack.sources import Checkpoint, source_from_quant_config
     from marlin_pack.vllm_plugin.engine import quantized_layers
     from marlin_pack.vllm_plugin.patches.post_processing import mark_prepacked

@@ -5,8 +5,10 @@ __all__ = [
     "COMMON_FILE",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MACHETE_FORMAT_VERSION",
     "READABLE_FORMAT_VERSIONS",
     "KERNEL_NAME",
+    "MACHETE_KERNEL_NAME",
     "LAYOUT_VERSION",
     "LOAD_FORMAT",
     "MANIFEST_NAME",
@@ -20,12 +22,16 @@ FORMAT_NAME = "marlin-pack"
 # Bumped whenever the manifest or the files change in a way an older reader would misread.
 # 2: the manifest records the source's relevant quantization settings, not its whole quantization_config.
 # 4: mixture-of-experts layers (``moe_layers``); format 3 bundles (dense) are still read.
+# 5: layers in Machete's layout (``kernel: "machete"``); written only by bundles holding such a layer, so a
+# Marlin-only bundle stays format 4, byte for byte, and readable by older marlin-packs.
 FORMAT_VERSION = 4
-READABLE_FORMAT_VERSIONS = (3, 4)
+MACHETE_FORMAT_VERSION = 5
+READABLE_FORMAT_VERSIONS = (3, 4, 5)
 # Bumped whenever the tensor layout written for a (kernel, vLLM version) changes.
 LAYOUT_VERSION = 1
 TARGET_VLLM_VERSION = "0.33.0"
 KERNEL_NAME = "MarlinLinearKernel"
+MACHETE_KERNEL_NAME = "MacheteLinearKernel"  # vLLM 0.33.0's choice on SM90 where it implements a layer
 LOAD_FORMAT = "marlin_prepacked"
 
 MANIFEST_NAME = "manifest.json"

@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -71,6 +72,13 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class Kernel(str, Enum):
+    """The layout of the bundle's layers: vLLM's choice on SM90 per layer (machete), or Marlin for every layer."""
+
+    marlin = "marlin"
+    machete = "machete"
+
+
 class VerifyMode(str, Enum):
     auto = "auto"
     full = "full"
@@ -126,10 +134,18 @@ def convert(
     dtype: DtypeOpt = Dtype.auto,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle, even an up-to-date one.")] = False,
     device: Annotated[Device, typer.Option("--device", help="Where to do the tensor work.")] = Device.cpu,
+    kernel: Annotated[
+        Kernel | None,
+        typer.Option(
+            "--kernel",
+            help="machete: the layers as vLLM serves them on Hopper (SM90: Machete where it can, Marlin elsewhere); "
+            "marlin: Marlin for every layer (other GPUs) \\[default: what vLLM picks on this machine's GPU; Marlin without one].",
+        ),
+    ] = None,
     revision: RevisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write a Marlin bundle for MODEL (engine-free; CPU is enough).
+    """Write a bundle for MODEL (engine-free; CPU is enough): the tensors vLLM holds after post-processing.
 
     Idempotent: an up-to-date bundle for the same settings is reused (exit 0, nothing written), and a conversion of the same output already running is waited for, then its result reused.
 
@@ -138,16 +154,24 @@ def convert(
       marlin-pack convert ./Llama-3-8B-AWQ --tp 1,2
 
       marlin-pack convert Qwen/Qwen2.5-7B-Instruct-AWQ -tp 2 --dtype bfloat16
+
+      marlin-pack convert ./Llama-3-70B-AWQ --kernel machete    # for H100/H200 engines, converted on any machine
     """  # noqa: E501
     from marlin_pack.conversion import convert as run_convert
+    from marlin_pack.kernel_choice import default_kernel
 
     model = _local_or_repo(model, revision)
     _check_dtype_word(dtype.value)
+    why = None
+    if kernel is None:
+        chosen, why = default_kernel()
+        kernel = Kernel(chosen.value)
     try:
         with _progress(not as_json, "converting") as progress:
             result = run_convert(
                 model, output, tp=_parse_tp(tp), dtype=dtype.value, force=force, device=device.value, revision=revision,
-                progress=progress, on_wait=lambda line: err.print(f"marlin-pack: {line}", highlight=False, soft_wrap=True),
+                progress=progress, kernel=kernel.value,
+                on_wait=lambda line: err.print(f"marlin-pack: {line}", highlight=False, soft_wrap=True),
             )
     except KeyboardInterrupt as e:  # SIGINT, or SIGTERM/SIGHUP (Interrupted): the writer removed its files
         signum = getattr(e, "signum", 2)
@@ -157,6 +181,8 @@ def convert(
         body = {"bundle": str(result.bundle), "reused": result.reused, "manifest": result.manifest.model_dump(mode="json")}
         out.print_json(json.dumps(body))
         return
+    if why is not None:  # after the work: a refusal stays the first line of stderr
+        err.print(f"marlin-pack: --kernel {kernel.value}: {why}", highlight=False, soft_wrap=True)
     if result.reused:
         sizes = ",".join(map(str, result.manifest.tp_sizes))
         hashed = result.hashed.summary()
@@ -316,7 +342,7 @@ def _bundle_of(target: str, revision: str | None) -> tuple[Path, str | None]:
 
 def _check_dtype_word(word: str) -> None:
     """A --dtype word vLLM takes but these layers cannot run in (float, float32) is a usage error, before any work."""
-    from marlin_pack.schemas import serving_dtype_for
+    from marlin_pack.dtypes import serving_dtype_for
 
     try:
         serving_dtype_for(word, {})
@@ -326,10 +352,10 @@ def _check_dtype_word(word: str) -> None:
 
 def _engine_dtype(model: str, revision: str | None, word: str) -> str:
     """The dtype `vllm serve MODEL --dtype WORD` runs in (auto: what vLLM picks from the config)."""
+    from marlin_pack.dtypes import serving_dtype_for
     from marlin_pack.errors import CheckpointError
     from marlin_pack.io.checkpoint_files import read_json, weight_files
     from marlin_pack.io.safetensors_io import read_header
-    from marlin_pack.schemas import serving_dtype_for
     from marlin_pack.sources.hub import resolve_model
 
     _check_dtype_word(word)
@@ -473,19 +499,22 @@ def _render_manifest(manifest, bundle: Path) -> None:  # type: ignore[no-untyped
     q = manifest.quant
     info.add_row("weights", f"{q.weight_type.value} ({q.bits}-bit), group size {q.group_size}, zero points {q.zero_points}")
     info.add_row("serving dtype", manifest.serving_dtype.value)
-    info.add_row("target", f"vLLM {manifest.target.vllm_version}, {manifest.target.kernel} layout v{manifest.target.layout_version}")
+    layouts = "MacheteLinearKernel (SM90) per layer, else MarlinLinearKernel" if manifest.has_machete_layers else manifest.target.kernel
+    info.add_row("target", f"vLLM {manifest.target.vllm_version}, {layouts} layout v{manifest.target.layout_version}")
     moe = manifest.tensor_parallel[0].moe_layers
     if moe:
         per_tp = ", ".join(f"tp {s.tp_size}: {s.moe_layers[0].intermediate_size} (padded {s.moe_layers[0].padded_intermediate})"
                            for s in manifest.tensor_parallel)
         info.add_row("experts", f"{len(moe)} Marlin MoE layers x {moe[0].num_experts} experts; intermediate per rank {per_tp}")
     out.print(info)
-    table = Table("tp", "files", "size", "layers", "padded layers", title="tensor-parallel sets")
+    table = Table("tp", "files", "size", "layers", "kernels", "padded layers", title="tensor-parallel sets")
     for s in manifest.tensor_parallel:
         padded = sum(1 for e in s.layers if (e.padded_k, e.padded_n) != (e.size_k, e.size_n))
         size = sum(r.file.size for r in s.ranks)
-        table.add_row(str(s.tp_size), str(len(s.ranks)), f"{size / 1e6:,.1f} MB", str(len(s.layers)), str(padded))
-    table.add_row("common", "1", f"{manifest.common.size / 1e6:,.1f} MB", "-", "-")
+        kernels = Counter(e.kernel.value for e in s.layers)
+        mix = ", ".join(f"{kernels[k]} {k}" for k in ("machete", "marlin") if kernels[k])
+        table.add_row(str(s.tp_size), str(len(s.ranks)), f"{size / 1e6:,.1f} MB", str(len(s.layers)), mix, str(padded))
+    table.add_row("common", "1", f"{manifest.common.size / 1e6:,.1f} MB", "-", "-", "-")
     out.print(table)
 
 

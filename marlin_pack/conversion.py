@@ -1,6 +1,6 @@
 """``convert``: an AWQ/GPTQ checkpoint into a Marlin bundle, streamed layer by layer.
 
-A thin orchestration: :func:`plan_conversion` validates everything it can from headers
+A thin orchestration: :func:`~marlin_pack.planning.plan_conversion` validates everything it can from headers
 (``sources`` and ``marlin.sharding``), then each layer is read, sliced per rank, laid out
 (``marlin.rank_tensors``) and streamed into the rank files of a
 :class:`~marlin_pack.bundle.writer.BundleWriter`.
@@ -12,226 +12,62 @@ import contextlib
 import functools
 import math
 import os
-import re
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from marlin_pack._constants import TARGET_VLLM_VERSION
+from marlin_pack._constants import FORMAT_VERSION, MACHETE_FORMAT_VERSION, TARGET_VLLM_VERSION
 from marlin_pack._version import __version__
 from marlin_pack.bundle.existing import reusable_bundle
 from marlin_pack.bundle.integrity import HashReport, source_digest
 from marlin_pack.bundle.writer import BundleWriter, check_output, output_lock
-from marlin_pack.errors import CheckpointError, MarlinPackError, UnsupportedCheckpointError
+from marlin_pack.dtypes import serving_dtype_for
+from marlin_pack.errors import CheckpointError, MarlinPackError
 from marlin_pack.io.hashing import FileChangedError, HashedFile, hash_file, hash_workers, sha256_bytes
 from marlin_pack.io.safetensors_io import StreamWriter, read_header_bytes
+from marlin_pack.kernel_choice import parse_kernel
 from marlin_pack.marlin.moe import ExpertTensors
 from marlin_pack.marlin.rank_tensors import build_rank_tensors, tensor_specs
 from marlin_pack.marlin.sharding import (
-    LayerSpec,
-    ModelDims,
     ModuleTensors,
     checkpoint_modules,
     fuse_rank_slices,
-    layer_entry,
-    layer_specs,
-    model_dims,
     rank_slices,
     read_layer_parts,
-    vllm_part_names,
 )
-from marlin_pack.moe_conversion import MoePlan, build_moe_layer, check_moe_settings, plan_moe, read_moe_layer
+from marlin_pack.moe_conversion import build_moe_layer, read_moe_layer
+from marlin_pack.planning import ConversionPlan, layer_weight_shape, plan_conversion
 from marlin_pack.progress import as_progress_fn
 from marlin_pack.schemas import (
     OUTPUT_HEAD_NAMES,
-    LayerEntry,
+    LayerKernel,
     Manifest,
     Producer,
     ServingDtype,
     Source,
     SourceFile,
-    SourceFormat,
     Target,
-    serving_dtype_for,
     torch_dtype,
 )
 from marlin_pack.sources import Checkpoint, QuantSource, source_from_quant_config
 from marlin_pack.sources.hub import bundle_dir_for, resolve_model
 from marlin_pack.stages import Device, ReadAhead
 
-__all__ = ["convert", "Converted", "convertible_tp_sizes", "resolve_dtype", "plan_conversion", "ConversionPlan", "ProgressFn"]
+__all__ = ["convert", "Converted", "resolve_dtype", "ProgressFn"]
 
 ProgressFn = Callable[[int, int, str], None]
 
 
 def resolve_dtype(config: dict, dtype: str | None, weight_dtypes: Iterable[str] = ()) -> ServingDtype:
     """The serving dtype: what ``vllm serve --dtype DTYPE`` runs in (default ``auto``: from the config), so a
-    default bundle fits a default engine (:func:`~marlin_pack.schemas.serving_dtype_for`)."""
+    default bundle fits a default engine (:func:`~marlin_pack.dtypes.serving_dtype_for`)."""
     try:
         return serving_dtype_for(dtype, config, weight_dtypes)
     except ValueError as e:
         raise MarlinPackError(str(e)) from e
-
-
-@dataclass
-class ConversionPlan:
-    """Everything decided from headers and config before any tensor data is read."""
-
-    dims: ModelDims
-    source: QuantSource
-    dtype: torch.dtype
-    layers: list[LayerSpec] = field(default_factory=list)
-    bias: dict[str, bool] = field(default_factory=dict)
-    entries: dict[int, list[LayerEntry]] = field(default_factory=dict)
-    common: list[str] = field(default_factory=list)
-    moe: MoePlan | None = None  # the routed experts of a mixture-of-experts model
-
-
-def plan_conversion(ckpt: Checkpoint, source: QuantSource, tp_sizes: list[int], dtype: torch.dtype) -> ConversionPlan:
-    """Validate everything that can be validated without reading tensor data.
-
-    Raises:
-        CheckpointError, UnsupportedCheckpointError: naming the first tensor or setting at fault.
-    """
-    plan = ConversionPlan(dims=model_dims(ckpt.config, ckpt.tensors), source=source, dtype=dtype)
-    _check_layer_count(ckpt, plan.dims)
-    if plan.dims.arch.moe:
-        check_moe_settings(ckpt, source, plan.dims)
-    if not plan.dims.arch.loads_lm_head and "lm_head.weight" in ckpt.tensors:
-        name = plan.dims.architecture
-        raise UnsupportedCheckpointError(
-            f"the checkpoint stores lm_head.weight, but vLLM 0.33.0's {name} has no lm_head (logits come from the "
-            f"embeddings) and refuses to load it; if it is a copy of the embeddings (GPTQModel saves one), remove it"
-        )
-    owned: set[str] = set()
-    for i in range(plan.dims.num_layers):
-        for spec in layer_specs(plan.dims, i):
-            modules = checkpoint_modules(spec)
-            quantized = [f"{m.prefix}.{source.packed_weight}" in ckpt.tensors for m in modules]
-            source.check_layer(spec.name, any(quantized), ckpt=ckpt, parts=vllm_part_names(spec),
-                               modules=tuple(m.prefix for m in modules))
-            if not any(quantized):
-                # Left unquantized (modules_to_not_convert): loaded by vLLM from common, if it is there.
-                missing = next((m.prefix for m in modules if f"{m.prefix}.weight" not in ckpt.tensors), None)
-                if missing is not None:
-                    _missing_module(ckpt, plan.dims, missing)
-                continue
-            if not all(quantized):
-                missing = next(m.prefix for m, q in zip(modules, quantized, strict=True) if not q)
-                raise CheckpointError(
-                    f"tensor {missing}.{source.packed_weight} is missing although its fused siblings are quantized; "
-                    "the checkpoint is incomplete"
-                )
-            biases = [f"{m.prefix}.bias" in ckpt.tensors for m in modules]
-            if any(biases) and not all(biases):
-                raise UnsupportedCheckpointError(f"{spec.name}: only some fused parts have a bias; vLLM needs all or none")
-            for m in modules:
-                source.validate(ckpt, m.prefix, m.size_k, m.size_n)
-                owned.update(n for n in source.tensor_names(m.prefix) if n in ckpt.tensors)
-                if biases[0]:
-                    owned.add(f"{m.prefix}.bias")
-                    bias_info = ckpt.info(f"{m.prefix}.bias")
-                    if bias_info.shape != (m.size_n,):
-                        raise CheckpointError(f"tensor {m.prefix}.bias has shape {list(bias_info.shape)}, expected [{m.size_n}]")
-            plan.layers.append(spec)
-            plan.bias[spec.name] = biases[0]
-    if plan.dims.arch.moe:
-        plan.moe, experts = plan_moe(ckpt, source, plan.dims, tp_sizes)
-        owned |= experts
-    if not plan.layers:
-        raise UnsupportedCheckpointError(f"no quantized decoder linear layers (…{source.packed_weight}) found; nothing to convert")
-    # Layers vLLM's model skips (DeepSeek-V3's multi-token prediction): neither converted nor kept.
-    skipped = {n for n in ckpt.tensors if n.startswith(plan.dims.skipped_prefixes)} if plan.dims.skipped_prefixes else set()
-    owned |= skipped
-    stray = sorted(n for n in ckpt.tensors if n.endswith(f".{source.packed_weight}") and n not in owned)
-    if stray:
-        kind = "MoE expert" if ".experts." in stray[0] else "unsupported"
-        what = "dense decoder linears and the routed experts of its MoE architectures" if plan.dims.arch.moe else "dense decoder linears"
-        raise UnsupportedCheckpointError(f"{stray[0]} is an {kind} quantized module; marlin-pack converts {what} only")
-    awq = source.format is SourceFormat.awq_gemm  # AWQ keeps no scales for channel-wise row shards at TP > 1
-    for tp in tp_sizes:
-        plan.entries[tp] = [
-            layer_entry(s, plan.dims, tp, source.scheme.group_size, awq, plan.bias[s.name], source.scheme.bits)
-            for s in plan.layers
-        ]
-    plan.common = sorted(n for n in ckpt.tensors if n not in owned)
-    return plan
-
-
-def _natural_key(name: str) -> list[int | str]:
-    """vLLM's ``_natural_sort_key`` of weight files (the order its default loader streams them)."""
-    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name)]
-
-
-def layer_weight_shape(ckpt: Checkpoint, spec: LayerSpec, parts: dict) -> torch.Tensor | None:
-    """compressed-tensors: the ``weight_shape`` vLLM's fused layer holds after loading.
-
-    vLLM loads each part's ``[N, K]`` whole into the one ``int64[2]`` parameter, so the part it
-    streams last wins: files in natural order, tensors by name within a file (``safe_open.keys()``).
-    """
-    first = parts[spec.parts[0].name]
-    if first.weight_shape is None:
-        return None
-    files = sorted(ckpt.files, key=_natural_key)
-
-    def key(p: object) -> tuple[int, str]:
-        name = f"{p.prefix}.weight_shape"  # type: ignore[attr-defined]
-        return files.index(ckpt.info(name).file), name
-
-    last = max(spec.parts, key=key)
-    return parts[last.name].weight_shape  # type: ignore[no-any-return]
-
-
-def _missing_module(ckpt: Checkpoint, dims: ModelDims, module: str) -> None:
-    """Refuse a module the architecture needs; name what the checkpoint has there instead."""
-    parent = module.rsplit(".", 1)[0]
-    instead = sorted({n[len(parent) + 1 :].split(".")[0] for n in ckpt.tensors if n.startswith(f"{parent}.")})
-    known = {p.module.rsplit(".", 1)[-1] for lin in dims.arch.all_linears() for p in lin.parts}
-    if any(name not in known for name in instead):  # other modules stand where this one should
-        raise UnsupportedCheckpointError(
-            f"module {module} is not in the checkpoint, which has {', '.join(instead)} under {parent}: "
-            f"not the layout vLLM 0.33.0's {dims.arch.vllm_class.split('.')[-1]} loads for {dims.architecture}, "
-            "so vLLM cannot serve it either"
-        )
-    raise CheckpointError(
-        f"module {module} has no weights in the checkpoint (neither qweight nor weight); "
-        f"the checkpoint is incomplete or not a {dims.architecture} checkpoint"
-    )
-
-
-def _check_layer_count(ckpt: Checkpoint, dims: ModelDims) -> None:
-    """config.json's layer count against the layers the weights hold (before any per-layer work)."""
-    layer_index = re.compile(rf"^{re.escape(dims.checkpoint_layers)}\.(\d+)\.")
-    present = {int(m.group(1)) for name in ckpt.tensors if (m := layer_index.match(name))}
-    held = max(present) + 1 if present else 0
-    if not present:
-        _elsewhere(ckpt, dims)
-    if dims.num_layers > held:
-        raise CheckpointError(
-            f"config.json num_hidden_layers is {dims.num_layers}, the checkpoint holds decoder layers "
-            f"0..{held - 1}; the config does not match the weights (layer {held} is missing)"
-        )
-
-
-def _elsewhere(ckpt: Checkpoint, dims: ModelDims) -> None:
-    """Refuse decoder layers stored under a prefix the architecture's vLLM class does not load (Gemma 3
-    multimodal's ``model.layers``: its hf_to_vllm_mapper has no rule for it), naming both prefixes."""
-    held: dict[str, set[str]] = {}  # prefix of layer 0 -> the modules under it
-    for n in ckpt.tensors:
-        if m := re.match(r"^(.+\.layers)\.0\.(.+)\.[^.]+$", n):
-            held.setdefault(m.group(1), set()).add(m.group(2))
-    modules = {p.module for lin in dims.linears(0) for p in lin.parts}  # all of them: not a vision tower's layers
-    found = sorted(prefix for prefix, under in held.items() if modules <= under)
-    if found:
-        accepted = " or ".join(dims.arch.checkpoint_layers)
-        raise UnsupportedCheckpointError(
-            f"the checkpoint's decoder layers are under {', '.join(found)}, but vLLM 0.33.0's "
-            f"{dims.arch.vllm_class.split('.')[-1]} loads {dims.architecture}'s only from {accepted} "
-            f"(its hf_to_vllm_mapper maps no other prefix to {dims.arch.layers}), so vLLM cannot serve it either"
-        )
 
 
 _HEADS = OUTPUT_HEAD_NAMES  # the output projection's checkpoint names (InternLM2: output), all the manifest lets an alias be
@@ -448,6 +284,7 @@ def _convert_layers(
             device.receive(done, _layer_tensors(parts))  # type: ignore[arg-type]
             slots = parts[spec.parts[0].name].column_slots
             shape = layer_weight_shape(ckpt, spec, parts)
+            gptq_zero = getattr(source, "stored_zero", None)
             for tp in tps:
                 entry = plan.entries[tp][li]
                 for rank in range(tp):
@@ -456,34 +293,11 @@ def _convert_layers(
                     w = ranks[(tp, rank)]
                     # On the CPU the weight is built straight into the writer's recycled buffer.
                     empty = None if device.cuda else w.empty
-                    write(w, build_rank_tensors(entry, scheme, tdtype, *fused, slots, source.format, shape, empty))
+                    write(w, build_rank_tensors(entry, scheme, tdtype, *fused, slots, source.format, shape, empty, gptq_zero))
             del parts, data, fused
             if report:
                 bytes_done += read_bytes[li]
                 report(li + 1, total, spec.name, bytes_done=bytes_done, bytes_total=bytes_total)
-
-
-def convertible_tp_sizes(model: str | Path, candidates: Iterable[int] = (1, 2, 4, 8), revision: str | None = None) -> list[int]:
-    """The sizes among ``candidates`` that ``convert --tp`` accepts for this checkpoint (headers only, nothing
-    converted): what a suggestion to re-convert may name. Empty where the checkpoint cannot be read."""
-    try:
-        ckpt = Checkpoint(resolve_model(model, revision, download=False).dir)
-    except MarlinPackError:
-        return []
-    try:
-        source = source_from_quant_config(ckpt.quantization_config())
-        found = []
-        for tp in candidates:
-            try:
-                plan_conversion(ckpt, source, [tp], torch.float16)
-            except MarlinPackError:
-                continue
-            found.append(tp)
-        return found
-    except MarlinPackError:
-        return []
-    finally:
-        ckpt.close()
 
 
 @dataclass(frozen=True)
@@ -507,6 +321,7 @@ def convert(
     revision: str | None = None,
     progress: ProgressFn | None = None,
     on_wait: Callable[[str], None] | None = None,
+    kernel: str | LayerKernel | None = None,
 ) -> Converted:
     """Convert an AWQ (GEMM), GPTQ (v1) or compressed-tensors (pack-quantized) checkpoint into a Marlin bundle.
 
@@ -534,6 +349,9 @@ def convert(
             ``bytes_done=``/``bytes_total=`` (the checkpoint bytes of the layers read so far / of
             all of them) where it takes those keywords (see :mod:`marlin_pack.progress`).
         on_wait: called with a line while another conversion of the same output is waited for.
+        kernel: ``marlin`` (every layer in Marlin's layout) or ``machete`` (vLLM's choice on an SM90 GPU, per layer:
+            Machete where it implements the layer, else Marlin); default
+            :func:`~marlin_pack.kernel_choice.default_kernel`.
 
     Returns:
         :class:`Converted`: the bundle's path and manifest, and whether it was reused.
@@ -548,6 +366,7 @@ def convert(
     """
     resolved = resolve_model(model, revision)
     model_dir = resolved.dir
+    parse_kernel(kernel)  # a bad value before any work
     out = Path(output) if output is not None else bundle_dir_for(resolved)
     tps = sorted(set(int(t) for t in tp))
     if not tps or tps[0] < 1:
@@ -560,13 +379,14 @@ def convert(
     try:
         source = source_from_quant_config(ckpt.quantization_config())
         serving_dtype = resolve_dtype(ckpt.config, dtype, {t.dtype for t in ckpt.tensors.values()})
-        plan = plan_conversion(ckpt, source, tps, torch_dtype(serving_dtype))
+        layers_kernel = parse_kernel(kernel)
+        plan = plan_conversion(ckpt, source, tps, torch_dtype(serving_dtype), layers_kernel)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror or e}); choose a writable location with -o") from e
         with output_lock(out, on_wait):
-            if not force and (found := reusable_bundle(out, model_dir, tps, serving_dtype)) is not None:
+            if not force and (found := reusable_bundle(out, model_dir, tps, serving_dtype, plan.entries)) is not None:
                 return Converted(out, found[0], reused=True, hashed=found[1])
             check_output(model_dir, out, force)
             manifest = _write_bundle(ckpt, source, plan, serving_dtype, tps, dev, out, force, progress)
@@ -580,16 +400,21 @@ def _write_bundle(
     dev: torch.device, out: Path, force: bool, progress: ProgressFn | None,
 ) -> Manifest:
     """The conversion proper, the output's lock held: every layer streamed into a new bundle published at ``out``."""
+    machete = any(e.kernel is LayerKernel.machete for entries in plan.entries.values() for e in entries)
+    version = MACHETE_FORMAT_VERSION if machete else FORMAT_VERSION  # a Marlin-only bundle keeps format 4
     # Source files hash on their own threads while the main thread converts (hashlib releases the GIL).
     pool = ThreadPoolExecutor(max_workers=hash_workers(len(ckpt.files)))
     try:
-        with _torch_threads(1 if dev.type == "cpu" else None), BundleWriter.create(out, force=force, locked=True) as bundle:
+        with _torch_threads(1 if dev.type == "cpu" else None), BundleWriter.create(
+            out, force=force, locked=True, format_version=version
+        ) as bundle:
             hashes = [(f, pool.submit(hash_file, ckpt.dir / f, 1)) for f in ckpt.files]
             aliases = tied_copies(ckpt, plan) if plan.dims.tie_word_embeddings else {}
             stored = [n for n in plan.common if n not in aliases]
             bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
             _convert_layers(ckpt, plan, tps, dev, bundle, progress)
             manifest = Manifest(
+                format_version=version,
                 producer=Producer(version=__version__),
                 target=Target(vllm_version=TARGET_VLLM_VERSION),
                 quant=source.scheme,

@@ -1,7 +1,7 @@
 """The routed experts of a mixture-of-experts checkpoint in a conversion: plan, read, build.
 
 :func:`plan_moe` validates every experts layer from headers and config (beside the dense plan
-of :func:`~marlin_pack.conversion.plan_conversion`, which covers attention and shared experts);
+of :func:`~marlin_pack.planning.plan_conversion`, which covers attention and shared experts);
 :func:`read_moe_layer` reads one decoder layer's experts and :func:`build_moe_layer` lays them
 out for one rank (``marlin.moe``), so a conversion holds one layer's experts at a time.
 """

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from collections.abc import Iterable
 from enum import Enum, unique
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -33,11 +32,8 @@ __all__ = [
     "WeightType",
     "ServingDtype",
     "torch_dtype",
-    "default_serving_dtype",
-    "VLLM_DTYPES",
-    "serving_dtype_for",
-    "FLOAT16_UNSUPPORTED_MODEL_TYPES",
     "LayerKind",
+    "LayerKernel",
     "FileEntry",
     "SourceFile",
     "AwqSettings",
@@ -111,71 +107,6 @@ class ServingDtype(str, Enum):
 
     float16 = "float16"
     bfloat16 = "bfloat16"
-
-
-# vLLM 0.33.0 refuses float16 for these model types (config/model.py _FLOAT16_NOT_SUPPORTED_MODELS).
-FLOAT16_UNSUPPORTED_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
-_FLOAT_CODES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
-
-
-def _config_dtype(config: dict) -> str | None:
-    """The dtype a HuggingFace config declares: its own, else its text or vision sub-config's (as vLLM reads it)."""
-    for cfg in (config, config.get("text_config"), config.get("vision_config")):
-        if isinstance(cfg, dict):
-            found = cfg.get("dtype") or cfg.get("torch_dtype")
-            if isinstance(found, str):
-                return found.removeprefix("torch.")
-    return None
-
-
-def default_serving_dtype(config: dict, weight_dtypes: Iterable[str] = ()) -> ServingDtype:
-    """The dtype ``vllm serve --dtype auto`` (vLLM 0.33.0) runs a checkpoint in on a bfloat16-capable GPU.
-
-    The config's dtype (``dtype`` or ``torch_dtype``; else the text or vision sub-config's) is kept
-    if it is float16 or bfloat16 and the model type allows it; float32 (and anything else) becomes
-    bfloat16, vLLM's preferred dtype there; float16 becomes bfloat16 for the model types vLLM refuses
-    float16 for (Gemma 2/3, GLM-4). Without a config dtype, vLLM reads the weights' dtypes: here the
-    16-bit float dtype of the non-quantized weights, if they agree on one, else bfloat16.
-
-    Args:
-        weight_dtypes: safetensors dtype codes of the checkpoint's tensors (used only without a config dtype).
-    """
-    found = _config_dtype(config)
-    if found is None:
-        floats = {_FLOAT_CODES[c] for c in weight_dtypes if c in _FLOAT_CODES}
-        found = floats.pop() if len(floats) == 1 else "float32"
-    if found == "float16" and config.get("model_type") in FLOAT16_UNSUPPORTED_MODEL_TYPES:
-        return ServingDtype.bfloat16
-    return ServingDtype(found) if found in {d.value for d in ServingDtype} else ServingDtype.bfloat16
-
-
-# vLLM 0.33.0's --dtype words (ModelConfig.dtype) and the dtype each names; None: auto (from the config).
-VLLM_DTYPES: dict[str, str | None] = {
-    "auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32",
-}
-
-
-def serving_dtype_for(word: str | None, config: dict, weight_dtypes: Iterable[str] = ()) -> ServingDtype:
-    """The serving dtype of ``vllm serve --dtype WORD`` for this checkpoint: the one dtype normaliser of every command.
-
-    ``word`` is read as vLLM reads ``--dtype`` (``auto`` or None: :func:`default_serving_dtype`; ``half`` is
-    float16). Raises ValueError (one line, naming what to pass) for a word vLLM does not take, and for float32:
-    vLLM 0.33.0 serves AWQ, GPTQ and compressed-tensors WNA16 with 16-bit activations only.
-    """
-    key = "auto" if word is None else str(word).strip().lower()
-    if key not in VLLM_DTYPES:
-        close = {"fp16": "float16", "f16": "float16", "bf16": "bfloat16", "fp32": "float32", "f32": "float32"}.get(key)
-        hint = f"; did you mean {close}?" if close else ""
-        raise ValueError(f"--dtype {word!r} is not one of vLLM's: {', '.join(VLLM_DTYPES)}{hint}")
-    found = VLLM_DTYPES[key]
-    if found is None:
-        return default_serving_dtype(config, weight_dtypes)
-    if found == "float32":
-        raise ValueError(
-            f"--dtype {word}: vLLM 0.33.0 serves these quantized layers with float16 or bfloat16 activations only; "
-            "pass --dtype auto, float16 or bfloat16"
-        )
-    return ServingDtype(found)
 
 
 def torch_dtype(dtype: ServingDtype | str) -> torch.dtype:
@@ -406,6 +337,14 @@ class QuantScheme(_Strict):
         return self
 
 
+@unique
+class LayerKernel(str, Enum):
+    """The kernel (and so the post-processed layout) of one quantized layer: vLLM 0.33.0's per-layer choice."""
+
+    marlin = "marlin"  # MarlinLinearKernel: padded, permuted (marlin_pack.marlin)
+    machete = "machete"  # MacheteLinearKernel (SM90 only): prepacked, unpadded (marlin_pack.machete)
+
+
 class LayerPart(_Strict):
     """One checkpoint module fused into a vLLM layer, e.g. ``k_proj`` in ``qkv_proj``."""
 
@@ -425,9 +364,19 @@ class LayerEntry(_Strict):
     parts: list[LayerPart] = Field(min_length=1)
     kv_replicas: int = Field(default=1, ge=1, le=1024)
     has_bias: bool
+    kernel: LayerKernel = Field(
+        default=LayerKernel.marlin, description="the layout this layer's tensors hold (absent: marlin, as before format 5)"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> LayerEntry:
+        if self.kernel is LayerKernel.machete and (
+            (self.padded_k, self.padded_n) != (self.size_k, self.size_n) or self.size_k % 64 or self.size_n % 128
+        ):
+            raise ValueError(
+                f"layer {self.name}: a Machete layer is unpadded with K % 64 == 0 and N % 128 == 0, "
+                f"found ({self.size_k}, {self.size_n}) padded to ({self.padded_k}, {self.padded_n})"
+            )
         if sum(p.size for p in self.parts) != self.size_n:
             raise ValueError(f"layer {self.name}: parts sum to {sum(p.size for p in self.parts)}, size_n={self.size_n}")
         if self.padded_k < self.size_k or self.padded_n < self.size_n:
@@ -492,7 +441,8 @@ class Manifest(_Strict):
 
     format: Literal["marlin-pack"] = FORMAT_NAME  # type: ignore[assignment]
     # 3: dense only (still read: it is a format 4 manifest without moe_layers); 4 adds moe_layers.
-    format_version: Literal[3, 4] = FORMAT_VERSION  # type: ignore[assignment]
+    # 5 adds layers in Machete's layout (LayerEntry.kernel); written only where a layer has it.
+    format_version: Literal[3, 4, 5] = FORMAT_VERSION  # type: ignore[assignment]
     producer: Producer
     target: Target
     quant: QuantScheme
@@ -538,6 +488,8 @@ class Manifest(_Strict):
         self._aliases_outside_quantized_layers()
         if self.format_version < 4 and any(s.moe_layers for s in self.tensor_parallel):
             raise ValueError("moe_layers need format_version 4")
+        if self.format_version < 5 and self.has_machete_layers:
+            raise ValueError("layers with kernel machete need format_version 5")
         paths = [self.common.path] + [r.file.path for s in self.tensor_parallel for r in s.ranks]
         if len(paths) != len(set(paths)):
             raise ValueError("a file is listed twice")
@@ -564,6 +516,10 @@ class Manifest(_Strict):
     def tp_sizes(self) -> list[int]:
         return [s.tp_size for s in self.tensor_parallel]
 
+    @property
+    def has_machete_layers(self) -> bool:
+        return any(e.kernel is LayerKernel.machete for s in self.tensor_parallel for e in s.layers)
+
     def tensor_parallel_set(self, tp_size: int) -> TensorParallelSet:
         """The set for ``tp_size``; raises ``KeyError`` if the bundle has none."""
         for s in self.tensor_parallel:
@@ -576,8 +532,14 @@ class Manifest(_Strict):
         return [self.common] + [r.file for s in self.tensor_parallel for r in s.ranks]
 
     def to_json(self) -> str:
-        """Deterministic JSON: sorted keys, two-space indent, trailing newline."""
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+        """Deterministic JSON: sorted keys, two-space indent, trailing newline; a layer's ``kernel`` only where it is
+        not Marlin (so that Marlin bundles keep the bytes, and the format, they had before Machete layers existed)."""
+        data = self.model_dump(mode="json")
+        for s in data["tensor_parallel"]:
+            for e in s["layers"]:
+                if e.get("kernel") == LayerKernel.marlin.value:
+                    del e["kernel"]
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
 def manifest_json_schema() -> dict[str, object]:

@@ -23,15 +23,17 @@ from marlin_pack._constants import BUNDLE_DIRNAME, COMMON_FILE
 from marlin_pack.bundle.integrity import check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header, rank_tensor_specs
 from marlin_pack.bundle.reader import read_manifest, resolve_file
-from marlin_pack.conversion import ConversionPlan, layer_weight_shape, plan_conversion
 from marlin_pack.errors import BundleError, CheckpointError, MarlinPackError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
+from marlin_pack.machete.layout import machete_zero_points, prepack_codes, prepack_offsets_slow, stream_code
+from marlin_pack.machete.tensors import decode_machete_tensors
 from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.marlin.rank_tensors import decode_rank_tensors, param_names, tensor_specs
 from marlin_pack.marlin.repack import awq_to_natural, pack_marlin_weights, pad2d, unpack_awq_cols, unpack_marlin_weights
 from marlin_pack.marlin.sharding import fuse_rank_slices, rank_slices, read_layer_parts
 from marlin_pack.moe_verification import check_moe_layers
-from marlin_pack.schemas import Manifest, torch_dtype
+from marlin_pack.planning import ConversionPlan, layer_weight_shape, plan_conversion
+from marlin_pack.schemas import LayerEntry, LayerKernel, Manifest, torch_dtype
 from marlin_pack.sources import Checkpoint, source_from_quant_config
 from marlin_pack.sources.hub import cache_root, resolve_model
 
@@ -178,7 +180,8 @@ def verify(
             nonlocal ckpt, plan
             ckpt = Checkpoint(source)
             qc = ckpt.quantization_config()
-            plan = plan_conversion(ckpt, source_from_quant_config(qc), m.tp_sizes, torch_dtype(m.serving_dtype))
+            kernel = LayerKernel.machete if m.has_machete_layers else LayerKernel.marlin
+            plan = plan_conversion(ckpt, source_from_quant_config(qc), m.tp_sizes, torch_dtype(m.serving_dtype), kernel)
             return f"{plan.source.describe()}, {len(plan.layers)} quantized layers"
 
         stage("plan", _plan)
@@ -263,12 +266,16 @@ def _round_trip(
             for rank in range(tp_set.tp_size):
                 f = handles[(tp_set.tp_size, rank)]
                 tensors = {n: f.get_tensor(n) for n, _, _ in tensor_specs(entry, m.quant, dtype, m.source.format)}
-                got = decode_rank_tensors(entry, m.quant, tensors, m.source.format)
                 packed, scales, zeros, bias = fuse_rank_slices(rank_slices(spec, plan.dims, tp_set.tp_size, rank), parts, g)
                 if parts[spec.parts[0].name].column_slots is not None:  # AWQ zero points' slot order -> natural
                     zeros = awq_to_natural(zeros)
                 where = f"{entry.name} (tp {tp_set.tp_size} rank {rank})"
                 weights = tensors[f"{entry.name}.{param_names(m.source.format).weight}"]
+                if entry.kernel is LayerKernel.machete:
+                    _check_machete_shard(entry, m, tensors, packed, scales.to(dtype), zeros, bias, where)
+                    checked += 1
+                    continue
+                got = decode_rank_tensors(entry, m.quant, tensors, m.source.format)
                 _compare_weights(weights, packed, entry.padded_k, entry.padded_n, where)
                 _compare_padded(got["scales"], scales.to(dtype), f"{where}: scales")
                 if zeros is not None:
@@ -286,7 +293,36 @@ def _round_trip(
     experts = ""
     if plan.moe is not None:
         experts = f"; {check_moe_layers(m, ckpt, plan.moe, plan.source, handles)} experts layer shards equal their rebuild"
-    return f"{checked} layer shards equal the checkpoint's codes, scales and zero points in Marlin's layout, bit for bit{experts}"
+    layouts = "Machete's or Marlin's layout" if m.has_machete_layers else "Marlin's layout"
+    return f"{checked} layer shards equal the checkpoint's codes, scales and zero points in {layouts}, bit for bit{experts}"
+
+
+def _check_machete_shard(
+    entry: LayerEntry, m: Manifest, tensors: dict[str, torch.Tensor], packed: PackedCodes, scales: torch.Tensor,
+    zeros: torch.Tensor | None, bias: torch.Tensor | None, where: str,
+) -> None:
+    """A Machete shard against the checkpoint: its code stream equal to the codes laid out by the fast path, and
+    at sampled positions by the index-based definition (:func:`~marlin_pack.machete.layout.prepack_offsets_slow`);
+    scales, pre-scaled zero points (``-s*z`` rebuilt from the checkpoint's codes) and bias bit for bit."""
+    names = tuple(param_names(m.source.format))
+    got = decode_machete_tensors(entry, m.quant, tensors, names)  # type: ignore[arg-type]
+    codes = packed.unpack().to(torch.uint8)
+    weights = tensors[f"{entry.name}.{names[0]}"]
+    if not _bitwise_equal(weights, prepack_codes(codes, m.quant.bits)):
+        _compare_padded(got["codes"], codes, f"{where}: integer codes")
+        raise MarlinPackError(f"{where}: integer codes differ from the checkpoint")
+    k, n = entry.size_k, entry.size_n
+    gen = torch.Generator().manual_seed(k * 131 + n)
+    for kk, nn in zip(torch.randint(k, (256,), generator=gen).tolist(), torch.randint(n, (256,), generator=gen).tolist(), strict=True):
+        offset = prepack_offsets_slow(kk, nn, k, n, m.quant.bits)
+        if stream_code(weights, offset, m.quant.bits) != int(codes[kk, nn]):
+            raise MarlinPackError(f"{where}: code ({kk}, {nn}) is not where Machete's layout definition puts it")
+    _compare_padded(got["scales"], scales, f"{where}: scales")
+    if zeros is not None:
+        want = machete_zero_points(zeros, scales)  # zeros: natural column order already
+        _compare_padded(got["zp_scaled"], want, f"{where}: zero points (-scale * zero)")
+    if bias is not None:
+        _compare_padded(got["bias"].view(1, -1), bias.to(scales.dtype).view(1, -1), f"{where}: bias")
 
 
 def _compare_weights(weights: torch.Tensor, packed: PackedCodes, padded_k: int, padded_n: int, where: str) -> None:

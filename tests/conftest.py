@@ -93,7 +93,7 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFacto
 
 @pytest.fixture(scope="session")
 def make_bundle(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
-    """``make_bundle(fmt, preset="tiny", tp_sizes=(1,), **make_checkpoint options)``: MODEL_DIR with its bundle.
+    """``make_bundle(fmt, preset="tiny", tp_sizes=(1,), kernel="marlin", **make_checkpoint options)``: MODEL_DIR with its bundle.
 
     Cached per session: treat the result as read-only (use ``damaged_copy`` to break it).
     """
@@ -109,13 +109,14 @@ def make_bundle(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
         dtype: torch.dtype = torch.float16,
         sharded: bool = False,
         seed: int = 0,
+        kernel: str = "marlin",
     ) -> Path:
-        key = (fmt, preset, tuple(tp_sizes), bits, group_size, dtype, sharded, seed)
+        key = (fmt, preset, tuple(tp_sizes), bits, group_size, dtype, sharded, seed, kernel)
         if key not in cache:
             model = _write_checkpoint(
                 tmp_path_factory.mktemp(f"bundle-{fmt}{bits}-{preset}"), fmt, preset, bits, group_size, dtype, sharded, seed
             )
-            convert(model, tp=tp_sizes)
+            convert(model, tp=tp_sizes, kernel=kernel)  # explicit: the same bundles on a machine with an H200
             cache[key] = model
         return cache[key]
 

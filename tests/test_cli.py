@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +51,7 @@ def test_bad_input_is_one_line_exit_1(tmp_path: Path) -> None:
     assert r.stderr.startswith("error: ") and "no *.safetensors files" in r.stderr
 
 
+@pytest.mark.slow
 def test_verify_failure_exit_1(make_checkpoint, tmp_path: Path) -> None:
     d = _ckpt(make_checkpoint, tmp_path)
     assert _run("convert", str(d)).returncode == 0
@@ -79,6 +80,7 @@ def test_convert_path_never_imports_vllm(make_checkpoint, tmp_path: Path) -> Non
     assert "VLLM False" in r.stdout, r.stderr
 
 
+@pytest.mark.slow
 def test_verify_exit_code_contract(make_checkpoint, tmp_path: Path) -> None:
     # Exit 0 only when every check ran: a bundle away from its checkpoint needs --source or --integrity-only.
     d = _ckpt(make_checkpoint, tmp_path)
@@ -95,6 +97,7 @@ def test_verify_exit_code_contract(make_checkpoint, tmp_path: Path) -> None:
     assert {c["name"]: c["status"] for c in data["checks"]}["round-trip"] == "skipped"
 
 
+@pytest.mark.slow
 def test_strict_manifest_refuses_coerced_values(make_checkpoint, tmp_path: Path) -> None:
     d = _ckpt(make_checkpoint, tmp_path)
     assert _run("convert", str(d)).returncode == 0
@@ -151,6 +154,7 @@ def _run_wide(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["x[/y]", "Llama [old]", "[bold]b:thumbs_up:"])
 def test_paths_are_printed_as_they_are_never_as_markup(make_checkpoint, tmp_path: Path, where: str) -> None:
     d = tmp_path / where / "m"
@@ -194,6 +198,7 @@ def test_bad_compressed_tensors_regex_is_one_line_exit_1(make_checkpoint, tmp_pa
     assert not (d / "marlin-pack").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["model 00001.safetensors", "modèle.safetensors", "模型.safetensors"])
 def test_weight_file_names_vllm_loads_convert(make_checkpoint, tmp_path: Path, name: str) -> None:
     d = _ckpt(make_checkpoint, tmp_path)
@@ -215,6 +220,7 @@ def test_weight_file_name_with_a_newline_is_refused_in_one_line(make_checkpoint,
     assert not (d / "marlin-pack").exists()
 
 
+@pytest.mark.slow
 def test_check_refuses_an_alias_naming_a_quantized_tensor(make_checkpoint, tmp_path: Path) -> None:
     d = _ckpt(make_checkpoint, tmp_path)
     assert _run("convert", str(d)).returncode == 0
@@ -231,17 +237,18 @@ def test_env_lists_every_patch_by_purpose_without_importing_vllm() -> None:
     from marlin_pack.patch_list import patch_rows
 
     done = subprocess.run(
-        [sys.executable, "-c", "import sys; from marlin_pack.cli import app; sys.argv = ['marlin-pack', 'env'];\n"
-         "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-         "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'"],
+        [sys.executable, "-c", ("import sys; from marlin_pack.cli import app; sys.argv = ['marlin-pack', 'env'];\n"
+                                "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+                                "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'")],
         capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"}, timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert re.search(r"vllm targeted +0\.33\.0", done.stdout) and re.search(r"plugin entry point +marlin_pack\.vllm_plugin:register", done.stdout)
+    assert re.search(r"vllm targeted +0\.33\.0", done.stdout)
+    assert re.search(r"plugin entry point +marlin_pack\.vllm_plugin:register", done.stdout)
     assert re.search(r"torch +\d", done.stdout) and "torch cuda" in done.stdout and "gpu " in done.stdout, done.stdout
     rows = patch_rows()
     assert {purpose for purpose, _, _ in rows} == {"correctness", "weight_cache", "speed"}
-    for purpose, target, _ in rows:
+    for _, target, _ in rows:
         assert target.split(":")[-1] in done.stdout, target
 
 
@@ -284,6 +291,7 @@ def test_check_takes_vllms_words(make_bundle) -> None:
     ("float32", "float16 or bfloat16 activations only"),
     ("float", "float16 or bfloat16 activations only"),
 ])
+@pytest.mark.slow
 def test_dtype_words_vllm_does_not_serve_here_are_refused_in_one_line(make_bundle, word: str, expected: str) -> None:
     d = make_bundle("gptq", "tiny")
     for command in ("check", "convert"):
@@ -292,7 +300,7 @@ def test_dtype_words_vllm_does_not_serve_here_are_refused_in_one_line(make_bundl
 
 
 def test_serving_dtype_for_reads_dtype_as_vllm_does() -> None:
-    from marlin_pack.schemas import serving_dtype_for
+    from marlin_pack.dtypes import serving_dtype_for
 
     assert serving_dtype_for("half", {}).value == serving_dtype_for("float16", {}).value == "float16"
     assert serving_dtype_for("auto", {"dtype": "bfloat16"}).value == serving_dtype_for(None, {"torch_dtype": "bfloat16"}).value
@@ -339,4 +347,5 @@ def test_convert_again_is_up_to_date_and_exits_0(make_checkpoint, tmp_path: Path
     r = runner.invoke(app, ["convert", str(d), "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["reused"] is True
     r = _run_wide("convert", str(d), "--tp", "4")
-    assert r.returncode == 1 and r.stderr.startswith(f"error: {d}/marlin-pack holds a bundle for tp 1,2 in float16, asked for tp 4"), r.stderr
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith(f"error: {d}/marlin-pack holds a bundle for tp 1,2 in float16, asked for tp 4"), r.stderr

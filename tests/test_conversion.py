@@ -34,7 +34,7 @@ def test_default_dtype_is_what_vllm_auto_picks(model_type: str, config_dtype: st
     vllm_model = pytest.importorskip("vllm.config.model")
     from vllm.platforms import current_platform
 
-    from marlin_pack.schemas import default_serving_dtype
+    from marlin_pack.dtypes import default_serving_dtype
 
     monkeypatch.setattr(type(current_platform), "supported_dtypes", property(lambda self: [torch.bfloat16, torch.float16, torch.float32]))
     monkeypatch.setattr(current_platform, "get_device_name", lambda *a, **k: "H200", raising=False)
@@ -45,7 +45,7 @@ def test_default_dtype_is_what_vllm_auto_picks(model_type: str, config_dtype: st
 
 
 def test_default_dtype_from_sub_config_or_weights() -> None:
-    from marlin_pack.schemas import default_serving_dtype
+    from marlin_pack.dtypes import default_serving_dtype
 
     assert default_serving_dtype({"text_config": {"torch_dtype": "bfloat16"}}).value == "bfloat16"
     assert default_serving_dtype({}, {"I32", "F16"}).value == "float16"  # quantized words are not a dtype choice

@@ -47,6 +47,7 @@ def _check(make_checkpoint, tmp_path: Path, fmt: str, bits: int, preset: str, gr
     assert report.ok, report.first_failure
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
 @pytest.mark.parametrize("fmt,bits", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -66,6 +67,7 @@ def test_marlin_padding_per_rank(make_checkpoint, tmp_path, fmt, bits) -> None:
     _check(make_checkpoint, tmp_path, fmt, bits, "padded-at-tp2", 32, torch.bfloat16, (1, 2), row_k=352 * 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "mistral"])
 @pytest.mark.parametrize("fmt,bits", FORMATS)
 def test_architectures(make_checkpoint, tmp_path, preset, fmt, bits) -> None:

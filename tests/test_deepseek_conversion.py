@@ -55,6 +55,7 @@ def _compare(model: Path, tps: tuple[int, ...], dtype: torch.dtype) -> tuple[int
     return compared, info
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_deepseek_bundle_bit_exact(tmp_path: Path, case: str) -> None:
     arch, fmt, bits, dtype, tps, options = CASES[case]

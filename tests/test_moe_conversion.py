@@ -45,6 +45,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,fmt,bits,dtype,tps", CASES, ids=[f"{a[:7]}-{f}{b}-{str(d)[6:]}" for a, f, b, d, _ in CASES])
 def test_moe_bundle_bit_exact(tmp_path: Path, arch: str, fmt: str, bits: int, dtype: torch.dtype, tps: tuple[int, ...]) -> None:
     model = write_moe_checkpoint(tmp_path / "m", arch, fmt, bits=bits, dtype=dtype)

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from marlin_pack import convert, verify
-from marlin_pack._constants import FORMAT_VERSION
+from marlin_pack._constants import FORMAT_VERSION, READABLE_FORMAT_VERSIONS
 from marlin_pack.io.hashing import file_digest
 
 
@@ -139,7 +139,7 @@ def test_symlink_escape_refused(bundle: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "edit,match",
     [
-        (lambda m: m.update(format_version=FORMAT_VERSION + 1), f"has format_version {FORMAT_VERSION + 1}"),
+        (lambda m: m.update(format_version=max(READABLE_FORMAT_VERSIONS) + 1), f"has format_version {max(READABLE_FORMAT_VERSIONS) + 1}"),
         (lambda m: m.update(format="other"), "has format 'other'"),
         (lambda m: m.update(extra_field=1), "field extra_field: Extra inputs are not permitted"),
         (lambda m: m["common"].update(size=-5), "field common.size"),
@@ -282,3 +282,34 @@ def test_manifest_names_with_a_trailing_newline_are_refused(bundle: Path, edit, 
     (bundle / "manifest.json").write_text(json.dumps(m))
     name, detail = _failure(bundle)
     assert name == "manifest" and field in detail
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "ct-asym"])
+def test_machete_bundle_passes_and_a_flipped_nibble_is_caught(make_checkpoint, tmp_path: Path, fmt: str) -> None:
+    """A ``--kernel machete`` bundle verifies; one flipped nibble of a prepacked weight (hash updated, as an attacker
+    would) fails the round trip, naming the layer; so does a changed pre-scaled zero point."""
+    from marlin_pack._constants import MACHETE_FORMAT_VERSION
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(make_checkpoint(fmt, "tiny", group_size=64), src)
+    bundle = convert(src, tp=(1,), kernel="machete").bundle
+    assert verify(bundle).ok
+    path = bundle / "tp1" / "rank-0.safetensors"
+    meta = {**RANK_0_OF_1, "format_version": str(MACHETE_FORMAT_VERSION)}
+    original = load_file(path)
+    weight = "weight_packed" if fmt.startswith("ct") else "qweight"
+    name = f"model.layers.1.mlp.down_proj.{weight}"
+    tensors = {k: v.clone() for k, v in original.items()}
+    tensors[name].view(-1)[123] ^= 0x0F0  # one nibble: one code of the prepacked stream
+    save_file(tensors, path, metadata=meta)
+    _rehash(bundle, path)
+    step, detail = _failure(bundle)
+    assert step == "round-trip" and "down_proj (tp 1 rank 0): integer codes differ" in detail, detail
+    if fmt != "gptq":
+        zeros = "weight_zero_point" if fmt.startswith("ct") else "qzeros"
+        tensors = {k: v.clone() for k, v in original.items()}
+        tensors[f"model.layers.0.self_attn.o_proj.{zeros}"][0, 0] += 1
+        save_file(tensors, path, metadata=meta)
+        _rehash(bundle, path)
+        step, detail = _failure(bundle)
+        assert step == "round-trip" and "o_proj (tp 1 rank 0): zero points (-scale * zero)" in detail, detail

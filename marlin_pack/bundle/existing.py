@@ -2,11 +2,12 @@
 
 An init container runs ``marlin-pack convert MODEL`` at every pod start, often in several pods at once.
 A bundle already at the output is reused (``convert`` exits 0 and writes nothing) when it is for the
-same checkpoint and the same settings: every tensor-parallel size asked for, the same serving dtype, a
-manifest this marlin-pack reads. The checkpoint is checked as the loader checks it with ``verify:
-auto``: settings, file set, sizes, headers and BLAKE3 digests, hashing only files without a stamp of
-this user (the user who converted has stamps of every file). The bundle's files are checked by size:
-the loader hashes them as it decides, and ``verify`` proves them.
+same checkpoint and the same settings: every tensor-parallel size asked for, the same serving dtype,
+the same layers in the same layouts (``--kernel``), a manifest this marlin-pack reads. The checkpoint is
+checked as the loader checks it with ``verify: auto``: settings, file set, sizes, headers and BLAKE3
+digests, hashing only files without a stamp of this user (the user who converted has stamps of every
+file). The bundle's files are checked by size: the loader hashes them as it decides, and ``verify``
+proves them.
 
 A bundle for other settings is refused with the difference named and the command that replaces it;
 nothing is extended in place (a bundle is published whole, by one rename).
@@ -20,9 +21,14 @@ from marlin_pack._constants import MANIFEST_NAME
 from marlin_pack.bundle.integrity import HashReport, check_files, check_source
 from marlin_pack.bundle.reader import read_manifest
 from marlin_pack.errors import BundleError, OutputExistsError
-from marlin_pack.schemas import Manifest, ServingDtype
+from marlin_pack.schemas import LayerEntry, Manifest, ServingDtype
 
 __all__ = ["reusable_bundle"]
+
+
+def _kernels(layers: list[LayerEntry]) -> str:
+    """``marlin``, ``machete`` or ``machete and marlin``: the layouts a TP set's layers hold."""
+    return " and ".join(sorted({e.kernel.value for e in layers}))
 
 
 def _sizes(tps: list[int]) -> str:
@@ -30,7 +36,8 @@ def _sizes(tps: list[int]) -> str:
 
 
 def reusable_bundle(
-    out: Path, model_dir: Path, tp_sizes: list[int], serving_dtype: ServingDtype
+    out: Path, model_dir: Path, tp_sizes: list[int], serving_dtype: ServingDtype,
+    entries: dict[int, list[LayerEntry]] | None = None,
 ) -> tuple[Manifest, HashReport] | None:
     """The manifest of the bundle at ``out`` (and what checking its checkpoint hashed) if it is the one asked for;
     None where there is no bundle at ``out`` (nothing, or something :func:`~marlin_pack.bundle.writer.check_output`
@@ -57,6 +64,13 @@ def reusable_bundle(
         else:
             advice = "pass --force to replace it"
         raise OutputExistsError(f"{out} holds a bundle for {held}, asked for {asked}; {advice}, or -o to write another bundle elsewhere")
+    for tp in tp_sizes if entries else []:
+        held_kernels = _kernels(manifest.tensor_parallel_set(tp).layers)
+        if manifest.tensor_parallel_set(tp).layers != entries[tp]:  # type: ignore[index]
+            asked_kernels = _kernels(entries[tp])  # type: ignore[index]
+            what = (f"layers in {held_kernels}'s layout, asked for {asked_kernels}" if held_kernels != asked_kernels
+                    else "other layer shapes than this checkpoint implies")
+            raise OutputExistsError(f"{out} holds a bundle with {what} at tp {tp}; {replace}")
     try:
         hashed = check_source(manifest, model_dir)
         check_files(out, manifest, full_hash=False)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marlin_pack._constants import COMMON_FILE, LEGACY_STAMPS_NAME, MANIFEST_NAME
+from marlin_pack._constants import COMMON_FILE, FORMAT_VERSION, LEGACY_STAMPS_NAME, MANIFEST_NAME
 from marlin_pack.bundle.rank_files import common_metadata, rank_file_path, rank_metadata
 from marlin_pack.bundle.reader import listed_files
 from marlin_pack.errors import BundleError, MarlinPackError, OutputExistsError
@@ -238,10 +238,11 @@ def _write_failed(out: Path, e: OSError) -> MarlinPackError:
 class BundleWriter:
     """One bundle being written into ``tmp``, to be published at ``out``; use :meth:`create`."""
 
-    def __init__(self, out: Path, tmp: Path, force: bool) -> None:
+    def __init__(self, out: Path, tmp: Path, force: bool, format_version: int = FORMAT_VERSION) -> None:
         self.out = out
         self.tmp = tmp
         self.force = force
+        self.format_version = format_version  # written into every file's metadata; the manifest's must match
         self._common: StreamWriter | None = None
         self._ranks: dict[tuple[int, int], StreamWriter] = {}
         self._open: list[StreamWriter] = []
@@ -249,7 +250,9 @@ class BundleWriter:
 
     @classmethod
     @contextlib.contextmanager
-    def create(cls, out: Path, *, force: bool = False, locked: bool = False) -> Iterator[BundleWriter]:
+    def create(
+        cls, out: Path, *, force: bool = False, locked: bool = False, format_version: int = FORMAT_VERSION
+    ) -> Iterator[BundleWriter]:
         """A locked writer over a fresh temporary directory beside ``out``, removed unless :meth:`finish` ran.
 
         ``locked``: the caller holds :func:`output_lock` of ``out`` already (else it is taken here, waiting for
@@ -270,7 +273,7 @@ class BundleWriter:
                 os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a vLLM run by another user must read it
             except OSError as e:
                 raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror}); choose a writable location with -o") from e
-            writer = cls(out, tmp, force)
+            writer = cls(out, tmp, force, format_version)
             try:
                 with _signals_interrupt():
                     yield writer
@@ -292,7 +295,8 @@ class BundleWriter:
         # Limited by bytes, not by count: llama-1gb's two embeddings (262 MB) go into flight at once,
         # so the first layer does not wait for them. safetensors >= 0.8 reads them as views of the
         # memory map (page cache, not heap); the byte limit bounds memory where it copies them.
-        w = self._track(StreamWriter(self.tmp / COMMON_FILE, specs, common_metadata(), None, _COMMON_BYTES_IN_FLIGHT, direct=True))
+        meta = common_metadata(self.format_version)
+        w = self._track(StreamWriter(self.tmp / COMMON_FILE, specs, meta, None, _COMMON_BYTES_IN_FLIGHT, direct=True))
         for name, _, _ in specs:
             w.write(name, read(name))
         self._common = w
@@ -312,7 +316,7 @@ class BundleWriter:
         """
         path = self.tmp / rank_file_path(tp_size, rank)
         path.parent.mkdir(exist_ok=True)
-        w = self._track(StreamWriter(path, specs, rank_metadata(tp_size, rank), **{"direct": True, **options}))
+        w = self._track(StreamWriter(path, specs, rank_metadata(tp_size, rank, self.format_version), **{"direct": True, **options}))
         self._ranks[(tp_size, rank)] = w
         return w
 

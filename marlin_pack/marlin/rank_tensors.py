@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from marlin_pack.machete.tensors import build_machete_tensors, machete_specs
 from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.marlin.repack import (
     pack_marlin_zero_points,
@@ -18,7 +19,7 @@ from marlin_pack.marlin.repack import (
     unpermute_scales,
 )
 from marlin_pack.marlin.word_repack import marlin_weights
-from marlin_pack.schemas import LayerEntry, QuantScheme, SourceFormat
+from marlin_pack.schemas import LayerEntry, LayerKernel, QuantScheme, SourceFormat
 
 __all__ = ["TensorSpec", "ParamNames", "param_names", "tensor_specs", "build_rank_tensors", "decode_rank_tensors", "padded_groups"]
 
@@ -50,10 +51,13 @@ def padded_groups(entry: LayerEntry, group_size: int) -> int:
 
 
 def tensor_specs(entry: LayerEntry, scheme: QuantScheme, dtype: torch.dtype, fmt: SourceFormat | None = None) -> list[TensorSpec]:
-    """Names, dtypes and shapes of a layer's tensors in a rank file, in file order (names: :func:`param_names`)."""
+    """Names, dtypes and shapes of a layer's tensors in a rank file, in file order (names: :func:`param_names`);
+    in Machete's layout where the layer's kernel is Machete (:mod:`marlin_pack.machete.tensors`)."""
+    pn = param_names(fmt)
+    if entry.kernel is LayerKernel.machete:
+        return machete_specs(entry, scheme, dtype, tuple(pn), keeps_packed_zeros=fmt is SourceFormat.gptq_v1)  # type: ignore[arg-type]
     kp, np_ = entry.padded_k, entry.padded_n
     gp = padded_groups(entry, scheme.group_size)
-    pn = param_names(fmt)
     specs: list[TensorSpec] = [
         (f"{entry.name}.{pn.weight}", torch.int32, (kp // 16, np_ * 16 * scheme.bits // 32)),
         (f"{entry.name}.{pn.scales}", dtype, (gp, np_)),
@@ -65,6 +69,14 @@ def tensor_specs(entry: LayerEntry, scheme: QuantScheme, dtype: torch.dtype, fmt
     if pn.shape is not None:
         specs.append((f"{entry.name}.{pn.shape}", torch.int64, (2,)))
     return specs
+
+
+def _zero_word(code: int, bits: int) -> int:
+    """The int32 word holding ``code`` in every ``bits``-bit slot (GPTQ's symmetric ``qzeros``)."""
+    word = 0
+    for i in range(32 // bits):
+        word |= code << (bits * i)
+    return word - (1 << 32) if word >= 1 << 31 else word
 
 
 def build_rank_tensors(
@@ -79,18 +91,24 @@ def build_rank_tensors(
     fmt: SourceFormat | None = None,
     weight_shape: torch.Tensor | None = None,
     empty: Callable[[str], torch.Tensor] | None = None,
+    gptq_zero: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Pad and Marlin-transform one rank's fused, sliced layer (``[K, N]`` codes etc.).
+    """Pad and Marlin-transform one rank's fused, sliced layer (``[K, N]`` codes etc.); Machete-transform it where
+    the layer's kernel is Machete.
 
     ``source_slots``: column order of ``zeros`` within each 8 (AWQ), see ModuleTensors.
     ``weight_shape``: compressed-tensors only, the value vLLM's ``weight_shape`` parameter holds.
+    ``gptq_zero``: GPTQ only, the zero code its ``qzeros`` hold (a Machete layer keeps that tensor).
     ``empty``: gives, by name, the memory to build the (large) weight tensor in, on the codes'
     device (a writer's recycled buffer: :meth:`~marlin_pack.io.safetensors_io.StreamWriter.empty`);
     None for fresh memory.
     """
+    pn = param_names(fmt)
+    if entry.kernel is LayerKernel.machete:
+        word = None if gptq_zero is None or fmt is not SourceFormat.gptq_v1 else _zero_word(gptq_zero, scheme.bits)
+        return build_machete_tensors(entry, scheme, dtype, codes, scales, zeros, bias, tuple(pn), source_slots, weight_shape, word)  # type: ignore[arg-type]
     kp, np_ = entry.padded_k, entry.padded_n
     gp = padded_groups(entry, scheme.group_size)
-    pn = param_names(fmt)
     # vLLM copies checkpoint scales/bias into params_dtype parameters before processing.
     out = {
         f"{entry.name}.{pn.weight}": marlin_weights(codes, kp, np_, empty(f"{entry.name}.{pn.weight}") if empty else None),

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from marlin_pack.errors import BundleError
-from marlin_pack.marlin.moe import moe_entry_specs
-from marlin_pack.marlin.rank_tensors import tensor_specs
-from marlin_pack.schemas import torch_dtype
-from marlin_pack.vllm_plugin.decision import SelectedBundle
 from marlin_pack.gpu.reader import CopyItem, ParallelReader
+from marlin_pack.marlin.moe import moe_entry_specs
+from marlin_pack.marlin.rank_tensors import param_names, tensor_specs
+from marlin_pack.schemas import LayerKernel, torch_dtype
+from marlin_pack.vllm_plugin.decision import SelectedBundle
 
 __all__ = ["ARENA_ALIGN", "ArenaLayout", "ArenaSlot", "BackgroundCopy", "release"]
 
@@ -45,6 +45,7 @@ class ArenaSlot:
     start: int  # file offset
     nbytes: int
     offset: int  # arena offset
+    retyped: bool = False  # the parameter changes dtype in post-processing (Machete's int32 zero points -> -s*z)
 
     @property
     def layer(self) -> str:
@@ -71,12 +72,14 @@ class ArenaLayout:
         """The layout of ``bundle``'s rank file: its layers' tensors in manifest order (headers already checked)."""
         dtype = torch_dtype(bundle.manifest.serving_dtype)
         quant, fmt = bundle.manifest.quant, bundle.manifest.source.format
-        specs = [(entry.name, spec) for entry in bundle.tp_set.layers for spec in tensor_specs(entry, quant, dtype, fmt)]
-        specs += [(entry.name, spec) for entry in bundle.tp_set.moe_layers for spec in moe_entry_specs(entry, quant, dtype)]
+        zeros = param_names(fmt).zeros
+        specs = [(entry.name, spec, entry.kernel is LayerKernel.machete and quant.zero_points and spec[0] == f"{entry.name}.{zeros}")
+                 for entry in bundle.tp_set.layers for spec in tensor_specs(entry, quant, dtype, fmt)]
+        specs += [(entry.name, spec, False) for entry in bundle.tp_set.moe_layers for spec in moe_entry_specs(entry, quant, dtype)]
         slots, offset = [], 0
-        for layer, (name, tdtype, shape) in specs:
+        for layer, (name, tdtype, shape), retyped in specs:
             info = bundle.rank_header.tensors[name]
-            slot = ArenaSlot(name, tdtype, tuple(shape), info.start, info.nbytes, offset)
+            slot = ArenaSlot(name, tdtype, tuple(shape), info.start, info.nbytes, offset, retyped)
             assert slot.layer == layer, f"internal error: rank tensor {name} is not a parameter of layer {layer}"
             slots.append(slot)
             offset += -(-info.nbytes // ARENA_ALIGN) * ARENA_ALIGN
@@ -95,7 +98,7 @@ class ArenaLayout:
         params = []
         for s in self.slots:
             param = getattr(layers[s.layer], s.param, None)
-            if not isinstance(param, nn.Parameter) or param.dtype != s.dtype:
+            if not isinstance(param, nn.Parameter) or (param.dtype != s.dtype and not s.retyped):
                 raise BundleError(
                     f"layer {s.layer}: parameter {s.layer}.{s.param} is {type(param).__name__} "
                     f"{getattr(param, 'dtype', None)}, the bundle holds {s.dtype}"

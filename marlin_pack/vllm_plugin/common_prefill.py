@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from marlin_pack.gpu.reader import CopyItem
 from marlin_pack.io.safetensors_io import TensorInfo
 from marlin_pack.vllm_plugin.decision import SelectedBundle
-from marlin_pack.gpu.reader import CopyItem
 
 __all__ = ["CommonPrefill", "PLAIN_COPY_LOADERS", "PrefillSlot", "alias_names", "plain_copy_target"]
 

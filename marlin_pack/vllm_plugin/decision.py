@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marlin_pack._constants import KERNEL_NAME, LAYOUT_VERSION, MANIFEST_NAME
+from marlin_pack._constants import KERNEL_NAME, LAYOUT_VERSION, MACHETE_KERNEL_NAME, MANIFEST_NAME
 from marlin_pack.bundle.integrity import HashReport, check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header
 from marlin_pack.bundle.reader import read_manifest, resolve_file
@@ -28,6 +28,7 @@ __all__ = [
     "EngineFacts",
     "SelectedBundle",
     "Decision",
+    "hopper_machete_layers",
     "load_manifest",
     "resolve_bundle_dir",
     "check_engine",
@@ -60,6 +61,7 @@ class EngineFacts:
     linear_backend: str = "auto"
     linear_backend_per_quant: Mapping[str, str] | None = None
     revision: str | None = None  # of a Hugging Face model id
+    capability: int | None = None  # the GPU's compute capability, major*10 + minor (None: unknown, e.g. `check`)
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,7 @@ def _tp_set(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
 
 def _tp_advice(manifest: Manifest, facts: EngineFacts) -> str:
     """Why the bundle lacks the engine's TP size, naming only sizes ``convert`` accepts for this checkpoint."""
-    from marlin_pack.conversion import convertible_tp_sizes
+    from marlin_pack.planning import convertible_tp_sizes
 
     held = ",".join(map(str, manifest.tp_sizes))
     found = f"bundle has tp {held}, the engine runs --tensor-parallel-size {facts.tp_size}"
@@ -205,6 +207,9 @@ def _check_kernel_settings(manifest: Manifest, facts: EngineFacts) -> None:
         raise BundleMismatchError(
             F.kernel, f"VLLM_BATCH_INVARIANT=1 disables Marlin, the bundle holds the {KERNEL_NAME} layout; unset it"
         )
+    if manifest.has_machete_layers:
+        _check_machete_settings(manifest, facts)
+        return
     if KERNEL_NAME in facts.disabled_kernels:
         raise BundleMismatchError(
             F.kernel,
@@ -221,6 +226,50 @@ def _check_kernel_settings(manifest: Manifest, facts: EngineFacts) -> None:
             F.linear_backend,
             f"{source} is {backend!r}, the bundle holds the {KERNEL_NAME} layout; drop the option or set it to 'marlin'",
         )
+
+
+def _check_machete_settings(manifest: Manifest, facts: EngineFacts) -> None:
+    """A bundle holding Machete layers: vLLM must make, on this GPU with these settings, the per-layer choice the
+    bundle was converted for (Machete where it implements a layer, Marlin elsewhere): its default on SM90."""
+    if facts.capability is not None and facts.capability != 90:
+        raise BundleMismatchError(
+            F.kernel,
+            f"the bundle holds layers in Machete's layout (SM90 only), this GPU has compute capability "
+            f"{facts.capability // 10}.{facts.capability % 10}, where vLLM uses Marlin; convert with --kernel marlin for it",
+        )
+    per_quant = dict(facts.linear_backend_per_quant or {})
+    backend = per_quant.get("mixed_precision") or facts.linear_backend
+    if backend not in ("auto", ""):
+        raise BundleMismatchError(
+            F.linear_backend,
+            f"--linear-backend is {backend!r}; the bundle holds vLLM's own per-layer choice on SM90 (Machete, Marlin "
+            "where Machete cannot): drop the option, or convert with --kernel marlin and keep --linear-backend marlin",
+        )
+    for name in (MACHETE_KERNEL_NAME, KERNEL_NAME):
+        if name in facts.disabled_kernels:
+            raise BundleMismatchError(
+                F.kernel, f"VLLM_DISABLED_KERNELS disables {name}, whose layout the bundle holds for some layers; remove it"
+            )
+
+
+def hopper_machete_layers(manifest: Manifest, tp_set: TensorParallelSet, facts: EngineFacts) -> int:
+    """How many of the bundle's Marlin layers vLLM's default (these kernel settings, this GPU) would serve with
+    Machete: non-zero only on SM90 for a bundle converted with ``--kernel marlin``."""
+    if facts.capability != 90:
+        return 0
+    from marlin_pack.machete.supports import machete_supports
+    from marlin_pack.schemas import LayerKernel, torch_dtype
+
+    q, act = manifest.quant, torch_dtype(manifest.serving_dtype)
+    return sum(
+        machete_supports(
+            capability=90, weight_type=q.weight_type.value, zero_points=q.zero_points, group_size=q.group_size, act_dtype=act,
+            in_features=e.size_k, out_features=e.size_n, disabled_kernels=facts.disabled_kernels,
+            linear_backend=facts.linear_backend, linear_backend_per_quant=facts.linear_backend_per_quant,
+        )[0]
+        for e in tp_set.layers
+        if e.kernel is LayerKernel.marlin
+    )
 
 
 def check_engine(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:

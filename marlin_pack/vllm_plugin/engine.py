@@ -1,7 +1,7 @@
 """Every read (and the few writes) of vLLM 0.33.0 internals the loader and the patches need.
 
 Facts are returned as the plain dataclasses of ``decision.py``; layer state is finished the
-way ``MarlinLinearKernel.process_weights_after_loading`` leaves it. Importing this module
+way ``MarlinLinearKernel.process_weights_after_loading`` (or, on SM90, ``MacheteLinearKernel``'s) leaves it. Importing this module
 imports vLLM: only vLLM processes (the loader, the patches) import it.
 """
 
@@ -14,6 +14,7 @@ import torch
 import vllm.envs as envs
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
+from vllm.model_executor.kernels.linear.mixed_precision.machete import MacheteLinearKernel
 from vllm.model_executor.kernels.linear.mixed_precision.marlin import MarlinLinearKernel
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
@@ -32,7 +33,11 @@ __all__ = [
     "quantized_layers",
     "layer_facts",
     "is_marlin_16bit",
+    "is_prepackable_16bit",
+    "check_layout",
     "check_marlin_layout",
+    "check_machete_layout",
+    "finish_layer",
     "finish_marlin_layer",
 ]
 
@@ -61,7 +66,19 @@ def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFa
         linear_backend=str(kc.linear_backend),
         linear_backend_per_quant=dict(kc.linear_backend_per_quant or {}) or None,
         revision=getattr(model_config, "revision", None),
+        capability=_capability(),
     )
+
+
+def _capability() -> int | None:
+    """This process's GPU's compute capability as vLLM reads it (major*10 + minor); None without one."""
+    from vllm.platforms import current_platform
+
+    try:
+        cc = current_platform.get_device_capability()
+    except Exception:  # noqa: BLE001 - no device: the decision does not check the kernel family
+        return None
+    return None if cc is None else int(cc[0]) * 10 + int(cc[1])
 
 
 def freeze_gc_heap() -> None:
@@ -154,6 +171,18 @@ def is_marlin_16bit(quant_method: Any, layer: nn.Module | None = None) -> bool:
     return getattr(getattr(kernel, "config", None), "act_type", None) in (torch.float16, torch.bfloat16)
 
 
+def is_prepackable_16bit(quant_method: Any, layer: nn.Module | None = None) -> bool:
+    """True when the layer's kernel is MarlinLinearKernel or MacheteLinearKernel with fp16/bf16 activations: the
+    kernels whose post-processed tensors a bundle (or the weight cache) can hand over."""
+    if is_marlin_16bit(quant_method, layer):
+        return True
+    scheme = getattr(layer, "scheme", None) if layer is not None else None
+    if scheme is not None and method_name(quant_method, layer) not in SUPPORTED_METHODS:
+        return False
+    kernel = marlin_kernel(quant_method, layer)
+    return type(kernel) is MacheteLinearKernel and kernel.config.act_type in (torch.float16, torch.bfloat16)
+
+
 def _layer_name(layer: nn.Module) -> str:
     return str(getattr(layer, "prefix", "") or type(layer).__name__)
 
@@ -191,6 +220,51 @@ def check_marlin_layout(quant_method: Any, layer: nn.Module) -> None:
         check(kernel.w_zp_name, (w_s.shape[0], padded_n * bits // 32))
     if getattr(layer, "bias", None) is not None:
         check("bias", (padded_n,))
+
+
+def check_machete_layout(quant_method: Any, layer: nn.Module) -> None:
+    """Check that a layer's tensors already have the shapes and dtypes MacheteLinearKernel's post-processing gives:
+    prepacked weight ``[K*bits/32, N]`` int32, scales ``[G, N]``, pre-scaled zero points ``[G, N]`` (activation dtype).
+
+    Raises:
+        RuntimeError: a tensor is missing (still on ``meta``) or not in that layout.
+    """
+    kernel = marlin_kernel(quant_method, layer)
+    c = kernel.config
+    size_k, size_n = c.partition_weight_shape
+    where = f"layer {_layer_name(layer)} ({type(quant_method).__name__})"
+
+    def check(name: str, want: tuple[int | None, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = getattr(layer, name, None)
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            raise RuntimeError(f"{where}: the weight cache did not provide {name}")
+        got = tuple(t.shape)
+        if t.dtype != dtype or len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want, strict=False)):
+            raise RuntimeError(
+                f"{where}: pre-processed {name} is {t.dtype} {list(got)}, MacheteLinearKernel holds {dtype} "
+                f"{['*' if w is None else w for w in want]} for (K, N)=({size_k}, {size_n}); the weight cache holds another layout"
+            )
+        return t
+
+    check(kernel.w_q_name, (size_k * c.weight_type.size_bits // 32, size_n), torch.int32)
+    w_s = check(kernel.w_s_name, (None, size_n), c.act_type)
+    if c.zero_points:
+        check(kernel.w_zp_name, (w_s.shape[0], size_n), c.act_type)
+
+
+def check_layout(quant_method: Any, layer: nn.Module) -> None:
+    """:func:`check_machete_layout` or :func:`check_marlin_layout`, by the layer's kernel."""
+    if type(marlin_kernel(quant_method, layer)) is MacheteLinearKernel:
+        check_machete_layout(quant_method, layer)
+    else:
+        check_marlin_layout(quant_method, layer)
+
+
+def finish_layer(quant_method: Any, layer: nn.Module) -> None:
+    """Finish a layer whose tensors arrived final, as its kernel's post-processing leaves it: Marlin's
+    (:func:`finish_marlin_layer`); Machete's sets nothing besides the tensors it transforms."""
+    if type(marlin_kernel(quant_method, layer)) is not MacheteLinearKernel:
+        finish_marlin_layer(quant_method, layer)
 
 
 def finish_marlin_layer(quant_method: Any, layer: nn.Module) -> None:

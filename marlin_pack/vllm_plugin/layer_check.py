@@ -1,4 +1,5 @@
-"""Did vLLM build exactly the layers a bundle holds, each on Marlin with the bundle's configuration?
+"""Did vLLM build exactly the layers a bundle holds, each on the bundle's kernel (Marlin, or Machete per layer)
+with the bundle's configuration?
 
 A pure function over :class:`LayerFacts` (gathered from the built model by
 ``engine.layer_facts``); no vLLM import, so every message is testable on a CPU.
@@ -9,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from marlin_pack._constants import KERNEL_NAME
+from marlin_pack._constants import KERNEL_NAME, MACHETE_KERNEL_NAME
 from marlin_pack.errors import BundleMismatchError, MismatchField
-from marlin_pack.schemas import Manifest, TensorParallelSet
+from marlin_pack.schemas import LayerKernel, Manifest, TensorParallelSet
 
 __all__ = ["SUPPORTED_METHODS", "SUPPORTED_MOE_METHODS", "MOE_BACKEND", "LayerFacts", "MoeLayerFacts", "check_layers",
            "check_moe_layers"]
@@ -97,9 +98,10 @@ def check_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mapping[s
             raise BundleMismatchError(
                 F.kernel, f"layer {name} uses {f.method}, expected one of {list(SUPPORTED_METHODS)} with {KERNEL_NAME}"
             )
-        if f.kernel != KERNEL_NAME:
+        want_kernel = MACHETE_KERNEL_NAME if entry.kernel is LayerKernel.machete else KERNEL_NAME
+        if f.kernel != want_kernel:
             raise BundleMismatchError(
-                F.kernel, f"vLLM chose {f.kernel} for layer {name}; the bundle holds the {KERNEL_NAME} layout"
+                F.kernel, f"vLLM chose {f.kernel} for layer {name}; the bundle holds the {want_kernel} layout"
             )
         if not f.skips_when_marked:
             raise BundleMismatchError(
@@ -107,7 +109,7 @@ def check_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mapping[s
             )
         checks: list[tuple[MismatchField, object, object, str]] = [
             (F.layers, f.partition_shape, (entry.size_k, entry.size_n), "per-rank (K, N)"),
-            (F.layout, f.padded_nk, (entry.padded_n, entry.padded_k), "Marlin padded (N, K)"),
+            *([(F.layout, f.padded_nk, (entry.padded_n, entry.padded_k), "Marlin padded (N, K)")] if want_kernel == KERNEL_NAME else []),
             (F.group_size, f.group_size, q.group_size, "group size"),
             (F.weight_type, f.weight_type, q.weight_type.value, "weight type"),
             (F.activation_dtype, f.act_dtype, manifest.activation_dtype.value, "activation dtype"),

@@ -223,6 +223,7 @@ def test_force_through_a_symlink_replaces_its_target(awq: Path, tmp_path: Path) 
     assert not [p for p in target.parent.iterdir() if p.name != "bundle"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGINT"])
 def test_signals_clean_up_and_say_interrupted(awq: Path, tmp_path: Path, signame: str) -> None:
     import signal

@@ -46,6 +46,7 @@ def _cases() -> list:
     return cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,fmt,dtype", _cases())
 def test_architecture_bit_exact_tp_1_2_4(tmp_path: Path, arch: str, fmt: str, dtype: torch.dtype) -> None:
     # 4 heads, 2 KV heads: TP 4 replicates KV heads; group 32 keeps whole groups per rank.
@@ -58,6 +59,7 @@ def test_architecture_bit_exact_tp_1_2_4(tmp_path: Path, arch: str, fmt: str, dt
     assert verify(model / "marlin-pack").ok
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [a for a, row in ARCHITECTURES.items() if row.multimodal])
 def test_multimodal_text_layers_quantized_vision_in_common(tmp_path: Path, arch: str) -> None:
     """Both checkpoint namings (transformers 4.52 to 4.57, and older or 5) give vLLM's names; the vision

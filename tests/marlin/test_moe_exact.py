@@ -99,6 +99,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("arch,fmt,kw,dtype", CASES, ids=[f"{a[:7]}-{f}-{str(d)[6:]}" for a, f, _, d in CASES])
 def test_experts_equal_vllm(ckpt, arch: str, fmt: str, kw: dict, dtype: torch.dtype, tp: int) -> None:
@@ -114,6 +115,7 @@ def test_experts_equal_vllm(ckpt, arch: str, fmt: str, kw: dict, dtype: torch.dt
     ("gptq", {"bits": 8}, (1, 2), ()),
     ("gptq", {"group_size": -1}, (1, 4), ()),
 ])
+@pytest.mark.slow
 def test_padding_group_sizes_and_bits_equal_vllm(ckpt, fmt: str, kw: dict, tps: tuple[int, ...], refused: tuple[int, ...]) -> None:
     model = ckpt("Qwen3MoeForCausalLM", fmt, **kw)
     for tp in tps:

@@ -45,7 +45,7 @@ def test_prepacked_equals_ordinary(workdir: Path, case: str) -> None:
     arch, fmt, dtype, layer = CASES[case]
     tdtype = getattr(torch, dtype)
     model = write_arch_checkpoint(workdir / case, arch, fmt, group_size=128, dtype=tdtype, tokenizer=True)
-    manifest = marlin_pack.convert(model, tp=(1,))
+    manifest = marlin_pack.convert(model, tp=(1,), kernel="marlin").manifest
     assert manifest.serving_dtype.value == dtype  # what --dtype auto picks, as the engines below
     bundle_layers = {e.name for e in manifest.tensor_parallel[0].layers}
     kw: dict = dict(dtype=dtype)

@@ -32,7 +32,7 @@ def test_prepacked_equals_ordinary(workdir: Path, case: str) -> None:
     from marlin_pack.testing.synthetic import PRESETS, write_compressed_tensors_checkpoint
 
     model = write_compressed_tensors_checkpoint(workdir / case, PRESETS["tiny"], group_size=128, symmetric=CASES[case])
-    manifest = marlin_pack.convert(model, tp=(1,))
+    manifest = marlin_pack.convert(model, tp=(1,), kernel="marlin").manifest
     assert manifest.serving_dtype.value == "bfloat16"
     a, b = ordinary_and_prepacked(workdir, case, model, LAYER, dtype="bfloat16")
     n = assert_engines_identical(a, b, LAYER)

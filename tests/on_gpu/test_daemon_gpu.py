@@ -132,7 +132,7 @@ def _write(name: str, out: Path, preset: str | None = None) -> Path:
 
         d = write_moe_checkpoint(out, MOE_PRESETS[default_preset], fmt.removeprefix("moe-"), bits=bits, group_size=group,
                                  dtype=torch.float16, device=device, tokenizer=True)
-        marlin_pack.convert(d, tp=(1,), dtype="float16", device=device)
+        marlin_pack.convert(d, tp=(1,), dtype="float16", device=device, kernel="marlin")
         return d
     shape = PRESETS[preset or default_preset]
     if fmt.startswith("ct"):
@@ -142,7 +142,7 @@ def _write(name: str, out: Path, preset: str | None = None) -> Path:
         d = write_awq_checkpoint(out, shape, group_size=group, device=device)
     else:
         d = write_gptq_checkpoint(out, shape, bits=bits, group_size=group, device=device)
-    marlin_pack.convert(d, tp=(1,), dtype="float16", device=device)
+    marlin_pack.convert(d, tp=(1,), dtype="float16", device=device, kernel="marlin")
     return d
 
 

@@ -231,7 +231,7 @@ def checkpoints(workdir: Path) -> dict[str, Path]:
     out = {}
     for kind in CHECKPOINTS:
         d = _write(kind, workdir / kind)
-        marlin_pack.convert(d, tp=(1,), dtype="float16")
+        marlin_pack.convert(d, tp=(1,), dtype="float16", kernel="marlin")
         out[kind] = d
     return out
 
@@ -448,7 +448,7 @@ def _mismatch(case: str, src: Path, tmp: Path) -> tuple[Path, dict[str, Any]]:
 
     model = Path(shutil.copytree(src, tmp / "ckpt", copy_function=shutil.copy2))
     if case == "tp_size":
-        marlin_pack.convert(model, tmp / "bundle-tp2", tp=(2,), dtype="float16")
+        marlin_pack.convert(model, tmp / "bundle-tp2", tp=(2,), dtype="float16", kernel="marlin")
         return model, {"model_loader_extra_config": {"bundle": str(tmp / "bundle-tp2")}}
     if case == "serving_dtype":
         return model, {"dtype": "bfloat16"}

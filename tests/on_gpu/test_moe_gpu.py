@@ -69,7 +69,7 @@ def test_prepacked_moe_equals_ordinary(workdir: Path, case: str) -> None:
 
     arch, fmt, bits, dtype, experts, linear, engine = CASES[case]
     model = write_moe_checkpoint(workdir / case, arch, fmt, bits=bits, dtype=getattr(torch, dtype), tokenizer=True)
-    manifest = marlin_pack.convert(model, tp=(1,))
+    manifest = marlin_pack.convert(model, tp=(1,), kernel="marlin").manifest
     assert manifest.serving_dtype.value == dtype  # what --dtype auto picks, as the engines below
     tp1 = manifest.tensor_parallel[0]
     assert experts in {e.name for e in tp1.moe_layers}

@@ -88,7 +88,7 @@ def test_prepacked_equals_ordinary(workdir: Path, case: str) -> None:
 
     source, dtype, experts, method = CASES[case]
     model = _model(workdir, case, source)
-    manifest = marlin_pack.convert(model, tp=(1,), dtype=dtype)
+    manifest = marlin_pack.convert(model, tp=(1,), dtype=dtype, kernel="marlin").manifest
     tp1 = manifest.tensor_parallel[0]
     assert experts in {e.name for e in tp1.moe_layers}
     # The fixtures' max_position_embeddings is 256: the harness's 512 would be refused by vLLM.

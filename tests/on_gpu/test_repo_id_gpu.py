@@ -52,7 +52,7 @@ def test_repo_id_served_from_the_hub_cache(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "MARLIN_PACK_CACHE": str(tmp_path / "mp"),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     cli = [sys.executable, "-m", "marlin_pack.cli"]
-    r = subprocess.run([*cli, "convert", REPO], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*cli, "convert", REPO, "--kernel", "marlin"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "mp" / "models--acme--tiny-awq" / ("c" * 40) / "manifest.json").is_file()
     r = subprocess.run([*cli, "check", REPO], env=env, capture_output=True, text=True, timeout=300)

@@ -83,7 +83,7 @@ def test_serve_prepacked_matches_ordinary(tmp_path: Path) -> None:
     from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint
 
     model = write_awq_checkpoint(tmp_path / "tiny-awq", PRESETS["tiny"])
-    convert(model, tp=(1,), dtype="float16")
+    convert(model, tp=(1,), dtype="float16", kernel="marlin")
     prompts = ("Hello, my name is", "The capital of France is")
     runs = {"ordinary": ("--linear-backend", "marlin"), "prepacked": ("--load-format", "marlin_prepacked")}
     answers: dict[str, list[dict]] = {}

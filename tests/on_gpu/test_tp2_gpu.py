@@ -73,7 +73,7 @@ def _write(kind: str, out: Path) -> Path:
         d = write_gptq_checkpoint(out, shape, group_size=32)
     else:
         raise ValueError(kind)
-    convert(d, tp=(1, TP), dtype="float16")
+    convert(d, tp=(1, TP), dtype="float16", kernel="marlin")
     return d
 
 
@@ -132,7 +132,7 @@ def loader(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) ->
     tp1_only = workdir / "tp1-bundle"
     from marlin_pack import convert
 
-    convert(models["awq4"], tp1_only, tp=(1,), dtype="float16")
+    convert(models["awq4"], tp1_only, tp=(1,), dtype="float16", kernel="marlin")
     try:
         procs: dict[str, Proc] = {}
         for kind, model in models.items():

@@ -17,16 +17,24 @@ def _bits_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_bundle_equals_vllm(model: Path, bundle: Path, tps: tuple[int, ...], dtype: torch.dtype,
-                              model_class: list[str] | None = None) -> int:
+                              model_class: list[str] | None = None, kernel: str = "marlin") -> int:
     """Every tensor of every rank file equals what vLLM holds on that rank, and nothing else is there.
 
-    Returns the number of tensors compared (GPTQ's empty zero-point placeholders excluded).
+    ``kernel="machete"``: against vLLM's own per-layer choice on an SM90 GPU, and each layer's kernel in the
+    manifest is the one vLLM chose. Returns the number of tensors compared (GPTQ's empty zero-point
+    placeholders excluded).
     """
+    from marlin_pack.bundle.reader import read_manifest
+
+    manifest = read_manifest(bundle)
     compared = 0
     for tp in tps:
         for rank in range(tp):
-            want = reference_rank_tensors(model, tp, rank, dtype, model_class=model_class)
+            kernels: dict[str, str] = {}
+            want = reference_rank_tensors(model, tp, rank, dtype, model_class=model_class, kernel=kernel, kernels=kernels)
             compared += assert_rank_file_equals(bundle, tp, rank, want)
+            held = {e.name: f"{e.kernel.value.capitalize()}LinearKernel" for e in manifest.tensor_parallel_set(tp).layers}
+            assert held == kernels, f"tp {tp} rank {rank}: the bundle's kernels differ from vLLM's choice"
     return compared
 
 

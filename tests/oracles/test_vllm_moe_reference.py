@@ -206,6 +206,7 @@ CASES = [  # arch, fmt, checkpoint kwargs, serving dtype
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("arch,fmt,kw,dtype", CASES, ids=[f"{a[:7]}-{f}-{str(d)[6:]}" for a, f, _, d in CASES])
 def test_oracle_stacks_experts_per_rank(ckpt, arch: str, fmt: str, kw: dict, dtype: torch.dtype, tp: int) -> None:
@@ -234,6 +235,7 @@ def test_oracle_stacks_experts_per_rank(ckpt, arch: str, fmt: str, kw: dict, dty
         assert _check_contents(arch, fmt, 128, tp, rank, dtype, ref, sd) == 2 * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,kw", [("gptq", {"group_size": 32, "random_gptq_zeros": True}), ("awq", {"group_size": 32})])
 def test_oracle_pads_the_intermediate_size(ckpt, fmt: str, kw: dict) -> None:
     """moe_intermediate_size 192 at TP 2: 96 per rank, padded to the 64-tile (128) on each of gate and up."""
@@ -254,6 +256,7 @@ def test_oracle_pads_the_intermediate_size(ckpt, fmt: str, kw: dict) -> None:
     assert w13.shape[-1] == 256  # 2 x 128 at TP 2
 
 
+@pytest.mark.slow
 def test_oracle_gptq_8bit_and_channelwise_shapes(ckpt) -> None:
     arch = "MixtralForCausalLM"
     for bits, g in ((8, 128), (4, -1)):

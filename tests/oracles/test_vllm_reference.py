@@ -243,6 +243,7 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits,group", [(4, 128), (4, -1), (8, 128), (8, 64)])
 def test_gptq_tp1_plumbing(tmp_path: Path, bits: int, group: int) -> None:
     """TP=1, no padding: qweight is marlin_weights of the fused codes, scales are permuted."""
@@ -316,6 +317,7 @@ def test_kv_replication(tmp_path: Path) -> None:
         ("awq", 4, 32, 2, {"inter": 320}),
     ],
 )
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_matches_hand_sharded_reference(tmp_path: Path, fmt, bits, group, tp, kw, dtype) -> None:
     ck = write_ckpt(tmp_path, fmt=fmt, bits=bits, group=group, **kw)
@@ -323,6 +325,7 @@ def test_matches_hand_sharded_reference(tmp_path: Path, fmt, bits, group, tp, kw
         assert_same(reference_rank_tensors(tmp_path, tp, r, dtype), expected_rank(ck, tp, r, dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])
 def test_qkv_bias_is_loaded_and_permuted(tmp_path: Path, fmt: str) -> None:
     # Qwen2 (the architecture of a qkv-bias checkpoint here) derives head_dim = hidden / heads.

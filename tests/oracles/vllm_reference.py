@@ -101,6 +101,7 @@ def _vllm() -> Any:
     import types
 
     import vllm  # noqa: F401
+    import vllm.model_executor.kernels.linear.mixed_precision.machete as machete_mod
     import vllm.model_executor.kernels.linear.mixed_precision.marlin as marlin_mod
     import vllm.model_executor.layers.attention.attention as attention_mod
     import vllm.model_executor.layers.linear as linear_mod
@@ -152,6 +153,7 @@ def _vllm() -> Any:
         process_weights_after_loading=process_weights_after_loading,
         envs=envs,
         marlin_mod=marlin_mod,
+        machete_mod=machete_mod,
         linear=linear_mod,
         parameter=parameter_mod,
         auto_awq=auto_awq,
@@ -243,6 +245,34 @@ def _choose_marlin(config: Any, compute_capability: int | None = None) -> type:
     return kernel
 
 
+def _stand_in_machete_prepack_B(b_q_weight: torch.Tensor, a_type: Any, b_type: Any, group_scales_type: Any = None) -> torch.Tensor:
+    """Stand-in for the CUDA op: marlin-pack's engine-free Machete layout (``marlin_pack.machete.layout``), whose
+    bytes the GPU suite checks against the real op (``tests/on_gpu/test_machete_golden_gpu.py``) and the CPU
+    suite against golden files of it (``tests/machete/test_golden.py``). Everything around it (the AWQ conversion,
+    the sharding, the scale and zero-point transforms, which parameters the layer keeps) is vLLM's own code."""
+    from marlin_pack.machete.layout import prepack_b
+
+    bits = b_type.size_bits
+    if b_q_weight.dtype != torch.int32 or b_q_weight.stride(0) != 1 or a_type not in (torch.float16, torch.bfloat16):
+        raise _OracleBug(f"machete_prepack_B stand-in got {b_q_weight.dtype} strides {b_q_weight.stride()}, a_type {a_type}")
+    return prepack_b(b_q_weight, bits)
+
+
+class _MacheteOpsProxy(_OpsProxy):
+    """``vllm._custom_ops`` with ``machete_prepack_B`` replaced (the Machete kernel module's ``ops``)."""
+
+    machete_prepack_B = staticmethod(_stand_in_machete_prepack_B)
+
+
+def _choose_on_hopper(config: Any, compute_capability: int | None = None) -> type:
+    """vLLM's default choice on an SM90 GPU for 16-bit activations: Machete where its real ``can_implement``
+    takes the layer, else Marlin (``_POSSIBLE_KERNELS``' order; ``CutlassW4A8`` needs fp8 activations and
+    is never chosen here)."""
+    machete = _vllm().machete_mod.MacheteLinearKernel
+    ok, _ = machete.can_implement(config)
+    return machete if ok else _choose_marlin(config, compute_capability)
+
+
 class _CudaView:
     """The platform as the quantization code sees it in the oracle: an H200 (CUDA, SM 9.0).
 
@@ -274,6 +304,11 @@ class _CudaView:
     def get_device_capability(self, device_id: int = 0) -> Any:
         return _vllm().DeviceCapability(*_CAPABILITY)
 
+    def is_device_capability(self, capability: Any, device_id: int = 0) -> bool:
+        if isinstance(capability, tuple):
+            capability = capability[0] * 10 + capability[1]
+        return _CAPABILITY[0] * 10 + _CAPABILITY[1] == capability
+
     def has_device_capability(self, capability: Any, device_id: int = 0) -> bool:
         if isinstance(capability, tuple):
             capability = capability[0] * 10 + capability[1]
@@ -293,7 +328,7 @@ class _Group:
 
 
 @contextlib.contextmanager
-def _patched(tp_size: int, rank: int):
+def _patched(tp_size: int, rank: int, kernel: str = "marlin"):
     v = _vllm()
     saved: list[tuple[Any, str, Any]] = []
 
@@ -311,12 +346,14 @@ def _patched(tp_size: int, rank: int):
         setattr_saved(v.parallel_state, "_TP", _Group(tp_size, rank))
         setattr_saved(v.parallel_state, "_PP", _Group(1, 0))
         view = _CudaView(v.platform)
-        for mod in (v.auto_awq, v.auto_gptq, v.marlin_utils, v.marlin_mod, v.ct_config, v.ct_wna16):
+        for mod in (v.auto_awq, v.auto_gptq, v.marlin_utils, v.marlin_mod, v.machete_mod, v.ct_config, v.ct_wna16):
             if "current_platform" in mod.__dict__:
                 setattr_saved(mod, "current_platform", view)
+        chooser = {"marlin": _choose_marlin, "machete": _choose_on_hopper}[kernel]
         for mod in (v.auto_awq, v.auto_gptq, v.ct_wna16):
-            setattr_saved(mod, "choose_mp_linear_kernel", _choose_marlin)
+            setattr_saved(mod, "choose_mp_linear_kernel", chooser)
         setattr_saved(v.marlin_mod, "ops", _OpsProxy(v.marlin_mod.ops))
+        setattr_saved(v.machete_mod, "ops", _MacheteOpsProxy(v.machete_mod.ops))
         setattr_saved(v.attention, "get_attn_backend", lambda *a, **k: v.cpu_attention_backend)
         if v.envs.VLLM_MARLIN_INPUT_DTYPE is not None or v.envs.VLLM_BATCH_INVARIANT:
             raise RuntimeError("could not clear VLLM_MARLIN_INPUT_DTYPE / VLLM_BATCH_INVARIANT")
@@ -535,14 +572,15 @@ def _marlin_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
             kernel = _kernel(module)
         except VllmRefusedError as e:
             raise VllmRefusedError(f"{name}: {e}") from e
-        if type(kernel).__name__ != "MarlinLinearKernel":
+        if type(kernel).__name__ not in ("MarlinLinearKernel", "MacheteLinearKernel"):
             raise VllmRefusedError(f"{name}: kernel is {type(kernel).__name__}")
         out[name] = module
     return out
 
 
 def reference_rank_tensors(
-    model_dir: Path, tp_size: int, rank: int, dtype: torch.dtype, *, model_class: list[str] | None = None
+    model_dir: Path, tp_size: int, rank: int, dtype: torch.dtype, *, model_class: list[str] | None = None,
+    kernel: str = "marlin", kernels: dict[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """What stock vLLM 0.33.0 holds, on TP rank ``rank`` of ``tp_size``, for every AWQ/GPTQ
     Marlin linear layer of the checkpoint in ``model_dir``, after
@@ -555,6 +593,11 @@ def reference_rank_tensors(
     Tensors are CPU copies. If ``model_class`` is a list, the name of the vLLM model class
     that was instantiated is appended to it.
 
+    ``kernel="machete"``: vLLM's own choice on an SM90 GPU instead of Marlin forced (Machete where it implements
+    the layer, :func:`_choose_on_hopper`); then every parameter a Machete layer keeps is returned (its
+    ``weight``/``scales``/zero points as Machete leaves them, and what it leaves untouched, e.g. GPTQ's
+    ``qzeros`` and ``g_idx``), and ``kernels`` (if a dict) receives each layer's kernel class name.
+
     Raises :class:`VllmRefusedError` where vLLM would not use Marlin for a layer or fails.
     """
     model_dir = Path(model_dir)
@@ -562,7 +605,7 @@ def reference_rank_tensors(
         raise ValueError(f"serving dtype must be float16 or bfloat16, not {dtype}")
     if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= rank < tp_size):
         raise ValueError(f"bad tp_size/rank {tp_size}/{rank}")
-    with _LOCK, _patched(tp_size, rank) as v, v.set_default_torch_dtype(dtype):
+    with _LOCK, _patched(tp_size, rank, kernel) as v, v.set_default_torch_dtype(dtype):
         model, model_config = vllm_model(model_dir, tp_size, rank, dtype, v)
         if model_class is not None:
             model_class.append(type(model).__name__)
@@ -593,6 +636,12 @@ def reference_rank_tensors(
         out: dict[str, torch.Tensor] = {}
         for name, layer in marlin_layers.items():
             kernel = _kernel(layer)
+            if kernels is not None:
+                kernels[name] = type(kernel).__name__
+            if type(kernel).__name__ == "MacheteLinearKernel":
+                for pname, param in layer.named_parameters(recurse=False):
+                    out[f"{name}.{pname}"] = param.data.detach().clone()
+                continue
             # The kernel's parameter names: qweight/scales/qzeros (AWQ, GPTQ) or weight_packed/
             # weight_scale/weight_zero_point (compressed-tensors, which also keeps weight_shape).
             for pname in (kernel.w_q_name, kernel.w_s_name, kernel.w_zp_name):

@@ -35,6 +35,7 @@ def _check(make_checkpoint, tmp_path: Path, fmt: str, bits: int, preset: str, gr
     return n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
 @pytest.mark.parametrize("fmt,bits", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -130,6 +130,7 @@ def test_fixtures_carry_the_quantizers_quirks() -> None:
     assert bf16["model.layers.0.mlp.down_proj.scales"].dtype == torch.float16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", list(ACCEPTED))
 def test_convert_is_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path: Path) -> None:

@@ -79,8 +79,8 @@ def test_explicit_bundle_path(awq_bundle: Path) -> None:
 # --- the engine checks ------------------------------------------------------------------------
 
 ENGINE_MISMATCHES = [
-    (dict(tp_size=4, tp_rank=1), "tp_size", r"bundle has tp 1,2, the engine runs --tensor-parallel-size 4, which this checkpoint cannot be split into "
-     r"\(marlin-pack convert accepts --tp 1,2 for it\)"),
+    (dict(tp_size=4, tp_rank=1), "tp_size", (r"bundle has tp 1,2, the engine runs --tensor-parallel-size 4, which this checkpoint "
+                                             r"cannot be split into \(marlin-pack convert accepts --tp 1,2 for it\)")),
     (dict(tp_size=2, tp_rank=2), "tp_rank", r"rank 2 is outside tp_size 2"),
     (dict(dtype="bfloat16"), "serving_dtype", r"bundle holds float16 scales, the engine runs bfloat16"),
     (dict(vllm_version="0.34.0"), "vllm_version", r"made for vLLM 0\.33\.0, this engine runs 0\.34\.0"),

@@ -242,6 +242,78 @@ def test_placed_layers_equal_stock_vllm_post_processing(make_bundle: Any, monkey
     assert all((t.data_ptr() - base) % 512 == 0 for n, t in got.items() if t.numel() and "w_zp" not in n)
 
 
+MACHETE_CASES: dict[str, tuple[dict, int, int]] = {
+    "awq4": (dict(fmt="awq", preset="tiny", tp_sizes=(1, 2)), 1, 0),
+    "gptq4": (dict(fmt="gptq", preset="tiny", tp_sizes=(1, 2)), 2, 1),
+    "gptq8": (dict(fmt="gptq", preset="tiny", bits=8, group_size=64), 1, 0),
+    "ct4": (dict(fmt="ct", preset="tiny"), 1, 0),
+    "ct4-asym-tp2-rank1": (dict(fmt="ct-asym", preset="tiny", group_size=64, tp_sizes=(1, 2)), 2, 1),
+    "gptq4-g32-stays-marlin": (dict(fmt="gptq", preset="tiny", group_size=32), 1, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(MACHETE_CASES))
+def test_machete_bundles_place_what_vllm_holds_on_sm90(make_bundle: Any, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """A ``--kernel machete`` bundle: nothing is forced, vLLM (seeing an SM90 GPU) picks Machete per layer, the
+    layer checks pass, and after the patched post-processing every parameter equals stock vLLM's on SM90
+    (``machete_prepack_B`` stood in for by marlin-pack's layout, see ``vllm_reference``): zero points change
+    dtype (int32 placeholders, ``-s*z`` in the bundle), GPTQ keeps its unused ``qzeros``."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from marlin_pack.vllm_plugin.engine import quantized_layers
+
+    bundle_args, tp_size, rank = MACHETE_CASES[case]
+    model_dir = make_bundle(**bundle_args, kernel="machete")
+    kernels: dict[str, str] = {}
+    reference = vr.reference_rank_tensors(model_dir, tp_size, rank, torch.float16, kernel="machete", kernels=kernels)
+    seen = fake_create_model(monkeypatch, model_dir, tp_size)
+    vllm_config, model_config = fake_engine(model_dir, quantization_of(bundle_args["fmt"]), monkeypatch, tp_size, rank)
+    io_plan(monkeypatch, threads=2, window_mib=1)
+    loader = make_loader()
+    with vr._patched(tp_size, rank, "machete"), vr._vllm().set_default_torch_dtype(torch.float16):
+        model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+        layers = quantized_layers(model)
+        loader.load_weights(model, model_config)  # type: ignore[arg-type]
+        process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
+    machete = "MacheteLinearKernel" in kernels.values()
+    assert seen == [{} if machete else {"mixed_precision": "marlin"}]  # Marlin forced only for a Marlin bundle
+    assert machete is (case != "gptq4-g32-stays-marlin")
+    got = {f"{n}.{p}": t for n, m in layers.items() for p, t in m.named_parameters(recurse=False)}
+    assert got.keys() == reference.keys()
+    for name, want in reference.items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+        assert torch.equal(got[name].detach(), want), name
+
+
+def test_a_machete_bundle_is_refused_off_sm90_and_with_marlin_forced(make_bundle: Any) -> None:
+    from marlin_pack.bundle.reader import read_manifest
+    from marlin_pack.errors import BundleMismatchError
+    from marlin_pack.vllm_plugin.decision import EngineFacts, check_engine
+
+    manifest = read_manifest(make_bundle("gptq", "tiny", kernel="machete") / "marlin-pack")
+    base = dict(model="m", vllm_version="0.33.0", dtype="float16", quantization="gptq")
+    check_engine(manifest, EngineFacts(**base, capability=90))
+    check_engine(manifest, EngineFacts(**base))  # `check` without a GPU: the family is not known
+    with pytest.raises(BundleMismatchError, match=r"Machete's layout \(SM90 only\), this GPU has compute capability 8.0"):
+        check_engine(manifest, EngineFacts(**base, capability=80))
+    with pytest.raises(BundleMismatchError, match=r"--linear-backend is 'marlin'"):
+        check_engine(manifest, EngineFacts(**base, capability=90, linear_backend="marlin"))
+    with pytest.raises(BundleMismatchError, match=r"VLLM_DISABLED_KERNELS disables MacheteLinearKernel"):
+        check_engine(manifest, EngineFacts(**base, capability=90, disabled_kernels=("MacheteLinearKernel",)))
+
+
+def test_a_marlin_bundle_on_sm90_counts_the_layers_vllm_would_give_machete(make_bundle: Any) -> None:
+    from marlin_pack.bundle.reader import read_manifest
+    from marlin_pack.vllm_plugin.decision import EngineFacts, hopper_machete_layers
+
+    manifest = read_manifest(make_bundle("gptq", "tiny") / "marlin-pack")
+    tp_set = manifest.tensor_parallel[0]
+    base = dict(model="m", vllm_version="0.33.0", dtype="float16", quantization="gptq")
+    assert hopper_machete_layers(manifest, tp_set, EngineFacts(**base, capability=90)) == len(tp_set.layers)
+    assert hopper_machete_layers(manifest, tp_set, EngineFacts(**base, capability=89)) == 0
+    assert hopper_machete_layers(manifest, tp_set, EngineFacts(**base, capability=90, linear_backend="marlin")) == 0
+
+
 # --- the loader's own flow -------------------------------------------------------------------
 
 

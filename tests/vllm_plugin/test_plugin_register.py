@@ -115,6 +115,7 @@ print("FRESH " + json.dumps(out), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_vllm_plugin_machinery_calls_register_and_the_version_guard_holds() -> None:
     """vLLM's plugin loading calls register(), which registers the loader and installs the
     patches; on another vLLM release it only warns, once."""

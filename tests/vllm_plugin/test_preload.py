@@ -405,6 +405,7 @@ class _Probe:
         return (exec, (_PROBE.format(path=str(self.path)),))
 
 
+@pytest.mark.slow
 def test_a_spawned_daemon_begins_page_locking_before_its_configuration_is_unpickled(tmp_path: Path,
                                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from marlin_pack.vllm_plugin import daemon_process

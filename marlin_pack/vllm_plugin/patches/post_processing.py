@@ -11,7 +11,7 @@ order:
 2. the weight cache handed over final tensors: check the kernel and layout, finish the layer;
 3. otherwise: vLLM's own post-processing.
 
-"Finish" (``engine.finish_marlin_layer``) sets only what the kernel's post-processing sets
+"Finish" (``engine.finish_layer``: Marlin's, or Machete's on SM90) sets only what the kernel's post-processing sets
 besides the transformed tensors. The mark is one-shot: a later reload of checkpoint-format
 weights into the same layer is post-processed normally. ``apply()`` is never touched.
 
@@ -84,15 +84,15 @@ def _recorded_layer(quant_method: Any) -> nn.Module | None:
 
 
 def supports_pre_processed(quant_method: Any, layer: nn.Module | None = None) -> bool:
-    """The weight cache may hand this layer final tensors: MarlinLinearKernel with 16-bit activations
+    """The weight cache may hand this layer final tensors: MarlinLinearKernel or MacheteLinearKernel with 16-bit activations
     (compressed-tensors: the WNA16 scheme of the layer its ``create_weights`` saw)."""
-    from marlin_pack.vllm_plugin.engine import is_marlin_16bit
+    from marlin_pack.vllm_plugin.engine import is_prepackable_16bit
 
     if layer is None:
         layer = _recorded_layer(quant_method)
     if layer is None and getattr(quant_method, "kernel", None) is None:
         return False  # a compressed-tensors method not bound to a layer yet
-    return is_marlin_16bit(quant_method, layer)
+    return is_prepackable_16bit(quant_method, layer)
 
 
 def _process_weights_after_loading(original: Callable[[Any, nn.Module], None]) -> Callable[[Any, nn.Module], None]:
@@ -100,16 +100,16 @@ def _process_weights_after_loading(original: Callable[[Any, nn.Module], None]) -
     def process_weights_after_loading(self: Any, layer: nn.Module) -> None:
         from vllm.model_executor.utils import is_weights_pre_processed
 
-        from marlin_pack.vllm_plugin.engine import check_marlin_layout, finish_marlin_layer
+        from marlin_pack.vllm_plugin.engine import check_layout, finish_layer
 
         if take_prepacked_mark(layer):
-            finish_marlin_layer(self, layer)
+            finish_layer(self, layer)
             materialize_stubs(layer)  # stub placeholders the bundle did not replace and finishing kept
         elif is_weights_pre_processed():
             if not supports_pre_processed(self, layer):  # vLLM checks the flag first; keep the promise anyway
                 raise RuntimeError(f"{type(getattr(self, 'kernel', None)).__name__} cannot use pre-processed weights")
-            check_marlin_layout(self, layer)
-            finish_marlin_layer(self, layer)
+            check_layout(self, layer)
+            finish_layer(self, layer)
         else:
             original(self, layer)
 
@@ -117,7 +117,7 @@ def _process_weights_after_loading(original: Callable[[Any, nn.Module], None]) -
 
 
 _SUPPORTS = property(
-    supports_pre_processed, doc="marlin-pack: True when served by MarlinLinearKernel with fp16/bf16 activations."
+    supports_pre_processed, doc="marlin-pack: True when served by MarlinLinearKernel or MacheteLinearKernel with fp16/bf16 activations."
 )
 
 

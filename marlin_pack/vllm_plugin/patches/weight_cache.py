@@ -6,7 +6,8 @@ work with it:
 
 * Marlin for weight-cache processes: ``IpcModelLoader`` (its IPC build and its disk
   fallback) and the daemon's ``get_model`` resolve an ``auto`` mixed-precision backend to
-  Marlin for AWQ/GPTQ models (as ``--kernel-config
+  Marlin for AWQ/GPTQ models, unless the model's bundle holds Machete layers (converted with
+  ``--kernel machete``: then both keep vLLM's own SM90 choice, whose Machete tensors the cache shares too) (as ``--kernel-config
   '{"linear_backend_per_quant": {"mixed_precision": "marlin"}}'`` would), because Marlin is
   the only kernel whose processed weights can be shared: on Hopper vLLM would otherwise
   build Machete layers on the engine side for Marlin tensors. An explicit backend is kept
@@ -82,6 +83,11 @@ def force_marlin_for_cache(vllm_config: Any, model_config: Any, role: str = "wei
     """
     if getattr(model_config, "quantization", None) not in CACHE_QUANTIZATIONS:
         return False
+    if _bundle_holds_machete(model_config):
+        logger.info(
+            "marlin-pack: %s: the model's bundle holds vLLM's SM90 choice (Machete layers): nothing is forced", role
+        )
+        return False
     kc = vllm_config.kernel_config
     if id(kc) not in _FORCED:
         _FORCED[id(kc)] = (kc, copy.deepcopy(kc.linear_backend_per_quant), getattr(kc, "moe_backend", "auto"))
@@ -110,6 +116,21 @@ def force_marlin_for_cache(vllm_config: Any, model_config: Any, role: str = "wei
         role,
     )
     return True
+
+
+def _bundle_holds_machete(model_config: Any) -> bool:
+    """Whether the model's bundle (at its default place: daemon and engine find the same one) holds Machete layers.
+
+    Then daemon and engine both keep vLLM's own per-layer choice (Machete on SM90, whose processed tensors the
+    cache shares too); otherwise both force Marlin, as before. No bundle, or one that cannot be read: False.
+    """
+    from marlin_pack.sources.hub import locate_bundle
+    from marlin_pack.vllm_plugin.decision import load_manifest
+
+    try:
+        return load_manifest(locate_bundle(str(model_config.model), getattr(model_config, "revision", None))).has_machete_layers
+    except Exception:  # noqa: BLE001 - not found or unreadable: the loader reports it where it matters
+        return False
 
 
 def _as_configured(kernel_config: Any) -> Any:

@@ -90,8 +90,9 @@ def test_marked_layers_skip_stock_post_processing_once(patched: Any, monkeypatch
         ("gptq", "Marlin", "uint8b128", torch.bfloat16, True),
         ("gptq", "Marlin", "uint4b8", torch.int8, False),  # VLLM_MARLIN_INPUT_DTYPE=int8
         ("gptq", "Marlin", "uint4b8", torch.float8_e4m3fn, False),  # VLLM_MARLIN_INPUT_DTYPE=fp8
-        ("awq", "Machete", "uint4", torch.float16, False),  # H200's default without forcing
-        ("gptq", "Machete", "uint4b8", torch.float16, False),
+        ("awq", "Machete", "uint4", torch.float16, True),  # H200's default: shared too (issue 49)
+        ("gptq", "Machete", "uint4b8", torch.bfloat16, True),
+        ("gptq", "Machete", "uint4b8", torch.int8, False),
         ("gptq", "Exllama", "uint4b8", torch.float16, False),
         ("awq", "Conch", "uint4", torch.float16, False),
     ],
@@ -140,7 +141,7 @@ def test_vllm_post_processing_refuses_unsupported_layers(patched: Any) -> None:
 
     root = nn.Module()
     root.layer = nn.Module()
-    root.layer.quant_method = fakes.quant_method("awq", fakes.fake_kernel(fakes.kernel_cls("Machete"), fakes.mp_config()))
+    root.layer.quant_method = fakes.quant_method("awq", fakes.fake_kernel(fakes.kernel_cls("Conch"), fakes.mp_config()))
     cfg = SimpleNamespace(word_embeddings_untied_by_checkpoint=False, dtype=torch.float16, quantization="auto_awq")
     with weights_already_processed(), pytest.raises(RuntimeError, match="does not support pre-processed weights"):
         process_weights_after_loading(root, cfg, torch.device("cpu"))
@@ -150,8 +151,8 @@ def test_wrapper_keeps_its_promise_if_called_directly(patched: Any) -> None:
     from vllm.model_executor.utils import weights_already_processed
 
     layer, _ = fakes.marlin_layer("uint4b8", 256, 512, 128, False)
-    method = fakes.quant_method("gptq", fakes.fake_kernel(fakes.kernel_cls("Machete"), fakes.mp_config("uint4b8")))
-    with weights_already_processed(), pytest.raises(RuntimeError, match="MacheteLinearKernel cannot use pre-processed weights"):
+    method = fakes.quant_method("gptq", fakes.fake_kernel(fakes.kernel_cls("Exllama"), fakes.mp_config("uint4b8")))
+    with weights_already_processed(), pytest.raises(RuntimeError, match="ExllamaLinearKernel cannot use pre-processed weights"):
         method.process_weights_after_loading(layer)
 
 

@@ -395,6 +395,7 @@ def _spawn_probe_main() -> None:
     )
 
 
+@pytest.mark.slow
 def test_spawned_daemons_register_marlin_pack() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run(
