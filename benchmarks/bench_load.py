@@ -10,7 +10,9 @@ quantized values) under ``--workdir``, converts it (``--device cuda``, timed, be
 durable write of as many bytes to the same disk: the bound of a conversion) into a bundle under
 ``--bundle-root``, warms the page cache with both, then starts, one engine per process:
 
-* ``ordinary``: vLLM's own loading of the checkpoint, Marlin forced;
+* ``ordinary``: vLLM's own loading of the checkpoint, Marlin forced (``--ordinary default`` adds vLLM's
+  default kernel choice, Machete on SM90: what a user runs without marlin-pack);
+* ``--kernel marlin,machete``: a bundle per kernel layout (``convert --kernel``), each started below;
 * ``prepacked``: ``--load-format marlin_prepacked``, once per ``--io`` configuration: a JSON object whose loader
   keys (``bundle``, ``fallback``, ``verify``, ``preload``) go to ``--model-loader-extra-config`` and whose other
   keys (I/O plan fields: ``mode``, ``threads``, ``window_mib``, ``helpers``, ...) to ``MARLIN_PACK_IO``;
@@ -19,6 +21,13 @@ durable write of as many bytes to the same disk: the bound of a conversion) into
   ``--ablate construct,cache_key`` each is followed by one without those patch modules of
   ``marlin_pack.vllm_plugin.patches`` (before/after side by side in one sitting). Each attach prints the
   steps of its ``load_model`` (the daemon's answer, construction, mapping, post-processing).
+
+``--serve`` times the same serving workloads after every start (prefill 16 x 1024 tokens, decode 64 and 256
+sequences x 64 tokens; eager) and prints them beside the default ordinary engine's, with the kernels vLLM
+logged. The Machete sitting of issue 49:
+
+    python benchmarks/bench_load.py --formats awq,gptq --ordinary default,marlin --kernel marlin,machete --serve \\
+        --daemon gptq --workdir /dev/shm/bench
 
 It prints vLLM's "Model loading took" seconds for each engine, the ratios to ordinary, the
 loader's own phase line, the daemon's fill time, the peak GPU memory torch allocated during
@@ -122,11 +131,14 @@ if mode == 'ipc':
                                (IpcModelLoader, '_watch_daemon', 'watch')):
         timed(owner, name, label)
 from vllm import LLM, SamplingParams
-kw = dict(model=model, enforce_eager=True, max_model_len=512, attention_backend=attn, dtype='float16',
+serve = os.environ.get('MARLIN_PACK_BENCH_SERVE') == '1'
+kw = dict(model=model, enforce_eager=True, max_model_len=2048 if serve else 512, attention_backend=attn, dtype='float16',
           skip_tokenizer_init=True, seed=0)
 extra = json.loads(extra)
 if mode == 'ordinary':  # Marlin forced for linears and (MoE models) experts: the layouts a bundle holds
     kw.update(linear_backend='marlin', moe_backend='marlin', gpu_memory_utilization=0.92)
+elif mode == 'default':  # vLLM's own kernel choice (Machete on SM90): what a user runs without marlin-pack
+    kw.update(gpu_memory_utilization=0.92)
 elif mode == 'prepacked':
     kw.update(load_format='marlin_prepacked', gpu_memory_utilization=0.92, model_loader_extra_config=extra)
 else:  # an ipc_cache engine beside its daemon: no memory profiling
@@ -135,8 +147,25 @@ t = time.perf_counter()
 llm = LLM(**kw)
 start_s = time.perf_counter() - t
 out = llm.generate([{'prompt_token_ids': [1, 2, 3, 4]}], SamplingParams(max_tokens=4, temperature=0))
+serving = {}
+if serve:  # the same workloads for every engine: prefill 16 x 1024 tokens; decode 64 and 256 sequences x 64 tokens
+    import random
+    rng = random.Random(0)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    def prompts(n, length):
+        return [{'prompt_token_ids': [rng.randrange(10, vocab - 1) for _ in range(length)]} for _ in range(n)]
+    def timed_generate(batch, params):
+        torch.cuda.synchronize(); t = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        torch.cuda.synchronize(); return round(time.perf_counter() - t, 4)
+    first = SamplingParams(max_tokens=1, temperature=0)
+    timed_generate(prompts(4, 256), first)  # warm-up
+    serving['prefill_16x1024_s'] = timed_generate(prompts(16, 1024), first)
+    decode = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for n in (64, 256):
+        serving[f'decode_{n}x64_s'] = timed_generate(prompts(n, 16), decode)
 print('RESULT ' + json.dumps({'engine_start_s': start_s, 'tokens': list(out[0].outputs[0].token_ids), **peak,
-                              'phases': {k: round(v, 4) for k, v in phases.items()}}))
+                              'phases': {k: round(v, 4) for k, v in phases.items()}, 'serving': serving}))
 """
 
 LOAD_RE = r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds"
@@ -253,11 +282,15 @@ def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profil
     kv = re.search(r"Available KV cache memory: ([0-9.]+) GiB", log)  # sized from vLLM's memory snapshot and profile run
     result["kv_cache_gib"] = float(kv.group(1)) if kv else None
     result["marlin_pack_log"] = _marlin_lines(log)
+    result["kernels"] = sorted(set(re.findall(r"Using (\w+) for mixed-precision linear", log)))
     prof = re.search(r"PROFILE-BEGIN\n(.*?)PROFILE-END", log, re.S)
     result["profile"] = prof.group(1) if prof else ""
     # One line per engine as it ends, so a sitting cut short still shows the rows it finished.
     print(f"  {mode} engine: Model loading took {result['model_loading_s']} s, engine start {result['engine_start_s']:.2f} s; "
           f"KV cache {result['kv_cache_gib']} GiB; {' | '.join(result['marlin_pack_log'][-1:])}", flush=True)
+    if result.get("serving"):
+        print("    serving: " + ", ".join(f"{k} {v:.2f}" for k, v in result["serving"].items())
+              + f"; kernels {', '.join(result['kernels']) or '?'}", flush=True)
     if result.get("phases"):
         print(f"    load_model {result.get('load_model_s', 0):.3f} s: "
               + ", ".join(f"{k} {v:.3f}" for k, v in result["phases"].items()), flush=True)
@@ -373,7 +406,13 @@ def main() -> None:
     ap.add_argument("--daemon-io", default="{}", help="';'-separated objects as --io: each fills a daemon, "
                     "the last one's gets the attaches")
     ap.add_argument("--daemon", default="", help="formats (comma-separated) that also get the daemon rows")
-    ap.add_argument("--no-ordinary", action="store_true", help="skip the ordinary engine")
+    ap.add_argument("--no-ordinary", action="store_true", help="skip the ordinary engines")
+    ap.add_argument("--ordinary", default="marlin", help="ordinary engines (comma-separated): marlin (--linear-backend "
+                    "marlin, the layout a Marlin bundle holds) and/or default (vLLM's own choice: Machete on SM90)")
+    ap.add_argument("--kernel", default="marlin", help="bundles to convert and start from (comma-separated): marlin, "
+                    "machete (convert --kernel); daemon rows use the last one")
+    ap.add_argument("--serve", action="store_true", help="after each start, time the serving workloads: prefill 16 x "
+                    "1024 tokens, decode 64 and 256 sequences x 64 tokens (eager; max_model_len 2048)")
     ap.add_argument("--profile", action="store_true", help="cProfile the prepacked and 2nd attach load_model")
     ap.add_argument("--ablate", default="", help="patch modules (e.g. construct,cache_key) that an attach engine "
                     "after each attach runs without")
@@ -411,17 +450,26 @@ def _sitting(args: argparse.Namespace) -> None:
     print(f"pinned host->GPU bandwidth: {pinned:.1f} GB/s", flush=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     report = []
+    kernels = [k for k in args.kernel.split(",") if k]
+    if os.environ.get("MARLIN_PACK_BENCH_SERVE") is None and args.serve:
+        ENV["MARLIN_PACK_BENCH_SERVE"] = "1"
     for fmt in args.formats.split(","):
         model = args.workdir / f"{args.preset}-{fmt}"
-        bundle = (args.bundle_root / model.name) if args.bundle_root else model / "marlin-pack"
-        reused = args.reuse and (bundle / "manifest.json").is_file() and model.is_dir()
+        last = (args.bundle_root / model.name) if args.bundle_root else model / "marlin-pack"
+        # The last kernel's bundle at the usual place (a daemon's ipc_cache engines find a Machete bundle there).
+        bundles = {k: last if k == kernels[-1] else last.with_name(f"{last.name}-{k}") for k in kernels}
+        if "machete" in kernels[-1:] and fmt in args.daemon.split(",") and args.bundle_root:
+            print("note: with --bundle-root the ipc_cache engines do not find the Machete bundle (they look in the "
+                  "checkpoint): they force Marlin and fail to attach", flush=True)
+        reused = args.reuse and all((b / "manifest.json").is_file() for b in bundles.values()) and model.is_dir()
         if args.reuse and not reused:
-            print(f"{fmt}: --reuse found no kept checkpoint {model} with a bundle {bundle}: generating", flush=True)
+            print(f"{fmt}: --reuse found no kept checkpoint {model} with bundles {list(bundles.values())}: generating", flush=True)
+        conv_s: dict[str, float | None] = {}
         if reused:  # a kept checkpoint and bundle of an earlier run (--keep): no generation, no convert row
             from marlin_pack.bundle.reader import read_manifest
 
-            manifest = read_manifest(bundle)
-            gen_s = conv_s = None
+            manifest = read_manifest(bundles[kernels[-1]])
+            gen_s = None
         else:
             t = time.perf_counter()
             if moe:  # random words drawn on the GPU, streamed shard by shard (seconds for 17 GB)
@@ -430,23 +478,28 @@ def _sitting(args: argparse.Namespace) -> None:
                 writer = write_awq_checkpoint if fmt == "awq" else write_gptq_checkpoint
                 writer(model, shape, group_size=128, max_shard_bytes=5 << 30, device="cuda")
             gen_s = time.perf_counter() - t
-            spy = _Spy(os.getpid(), f"convert-{fmt}", under=None) if SPY_DIR else None
-            t = time.perf_counter()
-            manifest = convert(model, bundle, tp=(1,), dtype="float16", device="cuda", force=True, kernel="marlin").manifest
-            conv_s = time.perf_counter() - t
-            if spy is not None:
-                spy.stop()
-            torch.cuda.empty_cache()
+            for kernel, bundle in bundles.items():
+                spy = _Spy(os.getpid(), f"convert-{fmt}-{kernel}", under=None) if SPY_DIR else None
+                t = time.perf_counter()
+                manifest = convert(model, bundle, tp=(1,), dtype="float16", device="cuda", force=True, kernel=kernel).manifest
+                conv_s[kernel] = time.perf_counter() - t
+                if spy is not None:
+                    spy.stop()
+                torch.cuda.empty_cache()
+        bundle = bundles[kernels[-1]]
         bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
         disk = _disk_write_gbps(bundle.parent) if not reused else float("nan")
-        warm_gb = _warm([model, bundle])
+        warm_gb = _warm([model, *bundles.values()])
         rank_gb = manifest.tensor_parallel[0].ranks[0].file.size / 1e9
-        print(f"{fmt}: {'reused' if reused else f'generated in {gen_s:.1f} s; convert --device cuda {conv_s:.1f} s'}; "
+        converts = ", ".join(f"convert --kernel {k} --device cuda {v:.1f} s" for k, v in conv_s.items())
+        print(f"{fmt}: {'reused' if reused else f'generated in {gen_s:.1f} s; {converts}'}; "
               f"rank file {rank_gb:.1f} GB; bundle {bundle_gb:.1f} GB, a plain durable write of it at this disk's "
               f"{disk:.2f} GB/s: {bundle_gb / disk:.1f} s; warmed {warm_gb:.1f} GB", flush=True)
-        rows: dict = {"convert_s": conv_s, "disk_write_s": bundle_gb / disk}
+        rows: dict = {"convert_s": conv_s or None, "disk_write_s": bundle_gb / disk}
         if not args.no_ordinary:
-            rows["ordinary"] = _engine(model, "ordinary", args.attention_backend)
+            for kind in args.ordinary.split(","):
+                name = "ordinary" if kind == "marlin" else f"ordinary {kind}"
+                rows[name] = _engine(model, "ordinary" if kind == "marlin" else "default", args.attention_backend)
         engine_ios = args.io.split(";") if args.io != "none" else []
         daemon_ios = args.daemon_io.split(";") if fmt in args.daemon.split(",") else []
         # Rounds interleave the configurations (A B A B ...), so that a drift of the machine is spread
@@ -455,13 +508,15 @@ def _sitting(args: argparse.Namespace) -> None:
             tag = f" #{k + 1}" if args.rounds > 1 else ""
             for i, io in enumerate(engine_ios):
                 options, plan_env = _split(io)
-                extra = {**options, "bundle": str(bundle)}
-                try:
-                    rows[f"prepacked {io}{_repeat(engine_ios, i)}{tag}"] = _engine(
-                        model, "prepacked", args.attention_backend, extra, profile=args.profile and i == 0 and k == 0, env=plan_env
-                    )
-                except SystemExit as e:  # one loader configuration failing should not end the sitting
-                    print(f"prepacked {io}: {e}", flush=True)
+                for kernel, kernel_bundle in bundles.items():
+                    extra = {**options, "bundle": str(kernel_bundle)}
+                    label = f"prepacked {kernel} {io}" if len(bundles) > 1 else f"prepacked {io}"
+                    try:
+                        rows[f"{label}{_repeat(engine_ios, i)}{tag}"] = _engine(
+                            model, "prepacked", args.attention_backend, extra, profile=args.profile and i == 0 and k == 0, env=plan_env
+                        )
+                    except SystemExit as e:  # one loader configuration failing should not end the sitting
+                        print(f"{label}: {e}", flush=True)
             for j, io in enumerate(daemon_ios):
                 attach = k == args.rounds - 1 and j == len(daemon_ios) - 1  # the attaches: the very last daemon
                 r = _daemon_rows(model, bundle, args.attention_backend, args.profile and attach, args.workdir,
@@ -474,7 +529,8 @@ def _sitting(args: argparse.Namespace) -> None:
         print(json.dumps({"format": fmt, **{k: v for k, v in rows.items()}}, indent=1, default=str)[:20000], flush=True)
         if not (args.keep or reused):  # what an earlier --keep run left stays for the next --reuse
             shutil.rmtree(model)
-            shutil.rmtree(bundle, ignore_errors=True)
+            for b in bundles.values():
+                shutil.rmtree(b, ignore_errors=True)
 
     print(f"\n{args.preset}{f' ({args.layers} layers)' if args.layers else ''}, TP=1, page cache warm, "
           f"one engine per process; pinned host->GPU {pinned:.1f} GB/s")
@@ -484,8 +540,9 @@ def _sitting(args: argparse.Namespace) -> None:
         # Tokens are compared with ordinary's, or without an ordinary row with the first engine's.
         engines = [r for r in rows.values() if isinstance(r, dict) and "tokens" in r]
         tokens = rows.get("ordinary", engines[0] if engines else {}).get("tokens")
-        if rows["convert_s"] is not None:
-            print(f"{fmt:6} {'convert --device cuda':40} {rows['convert_s']:20.2f}")
+        for kernel, seconds in (rows["convert_s"] or {}).items():
+            print(f"{fmt:6} {f'convert --kernel {kernel} --device cuda':40} {seconds:20.2f}")
+        if rows["convert_s"]:
             print(f"{fmt:6} {'  the bundle written plainly (disk bound)':40} {rows['disk_write_s']:20.2f}")
         for key, value in rows.items():
             if key.startswith("fill_s ") and value is not None:
@@ -497,6 +554,11 @@ def _sitting(args: argparse.Namespace) -> None:
             same = "same" if tokens is None or r["tokens"] == tokens else "DIFFER"
             print(f"{fmt:6} {key:40} {r['model_loading_s'] or -1:20.2f} {_ratio(r['model_loading_s'], base):>10} "
                   f"{r['peak_alloc_gb']:11.1f} {same:>8}")
+            if r.get("serving"):
+                ref = rows.get("ordinary default", {}).get("serving") or {}
+                print("         serving: " + ", ".join(
+                    f"{k} {v:.2f} s ({_ratio(v, ref.get(k))} of default)" for k, v in r["serving"].items()
+                ) + f"; kernels {', '.join(r.get('kernels') or []) or '?'}")
             for line in r["marlin_pack_log"]:
                 bw = re.search(r"\(([\d.]+) GB, ([\d.]+) GB/s\)", line)
                 share = f"  [{float(bw.group(2)) / pinned:.2f} of pinned H2D]" if bw else ""

@@ -255,6 +255,10 @@ def check(
         VerifyMode.auto
     ),
     fallback: Annotated[bool, typer.Option("--fallback", help="As the loader's fallback: a bad bundle means loading ordinarily.")] = False,
+    compute_capability: Annotated[
+        str | None,
+        typer.Option("--compute-capability", help="The engine's GPU, e.g. 9.0 (H100/H200) or 8.0 \\[default: this machine's GPU, if any]."),
+    ] = None,
     revision: RevisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -269,6 +273,8 @@ def check(
       marlin-pack check ./Llama-3-8B-AWQ -tp 2
 
       marlin-pack check Qwen/Qwen2.5-7B-Instruct-AWQ --tensor-parallel-size 4 --dtype half
+
+      marlin-pack check ./Llama-3-70B-AWQ --compute-capability 9.0    # as an H100/H200 engine would decide
     """  # noqa: E501
     from marlin_pack.vllm_plugin.preflight import preflight
 
@@ -278,7 +284,7 @@ def check(
     try:
         report = preflight(
             model, bundle=bundle, tp_size=tp, rank=rank, dtype=_engine_dtype(model, revision, dtype.value),
-            verify=verify_mode.value, fallback=fallback, revision=revision,
+            verify=verify_mode.value, fallback=fallback, revision=revision, capability=_capability(compute_capability),
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -292,6 +298,25 @@ def check(
             out.print(f"check {hashed}", soft_wrap=True)
     if report.decision == "refuse":
         raise typer.Exit(1)
+
+
+def _capability(text: str | None) -> int | None:
+    """``--compute-capability 9.0`` as 90; without it, this machine's GPU's (torch), else None."""
+    if text is None:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                major, minor = torch.cuda.get_device_capability(0)
+                return major * 10 + minor
+        except Exception:  # noqa: BLE001 - no usable GPU: unknown
+            pass
+        return None
+    try:
+        major, _, minor = text.partition(".")
+        return int(major) * 10 + int(minor or 0)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: expected MAJOR.MINOR, e.g. 9.0", param_hint="--compute-capability") from None
 
 
 def _grouped(report) -> list[tuple[str, str, str]]:  # type: ignore[no-untyped-def]

@@ -349,3 +349,18 @@ def test_convert_again_is_up_to_date_and_exits_0(make_checkpoint, tmp_path: Path
     r = _run_wide("convert", str(d), "--tp", "4")
     assert r.returncode == 1, r.stderr
     assert r.stderr.startswith(f"error: {d}/marlin-pack holds a bundle for tp 1,2 in float16, asked for tp 4"), r.stderr
+
+
+def test_check_says_which_kernel_each_layer_runs_on_the_gpu_given(make_bundle) -> None:
+    marlin, machete = make_bundle("gptq", "tiny"), make_bundle("gptq", "tiny", kernel="machete")
+    r = runner.invoke(app, ["check", str(marlin), "--compute-capability", "9.0"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0 and "8 layers on MarlinLinearKernel, forced: vLLM's default on this SM90 GPU runs 8" in r.stdout, r.stdout
+    r = runner.invoke(app, ["check", str(marlin), "--compute-capability", "8.0"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0 and "8 layers on MarlinLinearKernel," in r.stdout and "forced" not in r.stdout, r.stdout
+    r = runner.invoke(app, ["check", str(machete), "--compute-capability", "9.0"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0 and "(8 on MacheteLinearKernel," in r.stdout, r.stdout
+    r = runner.invoke(app, ["check", str(machete), "--compute-capability", "8.0"], env={"COLUMNS": "400"})
+    assert r.exit_code == 1 and "Machete's layout (SM90 only), this GPU has compute capability 8.0" in r.stdout, r.stdout
+    r = runner.invoke(app, ["inspect", str(machete)], env={"COLUMNS": "400"})
+    assert r.exit_code == 0 and "8 machete" in r.stdout, r.stdout
+    assert runner.invoke(app, ["check", str(machete), "--compute-capability", "nine"]).exit_code == 2

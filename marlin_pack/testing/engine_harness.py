@@ -469,8 +469,10 @@ def wait_socket(proc: Proc, sdir: Path, timeout: float = START_TIMEOUT_S, poll_s
 
 
 def ordinary_and_prepacked(workdir: Path, case: str, model: Path, layer: str, *, extra_layers: tuple[str, ...] = (),
-                           ordinary: dict[str, Any] | None = None, **kwargs: Any) -> tuple[dict, dict]:
-    """Engine (a): ``model`` loaded the ordinary way with Marlin forced; engine (b): from its bundle.
+                           ordinary: dict[str, Any] | None = None, vllm_default: bool = False,
+                           **kwargs: Any) -> tuple[dict, dict]:
+    """Engine (a): ``model`` loaded the ordinary way with Marlin forced (``vllm_default``: with vLLM's own kernel
+    choice, Machete on SM90, for ``--kernel machete`` bundles); engine (b): from its bundle.
 
     Both report every parameter's digest and the kernels of ``layer`` and ``extra_layers``; (b) must
     log the loader's timing line. ``ordinary``: more engine arguments for (a) only (e.g.
@@ -479,7 +481,8 @@ def ordinary_and_prepacked(workdir: Path, case: str, model: Path, layer: str, *,
     cluster = Cluster(workdir / f"{case}-engines", logs=f"gpu-logs-{case}")
     try:
         kw: dict[str, Any] = dict(digests=True, layers=[layer, *extra_layers], **kwargs)
-        a_proc = cluster.engine(f"{case}-ordinary", model, linear_backend="marlin", **(ordinary or {}), **kw)
+        forced = {} if vllm_default else {"linear_backend": "marlin"}
+        a_proc = cluster.engine(f"{case}-ordinary", model, **forced, **(ordinary or {}), **kw)
         a = a_proc.result()
         assert a is not None, a_proc.tail()
         b_proc = cluster.engine(f"{case}-prepacked", model, load_format="marlin_prepacked", **kw)
@@ -492,10 +495,10 @@ def ordinary_and_prepacked(workdir: Path, case: str, model: Path, layer: str, *,
     return a, b
 
 
-def assert_engines_identical(a: dict, b: dict, layer: str) -> int:
-    """Both engines ran ``layer`` on Marlin, hold bit-identical parameters (every digest), and
+def assert_engines_identical(a: dict, b: dict, layer: str, kernel: str = "MarlinLinearKernel") -> int:
+    """Both engines ran ``layer`` on ``kernel``, hold bit-identical parameters (every digest), and
     generated the same tokens with exactly the same logprobs. Returns the number of parameters."""
-    assert a["layers"]["kernels"][layer]["kernel"] == b["layers"]["kernels"][layer]["kernel"] == "MarlinLinearKernel"
+    assert a["layers"]["kernels"][layer]["kernel"] == b["layers"]["kernels"][layer]["kernel"] == kernel
     da, db = a["layers"]["digests"], b["layers"]["digests"]
     assert da.keys() == db.keys()
     differ = [n for n in da if da[n] != db[n]]

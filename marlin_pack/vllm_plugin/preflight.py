@@ -10,6 +10,7 @@ from the installed package's metadata).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Literal
 from marlin_pack._constants import TARGET_VLLM_VERSION
 from marlin_pack.bundle.integrity import HashReport
 from marlin_pack.errors import LoadRefusedError
-from marlin_pack.vllm_plugin.decision import EngineFacts, decide
+from marlin_pack.vllm_plugin.decision import EngineFacts, SelectedBundle, decide, hopper_machete_layers
 from marlin_pack.vllm_plugin.options import parse_extra_config
 
 __all__ = ["Outcome", "RankOutcome", "PreflightReport", "installed_vllm_version", "preflight"]
@@ -98,6 +99,20 @@ def installed_vllm_version() -> str:
         return TARGET_VLLM_VERSION
 
 
+def _kernels_text(sel: SelectedBundle, facts: EngineFacts) -> str:
+    """``8 layers on MarlinLinearKernel``, ``6 on MacheteLinearKernel, 2 on MarlinLinearKernel``, and for a Marlin
+    bundle on SM90 how many layers vLLM's default would have given Machete."""
+    if not sel.manifest.has_machete_layers:
+        text = f"{len(sel.tp_set.layers)} layers on MarlinLinearKernel"
+        n = hopper_machete_layers(sel.manifest, sel.tp_set, facts)
+        if n:
+            text += f", forced: vLLM's default on this SM90 GPU runs {n} of them on Machete (convert --kernel machete)"
+        return text
+    counts = Counter(e.kernel.value for e in sel.tp_set.layers)
+    names = (("machete", "MacheteLinearKernel"), ("marlin", "MarlinLinearKernel"))
+    return ", ".join(f"{counts[k]} on {name}" for k, name in names if counts[k])
+
+
 def preflight(
     model_dir: str | Path,
     *,
@@ -109,6 +124,7 @@ def preflight(
     fallback: bool = False,
     vllm_version: str | None = None,
     revision: str | None = None,
+    capability: int | None = None,
 ) -> PreflightReport:
     """What ``vllm serve MODEL_DIR --load-format marlin_prepacked`` would decide, per rank.
 
@@ -118,6 +134,8 @@ def preflight(
         tp_size: the engine's ``--tensor-parallel-size``; ``rank``: one rank only (default: all).
         dtype: the engine's ``--dtype`` (``float16``/``bfloat16``).
         vllm_version: the engine's vLLM (default: the installed one).
+        capability: the engine's GPU, major*10 + minor (None: unknown; then which kernel family vLLM picks is
+            not checked, only said).
 
     Raises:
         ValueError: an option the loader itself would refuse (unknown ``verify``, ...).
@@ -129,7 +147,10 @@ def preflight(
     version = vllm_version or installed_vllm_version()
     report = PreflightReport(tp_size=tp_size, vllm_version=version)
     for r in range(tp_size) if rank is None else [rank]:
-        facts = EngineFacts(model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, dtype=dtype, revision=revision)
+        facts = EngineFacts(
+            model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, dtype=dtype, revision=revision,
+            capability=capability,
+        )
         try:
             decision = decide(options, facts)
         except LoadRefusedError as e:
@@ -142,7 +163,7 @@ def preflight(
             sel = decision.bundle
             entry = sel.tp_set.ranks[r].file
             message = (
-                f"{entry.path} ({len(sel.tp_set.layers)} layers, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} "
+                f"{entry.path} ({_kernels_text(sel, facts)}, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} "
                 f"from {sel.bundle_dir}"
             )
             report.ranks.append(RankOutcome(r, "load", None, message, sel.hashed))

@@ -424,3 +424,19 @@ if __name__ == "__main__":
         _spawn_probe_main()
     else:
         sys.exit(f"usage: {sys.argv[0]} spawn-probe")
+
+
+def test_the_weight_cache_keeps_vllms_choice_for_a_bundle_with_machete_layers(make_bundle: Any) -> None:
+    """Daemon and engine both find the model's bundle: Machete layers in it, nothing is forced (vLLM's SM90 choice
+    on both sides, shared); a Marlin bundle, or none, and both force Marlin as before."""
+    from types import SimpleNamespace
+
+    from vllm.config.kernel import KernelConfig
+
+    from marlin_pack.vllm_plugin.patches.weight_cache import force_marlin_for_cache
+
+    for kernel, forced in (("machete", False), ("marlin", True)):
+        model = make_bundle("gptq", "tiny", kernel=kernel)
+        cfg = SimpleNamespace(kernel_config=KernelConfig())
+        assert force_marlin_for_cache(cfg, SimpleNamespace(model=str(model), quantization="gptq", revision=None)) is forced
+        assert (cfg.kernel_config.linear_backend_per_quant or {}).get("mixed_precision") == ("marlin" if forced else None)
