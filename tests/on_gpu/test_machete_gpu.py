@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch  # noqa: F401  (the skip condition evaluates it)
 from _harness import assert_engines_identical, ordinary_and_prepacked
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")]
