@@ -249,6 +249,9 @@ def check(
     tp: Annotated[
         int, typer.Option("--tp", "-tp", "--tensor-parallel-size", min=1, max=1024, help="The engine's --tensor-parallel-size.")
     ] = 1,
+    pp: Annotated[
+        int, typer.Option("-pp", "--pipeline-parallel-size", min=1, max=1024, help="The engine's --pipeline-parallel-size.")
+    ] = 1,
     rank: Annotated[int | None, typer.Option("--rank", min=0, help="Check one rank only \\[default: every rank].")] = None,
     dtype: DtypeOpt = Dtype.auto,
     verify_mode: Annotated[VerifyMode, typer.Option("--verify", help="As the loader's verify option: auto hashes what changed.")] = (
@@ -285,6 +288,7 @@ def check(
         report = preflight(
             model, bundle=bundle, tp_size=tp, rank=rank, dtype=_engine_dtype(model, revision, dtype.value),
             verify=verify_mode.value, fallback=fallback, revision=revision, capability=_capability(compute_capability),
+            pp_size=pp,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -293,7 +297,7 @@ def check(
     else:
         colour = {"load": "green", "fallback": "yellow", "refuse": "red"}
         for ranks, decision, message in _grouped(report):
-            out.print(_styled(f"{ranks}/{report.tp_size}: ", (decision, colour[decision]), f" {message}"), soft_wrap=True)
+            out.print(_styled(f"{ranks}: ", (decision, colour[decision]), f" {message}"), soft_wrap=True)
         if (hashed := report.hashed.summary()) is not None:
             out.print(f"check {hashed}", soft_wrap=True)
     if report.decision == "refuse":
@@ -320,14 +324,25 @@ def _capability(text: str | None) -> int | None:
 
 
 def _grouped(report) -> list[tuple[str, str, str]]:  # type: ignore[no-untyped-def]
-    """Ranks with the same decision and message, said once: ``("ranks 0-3", "refuse", why)``."""
-    groups: list[tuple[list[int], str, str]] = []
+    """Ranks with the same decision and message, said once: ``("ranks 0-3/4", "refuse", why)``; with pipeline
+    stages, ranks count across them (``stage 1 rank 0``, or ``ranks 0-3/4 of pp 2 x tp 2``)."""
+    groups: list[tuple[list, str, str]] = []
     for r in report.ranks:
         if groups and groups[-1][1:] == (r.decision, r.message):
-            groups[-1][0].append(r.rank)
+            groups[-1][0].append(r)
         else:
-            groups.append(([r.rank], r.decision, r.message))
-    return [(f"rank {g[0]}" if len(g) == 1 else f"ranks {g[0]}-{g[-1]}", d, m) for g, d, m in groups]
+            groups.append(([r], r.decision, r.message))
+
+    def where(rs: list) -> str:
+        if report.pp_size == 1:
+            span = f"rank {rs[0].rank}" if len(rs) == 1 else f"ranks {rs[0].rank}-{rs[-1].rank}"
+            return f"{span}/{report.tp_size}"
+        if len(rs) == 1:
+            return f"stage {rs[0].stage} rank {rs[0].rank}/{report.tp_size}"
+        first, last = (x.stage * report.tp_size + x.rank for x in (rs[0], rs[-1]))
+        return f"ranks {first}-{last}/{report.pp_size * report.tp_size} of pp {report.pp_size} x tp {report.tp_size}"
+
+    return [(where(rs), d, m) for rs, d, m in groups]
 
 
 def _local_or_repo(model: str, revision: str | None) -> str:

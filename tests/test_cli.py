@@ -364,3 +364,15 @@ def test_check_says_which_kernel_each_layer_runs_on_the_gpu_given(make_bundle) -
     r = runner.invoke(app, ["inspect", str(machete)], env={"COLUMNS": "400"})
     assert r.exit_code == 0 and "8 machete" in r.stdout, r.stdout
     assert runner.invoke(app, ["check", str(machete), "--compute-capability", "nine"]).exit_code == 2
+
+
+def test_check_takes_pipeline_parallel_size_and_decides_every_stage(make_bundle) -> None:
+    d = make_bundle("gptq", "tiny", tp_sizes=(1, 2))
+    for flag in ("-pp", "--pipeline-parallel-size"):
+        r = runner.invoke(app, ["check", str(d), "-tp", "2", flag, "2", "--json"])
+        data = json.loads(r.stdout)
+        assert r.exit_code == 1 and data["pp_size"] == 2 and data["field"] == "pp_size", r.output
+        assert [(x["stage"], x["rank"]) for x in data["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    r = runner.invoke(app, ["check", str(d), "-tp", "2", "-pp", "2"], env={"COLUMNS": "400"})
+    assert r.stdout.count("refuse") == 1 and r.stdout.startswith("ranks 0-3/4 of pp 2 x tp 2: refuse"), r.stdout
+    assert "pipeline_parallel_size=1 only" in r.stdout

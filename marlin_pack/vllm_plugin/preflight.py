@@ -36,9 +36,10 @@ class RankOutcome:
     field: str | None
     message: str
     hashed: HashReport = HashReport()
+    stage: int = 0  # the pipeline stage (pipeline_parallel_size > 1)
 
     def to_dict(self) -> dict[str, object]:
-        return {"rank": self.rank, "decision": self.decision, "field": self.field, "message": self.message}
+        return {"rank": self.rank, "stage": self.stage, "decision": self.decision, "field": self.field, "message": self.message}
 
 
 @dataclass
@@ -48,6 +49,7 @@ class PreflightReport:
     tp_size: int
     vllm_version: str
     ranks: list[RankOutcome] = field(default_factory=list)
+    pp_size: int = 1
 
     @property
     def first_problem(self) -> RankOutcome | None:
@@ -77,6 +79,7 @@ class PreflightReport:
             "field": problem.field if problem else None,
             "message": problem.message if problem else f"every rank of tp {self.tp_size} loads from the bundle",
             "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
             "vllm_version": self.vllm_version,
             "hashed": _hash_dict(self.hashed),
             "ranks": [r.to_dict() for r in self.ranks],
@@ -125,6 +128,7 @@ def preflight(
     vllm_version: str | None = None,
     revision: str | None = None,
     capability: int | None = None,
+    pp_size: int = 1,
 ) -> PreflightReport:
     """What ``vllm serve MODEL_DIR --load-format marlin_prepacked`` would decide, per rank.
 
@@ -134,6 +138,7 @@ def preflight(
         tp_size: the engine's ``--tensor-parallel-size``; ``rank``: one rank only (default: all).
         dtype: the engine's ``--dtype`` (``float16``/``bfloat16``).
         vllm_version: the engine's vLLM (default: the installed one).
+        pp_size: the engine's ``--pipeline-parallel-size``: every (stage, rank) is decided.
         capability: the engine's GPU, major*10 + minor (None: unknown; then which kernel family vLLM picks is
             not checked, only said).
 
@@ -145,20 +150,20 @@ def preflight(
         extra["bundle"] = str(bundle)
     options = parse_extra_config(extra)
     version = vllm_version or installed_vllm_version()
-    report = PreflightReport(tp_size=tp_size, vllm_version=version)
-    for r in range(tp_size) if rank is None else [rank]:
+    report = PreflightReport(tp_size=tp_size, vllm_version=version, pp_size=pp_size)
+    for stage, r in ((s, r) for s in range(pp_size) for r in (range(tp_size) if rank is None else [rank])):
         facts = EngineFacts(
-            model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, dtype=dtype, revision=revision,
-            capability=capability,
+            model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, pp_size=pp_size, dtype=dtype,
+            revision=revision, capability=capability,
         )
         try:
             decision = decide(options, facts)
         except LoadRefusedError as e:
-            report.ranks.append(RankOutcome(r, "refuse", str(e.field), str(e)))
+            report.ranks.append(RankOutcome(r, "refuse", str(e.field), str(e), stage=stage))
             continue
         if decision.bundle is None:
             message = f"[{decision.field}] {decision.reason}; the engine would load the checkpoint the ordinary way"
-            report.ranks.append(RankOutcome(r, "fallback", str(decision.field), message))
+            report.ranks.append(RankOutcome(r, "fallback", str(decision.field), message, stage=stage))
         else:
             sel = decision.bundle
             entry = sel.tp_set.ranks[r].file
@@ -166,5 +171,5 @@ def preflight(
                 f"{entry.path} ({_kernels_text(sel, facts)}, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} "
                 f"from {sel.bundle_dir}"
             )
-            report.ranks.append(RankOutcome(r, "load", None, message, sel.hashed))
+            report.ranks.append(RankOutcome(r, "load", None, message, sel.hashed, stage=stage))
     return report
