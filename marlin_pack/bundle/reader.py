@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from marlin_pack._constants import BUNDLE_DIRNAME, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, READABLE_FORMAT_VERSIONS
+from marlin_pack._constants import BUNDLE_DIRNAME, FORMAT_NAME, MANIFEST_NAME, READABLE_FORMAT_VERSIONS
 from marlin_pack.errors import BundleError, BundleMismatchError, MismatchField
 from marlin_pack.io.files import FileTooLargeError, NotRegularFileError, read_limited
 from marlin_pack.schemas import FileEntry, Manifest
@@ -104,8 +104,9 @@ def _version_advice(bundle_dir: Path, found: object) -> str:
         command = f"marlin-pack convert MODEL --output {bundle_dir} --force"
     older = isinstance(found, int) and not isinstance(found, bool) and found < min(READABLE_FORMAT_VERSIONS)
     why = "made by an older marlin-pack" if older else "not a format this marlin-pack knows (a newer one may)"
+    readable = f"formats {min(READABLE_FORMAT_VERSIONS)} to {max(READABLE_FORMAT_VERSIONS)}"
     return (
-        f"bundle {bundle_dir} has format_version {found!r}, this marlin-pack reads {FORMAT_VERSION} ({why}); "
+        f"bundle {bundle_dir} has format_version {found!r}, this marlin-pack reads {readable} ({why}); "
         f"re-convert it with `{command}`"
     )
 

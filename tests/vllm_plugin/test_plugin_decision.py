@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from marlin_pack._constants import FORMAT_VERSION
 from marlin_pack.bundle.rank_files import check_rank_header, rank_file_path
 from marlin_pack.bundle.reader import read_manifest
 from marlin_pack.errors import BundleMismatchError, LoadRefusedError, MismatchField
@@ -184,7 +183,7 @@ def test_missing_or_foreign_bundle(tmp_path: Path, awq_bundle: Path, damaged_cop
         select_bundle(LoaderOptions(), facts(model))
     assert e.value.field == "format_version"
     assert (
-        f"has format_version 1, this marlin-pack reads {FORMAT_VERSION} (made by an older marlin-pack); "
+        "has format_version 1, this marlin-pack reads formats 3 to 5 (made by an older marlin-pack); "
         f"re-convert it with `marlin-pack convert {model} --force`"
     ) in str(e.value)
 
