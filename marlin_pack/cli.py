@@ -252,6 +252,11 @@ def check(
     pp: Annotated[
         int, typer.Option("-pp", "--pipeline-parallel-size", min=1, max=1024, help="The engine's --pipeline-parallel-size.")
     ] = 1,
+    dp: Annotated[
+        int,
+        typer.Option("-dp", "--data-parallel-size", min=1, max=1024, help="The engine's --data-parallel-size: each replica "
+                     "loads the same TP rank files, so every replica decides as the ranks below."),
+    ] = 1,
     rank: Annotated[int | None, typer.Option("--rank", min=0, help="Check one rank only \\[default: every rank].")] = None,
     dtype: DtypeOpt = Dtype.auto,
     verify_mode: Annotated[VerifyMode, typer.Option("--verify", help="As the loader's verify option: auto hashes what changed.")] = (
@@ -293,8 +298,10 @@ def check(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     if as_json:
-        out.print_json(json.dumps(report.to_dict()))
+        out.print_json(json.dumps({**report.to_dict(), "data_parallel_size": dp}))
     else:
+        if dp > 1:
+            out.print(f"each of the {dp} data-parallel replicas decides as follows (the same TP rank files)", highlight=False)
         colour = {"load": "green", "fallback": "yellow", "refuse": "red"}
         for ranks, decision, message in _grouped(report):
             out.print(_styled(f"{ranks}: ", (decision, colour[decision]), f" {message}"), soft_wrap=True)

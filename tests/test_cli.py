@@ -376,3 +376,12 @@ def test_check_takes_pipeline_parallel_size_and_decides_every_stage(make_bundle)
     r = runner.invoke(app, ["check", str(d), "-tp", "2", "-pp", "2"], env={"COLUMNS": "400"})
     assert r.stdout.count("refuse") == 1 and r.stdout.startswith("ranks 0-3/4 of pp 2 x tp 2: refuse"), r.stdout
     assert "pipeline_parallel_size=1 only" in r.stdout
+
+
+def test_check_takes_data_parallel_size(make_bundle) -> None:
+    d = make_bundle("gptq", "tiny", tp_sizes=(1, 2))
+    r = runner.invoke(app, ["check", str(d), "-tp", "2", "-dp", "2", "--json"])
+    data = json.loads(r.stdout)
+    assert r.exit_code == 0 and data["data_parallel_size"] == 2 and data["decision"] == "load", r.output
+    r = runner.invoke(app, ["check", str(d), "--data-parallel-size", "3"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0 and r.stdout.startswith("each of the 3 data-parallel replicas decides as follows"), r.stdout
