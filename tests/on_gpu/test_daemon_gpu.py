@@ -22,9 +22,10 @@ for the fused qkv_proj / gate_up_proj layers, the daemon's memory (not their own
 allocator's; a write through one engine's mapping is seen by the other) with contents
 bit-identical to ordinary loading. The daemons are filled from the bundles: two by
 ``marlin-pack daemon``, one (gptq8) by plain ``vllm preload --load-format
-marlin_prepacked`` when the entry point is installed. Refused with vLLM's
-``UnsupportedQuantForIPCError``: a Machete-served layer (``--linear-backend machete``) in a
-daemon, and ``VLLM_MARLIN_INPUT_DTYPE=int8`` in an engine (even with fallback on).
+marlin_prepacked`` when the entry point is installed. A daemon whose layers vLLM serves with
+Machete (``--linear-backend machete``) comes up (Machete layers are shared since issue 49); refused
+with vLLM's ``UnsupportedQuantForIPCError``: ``VLLM_MARLIN_INPUT_DTYPE=int8`` in an engine (even
+with fallback on).
 Measured (printed as ``marlin-pack: timing`` lines, also in ``timings.json``): daemon fill
 time from the bundle vs from the checkpoint, and engines' model-loading time.
 
@@ -155,6 +156,7 @@ class Results:
     engines: dict[tuple[str, str], Proc]
     results: dict[tuple[str, str], dict[str, Any]]
     machete: Proc | None
+    machete_sdir: Path | None
     int8: Proc | None
     vllm_cli_daemon: bool
     timings: dict[str, Any] = field(default_factory=dict)
@@ -177,13 +179,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         }
         # Machete exists on SM90 only (H100/H200); elsewhere this daemon is not started.
         hopper = torch.cuda.get_device_capability() == (9, 0)
+        machete_sdir = cluster.socket_dir() if hopper and "awq4" in models else None
         machete = (
             None
-            if not hopper or "awq4" not in models
+            if machete_sdir is None
             else cluster.daemon(
                 "daemon-machete",
                 models["awq4"],
-                cluster.socket_dir(),
+                machete_sdir,
                 "--load-format",
                 "auto",
                 "--linear-backend",
@@ -228,7 +231,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
             res = proc.result()
             assert res is not None, proc.tail()
             results[key] = res
-        yield Results(workdir, cluster, models, daemons, engines, results, machete, int8, vllm_cli)
+        yield Results(workdir, cluster, models, daemons, engines, results, machete, machete_sdir, int8, vllm_cli)
     finally:
         cluster.stop()
 
@@ -346,15 +349,15 @@ def test_plain_vllm_preload_gets_the_plugin(run: Results) -> None:
     assert "plugin active in weight-cache daemon process" in log, run.daemons["gptq8"].tail()
 
 
-def test_machete_layer_is_refused(run: Results) -> None:
-    if run.machete is None:
+def test_machete_layers_are_shared(run: Results) -> None:
+    """A daemon whose AWQ layers vLLM serves with Machete (``--linear-backend machete``, plain loading) comes up:
+    Machete with 16-bit activations is shared too since issue 49 (it was refused before)."""
+    if run.machete is None or run.machete_sdir is None:
         pytest.skip("Machete needs compute capability 9.0 (H100/H200)")
-    code = run.machete.wait_exit()
+    assert wait_socket(run.machete, run.machete_sdir), run.machete.tail()
     log = run.machete.log()
-    assert code not in (None, 0), run.machete.tail()
     assert "Using MacheteLinearKernel" in log, run.machete.tail()
-    assert "UnsupportedQuantForIPCError" in log, run.machete.tail()
-    assert "AutoAWQMarlinLinearMethod does not support loading from pre-processed weights" in log
+    assert "UnsupportedQuantForIPCError" not in log, run.machete.tail()
 
 
 def test_int8_activations_are_refused(run: Results) -> None:
