@@ -328,7 +328,7 @@ class _Group:
 
 
 @contextlib.contextmanager
-def _patched(tp_size: int, rank: int, kernel: str = "marlin"):
+def _patched(tp_size: int, rank: int, kernel: str = "marlin", pp: tuple[int, int] = (1, 0)):
     v = _vllm()
     saved: list[tuple[Any, str, Any]] = []
 
@@ -344,7 +344,7 @@ def _patched(tp_size: int, rank: int, kernel: str = "marlin"):
     vllm_logger.setLevel(logging.ERROR)
     try:
         setattr_saved(v.parallel_state, "_TP", _Group(tp_size, rank))
-        setattr_saved(v.parallel_state, "_PP", _Group(1, 0))
+        setattr_saved(v.parallel_state, "_PP", _Group(*pp))  # (size, rank): the pipeline stage this rank is
         view = _CudaView(v.platform)
         for mod in (v.auto_awq, v.auto_gptq, v.marlin_utils, v.marlin_mod, v.machete_mod, v.ct_config, v.ct_wna16):
             if "current_platform" in mod.__dict__:
@@ -580,7 +580,7 @@ def _marlin_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def reference_rank_tensors(
     model_dir: Path, tp_size: int, rank: int, dtype: torch.dtype, *, model_class: list[str] | None = None,
-    kernel: str = "marlin", kernels: dict[str, str] | None = None,
+    kernel: str = "marlin", kernels: dict[str, str] | None = None, pp: tuple[int, int] = (1, 0),
 ) -> dict[str, torch.Tensor]:
     """What stock vLLM 0.33.0 holds, on TP rank ``rank`` of ``tp_size``, for every AWQ/GPTQ
     Marlin linear layer of the checkpoint in ``model_dir``, after
@@ -605,7 +605,7 @@ def reference_rank_tensors(
         raise ValueError(f"serving dtype must be float16 or bfloat16, not {dtype}")
     if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= rank < tp_size):
         raise ValueError(f"bad tp_size/rank {tp_size}/{rank}")
-    with _LOCK, _patched(tp_size, rank, kernel) as v, v.set_default_torch_dtype(dtype):
+    with _LOCK, _patched(tp_size, rank, kernel, pp) as v, v.set_default_torch_dtype(dtype):
         model, model_config = vllm_model(model_dir, tp_size, rank, dtype, v)
         if model_class is not None:
             model_class.append(type(model).__name__)

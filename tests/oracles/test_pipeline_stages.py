@@ -1,0 +1,65 @@
+"""Pipeline parallelism needs no new files: what stock vLLM 0.33.0 holds on stage ``s``, TP rank ``r`` is exactly the
+bundle's TP rank file restricted to the decoder layers :func:`marlin_pack.pipeline.stage_layers` gives the stage.
+
+vLLM's own model classes are built with stand-in TP and PP groups (``vllm_reference``, ``pp=(size, stage)``), so
+the layers each stage builds (``make_layers`` over ``get_pp_indices``) and loads are vLLM's. Groundwork of issue 51:
+the loader's per-stage loading builds on this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from marlin_pack import convert
+from marlin_pack.pipeline import stage_layers
+
+pytest.importorskip("vllm")
+from oracles.vllm_reference import reference_rank_tensors  # noqa: E402
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype in (torch.int32, torch.int64) else t.view(torch.int16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize(("layers", "pp", "tp"), [(5, 2, 1), (5, 3, 2), (7, 4, 1), (4, 2, 2)])
+def test_a_stage_holds_its_layers_of_the_tp_rank_file(tmp_path: Path, preset: str, layers: int, pp: int, tp: int) -> None:
+    from marlin_pack.testing.synthetic import PRESETS, write_gptq_checkpoint
+
+    shape = dataclasses.replace(PRESETS[preset], num_hidden_layers=layers)
+    model = write_gptq_checkpoint(tmp_path / "m", shape, group_size=64, tokenizer=False)
+    convert(model, tp=(tp,), kernel="marlin")
+    for rank in range(tp):
+        got = load_file(str(model / "marlin-pack" / f"tp{tp}" / f"rank-{rank}.safetensors"))
+        for stage in range(pp):
+            want = reference_rank_tensors(model, tp, rank, torch.float16, pp=(pp, stage))
+            start, end = stage_layers(layers, pp, stage)
+            held = {int(_LAYER.search(n).group(1)) for n in want}  # type: ignore[union-attr]
+            assert held == set(range(start, end)), (stage, held)
+            subset = {n: t for n, t in got.items() if start <= int(_LAYER.search(n).group(1)) < end}  # type: ignore[union-attr]
+            empty = {n for n, t in want.items() if t.numel() == 0}  # GPTQ's empty zero points: not in bundles
+            assert subset.keys() == want.keys() - empty, (stage, rank)
+            for name, t in subset.items():
+                assert t.dtype == want[name].dtype and torch.equal(_bits(t), _bits(want[name])), name
+
+
+def test_a_named_partition_moves_the_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``VLLM_PP_LAYER_PARTITION=4,1`` instead of the default 3,2 of five layers: vLLM and stage_layers agree."""
+    from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint
+
+    model = write_awq_checkpoint(tmp_path / "m", dataclasses.replace(PRESETS["tiny"], num_hidden_layers=5), tokenizer=False)
+    assert stage_layers(5, 2, 1, partition="3,2") == (3, 5)  # the default split, for contrast
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "4,1")
+    for stage, expected in ((0, (0, 4)), (1, (4, 5))):
+        want = reference_rank_tensors(model, 1, 0, torch.float16, pp=(2, stage))
+        assert {int(_LAYER.search(n).group(1)) for n in want} == set(range(*expected))  # type: ignore[union-attr]
+        assert stage_layers(5, 2, stage) == expected
