@@ -314,15 +314,10 @@ def check(
 def _capability(text: str | None) -> int | None:
     """``--compute-capability 9.0`` as 90; without it, this machine's GPU's (torch), else None."""
     if text is None:
-        try:
-            import torch
+        from marlin_pack.kernel_choice import visible_gpu
 
-            if torch.cuda.is_available():
-                major, minor = torch.cuda.get_device_capability(0)
-                return major * 10 + minor
-        except Exception:  # noqa: BLE001 - no usable GPU: unknown
-            pass
-        return None
+        gpu = visible_gpu()
+        return None if gpu is None else gpu[1]
     try:
         major, _, minor = text.partition(".")
         return int(major) * 10 + int(minor or 0)

@@ -15,7 +15,7 @@ from marlin_pack.errors import MarlinPackError
 from marlin_pack.machete.supports import machete_supports
 from marlin_pack.schemas import LayerEntry, LayerKernel, QuantScheme
 
-__all__ = ["machete_entry", "default_kernel", "parse_kernel"]
+__all__ = ["machete_entry", "visible_gpu", "default_kernel", "parse_kernel"]
 
 
 def machete_entry(entry: LayerEntry, scheme: QuantScheme, dtype: torch.dtype) -> LayerEntry:
@@ -32,18 +32,27 @@ def machete_entry(entry: LayerEntry, scheme: QuantScheme, dtype: torch.dtype) ->
     )
 
 
-def default_kernel() -> tuple[LayerKernel, str]:
-    """The kernel vLLM would choose on this machine's GPU, and why: Machete on a visible SM90 (Hopper) GPU, else Marlin."""
+def visible_gpu() -> tuple[str, int] | None:
+    """This machine's first GPU as torch sees it: its name and compute capability (major*10 + minor); None without one
+    (or with a broken CUDA setup)."""
     try:
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability(0)
-            name = torch.cuda.get_device_name(0)
-            if (major, minor) == (9, 0):
-                return LayerKernel.machete, f"{name} is SM90: vLLM serves these layers with Machete where it can"
-            return LayerKernel.marlin, f"{name} is SM{major}{minor}: vLLM serves these layers with Marlin"
+            return torch.cuda.get_device_name(0), major * 10 + minor
     except Exception:  # noqa: BLE001 - a broken CUDA setup: as without a GPU
         pass
-    return LayerKernel.marlin, "no GPU visible: Marlin's layout; on Hopper (H100/H200) pass --kernel machete to keep vLLM's own kernel"
+    return None
+
+
+def default_kernel() -> tuple[LayerKernel, str]:
+    """The kernel vLLM would choose on this machine's GPU, and why: Machete on a visible SM90 (Hopper) GPU, else Marlin."""
+    gpu = visible_gpu()
+    if gpu is None:
+        return LayerKernel.marlin, "no GPU visible: Marlin's layout; on Hopper (H100/H200) pass --kernel machete to keep vLLM's own kernel"
+    name, cc = gpu
+    if cc == 90:
+        return LayerKernel.machete, f"{name} is SM90: vLLM serves these layers with Machete where it can"
+    return LayerKernel.marlin, f"{name} is SM{cc}: vLLM serves these layers with Marlin"
 
 
 def parse_kernel(kernel: str | LayerKernel | None) -> LayerKernel:

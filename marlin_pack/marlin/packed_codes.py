@@ -17,7 +17,7 @@ import torch
 from marlin_pack.marlin.repack import awq_to_natural, unpack_awq_cols, unpack_gptq_qweight
 from marlin_pack.marlin.scratch import scratch
 
-__all__ = ["ColumnParts", "PackedCodes", "cat_columns"]
+__all__ = ["ColumnParts", "PackedCodes", "cat_columns", "repeated_word"]
 
 Along = Literal["k", "n", "none"]
 
@@ -151,3 +151,11 @@ def cat_columns(parts: list[PackedCodes], lazy: bool = False) -> PackedCodes | C
             return ColumnParts(tuple(parts))
         return PackedCodes(torch.cat([p.words for p in parts], 1), first.bits, first.along, first.slots)
     return PackedCodes.from_codes(torch.cat([p.unpack() for p in parts], 1), first.bits)
+
+
+def repeated_word(code: int, bits: int) -> int:
+    """The signed int32 word holding ``code`` in every ``bits``-bit slot (what symmetric GPTQ ``qzeros`` hold)."""
+    word = 0
+    for i in range(32 // bits):
+        word |= code << (bits * i)
+    return word - (1 << 32) if word >= 1 << 31 else word

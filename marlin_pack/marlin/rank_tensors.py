@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from marlin_pack.machete.tensors import build_machete_tensors, machete_specs
-from marlin_pack.marlin.packed_codes import PackedCodes
+from marlin_pack.marlin.packed_codes import PackedCodes, repeated_word
 from marlin_pack.marlin.repack import (
     pack_marlin_zero_points,
     pad2d,
@@ -71,14 +71,6 @@ def tensor_specs(entry: LayerEntry, scheme: QuantScheme, dtype: torch.dtype, fmt
     return specs
 
 
-def _zero_word(code: int, bits: int) -> int:
-    """The int32 word holding ``code`` in every ``bits``-bit slot (GPTQ's symmetric ``qzeros``)."""
-    word = 0
-    for i in range(32 // bits):
-        word |= code << (bits * i)
-    return word - (1 << 32) if word >= 1 << 31 else word
-
-
 def build_rank_tensors(
     entry: LayerEntry,
     scheme: QuantScheme,
@@ -105,7 +97,7 @@ def build_rank_tensors(
     """
     pn = param_names(fmt)
     if entry.kernel is LayerKernel.machete:
-        word = None if gptq_zero is None or fmt is not SourceFormat.gptq_v1 else _zero_word(gptq_zero, scheme.bits)
+        word = None if gptq_zero is None or fmt is not SourceFormat.gptq_v1 else repeated_word(gptq_zero, scheme.bits)
         return build_machete_tensors(entry, scheme, dtype, codes, scales, zeros, bias, tuple(pn), source_slots, weight_shape, word)  # type: ignore[arg-type]
     kp, np_ = entry.padded_k, entry.padded_n
     gp = padded_groups(entry, scheme.group_size)

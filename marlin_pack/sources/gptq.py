@@ -7,7 +7,7 @@ import re
 import torch
 
 from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
-from marlin_pack.marlin.packed_codes import PackedCodes
+from marlin_pack.marlin.packed_codes import PackedCodes, repeated_word
 from marlin_pack.schemas import GptqSettings, QuantScheme, SourceFormat, WeightType
 from marlin_pack.sources.base import ModuleTensors
 from marlin_pack.sources.checkpoint import Checkpoint
@@ -99,11 +99,7 @@ class GptqV1Source:
 
     def _check_side_tensors(self, ckpt: Checkpoint, prefix: str, size_k: int, device: torch.device) -> None:
         qzeros = ckpt.get(f"{prefix}.qzeros").to(device)
-        word = 0
-        for i in range(32 // self.bits):
-            word |= self.stored_zero << (self.bits * i)
-        word = word - (1 << 32) if word >= 1 << 31 else word
-        if not bool((qzeros == word).all()):
+        if not bool((qzeros == repeated_word(self.stored_zero, self.bits)).all()):
             raise CheckpointError(
                 f"{prefix}.qzeros holds zero points other than {self.stored_zero} although sym is true; "
                 "vLLM ignores GPTQ zero points, so this checkpoint would be served wrong; re-quantize it"
