@@ -12,10 +12,13 @@ gptq8    GPTQ 8-bit, ``tiny-qwen2``, g128             qkv bias
 
 plus ``qwen3moe-gptq4`` (GPTQ 4-bit Qwen3-MoE, ``tiny-qwen3moe``, g128: routed experts on Marlin
 MoE, whose ``w13_qweight`` is the tensor poked through the shared mappings), and the
-compressed-tensors ``ct4`` / ``ct4-asym``.
+compressed-tensors ``ct4`` / ``ct4-asym``, and ``awq4-machete``: the awq4 shape converted with
+``--kernel machete`` (H100/H200 only), whose four starts all keep vLLM's own choice, Machete: the
+ordinary one with vLLM's default kernel choice, the fallback and attached engines because the
+model's bundle holds Machete layers (nothing is forced), the daemon filled from that bundle.
 
 Per checkpoint, four engine starts (FP16, eager, ``MARLIN_PACK_TEST_ATTN`` or TRITON_ATTN):
-ordinary loading with ``linear_backend="marlin"``; ``ipc_cache`` with no daemon (disk
+ordinary loading with ``linear_backend="marlin"`` (vLLM's default for ``awq4-machete``); ``ipc_cache`` with no daemon (disk
 fallback); and two ``ipc_cache`` engines attached to the daemon with ``fallback: false``.
 Their greedy outputs and top-5 prompt/sample logprobs agree; the attached engines hold,
 for the fused qkv_proj / gate_up_proj layers, the daemon's memory (not their own
@@ -74,7 +77,11 @@ ALL_MODELS = {  # name -> (format, preset, bits, group size)
     "ct4-asym": ("ct-asym", "tiny", 4, 64),  # compressed-tensors W4A16_ASYM: zero points
     "qwen3moe-gptq4": ("moe-gptq", "tiny-qwen3moe", 4, 128),  # mixture of experts (marlin_pack.testing.synthetic_moe)
     "gptq4-vocab": ("gptq", "tiny-vocab", 4, 128),  # an embedding and a head large enough to copy beside the construction
+    "awq4-machete": ("awq", "tiny", 4, 128),  # a --kernel machete bundle: Machete in every start (SM90 only)
 }
+# The kernel each model's bundle is converted for (marlin unless named here) and the kernel its layers run on.
+KERNEL = {"awq4-machete": "machete"}
+KERNEL_CLASS = {"marlin": "MarlinLinearKernel", "machete": "MacheteLinearKernel"}
 # The I/O plan a daemon's fill is forced to (MARLIN_PACK_IO) per model: the embedding and the head copied beside the
 # construction whatever the plan would be on this machine.
 DAEMON_IO = {"gptq4-vocab": {"MARLIN_PACK_IO": json.dumps({"common_during_build": True})}}
@@ -87,6 +94,20 @@ POKE = {"qwen3moe-gptq4": f"{MOE_EXPERTS}.w13_qweight"}
 _SELECTED = os.environ.get("MARLIN_PACK_TEST_DAEMON_MODELS")
 MODELS = {n: v for n, v in ALL_MODELS.items() if not _SELECTED or n in _SELECTED.split(",")}
 STARTS = ["ordinary", "fallback", "attach1", "attach2"]
+
+
+def _kernel(name: str) -> str:
+    return KERNEL.get(name, "marlin")
+
+
+def _ordinary_backend(name: str) -> dict[str, str]:
+    """The ordinary start's kernel choice: Marlin forced, or vLLM's own for a Machete bundle's model."""
+    return {} if _kernel(name) == "machete" else {"linear_backend": "marlin"}
+
+
+def _skip_without_machete(name: str) -> None:
+    if _kernel(name) == "machete" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("Machete needs compute capability 9.0 (H100/H200)")
 
 
 def _layers(name: str) -> list[str]:
@@ -135,6 +156,7 @@ def _write(name: str, out: Path, preset: str | None = None) -> Path:
                                  dtype=torch.float16, device=device, tokenizer=True)
         marlin_pack.convert(d, tp=(1,), dtype="float16", device=device, kernel="marlin")
         return d
+    kernel = KERNEL.get(name, "marlin")
     shape = PRESETS[preset or default_preset]
     if fmt.startswith("ct"):
         d = write_compressed_tensors_checkpoint(out, shape, bits=bits, group_size=group, symmetric=fmt == "ct",
@@ -143,7 +165,7 @@ def _write(name: str, out: Path, preset: str | None = None) -> Path:
         d = write_awq_checkpoint(out, shape, group_size=group, device=device)
     else:
         d = write_gptq_checkpoint(out, shape, bits=bits, group_size=group, device=device)
-    marlin_pack.convert(d, tp=(1,), dtype="float16", device=device, kernel="marlin")
+    marlin_pack.convert(d, tp=(1,), dtype="float16", device=device, kernel=kernel)
     return d
 
 
@@ -165,20 +187,20 @@ class Results:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
     workdir = tmp_path_factory.mktemp("daemon-gpu")
-    models = {name: _write(name, workdir / name) for name in MODELS}
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    models = {name: _write(name, workdir / name) for name in MODELS if hopper or _kernel(name) != "machete"}
     cluster = Cluster(workdir)
     try:
         empty = cluster.socket_dir()  # no daemon there: the disk-fallback engines
-        sdirs = {name: cluster.socket_dir() for name in MODELS}
+        sdirs = {name: cluster.socket_dir() for name in models}
         vllm_cli = plugin_installed()
         daemons = {
             name: cluster.daemon(
                 f"daemon-{name}", models[name], sdirs[name], vllm_cli=vllm_cli and name == "gptq8", env=DAEMON_IO.get(name)
             )
-            for name in MODELS
+            for name in models
         }
         # Machete exists on SM90 only (H100/H200); elsewhere this daemon is not started.
-        hopper = torch.cuda.get_device_capability() == (9, 0)
         machete_sdir = cluster.socket_dir() if hopper and "awq4" in models else None
         machete = (
             None
@@ -197,7 +219,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         for name, model in models.items():
             digests = name in DAEMON_IO  # every parameter compared (the embedding and the head too)
             engines[name, "ordinary"] = cluster.engine(
-                f"{name}-ordinary", model, linear_backend="marlin", layers=_layers(name), digests=digests, **_moe(name)
+                f"{name}-ordinary", model, **_ordinary_backend(name), layers=_layers(name), digests=digests, **_moe(name)
             )
             engines[name, "fallback"] = cluster.engine(
                 f"{name}-fallback",
@@ -216,7 +238,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
                     load_format="ipc_cache",
                     model_loader_extra_config=attach_config(sdirs[name]),
                 )
-        ready = {name: wait_socket(daemons[name], sdirs[name]) for name in MODELS}
+        ready = {name: wait_socket(daemons[name], sdirs[name]) for name in models}
         assert all(ready.values()), "\n".join(daemons[n].tail() for n, ok in ready.items() if not ok)
         # int8 activations attach to a ready daemon with fallback on: refused all the same.
         int8 = None if "gptq4" not in models else cluster.engine(
@@ -241,17 +263,19 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_four_starts_agree(run: Results, name: str) -> None:
+    _skip_without_machete(name)
     ref = run.results[name, "ordinary"]["outputs"]
     for start in STARTS[1:]:
         check_logprobs_close(ref, run.results[name, start]["outputs"], "ordinary", start)
+    kernel = KERNEL_CLASS[_kernel(name)]
     for start in STARTS:
         log = run.engines[name, start].log()
-        assert "Using MarlinLinearKernel for mixed-precision linear" in log, run.engines[name, start].tail()
+        assert f"Using {kernel} for mixed-precision linear" in log, run.engines[name, start].tail()
         for layer, k in run.results[name, start]["layers"]["kernels"].items():
             if layer == MOE_EXPERTS:  # the routed experts: Marlin MoE in every start
                 assert (k["kernel"], k["moe_backend"]) == ("MarlinExperts", "MARLIN"), (start, layer, k)
             else:
-                assert k["kernel"] == "MarlinLinearKernel", (start, layer, k)
+                assert k["kernel"] == kernel, (start, layer, k)
             assert k["act_type"] == "torch.float16", (start, layer, k)
             assert k["input_global_scale"] == "None", (start, layer, k)
     exact = all(run.results[name, s]["outputs"] == ref for s in STARTS)
@@ -260,9 +284,13 @@ def test_four_starts_agree(run: Results, name: str) -> None:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_engines_loaded_as_intended(run: Results, name: str) -> None:
+    _skip_without_machete(name)
     fb, a1, a2 = (run.engines[name, s].log() for s in ("fallback", "attach1", "attach2"))
     assert "falling back to disk loading" in fb, run.engines[name, "fallback"].tail()
-    assert "ipc_cache engine: AWQ/GPTQ/compressed-tensors linear layers use MarlinLinearKernel" in fb
+    if _kernel(name) == "machete":
+        assert "ipc_cache engine: the model's bundle holds vLLM's SM90 choice (Machete layers): nothing is forced" in fb
+    else:
+        assert "ipc_cache engine: AWQ/GPTQ/compressed-tensors linear layers use MarlinLinearKernel" in fb
     for log, proc in ((a1, run.engines[name, "attach1"]), (a2, run.engines[name, "attach2"])):
         assert "Mapped" in log and "from the weight cache daemon (zero_copy mode)" in log, proc.tail()
         assert "falling back" not in log and "marlin-pack: ipc_cache engine" in log, proc.tail()
@@ -275,6 +303,7 @@ def test_engines_loaded_as_intended(run: Results, name: str) -> None:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_attachments_share_the_daemon_tensors(run: Results, name: str) -> None:
+    _skip_without_machete(name)
     ref = run.results[name, "ordinary"]["layers"]["tensors"]
     a1 = run.results[name, "attach1"]["layers"]["tensors"]
     a2 = run.results[name, "attach2"]["layers"]["tensors"]
@@ -307,10 +336,14 @@ def test_attachments_share_the_daemon_tensors(run: Results, name: str) -> None:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
+    _skip_without_machete(name)
     proc = run.daemons[name]
     log = proc.log()
     assert "plugin active in weight-cache daemon process" in log, proc.tail()
-    assert "quantized layers use MarlinLinearKernel" in log, proc.tail()  # the bundle's checks passed
+    if _kernel(name) == "machete":  # the bundle's checks passed, vLLM's own choice kept
+        assert re.search(r"quantized layers use vLLM's own choice, as the bundle holds: .*MacheteLinearKernel", log), proc.tail()
+    else:
+        assert "quantized layers use MarlinLinearKernel" in log, proc.tail()
     assert "not using the bundle" not in log
     assert re.search(
         r"weight-cache target daemon rank 0 filled its model in [0-9.]+ s \(load format marlin_prepacked\)",
