@@ -26,10 +26,18 @@ run_pytest() {  # LOG PYTEST_ARGS...
   python3 -m pytest -m gpu -v -rA -s -p no:cacheprovider --basetemp="/tmp/pt-$name" --durations=0 --durations-min=5 "$@" \
     >"$log" 2>&1
 }
+pack_logs() {  # the engines' and daemons' own logs (folders under $OUT): one archive, so that few files come back
+  local dirs
+  dirs=$(cd "$out" && find . -mindepth 1 -maxdepth 1 -type d -printf '%P\n')
+  [ -n "$dirs" ] || return 0
+  # shellcheck disable=SC2086
+  (cd "$out" && tar czf "logs-$(date +%H%M%S).tgz" $dirs && rm -rf $dirs)
+}
 if [ "${1:-}" != "--parallel" ]; then
   run_pytest "$out/pytest.log" "$@"
   rc=$?
   grep -E "$KEEP" "$out/pytest.log" | cut -c1-400
+  pack_logs
   exit $rc
 fi
 shift
@@ -50,4 +58,5 @@ done
 for name in "${names[@]}"; do
   grep -E "FAILED|ERROR" "$out/$name.log" | grep -v "^E " | head -5 | sed "s/^/$name: /" | cut -c1-300
 done
+pack_logs
 exit $rc
