@@ -26,12 +26,13 @@ run_pytest() {  # LOG PYTEST_ARGS...
   python3 -m pytest -m gpu -v -rA -s -p no:cacheprovider --basetemp="/tmp/pt-$name" --durations=0 --durations-min=5 "$@" \
     >"$log" 2>&1
 }
-pack_logs() {  # the engines' and daemons' own logs (folders under $OUT): one archive, so that few files come back
+pack_logs() {  # LOGS...: those logs and the engines' and daemons' own (folders under $OUT) in one archive, because a
+  # device call brings back at most 8 files from $OUT; other files there (a golden file) come back as they are
   local dirs
   dirs=$(cd "$out" && find . -mindepth 1 -maxdepth 1 -type d -printf '%P\n')
-  [ -n "$dirs" ] || return 0
+  [ -n "$dirs$*" ] || return 0
   # shellcheck disable=SC2086
-  (cd "$out" && tar czf "logs-$(date +%H%M%S).tgz" $dirs && rm -rf $dirs)
+  (cd "$out" && tar czf "gpu-logs-$(date +%H%M%S).tgz" $dirs "$@" && rm -rf $dirs "$@")
 }
 if [ "${1:-}" != "--parallel" ]; then
   run_pytest "$out/pytest.log" "$@"
@@ -57,6 +58,8 @@ for i in "${!pids[@]}"; do
 done
 for name in "${names[@]}"; do
   grep -E "FAILED|ERROR" "$out/$name.log" | grep -v "^E " | head -5 | sed "s/^/$name: /" | cut -c1-300
+  # the first assertion lines of its failures (the whole log is in the archive)
+  grep -E "^E  +[A-Za-z]*(Error|assert)" "$out/$name.log" | grep -v "\[rank" | head -6 | sed "s/^/$name: /" | cut -c1-300
 done
-pack_logs
+pack_logs "${names[@]/%/.log}"
 exit $rc

@@ -277,7 +277,9 @@ def test_four_starts_agree(run: Results, name: str) -> None:
             else:
                 assert k["kernel"] == kernel, (start, layer, k)
             assert k["act_type"] == "torch.float16", (start, layer, k)
-            assert k["input_global_scale"] == "None", (start, layer, k)
+            # 16-bit activations: Marlin's layers hold input_global_scale = None, Machete's have no such attribute
+            want_scale = "'<missing>'" if k["kernel"] == "MacheteLinearKernel" else "None"
+            assert k["input_global_scale"] == want_scale, (start, layer, k)
     exact = all(run.results[name, s]["outputs"] == ref for s in STARTS)
     print(f"{name}: outputs of the four starts bit-identical: {exact}")
 

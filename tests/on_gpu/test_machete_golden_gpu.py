@@ -13,10 +13,12 @@ End to end (reference §7.6): ``ops.machete_mm`` on our prepacked weights, scale
 equals a dequantized fp32 matmul within fp16 tolerance (uint4b8 and uint4 with zeros, 8-bit too,
 group sizes -1/64/128), and the other layout reading is far off, so the check can fail.
 
-With ``MARLIN_PACK_GOLDEN_OUT`` set, a few small golden files (tens of KB) are written there for
-``tests/machete/golden/`` (read by ``tests/machete/test_golden.py``). Run on the GPU machine::
+With ``MARLIN_PACK_GOLDEN_OUT`` set (a directory), one small golden file (``machete_golden.safetensors``,
+about 100 KB: a few cases' input and the op's output, and the probed block permutations) is written there for
+``tests/machete/golden/`` (read by ``tests/machete/test_golden.py``). One file, because a device call brings
+back at most 8 files. Run on the GPU machine::
 
-    MARLIN_PACK_GOLDEN_OUT=$OUT/golden bash tests/on_gpu/device.sh tests/on_gpu/test_machete_golden_gpu.py
+    MARLIN_PACK_GOLDEN_OUT=$OUT bash tests/on_gpu/device.sh tests/on_gpu/test_machete_golden_gpu.py
 """
 
 from __future__ import annotations
@@ -204,27 +206,33 @@ GOLDEN = [  # (bits, act, weight type, K, N): a few tens of KB each
     (8, "f16", "uint8b128", 128, 128),
     (8, "bf16", "uint8", 64, 384),
 ]
+GOLDEN_FILE = "machete_golden.safetensors"
 
 
 @pytest.mark.skipif(not os.environ.get("MARLIN_PACK_GOLDEN_OUT"), reason="set MARLIN_PACK_GOLDEN_OUT to write golden files")
 def test_write_golden(ops) -> None:
+    """One file: ``case{i}.input`` / ``case{i}.output`` per GOLDEN case (metadata ``case{i}`` = bits,a_type,b_type,K,N,
+    the output's stride) and ``perm_4`` / ``perm_8``, the probed in-block permutations (offset -> n + 128*k)."""
+    import json
+
     import vllm
     from safetensors.torch import save_file
 
     out = Path(os.environ["MARLIN_PACK_GOLDEN_OUT"])
     out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    meta = {"vllm": vllm.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     for i, (bits, act_name, wtype, K, N) in enumerate(GOLDEN):
         g = torch.Generator(device="cuda").manual_seed(100 + i)
         codes = torch.randint(0, 1 << bits, (K, N), device="cuda", dtype=torch.uint8, generator=g)
         words = L.pack_k(codes, bits)
         got = _op(ops, words, ACTS[act_name], wtype)
-        meta = {
-            "bits": str(bits), "K": str(K), "N": str(N), "a_type": act_name, "b_type": wtype,
-            "output_stride": ",".join(map(str, got.stride())), "vllm": vllm.__version__, "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(),
-        }  # fmt: skip
-        path = out / f"machete_{bits}b_{act_name}_{wtype}_K{K}_N{N}.safetensors"
-        save_file({"input": words.contiguous().cpu(), "output": got.contiguous().cpu()}, str(path), metadata=meta)
-        assert path.stat().st_size < 80_000
-    perms = {f"perm_{bits}": _probe_block_permutation(ops, bits).to(torch.int16) for bits in (4, 8)}  # values < 8192
-    save_file(perms, str(out / "block_perm.safetensors"), metadata={"vllm": vllm.__version__, "what": "offset -> n + 128*k"})
+        tensors[f"case{i}.input"] = words.contiguous().cpu()
+        tensors[f"case{i}.output"] = got.contiguous().cpu()
+        meta[f"case{i}"] = json.dumps({"bits": bits, "a_type": act_name, "b_type": wtype, "K": K, "N": N,
+                                       "output_stride": list(got.stride())})
+    for bits in (4, 8):
+        tensors[f"perm_{bits}"] = _probe_block_permutation(ops, bits).to(torch.int16)  # values < 8192
+    path = out / GOLDEN_FILE
+    save_file(tensors, str(path), metadata=meta)
+    assert path.stat().st_size < 200_000
