@@ -5,7 +5,7 @@ file system, GPU room) into an :class:`IoPlan` that every reader obeys: the load
 file, its reads of the common tensors, and the page-locking ahead of the copy (``preload``). Nothing
 here imports torch or vLLM, so every decision is tested on a CPU.
 
-The three ways, with the figures that chose them (H200 host, 16 cores, pinned host-to-GPU 55 GB/s;
+The four ways, with the figures that chose them (H200 host, 16 cores, pinned host-to-GPU 55 GB/s;
 ``benchmarks/bench_h2d.py``; docs/performance.md):
 
 ``staged``
@@ -20,6 +20,13 @@ The three ways, with the figures that chose them (H200 host, 16 cores, pinned ho
     one vLLM process on the host, enough cores, memory of PyTorch's ordinary allocator (legacy CUDA IPC)
     and room on the GPU for their CUDA contexts. With ``preload`` they page-lock the bundle while vLLM
     sets up, so the copy itself does not page-lock (70B: 0.83-1.10 s "Model loading took").
+
+``direct``
+    ``O_DIRECT`` reads of large aligned windows, several in flight, into pinned buffers, then a copy: the
+    way for a rank file that is mostly not in the page cache (the first start after ``convert``, whose
+    writes bypass the page cache, or after a reboot). Page-locking a cold map faults it in page by page
+    (1.2 GB/s for a 70B rank file, 29.95 s "Model loading took"); direct reads are bound by the disk.
+    Chosen from :func:`~marlin_pack.io.residency.cached_fraction` of the rank file, never by an option.
 
 ``MARLIN_PACK_IO`` (a JSON object of :class:`IoPlan` fields, e.g. ``{"mode": "registered"}``) overrides
 the plan for benchmarks; it is not an option a user needs.
@@ -38,8 +45,8 @@ __all__ = [
     "ENV", "GpuRoom", "HELPER_CONTEXT_BYTES", "IoFacts", "IoPlan", "Mode", "helpers_fit", "plan_io", "usable_cores",
 ]
 
-Mode = Literal["staged", "registered", "helpers"]
-MODES: tuple[str, ...] = ("staged", "registered", "helpers")
+Mode = Literal["staged", "registered", "helpers", "direct"]
+MODES: tuple[str, ...] = ("staged", "registered", "helpers", "direct")
 ENV = "MARLIN_PACK_IO"
 _MIB = 1 << 20
 
@@ -54,6 +61,11 @@ _HELPER_MIN_CORES = 8
 _STAGED = (8, 64 * _MIB)  # more or larger pinned buffers cost more to allocate than they gain
 _REGISTERED = (16, 256 * _MIB)
 _HELPER_THREADS, _HELPER_WINDOW, _HELPERS = 4, 256 * _MIB, 4
+# Direct reads: 8 threads x 2 buffers of 32 MiB (16 requests of 32 MiB in flight, as fast loaders keep on NVMe),
+# not yet measured on the H200's disk (issue 55).
+_DIRECT = (8, 32 * _MIB)
+# Below this fraction of the rank file in the page cache, the copy reads it directly.
+COLD_BELOW = 0.5
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,8 @@ class IoFacts:
         gpu: the GPU's memory before loading; None where it cannot be asked (no helpers then).
         utilization: ``--gpu-memory-utilization`` (an engine's share the GPU must keep free at vLLM's snapshot).
         preload: the loader's ``preload`` option.
+        cached: the fraction of the rank file in the page cache (None: unknown, taken as cached).
+        direct_reads: the rank file's file system takes ``O_DIRECT`` reads.
     """
 
     role: Literal["engine", "daemon"] = "engine"
@@ -95,6 +109,8 @@ class IoFacts:
     gpu: GpuRoom | None = None
     utilization: float = 0.9
     preload: bool = True
+    cached: float | None = None
+    direct_reads: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,7 +118,7 @@ class IoPlan:
     """How this process copies its bundle, and why.
 
     Attributes:
-        mode: ``staged``, ``registered`` or ``helpers`` (see the module docstring).
+        mode: ``staged``, ``registered``, ``helpers`` or ``direct`` (see the module docstring).
         threads: reader threads of this process; with helpers, each helper's threads.
         window: bytes of one read / page-locked window.
         helpers: copy helper processes (0 unless ``mode`` is ``helpers``).
@@ -179,7 +195,11 @@ def plan_io(facts: IoFacts, environ: Mapping[str, str] | None = None) -> IoPlan:
         ValueError: ``$MARLIN_PACK_IO`` is not a JSON object of plan fields.
     """
     during = not facts.experts
-    if facts.base_pages:
+    if facts.direct_reads and facts.cached is not None and facts.cached < COLD_BELOW:
+        threads, window = _DIRECT
+        plan = IoPlan("direct", threads, window, during_build=during,
+                      why=f"{facts.cached:.0%} of the rank file is in the page cache: direct reads, at the disk's speed")
+    elif facts.base_pages:
         threads, window = _STAGED
         plan = IoPlan("staged", threads, window, during_build=during, why="the bundle is on a tmpfs of 4 KiB pages")
     elif (refused := _helpers_refused(facts)) is not None:

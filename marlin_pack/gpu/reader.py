@@ -13,6 +13,13 @@ them with ``plan.threads`` threads, each on its own CUDA stream:
 ``helpers``
     the windows go to copy helper processes (:class:`~marlin_pack.gpu.helpers.HelperPool`, given or
     started here); whatever they leave this process copies ``registered`` itself.
+``direct``
+    as ``staged``, with the reads through a second, ``O_DIRECT`` descriptor: aligned reads past the page
+    cache (a cold bundle), the window widened to whole blocks. Where the file will not open that way,
+    or a read ends off a block boundary, the buffered descriptor reads instead.
+
+A read that fails (``EIO``, a truncated file) raises :class:`~marlin_pack.errors.BundleError` naming
+the file and the offset.
 
 CPU destinations are read into directly (which is what the CPU tests exercise). File reads,
 registration and copies release the GIL, so Python's overhead is per window, not per byte.
@@ -39,8 +46,9 @@ from marlin_pack.errors import BundleError
 from marlin_pack.gpu.helpers import HelperPool
 from marlin_pack.gpu.host_map import FileMap
 from marlin_pack.gpu.plan import IoPlan
+from marlin_pack.io.residency import DIRECT_ALIGN
 
-__all__ = ["CopyItem", "ParallelReader", "Window", "populate_read", "windows_of"]
+__all__ = ["CopyItem", "ParallelReader", "Window", "populate_read", "pread_direct", "windows_of"]
 
 logger = logging.getLogger("vllm.marlin_pack")
 
@@ -106,6 +114,45 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
             raise BundleError(f"unexpected end of file at offset {offset}: the bundle file is truncated")
         buf = buf[n:]
         offset += n
+
+
+def pread_direct(direct_fd: int, fd: int, buf: memoryview, lo: int, hi: int) -> int:
+    """Read file bytes ``[lo, hi)`` into ``buf`` with aligned ``O_DIRECT`` reads from the block holding ``lo``;
+    returns where ``lo``'s byte landed in ``buf``.
+
+    ``buf`` starts at an address aligned to :data:`DIRECT_ALIGN` and holds ``hi - lo`` rounded out to whole
+    blocks (at most ``hi - lo + 2 * DIRECT_ALIGN`` bytes). A read that ends off a block boundary before ``hi``
+    (the kernel may cut a direct read short) has the rest read through the buffered ``fd``.
+
+    Raises:
+        BundleError: the file ends before ``hi`` (truncated).
+        OSError: a read failed.
+    """
+    start = lo - lo % DIRECT_ALIGN
+    need = hi - start
+    span = -(-need // DIRECT_ALIGN) * DIRECT_ALIGN
+    got = 0
+    while got < need:
+        if got % DIRECT_ALIGN:
+            _pread_into(fd, buf[got:need], start + got)
+            break
+        n = os.preadv(direct_fd, [buf[got:span]], start + got)
+        if n <= 0:
+            raise BundleError(f"unexpected end of file at offset {start + got}: the bundle file is truncated")
+        got += n
+    return lo - start
+
+
+def _open_direct(path: str | Path) -> int | None:
+    """A second descriptor of ``path`` with ``O_DIRECT``; None where the file system refuses it."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        logger.warning("marlin-pack: %s does not open for direct reads (%s); reading it through the page cache", path, e)
+        return None
 
 
 def windows_of(items: Iterable[CopyItem], size: int, file_size: int) -> list[Window]:
@@ -257,6 +304,7 @@ class ParallelReader:
         """Move ``windows`` of the open file ``f`` to their destinations on ``plan.threads`` threads."""
         device = f.device
         mapping: FileMap | None = None
+        direct_fd: int | None = None
         try:
             start_event = None
             workers = min(max(1, plan.threads), len(windows))
@@ -267,6 +315,8 @@ class ParallelReader:
                 start_event.record(torch.cuda.current_stream(device))
                 if plan.mode == "registered" and not self._registration_failed:
                     mapping = FileMap(f.fd, f.file_size)
+                elif plan.mode == "direct":
+                    direct_fd = _open_direct(f.path)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             lock = threading.Lock()
@@ -290,7 +340,7 @@ class ParallelReader:
                 if mapping is not None:
                     self._work_registered(plan, worker, f.fd, mapping, take, device, start_event)
                 else:
-                    self._work_staged(plan, worker, f.fd, take, device, start_event)
+                    self._work_staged(plan, worker, f.fd, take, device, start_event, direct_fd=direct_fd)
 
             if workers == 1:
                 work(0, in_pool=False)
@@ -305,9 +355,16 @@ class ParallelReader:
             wait(futures)  # every thread is done with the file and its map before they are closed
             for fut in futures:
                 fut.result()
+        except OSError as e:
+            raise BundleError(
+                f"reading {f.path} failed ({e.strerror or e}): the disk or file system under the bundle returned an "
+                "error; check it (dmesg), or start with fallback on to load the checkpoint instead"
+            ) from e
         finally:
             if mapping is not None:
                 mapping.close()
+            if direct_fd is not None:
+                os.close(direct_fd)
 
     def _slot(self, worker: int, device: torch.device, window: int) -> _Slot:
         key = (worker, device.index if device.index is not None else torch.cuda.current_device(), window)
@@ -325,9 +382,12 @@ class ParallelReader:
 
     def _work_staged(
         self, plan: IoPlan, worker: int, fd: int, take: Callable[[], Window | None], device: torch.device,
-        start_event: torch.cuda.Event | None, first: Window | None = None,
+        start_event: torch.cuda.Event | None, first: Window | None = None, direct_fd: int | None = None,
     ) -> None:
-        slot = self._slot(worker, device, plan.window)
+        # Direct reads widen a window to whole blocks: two more blocks of buffer at most.
+        slot = self._slot(worker, device, plan.window + (2 * DIRECT_ALIGN if direct_fd is not None else 0))
+        if direct_fd is not None and any(b.data_ptr() % DIRECT_ALIGN for b in slot.bufs):
+            direct_fd = None  # not aligned for O_DIRECT (never seen: pinned blocks start on pages)
         slot.stream.wait_event(start_event)
         k = 0
         try:
@@ -337,10 +397,15 @@ class ParallelReader:
                 k += 1
                 if slot.pending[b]:
                     slot.events[b].synchronize()  # the copy out of this buffer has finished
-                _pread_into(fd, slot.views[b][: window.hi - window.lo], window.lo)
+                if direct_fd is not None:
+                    skip = pread_direct(direct_fd, fd, slot.views[b], window.lo, window.hi)
+                else:
+                    skip = 0
+                    _pread_into(fd, slot.views[b][: window.hi - window.lo], window.lo)
                 with torch.cuda.stream(slot.stream):
                     for offset, n, dst in window.pieces:
-                        dst.copy_(slot.bufs[b][offset - window.lo : offset - window.lo + n], non_blocking=True)
+                        at = skip + offset - window.lo
+                        dst.copy_(slot.bufs[b][at : at + n], non_blocking=True)
                     slot.events[b].record(slot.stream)
                 slot.pending[b] = True
         finally:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from marlin_pack.gpu.gpu_room import gpu_room
 from marlin_pack.gpu.plan import IoFacts, IoPlan, plan_io, usable_cores
 from marlin_pack.io.files import in_base_memory_pages
+from marlin_pack.io.residency import cached_fraction, takes_direct_reads
 
 __all__ = ["io_facts", "plan_for"]
 
@@ -45,6 +46,8 @@ def io_facts(
         gpu=gpu_room(device) if gpu else None,
         utilization=float(vllm_config.cache_config.gpu_memory_utilization),
         preload=preload,
+        cached=cached_fraction(rank_file),
+        direct_reads=takes_direct_reads(rank_file),
     )
 
 

@@ -203,8 +203,8 @@ def test_the_environment_is_read_unless_given(monkeypatch: pytest.MonkeyPatch) -
         ('"registered"', "MARLIN_PACK_IO must be a JSON object of I/O plan fields, got str"),
         ('{"thread": 2}', ("MARLIN_PACK_IO: unknown field 'thread'; expected some of ['common_during_build', 'defer_unregister', "
                            "'during_build', 'helpers', 'mode', 'preload', 'threads', 'why', 'window'] (or window_mib)")),
-        ('{"mode": "hybrid"}', "MARLIN_PACK_IO: mode 'hybrid'; expected one of staged, registered, helpers"),
-        ('{"mode": "processes"}', "MARLIN_PACK_IO: mode 'processes'; expected one of staged, registered, helpers"),
+        ('{"mode": "hybrid"}', "MARLIN_PACK_IO: mode 'hybrid'; expected one of staged, registered, helpers, direct"),
+        ('{"mode": "processes"}', "MARLIN_PACK_IO: mode 'processes'; expected one of staged, registered, helpers, direct"),
         ('{"threads": 0}', "MARLIN_PACK_IO: threads must be an integer in 1..64, got 0"),
         ('{"threads": 65}', "MARLIN_PACK_IO: threads must be an integer in 1..64, got 65"),
         ('{"threads": true}', "MARLIN_PACK_IO: threads must be an integer in 1..64, got True"),
@@ -319,13 +319,16 @@ def test_io_facts_from_vllm_configs(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     rooms: list[int] = []
     monkeypatch.setattr(io_facts_mod, "gpu_room", lambda device: rooms.append(device) or GpuRoom(140 * GIB, 141 * GIB))
     monkeypatch.setattr(io_facts_mod, "in_base_memory_pages", lambda path: path == rank)
+    monkeypatch.setattr(io_facts_mod, "cached_fraction", lambda path: 0.25 if path == rank else None)
+    monkeypatch.setattr(io_facts_mod, "takes_direct_reads", lambda path: path == rank)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv(ENV, raising=False)
     vllm_config, model_config = _configs(world=4, utilization=0.8)
     facts = io_facts_mod.io_facts(vllm_config, model_config, (rank, common), experts=True, role="daemon", preload=False, device=2)
     assert facts == IoFacts(role="daemon", processes=4, cores=12, legacy_ipc=True, base_pages=True, experts=True,
-                            bundle_bytes=3500, gpu=GpuRoom(140 * GIB, 141 * GIB), utilization=0.8, preload=False)
+                            bundle_bytes=3500, gpu=GpuRoom(140 * GIB, 141 * GIB), utilization=0.8, preload=False,
+                            cached=0.25, direct_reads=True)  # the rank file's, not the common file's
     assert rooms == [2]
     no_gpu = io_facts_mod.io_facts(*_configs(), (rank, common), experts=False, role="engine", preload=True, device=0, gpu=False)
     assert no_gpu.gpu is None and rooms == [2]  # NVML not asked
@@ -337,6 +340,45 @@ def test_io_facts_from_vllm_configs(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     assert io_facts_mod.io_facts(*_configs(), (rank, common), experts=False, role="engine", preload=True, device=0,
                                  gpu=False).legacy_ipc
-    # plan_for: the plan of those facts (the tmpfs of base pages wins)
+    # plan_for: the plan of those facts (a rank file a quarter in the page cache: read directly)
+    assert io_facts_mod.plan_for(vllm_config, model_config, (rank, common), experts=False, role="engine", preload=True,
+                                 device=0).mode == "direct"
+    monkeypatch.setattr(io_facts_mod, "cached_fraction", lambda path: 1.0)  # cached: the tmpfs of base pages wins
     assert io_facts_mod.plan_for(vllm_config, model_config, (rank, common), experts=False, role="engine", preload=True,
                                  device=0).mode == "staged"
+
+
+# --- the cold path: a rank file mostly not in the page cache is read directly ---------------------------------
+
+
+@pytest.mark.parametrize("base_pages", [False, True])
+def test_a_cold_rank_file_is_read_directly(base_pages: bool) -> None:
+    p = plan(cached=0.0, direct_reads=True, base_pages=base_pages)
+    assert (p.mode, p.helpers, p.preload) == ("direct", 0, False)  # page-locking a cold map ran at 1.2 GB/s
+    assert p.window % 4096 == 0 and p.threads >= 4
+    assert "0% of the rank file is in the page cache" in p.why
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(cached=plan_mod.COLD_BELOW, direct_reads=True),  # warm enough: the warm plan
+        dict(cached=1.0, direct_reads=True),
+        dict(cached=0.0, direct_reads=False),  # the file system refuses O_DIRECT: the warm plan, page by page
+        dict(cached=None, direct_reads=True),  # unknown: taken as cached
+    ],
+    ids=["half-cached", "cached", "no-direct-reads", "unknown"],
+)
+def test_otherwise_the_warm_plan(changes: dict) -> None:
+    assert plan(**changes) == plan()
+
+
+def test_a_cold_daemon_fill_and_a_cold_mixture_of_experts_read_directly() -> None:
+    assert plan(role="daemon", cached=0.1, direct_reads=True).mode == "direct"
+    p = plan(experts=True, cached=0.1, direct_reads=True)
+    assert p.mode == "direct" and not p.during_build  # experts: the copy waits for the construction, as before
+
+
+def test_the_direct_mode_can_be_forced_for_benchmarks() -> None:
+    p = plan_io(HELPERS_HERE, environ={ENV: json.dumps({"mode": "direct"})})
+    assert (p.mode, p.helpers, p.preload) == ("direct", 0, False)

@@ -5,6 +5,7 @@ windows it cuts, the safetensors headers (``io.safetensors_io.read_header``) tha
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import time
 import warnings
@@ -46,7 +47,7 @@ def _pool_workers(r: ParallelReader) -> int | None:
     return None if r._pool is None else r._pool._max_workers
 
 
-@pytest.mark.parametrize("mode", ["staged", "registered", "helpers"])
+@pytest.mark.parametrize("mode", ["staged", "registered", "helpers", "direct"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_reader_reads_every_tensor_to_cpu(rank_file: Path, threads: int, mode: str) -> None:
     """CPU destinations are read into directly in every mode (a helpers plan starts no helper for them)."""
@@ -144,7 +145,10 @@ def test_a_failing_thread_stops_the_others_and_its_error_is_raised(tmp_path: Pat
         real(fd, buf, offset)
 
     monkeypatch.setattr(reader_mod, "_pread_into", pread)
-    with ParallelReader(IoPlan(threads=4, window=1 << 16)) as r, pytest.raises(OSError, match="Input/output error"):
+    # A failed read is a refusal naming the file and what to do, not a bare OSError.
+    with ParallelReader(IoPlan(threads=4, window=1 << 16)) as r, pytest.raises(
+        BundleError, match=rf"reading {path} failed \(Input/output error\): .*check it \(dmesg\)"
+    ):
         r.copy(path, items)
     assert len(reads) < 64  # the others took no new window once it failed (a few may have been under way)
 
@@ -487,3 +491,73 @@ def test_a_copy_on_another_thread_orders_after_the_callers_stream(rank_file: Pat
     assert done.is_set()
     for name, t in want.items():
         assert torch.equal(out[name].cpu(), t), name
+
+
+# --- direct reads (the cold path): aligned O_DIRECT reads widened to whole blocks ---------------------------------
+
+
+def _direct_file(tmp_path: Path, size: int) -> tuple[Path, bytes]:
+    from marlin_pack.io.residency import takes_direct_reads
+
+    path = tmp_path / "rank.bin"
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes()
+    path.write_bytes(data)
+    if not takes_direct_reads(path):
+        pytest.skip(f"{tmp_path}'s file system takes no O_DIRECT reads")
+    return path, data
+
+
+@pytest.mark.parametrize(
+    "lo, hi", [(0, 4096), (1, 4095), (4095, 4097), (5000, 70_000), (12_288, 3 * 4096 + 1), (70_000, 3 * 4096 * 8 + 123)]
+)
+def test_pread_direct_reads_any_range_from_whole_blocks(tmp_path: Path, lo: int, hi: int) -> None:
+    """Unaligned ends, ranges ending at the file's unaligned end (the last direct read comes back short)."""
+    path, data = _direct_file(tmp_path, 3 * 4096 * 8 + 123)
+    buf = mmap.mmap(-1, hi - lo + 2 * 4096)  # page-aligned, as pinned buffers are
+    fd, direct = os.open(path, os.O_RDONLY), os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        skip = reader_mod.pread_direct(direct, fd, memoryview(buf), lo, hi)
+        assert skip == lo % 4096
+        assert bytes(buf[skip : skip + hi - lo]) == data[lo:hi]
+    finally:
+        os.close(fd)
+        os.close(direct)
+        buf.close()
+
+
+def test_pread_direct_finishes_a_short_read_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A direct read the kernel cut off a block boundary: the rest comes from the buffered descriptor."""
+    path, data = _direct_file(tmp_path, 64 << 10)
+    real = os.preadv
+    calls: list[int] = []
+
+    def preadv(fd: int, bufs: list, offset: int) -> int:
+        calls.append(fd)
+        if len(calls) == 1:  # the first direct read: 1000 bytes only
+            return real(fd, [bufs[0][:4096]], offset) and 1000
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(reader_mod.os, "preadv", preadv)
+    buf = mmap.mmap(-1, (64 << 10) + 2 * 4096)
+    fd, direct = os.open(path, os.O_RDONLY), os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        skip = reader_mod.pread_direct(direct, fd, memoryview(buf), 10, 60_000)
+        assert bytes(buf[skip : skip + 59_990]) == data[10:60_000]
+        assert calls[0] == direct and set(calls[1:]) == {fd}
+    finally:
+        os.close(fd)
+        os.close(direct)
+        buf.close()
+
+
+def test_pread_direct_of_a_truncated_file_says_so(tmp_path: Path) -> None:
+    path, _ = _direct_file(tmp_path, 8192)
+    buf = mmap.mmap(-1, 4 * 4096)
+    fd, direct = os.open(path, os.O_RDONLY), os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        with pytest.raises(BundleError, match="unexpected end of file at offset 8192: the bundle file is truncated"):
+            reader_mod.pread_direct(direct, fd, memoryview(buf), 100, 9000)  # the file shrank after its windows were cut
+    finally:
+        os.close(fd)
+        os.close(direct)
+        buf.close()

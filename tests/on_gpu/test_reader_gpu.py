@@ -191,3 +191,30 @@ def _room(free: int, total: int):  # noqa: ANN202 - a GpuRoom
     from marlin_pack.gpu.plan import GpuRoom
 
     return GpuRoom(free, total)
+
+
+@pytest.mark.parametrize(("threads", "window"), [(1, 1 << 16), (4, 1 << 16), (8, 32 << 20)])
+def test_a_cold_file_is_read_directly_to_the_gpu(tensor_file: Path, tmp_path: Path, threads: int, window: int) -> None:
+    """The cold path (issue 55): the file's pages dropped from the page cache, the plan reads it directly
+    (``O_DIRECT``, windows widened to whole blocks); every byte lands, and the page cache stays as it was."""
+    from marlin_pack.io.residency import cached_fraction, takes_direct_reads
+
+    cold = tmp_path / "cold.safetensors"  # on the disk under the test's temporary folder, not a tmpfs
+    shutil.copyfile(tensor_file, cold)
+    fd = os.open(cold, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if not takes_direct_reads(cold) or cached_fraction(cold) != 0.0:
+        pytest.skip(f"{tmp_path} takes no direct reads or keeps its pages")
+    facts = IoFacts(cores=16, bundle_bytes=cold.stat().st_size, cached=cached_fraction(cold), direct_reads=True)
+    assert plan_io(facts, environ={}).mode == "direct"
+    header = read_header(cold)  # reads the header's first pages only
+    out = {n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
+    items = [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()]
+    with ParallelReader(IoPlan("direct", threads, window)) as r:
+        assert r.copy(cold, items) == sum(it.nbytes for it in items)
+        assert r.modes_used == {"direct"}
+    torch.cuda.synchronize()
+    assert (cached_fraction(cold) or 0.0) < 0.5  # read past the page cache
+    _same(load_file(str(cold)), out)

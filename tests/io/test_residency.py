@@ -1,0 +1,73 @@
+"""``io.residency``: the facts of the cold path (how much of a file the page cache holds; O_DIRECT reads), and
+the page cache warmed after a direct copy."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from marlin_pack.io import residency
+from marlin_pack.io.residency import cached_fraction, takes_direct_reads, warm_in_background
+
+
+def _written(tmp_path: Path, size: int = 8 << 20) -> Path:
+    path = tmp_path / "rank-0.safetensors"
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())  # written back, so that the pages can be dropped
+    return path
+
+
+def _drop(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if cached_fraction(path) != 0.0:
+        pytest.skip(f"{path.parent}'s file system keeps its pages (a tmpfs)")
+
+
+def test_a_file_just_written_is_cached_and_dropped_it_is_not(tmp_path: Path) -> None:
+    path = _written(tmp_path)
+    assert cached_fraction(path) == 1.0
+    _drop(path)
+    with open(path, "rb") as f:  # reading a quarter (and its readahead) brings part of it back
+        f.read(2 << 20)
+    assert 0.2 <= (cached_fraction(path) or 0.0) < 1.0
+
+
+def test_what_cannot_be_told(tmp_path: Path) -> None:
+    assert cached_fraction(tmp_path / "missing") is None
+    (tmp_path / "empty").write_bytes(b"")
+    assert cached_fraction(tmp_path / "empty") == 1.0
+
+
+def test_direct_reads(tmp_path: Path) -> None:
+    path = _written(tmp_path, 1 << 16)
+    assert takes_direct_reads(path) is True  # ext4 (the machines here)
+    assert takes_direct_reads(tmp_path / "missing") is False
+
+
+def test_warmed_in_the_background_after_a_direct_copy(tmp_path: Path) -> None:
+    path = _written(tmp_path)
+    _drop(path)
+    thread = warm_in_background(path, headroom=0)
+    assert thread is not None
+    thread.join(timeout=30)
+    deadline = time.monotonic() + 10  # WILLNEED starts the reads; they complete on their own
+    while cached_fraction(path) != 1.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cached_fraction(path) == 1.0
+
+
+def test_not_warmed_where_the_memory_does_not_hold_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _written(tmp_path, 1 << 20)
+    monkeypatch.setattr(residency, "_available_memory", lambda: (1 << 20) + (8 << 30) - 1)
+    assert warm_in_background(path) is None  # 1 MiB + 8 GiB of headroom needed, one byte short
+    monkeypatch.setattr(residency, "_available_memory", lambda: None)
+    assert warm_in_background(path) is None
