@@ -27,6 +27,7 @@ __all__ = ["DIRECT_ALIGN", "cached_fraction", "takes_direct_reads", "warm_in_bac
 DIRECT_ALIGN = 4096
 _CHUNK = 1 << 30  # bytes mapped per mincore call (the vector stays 256 KiB), and checked for memory per warming step
 _WILLNEED_STEP = 4 << 20
+_SAMPLED, _SAMPLES = 1 << 30, 64  # a file larger than 1 GiB: 64 ranges of 16 MiB looked at
 
 
 @functools.cache
@@ -41,10 +42,22 @@ def _libc() -> ctypes.CDLL:
 
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_LOW_BIT = bytes(i & 1 for i in range(256))  # mincore: bit 0 of each page's byte says resident
+
+
+def _ranges(size: int) -> list[tuple[int, int]]:
+    """The byte ranges looked at: the whole file up to :data:`_SAMPLED`, else :data:`_SAMPLES` page-aligned ranges
+    spread evenly over it (``mincore`` costs ~12 ms per GiB: a whole 40 GB file would take half a second)."""
+    if size <= _SAMPLED:
+        return [(lo, min(_CHUNK, size - lo)) for lo in range(0, size, _CHUNK)]
+    step, n = size // _SAMPLES, _SAMPLED // _SAMPLES
+    starts = [(k * step) - (k * step) % mmap.ALLOCATIONGRANULARITY for k in range(_SAMPLES)]
+    return [(lo, min(n, size - lo)) for lo in starts]
 
 
 def cached_fraction(path: str | Path) -> float | None:
-    """The fraction of ``path``'s pages in the page cache, in [0, 1]; None where it cannot be told.
+    """The fraction of ``path``'s pages in the page cache, in [0, 1] (sampled in a large file); None where it
+    cannot be told.
 
     Nothing of the file is read: its pages are mapped (libc ``mmap``, read-only), never touched, and unmapped.
     """
@@ -58,9 +71,8 @@ def cached_fraction(path: str | Path) -> float | None:
         if size == 0:
             return 1.0
         libc = _libc()
-        resident = 0
-        for lo in range(0, size, _CHUNK):
-            n = min(_CHUNK, size - lo)
+        resident = pages = 0
+        for lo, n in _ranges(size):
             addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
             if addr in (None, _MAP_FAILED):
                 return None
@@ -68,10 +80,11 @@ def cached_fraction(path: str | Path) -> float | None:
                 vec = (ctypes.c_ubyte * -(-n // page))()
                 if libc.mincore(addr, n, vec) != 0:
                     return None
-                resident += sum(v & 1 for v in bytes(vec))
+                resident += bytes(vec).translate(_LOW_BIT).count(1)  # C speed
+                pages += len(vec)
             finally:
                 libc.munmap(addr, n)
-        return resident / -(-size // page)
+        return resident / pages
     except (OSError, AttributeError):  # AttributeError: a libc without mincore (not Linux)
         return None
     finally:
