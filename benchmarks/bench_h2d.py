@@ -60,6 +60,7 @@ from marlin_pack.gpu.host_map import FileMap
 from marlin_pack.gpu.plan import MODES, IoPlan
 from marlin_pack.gpu.reader import CopyItem, ParallelReader, populate_read
 from marlin_pack.io.hashing import file_digest
+from marlin_pack.io.residency import drop_cached
 
 PIECE = 64 << 20
 _MIB = 1 << 20
@@ -134,14 +135,6 @@ def _write(path: Path, nbytes: int) -> bool:
         f.flush()
         os.fsync(f.fileno())
     return True
-
-
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _plain_read(path: Path) -> float:
@@ -427,19 +420,19 @@ def main() -> None:
                   f"{med(rates) / pinned:.2f} of pinned; construction {med(alone):.3f} s alone, {med(beside):.3f} s beside "
                   f"(+{med(beside) - med(alone):.3f} s)", flush=True)
         if args.cold:
-            _drop(path)
+            drop_cached(path)
             plain = _plain_read(path)
             print(_row("cold", "plain sequential read, 1 thread", plain, f" = {nbytes / plain / 1e9:.2f} s"), flush=True)
-            _drop(path)
+            drop_cached(path)
             t = time.perf_counter()
             file_digest(path)
             rate = nbytes / (time.perf_counter() - t) / 1e9
             print(_row("cold", "BLAKE3 file digest", rate, f" = {nbytes / rate / 1e9:.2f} s, {plain / rate:.2f}x the plain read time"),
                   flush=True)
             for cfg in args.cold:
-                _drop(path)
+                drop_cached(path)
                 one("cold", cfg, plain)
-            _drop(path)
+            drop_cached(path)
         del dst
         torch.cuda.empty_cache()
     if args.pin:

@@ -20,7 +20,7 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["DIRECT_ALIGN", "cached_fraction", "takes_direct_reads", "warm_in_background"]
+__all__ = ["DIRECT_ALIGN", "cached_fraction", "drop_cached", "takes_direct_reads", "warm_in_background"]
 
 # Offset, length and buffer alignment of an O_DIRECT read that every block device here accepts
 # (logical blocks of 512 B or 4 KiB).
@@ -87,6 +87,17 @@ def cached_fraction(path: str | Path) -> float | None:
         return resident / pages
     except (OSError, AttributeError):  # AttributeError: a libc without mincore (not Linux)
         return None
+    finally:
+        os.close(fd)
+
+
+def drop_cached(path: str | Path) -> None:
+    """Drop ``path``'s pages from the page cache (written back first): a cold file, for benchmarks and tests.
+    A tmpfs keeps them (they are its storage)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from marlin_pack.io import residency
-from marlin_pack.io.residency import cached_fraction, takes_direct_reads, warm_in_background
+from marlin_pack.io.residency import cached_fraction, drop_cached, takes_direct_reads, warm_in_background
 
 
 def _written(tmp_path: Path, size: int = 8 << 20) -> Path:
@@ -23,11 +23,7 @@ def _written(tmp_path: Path, size: int = 8 << 20) -> Path:
 
 
 def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cached(path)
     if cached_fraction(path) != 0.0:
         pytest.skip(f"{path.parent}'s file system keeps its pages (a tmpfs)")
 

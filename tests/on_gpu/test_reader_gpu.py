@@ -197,14 +197,11 @@ def _room(free: int, total: int):  # noqa: ANN202 - a GpuRoom
 def test_a_cold_file_is_read_directly_to_the_gpu(tensor_file: Path, tmp_path: Path, threads: int, window: int) -> None:
     """The cold path (issue 55): the file's pages dropped from the page cache, the plan reads it directly
     (``O_DIRECT``, windows widened to whole blocks); every byte lands, and the page cache stays as it was."""
-    from marlin_pack.io.residency import cached_fraction, takes_direct_reads
+    from marlin_pack.io.residency import cached_fraction, drop_cached, takes_direct_reads
 
     cold = tmp_path / "cold.safetensors"  # on the disk under the test's temporary folder, not a tmpfs
     shutil.copyfile(tensor_file, cold)
-    fd = os.open(cold, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    drop_cached(cold)
     if not takes_direct_reads(cold) or cached_fraction(cold) != 0.0:
         pytest.skip(f"{tmp_path} takes no direct reads or keeps its pages")
     facts = IoFacts(cores=16, bundle_bytes=cold.stat().st_size, cached=cached_fraction(cold), direct_reads=True)
