@@ -27,6 +27,7 @@ from marlin_pack.bundle.writer import BundleWriter, check_output, output_lock
 from marlin_pack.dtypes import serving_dtype_for
 from marlin_pack.errors import CheckpointError, MarlinPackError
 from marlin_pack.io.hashing import FileChangedError, HashedFile, hash_file, hash_workers, sha256_bytes
+from marlin_pack.io.residency import WRITE_ENV, available_memory, write_through_cache
 from marlin_pack.io.safetensors_io import StreamWriter, read_header_bytes
 from marlin_pack.kernel_choice import parse_kernel
 from marlin_pack.marlin.moe import ExpertTensors
@@ -195,6 +196,14 @@ def _experts_memory(w: StreamWriter, dev: torch.device) -> Callable[[str, torch.
 
 def _spec_bytes(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
     return sum(d.itemsize * math.prod(shape) for _, d, shape in specs)
+
+
+def _bundle_bytes_estimate(ckpt: Checkpoint, plan: ConversionPlan, tps: list[int]) -> int:
+    """About the bundle's size before it is written: the common tensors once, the quantized ones once per TP size
+    (repacking keeps a weight's bytes; scales and padding differ by a few percent). Decides the write path only."""
+    common = sum(ckpt.tensors[n].nbytes for n in plan.common if n in ckpt.tensors)
+    total = sum(t.nbytes for t in ckpt.tensors.values())
+    return common + (total - common) * len(tps)
 
 
 def _layer_read_bytes(ckpt: Checkpoint, plan: ConversionPlan) -> list[int]:
@@ -401,12 +410,17 @@ def _write_bundle(
 ) -> Manifest:
     """The conversion proper, the output's lock held: every layer streamed into a new bundle published at ``out``."""
     machete = any(e.kernel is LayerKernel.machete for entries in plan.entries.values() for e in entries)
+    # Through the page cache where memory holds the bundle: the first start after convert is then a warm one.
+    try:
+        direct = not write_through_cache(_bundle_bytes_estimate(ckpt, plan, tps), available_memory(), os.environ.get(WRITE_ENV))
+    except ValueError as e:
+        raise MarlinPackError(str(e)) from None
     version = MACHETE_FORMAT_VERSION if machete else FORMAT_VERSION  # a Marlin-only bundle keeps format 4
     # Source files hash on their own threads while the main thread converts (hashlib releases the GIL).
     pool = ThreadPoolExecutor(max_workers=hash_workers(len(ckpt.files)))
     try:
         with _torch_threads(1 if dev.type == "cpu" else None), BundleWriter.create(
-            out, force=force, locked=True, format_version=version
+            out, force=force, locked=True, format_version=version, direct=direct
         ) as bundle:
             hashes = [(f, pool.submit(hash_file, ckpt.dir / f, 1)) for f in ckpt.files]
             aliases = tied_copies(ckpt, plan) if plan.dims.tie_word_embeddings else {}

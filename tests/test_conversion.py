@@ -100,3 +100,32 @@ def test_gptq_settings_only_in_quantize_config_json(tmp_path: Path, edit_config)
     assert preflight(d).decision == "load"
     (d / "quantize_config.json").write_text(json.dumps({**qc, "group_size": 128}))
     assert preflight(d).ranks[0].field == "source.quant_settings"
+
+
+@pytest.mark.parametrize("write", ["cached", "direct"])
+def test_the_bundle_is_in_the_page_cache_after_convert_where_memory_holds_it(
+    awq: Path, tmp_path: Path, write: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first start after ``convert`` finds the bundle warm where the host's memory holds it (the default
+    here); forced around the cache (a host short of memory) the rank file is written with O_DIRECT and is cold."""
+    from marlin_pack.io.residency import cached_fraction, takes_direct_reads
+
+    if write == "cached":
+        monkeypatch.delenv("MARLIN_PACK_WRITE", raising=False)
+        monkeypatch.setattr("marlin_pack.conversion.available_memory", lambda: 64 << 30)
+    else:
+        monkeypatch.setenv("MARLIN_PACK_WRITE", "direct")
+    out = convert(awq, tmp_path / "b").bundle
+    rank = next(out.glob("tp1/*.safetensors"))
+    if write == "cached":
+        assert cached_fraction(rank) == 1.0
+    else:
+        if not takes_direct_reads(rank):
+            pytest.skip("this file system refuses O_DIRECT: writes go through the page cache")
+        assert cached_fraction(rank) < 0.5
+
+
+def test_an_unknown_write_path_is_one_line(awq: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_leftovers) -> None:
+    monkeypatch.setenv("MARLIN_PACK_WRITE", "fast")
+    with pytest.raises(MarlinPackError, match="expected 'direct' or 'cached'"):
+        convert(awq, tmp_path / "b")

@@ -238,8 +238,9 @@ def _write_failed(out: Path, e: OSError) -> MarlinPackError:
 class BundleWriter:
     """One bundle being written into ``tmp``, to be published at ``out``; use :meth:`create`."""
 
-    def __init__(self, out: Path, tmp: Path, force: bool, format_version: int = FORMAT_VERSION) -> None:
+    def __init__(self, out: Path, tmp: Path, force: bool, format_version: int = FORMAT_VERSION, direct: bool = True) -> None:
         self.out = out
+        self.direct = direct  # files written around the page cache (see marlin_pack.io.residency.write_through_cache)
         self.tmp = tmp
         self.force = force
         self.format_version = format_version  # written into every file's metadata; the manifest's must match
@@ -251,12 +252,13 @@ class BundleWriter:
     @classmethod
     @contextlib.contextmanager
     def create(
-        cls, out: Path, *, force: bool = False, locked: bool = False, format_version: int = FORMAT_VERSION
+        cls, out: Path, *, force: bool = False, locked: bool = False, format_version: int = FORMAT_VERSION, direct: bool = True
     ) -> Iterator[BundleWriter]:
         """A locked writer over a fresh temporary directory beside ``out``, removed unless :meth:`finish` ran.
 
         ``locked``: the caller holds :func:`output_lock` of ``out`` already (else it is taken here, waiting for
-        another conversion of ``out``).
+        another conversion of ``out``). ``direct``: write the files around the page cache (False: through it, so
+        that they are in the page cache afterwards).
 
         Raises:
             MarlinPackError: the parent of ``out`` is not writable, or writing failed (disk full, ...).
@@ -273,7 +275,7 @@ class BundleWriter:
                 os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a vLLM run by another user must read it
             except OSError as e:
                 raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror}); choose a writable location with -o") from e
-            writer = cls(out, tmp, force, format_version)
+            writer = cls(out, tmp, force, format_version, direct)
             try:
                 with _signals_interrupt():
                     yield writer
@@ -296,7 +298,7 @@ class BundleWriter:
         # so the first layer does not wait for them. safetensors >= 0.8 reads them as views of the
         # memory map (page cache, not heap); the byte limit bounds memory where it copies them.
         meta = common_metadata(self.format_version)
-        w = self._track(StreamWriter(self.tmp / COMMON_FILE, specs, meta, None, _COMMON_BYTES_IN_FLIGHT, direct=True))
+        w = self._track(StreamWriter(self.tmp / COMMON_FILE, specs, meta, None, _COMMON_BYTES_IN_FLIGHT, direct=self.direct))
         for name, _, _ in specs:
             w.write(name, read(name))
         self._common = w
@@ -312,11 +314,11 @@ class BundleWriter:
         """Start one rank file; write its tensors, in ``specs`` order, to the returned writer.
 
         ``options``: the :class:`~marlin_pack.io.safetensors_io.StreamWriter`'s (in-flight limits, pinned buffers, hash threads);
-        bundle files are written around the page cache unless ``direct=False`` (see :mod:`marlin_pack.io.direct_file`).
+        bundle files are written as :attr:`direct` says unless ``direct`` is given (see :mod:`marlin_pack.io.direct_file`).
         """
         path = self.tmp / rank_file_path(tp_size, rank)
         path.parent.mkdir(exist_ok=True)
-        w = self._track(StreamWriter(path, specs, rank_metadata(tp_size, rank, self.format_version), **{"direct": True, **options}))
+        w = self._track(StreamWriter(path, specs, rank_metadata(tp_size, rank, self.format_version), **{"direct": self.direct, **options}))
         self._ranks[(tp_size, rank)] = w
         return w
 

@@ -355,6 +355,10 @@ class ParallelReader:
             wait(futures)  # every thread is done with the file and its map before they are closed
             for fut in futures:
                 fut.result()
+        except BundleError as e:  # a read past the end: the file shrank after its windows were cut
+            if str(f.path) in str(e):
+                raise
+            raise BundleError(f"reading {f.path}: {e}; convert the model again, or start with fallback on") from e
         except OSError as e:
             raise BundleError(
                 f"reading {f.path} failed ({e.strerror or e}): the disk or file system under the bundle returned an "

@@ -9,6 +9,10 @@ in flight go at the disk's speed instead. So the plan asks two plain questions o
   byte per page: milliseconds for 40 GB, nothing read);
 * :func:`takes_direct_reads`: whether it can be opened with ``O_DIRECT`` and read at an aligned offset
   (not on a tmpfs before Linux 6.6, nor on some network file systems).
+
+The other direction: a conversion writes its bundle through the page cache where the host's memory holds
+it (:func:`write_through_cache`), so the first start after ``convert`` is a warm one; else around it
+(:mod:`marlin_pack.io.direct_file`), and that first start reads at the disk's speed.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["DIRECT_ALIGN", "cached_fraction", "drop_cached", "takes_direct_reads", "warm_in_background"]
+__all__ = [
+    "DIRECT_ALIGN", "HEADROOM", "WRITE_ENV", "available_memory", "cached_fraction", "drop_cached", "room_for", "takes_direct_reads",
+    "warm_in_background", "write_through_cache",
+]
 
 # Offset, length and buffer alignment of an O_DIRECT read that every block device here accepts
 # (logical blocks of 512 B or 4 KiB).
@@ -28,6 +35,10 @@ DIRECT_ALIGN = 4096
 _CHUNK = 1 << 30  # bytes mapped per mincore call (the vector stays 256 KiB), and checked for memory per warming step
 _WILLNEED_STEP = 4 << 20
 _SAMPLED, _SAMPLES = 1 << 30, 64  # a file larger than 1 GiB: 64 ranges of 16 MiB looked at
+# Memory left to the host beyond a bundle kept in (or brought into) the page cache: what the engine's own
+# host allocations, pinned staging and the rest of the machine need.
+HEADROOM = 8 << 30
+WRITE_ENV = "MARLIN_PACK_WRITE"  # "direct" or "cached": force a conversion's write path (benchmarks)
 
 
 @functools.cache
@@ -122,7 +133,7 @@ def takes_direct_reads(path: str | Path) -> bool:
         os.close(fd)
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
     """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -134,7 +145,32 @@ def _available_memory() -> int | None:
     return None
 
 
-def warm_in_background(path: str | Path, headroom: int = 8 << 30) -> threading.Thread | None:
+def room_for(nbytes: int, available: int | None, headroom: int = HEADROOM) -> bool:
+    """Whether ``available`` bytes of host memory (``MemAvailable``; None: unknown) hold ``nbytes`` more of page cache
+    and still leave ``headroom``."""
+    return available is not None and available >= nbytes + headroom
+
+
+def write_through_cache(bundle_bytes: int, available: int | None, forced: str | None = None) -> bool:
+    """Whether a conversion writes its ``bundle_bytes`` through the page cache (True) or around it (``O_DIRECT``).
+
+    Through it where memory holds the bundle: the first start after ``convert`` then finds the bundle in the
+    page cache. A conversion is bound by the disk's write rate either way (every byte is made durable before
+    the bundle is published), so the copy into the cache costs CPU, not time, on a host with cores to spare.
+    Around it where memory is short: the cache keeps what the host serves, and the first start is a cold one.
+    ``forced``: ``$MARLIN_PACK_WRITE`` (``direct`` or ``cached``), for benchmarks.
+
+    Raises:
+        ValueError: ``forced`` is neither.
+    """
+    if forced:
+        if forced not in ("direct", "cached"):
+            raise ValueError(f"{WRITE_ENV}={forced!r}: expected 'direct' or 'cached'; unset it for the default")
+        return forced == "cached"
+    return room_for(bundle_bytes, available)
+
+
+def warm_in_background(path: str | Path, headroom: int = HEADROOM) -> threading.Thread | None:
     """Ask the kernel to read ``path`` into the page cache (``POSIX_FADV_WILLNEED``), on a daemon thread.
 
     After a direct copy (which leaves the page cache as it was) the next start of the same bundle is warm.
@@ -142,8 +178,7 @@ def warm_in_background(path: str | Path, headroom: int = 8 << 30) -> threading.T
     memory than the bundle keeps its page cache for what it serves. Returns the thread (None: not started).
     """
     size = os.stat(path).st_size
-    available = _available_memory()
-    if available is None or available < size + headroom or not hasattr(os, "posix_fadvise"):
+    if not room_for(size, available_memory(), headroom) or not hasattr(os, "posix_fadvise"):
         return None
 
     def run() -> None:
@@ -154,8 +189,7 @@ def warm_in_background(path: str | Path, headroom: int = 8 << 30) -> threading.T
         try:
             for lo in range(0, size, _CHUNK):
                 left = size - lo
-                free = _available_memory()
-                if free is None or free < left + headroom:
+                if not room_for(left, available_memory(), headroom):
                     return
                 # One WILLNEED reads at most the device's readahead (8 MiB seen): ask for that much at a time.
                 for at in range(lo, min(lo + _CHUNK, size), _WILLNEED_STEP):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from marlin_pack.io import residency
-from marlin_pack.io.residency import cached_fraction, drop_cached, takes_direct_reads, warm_in_background
+from marlin_pack.io.residency import cached_fraction, drop_cached, takes_direct_reads, warm_in_background, write_through_cache
 
 
 def _written(tmp_path: Path, size: int = 8 << 20) -> Path:
@@ -63,9 +63,9 @@ def test_warmed_in_the_background_after_a_direct_copy(tmp_path: Path) -> None:
 
 def test_not_warmed_where_the_memory_does_not_hold_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _written(tmp_path, 1 << 20)
-    monkeypatch.setattr(residency, "_available_memory", lambda: (1 << 20) + (8 << 30) - 1)
+    monkeypatch.setattr(residency, "available_memory", lambda: (1 << 20) + (8 << 30) - 1)
     assert warm_in_background(path) is None  # 1 MiB + 8 GiB of headroom needed, one byte short
-    monkeypatch.setattr(residency, "_available_memory", lambda: None)
+    monkeypatch.setattr(residency, "available_memory", lambda: None)
     assert warm_in_background(path) is None
 
 
@@ -79,3 +79,12 @@ def test_a_large_file_is_sampled_not_walked() -> None:
     assert all(lo % mmap.ALLOCATIONGRANULARITY == 0 and lo + n <= size for lo, n in ranges)
     assert ranges[0][0] == 0 and ranges[-1][0] > size * 0.95  # spread over the whole file
     assert residency._ranges(3 << 20) == [(0, 3 << 20)]  # a small file: all of it
+
+
+def test_a_conversion_writes_through_the_cache_only_where_memory_holds_the_bundle() -> None:
+    gib = 1 << 30
+    assert write_through_cache(30 * gib, 38 * gib) and not write_through_cache(30 * gib, 38 * gib - 1)  # 8 GiB headroom
+    assert not write_through_cache(1, None)  # memory unknown: around the cache, as before
+    assert write_through_cache(100 * gib, 1, forced="cached") and not write_through_cache(1, 100 * gib, forced="direct")
+    with pytest.raises(ValueError, match="MARLIN_PACK_WRITE='fast': expected 'direct' or 'cached'"):
+        write_through_cache(1, 1, forced="fast")

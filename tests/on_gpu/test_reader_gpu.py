@@ -215,3 +215,50 @@ def test_a_cold_file_is_read_directly_to_the_gpu(tensor_file: Path, tmp_path: Pa
     torch.cuda.synchronize()
     assert (cached_fraction(cold) or 0.0) < 0.5  # read past the page cache
     _same(load_file(str(cold)), out)
+
+
+def _cold_copy(tensor_file: Path, tmp_path: Path) -> Path:
+    from marlin_pack.io.residency import cached_fraction, drop_cached, takes_direct_reads
+
+    cold = tmp_path / "cold.safetensors"
+    shutil.copyfile(tensor_file, cold)
+    drop_cached(cold)
+    if not takes_direct_reads(cold) or cached_fraction(cold) != 0.0:
+        pytest.skip(f"{tmp_path} takes no direct reads or keeps its pages")
+    return cold
+
+
+def test_a_cold_file_cut_short_is_a_clean_refusal(tensor_file: Path, tmp_path: Path) -> None:
+    """The file shrank after its header was read (another process rewrote it): the direct read past its new end
+    is a BundleError naming the file, not a hang and not a partial copy passed off as whole."""
+    from marlin_pack.errors import BundleError
+
+    cold = _cold_copy(tensor_file, tmp_path)
+    header = read_header(cold)
+    out = {n: torch.empty(i.shape, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
+    items = [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()]
+    os.truncate(cold, cold.stat().st_size - 100_000)
+    with ParallelReader(IoPlan("direct", 4, 1 << 16)) as r, pytest.raises(BundleError, match=f"{cold}.*truncated"):
+        r.copy(cold, items)
+
+
+def test_an_io_error_mid_file_is_a_clean_refusal(tensor_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EIO from the disk on the fourth direct read: every thread stops, the error names the file and the cause."""
+    import errno
+
+    from marlin_pack.errors import BundleError
+    from marlin_pack.gpu import reader as reader_mod
+
+    cold = _cold_copy(tensor_file, tmp_path)
+    _, out, items = _outputs(cold)
+    real, calls = os.preadv, [0]
+
+    def preadv(fd: int, bufs: list, offset: int) -> int:
+        calls[0] += 1
+        if calls[0] == 4:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(reader_mod.os, "preadv", preadv)
+    with ParallelReader(IoPlan("direct", 4, 1 << 16)) as r, pytest.raises(BundleError, match=f"{cold}.*Input/output error"):
+        r.copy(cold, items)
