@@ -28,6 +28,7 @@ import json
 import mmap
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -109,6 +110,7 @@ def _timed(argv: list[str], env: dict[str, str] | None = None) -> float:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` around it: the finally blocks end the engines
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-70b")
     ap.add_argument("--layers", type=int, default=40, help="layers of the preset (40: ~24 GB each, both on a 64 GiB disk)")
@@ -145,7 +147,7 @@ def main() -> None:
         print(f"checkpoint {ckpt_gb:.1f} GB generated in {time.perf_counter() - t:.1f} s; page cache dropped ({how}); "
               f"O_DIRECT sequential read, {args.streams} x {args.block_mib} MiB: {gbps:.2f} GB/s ({read_gb:.1f} GB)", flush=True)
 
-        convert = [sys.executable, "-m", "marlin_pack.cli", "convert", str(model), "-o", str(bundle), "--device", "cuda",
+        convert = [sys.executable, "-m", "marlin_pack.cli", "convert", str(model), "-o", str(bundle), "--device", "cuda", "--tp", "1",
                    "--kernel", args.kernel, "--dtype", "float16", "--force"]
         rows["convert direct s"] = _timed(convert, {"MARLIN_PACK_WRITE": "direct"})
         print(f"convert around the page cache: {rows['convert direct s']:.1f} s; bundle {residency(bundle):.0%} cached", flush=True)
