@@ -272,7 +272,10 @@ class ParallelReader:
                 fd = os.open(path, os.O_RDONLY)
                 stack.callback(os.close, fd)
                 file_size = os.fstat(fd).st_size
-                windows = windows_of(items, self.plan.window, file_size)
+                try:
+                    windows = windows_of(items, self.plan.window, file_size)
+                except BundleError as e:  # the file is shorter than its header says
+                    raise BundleError(f"reading {path}: {e}; convert the model again, or start with fallback on") from e
                 opened.append(_OpenFile(path, fd, file_size, windows, _device_of(windows)))
             on_gpu = [f for f in opened if f.windows and f.device is not None]
             _device_of([w for f in on_gpu for w in f.windows])  # one device for every file
