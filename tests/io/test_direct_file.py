@@ -310,3 +310,45 @@ def test_abort_with_writes_in_flight_waits_and_does_not_raise(tmp_path: Path, mo
     assert _writer_threads()
     f.abort()
     assert f.closed and not _writer_threads() and all(s.closed for s in stages) and started
+
+
+def test_through_the_page_cache_of_a_disk_the_writes_run_behind_and_start_their_writeback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """direct=False on a disk (a bundle kept cached for the first start): the caller hands full stages to a writer
+    thread, each stage's writeback is started right after its write, and the file is exact and durable."""
+    monkeypatch.setattr(direct_file, "filesystem_type", lambda path: "ext4")
+    monkeypatch.setattr(direct_file, "_CHUNK", _CHUNK)
+    started: list[tuple[int, int, str]] = []
+    monkeypatch.setattr(
+        direct_file, "start_writeback", lambda fd, offset, n: started.append((offset, n, threading.current_thread().name))
+    )
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    data = _random(5 * _CHUNK + 123)
+    path = tmp_path / "c.bin"
+    f = SequentialFile(path, direct=False)
+    f.write(data)
+    f.close()
+    assert not f.direct and path.read_bytes() == data and len(synced) == 1
+    # Every byte's writeback was started once, in order, the full stages' on the writer thread.
+    assert [(o, n) for o, n, _ in started] == [(k * _CHUNK, _CHUNK) for k in range(5)] + [(5 * _CHUNK, 123)]
+    assert all(name.startswith("marlin-pack-direct") for _, _, name in started[:5])
+    assert not _writer_threads()
+
+
+def test_start_writeback_is_harmless_on_any_descriptor(tmp_path: Path) -> None:
+    """The real call (libc's sync_file_range) on a file, past its end, and on a pipe: never an error."""
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"x" * 10_000)
+    fd = os.open(path, os.O_RDWR)
+    r, w = os.pipe()
+    try:
+        direct_file.start_writeback(fd, 0, 10_000)
+        direct_file.start_writeback(fd, 1 << 30, 4096)
+        direct_file.start_writeback(w, 0, 10)
+    finally:
+        for x in (fd, r, w):
+            os.close(x)
+    assert path.read_bytes() == b"x" * 10_000
