@@ -73,6 +73,7 @@ def _row(rows: dict[str, float | None], errors: dict[str, str], key: str, measur
     """``rows[key] = measure()``; a row that fails is reported and left out, the sitting goes on."""
     try:
         rows[key] = measure()
+        print(f"  {key}: {rows[key]}", flush=True)  # as it comes: a sitting cut short still shows its figures
     except (Exception, SystemExit) as e:  # noqa: BLE001 - _engine and _daemon_rows end a failed process with SystemExit
         rows[key] = None
         errors[key] = f"{type(e).__name__}: {e}"
@@ -91,7 +92,10 @@ def main() -> None:
                     help="O_DIRECT reads of the cold checkpoint, STREAMSxMIB,...: the best is the disk's rate")
     ap.add_argument("--cold-io", default="", help="more prepacked cold rows, each with this $MARLIN_PACK_IO (';'-separated JSON objects)")
     ap.add_argument("--attention-backend", default=os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN"))
-    ap.add_argument("--skip", default="", help="rows to leave out (comma-separated): ordinary, daemon, verify")
+    ap.add_argument("--skip", default="", help="rows to leave out (comma-separated): prepacked, ordinary, daemon, verify")
+    ap.add_argument("--keep", action="store_true", help="leave the checkpoint and bundle in --workdir for a second part")
+    ap.add_argument("--reuse", action="store_true",
+                    help="a second part: the checkpoint and bundle --keep left (no generation, no convert rows)")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
 
@@ -106,20 +110,24 @@ def main() -> None:
     # The bundle at its default place (MODEL/marlin-pack): the daemon and its engines find it there, as a user's would.
     model = args.workdir / f"{args.preset}-{args.layers}-{args.format}"
     bundle = model / BUNDLE_DIRNAME
-    shutil.rmtree(args.workdir, ignore_errors=True)
-    args.workdir.mkdir(parents=True)
+    reuse = args.reuse and (bundle / "manifest.json").is_file()
+    if not reuse:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+        args.workdir.mkdir(parents=True)
     rows: dict[str, float | None] = {}
     errors: dict[str, str] = {}
     notes: list[str] = []
     ckpt_gb = bundle_gb = 0.0
     try:
         t = time.perf_counter()
-        (write_awq_checkpoint if args.format == "awq" else write_gptq_checkpoint)(
-            model, shape, group_size=128, max_shard_bytes=5 << 30, device="cuda")
-        torch.cuda.empty_cache()
+        if not reuse:
+            (write_awq_checkpoint if args.format == "awq" else write_gptq_checkpoint)(
+                model, shape, group_size=128, max_shard_bytes=5 << 30, device="cuda")
+            torch.cuda.empty_cache()
         files = sorted(model.glob("*.safetensors"))
         ckpt_gb = sum(f.stat().st_size for f in files) / 1e9
-        notes.append(f"checkpoint {ckpt_gb:.1f} GB generated in {time.perf_counter() - t:.1f} s")
+        notes.append(f"checkpoint {ckpt_gb:.1f} GB " + ("kept from a first part" if reuse else
+                                                       f"generated in {time.perf_counter() - t:.1f} s"))
         for spec in args.disk_reads.split(","):
             streams, mib = (int(x) for x in spec.split("x"))
             how = drop_page_cache([model])
@@ -129,26 +137,31 @@ def main() -> None:
                          f"({read_gb:.1f} GB; {how})")
             print(notes[-1], flush=True)
 
+        if reuse:
+            bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
         convert = [sys.executable, "-m", "marlin_pack.cli", "convert", str(model), "--device", "cuda", "--tp", "1",
                    "--kernel", args.kernel, "--dtype", "float16", "--force"]
-        _row(rows, errors, "convert around the page cache s", lambda: _timed(convert, {"MARLIN_PACK_WRITE": "direct"}))
-        notes.append(f"convert around the page cache (MARLIN_PACK_WRITE=direct): {rows['convert around the page cache s']} s; "
-                     f"bundle {residency(bundle):.0%} cached")
-        print(notes[-1], flush=True)
-        _row(rows, errors, "convert (default) s", lambda: _timed(convert))
-        bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
-        notes.append(f"convert (default rule): {rows['convert (default) s']} s; bundle {bundle_gb:.1f} GB, {residency(bundle):.0%} cached")
-        print(notes[-1], flush=True)
+        if not reuse:
+            _row(rows, errors, "convert around the page cache s", lambda: _timed(convert, {"MARLIN_PACK_WRITE": "direct"}))
+            notes.append(f"convert around the page cache (MARLIN_PACK_WRITE=direct): {rows['convert around the page cache s']} s; "
+                         f"bundle {residency(bundle):.0%} cached")
+            print(notes[-1], flush=True)
+            _row(rows, errors, "convert (default) s", lambda: _timed(convert))
+            bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
+            notes.append(f"convert (default rule): {rows['convert (default) s']} s; bundle {bundle_gb:.1f} GB, {residency(bundle):.0%} cached")
+            print(notes[-1], flush=True)
 
         attn = args.attention_backend
         prepacked = lambda env=None: _engine(model, "prepacked", attn, {}, env=env)["model_loading_s"]  # noqa: E731
-        _row(rows, errors, "first start after convert", prepacked)
-        _row(rows, errors, "prepacked warm", prepacked)
-        drop_page_cache([model])
-        _row(rows, errors, "prepacked cold", prepacked)
-        for io in filter(None, (s.strip() for s in args.cold_io.split(";"))):
+        if "prepacked" not in skip:
+            if not reuse:
+                _row(rows, errors, "first start after convert", prepacked)
+            _row(rows, errors, "prepacked warm", prepacked)
             drop_page_cache([model])
-            _row(rows, errors, f"prepacked cold, MARLIN_PACK_IO={io}", lambda io=io: prepacked({"MARLIN_PACK_IO": io}))
+            _row(rows, errors, "prepacked cold", prepacked)
+            for io in filter(None, (s.strip() for s in args.cold_io.split(";"))):
+                drop_page_cache([model])
+                _row(rows, errors, f"prepacked cold, MARLIN_PACK_IO={io}", lambda io=io: prepacked({"MARLIN_PACK_IO": io}))
         if "ordinary" not in skip:
             drop_page_cache([model])
             _row(rows, errors, "ordinary cold", lambda: _engine(model, "default", attn)["model_loading_s"])
@@ -162,7 +175,8 @@ def main() -> None:
             _row(rows, errors, "verify cold s",
                  lambda: _timed([sys.executable, "-m", "marlin_pack.cli", "verify", str(bundle), "--integrity-only"]))
     finally:
-        shutil.rmtree(args.workdir, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(args.workdir, ignore_errors=True)
 
     # The summary last, whole: a tail of the output is what comes back from a device run.
     disk = max((v for k, v in rows.items() if k.startswith("disk ") and v), default=0.0)

@@ -333,9 +333,11 @@ def _daemon_rows(
             return rows
         extra = attach_config(sdir)
         for k in range(1, attaches + 1):
-            rows[f"attach{k}"] = _engine(model, "ipc", attn, extra, profile=profile and k == 2)
+            # No serving workloads on an attach (its 1 GiB KV cache would preempt them; the kernel is the daemon's).
+            quiet = {"MARLIN_PACK_BENCH_SERVE": "0"}
+            rows[f"attach{k}"] = _engine(model, "ipc", attn, extra, profile=profile and k == 2, env=quiet)
             if ablate:
-                rows[f"attach{k} without {ablate}"] = _engine(model, "ipc", attn, extra, ablate=ablate)
+                rows[f"attach{k} without {ablate}"] = _engine(model, "ipc", attn, extra, ablate=ablate, env=quiet)
         return rows
     finally:
         procs.stop()  # the daemon's process group (SIGTERM, SIGKILL after 60 s) and its socket directory
@@ -460,9 +462,9 @@ def _sitting(args: argparse.Namespace) -> None:
         last = (args.bundle_root / model.name) if args.bundle_root else model / "marlin-pack"
         # The last kernel's bundle at the usual place (a daemon's ipc_cache engines find a Machete bundle there).
         bundles = {k: last if k == kernels[-1] else last.with_name(f"{last.name}-{k}") for k in kernels}
-        if "machete" in kernels[-1:] and fmt in args.daemon.split(",") and args.bundle_root:
-            print("note: with --bundle-root the ipc_cache engines do not find the Machete bundle (they look in the "
-                  "checkpoint): they force Marlin and fail to attach", flush=True)
+        # The daemon and its ipc_cache engines look for a Machete bundle at its default place (MODEL/marlin-pack):
+        # with --bundle-root, a link there to the bundle (a 70B checkpoint on tmpfs, its bundle on disk).
+        link = model / "marlin-pack" if "machete" in kernels[-1:] and fmt in args.daemon.split(",") and args.bundle_root else None
         reused = args.reuse and all((b / "manifest.json").is_file() for b in bundles.values()) and model.is_dir()
         if args.reuse and not reused:
             print(f"{fmt}: --reuse found no kept checkpoint {model} with bundles {list(bundles.values())}: generating", flush=True)
@@ -489,6 +491,8 @@ def _sitting(args: argparse.Namespace) -> None:
                     spy.stop()
                 torch.cuda.empty_cache()
         bundle = bundles[kernels[-1]]
+        if link is not None and not link.exists():
+            link.symlink_to(bundle, target_is_directory=True)
         bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
         disk = _disk_write_gbps(bundle.parent) if not reused else float("nan")
         warm_gb = _warm([model, *bundles.values()])

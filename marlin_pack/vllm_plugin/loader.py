@@ -50,7 +50,7 @@ from marlin_pack.gpu.plan import IoPlan
 from marlin_pack.gpu.reader import CopyItem, ParallelReader
 from marlin_pack.io.residency import warm_in_background
 from marlin_pack.io.safetensors_io import TensorInfo
-from marlin_pack.vllm_plugin import patches, preload
+from marlin_pack.vllm_plugin import decide_ahead, patches, preload
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
 from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, plain_copy_target
 from marlin_pack.vllm_plugin.decision import Decision, EngineFacts, SelectedBundle, decide, hopper_machete_layers, refusal
@@ -103,7 +103,8 @@ class _ModelState:
 
 @dataclass
 class _Timings:
-    validate: float = 0.0
+    validate: float = 0.0  # what the decision added to the load (waiting for it, where it was made ahead)
+    validate_ahead: float | None = None  # seconds the decision took ahead of the load (decide_ahead), beside vLLM's set-up
     create: float = 0.0
     arena: float = 0.0  # part of create: allocating the arena before the construction (copy during build)
     place: float = 0.0  # binding the arena's views to the layers' parameters, finishing their other placeholders
@@ -136,6 +137,9 @@ class _Timings:
         beside = "" if self.common_beside is None else f" ({self.common_beside} of its names copied beside the construction)"
         return f"load common {self.common:.2f} s{beside}"
 
+    def ahead_text(self) -> str:
+        return "" if self.validate_ahead is None else f" (decided ahead in {self.validate_ahead:.2f} s)"
+
     def create_text(self) -> str:
         arena = f" (arena {self.arena:.2f} s)" if self.beside else ""
         return f"create {self.create:.2f} s{arena}, place {self.place:.2f} s"
@@ -144,7 +148,7 @@ class _Timings:
         serial = self.wait if self.beside else self.copy  # what the copy added to the loader's time
         total = self.validate + self.create + self.place + serial + self.common + self.post
         return (
-            f"marlin-pack: validate {self.validate:.2f} s, {self.create_text()}, {self.copy_text()}, "
+            f"marlin-pack: validate {self.validate:.2f} s{self.ahead_text()}, {self.create_text()}, {self.copy_text()}, "
             f"{self.common_text()}, post-process {self.post:.2f} s, total {total:.2f} s "
             f"({layers} prepacked layers, tp {bundle.tp_set.tp_size} rank {bundle.rank}, "
             f"bundle {bundle.bundle_dir})"
@@ -196,8 +200,10 @@ class MarlinPrepackedLoader(BaseModelLoader):
         key = (facts.model, facts.tp_size, facts.tp_rank, facts.dtype)
         if key not in self._decisions:
             t0 = time.perf_counter()
-            decision = decide(self.options, facts)
+            ahead = decide_ahead.take(self.options, facts)
+            decision = ahead[0] if ahead is not None else decide(self.options, facts)
             self._timings.validate = time.perf_counter() - t0
+            self._timings.validate_ahead = ahead[1] if ahead is not None else None
             if decision.fallback:
                 logger.warning(
                     "marlin-pack: not using the bundle for %s ([%s] %s); loading the checkpoint the "

@@ -1,4 +1,5 @@
-"""An engine's GPU worker starts the copy helpers that page-lock its bundle early, and stops them once the KV cache is sized.
+"""An engine's GPU worker starts the copy helpers that page-lock its bundle early, and stops them once the KV cache is sized;
+it also starts the loader's decision ahead of the load (:mod:`marlin_pack.vllm_plugin.decide_ahead`).
 
 vLLM 0.33.0's ``Worker.init_device`` sets up CUDA, NCCL and cuBLAS, takes the memory snapshot the KV
 cache is sized from and builds the model runner; ``load_model`` then builds the model and the loader
@@ -22,7 +23,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from marlin_pack.vllm_plugin import preload
+from marlin_pack.vllm_plugin import decide_ahead, preload
 from marlin_pack.vllm_plugin.patches import catalog
 
 __all__ = ["PATCHES"]
@@ -31,6 +32,7 @@ def _init_device(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def init_device(self: Any, *args: Any, **kwargs: Any) -> Any:
         preload.start_in_worker(self)  # a no-op (None) unless this worker's loader will copy a bundle with helpers
+        decide_ahead.start_in_worker(self)  # a no-op (None) unless this worker's loader is marlin_prepacked
         return original(self, *args, **kwargs)
 
     return init_device

@@ -1,0 +1,76 @@
+"""``decide_ahead``: the loader's decision made on a thread before the load, used only for the same options and
+facts, a bundle whose files did not change since, and a decision that selected a bundle."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from marlin_pack.vllm_plugin import decide_ahead
+from marlin_pack.vllm_plugin.decision import Decision, EngineFacts, decide
+from marlin_pack.vllm_plugin.options import LoaderOptions
+
+
+@pytest.fixture
+def model(make_bundle, damaged_copy) -> Path:  # noqa: ANN001 - conftest factories
+    return damaged_copy(make_bundle("awq"))  # a copy of its own: tests here touch its files
+
+
+def facts(model: Path, **kw: object) -> EngineFacts:
+    return EngineFacts(model=str(model), vllm_version="0.33.0", quantization="awq", **kw)  # type: ignore[arg-type]
+
+
+def test_taken_once_for_the_same_options_and_facts(model: Path) -> None:
+    calls: list[EngineFacts] = []
+
+    def counting(options: LoaderOptions, f: EngineFacts) -> Decision:
+        calls.append(f)
+        return decide(options, f)
+
+    decide_ahead.start(LoaderOptions(), facts(model), counting)
+    taken = decide_ahead.take(LoaderOptions(), facts(model))
+    assert taken is not None and calls == [facts(model)]
+    decision, seconds = taken
+    assert decision.bundle is not None and decision.bundle.rank_file.is_file() and seconds >= 0
+    assert decision.bundle.manifest == decide(LoaderOptions(), facts(model)).bundle.manifest  # type: ignore[union-attr]
+    assert decide_ahead.take(LoaderOptions(), facts(model)) is None  # taken: the loader decides a second model itself
+
+
+@pytest.mark.parametrize(
+    "options, engine",
+    [
+        (LoaderOptions(fallback=True), {}),  # other options
+        (LoaderOptions(), {"tp_rank": 1, "tp_size": 2}),  # the rank guessed before distributed was up, wrong
+        (LoaderOptions(), {"dtype": "bfloat16"}),
+    ],
+)
+def test_other_options_or_facts_are_decided_again(model: Path, options: LoaderOptions, engine: dict) -> None:
+    decide_ahead.start(LoaderOptions(), facts(model))
+    assert decide_ahead.take(options, facts(model, **engine)) is None
+
+
+@pytest.mark.parametrize("which", ["manifest.json", "rank", "common"])
+def test_a_file_changed_since_is_decided_again(model: Path, which: str) -> None:
+    ahead = decide_ahead.start(LoaderOptions(), facts(model))
+    assert ahead.done.wait(30) and ahead.decision is not None
+    bundle = ahead.decision.bundle
+    path = {"manifest.json": bundle.bundle_dir / "manifest.json", "rank": bundle.rank_file, "common": bundle.common_file}[which]
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # an edit in between: a new mtime
+    assert decide_ahead.take(LoaderOptions(), facts(model)) is None
+
+
+def test_refusals_and_fallbacks_are_left_to_the_loader(model: Path, tmp_path: Path) -> None:
+    decide_ahead.start(LoaderOptions(), facts(model, tp_size=8))  # refused: the bundle holds TP 1
+    assert decide_ahead.take(LoaderOptions(), facts(model, tp_size=8)) is None
+    decide_ahead.start(LoaderOptions(fallback=True), facts(tmp_path))  # no bundle: a fallback decision
+    assert decide_ahead.take(LoaderOptions(fallback=True), facts(tmp_path)) is None
+
+
+def test_other_load_formats_are_left_alone() -> None:
+    worker = SimpleNamespace(vllm_config=SimpleNamespace(load_config=SimpleNamespace(load_format="auto")))
+    assert decide_ahead.start_in_worker(worker) is None
+    assert decide_ahead.start_in_worker(SimpleNamespace()) is None  # never raises
