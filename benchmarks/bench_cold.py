@@ -148,7 +148,8 @@ def main() -> None:
             print(notes[-1], flush=True)
             _row(rows, errors, "convert (default) s", lambda: _timed(convert))
             bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
-            notes.append(f"convert (default rule): {rows['convert (default) s']} s; bundle {bundle_gb:.1f} GB, {residency(bundle):.0%} cached")
+            notes.append(f"convert (default rule): {rows['convert (default) s']} s; "
+                         f"bundle {bundle_gb:.1f} GB, {residency(bundle):.0%} cached")
             print(notes[-1], flush=True)
 
         attn = args.attention_backend

@@ -257,8 +257,9 @@ def _split(io: str) -> tuple[dict, dict[str, str]]:
     from marlin_pack.vllm_plugin.options import OPTION_KEYS
 
     given = json.loads(io)
-    plan = {k: v for k, v in given.items() if k not in OPTION_KEYS}
-    return {k: v for k, v in given.items() if k in OPTION_KEYS}, ({"MARLIN_PACK_IO": json.dumps(plan)} if plan else {})
+    env = {k[len("env:"):]: str(v) for k, v in given.items() if k.startswith("env:")}  # {"env:NAME": value}: an A/B
+    plan = {k: v for k, v in given.items() if k not in OPTION_KEYS and not k.startswith("env:")}
+    return {k: v for k, v in given.items() if k in OPTION_KEYS}, ({"MARLIN_PACK_IO": json.dumps(plan)} if plan else {}) | env
 
 
 def _engine(model: Path, mode: str, attn: str, extra: dict | None = None, profile: bool = False, ablate: str = "",
@@ -405,8 +406,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench"))
     ap.add_argument("--bundle-root", type=Path, default=None, help="where bundles go (default: in the checkpoint)")
     ap.add_argument("--attention-backend", default=os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN"))
-    ap.add_argument("--io", default="{}", help="';'-separated JSON objects of loader options and I/O plan fields "
-                    "(MARLIN_PACK_IO), one prepacked engine each (none: no engine)")
+    ap.add_argument("--io", default="{}", help="';'-separated JSON objects of loader options, I/O plan fields "
+                    "(MARLIN_PACK_IO) and environment variables (\"env:NAME\"), one prepacked engine each (none: no engine)")
     ap.add_argument("--daemon-io", default="{}", help="';'-separated objects as --io: each fills a daemon, "
                     "the last one's gets the attaches")
     ap.add_argument("--daemon", default="", help="formats (comma-separated) that also get the daemon rows")

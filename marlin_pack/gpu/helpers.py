@@ -403,11 +403,15 @@ class HelperPool:
         self._warn(known, "this process reads what they left")
         return leave(left)
 
-    def let_go(self) -> None:
+    def let_go(self, wait: bool = True) -> None:
         """Have every helper let go of this process: its IPC mappings of our memory closed and its retained pages
         unregistered (``{"end": true}``, answered ``{"closed": true}``). The helpers stay alive, their CUDA
         contexts too, until :meth:`close` (an engine's preload keeps them until vLLM has measured its memory
         again). A helper that does not say so in time is killed: its exit frees what it held.
+
+        ``wait=False`` sends the requests and leaves the answers to a thread (:meth:`join` and :meth:`close`
+        wait for it): unregistering a 70B bundle's pages took the helpers 0.2 s, and the copy they did is
+        complete already (every job was answered), so nothing of this process needs to wait for it.
 
         Idempotent; afterwards :meth:`copy` and :meth:`retain` leave everything to the caller.
         """
@@ -429,13 +433,22 @@ class HelperPool:
                     sent.append(p)
                 except OSError as e:
                     self.failures.append(f"a helper stopped: {e}")
-            deadline = time.monotonic() + _CLOSE_TIMEOUT_S
-            for p in sent:
-                reply = p.read(deadline)
-                if reply.get("closed") is not True:
-                    self.failures.append(f"a helper did not let go: {reply.get('error', reply)}")
-                    p.kill()
-            self._warn(known, "ended it")
+        if wait:
+            self._await_closed(sent, known)
+            return
+        waiter = threading.Thread(target=self._await_closed, args=(sent, known), name="marlin-pack-helpers-let-go", daemon=True)
+        waiter.start()
+        self._reapers.append(waiter)
+
+    def _await_closed(self, sent: list[_Helper], known: int) -> None:
+        """Read each helper's ``{"closed": true}`` under one deadline; kill one that does not say it."""
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+        for p in sent:
+            reply = p.read(deadline)
+            if reply.get("closed") is not True:
+                self.failures.append(f"a helper did not let go: {reply.get('error', reply)}")
+                p.kill()
+        self._warn(known, "ended it")
 
     def close(self, wait: bool = True) -> None:
         """End the helpers: each exits (closing its IPC mappings, its retained pages and its CUDA context) when
@@ -446,6 +459,7 @@ class HelperPool:
         nothing: :meth:`copy` leaves every window to the caller.
         """
         self._spawner.join()
+        self.join()  # a let go still reading its answers (let_go(wait=False)) reads them before the input ends
         self._closed = True
         procs, self._procs = self._procs, []
         for p in procs:
@@ -459,7 +473,8 @@ class HelperPool:
             self._reapers.append(reaper)
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait (at most ``timeout`` seconds) for helpers ended by ``close(wait=False)`` to have exited.
+        """Wait (at most ``timeout`` seconds) for helpers ended by ``close(wait=False)`` to have exited, and for the
+        answers of a ``let_go(wait=False)``.
 
         Their CUDA contexts hold GPU memory until then; vLLM measures the memory left for its KV cache right
         after loading, so the loader joins before it returns.

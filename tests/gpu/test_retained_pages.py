@@ -231,10 +231,12 @@ class _Stream:
         pass
 
 
-def test_a_pool_retains_copies_without_page_locking_and_lets_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("wait", [True, False], ids=["let-go-waited", "let-go-in-the-background"])
+def test_a_pool_retains_copies_without_page_locking_and_lets_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: bool) -> None:
     """The real helper_main as two processes (their driver faked, their "device memory" a file mapped by both
     sides): retain page-locks each helper's share, a copy then page-locks nothing and lands every byte, let go
-    leaves the helpers alive holding nothing, and the end of their input ends them."""
+    (waited for, or its answers read by a thread that ``join`` waits for) leaves the helpers alive holding
+    nothing, and the end of their input ends them."""
     size, window = 16 * PAGE + 77, 4 * PAGE
     rank = tmp_path / "rank.bin"
     rank.write_bytes(data := _data(5, size))
@@ -261,7 +263,10 @@ def test_a_pool_retains_copies_without_page_locking_and_lets_go(tmp_path: Path, 
         assert pool.copy(rank, windows, threads=2) == [] and pool.failures == []
         assert bytes(memory) == data
         assert {pid: calls.count("cuMemHostRegister") for pid, calls in logged_calls(logs).items()} == pins
-        pool.let_go()
+        pool.let_go(wait=wait)
+        if not wait:
+            pool.join(WAIT_S)
+            assert pool._reapers == []  # its answers were read
         calls = logged_calls(logs)
         assert all(c.count("cuMemHostUnregister") == c.count("cuMemHostRegister") for c in calls.values())
         assert all("cuIpcCloseMemHandle" in c for c in calls.values())

@@ -742,8 +742,8 @@ class _FakeHelpers:
         self.events.append(f"copy {[Path(p).name for p, _ in parts]} with {threads} threads")
         return [list(windows) for _, windows in parts]
 
-    def let_go(self) -> None:
-        self.events.append("let go")
+    def let_go(self, wait: bool = True) -> None:
+        self.events.append("let go" if wait else "let go in the background")
 
     def close(self, wait: bool = True) -> None:
         if not self.closed:  # as HelperPool.close: a second call ends nothing more...
@@ -892,16 +892,18 @@ def test_a_preloaded_pool_is_borrowed_and_ended_as_preload_says(
         loader.load_weights(model, model_config)
     if outcome == "another rank file":  # the loader's own helpers, ended by the loader
         assert events[0] == "start 4 helpers for device 0" and "close wait=False" in events
-        assert stops == [] and "let go" not in events and readers[0][1] is not pool
+        assert stops == [] and not any(e.startswith("let go") for e in events) and readers[0][1] is not pool
         return
     assert not [e for e in events if e.startswith(("start", "close", "joined"))]  # neither started nor closed here
-    assert (events, stops) == (([], ["stop"]) if daemon else (["let go"], []))
+    # After a copy the helpers let go beside vLLM's next steps; where none was made (a fallback), at once.
+    let_go = "let go in the background" if outcome == "loads" else "let go"
+    assert (events, stops) == (([], ["stop"]) if daemon else ([let_go], []))
     assert any(m == "marlin-pack: I/O plan helpers: planned ahead" for m in marlin_log)
     if outcome == "loads":
         assert readers[0] == (plan, pool)  # the background copy: the carried plan (its threads and window), the pool
         assert any("placed" in m and "helpers ready after 0.25 s, 3.4 MB page-locked ahead" in m for m in marlin_log)
         if not daemon:
-            assert any("for the copy helpers to let go of this process's memory and the pages" in m for m in marlin_log)
+            assert any("copy helpers let go of this process's memory and the pages in the background" in m for m in marlin_log)
     else:
         assert not any(is_prepacked(m) for m in model.modules())
 

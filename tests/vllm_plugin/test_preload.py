@@ -187,7 +187,7 @@ class _FakePool:
         self.retained_bytes = 3 << 20
         return 3 << 20
 
-    def let_go(self) -> None:
+    def let_go(self, wait: bool = True) -> None:
         self.calls.append("let go")
 
     def close(self, wait: bool = True) -> None:
