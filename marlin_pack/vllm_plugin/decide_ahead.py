@@ -29,8 +29,6 @@ __all__ = ["Ahead", "start", "start_in_worker", "take"]
 
 logger = logging.getLogger("vllm.marlin_pack")
 
-_JOIN_TIMEOUT_S = 60.0
-
 
 def _identity(path: Path) -> tuple[int, int, int, int, int] | None:
     try:
@@ -98,9 +96,9 @@ def take(options: Any, facts: Any) -> tuple[Any, float] | None:
         ahead, _AHEAD = _AHEAD, None
     if ahead is None or ahead.options != options or ahead.facts != facts:
         return None
-    if not ahead.done.wait(_JOIN_TIMEOUT_S):
-        logger.warning("marlin-pack: the decision ahead of the load was not done after %.0f s; deciding again", _JOIN_TIMEOUT_S)
-        return None
+    # Waited for however long it takes: deciding again would read and hash the same files from the start (a first
+    # start hashing a 70B bundle on a slow disk takes minutes), and a decision that hangs would hang here as well.
+    ahead.done.wait()
     if ahead.decision is None or not ahead.unchanged():
         return None
     return ahead.decision, ahead.seconds

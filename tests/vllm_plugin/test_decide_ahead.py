@@ -74,3 +74,26 @@ def test_other_load_formats_are_left_alone() -> None:
     worker = SimpleNamespace(vllm_config=SimpleNamespace(load_config=SimpleNamespace(load_format="auto")))
     assert decide_ahead.start_in_worker(worker) is None
     assert decide_ahead.start_in_worker(SimpleNamespace()) is None  # never raises
+
+
+def test_a_decision_still_running_is_waited_for_not_made_again(model: Path) -> None:
+    """Deciding again would read and hash the same files from the start: the loader waits for the one under way."""
+    import threading
+
+    gate = threading.Event()
+    calls: list[EngineFacts] = []
+
+    def slow(options: LoaderOptions, f: EngineFacts) -> Decision:
+        calls.append(f)
+        assert gate.wait(30)
+        return decide(options, f)
+
+    decide_ahead.start(LoaderOptions(), facts(model), slow)
+    taken: list[object] = []
+    taker = threading.Thread(target=lambda: taken.append(decide_ahead.take(LoaderOptions(), facts(model))))
+    taker.start()
+    taker.join(0.3)
+    assert taker.is_alive() and taken == []  # still waiting
+    gate.set()
+    taker.join(30)
+    assert len(calls) == 1 and taken and taken[0] is not None
