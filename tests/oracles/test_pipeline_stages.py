@@ -9,6 +9,7 @@ the loader's per-stage loading builds on this.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -63,3 +64,35 @@ def test_a_named_partition_moves_the_layers(tmp_path: Path, monkeypatch: pytest.
         want = reference_rank_tensors(model, 1, 0, torch.float16, pp=(2, stage))
         assert {int(_LAYER.search(n).group(1)) for n in want} == set(range(*expected))  # type: ignore[union-attr]
         assert stage_layers(5, 2, stage) == expected
+
+
+# Architectures whose stage rules (marlin_pack.pipeline.stage_common) are checked against vLLM's stage models:
+# the first/last-stage classes (tied embeddings too: Granite) and the every-stage ones (Gemma 2, the MoE classes).
+_COMMON_KINDS = ["llama", "llama-tied", "qwen2", "qwen3", "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                 "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", _COMMON_KINDS)
+def test_a_stage_loads_exactly_the_common_tensors_stage_common_gives_it(tmp_path: Path, kind: str) -> None:
+    """Every name of ``common.safetensors`` fed alone to vLLM's own stage model: it loads exactly the names
+    ``stage_common`` gives the stage (layers by index, embedding/norm/head as the class builds them), 5 layers
+    over 2 and 3 stages."""
+    from stage_checkpoints import dtype_of, write_stage_bundle
+
+    from marlin_pack.marlin.sharding import model_dims
+    from marlin_pack.pipeline import stage_common
+    from oracles.vllm_stage_reference import stage_loads
+
+    model = write_stage_bundle(tmp_path / "m", kind, 5, tp=(1,))
+    common = load_file(str(model / "marlin-pack" / "common.safetensors"))
+    dims = model_dims(json.loads((model / "config.json").read_text()), list(common))
+    for pp in (2, 3):
+        held: list[set[str]] = []
+        for stage in range(pp):
+            want = stage_loads(model, 1, 0, dtype_of(kind), (pp, stage), common.items())
+            got = stage_common(common, architecture=dims.architecture, checkpoint_layers=dims.checkpoint_layers,
+                               num_layers=dims.num_layers, tied=dims.tie_word_embeddings, pp_size=pp, pp_rank=stage)
+            assert got == want, (kind, pp, stage, sorted(got ^ want))
+            held.append(got)
+        assert set().union(*held) >= {n for n in common if ".layers." in n}  # every layer's tensors somewhere

@@ -180,7 +180,8 @@ def _mla_post_processing_recorder(calls: list[tuple[str, tuple[int, ...]]]) -> A
 
 
 @contextlib.contextmanager
-def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_calls: list | None = None):
+def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_calls: list | None = None,
+                 pp: tuple[int, int] = (1, 0)):
     m = _moe_vllm()
     v = m.base
     saved: list[tuple[Any, str, Any]] = []
@@ -189,7 +190,7 @@ def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_c
         saved.append((obj, name, obj.__dict__.get(name, vr._MISSING)))
         setattr(obj, name, value)
 
-    with vr._patched(tp_size, rank):
+    with vr._patched(tp_size, rank, pp=pp):  # pp: (size, stage), as in vllm_reference
         try:
             ps = v.parallel_state
             setattr_saved(ps, "_EP", _GroupWithDevice(tp_size, rank))
