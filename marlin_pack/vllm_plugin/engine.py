@@ -43,12 +43,16 @@ __all__ = [
 
 
 def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFacts:
-    """What the bundle must fit, read from vLLM (this worker's TP rank once distributed is up)."""
+    """What the bundle must fit, read from vLLM (this worker's TP rank and pipeline stage once distributed is up)."""
     from vllm.distributed import parallel_state as ps
 
     parallel = vllm_config.parallel_config
+    pp_size, pp_rank = parallel.pipeline_parallel_size, 0
     if ps.model_parallel_is_initialized():
         tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        if pp_size > 1:  # the stage this worker builds (vLLM's make_layers asks the same group)
+            pp_group = ps.get_pp_group()
+            pp_size, pp_rank = pp_group.world_size, pp_group.rank_in_group
     else:
         tp_size, tp_rank = parallel.tensor_parallel_size, 0
     kc = vllm_config.kernel_config
@@ -57,7 +61,8 @@ def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFa
         vllm_version=vllm_version(),
         tp_size=tp_size,
         tp_rank=tp_rank,
-        pp_size=parallel.pipeline_parallel_size,
+        pp_size=pp_size,
+        pp_rank=pp_rank,
         dtype=str(model_config.dtype).removeprefix("torch."),
         quantization=model_config.quantization,
         marlin_input_dtype=envs.VLLM_MARLIN_INPUT_DTYPE,

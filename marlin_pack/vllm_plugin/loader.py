@@ -61,6 +61,7 @@ from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, m
 from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.placeholders import stub_quantized_placeholders
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
+from marlin_pack.vllm_plugin.stage import stage_text
 from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
 __all__ = ["MarlinPrepackedLoader"]
@@ -150,7 +151,7 @@ class _Timings:
         return (
             f"marlin-pack: validate {self.validate:.2f} s{self.ahead_text()}, {self.create_text()}, {self.copy_text()}, "
             f"{self.common_text()}, post-process {self.post:.2f} s, total {total:.2f} s "
-            f"({layers} prepacked layers, tp {bundle.tp_set.tp_size} rank {bundle.rank}, "
+            f"({layers} prepacked layers, tp {bundle.tp_set.tp_size} rank {bundle.rank}{stage_text(bundle)}, "
             f"bundle {bundle.bundle_dir})"
         )
 
@@ -197,7 +198,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
     def _decide(self, vllm_config: VllmConfig, model_config: ModelConfig) -> Decision:
         facts = engine_facts(vllm_config, model_config)
-        key = (facts.model, facts.tp_size, facts.tp_rank, facts.dtype)
+        key = (facts.model, facts.tp_size, facts.tp_rank, facts.pp_size, facts.pp_rank, facts.dtype)
         if key not in self._decisions:
             t0 = time.perf_counter()
             ahead = decide_ahead.take(self.options, facts)
@@ -461,17 +462,19 @@ class MarlinPrepackedLoader(BaseModelLoader):
         self._timings.common = t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
         logger.info(
-            "marlin-pack: placed %d tensors from %s for tp %d rank %d: %s, %s, io %s, %s",
+            "marlin-pack: placed %d tensors from %s for tp %d rank %d%s: %s, %s, io %s, %s",
             len(params),
             bundle.rank_file,
             bundle.tp_set.tp_size,
             bundle.rank,
+            stage_text(bundle),
             self._timings.create_text(),
             self._timings.copy_text(),
             self._timings.modes,
             self._timings.common_text(),
         )
-        if state.plan.mode == "direct":  # the copy left the page cache as it was: warm it for the next start
+        if state.plan.mode == "direct" and bundle.stage is None:  # the copy left the page cache as it was: warm it
+            # for the next start (not a pipeline stage's: warming reads the whole file, the other stages' layers too)
             started = warm_in_background(bundle.rank_file)
             logger.info(
                 "marlin-pack: %s was read past the page cache (%s); %s", bundle.rank_file, state.plan.why,

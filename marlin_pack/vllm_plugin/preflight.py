@@ -138,7 +138,8 @@ def preflight(
         tp_size: the engine's ``--tensor-parallel-size``; ``rank``: one rank only (default: all).
         dtype: the engine's ``--dtype`` (``float16``/``bfloat16``).
         vllm_version: the engine's vLLM (default: the installed one).
-        pp_size: the engine's ``--pipeline-parallel-size``: every (stage, rank) is decided.
+        pp_size: the engine's ``--pipeline-parallel-size``: every (stage, rank) is decided, each message saying what
+            that stage reads of its rank file and of the common file.
         capability: the engine's GPU, major*10 + minor (None: unknown; then which kernel family vLLM picks is
             not checked, only said).
 
@@ -153,8 +154,8 @@ def preflight(
     report = PreflightReport(tp_size=tp_size, vllm_version=version, pp_size=pp_size)
     for stage, r in ((s, r) for s in range(pp_size) for r in (range(tp_size) if rank is None else [rank])):
         facts = EngineFacts(
-            model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, pp_size=pp_size, dtype=dtype,
-            revision=revision, capability=capability,
+            model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, pp_size=pp_size, pp_rank=stage,
+            dtype=dtype, revision=revision, capability=capability,
         )
         try:
             decision = decide(options, facts)
@@ -167,9 +168,15 @@ def preflight(
         else:
             sel = decision.bundle
             entry = sel.tp_set.ranks[r].file
-            message = (
-                f"{entry.path} ({_kernels_text(sel, facts)}, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} "
-                f"from {sel.bundle_dir}"
-            )
+            if sel.stage is None:
+                message = (
+                    f"{entry.path} ({_kernels_text(sel, facts)}, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} "
+                    f"from {sel.bundle_dir}"
+                )
+            else:  # a pipeline stage: its layers of the rank file, its common tensors
+                message = (
+                    f"{entry.path} and {sel.manifest.common.path} from {sel.bundle_dir}, {sel.stage.text()} "
+                    f"({_kernels_text(sel, facts)})"
+                )
             report.ranks.append(RankOutcome(r, "load", None, message, sel.hashed, stage=stage))
     return report

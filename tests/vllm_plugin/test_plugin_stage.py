@@ -1,0 +1,210 @@
+"""The loader at ``pipeline_parallel_size > 1``, on the CPU, with vLLM's own model classes and stand-in TP/PP groups.
+
+Each (stage, TP rank) is built by vLLM's real model class for the checkpoint (``vllm_stage_reference``: its
+``make_layers`` over ``get_pp_indices``, its ``PPMissingLayer`` placeholders); the loader places the bundle
+into it and vLLM's ``process_weights_after_loading`` runs with marlin-pack's patches. Then every parameter
+of the stage model must equal what stock vLLM holds on that stage after loading the checkpoint itself, and
+the loader must have read exactly the stage's share of the rank file and of the common file
+(:mod:`marlin_pack.vllm_plugin.stage`): measured at the reads themselves (``pread`` of the rank file, the
+common file's tensors taken from its map).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from marlin_pack.vllm_plugin import LOAD_FORMAT
+
+sr = pytest.importorskip("oracles.vllm_stage_reference")
+from stage_checkpoints import dtype_of, write_stage_bundle  # noqa: E402
+
+# kind -> (decoder layers, [(pp, tp), ...]): PP 2/3/4 x TP 1/2, uneven splits (5 layers over 2, 3 or 4 stages).
+CASES: dict[str, tuple[int, list[tuple[int, int]]]] = {
+    "llama": (5, [(2, 1), (3, 2), (4, 1), (2, 2)]),
+    "qwen2": (5, [(3, 1), (2, 2)]),
+    "qwen3": (5, [(2, 1), (4, 2)]),
+    "llama-tied": (5, [(2, 1)]),
+    "Gemma2ForCausalLM": (5, [(3, 1), (2, 2)]),
+    "MixtralForCausalLM": (5, [(2, 1), (3, 2), (4, 1)]),
+}
+PARAMS = [(kind, pp, tp) for kind, (_, shapes) in CASES.items() for pp, tp in shapes]
+
+
+@pytest.fixture(scope="module")
+def stage_bundle(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cache: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in cache:
+            cache[kind] = write_stage_bundle(tmp_path_factory.mktemp("stage") / "m", kind, CASES[kind][0])
+        return cache[kind]
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _no_preload_no_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    from marlin_pack.vllm_plugin import preload
+
+    monkeypatch.setattr(preload, "_CURRENT", None)
+    monkeypatch.setenv("MARLIN_PACK_IO", '{"threads": 2, "window_mib": 1}')
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+
+
+class Reads:
+    """Every byte range the loader reads of each bundle file: ``pread`` into the arena, tensors taken from a map."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from marlin_pack.gpu import host_map
+        from marlin_pack.gpu import reader as gpu_reader
+
+        self.ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        pread_into, tensor = gpu_reader._pread_into, host_map.HostMap.tensor
+
+        def recorded_pread(fd: int, buf: memoryview, offset: int) -> None:
+            self.ranges[Path(os.readlink(f"/proc/self/fd/{fd}")).name].append((offset, len(buf)))
+            pread_into(fd, buf, offset)
+
+        def recorded_tensor(hm: Any, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            self.ranges[hm.path.name].append((offset, nbytes))
+            return tensor(hm, offset, nbytes, dtype, shape)
+
+        monkeypatch.setattr(gpu_reader, "_pread_into", recorded_pread)
+        monkeypatch.setattr(host_map.HostMap, "tensor", recorded_tensor)
+
+    def bytes(self, name: str) -> int:
+        return sum(n for _, n in self.ranges[name])
+
+    def spans(self, name: str) -> list[tuple[int, int]]:
+        return _merged(self.ranges[name])
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` ranges as sorted, merged ``[lo, hi)`` spans."""
+    spans: list[list[int]] = []
+    for lo, n in sorted(ranges):
+        if spans and lo <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], lo + n)
+        else:
+            spans.append([lo, lo + n])
+    return [(a, b) for a, b in spans]
+
+
+def _engine(model_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, tp: int, pp: int) -> tuple[Any, Any]:
+    """What the loader reads of an engine of ``pp`` stages x ``tp`` ranks; its create_model builds vLLM's real model
+    for the stage and rank the oracle's stand-in groups say (distributed counts as up: they are set)."""
+    from vllm.config.kernel import KernelConfig
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    vllm_config = SimpleNamespace(
+        kernel_config=KernelConfig(),
+        speculative_config=None,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, world_size_across_dp=tp * pp),
+        cache_config=SimpleNamespace(gpu_memory_utilization=0.9),
+        device_config=SimpleNamespace(device=torch.device("cpu")),
+    )
+    model_config = SimpleNamespace(model=str(model_dir), dtype=dtype, quantization="auto_gptq",
+                                   word_embeddings_untied_by_checkpoint=False, enable_sleep_mode=False)
+
+    def create_model(self: object, vllm_config: Any, model_config: object, prefix: str = "") -> nn.Module:
+        from vllm.distributed import parallel_state as ps
+
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        if sr.is_moe(model_dir):
+            m = sr.vmr._moe_vllm()
+            model, real = sr.vmr._build(model_dir, tp, dtype, m, str(vllm_config.kernel_config.moe_backend))
+        else:
+            model, real = sr.vr.vllm_model(model_dir, tp, tp_rank, dtype, sr.vr._vllm())
+        model._real_model_config = real
+        return model
+
+    monkeypatch.setattr(BaseModelLoader, "create_model", create_model)
+    return vllm_config, model_config
+
+
+def _loader() -> Any:
+    from vllm.config.load import LoadConfig
+
+    from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
+
+    return MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={}))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "pp", "tp"), PARAMS)
+def test_each_stage_loads_what_stock_vllm_holds_reading_only_its_share(
+    stage_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch, kind: str, pp: int, tp: int,
+) -> None:
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from marlin_pack.vllm_plugin.engine import quantized_layers
+    from marlin_pack.vllm_plugin.patches.post_processing import is_prepacked
+
+    model_dir, dtype = stage_bundle(kind), dtype_of(kind)
+    rank_totals, common_totals = [], []
+    for stage in range(pp):
+        for rank in range(tp):
+            want = sr.stage_params(model_dir, tp, rank, dtype, (pp, stage))
+            vllm_config, model_config = _engine(model_dir, dtype, monkeypatch, tp, pp)
+            loader = _loader()
+            with monkeypatch.context() as io:
+                reads = Reads(io)
+                with sr.stage_model(model_dir, tp, rank, dtype, (pp, stage), build=False):
+                    model = loader.create_model(vllm_config, model_config)
+                    loader.load_weights(model, model_config)
+                    layers = quantized_layers(model)
+                    assert layers and all(is_prepacked(m) for m in layers.values())
+                    process_weights_after_loading(model, model._real_model_config, torch.device("cpu"))
+            got = {n: p.data for n, p in model.named_parameters(remove_duplicate=False)}
+            assert got.keys() == want.keys(), (stage, rank, sorted(got.keys() ^ want.keys())[:6])
+            for name, t in want.items():
+                assert got[name].dtype == t.dtype and got[name].shape == t.shape, (stage, rank, name)
+                assert torch.equal(_bits(got[name]), _bits(t)), (stage, rank, name)
+            # What it read: exactly its share (each byte once), nothing of the other stages' layers.
+            decision = next(iter(loader._decisions.values()))
+            share = decision.bundle.stage
+            assert share is not None and (share.pp_size, share.pp_rank) == (pp, stage)
+            rank_file, common_file = decision.bundle.rank_file.name, decision.bundle.common_file.name
+            assert reads.bytes(rank_file) == share.rank_bytes < share.rank_file_bytes
+            assert reads.spans(rank_file) == _merged([(i.start, i.nbytes) for i in share.rank_header.tensors.values()])
+            assert reads.bytes(common_file) == share.common_bytes < share.common_file_bytes
+            assert reads.spans(common_file) == _merged([(i.start, i.nbytes) for i in share.common_header.tensors.values()])
+            rank_totals.append(reads.bytes(rank_file))
+            common_totals.append(reads.bytes(common_file))
+    # The stages of one TP rank together read its rank file once: every layer on exactly one stage.
+    whole = share.rank_file_bytes * tp
+    assert sum(rank_totals) == whole, (rank_totals, whole)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_stage_read_past_the_page_cache_does_not_warm_the_whole_rank_file(
+    stage_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch, marlin_log: list[str], pp: int,
+) -> None:
+    """After direct reads the loader warms the rank file for the next start; a stage does not (that would read every
+    stage's layers): only PP=1 warms it. The log line says the stage and what it read."""
+    import marlin_pack.vllm_plugin.loader as loader_mod
+
+    model_dir, dtype = stage_bundle("llama"), dtype_of("llama")
+    monkeypatch.setenv("MARLIN_PACK_IO", '{"mode": "direct", "threads": 2, "window_mib": 1}')
+    warmed: list[Path] = []
+    monkeypatch.setattr(loader_mod, "warm_in_background", lambda path: warmed.append(Path(path)))
+    vllm_config, model_config = _engine(model_dir, dtype, monkeypatch, 1, pp)
+    loader = _loader()
+    with sr.stage_model(model_dir, 1, 0, dtype, (pp, pp - 1), build=False):
+        model = loader.create_model(vllm_config, model_config)
+        loader.load_weights(model, model_config)
+    assert [p.name for p in warmed] == (["rank-0.safetensors"] if pp == 1 else [])
+    placed = next(m for m in marlin_log if m.startswith("marlin-pack: placed"))
+    assert ("pp stage 1/2 (layers 3-4 of 5)" in placed) is (pp == 2), placed
