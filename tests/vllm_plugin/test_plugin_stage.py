@@ -11,6 +11,7 @@ common file's tensors taken from its map).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -142,50 +143,75 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
+def _load_stage(model_dir: Path, kind: str, monkeypatch: pytest.MonkeyPatch, pp: int, stage: int, tp: int, rank: int,
+                daemon: bool = False) -> tuple[dict[str, torch.Tensor], Reads, Any]:
+    """Load (stage, rank) with the loader into vLLM's stage model and post-process it, as an engine does (``daemon``:
+    as vLLM's weight-cache daemon's ``get_model`` does). Returns its parameters, what it read and its decision."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.model_loader.weight_cache.protocol import check_ipc_quant_support
+
+    from marlin_pack.gpu.helpers import exit_in_background
+    from marlin_pack.vllm_plugin.engine import quantized_layers
+    from marlin_pack.vllm_plugin.patches.post_processing import is_prepacked
+
+    dtype = dtype_of(kind)
+    vllm_config, model_config = _engine(model_dir, dtype, monkeypatch, tp, pp)
+    loader = _loader()
+    with monkeypatch.context() as io:
+        reads = Reads(io)
+        with sr.stage_model(model_dir, tp, rank, dtype, (pp, stage), build=False), \
+                exit_in_background() if daemon else contextlib.nullcontext():
+            model = loader.create_model(vllm_config, model_config)
+            if daemon:
+                check_ipc_quant_support(model)  # vLLM's daemon: every layer can be shared as loaded
+            loader.load_weights(model, model_config)
+            layers = quantized_layers(model)
+            assert layers and all(is_prepacked(m) for m in layers.values())
+            process_weights_after_loading(model, model._real_model_config, torch.device("cpu"))
+    got = {n: p.data for n, p in model.named_parameters(remove_duplicate=False)}
+    return got, reads, next(iter(loader._decisions.values()))
+
+
+def _check_stage(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], reads: Reads, decision: Any,
+                 pp: int, stage: int) -> None:
+    """Every parameter as stock vLLM holds it on the stage; exactly the stage's share read (each byte once)."""
+    assert got.keys() == want.keys(), (stage, sorted(got.keys() ^ want.keys())[:6])
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, (stage, name)
+        assert torch.equal(_bits(got[name]), _bits(t)), (stage, name)
+    share = decision.bundle.stage
+    assert share is not None and (share.pp_size, share.pp_rank) == (pp, stage)
+    rank_file, common_file = decision.bundle.rank_file.name, decision.bundle.common_file.name
+    assert reads.bytes(rank_file) == share.rank_bytes < share.rank_file_bytes
+    assert reads.spans(rank_file) == _merged([(i.start, i.nbytes) for i in share.rank_header.tensors.values()])
+    assert reads.bytes(common_file) == share.common_bytes < share.common_file_bytes
+    assert reads.spans(common_file) == _merged([(i.start, i.nbytes) for i in share.common_header.tensors.values()])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "pp", "tp"), PARAMS)
 def test_each_stage_loads_what_stock_vllm_holds_reading_only_its_share(
     stage_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch, kind: str, pp: int, tp: int,
 ) -> None:
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-    from marlin_pack.vllm_plugin.engine import quantized_layers
-    from marlin_pack.vllm_plugin.patches.post_processing import is_prepacked
-
     model_dir, dtype = stage_bundle(kind), dtype_of(kind)
-    rank_totals, common_totals = [], []
+    rank_totals = []
     for stage in range(pp):
         for rank in range(tp):
             want = sr.stage_params(model_dir, tp, rank, dtype, (pp, stage))
-            vllm_config, model_config = _engine(model_dir, dtype, monkeypatch, tp, pp)
-            loader = _loader()
-            with monkeypatch.context() as io:
-                reads = Reads(io)
-                with sr.stage_model(model_dir, tp, rank, dtype, (pp, stage), build=False):
-                    model = loader.create_model(vllm_config, model_config)
-                    loader.load_weights(model, model_config)
-                    layers = quantized_layers(model)
-                    assert layers and all(is_prepacked(m) for m in layers.values())
-                    process_weights_after_loading(model, model._real_model_config, torch.device("cpu"))
-            got = {n: p.data for n, p in model.named_parameters(remove_duplicate=False)}
-            assert got.keys() == want.keys(), (stage, rank, sorted(got.keys() ^ want.keys())[:6])
-            for name, t in want.items():
-                assert got[name].dtype == t.dtype and got[name].shape == t.shape, (stage, rank, name)
-                assert torch.equal(_bits(got[name]), _bits(t)), (stage, rank, name)
-            # What it read: exactly its share (each byte once), nothing of the other stages' layers.
-            decision = next(iter(loader._decisions.values()))
-            share = decision.bundle.stage
-            assert share is not None and (share.pp_size, share.pp_rank) == (pp, stage)
-            rank_file, common_file = decision.bundle.rank_file.name, decision.bundle.common_file.name
-            assert reads.bytes(rank_file) == share.rank_bytes < share.rank_file_bytes
-            assert reads.spans(rank_file) == _merged([(i.start, i.nbytes) for i in share.rank_header.tensors.values()])
-            assert reads.bytes(common_file) == share.common_bytes < share.common_file_bytes
-            assert reads.spans(common_file) == _merged([(i.start, i.nbytes) for i in share.common_header.tensors.values()])
-            rank_totals.append(reads.bytes(rank_file))
-            common_totals.append(reads.bytes(common_file))
-    # The stages of one TP rank together read its rank file once: every layer on exactly one stage.
-    whole = share.rank_file_bytes * tp
-    assert sum(rank_totals) == whole, (rank_totals, whole)
+            got, reads, decision = _load_stage(model_dir, kind, monkeypatch, pp, stage, tp, rank)
+            _check_stage(got, want, reads, decision, pp, stage)
+            rank_totals.append(reads.bytes(decision.bundle.rank_file.name))
+    # The stages of each TP rank together read its rank file once: every layer on exactly one stage.
+    assert sum(rank_totals) == decision.bundle.stage.rank_file_bytes * tp, rank_totals
+
+
+def test_a_weight_cache_daemon_fills_its_stage_share(stage_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33.0's daemon runs one process per (stage, rank) with the engine's model-parallel groups and builds its
+    model with the loader's create_model/load_weights: the daemon of stage 1 of 3, TP rank 1 of 2, holds its stage."""
+    model_dir = stage_bundle("llama")
+    want = sr.stage_params(model_dir, 2, 1, dtype_of("llama"), (3, 1))
+    got, reads, decision = _load_stage(model_dir, "llama", monkeypatch, 3, 1, 2, 1, daemon=True)
+    _check_stage(got, want, reads, decision, 3, 1)
 
 
 @pytest.mark.parametrize("pp", [1, 2])
