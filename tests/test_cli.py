@@ -375,6 +375,11 @@ def test_check_takes_pipeline_parallel_size_and_decides_every_stage(make_bundle)
         assert r.exit_code == 0 and data["pp_size"] == 2 and data["decision"] == "load", r.output
         assert [(x["stage"], x["rank"], x["decision"]) for x in data["ranks"]] == [
             (0, 0, "load"), (0, 1, "load"), (1, 0, "load"), (1, 1, "load")]
+        reads = [x["reads"] for x in data["ranks"]]
+        assert [x["layers"] for x in reads] == [[0, 1], [0, 1], [1, 2], [1, 2]]
+        for rank in range(2):  # the two stages of a TP rank read its rank file once between them
+            assert reads[rank]["rank_file_bytes"] + reads[2 + rank]["rank_file_bytes"] == reads[rank]["rank_file_total"] > 0
+        assert all(0 < x["common_file_bytes"] < x["common_file_total"] for x in reads)
     r = runner.invoke(app, ["check", str(d), "-tp", "2", "-pp", "2"], env={"COLUMNS": "400"})
     lines = r.stdout.splitlines()
     assert r.exit_code == 0 and [x.split(":")[0] for x in lines[:4]] == [
@@ -398,3 +403,7 @@ def test_check_takes_data_parallel_size(make_bundle) -> None:
     assert r.exit_code == 0 and data["data_parallel_size"] == 2 and data["decision"] == "load", r.output
     r = runner.invoke(app, ["check", str(d), "--data-parallel-size", "3"], env={"COLUMNS": "400"})
     assert r.exit_code == 0 and r.stdout.startswith("each of the 3 data-parallel replicas decides as follows"), r.stdout
+    r = runner.invoke(app, ["check", str(d), "-tp", "2", "-pp", "2", "-dp", "2"], env={"COLUMNS": "400"})
+    lines = r.stdout.splitlines()
+    assert r.exit_code == 0 and lines[0].startswith("each of the 2 data-parallel replicas"), r.stdout
+    assert [x.split(":")[0] for x in lines[1:5]] == ["stage 0 rank 0/2", "stage 0 rank 1/2", "stage 1 rank 0/2", "stage 1 rank 1/2"]

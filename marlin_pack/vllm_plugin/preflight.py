@@ -37,9 +37,11 @@ class RankOutcome:
     message: str
     hashed: HashReport = HashReport()
     stage: int = 0  # the pipeline stage (pipeline_parallel_size > 1)
+    reads: dict[str, object] | None = None  # a loading pipeline stage: its layers and the bytes it reads (StageShare)
 
     def to_dict(self) -> dict[str, object]:
-        return {"rank": self.rank, "stage": self.stage, "decision": self.decision, "field": self.field, "message": self.message}
+        out = {"rank": self.rank, "stage": self.stage, "decision": self.decision, "field": self.field, "message": self.message}
+        return out if self.reads is None else {**out, "reads": self.reads}
 
 
 @dataclass
@@ -178,5 +180,6 @@ def preflight(
                     f"{entry.path} and {sel.manifest.common.path} from {sel.bundle_dir}, {sel.stage.text()} "
                     f"({_kernels_text(sel, facts)})"
                 )
-            report.ranks.append(RankOutcome(r, "load", None, message, sel.hashed, stage=stage))
+            reads = None if sel.stage is None else sel.stage.to_dict()
+            report.ranks.append(RankOutcome(r, "load", None, message, sel.hashed, stage=stage, reads=reads))
     return report

@@ -52,6 +52,12 @@ class StageShare:
         """Tensor bytes this stage reads (at most: vLLM reads what it narrows) of the common file."""
         return sum(i.nbytes for i in self.common_header.tensors.values())
 
+    def to_dict(self) -> dict[str, object]:
+        """What ``check --json`` says a stage reads: its layers and tensor bytes of each file (and of the whole file)."""
+        return {"layers": list(self.layers), "num_layers": self.num_layers, "rank_file_bytes": self.rank_bytes,
+                "rank_file_total": self.rank_file_bytes, "common_file_bytes": self.common_bytes,
+                "common_file_total": self.common_file_bytes}
+
     def text(self) -> str:
         """``stage 1/2 (layers 16-31 of 32): 4.10 of 8.21 GB of the rank file, 0.53 of 1.05 GB of the common file``."""
         start, end = self.layers
@@ -64,7 +70,7 @@ class StageShare:
 
 
 def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
 def _model_facts(config_path: Path, common_names: list[str]) -> tuple[str, int, bool]:
