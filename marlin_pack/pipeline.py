@@ -12,8 +12,9 @@ router) on the stage of that layer; the embedding, final norm and output head wh
 class builds them. Most classes build them on every stage (Gemma 2, Mixtral, Qwen3-MoE, ...: vLLM's
 loader fills them there, so every stage reads them); the classes in :data:`FIRST_LAST_STAGE` build the
 embedding only on the first stage (and on the last with tied embeddings, where some do), the norm and
-head only on the last. Everything else of the checkpoint (a vision tower) goes to every stage, as
-vLLM's loader skips what a stage lacks. ``tests/oracles/test_pipeline_stages.py`` checks these rules
+head only on the last. Everything else of the checkpoint (a vision tower: vLLM builds it on later
+stages too unless its V2 model runner runs) goes to every stage, as vLLM's loader skips what a stage
+lacks. ``tests/oracles/test_pipeline_stages.py`` checks these rules
 against the names vLLM's own stage models load.
 """
 
@@ -38,6 +39,10 @@ FIRST_LAST_STAGE: dict[str, bool] = {
     "GraniteForCausalLM": True,
     "DeepseekV2ForCausalLM": False,
     "DeepseekV3ForCausalLM": False,
+    # Multimodal: their language model is a Qwen2ForCausalLM (vision towers: every stage, see stage_common). Not
+    # Mistral 3: its Mistral language model builds the embedding on the last stage with a text config saying untied.
+    "Qwen2VLForConditionalGeneration": True,
+    "Qwen2_5_VLForConditionalGeneration": True,
 }
 
 
@@ -106,6 +111,8 @@ def stage_common(
             (f"{base}.norm.", last),
             ("lm_head.", last),
         ]
+        if base.endswith(".model"):  # language_model.model.layers: the head is language_model.lm_head
+            parts.append((f"{base.removesuffix('.model')}.lm_head.", last))
     held: set[str] = set()
     for name in names:
         index = layer_index(name, checkpoint_layers)

@@ -35,6 +35,10 @@ def write_stage_bundle(out: Path, kind: str, layers: int, tp: tuple[int, ...] = 
         model = write_gptq_checkpoint(out, shape, group_size=64, tokenizer=False)
     elif kind in MOE_CONFIGS:
         model = write_moe_checkpoint(out, kind, fmt, dtype=dtype, num_hidden_layers=layers)
+    elif kind in ARCH_CONFIGS and "text_config" in ARCH_CONFIGS[kind]:  # multimodal: its tiny config's layers only
+        if layers != ARCH_CONFIGS[kind]["text_config"]["num_hidden_layers"]:
+            raise ValueError(f"{kind}: only {ARCH_CONFIGS[kind]['text_config']['num_hidden_layers']} layers")
+        model = write_arch_checkpoint(out, kind, fmt, dtype=dtype)
     elif kind in ARCH_CONFIGS:
         model = write_arch_checkpoint(out, kind, fmt, dtype=dtype, num_hidden_layers=layers)
     else:

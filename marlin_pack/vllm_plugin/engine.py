@@ -8,6 +8,7 @@ imports vLLM: only vLLM processes (the loader, the patches) import it.
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from marlin_pack.vllm_plugin.layer_check import SUPPORTED_METHODS, LayerFacts
 from marlin_pack.vllm_plugin.version_guard import vllm_version
 
 __all__ = [
+    "built_parameters",
     "freeze_gc_heap",
     "engine_facts",
     "marlin_kernel",
@@ -110,6 +112,19 @@ def force_marlin(kernel_config: Any) -> None:
     """
     per_quant = getattr(kernel_config, "linear_backend_per_quant", None) or {}
     kernel_config.linear_backend_per_quant = {**per_quant, "mixed_precision": "marlin"}
+
+
+def built_parameters(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The checkpoint ``names`` that name a parameter of ``model``, through its ``hf_to_vllm_mapper`` where it has one
+    (as its ``load_weights`` maps them): for a pipeline stage, what vLLM built there (``PPMissingLayer`` holds none)."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    found = []
+    for name in names:
+        mapped = mapper.map_name(name) if mapper is not None else name
+        if mapped in params:
+            found.append(name)
+    return found
 
 
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -54,14 +54,14 @@ from marlin_pack.vllm_plugin import decide_ahead, patches, preload
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
 from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, plain_copy_target
 from marlin_pack.vllm_plugin.decision import Decision, EngineFacts, SelectedBundle, decide, hopper_machete_layers, refusal
-from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
+from marlin_pack.vllm_plugin.engine import built_parameters, engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.io_facts import plan_for
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.placeholders import stub_quantized_placeholders
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
-from marlin_pack.vllm_plugin.stage import stage_text
+from marlin_pack.vllm_plugin.stage import check_nothing_left_out, stage_text
 from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
 __all__ = ["MarlinPrepackedLoader"]
@@ -316,6 +316,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
             check_layers(bundle.manifest, bundle.tp_set, facts)
             moe_facts = {name: moe_layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in experts.items()}
             check_moe_layers(bundle.manifest, bundle.tp_set, moe_facts)
+            if bundle.stage is not None:  # a pipeline stage: nothing vLLM built there is left unloaded
+                check_nothing_left_out(bundle.stage, built_parameters(model, bundle.stage.left_out))
         except BundleError as e:
             reason, fld = str(e), getattr(e, "field", None) or MismatchField.layers
             if fill is not None:

@@ -25,7 +25,7 @@ from marlin_pack.marlin.architectures import architecture_for
 from marlin_pack.pipeline import layer_index, stage_common, stage_layers
 from marlin_pack.schemas import Manifest, TensorParallelSet
 
-__all__ = ["StageShare", "stage_share", "stage_text"]
+__all__ = ["StageShare", "check_nothing_left_out", "model_facts", "stage_share", "stage_text"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class StageShare:
     common_header: SafetensorsHeader  # the common file's header with only the common tensors this stage loads
     rank_file_bytes: int  # the whole rank file's tensor bytes
     common_file_bytes: int  # the whole common file's tensor bytes
+    left_out: tuple[str, ...] = ()  # checkpoint names of the common file (aliases too) this stage does not load
 
     @property
     def rank_bytes(self) -> int:
@@ -73,14 +74,17 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
-def _model_facts(config_path: Path, common_names: list[str]) -> tuple[str, int, bool]:
-    """The prefix of the checkpoint's decoder layers, their number and whether the embeddings are tied, read as
-    vLLM reads ``config.json`` (:func:`marlin_pack.marlin.sharding.model_dims`)."""
+def model_facts(config: dict, common_names: list[str]) -> tuple[str, int, bool]:
+    """The prefix of the checkpoint's decoder layers, their number and whether the embeddings are tied, read from
+    ``config.json`` as vLLM reads it (:func:`marlin_pack.marlin.sharding.model_dims`)."""
     from marlin_pack.marlin.sharding import model_dims
 
-    config = json.loads(config_path.read_text())
     dims = model_dims(config, common_names)
-    return dims.checkpoint_layers, dims.num_layers, dims.tie_word_embeddings
+    # Tied where the text config (read with its class's defaults) or the top level says so: a stage that also
+    # reads the embedding it does not build costs bytes; one that leaves out an embedding it builds is refused.
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    tied = bool(dims.tie_word_embeddings or config.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+    return dims.checkpoint_layers, dims.num_layers, tied
 
 
 def stage_share(
@@ -100,7 +104,7 @@ def stage_share(
     if arch is None:
         raise BundleMismatchError(f, f"the bundle's architecture {manifest.source.architecture} is not one marlin-pack reads")
     common_names = list(common_header.tensors)
-    checkpoint_layers, num_layers, tied = _model_facts(model_dir / "config.json", common_names)
+    checkpoint_layers, num_layers, tied = model_facts(json.loads((model_dir / "config.json").read_text()), common_names)
     try:
         start, end = stage_layers(num_layers, pp_size, pp_rank)
         held_common = stage_common(common_names, architecture=arch.name, checkpoint_layers=checkpoint_layers,
@@ -121,6 +125,10 @@ def stage_share(
     moe_layers = [e for e in tp_set.moe_layers if mine(e.name)]
     names = {e.name for e in (*layers, *moe_layers)}
     rank_tensors = {n: i for n, i in rank_header.tensors.items() if n.rsplit(".", 1)[0] in names}
+    aliases: dict[str, list[str]] = {}
+    for alias, original in manifest.common_aliases.items():
+        aliases.setdefault(original, []).append(alias)
+    left_out = tuple(n for name in common_names if name not in held_common for n in (name, *aliases.get(name, ())))
     return StageShare(
         pp_size=pp_size,
         pp_rank=pp_rank,
@@ -133,7 +141,28 @@ def stage_share(
         ),
         rank_file_bytes=sum(i.nbytes for i in rank_header.tensors.values()),
         common_file_bytes=sum(i.nbytes for i in common_header.tensors.values()),
+        left_out=left_out,
     )
+
+
+def check_nothing_left_out(stage: StageShare, built: list[str]) -> None:
+    """Refuse where vLLM's stage model built a parameter for a common tensor the stage does not load.
+
+    ``built``: the names of :attr:`StageShare.left_out` that name a parameter of the model vLLM built for the
+    stage (through its checkpoint-name mapping; :func:`~marlin_pack.vllm_plugin.engine.built_parameters`). The
+    stage rules (:func:`marlin_pack.pipeline.stage_common`) are checked against vLLM's model classes; this makes a
+    class they misjudge a refusal instead of a parameter left unloaded.
+
+    Raises:
+        BundleMismatchError: ``pp_size``, naming the first such tensor.
+    """
+    if built:
+        raise BundleMismatchError(
+            MismatchField.pp_size,
+            f"vLLM's model for pipeline stage {stage.pp_rank}/{stage.pp_size} holds {built[0]}"
+            f"{f' (and {len(built) - 1} more)' if len(built) > 1 else ''}, which marlin-pack's stage rules leave to another "
+            "stage; serve this model with --pipeline-parallel-size 1, or report it",
+        )
 
 
 def stage_text(bundle: object) -> str:

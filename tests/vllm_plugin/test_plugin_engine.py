@@ -104,3 +104,21 @@ def test_is_marlin_16bit(kernel: str, act: torch.dtype, ok: bool) -> None:
     method = fakes.quant_method("gptq", fakes.fake_kernel(fakes.kernel_cls(kernel), fakes.mp_config("uint4b8", act)))
     assert is_marlin_16bit(method) is ok
     assert not is_marlin_16bit(SimpleNamespace())  # no kernel yet
+
+
+def test_built_parameters_maps_checkpoint_names_as_the_model_does() -> None:
+    """A multimodal model loads ``model.language_model.*`` into ``language_model.model.*`` (its hf_to_vllm_mapper);
+    a name is built where its mapped name is a parameter (a pipeline stage's PPMissingLayer holds none)."""
+    from torch import nn
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from marlin_pack.vllm_plugin.engine import built_parameters
+
+    model = nn.Module()
+    model.language_model = nn.Module()
+    model.language_model.model = nn.Module()
+    model.language_model.model.norm = nn.LayerNorm(4)
+    names = ["model.language_model.norm.weight", "model.language_model.embed_tokens.weight", "language_model.model.norm.bias"]
+    assert built_parameters(model, names) == ["language_model.model.norm.bias"]  # no mapper: names as they are
+    model.hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "language_model.model."})
+    assert built_parameters(model, names) == ["model.language_model.norm.weight", "language_model.model.norm.bias"]

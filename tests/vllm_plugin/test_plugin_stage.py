@@ -131,12 +131,12 @@ def _engine(model_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
     return vllm_config, model_config
 
 
-def _loader() -> Any:
+def _loader(**extra: object) -> Any:
     from vllm.config.load import LoadConfig
 
     from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
 
-    return MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={}))
+    return MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config=dict(extra)))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -234,3 +234,34 @@ def test_a_stage_read_past_the_page_cache_does_not_warm_the_whole_rank_file(
     assert [p.name for p in warmed] == (["rank-0.safetensors"] if pp == 1 else [])
     placed = next(m for m in marlin_log if m.startswith("marlin-pack: placed"))
     assert ("pp stage 1/2 (layers 3-4 of 5)" in placed) is (pp == 2), placed
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_stage_rule_that_leaves_out_what_vllm_built_is_refused(
+    stage_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch, fallback: bool,
+) -> None:
+    """Llama with tied embeddings builds the embedding on the last stage too (its head is it): a stage rule saying
+    otherwise would leave that parameter unloaded. The loader compares the rule with the model vLLM built and
+    refuses in one line naming it (with fallback: loads the checkpoint the ordinary way)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from marlin_pack import pipeline
+    from marlin_pack.errors import LoadRefusedError
+
+    monkeypatch.setitem(pipeline.FIRST_LAST_STAGE, "LlamaForCausalLM", False)  # as deepseek_v2.py: not on the last stage
+    ordinary: list[bool] = []
+    monkeypatch.setattr(DefaultModelLoader, "load_weights", lambda self, m, c: ordinary.append(True))
+    model_dir, dtype = stage_bundle("llama-tied"), dtype_of("llama-tied")
+    vllm_config, model_config = _engine(model_dir, dtype, monkeypatch, 1, 2)
+    loader = _loader(fallback=fallback)
+    with sr.stage_model(model_dir, 1, 0, dtype, (2, 1), build=False):
+        if not fallback:
+            with pytest.raises(LoadRefusedError, match=r"\[pp_size\] vLLM's model for pipeline stage 1/2 holds "
+                                                         r"model\.embed_tokens\.weight, which marlin-pack's stage rules") as e:
+                loader.create_model(vllm_config, model_config)
+            assert "\n" not in str(e.value)
+            return
+        model = loader.create_model(vllm_config, model_config)
+        loader.load_weights(model, model_config)
+    assert ordinary == [True]
+
