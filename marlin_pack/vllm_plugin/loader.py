@@ -551,7 +551,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
             if targets is not None:
                 reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t.data) for t in targets.values()])
                 continue
-            if whole and info.nbytes >= _LARGE_COMMON:
+            # Staged on the GPU where the model holds it: a pipeline stage's vLLM skips the rest, reading nothing.
+            if whole and info.nbytes >= _LARGE_COMMON and (bundle.stage is None or built_parameters(model, names)):
                 t = torch.empty(info.shape, dtype=info.torch_dtype, device=device)
                 reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t)])
             else:

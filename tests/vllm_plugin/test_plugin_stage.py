@@ -265,3 +265,46 @@ def test_a_stage_rule_that_leaves_out_what_vllm_built_is_refused(
         loader.load_weights(model, model_config)
     assert ordinary == [True]
 
+
+
+
+def test_a_stage_does_not_stage_on_the_gpu_a_large_common_tensor_its_model_lacks(
+    stage_bundle: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At TP=1 on a GPU the loader reads large common tensors itself (into their parameter, or a GPU tensor for
+    vLLM's weight loader). A tensor of the stage's share that vLLM did not build there (a class left on every
+    stage) is handed over as a view of the file's map instead: vLLM's loader skips it without reading it."""
+    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.gpu.host_map import HostMap
+    from marlin_pack.vllm_plugin.decision import EngineFacts, select_bundle
+    from marlin_pack.vllm_plugin.options import LoaderOptions
+
+    monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1)  # every common tensor counts as large
+    model_dir = stage_bundle("llama")
+
+    empty = torch.empty
+
+    def on_gpu(*shape: Any, device: Any = None, **kw: Any) -> torch.Tensor:  # a GPU tensor, as far as this test goes
+        return empty(*shape, **kw)
+
+    monkeypatch.setattr(torch, "empty", on_gpu)
+
+    def fed(pp: int) -> tuple[list[str], list[int]]:
+        """The names fed to vLLM as views of the map, and the bytes the loader read itself (staged on the GPU)."""
+        facts = EngineFacts(model=str(model_dir), vllm_version="0.33.0", quantization="auto_gptq", pp_size=pp, pp_rank=pp - 1)
+        bundle = select_bundle(LoaderOptions(), facts)
+        staged: list[int] = []
+        reader = SimpleNamespace(copy=lambda path, items: staged.extend(it.nbytes for it in items))
+        with HostMap(bundle.common_file) as host:  # a model that holds none of them, on a GPU
+            weights = loader_mod.MarlinPrepackedLoader._common_weights(reader, host, bundle, nn.Module(), torch.device("cuda"))
+            lo = host._mapping.base  # type: ignore[union-attr]
+            viewed = [name for name, t in weights if lo <= t.data_ptr() < lo + host.size]
+        return viewed, staged
+
+    viewed, staged = fed(2)
+    assert set(viewed) == {"model.norm.weight", "lm_head.weight", "model.layers.3.input_layernorm.weight",
+                           "model.layers.3.post_attention_layernorm.weight", "model.layers.4.input_layernorm.weight",
+                           "model.layers.4.post_attention_layernorm.weight"} and staged == []
+    viewed, staged = fed(1)  # PP=1, as before: every large tensor staged on the GPU by the loader
+    assert viewed == [] and len(staged) == 13
+
