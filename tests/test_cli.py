@@ -384,8 +384,8 @@ def test_check_takes_pipeline_parallel_size_and_decides_every_stage(make_bundle)
     lines = r.stdout.splitlines()
     assert r.exit_code == 0 and [x.split(":")[0] for x in lines[:4]] == [
         "stage 0 rank 0/2", "stage 0 rank 1/2", "stage 1 rank 0/2", "stage 1 rank 1/2"], r.stdout
-    assert "tp2/rank-1.safetensors" in lines[1] and "stage 0/2 (layer 0 of 2)" in lines[1]
-    assert "stage 1/2 (layer 1 of 2)" in lines[3] and "of the rank file" in lines[3] and "of the common file" in lines[3]
+    assert "tp2/rank-1.safetensors" in lines[1] and "stage 0/2 (layer 0 of 2 layers)" in lines[1]
+    assert "stage 1/2 (layer 1 of 2 layers)" in lines[3] and "of the rank file" in lines[3] and "of the common file" in lines[3]
 
 
 def test_check_refuses_a_partition_that_does_not_fit(make_bundle, monkeypatch: pytest.MonkeyPatch) -> None:

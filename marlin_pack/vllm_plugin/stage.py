@@ -60,11 +60,11 @@ class StageShare:
                 "common_file_total": self.common_file_bytes}
 
     def text(self) -> str:
-        """``stage 1/2 (layers 16-31 of 32): 4.10 of 8.21 GB of the rank file, 0.53 of 1.05 GB of the common file``."""
+        """``stage 1/2 (layers 16-31 of 32 layers): 4.10 GB of 8.21 GB of the rank file, 0.53 GB of 1.05 GB of the common file``."""
         start, end = self.layers
-        span = f"layers {start}-{end - 1}" if end > start + 1 else f"layer {start}" if end > start else "no layers"
+        span = f"layers {start}-{end - 1}" if end > start + 1 else f"layer {start}" if end > start else "none"
         return (
-            f"stage {self.pp_rank}/{self.pp_size} ({span} of {self.num_layers}): {_size(self.rank_bytes)} of "
+            f"stage {self.pp_rank}/{self.pp_size} ({span} of {self.num_layers} layers): {_size(self.rank_bytes)} of "
             f"{_size(self.rank_file_bytes)} of the rank file, {_size(self.common_bytes)} of {_size(self.common_file_bytes)} "
             "of the common file"
         )
@@ -166,6 +166,6 @@ def check_nothing_left_out(stage: StageShare, built: list[str]) -> None:
 
 
 def stage_text(bundle: object) -> str:
-    """``, pp stage 1/2 (layers 16-31 of 32): ...`` for a selected bundle of a pipeline stage; empty otherwise."""
+    """``, pp stage 1/2 (layers 16-31 of 32 layers): ...`` for a selected bundle of a pipeline stage; empty otherwise."""
     stage = getattr(bundle, "stage", None)
     return "" if stage is None else f", pp {stage.text()}"

@@ -233,7 +233,7 @@ def test_a_stage_read_past_the_page_cache_does_not_warm_the_whole_rank_file(
         loader.load_weights(model, model_config)
     assert [p.name for p in warmed] == (["rank-0.safetensors"] if pp == 1 else [])
     placed = next(m for m in marlin_log if m.startswith("marlin-pack: placed"))
-    assert ("pp stage 1/2 (layers 3-4 of 5)" in placed) is (pp == 2), placed
+    assert ("pp stage 1/2 (layers 3-4 of 5 layers)" in placed) is (pp == 2), placed
 
 
 @pytest.mark.parametrize("fallback", [False, True])
