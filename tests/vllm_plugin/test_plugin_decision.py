@@ -178,7 +178,8 @@ def test_a_named_partition_moves_a_stages_share(awq_bundle: Path, monkeypatch: p
     assert first is not None and last is not None
     assert first.layers == (0, 2) and last.layers == (2, 2) and not last.tp_set.layers and last.rank_bytes == 0
     assert set(last.common_header.tensors) == {"model.norm.weight", "lm_head.weight"}
-    assert first.text().startswith("stage 0/2 (layers 0-1 of 2 layers): ") and last.text().startswith("stage 1/2 (none of 2 layers): 0.0 kB of ")
+    assert first.text().startswith("stage 0/2 (layers 0-1 of 2 layers): ")
+    assert last.text().startswith("stage 1/2 (none of 2 layers): 0.0 kB of ")
 
 
 # --- source and bundle files ------------------------------------------------------------------
