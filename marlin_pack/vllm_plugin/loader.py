@@ -447,7 +447,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     # longer allocated and filled only to be dropped).
                     mark_prepacked(layer)
                 t1 = time.perf_counter()
-                device = next(next(iter(state.layers.values())).parameters()).device
+                # (a pipeline stage may have no decoder layer: then the model's first parameter says it)
+                device = next(next(iter(state.layers.values())).parameters() if state.layers else model.parameters()).device
                 with HostMap(bundle.common_file) as host:
                     model.load_weights(self._common_weights(reader, host, bundle, model, device, skip=prefilled))
                 t2 = time.perf_counter()

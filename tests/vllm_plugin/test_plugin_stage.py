@@ -166,15 +166,16 @@ def _load_stage(model_dir: Path, kind: str, monkeypatch: pytest.MonkeyPatch, pp:
                 check_ipc_quant_support(model)  # vLLM's daemon: every layer can be shared as loaded
             loader.load_weights(model, model_config)
             layers = quantized_layers(model)
-            assert layers and all(is_prepacked(m) for m in layers.values())
+            assert all(is_prepacked(m) for m in layers.values())  # none on a stage without decoder layers
             process_weights_after_loading(model, model._real_model_config, torch.device("cpu"))
     got = {n: p.data for n, p in model.named_parameters(remove_duplicate=False)}
     return got, reads, next(iter(loader._decisions.values()))
 
 
 def _check_stage(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], reads: Reads, decision: Any,
-                 pp: int, stage: int) -> None:
-    """Every parameter as stock vLLM holds it on the stage; exactly the stage's share read (each byte once)."""
+                 pp: int, stage: int, part: bool = True) -> None:
+    """Every parameter as stock vLLM holds it on the stage; exactly the stage's share read (each byte once), ``part``
+    of each file."""
     assert got.keys() == want.keys(), (stage, sorted(got.keys() ^ want.keys())[:6])
     for name, t in want.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape, (stage, name)
@@ -182,9 +183,9 @@ def _check_stage(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], re
     share = decision.bundle.stage
     assert share is not None and (share.pp_size, share.pp_rank) == (pp, stage)
     rank_file, common_file = decision.bundle.rank_file.name, decision.bundle.common_file.name
-    assert reads.bytes(rank_file) == share.rank_bytes < share.rank_file_bytes
+    assert reads.bytes(rank_file) == share.rank_bytes and (share.rank_bytes < share.rank_file_bytes or not part)
     assert reads.spans(rank_file) == _merged([(i.start, i.nbytes) for i in share.rank_header.tensors.values()])
-    assert reads.bytes(common_file) == share.common_bytes < share.common_file_bytes
+    assert reads.bytes(common_file) == share.common_bytes and (share.common_bytes < share.common_file_bytes or not part)
     assert reads.spans(common_file) == _merged([(i.start, i.nbytes) for i in share.common_header.tensors.values()])
 
 
@@ -203,6 +204,22 @@ def test_each_stage_loads_what_stock_vllm_holds_reading_only_its_share(
             rank_totals.append(reads.bytes(decision.bundle.rank_file.name))
     # The stages of each TP rank together read its rank file once: every layer on exactly one stage.
     assert sum(rank_totals) == decision.bundle.stage.rank_file_bytes * tp, rank_totals
+
+
+@pytest.mark.parametrize("partition", ["0,5", "5,0", "1,4"])
+def test_a_named_partition_and_a_stage_without_decoder_layers(
+    stage_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch, partition: str,
+) -> None:
+    """``VLLM_PP_LAYER_PARTITION`` moves the layers (vLLM allows a stage none: it then holds only the ends)."""
+    model_dir, dtype = stage_bundle("llama"), dtype_of("llama")
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
+    for stage in range(2):
+        want = sr.stage_params(model_dir, 1, 0, dtype, (2, stage))
+        got, reads, decision = _load_stage(model_dir, "llama", monkeypatch, 2, stage, 1, 0)
+        _check_stage(got, want, reads, decision, 2, stage, part=False)
+        share = decision.bundle.stage
+        assert share.layers[1] - share.layers[0] == int(partition.split(",")[stage]) == len(share.tp_set.layers) // 4
+        assert share.common_bytes < share.common_file_bytes  # the ends: the embedding or the norm and head
 
 
 def test_a_weight_cache_daemon_fills_its_stage_share(stage_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch) -> None:
