@@ -388,6 +388,21 @@ def test_check_takes_pipeline_parallel_size_and_decides_every_stage(make_bundle)
     assert "stage 1/2 (layer 1 of 2 layers)" in lines[3] and "of the rank file" in lines[3] and "of the common file" in lines[3]
 
 
+def test_check_refuses_data_parallel_replicas_of_a_moe_bundle(tmp_path: Path) -> None:
+    """vLLM shards experts over every replica's ranks (tests/vllm_plugin/test_plugin_moe.py shows it): -dp 2 is refused
+    for a bundle with experts layers, in one line naming dp_size; -dp 1 loads."""
+    import torch
+    from moe_checkpoints import write_moe_checkpoint
+
+    from marlin_pack import convert
+
+    model = write_moe_checkpoint(tmp_path / "m", "MixtralForCausalLM", "awq", dtype=torch.float16)
+    convert(model, tp=(1,), kernel="marlin")
+    r = runner.invoke(app, ["check", str(model), "-dp", "2"], env={"COLUMNS": "400"})
+    assert r.exit_code == 1 and "rank 0/1: refuse" in r.stdout and "[dp_size] the engine runs --data-parallel-size 2" in r.stdout
+    assert runner.invoke(app, ["check", str(model)]).exit_code == 0
+
+
 def test_check_refuses_a_partition_that_does_not_fit(make_bundle, monkeypatch: pytest.MonkeyPatch) -> None:
     d = make_bundle("gptq", "tiny", tp_sizes=(1, 2))
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,1")

@@ -55,6 +55,7 @@ class EngineFacts:
     tp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0  # this rank's pipeline stage
+    dp_size: int = 1  # --data-parallel-size: replicas of tp_size x pp_size GPUs each
     dtype: str = "float16"
     quantization: str | None = None
     marlin_input_dtype: str | None = None
@@ -175,6 +176,21 @@ def _tp_set(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
     return tp_set
 
 
+def _check_data_parallel(tp_set: TensorParallelSet, facts: EngineFacts) -> None:
+    """Data-parallel replicas each load their TP rank's file, except for experts layers: vLLM 0.33.0 shards a fused
+    MoE layer's experts across the TP ranks of every replica together (``FusedMoEParallelConfig.make``:
+    ``flatten_tp_across_dp_and_pcp``, TP size ``tp x dp``), which a rank file of this TP size does not hold."""
+    if facts.dp_size > 1 and tp_set.moe_layers:
+        n = facts.tp_size * facts.dp_size
+        raise BundleMismatchError(
+            F.dp_size,
+            f"the engine runs --data-parallel-size {facts.dp_size}: vLLM 0.33.0 shards each experts layer over the "
+            f"{facts.tp_size} x {facts.dp_size} tensor x data parallel ranks (1/{n} of every expert's intermediate size a "
+            f"GPU), the bundle's tp{facts.tp_size} rank files hold 1/{facts.tp_size}; serve this mixture-of-experts "
+            "model with --data-parallel-size 1",
+        )
+
+
 def _tp_advice(manifest: Manifest, facts: EngineFacts) -> str:
     """Why the bundle lacks the engine's TP size, naming only sizes ``convert`` accepts for this checkpoint."""
     from marlin_pack.planning import convertible_tp_sizes
@@ -275,11 +291,12 @@ def check_engine(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
 
     Raises:
         BundleMismatchError: naming the field (``vllm_version``, ``kernel``, ``serving_dtype``,
-            ``quant_method``, ``tp_size``, ``tp_rank``, ``activation_dtype``, ``linear_backend``).
+            ``quant_method``, ``tp_size``, ``tp_rank``, ``activation_dtype``, ``linear_backend``, ``dp_size``).
     """
     _check_target(manifest, facts)
     tp_set = _tp_set(manifest, facts)
     _check_kernel_settings(manifest, facts)
+    _check_data_parallel(tp_set, facts)
     return tp_set
 
 

@@ -65,6 +65,7 @@ def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFa
         tp_rank=tp_rank,
         pp_size=pp_size,
         pp_rank=pp_rank,
+        dp_size=int(getattr(parallel, "data_parallel_size", 1) or 1),  # each replica's workers see the whole DP size
         dtype=str(model_config.dtype).removeprefix("torch."),
         quantization=model_config.quantization,
         marlin_input_dtype=envs.VLLM_MARLIN_INPUT_DTYPE,

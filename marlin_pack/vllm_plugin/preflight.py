@@ -131,6 +131,7 @@ def preflight(
     revision: str | None = None,
     capability: int | None = None,
     pp_size: int = 1,
+    dp_size: int = 1,
 ) -> PreflightReport:
     """What ``vllm serve MODEL_DIR --load-format marlin_prepacked`` would decide, per rank.
 
@@ -142,6 +143,8 @@ def preflight(
         vllm_version: the engine's vLLM (default: the installed one).
         pp_size: the engine's ``--pipeline-parallel-size``: every (stage, rank) is decided, each message saying what
             that stage reads of its rank file and of the common file.
+        dp_size: the engine's ``--data-parallel-size``: every replica decides as the ranks shown (the same TP rank files),
+            except that experts layers are refused (vLLM shards them over all replicas' ranks).
         capability: the engine's GPU, major*10 + minor (None: unknown; then which kernel family vLLM picks is
             not checked, only said).
 
@@ -157,7 +160,7 @@ def preflight(
     for stage, r in ((s, r) for s in range(pp_size) for r in (range(tp_size) if rank is None else [rank])):
         facts = EngineFacts(
             model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, pp_size=pp_size, pp_rank=stage,
-            dtype=dtype, revision=revision, capability=capability,
+            dp_size=dp_size, dtype=dtype, revision=revision, capability=capability,
         )
         try:
             decision = decide(options, facts)

@@ -181,7 +181,7 @@ def _mla_post_processing_recorder(calls: list[tuple[str, tuple[int, ...]]]) -> A
 
 @contextlib.contextmanager
 def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_calls: list | None = None,
-                 pp: tuple[int, int] = (1, 0)):
+                 pp: tuple[int, int] = (1, 0), dp: tuple[int, int] = (1, 0)):
     m = _moe_vllm()
     v = m.base
     saved: list[tuple[Any, str, Any]] = []
@@ -194,7 +194,7 @@ def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_c
         try:
             ps = v.parallel_state
             setattr_saved(ps, "_EP", _GroupWithDevice(tp_size, rank))
-            setattr_saved(ps, "_DP", _GroupWithDevice(1, 0))
+            setattr_saved(ps, "_DP", _GroupWithDevice(*dp))  # (size, rank): the data-parallel replica
             setattr_saved(ps, "_PCP", _GroupWithDevice(1, 0))
             view = vr._CudaView(v.platform)
             for mod in (m.int_wna16, m.marlin_moe, m.moe_config, m.moe_wna16):
