@@ -293,7 +293,7 @@ def check(
         report = preflight(
             model, bundle=bundle, tp_size=tp, rank=rank, dtype=_engine_dtype(model, revision, dtype.value),
             verify=verify_mode.value, fallback=fallback, revision=revision, capability=_capability(compute_capability),
-            pp_size=pp,
+            pp_size=pp, dp_size=dp,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

@@ -53,6 +53,7 @@ class MismatchField(str, Enum):
     tp_size = "tp_size"
     tp_rank = "tp_rank"
     pp_size = "pp_size"
+    dp_size = "dp_size"
     serving_dtype = "serving_dtype"
     activation_dtype = "activation_dtype"
     quant_method = "quant_method"

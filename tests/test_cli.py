@@ -367,15 +367,48 @@ def test_check_says_which_kernel_each_layer_runs_on_the_gpu_given(make_bundle) -
 
 
 def test_check_takes_pipeline_parallel_size_and_decides_every_stage(make_bundle) -> None:
+    """-tp 2 -pp 2: the loader's own decision per (stage, rank), each saying what that stage reads of its files."""
     d = make_bundle("gptq", "tiny", tp_sizes=(1, 2))
     for flag in ("-pp", "--pipeline-parallel-size"):
         r = runner.invoke(app, ["check", str(d), "-tp", "2", flag, "2", "--json"])
         data = json.loads(r.stdout)
-        assert r.exit_code == 1 and data["pp_size"] == 2 and data["field"] == "pp_size", r.output
-        assert [(x["stage"], x["rank"]) for x in data["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert r.exit_code == 0 and data["pp_size"] == 2 and data["decision"] == "load", r.output
+        assert [(x["stage"], x["rank"], x["decision"]) for x in data["ranks"]] == [
+            (0, 0, "load"), (0, 1, "load"), (1, 0, "load"), (1, 1, "load")]
+        reads = [x["reads"] for x in data["ranks"]]
+        assert [x["layers"] for x in reads] == [[0, 1], [0, 1], [1, 2], [1, 2]]
+        for rank in range(2):  # the two stages of a TP rank read its rank file once between them
+            assert reads[rank]["rank_file_bytes"] + reads[2 + rank]["rank_file_bytes"] == reads[rank]["rank_file_total"] > 0
+        assert all(0 < x["common_file_bytes"] < x["common_file_total"] for x in reads)
     r = runner.invoke(app, ["check", str(d), "-tp", "2", "-pp", "2"], env={"COLUMNS": "400"})
-    assert r.stdout.count("refuse") == 1 and r.stdout.startswith("ranks 0-3/4 of pp 2 x tp 2: refuse"), r.stdout
-    assert "pipeline_parallel_size=1 only" in r.stdout
+    lines = r.stdout.splitlines()
+    assert r.exit_code == 0 and [x.split(":")[0] for x in lines[:4]] == [
+        "stage 0 rank 0/2", "stage 0 rank 1/2", "stage 1 rank 0/2", "stage 1 rank 1/2"], r.stdout
+    assert "tp2/rank-1.safetensors" in lines[1] and "stage 0/2 (layer 0 of 2 layers)" in lines[1]
+    assert "stage 1/2 (layer 1 of 2 layers)" in lines[3] and "of the rank file" in lines[3] and "of the common file" in lines[3]
+
+
+def test_check_refuses_data_parallel_replicas_of_a_moe_bundle(tmp_path: Path) -> None:
+    """vLLM shards experts over every replica's ranks (tests/vllm_plugin/test_plugin_moe.py shows it): -dp 2 is refused
+    for a bundle with experts layers, in one line naming dp_size; -dp 1 loads."""
+    import torch
+    from moe_checkpoints import write_moe_checkpoint
+
+    from marlin_pack import convert
+
+    model = write_moe_checkpoint(tmp_path / "m", "MixtralForCausalLM", "awq", dtype=torch.float16)
+    convert(model, tp=(1,), kernel="marlin")
+    r = runner.invoke(app, ["check", str(model), "-dp", "2"], env={"COLUMNS": "400"})
+    assert r.exit_code == 1 and "rank 0/1: refuse" in r.stdout and "[dp_size] the engine runs --data-parallel-size 2" in r.stdout
+    assert runner.invoke(app, ["check", str(model)]).exit_code == 0
+
+
+def test_check_refuses_a_partition_that_does_not_fit(make_bundle, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = make_bundle("gptq", "tiny", tp_sizes=(1, 2))
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,1")
+    r = runner.invoke(app, ["check", str(d), "-pp", "2"], env={"COLUMNS": "400"})
+    assert r.exit_code == 1 and r.stdout.count("refuse") == 1, r.stdout
+    assert "[pp_size] VLLM_PP_LAYER_PARTITION='2,1' sums to 3 layers, the model has 2" in r.stdout
 
 
 def test_check_takes_data_parallel_size(make_bundle) -> None:
@@ -385,3 +418,7 @@ def test_check_takes_data_parallel_size(make_bundle) -> None:
     assert r.exit_code == 0 and data["data_parallel_size"] == 2 and data["decision"] == "load", r.output
     r = runner.invoke(app, ["check", str(d), "--data-parallel-size", "3"], env={"COLUMNS": "400"})
     assert r.exit_code == 0 and r.stdout.startswith("each of the 3 data-parallel replicas decides as follows"), r.stdout
+    r = runner.invoke(app, ["check", str(d), "-tp", "2", "-pp", "2", "-dp", "2"], env={"COLUMNS": "400"})
+    lines = r.stdout.splitlines()
+    assert r.exit_code == 0 and lines[0].startswith("each of the 2 data-parallel replicas"), r.stdout
+    assert [x.split(":")[0] for x in lines[1:5]] == ["stage 0 rank 0/2", "stage 0 rank 1/2", "stage 1 rank 0/2", "stage 1 rank 1/2"]

@@ -106,8 +106,9 @@ def take(options: Any, facts: Any) -> tuple[Any, float] | None:
 
 def start_in_worker(worker: Any) -> Ahead | None:
     """As vLLM's GPU ``worker`` begins ``init_device``: :func:`start` the decision of a ``marlin_prepacked`` engine's
-    loader. Distributed is not up yet, so the TP rank is the worker's rank modulo the TP size (the loader's own facts
-    must match it: :func:`take`). Never raises; every other load format is left alone before anything is read."""
+    loader. Distributed is not up yet, so the TP rank is the worker's rank modulo the TP size and the pipeline stage
+    the quotient (modulo the stages), as vLLM lays out its groups (the loader's own facts must match: :func:`take`).
+    Never raises; every other load format is left alone before anything is read."""
     try:
         from marlin_pack._constants import LOAD_FORMAT
 
@@ -122,8 +123,11 @@ def start_in_worker(worker: Any) -> Ahead | None:
 
         options = parse_extra_config(load_config.model_loader_extra_config or {})
         facts = engine_facts(vllm_config, vllm_config.model_config)
+        rank = int(getattr(worker, "rank", 0) or 0)  # in its data-parallel replica: pp_rank * tp_size + tp_rank
         if facts.tp_size > 1:
-            facts = dataclasses.replace(facts, tp_rank=int(getattr(worker, "rank", 0) or 0) % facts.tp_size)
+            facts = dataclasses.replace(facts, tp_rank=rank % facts.tp_size)
+        if facts.pp_size > 1:
+            facts = dataclasses.replace(facts, pp_rank=rank // facts.tp_size % facts.pp_size)
     except Exception as e:  # noqa: BLE001 - the loader decides at load time, as without it
         logger.debug("marlin-pack: no decision ahead of the load: %s", e)
         return None

@@ -23,6 +23,7 @@ from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHea
 from marlin_pack.schemas import Manifest, TensorParallelSet
 from marlin_pack.sources.hub import ResolvedModel, locate_bundle, resolve_model
 from marlin_pack.vllm_plugin.options import LoaderOptions
+from marlin_pack.vllm_plugin.stage import StageShare, stage_share
 
 __all__ = [
     "EngineFacts",
@@ -53,6 +54,8 @@ class EngineFacts:
     tp_size: int = 1
     tp_rank: int = 0
     pp_size: int = 1
+    pp_rank: int = 0  # this rank's pipeline stage
+    dp_size: int = 1  # --data-parallel-size: replicas of tp_size x pp_size GPUs each
     dtype: str = "float16"
     quantization: str | None = None
     marlin_input_dtype: str | None = None
@@ -77,6 +80,8 @@ class SelectedBundle:
     rank_header: SafetensorsHeader
     common_header: SafetensorsHeader
     hashed: HashReport = HashReport()  # what the checks hashed (nothing: stamps vouched, or ``verify: size``)
+    # pipeline_parallel_size > 1: this stage's share (``tp_set`` and both headers above are already restricted to it)
+    stage: StageShare | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,21 @@ def _tp_set(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
     return tp_set
 
 
+def _check_data_parallel(tp_set: TensorParallelSet, facts: EngineFacts) -> None:
+    """Data-parallel replicas each load their TP rank's file, except for experts layers: vLLM 0.33.0 shards a fused
+    MoE layer's experts across the TP ranks of every replica together (``FusedMoEParallelConfig.make``:
+    ``flatten_tp_across_dp_and_pcp``, TP size ``tp x dp``), which a rank file of this TP size does not hold."""
+    if facts.dp_size > 1 and tp_set.moe_layers:
+        n = facts.tp_size * facts.dp_size
+        raise BundleMismatchError(
+            F.dp_size,
+            f"the engine runs --data-parallel-size {facts.dp_size}: vLLM 0.33.0 shards each experts layer over the "
+            f"{facts.tp_size} x {facts.dp_size} tensor x data parallel ranks (1/{n} of every expert's intermediate size a "
+            f"GPU), the bundle's tp{facts.tp_size} rank files hold 1/{facts.tp_size}; serve this mixture-of-experts "
+            "model with --data-parallel-size 1",
+        )
+
+
 def _tp_advice(manifest: Manifest, facts: EngineFacts) -> str:
     """Why the bundle lacks the engine's TP size, naming only sizes ``convert`` accepts for this checkpoint."""
     from marlin_pack.planning import convertible_tp_sizes
@@ -196,12 +216,6 @@ def _check_kernel_settings(manifest: Manifest, facts: EngineFacts) -> None:
             f"VLLM_MARLIN_INPUT_DTYPE={facts.marlin_input_dtype} makes vLLM quantize activations to 8 bits, "
             f"whose Marlin layout differs; the bundle holds the {manifest.activation_dtype.value}-activation "
             "layout. Unset VLLM_MARLIN_INPUT_DTYPE",
-        )
-    if facts.pp_size != 1:
-        raise BundleMismatchError(
-            F.pp_size,
-            f"the engine runs pipeline_parallel_size={facts.pp_size}; marlin-pack bundles support "
-            "pipeline_parallel_size=1 only",
         )
     if facts.batch_invariant:
         raise BundleMismatchError(
@@ -277,12 +291,12 @@ def check_engine(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
 
     Raises:
         BundleMismatchError: naming the field (``vllm_version``, ``kernel``, ``serving_dtype``,
-            ``quant_method``, ``tp_size``, ``tp_rank``, ``activation_dtype``, ``pp_size``,
-            ``linear_backend``).
+            ``quant_method``, ``tp_size``, ``tp_rank``, ``activation_dtype``, ``linear_backend``, ``dp_size``).
     """
     _check_target(manifest, facts)
     tp_set = _tp_set(manifest, facts)
     _check_kernel_settings(manifest, facts)
+    _check_data_parallel(tp_set, facts)
     return tp_set
 
 
@@ -320,7 +334,8 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     Order: manifest (format version), engine fit (vLLM version, dtype, TP, kernel
     settings), the source checkpoint (quantization config, files, sizes, headers, hashes
     unless this user's stamps vouch for them), then this rank's file and the common file (sizes, hashes likewise,
-    readable, headers and metadata exactly as the manifest implies).
+    readable, headers and metadata exactly as the manifest implies). With ``pipeline_parallel_size > 1`` the
+    selection is this stage's share of them (:func:`~marlin_pack.vllm_plugin.stage.stage_share`).
 
     Raises:
         BundleMismatchError: naming the field that does not fit.
@@ -336,6 +351,12 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     rank_file = _with_field(F.files, lambda: resolve_file(bundle_dir, rank_entry))
     common_file = _with_field(F.files, lambda: resolve_file(bundle_dir, manifest.common))
     common_header = _with_field(F.files, lambda: _checked_common_header(manifest, common_file))
+    rank_header = _with_field(F.files, lambda: _checked_header(manifest, tp_set, facts.tp_rank, rank_file))
+    stage = None
+    if facts.pp_size > 1:
+        stage = _with_field(F.pp_size, lambda: stage_share(
+            manifest, tp_set, rank_header, common_header, model_dir, facts.pp_size, facts.pp_rank))
+        tp_set, rank_header, common_header = stage.tp_set, stage.rank_header, stage.common_header
     return SelectedBundle(
         bundle_dir=bundle_dir,
         manifest=manifest,
@@ -343,9 +364,10 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
         rank=facts.tp_rank,
         rank_file=rank_file,
         common_file=common_file,
-        rank_header=_with_field(F.files, lambda: _checked_header(manifest, tp_set, facts.tp_rank, rank_file)),
+        rank_header=rank_header,
         common_header=common_header,
         hashed=hashed,
+        stage=stage,
     )
 
 

@@ -8,6 +8,7 @@ imports vLLM: only vLLM processes (the loader, the patches) import it.
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from marlin_pack.vllm_plugin.layer_check import SUPPORTED_METHODS, LayerFacts
 from marlin_pack.vllm_plugin.version_guard import vllm_version
 
 __all__ = [
+    "built_parameters",
     "freeze_gc_heap",
     "engine_facts",
     "marlin_kernel",
@@ -43,12 +45,16 @@ __all__ = [
 
 
 def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFacts:
-    """What the bundle must fit, read from vLLM (this worker's TP rank once distributed is up)."""
+    """What the bundle must fit, read from vLLM (this worker's TP rank and pipeline stage once distributed is up)."""
     from vllm.distributed import parallel_state as ps
 
     parallel = vllm_config.parallel_config
+    pp_size, pp_rank = parallel.pipeline_parallel_size, 0
     if ps.model_parallel_is_initialized():
         tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        if pp_size > 1:  # the stage this worker builds (vLLM's make_layers asks the same group)
+            pp_group = ps.get_pp_group()
+            pp_size, pp_rank = pp_group.world_size, pp_group.rank_in_group
     else:
         tp_size, tp_rank = parallel.tensor_parallel_size, 0
     kc = vllm_config.kernel_config
@@ -57,7 +63,9 @@ def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFa
         vllm_version=vllm_version(),
         tp_size=tp_size,
         tp_rank=tp_rank,
-        pp_size=parallel.pipeline_parallel_size,
+        pp_size=pp_size,
+        pp_rank=pp_rank,
+        dp_size=int(getattr(parallel, "data_parallel_size", 1) or 1),  # each replica's workers see the whole DP size
         dtype=str(model_config.dtype).removeprefix("torch."),
         quantization=model_config.quantization,
         marlin_input_dtype=envs.VLLM_MARLIN_INPUT_DTYPE,
@@ -105,6 +113,19 @@ def force_marlin(kernel_config: Any) -> None:
     """
     per_quant = getattr(kernel_config, "linear_backend_per_quant", None) or {}
     kernel_config.linear_backend_per_quant = {**per_quant, "mixed_precision": "marlin"}
+
+
+def built_parameters(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The checkpoint ``names`` that name a parameter of ``model``, through its ``hf_to_vllm_mapper`` where it has one
+    (as its ``load_weights`` maps them): for a pipeline stage, what vLLM built there (``PPMissingLayer`` holds none)."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    found = []
+    for name in names:
+        mapped = mapper.map_name(name) if mapper is not None else name
+        if mapped in params:
+            found.append(name)
+    return found
 
 
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -54,13 +54,14 @@ from marlin_pack.vllm_plugin import decide_ahead, patches, preload
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
 from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, plain_copy_target
 from marlin_pack.vllm_plugin.decision import Decision, EngineFacts, SelectedBundle, decide, hopper_machete_layers, refusal
-from marlin_pack.vllm_plugin.engine import engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
+from marlin_pack.vllm_plugin.engine import built_parameters, engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.io_facts import plan_for
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
 from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.placeholders import stub_quantized_placeholders
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
+from marlin_pack.vllm_plugin.stage import check_nothing_left_out, stage_text
 from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
 __all__ = ["MarlinPrepackedLoader"]
@@ -150,7 +151,7 @@ class _Timings:
         return (
             f"marlin-pack: validate {self.validate:.2f} s{self.ahead_text()}, {self.create_text()}, {self.copy_text()}, "
             f"{self.common_text()}, post-process {self.post:.2f} s, total {total:.2f} s "
-            f"({layers} prepacked layers, tp {bundle.tp_set.tp_size} rank {bundle.rank}, "
+            f"({layers} prepacked layers, tp {bundle.tp_set.tp_size} rank {bundle.rank}{stage_text(bundle)}, "
             f"bundle {bundle.bundle_dir})"
         )
 
@@ -197,7 +198,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
     def _decide(self, vllm_config: VllmConfig, model_config: ModelConfig) -> Decision:
         facts = engine_facts(vllm_config, model_config)
-        key = (facts.model, facts.tp_size, facts.tp_rank, facts.dtype)
+        key = (facts.model, facts.tp_size, facts.tp_rank, facts.pp_size, facts.pp_rank, facts.dtype)
         if key not in self._decisions:
             t0 = time.perf_counter()
             ahead = decide_ahead.take(self.options, facts)
@@ -315,6 +316,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
             check_layers(bundle.manifest, bundle.tp_set, facts)
             moe_facts = {name: moe_layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in experts.items()}
             check_moe_layers(bundle.manifest, bundle.tp_set, moe_facts)
+            if bundle.stage is not None:  # a pipeline stage: nothing vLLM built there is left unloaded
+                check_nothing_left_out(bundle.stage, built_parameters(model, bundle.stage.left_out))
         except BundleError as e:
             reason, fld = str(e), getattr(e, "field", None) or MismatchField.layers
             if fill is not None:
@@ -444,7 +447,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     # longer allocated and filled only to be dropped).
                     mark_prepacked(layer)
                 t1 = time.perf_counter()
-                device = next(next(iter(state.layers.values())).parameters()).device
+                # (a pipeline stage may have no decoder layer: then the model's first parameter says it)
+                device = next(next(iter(state.layers.values())).parameters() if state.layers else model.parameters()).device
                 with HostMap(bundle.common_file) as host:
                     model.load_weights(self._common_weights(reader, host, bundle, model, device, skip=prefilled))
                 t2 = time.perf_counter()
@@ -461,17 +465,19 @@ class MarlinPrepackedLoader(BaseModelLoader):
         self._timings.common = t2 - t1
         # Also the daemon's path (it calls create_model/load_weights, not load_model): say which file.
         logger.info(
-            "marlin-pack: placed %d tensors from %s for tp %d rank %d: %s, %s, io %s, %s",
+            "marlin-pack: placed %d tensors from %s for tp %d rank %d%s: %s, %s, io %s, %s",
             len(params),
             bundle.rank_file,
             bundle.tp_set.tp_size,
             bundle.rank,
+            stage_text(bundle),
             self._timings.create_text(),
             self._timings.copy_text(),
             self._timings.modes,
             self._timings.common_text(),
         )
-        if state.plan.mode == "direct":  # the copy left the page cache as it was: warm it for the next start
+        if state.plan.mode == "direct" and bundle.stage is None:  # the copy left the page cache as it was: warm it
+            # for the next start (not a pipeline stage's: warming reads the whole file, the other stages' layers too)
             started = warm_in_background(bundle.rank_file)
             logger.info(
                 "marlin-pack: %s was read past the page cache (%s); %s", bundle.rank_file, state.plan.why,
@@ -546,7 +552,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
             if targets is not None:
                 reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t.data) for t in targets.values()])
                 continue
-            if whole and info.nbytes >= _LARGE_COMMON:
+            # Staged on the GPU where the model holds it: a pipeline stage's vLLM skips the rest, reading nothing.
+            if whole and info.nbytes >= _LARGE_COMMON and (bundle.stage is None or built_parameters(model, names)):
                 t = torch.empty(info.shape, dtype=info.torch_dtype, device=device)
                 reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t)])
             else:

@@ -37,9 +37,11 @@ class RankOutcome:
     message: str
     hashed: HashReport = HashReport()
     stage: int = 0  # the pipeline stage (pipeline_parallel_size > 1)
+    reads: dict[str, object] | None = None  # a loading pipeline stage: its layers and the bytes it reads (StageShare)
 
     def to_dict(self) -> dict[str, object]:
-        return {"rank": self.rank, "stage": self.stage, "decision": self.decision, "field": self.field, "message": self.message}
+        out = {"rank": self.rank, "stage": self.stage, "decision": self.decision, "field": self.field, "message": self.message}
+        return out if self.reads is None else {**out, "reads": self.reads}
 
 
 @dataclass
@@ -129,6 +131,7 @@ def preflight(
     revision: str | None = None,
     capability: int | None = None,
     pp_size: int = 1,
+    dp_size: int = 1,
 ) -> PreflightReport:
     """What ``vllm serve MODEL_DIR --load-format marlin_prepacked`` would decide, per rank.
 
@@ -138,7 +141,10 @@ def preflight(
         tp_size: the engine's ``--tensor-parallel-size``; ``rank``: one rank only (default: all).
         dtype: the engine's ``--dtype`` (``float16``/``bfloat16``).
         vllm_version: the engine's vLLM (default: the installed one).
-        pp_size: the engine's ``--pipeline-parallel-size``: every (stage, rank) is decided.
+        pp_size: the engine's ``--pipeline-parallel-size``: every (stage, rank) is decided, each message saying what
+            that stage reads of its rank file and of the common file.
+        dp_size: the engine's ``--data-parallel-size``: every replica decides as the ranks shown (the same TP rank files),
+            except that experts layers are refused (vLLM shards them over all replicas' ranks).
         capability: the engine's GPU, major*10 + minor (None: unknown; then which kernel family vLLM picks is
             not checked, only said).
 
@@ -153,8 +159,8 @@ def preflight(
     report = PreflightReport(tp_size=tp_size, vllm_version=version, pp_size=pp_size)
     for stage, r in ((s, r) for s in range(pp_size) for r in (range(tp_size) if rank is None else [rank])):
         facts = EngineFacts(
-            model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, pp_size=pp_size, dtype=dtype,
-            revision=revision, capability=capability,
+            model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, pp_size=pp_size, pp_rank=stage,
+            dp_size=dp_size, dtype=dtype, revision=revision, capability=capability,
         )
         try:
             decision = decide(options, facts)
@@ -167,9 +173,16 @@ def preflight(
         else:
             sel = decision.bundle
             entry = sel.tp_set.ranks[r].file
-            message = (
-                f"{entry.path} ({_kernels_text(sel, facts)}, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} "
-                f"from {sel.bundle_dir}"
-            )
-            report.ranks.append(RankOutcome(r, "load", None, message, sel.hashed, stage=stage))
+            if sel.stage is None:
+                message = (
+                    f"{entry.path} ({_kernels_text(sel, facts)}, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} "
+                    f"from {sel.bundle_dir}"
+                )
+            else:  # a pipeline stage: its layers of the rank file, its common tensors
+                message = (
+                    f"{entry.path} and {sel.manifest.common.path} from {sel.bundle_dir}, {sel.stage.text()} "
+                    f"({_kernels_text(sel, facts)})"
+                )
+            reads = None if sel.stage is None else sel.stage.to_dict()
+            report.ranks.append(RankOutcome(r, "load", None, message, sel.hashed, stage=stage, reads=reads))
     return report

@@ -54,7 +54,8 @@ def plan(vllm_config: Any, role: str = "daemon", device: int = 0) -> dict | None
 
     ``role``: ``"daemon"`` (planned in the ``vllm preload`` process for the daemon it spawns) or ``"engine"`` (in the
     engine's GPU worker). Cheap: the manifest is read, nothing is hashed (the loader checks the bundle as always,
-    and stops the helpers if it does not use them). Never raises: a bundle it cannot find is the loader's to report.
+    and stops the helpers if it does not use them). None for a pipeline stage (page-locking would read the other
+    stages' layers). Never raises: a bundle it cannot find is the loader's to report.
     """
     from marlin_pack._constants import LOAD_FORMAT
     from marlin_pack.vllm_plugin.options import parse_extra_config
@@ -76,6 +77,9 @@ def plan(vllm_config: Any, role: str = "daemon", device: int = 0) -> dict | None
 
         model_config = vllm_config.model_config
         facts = engine_facts(vllm_config, model_config)
+        if facts.pp_size > 1:  # page-locking reads the whole rank file; a pipeline stage reads only its layers
+            logger.debug("marlin-pack: no page-locking ahead of the %s's copy: pipeline_parallel_size %d", role, facts.pp_size)
+            return None
         bundle_dir = resolve_bundle_dir(options, facts.model, facts.revision)
         manifest = load_manifest(bundle_dir)
         tp_set = check_engine(manifest, facts)

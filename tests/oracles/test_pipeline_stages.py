@@ -9,6 +9,7 @@ the loader's per-stage loading builds on this.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -63,3 +64,53 @@ def test_a_named_partition_moves_the_layers(tmp_path: Path, monkeypatch: pytest.
         want = reference_rank_tensors(model, 1, 0, torch.float16, pp=(2, stage))
         assert {int(_LAYER.search(n).group(1)) for n in want} == set(range(*expected))  # type: ignore[union-attr]
         assert stage_layers(5, 2, stage) == expected
+
+
+# Architectures whose stage rules (marlin_pack.pipeline.stage_common) are checked against vLLM's stage models:
+# the first/last-stage classes (tied embeddings too: Granite) and the every-stage ones (Gemma 2, the MoE classes).
+_COMMON_KINDS = ["llama", "llama-tied", "qwen2", "qwen3", "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                 "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM"]
+# Multimodal (Qwen2.5-VL tied, Qwen2-VL untied): the language model exactly; the vision tower and projector go to
+# every stage, where vLLM builds them unless its V2 model runner leaves them to the first stage (as here).
+_MULTIMODAL_KINDS = ["Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration", "Gemma3ForConditionalGeneration",
+                     "Mistral3ForConditionalGeneration"]
+# Mistral 3 is left on every stage (its language model builds the embedding on the last stage even with an untied
+# text config): only "nothing left out" holds, its stages also read the ends vLLM skips there.
+_EVERY_STAGE_ON_PURPOSE = {"Mistral3ForConditionalGeneration"}
+_TOWERS = ("visual.", "vision_tower.", "multi_modal_projector.", "model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", _COMMON_KINDS + _MULTIMODAL_KINDS)
+def test_a_stage_loads_exactly_the_common_tensors_stage_common_gives_it(tmp_path: Path, kind: str) -> None:
+    """Every name of ``common.safetensors`` fed alone to vLLM's own stage model: it loads exactly the names
+    ``stage_common`` gives the stage (layers by index, embedding/norm/head as the class builds them), 5 layers
+    over 2 and 3 stages (multimodal: 2 over 2)."""
+    from stage_checkpoints import dtype_of, write_stage_bundle
+
+    from marlin_pack.pipeline import layer_index, stage_common
+    from marlin_pack.vllm_plugin.stage import model_facts
+    from oracles.vllm_stage_reference import stage_loads
+
+    multimodal = kind in _MULTIMODAL_KINDS  # their tiny configs have 2 layers
+    model = write_stage_bundle(tmp_path / "m", kind, 2 if multimodal else 5, tp=(1,))
+    common = load_file(str(model / "marlin-pack" / "common.safetensors"))
+    checkpoint_layers, num_layers, tied = model_facts(json.loads((model / "config.json").read_text()), list(common))
+    architecture = json.loads((model / "config.json").read_text())["architectures"][0]
+    for pp in (2,) if multimodal else (2, 3):
+        held: list[set[str]] = []
+        for stage in range(pp):
+            want = stage_loads(model, 1, 0, dtype_of(kind), (pp, stage), common.items())
+            got = stage_common(common, architecture=architecture, checkpoint_layers=checkpoint_layers, num_layers=num_layers,
+                               tied=tied, pp_size=pp, pp_rank=stage)
+            assert want <= got, (kind, pp, stage, sorted(want - got))  # nothing vLLM loads there is left out
+            held.append(got)
+            if kind in _EVERY_STAGE_ON_PURPOSE:
+                def decoder(names: set[str]) -> set[str]:
+                    return {n for n in names if layer_index(n, checkpoint_layers) is not None}
+
+                assert decoder(got) == decoder(want) and got - decoder(got) == set(common) - decoder(set(common)), stage
+                continue
+            towers = {n for n in got - want if n.startswith(_TOWERS)} if multimodal else set()
+            assert got - towers == want, (kind, pp, stage, sorted(got ^ want))
+        assert set().union(*held) >= {n for n in common if ".layers." in n}  # every layer's tensors somewhere

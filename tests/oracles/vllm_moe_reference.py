@@ -180,7 +180,8 @@ def _mla_post_processing_recorder(calls: list[tuple[str, tuple[int, ...]]]) -> A
 
 
 @contextlib.contextmanager
-def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_calls: list | None = None):
+def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_calls: list | None = None,
+                 pp: tuple[int, int] = (1, 0), dp: tuple[int, int] = (1, 0)):
     m = _moe_vllm()
     v = m.base
     saved: list[tuple[Any, str, Any]] = []
@@ -189,11 +190,11 @@ def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_c
         saved.append((obj, name, obj.__dict__.get(name, vr._MISSING)))
         setattr(obj, name, value)
 
-    with vr._patched(tp_size, rank):
+    with vr._patched(tp_size, rank, pp=pp):  # pp: (size, stage), as in vllm_reference
         try:
             ps = v.parallel_state
             setattr_saved(ps, "_EP", _GroupWithDevice(tp_size, rank))
-            setattr_saved(ps, "_DP", _GroupWithDevice(1, 0))
+            setattr_saved(ps, "_DP", _GroupWithDevice(*dp))  # (size, rank): the data-parallel replica
             setattr_saved(ps, "_PCP", _GroupWithDevice(1, 0))
             view = vr._CudaView(v.platform)
             for mod in (m.int_wna16, m.marlin_moe, m.moe_config, m.moe_wna16):

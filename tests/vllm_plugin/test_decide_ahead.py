@@ -97,3 +97,27 @@ def test_a_decision_still_running_is_waited_for_not_made_again(model: Path) -> N
     gate.set()
     taker.join(30)
     assert len(calls) == 1 and taken and taken[0] is not None
+
+
+@pytest.mark.parametrize(("rank", "tp_rank", "pp_rank"), [(0, 0, 0), (1, 1, 0), (4, 0, 2), (5, 1, 2)])
+def test_a_worker_guesses_its_tp_rank_and_pipeline_stage_from_its_rank(
+    monkeypatch: pytest.MonkeyPatch, rank: int, tp_rank: int, pp_rank: int,
+) -> None:
+    """vLLM lays out a replica's ranks as pp_rank * tp_size + tp_rank (tp 2 x pp 3 here): the facts decided ahead are
+    the ones the loader gathers once distributed is up, so the decision is taken."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.config.kernel import KernelConfig
+
+    from marlin_pack._constants import LOAD_FORMAT
+
+    started: list[EngineFacts] = []
+    monkeypatch.setattr(decide_ahead, "start", lambda options, facts: started.append(facts))
+    vllm_config = SimpleNamespace(
+        load_config=SimpleNamespace(load_format=LOAD_FORMAT, model_loader_extra_config={}),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=3),
+        kernel_config=KernelConfig(),
+        model_config=SimpleNamespace(model="/m", dtype=torch.float16, quantization=None),
+    )
+    decide_ahead.start_in_worker(SimpleNamespace(vllm_config=vllm_config, rank=rank))
+    assert [(f.tp_size, f.tp_rank, f.pp_size, f.pp_rank) for f in started] == [(2, tp_rank, 3, pp_rank)]

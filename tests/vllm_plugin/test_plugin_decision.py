@@ -86,7 +86,6 @@ ENGINE_MISMATCHES = [
     (dict(quantization="auto_gptq"), "quant_method", r"engine quantization is auto_gptq"),
     (dict(marlin_input_dtype="int8"), "activation_dtype", r"VLLM_MARLIN_INPUT_DTYPE=int8 .* 8 bits"),
     (dict(marlin_input_dtype="FP8"), "activation_dtype", r"VLLM_MARLIN_INPUT_DTYPE=FP8"),
-    (dict(pp_size=2), "pp_size", r"pipeline_parallel_size=2"),
     (dict(batch_invariant=True), "kernel", r"VLLM_BATCH_INVARIANT=1 disables Marlin"),
     (dict(disabled_kernels=("MarlinLinearKernel",)), "kernel", r"VLLM_DISABLED_KERNELS disables MarlinLinearKernel"),
     (dict(linear_backend="machete"), "linear_backend", r"--linear-backend is 'machete'"),
@@ -126,6 +125,61 @@ def test_engine_settings_that_fit(awq_bundle: Path, engine: dict) -> None:
     manifest = read_manifest(awq_bundle / "marlin-pack")
     assert check_engine(manifest, facts(awq_bundle, **engine)).tp_size == 1
     select_bundle(LoaderOptions(), facts(awq_bundle, **engine))
+
+
+# --- pipeline stages -------------------------------------------------------------------------
+
+
+def test_a_pipeline_stage_selects_its_share(awq_bundle: Path) -> None:
+    """The tiny model's 2 layers over 2 stages: each stage's TP set, rank header and common header hold only its
+    layers (and the embedding on the first, the final norm and head on the last); PP=1 selects no stage."""
+    whole = select_bundle(LoaderOptions(), facts(awq_bundle))
+    assert whole.stage is None
+    shares = [select_bundle(LoaderOptions(), facts(awq_bundle, pp_size=2, pp_rank=s)) for s in range(2)]
+    for s, sel in enumerate(shares):
+        share = sel.stage
+        assert share is not None and share.layers == (s, s + 1) and share.num_layers == 2
+        assert sel.tp_set is share.tp_set and sel.rank_header is share.rank_header and sel.common_header is share.common_header
+        assert {e.name.split(".")[2] for e in sel.tp_set.layers} == {str(s)}
+        assert all(n.startswith(f"model.layers.{s}.") for n in sel.rank_header.tensors)
+        assert sel.rank_file == whole.rank_file and sel.common_file == whole.common_file  # the same files, a part of them
+        assert share.rank_file_bytes == sum(i.nbytes for i in whole.rank_header.tensors.values())
+    first, last = (set(sel.common_header.tensors) for sel in shares)
+    assert "model.embed_tokens.weight" in first - last and {"model.norm.weight", "lm_head.weight"} <= last - first
+    assert first | last == set(whole.common_header.tensors) and not first & last
+    assert sum(sel.stage.rank_bytes for sel in shares) == shares[0].stage.rank_file_bytes  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("engine", "env", "match"),
+    [
+        (dict(pp_size=2, pp_rank=2), None, r"\[pp_size\] pipeline rank 2 is outside --pipeline-parallel-size 2"),
+        (dict(pp_size=2, pp_rank=0), "1,2", (r"\[pp_size\] VLLM_PP_LAYER_PARTITION='1,2' sums to 3 layers, the model has 2; "
+                                             r"fix VLLM_PP_LAYER_PARTITION or unset it")),
+        (dict(pp_size=3, pp_rank=0), "1,x,1", r"is not comma-separated layer counts"),
+    ],
+)
+def test_a_pipeline_that_does_not_fit_is_refused_in_one_line(
+    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, engine: dict, env: str | None, match: str,
+) -> None:
+    if env is None:
+        monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", env)
+    with pytest.raises(LoadRefusedError, match=match) as e:
+        decide(LoaderOptions(), facts(awq_bundle, **engine))
+    assert e.value.field == "pp_size" and "\n" not in str(e.value)
+    assert decide(LoaderOptions(fallback=True), facts(awq_bundle, **engine)).field == "pp_size"
+
+
+def test_a_named_partition_moves_a_stages_share(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,0")
+    first, last = (select_bundle(LoaderOptions(), facts(awq_bundle, pp_size=2, pp_rank=s)).stage for s in range(2))
+    assert first is not None and last is not None
+    assert first.layers == (0, 2) and last.layers == (2, 2) and not last.tp_set.layers and last.rank_bytes == 0
+    assert set(last.common_header.tensors) == {"model.norm.weight", "lm_head.weight"}
+    assert first.text().startswith("stage 0/2 (layers 0-1 of 2 layers): ")
+    assert last.text().startswith("stage 1/2 (none of 2 layers): 0.0 kB of ")
 
 
 # --- source and bundle files ------------------------------------------------------------------

@@ -65,6 +65,29 @@ def test_engine_facts(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+def test_engine_facts_of_a_pipeline_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With distributed up, the TP rank and the pipeline stage are the groups' (as vLLM's make_layers asks them); the
+    data-parallel size is the configuration's."""
+    from vllm.config.kernel import KernelConfig
+    from vllm.distributed import parallel_state as ps
+
+    from marlin_pack.vllm_plugin.engine import engine_facts
+
+    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(world_size=3, rank_in_group=2))
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=3,
+                                                                  data_parallel_size=4), kernel_config=KernelConfig())
+    model_config = SimpleNamespace(model="/m", dtype=torch.float16, quantization=None)
+    f = engine_facts(vllm_config, model_config)  # type: ignore[arg-type]
+    assert (f.tp_size, f.tp_rank, f.pp_size, f.pp_rank, f.dp_size) == (2, 1, 3, 2, 4)
+    vllm_config.parallel_config.pipeline_parallel_size = 1  # PP=1: the PP group is not asked
+    monkeypatch.setattr(ps, "get_pp_group", lambda: pytest.fail("asked the PP group at PP=1"))
+    f = engine_facts(vllm_config, model_config)  # type: ignore[arg-type]
+    assert (f.pp_size, f.pp_rank) == (1, 0)
+
+
 @pytest.mark.parametrize(
     ("kernel", "act", "ok"),
     [
@@ -82,3 +105,21 @@ def test_is_marlin_16bit(kernel: str, act: torch.dtype, ok: bool) -> None:
     method = fakes.quant_method("gptq", fakes.fake_kernel(fakes.kernel_cls(kernel), fakes.mp_config("uint4b8", act)))
     assert is_marlin_16bit(method) is ok
     assert not is_marlin_16bit(SimpleNamespace())  # no kernel yet
+
+
+def test_built_parameters_maps_checkpoint_names_as_the_model_does() -> None:
+    """A multimodal model loads ``model.language_model.*`` into ``language_model.model.*`` (its hf_to_vllm_mapper);
+    a name is built where its mapped name is a parameter (a pipeline stage's PPMissingLayer holds none)."""
+    from torch import nn
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from marlin_pack.vllm_plugin.engine import built_parameters
+
+    model = nn.Module()
+    model.language_model = nn.Module()
+    model.language_model.model = nn.Module()
+    model.language_model.model.norm = nn.LayerNorm(4)
+    names = ["model.language_model.norm.weight", "model.language_model.embed_tokens.weight", "language_model.model.norm.bias"]
+    assert built_parameters(model, names) == ["language_model.model.norm.bias"]  # no mapper: names as they are
+    model.hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "language_model.model."})
+    assert built_parameters(model, names) == ["model.language_model.norm.weight", "language_model.model.norm.bias"]

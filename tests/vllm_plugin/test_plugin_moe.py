@@ -25,7 +25,7 @@ from marlin_pack.vllm_plugin import LOAD_FORMAT
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked
 
 vmr = pytest.importorskip("oracles.vllm_moe_reference")
-from moe_checkpoints import write_moe_checkpoint  # noqa: E402
+from moe_checkpoints import MOE_CONFIGS, write_moe_checkpoint  # noqa: E402
 
 CASES = {
     "mixtral-awq-tp1": ("MixtralForCausalLM", "awq", 1, 0, torch.float16),
@@ -190,6 +190,31 @@ def test_moe_layer_mismatch_refuses_or_falls_back(moe_bundle: Any, patched: Any,
         fallback.load_weights(model, model_config)  # type: ignore[arg-type]
     assert calls == [model]
     assert not any(is_prepacked(mod) for mod in model.modules())
+
+
+@pytest.mark.parametrize(("tp", "dp"), [(1, 2), (2, 2)])
+def test_data_parallel_replicas_of_a_moe_model_are_refused(moe_bundle: Any, monkeypatch: pytest.MonkeyPatch, tp: int, dp: int) -> None:
+    """vLLM's own Mixtral with a stand-in data-parallel group shards its experts over tp x dp ranks (1/(tp*dp) of the
+    intermediate size each), which no rank file of TP size tp holds: the decision refuses --data-parallel-size > 1
+    for a bundle with experts layers, in one line, before the GPU (fallback: the ordinary way); DP=1 loads."""
+    from marlin_pack.vllm_plugin.decision import EngineFacts, decide
+    from marlin_pack.vllm_plugin.options import LoaderOptions
+
+    model_dir = moe_bundle("MixtralForCausalLM", "awq", torch.float16)
+    intermediate = MOE_CONFIGS["MixtralForCausalLM"]["intermediate_size"]
+    for dp_rank in range(dp):
+        with vmr.vr._LOCK, vmr._moe_patched(tp, tp - 1, dp=(dp, dp_rank)) as m, m.base.set_default_torch_dtype(torch.float16):
+            model, _ = vmr._build(model_dir, tp, torch.float16, m, "marlin")
+        experts = vmr.moe_layers(model)
+        assert {e.intermediate_size_per_partition for e in experts.values()} == {intermediate // (tp * dp)}
+    facts = EngineFacts(model=str(model_dir), vllm_version="0.33.0", quantization="auto_awq", tp_size=tp, dp_size=dp)
+    with pytest.raises(LoadRefusedError, match=rf"\[dp_size\] the engine runs --data-parallel-size {dp}: vLLM 0\.33\.0 shards "
+                                               rf"each experts layer over the {tp} x {dp} tensor x data parallel ranks") as e:
+        decide(LoaderOptions(), facts)
+    assert "\n" not in str(e.value)
+    assert decide(LoaderOptions(fallback=True), facts).field == "dp_size"
+    assert decide(LoaderOptions(), EngineFacts(model=str(model_dir), vllm_version="0.33.0", quantization="auto_awq",
+                                               tp_size=tp)).bundle is not None
 
 
 def test_explicit_non_marlin_moe_backend_is_kept_and_refused(moe_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,6 +99,14 @@ def test_an_engines_plan_is_for_its_device_and_role(model: Path, rooms: list[int
     assert (p.mode, p.preload, p.defer_unregister, p.common_during_build) == ("helpers", True, False, False)
 
 
+def test_no_plan_for_a_pipeline_stage(model: Path, rooms: list[int]) -> None:
+    """Page-locking the rank file would read every stage's layers; a stage reads only its own (loader's copy)."""
+    config = _config(model)
+    assert preload.plan(config) is not None  # the same engine at PP=1 has one
+    config.parallel_config.pipeline_parallel_size = 2
+    assert preload.plan(config) is None and preload.plan(config, role="engine") is None
+
+
 def test_the_plan_takes_the_overrides(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MARLIN_PACK_IO", '{"helpers": 2, "window_mib": 64}')
     found = preload.plan(_config(model))
