@@ -393,9 +393,10 @@ def build_moe_rank_tensors(prefix: str, s: MoeRankShape, scheme: QuantScheme, dt
         if zeros:
             assert down.zeros is not None
             out[f"{prefix}.{pn.zeros2}"][e] = pack_marlin_zero_points(pad2d(down.zeros[rows], g2, s.hidden), b, down.column_slots)
-        for name, module in zip(pn.shapes, (down, ex.up), strict=True):  # w2's, then w13's (gate's equals up's)
-            assert module.weight_shape is not None
-            out[f"{prefix}.{name}"][e] = module.weight_shape  # vLLM's loader assigns the stored int64 [N, K]
+        if pn.shapes:  # compressed-tensors: w2's, then w13's (gate's equals up's: the reader checked both)
+            for name, module in zip(pn.shapes, (down, ex.up), strict=True):
+                assert module.weight_shape is not None
+                out[f"{prefix}.{name}"][e] = module.weight_shape  # vLLM's loader assigns the stored int64 [N, K]
         n_experts += 1
     if n_experts != s.num_experts:
         raise UnsupportedCheckpointError(f"{prefix}: {n_experts} experts read, expected {s.num_experts}")
