@@ -19,10 +19,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from make_fixtures import SAMPLES, SEQ, VOCAB, calibration, tokenizer  # noqa: E402  (this folder)
-
-from llmcompressor import oneshot  # noqa: E402
-from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier  # noqa: E402
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+from make_fixtures import SAMPLES, SEQ, VOCAB, calibration, tokenizer  # this folder (its import also lets AWQ run without a GPU)
 
 _COMMON = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
