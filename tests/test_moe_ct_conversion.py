@@ -171,3 +171,26 @@ def test_experts_decision_equals_vllm(arch: str, ignore: list[str] | None, targe
                 source.vllm_quantizes_experts(names)
         else:
             assert source.vllm_quantizes_experts(names) is want, (names, want)
+
+
+@pytest.mark.parametrize("arch", [Q3, MIX, "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM"])
+def test_expert_names_are_the_ones_vllm_looks_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+    """ct_expert_names equals what vLLM's get_moe_method builds ({layer_name}.0.{ckpt name}) for every experts layer."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe as ct_moe,
+    )
+
+    seen: list[tuple[str, ...]] = []
+    real = ct_moe.CompressedTensorsMoEMethod.get_moe_method
+
+    def spy(quant_config, layer, layer_name):  # noqa: ANN001, ANN202
+        seen.append(tuple(f"{layer_name}.0.{p}" for p in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name,
+                                                          layer.ckpt_down_proj_name)))
+        return real(quant_config, layer, layer_name)
+
+    monkeypatch.setattr(ct_moe.CompressedTensorsMoEMethod, "get_moe_method", staticmethod(spy))
+    model = write_moe_checkpoint(tmp_path / "m", arch, CT, bits=4, group_size=128)
+    info: dict = {}
+    reference_moe_rank_tensors(model, 1, 0, torch.float16, info=info)
+    layers = sorted(int(name.split(".")[2]) for name in info["layers"])
+    assert seen and seen == [ct_expert_names(MOE_ARCHITECTURES[arch], "model.layers", i) for i in layers]
