@@ -78,6 +78,8 @@ def ct_weight_only_int(qc: Any) -> bool:
     """A compressed-tensors ``quantization_config`` whose config groups are all pack-quantized weight-only int
     (WNA16): its experts get ``CompressedTensorsWNA16MoEMethod``, so forcing the Marlin MoE backend changes
     nothing else (an FP8 or NVFP4 MoE keeps vLLM's own backend choice)."""
+    if not isinstance(qc, dict) and callable(getattr(qc, "to_dict", None)):  # a transformers quantization config object
+        qc = qc.to_dict()
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         return False
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
