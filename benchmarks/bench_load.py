@@ -51,6 +51,8 @@ prepacked engine.
 
     python benchmarks/bench_load.py --preset qwen3-30b-a3b --formats gptq --daemon gptq --workdir /tmp/bench
 
+(``--formats ct,ct-asym`` there: compressed-tensors W4A16 / W4A16_ASYM experts, as llm-compressor writes them.)
+
 A 70B checkpoint (40 GB) and its bundle (38 GB) do not both fit a 64 GiB disk. The loader's
 reader behaves differently on tmpfs (the I/O plan stages there and pins page-cache pages in
 place elsewhere), so to measure what a server with the bundle on disk gets, put the
@@ -402,7 +404,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-70b", help="a marlin_pack.testing.synthetic preset, or qwen3-30b-a3b (MoE)")
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    ap.add_argument("--formats", default="gptq,awq")
+    ap.add_argument("--formats", default="gptq,awq", help="gptq, awq; with a MoE preset also ct, ct-asym (compressed-tensors)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench"))
     ap.add_argument("--bundle-root", type=Path, default=None, help="where bundles go (default: in the checkpoint)")
     ap.add_argument("--attention-backend", default=os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN"))
@@ -478,7 +480,9 @@ def _sitting(args: argparse.Namespace) -> None:
         else:
             t = time.perf_counter()
             if moe:  # random words drawn on the GPU, streamed shard by shard (seconds for 17 GB)
-                write_moe_checkpoint(model, shape, fmt, group_size=128, max_shard_bytes=5 << 30, device="cuda")
+                # ct / ct-asym: llm-compressor's W4A16 / W4A16_ASYM (compressed-tensors pack-quantized)
+                ct = {"fmt": "compressed-tensors", "symmetric": fmt == "ct"} if fmt in ("ct", "ct-asym") else {"fmt": fmt}
+                write_moe_checkpoint(model, shape, group_size=128, max_shard_bytes=5 << 30, device="cuda", **ct)
             else:
                 writer = write_awq_checkpoint if fmt == "awq" else write_gptq_checkpoint
                 writer(model, shape, group_size=128, max_shard_bytes=5 << 30, device="cuda")

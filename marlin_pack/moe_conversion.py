@@ -1,5 +1,10 @@
 """The routed experts of a mixture-of-experts checkpoint in a conversion: plan, read, build.
 
+AWQ (GEMM), symmetric GPTQ and compressed-tensors pack-quantized (WNA16) experts: the last are
+quantized or not per layer as vLLM 0.33.0's ``CompressedTensorsMoEMethod`` decides from ``ignore`` /
+``targets`` (:func:`ct_expert_names`); their dense parts (attention, shared experts, an ignored
+router left in 16-bit) go through the dense plan.
+
 :func:`plan_moe` validates every experts layer from headers and config (beside the dense plan
 of :func:`~marlin_pack.planning.plan_conversion`, which covers attention and shared experts);
 :func:`read_moe_layer` reads one decoder layer's experts and :func:`build_moe_layer` lays them
@@ -32,7 +37,7 @@ from marlin_pack.marlin.sharding import ModelDims
 from marlin_pack.schemas import GptqSettings, MoeLayerEntry, QuantScheme, SourceFormat
 from marlin_pack.sources import Checkpoint, QuantSource
 
-__all__ = ["MoePlan", "check_moe_settings", "plan_moe", "read_moe_layer", "build_moe_layer"]
+__all__ = ["MoePlan", "check_moe_settings", "ct_expert_names", "plan_moe", "read_moe_layer", "build_moe_layer"]
 
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
 
@@ -50,6 +55,7 @@ class MoePlan:
     awq: bool
     naming: ExpertNaming  # the checkpoint's names of the experts (no experts layers: the architecture's first)
     shapes: dict[int, MoeRankShape] = field(default_factory=dict)
+    fmt: SourceFormat | None = None  # the source format (compressed-tensors names its experts' tensors its own way)
 
     def expert(self, layer: int, e: int) -> str:
         """Checkpoint module of expert ``e`` of decoder layer ``layer``."""
@@ -63,7 +69,7 @@ class MoePlan:
         return [moe_layer_entry(self.name(i), self.shapes[tp]) for i in self.layers]
 
     def specs(self, tp: int, scheme: QuantScheme, dtype: torch.dtype) -> list[TensorSpec]:
-        return [s for i in self.layers for s in moe_tensor_specs(self.name(i), self.shapes[tp], scheme, dtype)]
+        return [s for i in self.layers for s in moe_tensor_specs(self.name(i), self.shapes[tp], scheme, dtype, self.fmt)]
 
 
 def check_moe_settings(ckpt: Checkpoint, source: QuantSource, dims: ModelDims) -> None:
@@ -71,10 +77,8 @@ def check_moe_settings(ckpt: Checkpoint, source: QuantSource, dims: ModelDims) -
     arch = dims.architecture
     _sparse_layers(top_config(ckpt.config), dims)
     if source.format is SourceFormat.compressed_tensors:
-        raise UnsupportedCheckpointError(
-            f"{arch}: compressed-tensors mixture-of-experts checkpoints are not supported; marlin-pack converts AWQ "
-            "(GEMM) and symmetric GPTQ experts"
-        )
+        _check_ct_experts(source, dims, top_config(ckpt.config))
+        return
     found = ckpt.quant_settings()
     s = found.settings if found is not None else None
     if isinstance(s, GptqSettings):
@@ -89,6 +93,29 @@ def check_moe_settings(ckpt: Checkpoint, source: QuantSource, dims: ModelDims) -
             )
         if s.dynamic:
             raise UnsupportedCheckpointError(f"{arch}: GPTQ dynamic per-module rules are not supported on mixture-of-experts models")
+
+
+def ct_expert_names(arch: MoeArchitecture, vllm_layers: str, layer: int) -> tuple[str, str, str]:
+    """vLLM's names of expert 0's gate, up and down projections in decoder layer ``layer``: what
+    ``CompressedTensorsMoEMethod.get_moe_method`` looks up in ``ignore``/``targets`` (the experts
+    module's prefix and the model's checkpoint projection names, e.g. Mixtral's ``w1``/``w3``/``w2``)."""
+    n = arch.namings[0]
+    block = arch.vllm_experts.removesuffix(".routed_experts")
+    return tuple(f"{vllm_layers}.{layer}.{block}.0.{leaf}" for leaf in (n.gate, n.up, n.down))  # type: ignore[return-value]
+
+
+def _check_ct_experts(source: QuantSource, dims: ModelDims, config: dict) -> None:
+    """compressed-tensors: every experts layer must be quantized as vLLM 0.33.0 decides it from ``ignore``/``targets``
+    (else ``UnquantizedFusedMoEMethod`` serves it, and there is nothing of Marlin to prepare)."""
+    arch = MOE_ARCHITECTURES[dims.architecture]
+    for layer in _sparse_layers(config, dims):
+        names = ct_expert_names(arch, dims.arch.layers, layer)
+        if not source.vllm_quantizes_experts(names):  # type: ignore[attr-defined]
+            raise UnsupportedCheckpointError(
+                f"compressed-tensors ignore/targets leave the experts of decoder layer {layer} unquantized ({names[0]}); "
+                "vLLM 0.33.0 serves them with UnquantizedFusedMoEMethod, marlin-pack converts quantized experts only; "
+                "use a checkpoint whose experts are quantized"
+            )
 
 
 def _config_int(config: dict, key: str, arch: str) -> int:
@@ -133,13 +160,16 @@ def plan_moe(ckpt: Checkpoint, source: QuantSource, dims: ModelDims, tp_sizes: l
     layers = _sparse_layers(config, dims)
     # One naming for the whole checkpoint: every layer is then checked against it.
     naming = expert_naming(arch, ckpt.tensors, dims.checkpoint_layers, layers[0]) if layers else arch.namings[0]
-    plan = MoePlan(arch, layers, dims.checkpoint_layers, dims.arch.layers, dims.hidden_size, inter, awq, naming)
+    ct = source.format is SourceFormat.compressed_tensors
+    plan = MoePlan(arch, layers, dims.checkpoint_layers, dims.arch.layers, dims.hidden_size, inter, awq, naming,
+                   fmt=source.format)
     for tp in tp_sizes:
-        plan.shapes[tp] = moe_rank_shape(n_experts, dims.hidden_size, inter, tp, source.scheme, awq)
+        plan.shapes[tp] = moe_rank_shape(n_experts, dims.hidden_size, inter, tp, source.scheme, awq, ct)
     owned: set[str] = set()
     dims_of = naming.leaf_dims(dims.hidden_size, inter)
     for layer in plan.layers:
-        source.check_layer(plan.name(layer), True, ckpt=ckpt)
+        if not ct:  # compressed-tensors: decided per layer from expert 0's names (check_moe_settings)
+            source.check_layer(plan.name(layer), True, ckpt=ckpt)
         for e in range(n_experts):
             prefix = plan.expert(layer, e)
             for leaf, (k, n) in dims_of.items():
@@ -165,4 +195,4 @@ def build_moe_layer(plan: MoePlan, scheme: QuantScheme, dtype: torch.dtype, tp: 
                     experts: list[ExpertTensors],
                     empty: Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """One rank's tensors of one experts layer, in file order (``empty``: see :func:`~marlin_pack.marlin.moe.build_moe_rank_tensors`)."""
-    return build_moe_rank_tensors(plan.name(layer), plan.shapes[tp], scheme, dtype, rank, experts, plan.awq, empty)
+    return build_moe_rank_tensors(plan.name(layer), plan.shapes[tp], scheme, dtype, rank, experts, plan.awq, empty, plan.fmt)

@@ -391,7 +391,8 @@ class MoeLayerEntry(_Strict):
 
     Its tensors are ``{name}.w13_qweight``, ``w2_qweight``, ``w13_scales``, ``w2_scales``,
     ``w13_qzeros``, ``w2_qzeros``, as vLLM 0.33.0's Marlin MoE path holds them
-    (``marlin_pack.marlin.moe``).
+    (``marlin_pack.marlin.moe``); for compressed-tensors bundles the names of
+    ``CompressedTensorsWNA16MoEMethod`` (``marlin.moe.CT_MOE_NAMES``).
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.]+$", max_length=300, description="vLLM's experts module")

@@ -1,4 +1,4 @@
-"""Tiny AWQ/GPTQ mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE), for the MoE oracle.
+"""Tiny AWQ/GPTQ/compressed-tensors mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek), for the MoE oracle.
 
 As in ``arch_checkpoints``, the unquantized tensors (embeddings, norms, router) and all
 names come from **transformers' own model class**, built from a tiny config and saved with
@@ -6,7 +6,9 @@ names come from **transformers' own model class**, built from a tiny config and 
 ...). Then every decoder ``nn.Linear``-shaped weight except the router is replaced by random
 AWQ (GEMM) or GPTQ tensors, as the quantizers write them: attention and each expert's
 gate/up/down projections quantized, the router (``block_sparse_moe.gate`` / ``mlp.gate``)
-kept in 16-bit.
+kept in 16-bit. ``fmt="compressed-tensors"`` writes llm-compressor's pack-quantized tensors and
+``quantization_config`` (``symmetric``; scales in the model dtype), with the ``ignore`` list
+llm-compressor's MoE examples use: ``lm_head`` and the routers as regexes (:data:`CT_IGNORE`).
 
 ``random_gptq_zeros``: symmetric GPTQ checkpoints carry constant zero points that vLLM's
 kernel ignores, but vLLM's MoE path still permutes and keeps them; random words make a
@@ -26,9 +28,9 @@ import torch
 from arch_checkpoints import quant_config
 from safetensors.torch import load_file, save_file
 
-from marlin_pack.testing.synthetic import quantized_linear_tensors, write_tokenizer
+from marlin_pack.testing.synthetic import compressed_tensors_config, quantized_linear_tensors, write_tokenizer
 
-__all__ = ["MOE_CONFIGS", "ROUTERS", "write_moe_checkpoint"]
+__all__ = ["MOE_CONFIGS", "ROUTERS", "CT_IGNORE", "write_moe_checkpoint"]
 
 _TEXT = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
              vocab_size=512, max_position_embeddings=4096)
@@ -73,6 +75,10 @@ ROUTERS = {"MixtralForCausalLM": ("block_sparse_moe.gate",), "Qwen3MoeForCausalL
            "DeepseekV3ForCausalLM": ("mlp.gate",)}
 
 
+# llm-compressor's MoE examples: ignore lm_head and the routers (as regexes), quantize everything else.
+CT_IGNORE = {arch: ["lm_head", *(f"re:.*{r.replace('.', '[.]')}$" for r in routers)] for arch, routers in ROUTERS.items()}
+
+
 def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     import transformers
 
@@ -91,7 +97,8 @@ def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> dic
 def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bits: int = 4, group_size: int = 128,
                          dtype: torch.dtype = torch.float16, seed: int = 0, random_gptq_zeros: bool = False,
                          quant_overrides: dict[str, Any] | None = None, sharded: bool = False,
-                         tokenizer: bool = False, mtp_layers: int = 0, **config_overrides: Any) -> Path:
+                         tokenizer: bool = False, mtp_layers: int = 0, symmetric: bool = True,
+                         **config_overrides: Any) -> Path:
     """Write a tiny quantized MoE checkpoint of ``architecture`` to ``out``; returns ``out``.
 
     ``sharded``: two safetensors files (tensors alternating by name) and a ``model.safetensors.index.json``.
@@ -100,6 +107,7 @@ def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bit
     checkpoints store them (``num_nextn_predict_layers``; a decoder layer, quantized like the others,
     plus ``enorm``/``hnorm``/``eh_proj``/``shared_head``; transformers' class has none, so the last
     decoder layer's tensors are copied).
+    ``symmetric``: compressed-tensors only (False: 4-bit with zero points, W4A16_ASYM).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,7 +116,11 @@ def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bit
     config["architectures"] = [architecture]
     config["torch_dtype"] = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     sd = _hf_state_dict(config, dtype, seed)
-    qc = {**quant_config(fmt, bits, group_size), **(quant_overrides or {})}
+    if fmt == "compressed-tensors":
+        qc = compressed_tensors_config(bits, group_size, symmetric, ignore=CT_IGNORE[architecture])
+        qc.update(quant_overrides or {})
+    else:
+        qc = {**quant_config(fmt, bits, group_size), **(quant_overrides or {})}
     routers = ROUTERS[architecture]
     tensors: dict[str, torch.Tensor] = {}
     n_quantized = 0
@@ -120,7 +132,7 @@ def write_moe_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bit
             tensors[name] = t
             continue
         n, k = t.shape
-        q = quantized_linear_tensors(module, k, n, qc, seed)
+        q = quantized_linear_tensors(module, k, n, qc, seed, dtype)
         if random_gptq_zeros and fmt == "gptq":
             g = torch.Generator().manual_seed(zlib.crc32(module.encode()) + seed)
             z = q[f"{module}.qzeros"]

@@ -39,7 +39,7 @@ def rank_tensor_specs(
     """``(name, dtype, shape)`` of every tensor of one rank file of ``tp_set``, in file order (dense layers, then experts)."""
     dtype = torch_dtype(serving_dtype)
     dense = [spec for entry in tp_set.layers for spec in tensor_specs(entry, quant, dtype, fmt)]
-    return dense + [spec for entry in tp_set.moe_layers for spec in moe_entry_specs(entry, quant, dtype)]
+    return dense + [spec for entry in tp_set.moe_layers for spec in moe_entry_specs(entry, quant, dtype, fmt)]
 
 
 def _sample(names: list[str]) -> str:

@@ -18,6 +18,14 @@ each expert's intermediate size ``I``: ``I_r = I / tp`` rows of ``gate``/``up`` 
   keeps symmetric GPTQ's stored zero points although its kernel does not read them);
 - no bias (the supported architectures have none; vLLM drops the never-loaded placeholders).
 
+compressed-tensors pack-quantized experts (``CompressedTensorsWNA16MoEMethod``, llm-compressor's
+W4A16 / W4A16_ASYM / W8A16) run the same Marlin post-processing on the same GPTQ-like codes
+(packed along K, stored ``+2**(bits-1)``) under other names (:data:`CT_MOE_NAMES`):
+``w13_weight_packed``, ``w2_weight_packed``, ``w13_weight_scale``, ``w2_weight_scale``, the zero
+points ``w13_weight_zero_point`` / ``w2_weight_zero_point`` **only** for the asymmetric scheme,
+and two more parameters vLLM keeps as loaded: ``w2_weight_shape`` / ``w13_weight_shape``
+(serving dtype ``[E, 2]``, each expert's whole-model ``[N, K]`` of down / of gate-and-up).
+
 ``Ip`` is ``I_r`` rounded up to a multiple of ``lcm(64, group_size)``. The scale permutation
 (64-column or 32-column "single") is chosen by ``group_size < size_k`` with vLLM's own
 ``size_k``: ``I_r`` for ``w13`` (not the hidden size, an upstream quirk kept for bit-identity),
@@ -41,6 +49,10 @@ from marlin_pack.marlin.word_repack import marlin_weights
 from marlin_pack.schemas import MoeLayerEntry, QuantScheme, SourceFormat
 
 __all__ = [
+    "MoeParamNames",
+    "AUTO_MOE_NAMES",
+    "CT_MOE_NAMES",
+    "moe_param_names",
     "ExpertNaming",
     "MoeArchitecture",
     "expert_naming",
@@ -59,6 +71,33 @@ __all__ = [
 
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
 _MARLIN_GROUPS = (-1, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class MoeParamNames:
+    """The parameter names of an experts layer after vLLM 0.33.0's Marlin MoE post-processing, per quant method."""
+
+    w13: str
+    w2: str
+    scales13: str
+    scales2: str
+    zeros13: str
+    zeros2: str
+    zeros_always: bool  # AWQ/GPTQ keep zero points even when symmetric; compressed-tensors only when asymmetric
+    shapes: tuple[str, ...] = ()  # compressed-tensors' per-expert weight_shape parameters, in registration order
+
+    def has_zeros(self, scheme: QuantScheme) -> bool:
+        return self.zeros_always or scheme.zero_points
+
+
+AUTO_MOE_NAMES = MoeParamNames("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros", True)
+CT_MOE_NAMES = MoeParamNames("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale",
+                             "w13_weight_zero_point", "w2_weight_zero_point", False, ("w2_weight_shape", "w13_weight_shape"))
+
+
+def moe_param_names(fmt: SourceFormat | None = None) -> MoeParamNames:
+    """The experts' parameter names for checkpoints of ``fmt`` (AWQ/GPTQ when None)."""
+    return CT_MOE_NAMES if fmt is SourceFormat.compressed_tensors else AUTO_MOE_NAMES
 
 
 @dataclass(frozen=True)
@@ -210,8 +249,10 @@ class MoeRankShape:
         return (1, 1) if g == -1 else (self.hidden // g, self.padded // g)
 
 
-def moe_rank_shape(num_experts: int, hidden: int, intermediate: int, tp: int, scheme: QuantScheme, awq: bool) -> MoeRankShape:
-    """The shapes of an experts layer at ``--tp tp``; refuses what vLLM 0.33.0 would not run on Marlin MoE."""
+def moe_rank_shape(num_experts: int, hidden: int, intermediate: int, tp: int, scheme: QuantScheme, awq: bool,
+                   ct: bool = False) -> MoeRankShape:
+    """The shapes of an experts layer at ``--tp tp``; refuses what vLLM 0.33.0 would not run on Marlin MoE
+    (``ct``: compressed-tensors experts, whose method refuses a group split across ranks outright)."""
     g = scheme.group_size
     if g not in _MARLIN_GROUPS:
         raise UnsupportedCheckpointError(f"experts: group_size {g} is not one of {_MARLIN_GROUPS} (Marlin MoE)")
@@ -222,6 +263,11 @@ def moe_rank_shape(num_experts: int, hidden: int, intermediate: int, tp: int, sc
     if intermediate % tp:
         raise UnsupportedCheckpointError(f"experts: intermediate size {intermediate} is not divisible by --tp {tp}")
     i_part = intermediate // tp
+    if g > 0 and i_part % g and ct:
+        raise UnsupportedCheckpointError(
+            f"experts: {i_part} intermediate features per rank at --tp {tp} split a quantization group of {g}; "
+            "vLLM 0.33.0's CompressedTensorsWNA16MoEMethod refuses it, choose a smaller --tp"
+        )
     if g > 0 and i_part % g:
         raise UnsupportedCheckpointError(
             f"experts: {i_part} intermediate features per rank at --tp {tp} split a quantization group of {g}; "
@@ -235,18 +281,23 @@ def moe_rank_shape(num_experts: int, hidden: int, intermediate: int, tp: int, sc
     return MoeRankShape(num_experts, hidden, intermediate, tp, i_part, moe_padded_intermediate(i_part, g))
 
 
-def moe_tensor_specs(prefix: str, s: MoeRankShape, scheme: QuantScheme, dtype: torch.dtype) -> list[TensorSpec]:
-    """Names, dtypes and shapes of one experts layer's tensors in a rank file, in vLLM's parameter order."""
+def moe_tensor_specs(prefix: str, s: MoeRankShape, scheme: QuantScheme, dtype: torch.dtype,
+                     fmt: SourceFormat | None = None) -> list[TensorSpec]:
+    """Names, dtypes and shapes of one experts layer's tensors in a rank file, in vLLM's parameter order
+    (names: :func:`moe_param_names` of ``fmt``)."""
     e, h, ip, b = s.num_experts, s.hidden, s.padded, scheme.bits
     g13, g2 = s.groups(scheme)
-    return [
-        (f"{prefix}.w13_qweight", torch.int32, (e, h // 16, 2 * ip * b // 2)),
-        (f"{prefix}.w2_qweight", torch.int32, (e, ip // 16, h * b // 2)),
-        (f"{prefix}.w13_scales", dtype, (e, g13, 2 * ip)),
-        (f"{prefix}.w2_scales", dtype, (e, g2, h)),
-        (f"{prefix}.w13_qzeros", torch.int32, (e, g13, 2 * ip * b // 32)),
-        (f"{prefix}.w2_qzeros", torch.int32, (e, g2, h * b // 32)),
+    pn = moe_param_names(fmt)
+    specs = [
+        (f"{prefix}.{pn.w13}", torch.int32, (e, h // 16, 2 * ip * b // 2)),
+        (f"{prefix}.{pn.w2}", torch.int32, (e, ip // 16, h * b // 2)),
+        (f"{prefix}.{pn.scales13}", dtype, (e, g13, 2 * ip)),
+        (f"{prefix}.{pn.scales2}", dtype, (e, g2, h)),
     ]
+    if pn.has_zeros(scheme):
+        specs += [(f"{prefix}.{pn.zeros13}", torch.int32, (e, g13, 2 * ip * b // 32)),
+                  (f"{prefix}.{pn.zeros2}", torch.int32, (e, g2, h * b // 32))]
+    return specs + [(f"{prefix}.{name}", dtype, (e, 2)) for name in pn.shapes]
 
 
 def moe_layer_entry(name: str, s: MoeRankShape) -> MoeLayerEntry:
@@ -261,14 +312,16 @@ def moe_entry_shape(entry: MoeLayerEntry, tp: int) -> MoeRankShape:
                         entry.padded_intermediate)
 
 
-def moe_entry_specs(entry: MoeLayerEntry, scheme: QuantScheme, dtype: torch.dtype) -> list[TensorSpec]:
+def moe_entry_specs(entry: MoeLayerEntry, scheme: QuantScheme, dtype: torch.dtype,
+                    fmt: SourceFormat | None = None) -> list[TensorSpec]:
     """Names, dtypes and shapes of a manifest experts layer's tensors (TP size does not change them)."""
-    return moe_tensor_specs(entry.name, moe_entry_shape(entry, 1), scheme, dtype)
+    return moe_tensor_specs(entry.name, moe_entry_shape(entry, 1), scheme, dtype, fmt)
 
 
 @dataclass
 class ExpertTensors:
-    """One expert's three checkpoint modules in canonical form (``zeros`` required: uint8 ``[G, N]``)."""
+    """One expert's three checkpoint modules in canonical form (``zeros``: uint8 ``[G, N]``, required but for
+    symmetric compressed-tensors; ``weight_shape``: compressed-tensors only)."""
 
     gate: ModuleTensors
     up: ModuleTensors
@@ -281,13 +334,12 @@ def _pad_code_cols(codes: PackedCodes, n: int) -> PackedCodes:
     return PackedCodes(pad2d(codes.words, rows, cols), codes.bits, codes.along, codes.slots)
 
 
-def _shard_cols(m: ModuleTensors, s: MoeRankShape, rank: int) -> tuple[PackedCodes, torch.Tensor, torch.Tensor]:
-    """gate or up: this rank's output columns, zero-padded to ``s.padded``."""
+def _shard_cols(m: ModuleTensors, s: MoeRankShape, rank: int) -> tuple[PackedCodes, torch.Tensor, torch.Tensor | None]:
+    """gate or up: this rank's output columns, zero-padded to ``s.padded`` (zero points None when there are none)."""
     n0, n = rank * s.i_part, s.i_part
-    assert m.zeros is not None
     codes = _pad_code_cols(m.codes.block(0, m.codes.shape[0], n0, n), s.padded)
     scales = pad2d(m.scales[:, n0 : n0 + n], m.scales.shape[0], s.padded)
-    zeros = pad2d(m.zeros[:, n0 : n0 + n], m.zeros.shape[0], s.padded)
+    zeros = None if m.zeros is None else pad2d(m.zeros[:, n0 : n0 + n], m.zeros.shape[0], s.padded)
     return codes, scales, zeros
 
 
@@ -299,13 +351,18 @@ def _into(dst: torch.Tensor, result: torch.Tensor) -> None:
 
 def build_moe_rank_tensors(prefix: str, s: MoeRankShape, scheme: QuantScheme, dtype: torch.dtype, rank: int,
                            experts: Iterable[ExpertTensors], awq: bool,
-                           empty: Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                           empty: Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor] | None = None,
+                           fmt: SourceFormat | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of one experts layer on rank ``rank``, expert by expert (names: :func:`moe_tensor_specs`).
 
     ``empty(name, dtype, shape)``: the memory to build each stacked tensor in (a writer's recycled
-    buffer, or device memory on the experts' device); None for fresh CPU memory.
+    buffer, or device memory on the experts' device); None for fresh CPU memory. ``fmt``: the
+    source format (compressed-tensors: its names, zero points only when asymmetric, and the
+    ``weight_shape`` parameters, each expert's stored ``[N, K]`` cast to ``dtype`` as vLLM's loader does).
     """
-    specs = moe_tensor_specs(prefix, s, scheme, dtype)
+    specs = moe_tensor_specs(prefix, s, scheme, dtype, fmt)
+    pn = moe_param_names(fmt)
+    zeros = pn.has_zeros(scheme)
     out = {name: empty(name, dt, shape) if empty else torch.empty(shape, dtype=dt) for name, dt, shape in specs}
     g, b = scheme.group_size, scheme.bits
     _, g2 = s.groups(scheme)
@@ -318,22 +375,28 @@ def build_moe_rank_tensors(prefix: str, s: MoeRankShape, scheme: QuantScheme, dt
         gate, up = _shard_cols(ex.gate, s, rank), _shard_cols(ex.up, s, rank)
         slots = ex.gate.column_slots
         codes13 = cat_columns([gate[0], up[0]])
-        w13 = out[f"{prefix}.w13_qweight"][e]
+        w13 = out[f"{prefix}.{pn.w13}"][e]
         _into(w13, marlin_weights(codes13, s.hidden, 2 * s.padded, w13 if w13.device == codes13.words.device else None))
         scales13 = torch.cat([gate[1], up[1]], 1).to(dtype)
-        out[f"{prefix}.w13_scales"][e] = permute_scales(scales13, g, s.i_part)
-        zeros13 = torch.cat([gate[2], up[2]], 1)
-        out[f"{prefix}.w13_qzeros"][e] = pack_marlin_zero_points(zeros13, b, slots)
+        out[f"{prefix}.{pn.scales13}"][e] = permute_scales(scales13, g, s.i_part)
+        if zeros:
+            zeros13 = torch.cat([gate[2], up[2]], 1)
+            out[f"{prefix}.{pn.zeros13}"][e] = pack_marlin_zero_points(zeros13, b, slots)
 
         down, k0, k = ex.down, rank * s.i_part, s.i_part
-        assert down.zeros is not None
         codes2 = down.codes.block(k0, k, 0, s.hidden)
-        w2 = out[f"{prefix}.w2_qweight"][e]
+        w2 = out[f"{prefix}.{pn.w2}"][e]
         _into(w2, marlin_weights(codes2, s.padded, s.hidden, w2 if w2.device == codes2.words.device else None))
         rows = slice(None) if g == -1 else slice(k0 // g, (k0 + k) // g)
         scales2 = pad2d(down.scales[rows], g2, s.hidden).to(dtype)
-        out[f"{prefix}.w2_scales"][e] = permute_scales(scales2, g, w2_size_k)
-        out[f"{prefix}.w2_qzeros"][e] = pack_marlin_zero_points(pad2d(down.zeros[rows], g2, s.hidden), b, down.column_slots)
+        out[f"{prefix}.{pn.scales2}"][e] = permute_scales(scales2, g, w2_size_k)
+        if zeros:
+            assert down.zeros is not None
+            out[f"{prefix}.{pn.zeros2}"][e] = pack_marlin_zero_points(pad2d(down.zeros[rows], g2, s.hidden), b, down.column_slots)
+        if pn.shapes:  # compressed-tensors: w2's, then w13's (gate's equals up's: the reader checked both)
+            for name, module in zip(pn.shapes, (down, ex.up), strict=True):
+                assert module.weight_shape is not None
+                out[f"{prefix}.{name}"][e] = module.weight_shape  # vLLM's loader assigns the stored int64 [N, K]
         n_experts += 1
     if n_experts != s.num_experts:
         raise UnsupportedCheckpointError(f"{prefix}: {n_experts} experts read, expected {s.num_experts}")

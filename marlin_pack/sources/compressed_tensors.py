@@ -122,7 +122,7 @@ class CompressedTensorsSource:
     def _targets(self) -> list[str]:
         return [t for g in self.settings.config_groups.values() if g.weights is not None for t in g.targets]
 
-    def vllm_quantizes(self, name: str, class_name: str = "Linear") -> bool:
+    def vllm_quantizes(self, name: str, class_name: str = "Linear", extra_targets: tuple[str, ...] = ()) -> bool:
         """Whether vLLM 0.33.0 gives the layer (vLLM's name) a compressed-tensors scheme.
 
         As ``CompressedTensorsConfig.get_scheme_dict``: the ``ignore`` list (every shard of a fused
@@ -143,12 +143,32 @@ class CompressedTensorsSource:
                     f"compressed-tensors ignore leaves some shards of {name} unquantized but not others; "
                     "vLLM 0.33.0 requires one scheme for all shards of a fused layer and refuses the checkpoint"
                 )
-        targets = self._targets()
+        targets = [*self._targets(), *extra_targets]
         if any(_match(name, t) for t in targets):
             return True
         if shards and all(any(_match(sh, t) for t in targets) for sh in shards):
             return True
         return any(_match(class_name, t, contains=True) for t in targets)
+
+    def vllm_quantizes_experts(self, names: tuple[str, ...]) -> bool:
+        """Whether vLLM 0.33.0 quantizes an experts layer, as ``CompressedTensorsMoEMethod.get_moe_method`` decides.
+
+        ``names``: vLLM's names of expert 0's gate, up and down projections (``{experts}.0.{leaf}``),
+        each looked up like a linear of class ``RoutedExperts`` (which a ``Linear`` target also
+        matches: ``_add_fused_moe_to_target_scheme_map``). All three must agree.
+
+        Raises:
+            UnsupportedCheckpointError: some projections ignored and others not (vLLM refuses the layer).
+        """
+        extra = ("RoutedExperts",) if "Linear" in self._targets() else ()
+        answers = {n: self.vllm_quantizes(n, "RoutedExperts", extra) for n in names}
+        if len(set(answers.values())) > 1:
+            ignored = next(n for n, q in answers.items() if not q)
+            raise UnsupportedCheckpointError(
+                f"compressed-tensors ignore/targets leave {ignored} unquantized but not its sibling expert projections; "
+                "vLLM 0.33.0 requires one scheme for all MoE projections and refuses the checkpoint"
+            )
+        return next(iter(answers.values()))
 
     def check_layer(self, name: str, quantized: bool, *, ckpt: Checkpoint | None = None, parts: tuple[str, ...] = (),
                     modules: tuple[str, ...] = ()) -> None:

@@ -94,8 +94,10 @@ DAEMON_FLAGS = [
     "--kernel-config",
     '{"enable_flashinfer_autotune": false}',
 ]
-# The tensors vLLM keeps for an AWQ/GPTQ routed-experts layer on Marlin MoE.
-MOE_LEAVES = ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros")
+# The tensors vLLM keeps for an AWQ/GPTQ (then compressed-tensors) routed-experts layer on Marlin MoE.
+MOE_LEAVES = ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros",
+              "w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale", "w13_weight_zero_point",
+              "w2_weight_zero_point", "w13_weight_shape", "w2_weight_shape")
 FUSED = [
     "model.layers.0.self_attn.qkv_proj",
     "model.layers.0.mlp.gate_up_proj",
@@ -149,7 +151,8 @@ def _layer_info(model: torch.nn.Module, names: list[str], digests: bool = False)
             info["kernels"][layer] = {
                 "method": type(qm).__name__,
                 "kernel": type(experts).__name__,
-                "moe_backend": str(getattr(getattr(qm, "wna16_moe_backend", None), "value", None)),
+                "moe_backend": str(getattr(getattr(qm, "wna16_moe_backend", None) or getattr(qm, "wna16_backend", None),
+                                           "value", None)),
                 "act_type": str(getattr(getattr(modules[layer], "moe_config", None), "in_dtype", None)),
                 "input_global_scale": repr(getattr(modules[layer], "w13_input_global_scale", None)),
             }

@@ -19,7 +19,8 @@ import torch
 
 from marlin_pack.testing import synthetic as s
 
-__all__ = ["Linear", "Plain", "MoeLayout", "quant_config", "layout_specs", "base_config", "write_layout", "write_specs"]
+__all__ = ["Linear", "Plain", "MoeLayout", "quant_config", "group_size_of", "layout_specs", "base_config", "write_layout",
+           "write_specs"]
 
 
 class Linear(NamedTuple):
@@ -54,8 +55,18 @@ class MoeLayout(Protocol):
 ConfigFn = Callable[[Any, dict[str, Any], torch.dtype], dict[str, Any]]
 
 
-def quant_config(fmt: str, bits: int, group_size: int) -> dict[str, Any]:
-    """The ``quantization_config`` AutoAWQ (GEMM) or GPTQModel (symmetric, v1) writes."""
+def quant_config(fmt: str, bits: int, group_size: int, *, symmetric: bool = True,
+                 ignore: list[str] | None = None) -> dict[str, Any]:
+    """The ``quantization_config`` AutoAWQ (GEMM) or GPTQModel (symmetric, v1) writes; for ``compressed-tensors``
+    llm-compressor's pack-quantized W4A16 / W4A16_ASYM (``symmetric=False``) / W8A16 one, ``ignore`` its
+    ignore list (default: ``lm_head`` and the routers ``mlp.gate``, as llm-compressor's MoE examples write them)."""
+    if fmt == "compressed-tensors":
+        if not symmetric and bits != 4:
+            raise ValueError("asymmetric compressed-tensors experts are 4-bit (vLLM's Marlin runs zero points for uint4 only)")
+        return s.compressed_tensors_config(bits, group_size, symmetric,
+                                           ignore=["lm_head", "re:.*mlp[.]gate$"] if ignore is None else ignore)
+    if not symmetric:
+        raise ValueError("symmetric=False is for compressed-tensors checkpoints (AWQ has zero points, GPTQ here is symmetric)")
     if fmt == "awq":
         if bits != 4:
             raise ValueError("AWQ checkpoints are 4-bit")
@@ -64,7 +75,12 @@ def quant_config(fmt: str, bits: int, group_size: int) -> dict[str, Any]:
     if fmt == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": False, "sym": True,
                 "checkpoint_format": "gptq"}
-    raise ValueError(f"format {fmt!r}: expected awq or gptq")
+    raise ValueError(f"format {fmt!r}: expected awq, gptq or compressed-tensors")
+
+
+def group_size_of(qc: dict[str, Any]) -> int:
+    """The group size of a config :func:`quant_config` wrote (compressed-tensors keeps it in its one config group)."""
+    return s._ct_params(qc)["group_size"] if qc["quant_method"] == "compressed-tensors" else qc["group_size"]
 
 
 def _check_group_size(shape: MoeLayout, g: int) -> None:
@@ -83,7 +99,7 @@ def _check_group_size(shape: MoeLayout, g: int) -> None:
 
 def layout_specs(shape: MoeLayout, qc: dict[str, Any], dtype: torch.dtype) -> list[Any]:
     """Every tensor of the checkpoint, in state-dict order: the embeddings, each decoder layer, the final norm, the head."""
-    _check_group_size(shape, qc["group_size"])
+    _check_group_size(shape, group_size_of(qc))
     h = shape.hidden_size
     specs = [s._Spec("model.embed_tokens.weight", (shape.vocab_size, h), dtype, "normal")]
     for layer in range(shape.num_hidden_layers):
@@ -112,10 +128,10 @@ def base_config(shape: MoeLayout, qc: dict[str, Any], dtype: torch.dtype, *, arc
 
 def write_layout(out_dir: str | Path, shape: MoeLayout, config: ConfigFn, fmt: str, *, bits: int, group_size: int,
                  dtype: torch.dtype, seed: int, max_shard_bytes: int | None, device: str | torch.device,
-                 tokenizer: bool) -> Path:
-    """Write the random AWQ (GEMM) or symmetric GPTQ checkpoint of ``shape``, ``config(shape, qc, dtype)`` its
-    config.json; returns ``out_dir``."""
-    qc = quant_config(fmt, bits, group_size)
+                 tokenizer: bool, symmetric: bool = True) -> Path:
+    """Write the random AWQ (GEMM), symmetric GPTQ or compressed-tensors checkpoint of ``shape``,
+    ``config(shape, qc, dtype)`` its config.json; returns ``out_dir``."""
+    qc = quant_config(fmt, bits, group_size, symmetric=symmetric)
     return write_specs(out_dir, layout_specs(shape, qc, dtype), config(shape, qc, dtype), seed=seed,
                        max_shard_bytes=max_shard_bytes, device=device, tokenizer=tokenizer)
 

@@ -477,15 +477,16 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int, *, model_max_length: i
 
 
 def quantized_linear_tensors(prefix: str, in_features: int, out_features: int, qc: dict[str, Any],
-                             seed: int = 0) -> dict[str, torch.Tensor]:
+                             seed: int = 0, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
     """The quantized tensors (no bias) of one linear module as the quantizer named in ``qc`` writes them.
 
     For writers of other architectures (``tests/arch_checkpoints.py``): the same tensors, dtypes,
     packing and per-name seeding as :func:`write_awq_checkpoint` / :func:`write_gptq_checkpoint`.
     ``qc`` holds ``quant_method`` (awq/gptq), ``bits``, ``group_size`` and for GPTQ ``sym``,
-    ``desc_act`` and ``checkpoint_format``.
+    ``desc_act`` and ``checkpoint_format``; or a :func:`compressed_tensors_config`, whose scales are in
+    ``dtype`` (llm-compressor keeps them in the model's dtype; AWQ/GPTQ scales are always fp16).
     """
-    specs = [s for s in _linear_specs(prefix, in_features, out_features, False, qc, torch.float16)]
+    specs = [s for s in _linear_specs(prefix, in_features, out_features, False, qc, dtype)]
     return {s.name: _fill(s, _generator(seed, s.name, "cpu")) for s in specs}
 
 

@@ -1,4 +1,4 @@
-"""Random AWQ / GPTQ Qwen3-MoE checkpoints of any size, for benchmarks and GPU tests (no download).
+"""Random AWQ / GPTQ / compressed-tensors Qwen3-MoE checkpoints of any size, for benchmarks and GPU tests (no download).
 
 Like :mod:`marlin_pack.testing.synthetic` (whose tensor drawing and streaming writer
 :mod:`.moe_writer`, the core shared with :mod:`.synthetic_deepseek`, reuses), every tensor is
@@ -6,6 +6,10 @@ drawn only when its turn comes (on ``device``: a GPU draws 17 GB of random words
 written straight to its shard, so peak memory is one tensor. The layout is what transformers'
 ``Qwen3MoeForCausalLM.save_pretrained`` writes: per decoder layer the attention (with q/k
 norms), the router ``mlp.gate`` (16-bit, never quantized) and ``mlp.experts.<e>.{gate,up,down}_proj``.
+compressed-tensors checkpoints are llm-compressor's pack-quantized ones (``weight_packed`` /
+``weight_scale`` in the model dtype / ``weight_shape`` / ``weight_zero_point`` when asymmetric) with
+its ``quantization_config`` (one config group targeting ``Linear``, ``ignore`` = ``lm_head`` and the
+router regex ``re:.*mlp[.]gate$``, as its Qwen3-MoE examples write).
 This module holds only those layers, the shape and the config.
 """
 
@@ -74,11 +78,13 @@ def _config(shape: MoeShape, qc: dict[str, Any], dtype: torch.dtype) -> dict[str
 
 def write_moe_checkpoint(out_dir: str | Path, shape: MoeShape, fmt: str = "gptq", *, bits: int = 4, group_size: int = 128,
                          dtype: torch.dtype = torch.float16, seed: int = 0, max_shard_bytes: int | None = 5 << 30,
-                         device: str | torch.device = "cpu", tokenizer: bool = False) -> Path:
-    """Write a random Qwen3-MoE AWQ (GEMM) or symmetric GPTQ checkpoint to ``out_dir``; returns it.
+                         device: str | torch.device = "cpu", tokenizer: bool = False, symmetric: bool = True) -> Path:
+    """Write a random Qwen3-MoE AWQ (GEMM), symmetric GPTQ or compressed-tensors (``fmt="compressed-tensors"``:
+    W4A16 / W8A16, or W4A16_ASYM with ``symmetric=False``) checkpoint to ``out_dir``; returns it.
 
     Example:
         >>> write_moe_checkpoint("/tmp/q3moe", MOE_PRESETS["qwen3-30b-a3b"], "gptq", device="cuda")
+        >>> write_moe_checkpoint("/tmp/q3moe-ct", MOE_PRESETS["qwen3-30b-a3b"], "compressed-tensors", symmetric=False)
     """
     return write_layout(out_dir, shape, _config, fmt, bits=bits, group_size=group_size, dtype=dtype, seed=seed,
-                        max_shard_bytes=max_shard_bytes, device=device, tokenizer=tokenizer)
+                        max_shard_bytes=max_shard_bytes, device=device, tokenizer=tokenizer, symmetric=symmetric)

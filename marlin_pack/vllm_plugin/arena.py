@@ -75,7 +75,7 @@ class ArenaLayout:
         zeros = param_names(fmt).zeros
         specs = [(entry.name, spec, entry.kernel is LayerKernel.machete and quant.zero_points and spec[0] == f"{entry.name}.{zeros}")
                  for entry in bundle.tp_set.layers for spec in tensor_specs(entry, quant, dtype, fmt)]
-        specs += [(entry.name, spec, False) for entry in bundle.tp_set.moe_layers for spec in moe_entry_specs(entry, quant, dtype)]
+        specs += [(entry.name, spec, False) for entry in bundle.tp_set.moe_layers for spec in moe_entry_specs(entry, quant, dtype, fmt)]
         slots, offset = [], 0
         for layer, (name, tdtype, shape), retyped in specs:
             info = bundle.rank_header.tensors[name]

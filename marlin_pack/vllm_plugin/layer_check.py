@@ -24,8 +24,9 @@ SUPPORTED_METHODS = (
     "AutoGPTQLinearMethod",
     "CompressedTensorsLinearMethod:CompressedTensorsWNA16",
 )
-# The AWQ/GPTQ fused-MoE methods whose experts a bundle can fill, on this WNA16 MoE backend only.
-SUPPORTED_MOE_METHODS = {"awq-gemm": "AutoAWQMoEMethod", "gptq-v1": "AutoGPTQMoEMethod"}
+# The AWQ/GPTQ/compressed-tensors fused-MoE methods whose experts a bundle can fill, on this WNA16 MoE backend only.
+SUPPORTED_MOE_METHODS = {"awq-gemm": "AutoAWQMoEMethod", "gptq-v1": "AutoGPTQMoEMethod",
+                         "compressed-tensors": "CompressedTensorsWNA16MoEMethod"}
 MOE_BACKEND = "MARLIN"
 F = MismatchField
 

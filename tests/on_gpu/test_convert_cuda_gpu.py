@@ -43,6 +43,8 @@ MOE = {
     "moe-awq": ("awq", 4, 128, (1, 2)),
     "moe-gptq4": ("gptq", 4, 64, (1, 2, 4)),
     "moe-gptq8": ("gptq", 8, 128, (1, 2)),
+    "moe-ct4-asym": ("ct-asym", 4, 64, (1, 2, 4)),  # compressed-tensors W4A16_ASYM experts
+    "moe-ct8": ("ct", 8, 128, (1, 2)),  # compressed-tensors W8A16
 }
 
 
@@ -76,8 +78,9 @@ def test_dense_cuda_conversion_is_byte_identical_to_cpu(make_checkpoint, tmp_pat
 @pytest.mark.parametrize("case", list(MOE))
 def test_moe_cuda_conversion_is_byte_identical_to_cpu(tmp_path: Path, case: str) -> None:
     fmt, bits, group_size, tps = MOE[case]
-    model = write_moe_checkpoint(tmp_path / "model", MOE_PRESETS["tiny-qwen3moe"], fmt, bits=bits, group_size=group_size,
-                                 max_shard_bytes=1 << 20)
+    ct = {"fmt": "compressed-tensors", "symmetric": fmt == "ct"} if fmt.startswith("ct") else {"fmt": fmt}
+    model = write_moe_checkpoint(tmp_path / "model", MOE_PRESETS["tiny-qwen3moe"], bits=bits, group_size=group_size,
+                                 max_shard_bytes=1 << 20, **ct)
     _assert_cuda_equals_cpu(model, tmp_path, tps)
 
 

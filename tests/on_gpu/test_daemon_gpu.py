@@ -11,7 +11,8 @@ gptq8    GPTQ 8-bit, ``tiny-qwen2``, g128             qkv bias
 =======  ==========================================  ======================================
 
 plus ``qwen3moe-gptq4`` (GPTQ 4-bit Qwen3-MoE, ``tiny-qwen3moe``, g128: routed experts on Marlin
-MoE, whose ``w13_qweight`` is the tensor poked through the shared mappings), and the
+MoE, whose ``w13_qweight`` is the tensor poked through the shared mappings), ``qwen3moe-ct4-asym``
+(the same with compressed-tensors W4A16_ASYM experts: ``w13_weight_packed`` poked), and the
 compressed-tensors ``ct4`` / ``ct4-asym``, and ``awq4-machete``: the awq4 shape converted with
 ``--kernel machete`` (H100/H200 only), whose four starts all keep vLLM's own choice, Machete: the
 ordinary one with vLLM's default kernel choice, the fallback and attached engines because the
@@ -76,6 +77,7 @@ ALL_MODELS = {  # name -> (format, preset, bits, group size)
     "ct4": ("ct", "tiny", 4, 128),  # compressed-tensors W4A16, symmetric (empty weight_zero_point)
     "ct4-asym": ("ct-asym", "tiny", 4, 64),  # compressed-tensors W4A16_ASYM: zero points
     "qwen3moe-gptq4": ("moe-gptq", "tiny-qwen3moe", 4, 128),  # mixture of experts (marlin_pack.testing.synthetic_moe)
+    "qwen3moe-ct4-asym": ("moe-ct-asym", "tiny-qwen3moe", 4, 128),  # compressed-tensors W4A16_ASYM experts
     "gptq4-vocab": ("gptq", "tiny-vocab", 4, 128),  # an embedding and a head large enough to copy beside the construction
     "awq4-machete": ("awq", "tiny", 4, 128),  # a --kernel machete bundle: Machete in every start (SM90 only)
 }
@@ -87,8 +89,9 @@ KERNEL_CLASS = {"marlin": "MarlinLinearKernel", "machete": "MacheteLinearKernel"
 DAEMON_IO = {"gptq4-vocab": {"MARLIN_PACK_IO": json.dumps({"common_during_build": True})}}
 # The layers each engine reports (kernels, tensors); the first tensor of the second is poked through the mappings.
 MOE_EXPERTS = "model.layers.0.mlp.experts.routed_experts"
-LAYERS = {"qwen3moe-gptq4": ["model.layers.0.self_attn.qkv_proj", MOE_EXPERTS]}
-POKE = {"qwen3moe-gptq4": f"{MOE_EXPERTS}.w13_qweight"}
+LAYERS = {"qwen3moe-gptq4": ["model.layers.0.self_attn.qkv_proj", MOE_EXPERTS],
+          "qwen3moe-ct4-asym": ["model.layers.0.self_attn.qkv_proj", MOE_EXPERTS]}
+POKE = {"qwen3moe-gptq4": f"{MOE_EXPERTS}.w13_qweight", "qwen3moe-ct4-asym": f"{MOE_EXPERTS}.w13_weight_packed"}
 # MARLIN_PACK_TEST_DAEMON_MODELS=ct4,ct4-asym runs a subset (the Machete and int8 refusals need
 # awq4 and gptq4, plain `vllm preload` gptq8; their tests skip when those are left out).
 _SELECTED = os.environ.get("MARLIN_PACK_TEST_DAEMON_MODELS")
@@ -121,7 +124,7 @@ def _moe(name: str) -> dict[str, str]:
 
 def _leaves(name: str) -> tuple[str, str, str]:
     """The (weight, scales, zero points) parameter names vLLM keeps for this model's Marlin layers."""
-    if ALL_MODELS[name][0].startswith("ct"):
+    if ALL_MODELS[name][0].removeprefix("moe-").startswith("ct"):
         return ("weight_packed", "weight_scale", "weight_zero_point")
     return ("qweight", "scales", "qzeros")
 
@@ -152,8 +155,10 @@ def _write(name: str, out: Path, preset: str | None = None) -> Path:
     if fmt.startswith("moe-"):
         from marlin_pack.testing.synthetic_moe import MOE_PRESETS, write_moe_checkpoint
 
-        d = write_moe_checkpoint(out, MOE_PRESETS[default_preset], fmt.removeprefix("moe-"), bits=bits, group_size=group,
-                                 dtype=torch.float16, device=device, tokenizer=True)
+        moe_fmt = fmt.removeprefix("moe-")
+        ct = {"fmt": "compressed-tensors", "symmetric": moe_fmt == "ct"} if moe_fmt.startswith("ct") else {"fmt": moe_fmt}
+        d = write_moe_checkpoint(out, MOE_PRESETS[default_preset], bits=bits, group_size=group, dtype=torch.float16,
+                                 device=device, tokenizer=True, **ct)
         marlin_pack.convert(d, tp=(1,), dtype="float16", device=device, kernel="marlin")
         return d
     kernel = KERNEL.get(name, "marlin")

@@ -1,6 +1,7 @@
 """GPU: mixture-of-experts models served from their bundles, against stock vLLM 0.33.0.
 
-For a tiny Mixtral (AWQ, fp16), a tiny Qwen3-MoE (GPTQ 4-bit, bf16) and tiny DeepSeek-V2-Lite-shaped
+For a tiny Mixtral (AWQ, fp16; compressed-tensors W4A16_ASYM, fp16), a tiny Qwen3-MoE (GPTQ 4-bit, bf16;
+compressed-tensors W4A16, bf16) and tiny DeepSeek-V2-Lite-shaped
 (AWQ, fp16: MLA attention with q_proj, a dense first layer, shared experts) and DeepSeek-V3-shaped
 (GPTQ 4-bit, bf16: fused_qkv_a_proj, sigmoid grouped routing) models, all TP 1: engine (a) loads
 the checkpoint the ordinary way with Marlin forced for linears (``linear_backend="marlin"``) and
@@ -53,7 +54,14 @@ CASES = {
                        MLA_ENGINE_KWARGS),
     "deepseekv3-gptq4": ("DeepseekV3ForCausalLM", "gptq", 4, "bfloat16", "model.layers.1.mlp.experts.routed_experts", MLA,
                          MLA_ENGINE_KWARGS),
+    # compressed-tensors (CompressedTensorsWNA16MoEMethod): W4A16 and W4A16_ASYM, as llm-compressor writes them.
+    "qwen3moe-ct-w4a16": ("Qwen3MoeForCausalLM", "ct", 4, "bfloat16", "model.layers.0.mlp.experts.routed_experts",
+                          ATTENTION, {}),
+    "mixtral-ct-w4a16-asym": ("MixtralForCausalLM", "ct-asym", 4, "float16",
+                              "model.layers.0.block_sparse_moe.experts.routed_experts", ATTENTION, {}),
 }
+# The experts' quantized weights per format (vLLM's parameter names).
+_W13 = {"ct": "w13_weight_packed", "ct-asym": "w13_weight_packed"}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +76,8 @@ def test_prepacked_moe_equals_ordinary(workdir: Path, case: str) -> None:
     import marlin_pack
 
     arch, fmt, bits, dtype, experts, linear, engine = CASES[case]
-    model = write_moe_checkpoint(workdir / case, arch, fmt, bits=bits, dtype=getattr(torch, dtype), tokenizer=True)
+    ct = {"fmt": "compressed-tensors", "symmetric": fmt == "ct"} if fmt.startswith("ct") else {"fmt": fmt}
+    model = write_moe_checkpoint(workdir / case, arch, bits=bits, dtype=getattr(torch, dtype), tokenizer=True, **ct)
     manifest = marlin_pack.convert(model, tp=(1,), kernel="marlin").manifest
     assert manifest.serving_dtype.value == dtype  # what --dtype auto picks, as the engines below
     tp1 = manifest.tensor_parallel[0]
@@ -82,12 +91,15 @@ def test_prepacked_moe_equals_ordinary(workdir: Path, case: str) -> None:
     for r in (a, b):
         k = r["layers"]["kernels"][experts]
         assert (k["kernel"], k["moe_backend"], k["act_type"]) == ("MarlinExperts", "MARLIN", f"torch.{dtype}"), k
-        assert k["method"] == ("AutoAWQMoEMethod" if fmt == "awq" else "AutoGPTQMoEMethod")
+        assert k["method"] == {"awq": "AutoAWQMoEMethod", "gptq": "AutoGPTQMoEMethod"}.get(fmt, "CompressedTensorsWNA16MoEMethod")
         tensors = r["layers"]["tensors"]
-        assert {f"{experts}.{leaf}" for leaf in ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales")} <= tensors.keys()
+        leaves = ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales") if fmt in ("awq", "gptq") else (
+            "w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale", "w13_weight_shape")
+        assert {f"{experts}.{leaf}" for leaf in leaves} <= tensors.keys()
+        assert (f"{experts}.w13_weight_zero_point" in tensors) is (fmt == "ct-asym")
     digests = a["layers"]["digests"]
     moe_names = {e.name for e in tp1.moe_layers}
-    assert {name.rsplit(".", 1)[0] for name in digests if name.endswith(".w13_qweight")} == moe_names
+    assert {name.rsplit(".", 1)[0] for name in digests if name.endswith(f".{_W13.get(fmt, 'w13_qweight')}")} == moe_names
     assert not any(name.endswith("_bias") and ".experts." in name for name in digests)  # unloaded biases dropped
     print(f"{case}: {n} parameters bit-identical, {len(tp1.layers)} prepacked linears and {len(moe_names)} experts layers, "
           f"tokens and logprobs equal; start {a['start_s']:.1f} s ordinary vs {b['start_s']:.1f} s prepacked")

@@ -55,7 +55,7 @@ from .vllm_reference import VllmRefusedError
 
 __all__ = ["MOE_METHODS", "VllmRefusedError", "moe_layers", "reference_moe_rank_tensors"]
 
-MOE_METHODS = ("AutoAWQMoEMethod", "AutoGPTQMoEMethod")
+MOE_METHODS = ("AutoAWQMoEMethod", "AutoGPTQMoEMethod", "CompressedTensorsWNA16MoEMethod")
 _SM90 = vr._CAPABILITY[0] * 10 + vr._CAPABILITY[1]
 
 
@@ -249,6 +249,11 @@ def _build(model_dir: Path, tp_size: int, dtype: torch.dtype, m: Any, moe_backen
     return model, model_config
 
 
+def _backend(method: Any) -> Any:
+    """The WNA16 MoE backend a method chose (AWQ/GPTQ: ``wna16_moe_backend``; compressed-tensors: ``wna16_backend``)."""
+    return getattr(method, "wna16_moe_backend", None) or getattr(method, "wna16_backend", None)
+
+
 def moe_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Routed-experts modules that got an AWQ/GPTQ MoE method on the Marlin backend; refuses any other."""
     m = _moe_vllm()
@@ -259,9 +264,9 @@ def moe_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
             continue
         cls = type(method).__name__
         if cls not in MOE_METHODS:
-            raise VllmRefusedError(f"{name}: vLLM would use {cls}, not AutoAWQMoEMethod/AutoGPTQMoEMethod (Marlin)")
-        if method.wna16_moe_backend != m.int_wna16.WNA16MoEBackend.MARLIN:
-            raise VllmRefusedError(f"{name}: WNA16 MoE backend is {method.wna16_moe_backend}, not MARLIN")
+            raise VllmRefusedError(f"{name}: vLLM would use {cls}, not one of {MOE_METHODS} (Marlin)")
+        if _backend(method) != m.int_wna16.WNA16MoEBackend.MARLIN:
+            raise VllmRefusedError(f"{name}: WNA16 MoE backend is {_backend(method)}, not MARLIN")
         out[name] = module
     return out
 
@@ -340,6 +345,8 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
                 out[f"{name}.{pname}"] = getattr(layer, pname).data.detach().clone()
             if layer.bias is not None:
                 out[f"{name}.bias"] = layer.bias.data.detach().clone()
+            if isinstance(getattr(layer, "weight_shape", None), torch.Tensor):  # compressed-tensors keeps it
+                out[f"{name}.weight_shape"] = layer.weight_shape.data.detach().clone()
         layers_info = {}
         aliases: dict[str, str] = {}
         # Where each parameter object is first registered: DeepSeek-V3's experts also hold the router's
@@ -362,7 +369,8 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
             method = layer.quant_method
             layers_info[name] = {
                 "method": type(method).__name__,
-                "backend": method.wna16_moe_backend.value,
+                "backend": _backend(method).value,
+                "input_dtype": getattr(method, "input_dtype", None),
                 "experts_class": type(method.moe_kernel.impl.fused_experts).__name__
                 if hasattr(getattr(method, "moe_kernel", None), "impl") else type(method.experts_cls).__name__,
                 "intermediate_size_per_partition": layer.intermediate_size_per_partition,

@@ -34,7 +34,12 @@ CASES = {
     # MLA attention (replicated kv_a_proj_with_mqa / fused_qkv_a_proj), a dense first layer, shared experts.
     "deepseekv2-awq-tp2-rank1": ("DeepseekV2ForCausalLM", "awq", 2, 1, torch.bfloat16),
     "deepseekv3-gptq-tp1": ("DeepseekV3ForCausalLM", "gptq", 1, 0, torch.float16),
+    # compressed-tensors (CompressedTensorsWNA16MoEMethod): symmetric (no zero points) and W4A16_ASYM.
+    "mixtral-ct-tp1": ("MixtralForCausalLM", "ct", 1, 0, torch.float16),
+    "qwen3moe-ct-asym-tp2-rank1": ("Qwen3MoeForCausalLM", "ct-asym", 2, 1, torch.bfloat16),
 }
+# The experts' quantized weights per format: vLLM aliases w13_weight / w2_weight to them.
+_W13 = {"awq": "w13_qweight", "gptq": "w13_qweight", "ct": "w13_weight_packed", "ct-asym": "w13_weight_packed"}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,8 @@ def moe_bundle(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def make(arch: str, fmt: str, dtype: torch.dtype, tps: tuple[int, ...] = (1, 2)) -> Path:
         key = (arch, fmt, dtype, tps)
         if key not in cache:
-            model = write_moe_checkpoint(tmp_path_factory.mktemp("moe") / "m", arch, fmt, dtype=dtype)
+            ct = {"fmt": "compressed-tensors", "symmetric": fmt == "ct"} if fmt.startswith("ct") else {"fmt": fmt}
+            model = write_moe_checkpoint(tmp_path_factory.mktemp("moe") / "m", arch, dtype=dtype, **ct)
             convert(model, tp=tps)
             cache[key] = model
         return cache[key]
@@ -105,7 +111,7 @@ def _loader(**extra: object) -> Any:
 
 
 def _quantization(fmt: str) -> str:
-    return "auto_awq" if fmt == "awq" else "auto_gptq"
+    return {"awq": "auto_awq", "gptq": "auto_gptq"}.get(fmt, "compressed-tensors")
 
 
 def _params(model: nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
@@ -152,7 +158,7 @@ def test_prepacked_moe_model_equals_stock_vllm(moe_bundle: Any, patched: Any, mo
     for name, layer in experts.items():
         method = layer.quant_method
         assert type(method.moe_kernel.impl.fused_experts).__name__ == "MarlinExperts", name
-        assert layer.w13_weight is layer.w13_qweight and layer.w2_weight is layer.w2_qweight
+        assert layer.w13_weight is getattr(layer, _W13[fmt]) and layer.w2_weight is getattr(layer, _W13[fmt].replace("13", "2"))
         assert getattr(layer, "w13_bias", None) is None and getattr(layer, "w2_bias", None) is None
 
 
@@ -217,6 +223,45 @@ def test_data_parallel_replicas_of_a_moe_model_are_refused(moe_bundle: Any, monk
                                                tp_size=tp)).bundle is not None
 
 
+@pytest.mark.parametrize("override,match", [
+    ({"method": "AutoGPTQMoEMethod"},
+     r"\[kernel\] experts layer .* uses AutoGPTQMoEMethod, the bundle holds CompressedTensorsWNA16MoEMethod experts"),
+    ({"zero_points": False}, r"\[zero_points\] experts layer .*: the engine's zero points is False, the bundle's is True"),
+    ({"weight_type": "uint4b8"}, r"\[weight_type\] experts layer .*: the engine's weight type is uint4b8, the bundle's is uint4"),
+    ({"group_size": 64}, r"\[group_size\] experts layer .*: the engine's group size is 64, the bundle's is 128"),
+    ({"backend": "TRITON"}, r"\[kernel\] vLLM chose the TRITON MoE backend for experts layer model\.layers\.0\.mlp"),
+])
+def test_ct_moe_layer_mismatch_refused(moe_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch, override: dict,
+                                       match: str) -> None:
+    """The layer check for compressed-tensors experts: the facts of a real CompressedTensorsWNA16MoEMethod layer pass
+    (test_prepacked_moe_model_equals_stock_vllm); each one changed is refused naming its field."""
+    model_dir = moe_bundle("Qwen3MoeForCausalLM", "ct-asym", torch.bfloat16)
+    _fact_hook(monkeypatch, **override)
+    vllm_config, model_config, _ = _engine(model_dir, "compressed-tensors", torch.bfloat16, monkeypatch, 2, 0)
+    with vmr._moe_patched(2, 0) as m, m.base.set_default_torch_dtype(torch.bfloat16), \
+            pytest.raises(LoadRefusedError, match=match):
+        _loader().create_model(vllm_config, model_config)  # type: ignore[arg-type]
+
+
+def test_ct_moe_layer_facts_read_the_method(moe_bundle: Any, patched: Any) -> None:
+    from vllm.config.kernel import KernelConfig
+
+    from marlin_pack.vllm_plugin.moe_engine import is_marlin_moe_16bit, is_moe_layer, moe_layer_facts
+
+    for fmt, weight_type, zero_points in (("ct", "uint4b8", False), ("ct-asym", "uint4", True)):
+        model_dir = moe_bundle("MixtralForCausalLM", fmt, torch.float16)
+        with vmr._moe_patched(1, 0) as m, m.base.set_default_torch_dtype(torch.float16):
+            model, _ = _build(model_dir, torch.float16, KernelConfig(moe_backend="marlin"), device="meta")
+        layer = next(mod for mod in model.modules() if is_moe_layer(mod))
+        f = moe_layer_facts(layer, skips_when_marked=True)
+        assert (f.method, f.backend, f.weight_type, f.group_size, f.zero_points, f.act_dtype) == (
+            "CompressedTensorsWNA16MoEMethod", "MARLIN", weight_type, 128, zero_points, "float16")
+        assert (f.num_experts, f.hidden_size, f.intermediate_size, f.padded_intermediate) == (4, 512, 512, 512)
+        assert is_marlin_moe_16bit(layer.quant_method)
+        layer.quant_method.input_dtype = torch.float8_e4m3fn  # fp8 activations (VLLM_MARLIN_INPUT_DTYPE): not shared
+        assert not is_marlin_moe_16bit(layer.quant_method)
+
+
 def test_explicit_non_marlin_moe_backend_is_kept_and_refused(moe_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """--moe-backend triton is the user's choice: not overridden (vLLM itself refuses TRITON for AWQ/GPTQ experts
     that may carry a bias; a backend it accepted would be refused by the layer check, see the HUMMING case above)."""
@@ -243,7 +288,9 @@ def test_force_marlin_moe_only_resolves_auto() -> None:
 
 
 @pytest.mark.parametrize("arch,fmt,dtype", [("MixtralForCausalLM", "awq", torch.float16), ("Qwen3MoeForCausalLM", "gptq", torch.bfloat16),
-                                            ("DeepseekV2ForCausalLM", "gptq", torch.float16)])
+                                            ("DeepseekV2ForCausalLM", "gptq", torch.float16),
+                                            ("MixtralForCausalLM", "ct-asym", torch.float16),
+                                            ("Qwen3MoeForCausalLM", "ct", torch.bfloat16)])
 def test_daemon_to_engine_round_trip_moe(moe_bundle: Any, patched: Any, arch: str, fmt: str, dtype: torch.dtype) -> None:
     """Daemon: stock vLLM load and post-processing (Marlin MoE). Engine: built on meta, vLLM's IPC checks and
     _apply_entries, then post-processing in pre-processed mode: the same tensors, the Marlin MoE kernel built,
@@ -256,6 +303,7 @@ def test_daemon_to_engine_round_trip_moe(moe_bundle: Any, patched: Any, arch: st
     from vllm.model_executor.utils import weights_already_processed
 
     from marlin_pack.vllm_plugin.moe_engine import is_moe_layer
+    from marlin_pack.vllm_plugin.patches import scope
 
     model_dir = moe_bundle(arch, fmt, dtype)
     reference = vmr.reference_moe_rank_tensors(model_dir, 1, 0, dtype)
@@ -265,8 +313,9 @@ def test_daemon_to_engine_round_trip_moe(moe_bundle: Any, patched: Any, arch: st
         daemon.load_weights(vr._all_tensors(model_dir))
         process_weights_after_loading(daemon, model_config, torch.device("cpu"))
         entries, aliases = export_entries(daemon)
-        engine, _ = _build(model_dir, dtype, KernelConfig(moe_backend="marlin"), device="meta")
-        check_ipc_quant_support(engine)  # AWQ/GPTQ MoE methods on Marlin now declare support
+        with scope.in_use():  # as IpcModelLoader's patched build: compressed-tensors linear methods record their layer
+            engine, _ = _build(model_dir, dtype, KernelConfig(moe_backend="marlin"), device="meta")
+        check_ipc_quant_support(engine)  # AWQ/GPTQ/compressed-tensors MoE methods on Marlin now declare support
         IpcModelLoader._apply_entries(SimpleNamespace(mode="zero_copy"), engine, WeightCacheState(entries, aliases, {}), 0)
         with weights_already_processed():
             process_weights_after_loading(engine, model_config, torch.device("cpu"))
@@ -285,11 +334,13 @@ def test_daemon_to_engine_round_trip_moe(moe_bundle: Any, patched: Any, arch: st
     for layer in experts:
         assert type(layer.quant_method.moe_kernel.impl.fused_experts).__name__ == "MarlinExperts"
         assert getattr(layer, "w13_bias", None) is None and getattr(layer, "w2_bias", None) is None
-        assert layer.w13_weight is layer.w13_qweight
+        assert layer.w13_weight is getattr(layer, _W13[fmt])
 
 
+@pytest.mark.parametrize("fmt,method", [("awq", "AutoAWQMoEMethod"), ("ct", "CompressedTensorsWNA16MoEMethod")])
 @pytest.mark.parametrize("change", ["backend", "input_dtype", "unpatched"])
-def test_ipc_still_refuses_moe_methods_off_marlin(moe_bundle: Any, stock_vllm: None, registered: None, change: str) -> None:
+def test_ipc_still_refuses_moe_methods_off_marlin(moe_bundle: Any, stock_vllm: None, registered: None, change: str,
+                                                  fmt: str, method: str) -> None:
     from vllm.config.kernel import KernelConfig
     from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
     from vllm.model_executor.model_loader.weight_cache.protocol import UnsupportedQuantForIPCError, check_ipc_quant_support
@@ -299,18 +350,19 @@ def test_ipc_still_refuses_moe_methods_off_marlin(moe_bundle: Any, stock_vllm: N
 
     if change != "unpatched":
         assert patches.install()
-    model_dir = moe_bundle("MixtralForCausalLM", "awq", torch.float16)
+    model_dir = moe_bundle("MixtralForCausalLM", fmt, torch.float16)
     with vmr._moe_patched(1, 0) as m, m.base.set_default_torch_dtype(torch.float16):
         engine, _ = _build(model_dir, torch.float16, KernelConfig(moe_backend="marlin"), device="meta")
     layer = next(mod for mod in engine.modules() if is_moe_layer(mod))
+    assert type(layer.quant_method).__name__ == method
     if change == "backend":
-        layer.quant_method.wna16_moe_backend = WNA16MoEBackend.BATCHED_MARLIN
+        setattr(layer.quant_method, "wna16_backend" if fmt == "ct" else "wna16_moe_backend", WNA16MoEBackend.BATCHED_MARLIN)
     elif change == "input_dtype":
         layer.quant_method.input_dtype = torch.float8_e4m3fn
     if change != "unpatched":
         check_ipc_quant_support(next(mod for mod in engine.modules() if is_moe_layer(mod) and mod is not layer))
-    with pytest.raises(UnsupportedQuantForIPCError, match=r"AutoAWQMoEMethod does not support loading from pre-processed weights"):
-        check_ipc_quant_support(layer)  # stock vLLM (unpatched) refuses every AWQ/GPTQ MoE method
+    with pytest.raises(UnsupportedQuantForIPCError, match=rf"{method} does not support loading from pre-processed weights"):
+        check_ipc_quant_support(layer)  # stock vLLM (unpatched) refuses every AWQ/GPTQ/compressed-tensors MoE method
 
 
 def test_weight_cache_resolves_auto_moe_backend_to_marlin_and_keeps_the_key() -> None:
@@ -327,5 +379,29 @@ def test_weight_cache_resolves_auto_moe_backend_to_marlin_and_keeps_the_key() ->
     kc = run("auto_gptq")
     assert kc.moe_backend == "marlin" and _as_configured(kc).moe_backend == "auto"
     assert run("auto_awq", moe_backend="triton").moe_backend == "triton"  # explicit: kept (then refused by the cache)
-    assert run("compressed-tensors").moe_backend == "auto"  # its MoE methods are never shared
     assert run("fp8").moe_backend == "auto"
+
+
+def test_weight_cache_forces_marlin_moe_for_compressed_tensors_wna16_only() -> None:
+    """compressed-tensors: Marlin MoE is forced only where every config group is pack-quantized weight-only int
+    (its experts get CompressedTensorsWNA16MoEMethod); an FP8 or activation-quantized MoE keeps vLLM's choice."""
+    from vllm.config.kernel import KernelConfig
+
+    from marlin_pack.testing.synthetic import compressed_tensors_config
+    from marlin_pack.vllm_plugin.patches.weight_cache import force_marlin_for_cache
+
+    def run(qc: Any) -> str:
+        vllm_config = SimpleNamespace(kernel_config=KernelConfig())
+        model_config = SimpleNamespace(quantization="compressed-tensors", hf_config=SimpleNamespace(quantization_config=qc))
+        force_marlin_for_cache(vllm_config, model_config)
+        return str(vllm_config.kernel_config.moe_backend)
+
+    assert run(compressed_tensors_config(4, 128, False)) == "marlin"
+    assert run(compressed_tensors_config(8, -1, True)) == "marlin"
+    fp8 = compressed_tensors_config(8, 128, True)
+    fp8["config_groups"]["group_0"]["weights"]["type"] = "float"
+    assert run(fp8) == "auto"
+    w4a8 = compressed_tensors_config(4, 128, True)
+    w4a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "dynamic": True}
+    assert run(w4a8) == "auto"
+    assert run(None) == "auto"

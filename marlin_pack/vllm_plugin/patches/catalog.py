@@ -67,7 +67,11 @@ QUANT_METHODS = (
     f"{AUTO_GPTQ}:AutoGPTQLinearMethod",
     f"{_CT}:CompressedTensorsLinearMethod",
 )
-MOE_QUANT_METHODS = (f"{AUTO_AWQ}:AutoAWQMoEMethod", f"{AUTO_GPTQ}:AutoGPTQMoEMethod")
+# compressed-tensors' WNA16 experts method lives in a module get_moe_method imports on first use; importing it at
+# install imports nothing compressed_tensors_moe.py has not already imported.
+_CT_MOE = f"{_QUANT}.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16"
+MOE_QUANT_METHODS = (f"{AUTO_AWQ}:AutoAWQMoEMethod", f"{AUTO_GPTQ}:AutoGPTQMoEMethod",
+                     f"{_CT_MOE}:CompressedTensorsWNA16MoEMethod")
 EMBEDDING_METHOD = "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod"
 _CT_KV_CACHE_METHOD = f"{_CT}:CompressedTensorsKVCacheMethod"
 _LOADER = "vllm.model_executor.model_loader"

@@ -1,7 +1,7 @@
-"""Post-processing of AWQ/GPTQ Marlin MoE experts layers whose tensors are already final.
+"""Post-processing of AWQ/GPTQ/compressed-tensors (WNA16) Marlin MoE experts layers whose tensors are already final.
 
 The mixture-of-experts counterpart of :mod:`.post_processing` (same mark, same order of
-decisions): ``AutoAWQMoEMethod`` / ``AutoGPTQMoEMethod``'s ``process_weights_after_loading``
+decisions): ``AutoAWQMoEMethod`` / ``AutoGPTQMoEMethod`` / ``CompressedTensorsWNA16MoEMethod``'s ``process_weights_after_loading``
 
 1. for a layer the ``marlin_prepacked`` loader marked: consumes the mark and finishes the layer;
 2. for final tensors from vLLM's weight cache (``weights_already_processed()``, allowed only

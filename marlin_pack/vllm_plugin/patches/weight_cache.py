@@ -47,7 +47,8 @@ from marlin_pack.vllm_plugin import daemon_process, preload
 from marlin_pack.vllm_plugin.daemon_process import DAEMON_MODULE, RUN_DAEMON, run_daemon, stands_in_for
 from marlin_pack.vllm_plugin.patches import catalog, scope
 
-__all__ = ["DAEMON_MODULE", "RUN_DAEMON", "CACHE_QUANTIZATIONS", "PATCHES", "force_marlin_for_cache", "run_daemon"]
+__all__ = ["DAEMON_MODULE", "RUN_DAEMON", "CACHE_QUANTIZATIONS", "PATCHES", "ct_weight_only_int", "force_marlin_for_cache",
+           "run_daemon"]
 
 logger = logging.getLogger("vllm.marlin_pack")
 
@@ -65,11 +66,36 @@ _UNSUPPORTED_HINT = (
     "marlin-pack: the weight cache shares AWQ/GPTQ/compressed-tensors linear layers only when vLLM serves them with "
     "MarlinLinearKernel and 16-bit activations. Check --linear-backend / --kernel-config "
     "(an explicit non-Marlin backend is kept), VLLM_MARLIN_INPUT_DTYPE (must be unset), "
-    "VLLM_DISABLED_KERNELS and VLLM_BATCH_INVARIANT; AWQ/GPTQ mixture-of-experts layers are shared only on the Marlin "
-    "MoE backend (--moe-backend auto or marlin) with 16-bit activations, compressed-tensors ones never"
+    "VLLM_DISABLED_KERNELS and VLLM_BATCH_INVARIANT; AWQ/GPTQ/compressed-tensors WNA16 mixture-of-experts layers are "
+    "shared only on the Marlin MoE backend (--moe-backend auto or marlin) with 16-bit activations"
 )
-# AWQ/GPTQ quantizations whose experts (AutoAWQMoEMethod/AutoGPTQMoEMethod) the cache shares on Marlin MoE.
+# AWQ/GPTQ quantizations whose experts (AutoAWQMoEMethod/AutoGPTQMoEMethod) the cache shares on Marlin MoE; and
+# compressed-tensors, whose experts (CompressedTensorsWNA16MoEMethod) it shares when every scheme is weight-only int.
 MOE_CACHE_QUANTIZATIONS = frozenset({"auto_awq", "auto_gptq", "awq", "awq_marlin", "gptq", "gptq_marlin"})
+
+
+def ct_weight_only_int(qc: Any) -> bool:
+    """A compressed-tensors ``quantization_config`` whose config groups are all pack-quantized weight-only int
+    (WNA16): its experts get ``CompressedTensorsWNA16MoEMethod``, so forcing the Marlin MoE backend changes
+    nothing else (an FP8 or NVFP4 MoE keeps vLLM's own backend choice)."""
+    if not isinstance(qc, dict) and callable(getattr(qc, "to_dict", None)):  # a transformers quantization config object
+        qc = qc.to_dict()
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return False
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
+    return bool(groups) and all(
+        (g["weights"] or {}).get("type") == "int" and not g.get("input_activations")
+        and (g.get("format") or qc.get("format")) == "pack-quantized"
+        for g in groups
+    )
+
+
+def _forces_marlin_moe(model_config: Any) -> bool:
+    quantization = getattr(model_config, "quantization", None)
+    if quantization in MOE_CACHE_QUANTIZATIONS:
+        return True
+    hf = getattr(model_config, "hf_config", None)
+    return quantization == "compressed-tensors" and ct_weight_only_int(getattr(hf, "quantization_config", None))
 
 # id(KernelConfig) -> (the config, its linear_backend_per_quant and moe_backend before we forced Marlin).
 _FORCED: dict[int, tuple[Any, Any, Any]] = {}
@@ -91,11 +117,12 @@ def force_marlin_for_cache(vllm_config: Any, model_config: Any, role: str = "wei
     kc = vllm_config.kernel_config
     if id(kc) not in _FORCED:
         _FORCED[id(kc)] = (kc, copy.deepcopy(kc.linear_backend_per_quant), getattr(kc, "moe_backend", "auto"))
-    if model_config.quantization in MOE_CACHE_QUANTIZATIONS:
+    if _forces_marlin_moe(model_config):
         from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe
 
         if force_marlin_moe(kc):  # experts of MoE models: only the Marlin MoE layout is shared (auto: Humming on SM90)
-            logger.info("marlin-pack: %s: AWQ/GPTQ mixture-of-experts layers use the Marlin MoE backend (moe_backend=marlin)", role)
+            logger.info("marlin-pack: %s: AWQ/GPTQ/compressed-tensors WNA16 mixture-of-experts layers use the Marlin MoE "
+                        "backend (moe_backend=marlin)", role)
     per_quant = dict(kc.linear_backend_per_quant or {})
     backend = per_quant.get("mixed_precision") or kc.linear_backend
     if backend != "auto":

@@ -18,6 +18,8 @@ from marlin_pack.vllm_plugin.patches.weight_cache import DAEMON_MODULE, RUN_DAEM
 _MISSING = object()
 
 _CT = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:CompressedTensorsLinearMethod"
+_CT_MOE = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16:"
+           "CompressedTensorsWNA16MoEMethod")
 _WORKER_LOAD_MODEL = "vllm.v1.worker.gpu_worker:Worker.load_model"
 _WORKER_INIT_DEVICE = "vllm.v1.worker.gpu_worker:Worker.init_device"
 _WORKER_INITIALIZE_FROM_CONFIG = "vllm.v1.worker.gpu_worker:Worker.initialize_from_config"
@@ -36,6 +38,8 @@ EXPECTED_TARGETS = {
     "vllm.model_executor.layers.quantization.auto_awq:AutoAWQMoEMethod.supports_pre_processed_weights",
     "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQMoEMethod.process_weights_after_loading",
     "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQMoEMethod.supports_pre_processed_weights",
+    f"{_CT_MOE}.process_weights_after_loading",
+    f"{_CT_MOE}.supports_pre_processed_weights",
     ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
      "CompressedTensorsKVCacheMethod.process_weights_after_loading"),
     "vllm.model_executor.model_loader.weight_cache.protocol:WeightCacheKey.from_model_config",
