@@ -126,10 +126,11 @@ class ExpertShare:
         return sum(n for info in self.header.tensors.values() for _, n in self.pieces(info))
 
     def text(self) -> str:
-        """``experts 2-3 of 4 (ep rank 1/2, linear) from tp1/rank-0``, or ``experts of tp4/rank-3`` (DP, no EP)."""
+        """``experts 2-3 of 4 (ep rank 1/2, linear) from tp1/rank-0``, or (DP without EP) ``experts of tp4/rank-3 (sharded
+        over tp x dp = 4 GPUs)``."""
         where = f"tp{self.tp_size}/rank-{self.rank}"
         if not self.ranks.expert_parallel:
-            return f"experts of {where} (tp {self.ranks.tp_size} x dp: rank {self.ranks.tp_rank})"
+            return f"experts of {where} (sharded over tp x dp = {self.ranks.tp_size} GPUs)"
         ids = self.experts
         span = (f"{ids[0]}-{ids[-1]}" if list(ids) == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))) if ids else "none"
         return (f"experts {span} of {self.num_experts} (ep rank {self.ranks.ep_rank}/{self.ranks.ep_size}, {self.placement}) "
