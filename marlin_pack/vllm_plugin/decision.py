@@ -71,6 +71,8 @@ class EngineFacts:
     expert_parallel: bool = False  # --enable-expert-parallel
     expert_placement: str = "linear"  # --expert-placement-strategy
     all2all_backend: str = "allgather_reducescatter"  # --all2all-backend
+    pcp_size: int = 1  # --prefill-context-parallel-size (vLLM flattens it with DP for experts)
+    pcp_rank: int = 0
     dtype: str = "float16"
     quantization: str | None = None
     marlin_input_dtype: str | None = None
@@ -198,12 +200,12 @@ def _check_data_parallel(manifest: Manifest, tp_set: TensorParallelSet, facts: E
     """Experts layers at expert parallelism or ``--data-parallel-size > 1``: vLLM 0.33.0 shards them over the TP ranks
     of every replica together (``FusedMoEParallelConfig.make``), so they come from another TP size's rank files
     (:mod:`~marlin_pack.vllm_plugin.expert_share`), which the bundle must hold."""
-    if needs_share(tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel):
+    if needs_share(tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel, facts.pcp_size):
         from marlin_pack.planning import convertible_tp_sizes
 
         check_experts_source(manifest, facts.model, architecture=manifest.source.architecture, tp_size=facts.tp_size,
-                     dp_size=facts.dp_size, expert_parallel=facts.expert_parallel,
-                     accepted=lambda sizes: convertible_tp_sizes(facts.model, sizes, facts.revision))
+                             dp_size=facts.dp_size, expert_parallel=facts.expert_parallel, pcp_size=facts.pcp_size,
+                             accepted=lambda sizes: convertible_tp_sizes(facts.model, sizes, facts.revision))
 
 
 def _tp_advice(manifest: Manifest, facts: EngineFacts) -> str:
@@ -373,7 +375,7 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
             manifest, tp_set, rank_header, common_header, model_dir, facts.pp_size, facts.pp_rank))
         tp_set, rank_header, common_header = stage.tp_set, stage.rank_header, stage.common_header
     experts = None
-    if needs_share(tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel):
+    if needs_share(tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel, facts.pcp_size):
         experts, also = _with_field(F.files, lambda: _experts(bundle_dir, manifest, tp_set, model_dir, facts, options.full_hash))
         hashed = hashed.add(also)
         moe = {e.name for e in tp_set.moe_layers}
@@ -399,7 +401,8 @@ def _experts(bundle_dir: Path, manifest: Manifest, tp_set: TensorParallelSet, mo
              full_hash: bool) -> tuple[ExpertShare, HashReport]:
     """This GPU's experts (its rank of the TP size vLLM shards them at; checked as its own rank file is) and what
     checking that file hashed."""
-    ranks = moe_ranks(facts.tp_size, facts.tp_rank, facts.dp_size, facts.dp_rank, facts.expert_parallel)
+    ranks = moe_ranks(facts.tp_size, facts.tp_rank, facts.dp_size, facts.dp_rank, facts.expert_parallel, facts.pcp_size,
+                      facts.pcp_rank)
     source = manifest.tensor_parallel_set(ranks.tp_size)  # check_engine made sure the bundle holds it
     entry = source.ranks[ranks.tp_rank].file
     hashed = check_files(bundle_dir, manifest, [entry], full_hash=full_hash)
@@ -408,7 +411,7 @@ def _experts(bundle_dir: Path, manifest: Manifest, tp_set: TensorParallelSet, mo
     arch = manifest.source.architecture
     groups = num_expert_group(arch, json.loads((model_dir / "config.json").read_text()))
     strategy = placement(facts.expert_placement, ep_size=ranks.ep_size, num_expert_group=groups, dp_size=facts.dp_size,
-                         all2all_backend=facts.all2all_backend)
+                         all2all_backend=facts.all2all_backend, pcp_size=facts.pcp_size)
     return expert_share(manifest, tp_set, source, header, path, ranks, strategy), hashed
 
 

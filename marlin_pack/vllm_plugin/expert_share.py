@@ -54,23 +54,26 @@ class MoeRanks:
         return self.ep_size > 1
 
 
-def moe_ranks(tp_size: int, tp_rank: int, dp_size: int, dp_rank: int, expert_parallel: bool) -> MoeRanks:
-    """``FusedMoEParallelConfig.make`` (prefill context parallelism 1): the TP ranks of all replicas flattened; with
-    ``--enable-expert-parallel`` over more than one GPU, that group is the EP group and the experts' TP size is 1."""
-    size, rank = tp_size * dp_size, dp_rank * tp_size + tp_rank
+def moe_ranks(tp_size: int, tp_rank: int, dp_size: int, dp_rank: int, expert_parallel: bool, pcp_size: int = 1,
+              pcp_rank: int = 0) -> MoeRanks:
+    """``FusedMoEParallelConfig.make``: the TP ranks of all replicas (and prefill-context-parallel ranks) flattened
+    (``flatten_tp_across_dp_and_pcp``); with ``--enable-expert-parallel`` over more than one GPU, that group is the EP
+    group and the experts' TP size is 1."""
+    size, rank = tp_size * pcp_size * dp_size, (dp_rank * pcp_size + pcp_rank) * tp_size + tp_rank
     if expert_parallel and size > 1:
         return MoeRanks(1, 0, size, rank)
     return MoeRanks(size, rank)
 
 
-def placement(requested: str, *, ep_size: int, num_expert_group: int | None, dp_size: int, all2all_backend: str) -> str:
+def placement(requested: str, *, ep_size: int, num_expert_group: int | None, dp_size: int, all2all_backend: str,
+              pcp_size: int = 1) -> str:
     """The placement vLLM 0.33.0 uses (``determine_expert_placement_strategy`` and
     ``ExpertMapManager._determine_placement_strategy``): ``round_robin`` only for a model routing over several
     expert groups (DeepSeek's ``n_group`` > 1; EPLB is not available to AWQ/GPTQ experts), and across data-parallel
     replicas (its all2all kernels) only with the DeepEP low-latency or NIXL EP backend; else ``linear``."""
     if requested != "round_robin" or ep_size == 1 or not (num_expert_group or 0) > 1:
         return "linear"
-    if dp_size > 1 and all2all_backend not in ROUND_ROBIN_BACKENDS:
+    if (dp_size > 1 or pcp_size > 1) and all2all_backend not in ROUND_ROBIN_BACKENDS:
         return "linear"
     return "round_robin"
 
@@ -127,10 +130,10 @@ class ExpertShare:
 
     def text(self) -> str:
         """``experts 2-3 of 4 (ep rank 1/2, linear) from tp1/rank-0``, or (DP without EP) ``experts of tp4/rank-3 (sharded
-        over tp x dp = 4 GPUs)``."""
+        over 4 GPUs)``."""
         where = f"tp{self.tp_size}/rank-{self.rank}"
         if not self.ranks.expert_parallel:
-            return f"experts of {where} (sharded over tp x dp = {self.ranks.tp_size} GPUs)"
+            return f"experts of {where} (sharded over {self.ranks.tp_size} GPUs)"
         ids = self.experts
         span = (f"{ids[0]}-{ids[-1]}" if list(ids) == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))) if ids else "none"
         return (f"experts {span} of {self.num_experts} (ep rank {self.ranks.ep_rank}/{self.ranks.ep_size}, {self.placement}) "
@@ -142,14 +145,15 @@ class ExpertShare:
                 "experts_file_bytes": self.read_bytes}
 
 
-def needs_share(tp_set: TensorParallelSet, tp_size: int, tp_rank: int, dp_size: int, expert_parallel: bool) -> bool:
+def needs_share(tp_set: TensorParallelSet, tp_size: int, tp_rank: int, dp_size: int, expert_parallel: bool,
+                pcp_size: int = 1) -> bool:
     """Whether the experts do not come from this rank's own TP rank file."""
-    ranks = moe_ranks(tp_size, tp_rank, dp_size, 0, expert_parallel)
+    ranks = moe_ranks(tp_size, tp_rank, dp_size, 0, expert_parallel, pcp_size)
     return bool(tp_set.moe_layers) and (ranks.expert_parallel or ranks.tp_size != tp_size)
 
 
 def check_experts_source(manifest: Manifest, model: str, *, architecture: str, tp_size: int, dp_size: int, expert_parallel: bool,
-                 accepted: Callable[[list[int]], list[int]] | None = None) -> int:
+                         accepted: Callable[[list[int]], list[int]] | None = None, pcp_size: int = 1) -> int:
     """The TP size of the rank files the experts come from, checked to be in the bundle.
 
     ``accepted``: which of the given TP sizes ``convert`` accepts for the checkpoint (asked only for the advice).
@@ -165,13 +169,14 @@ def check_experts_source(manifest: Manifest, model: str, *, architecture: str, t
             "use_sequence_parallel_moe), which no TP rank file holds; serve it with --tensor-parallel-size 1 or "
             "--data-parallel-size 1",
         )
-    size = moe_ranks(tp_size, 0, dp_size, 0, expert_parallel).tp_size
+    size = moe_ranks(tp_size, 0, dp_size, 0, expert_parallel, pcp_size).tp_size
     if size in manifest.tp_sizes:
         return size
-    why = (f"--enable-expert-parallel over {tp_size * dp_size} GPUs: vLLM 0.33.0 gives each whole experts, which the "
-           "tp1 rank file holds" if expert_parallel else
-           f"--data-parallel-size {dp_size}: vLLM 0.33.0 shards each experts layer over the {tp_size} x {dp_size} tensor x "
-           f"data parallel ranks, which the tp{size} rank files hold")
+    pcp = f" x {pcp_size} prefill context" if pcp_size > 1 else ""
+    why = (f"--enable-expert-parallel over {tp_size * pcp_size * dp_size} GPUs: vLLM 0.33.0 gives each whole experts, "
+           "which the tp1 rank file holds" if expert_parallel else
+           f"--data-parallel-size {dp_size}: vLLM 0.33.0 shards each experts layer over the {tp_size}{pcp} x {dp_size} "
+           f"tensor{pcp and ' x prefill context'} x data parallel ranks, which the tp{size} rank files hold")
     held = ",".join(map(str, manifest.tp_sizes))
     ok = None if accepted is None else accepted(sorted({1, 2, 4, 8, size, *manifest.tp_sizes}))
     if ok is not None and size not in ok:

@@ -53,15 +53,16 @@ def test_moe_ranks_are_vllms_parallel_config(monkeypatch: pytest.MonkeyPatch) ->
     from vllm.model_executor.layers.fused_moe import config as moe_config
     from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
 
-    for tp, dp, ep in itertools.product((1, 2, 4), (1, 2, 3), (False, True)):
-        for dp_rank, tp_rank in itertools.product(range(dp), range(tp)):
+    for tp, dp, pcp, ep in itertools.product((1, 2, 4), (1, 2, 3), (1, 2), (False, True)):
+        for dp_rank, pcp_rank, tp_rank in itertools.product(range(dp), range(pcp), range(tp)):
             monkeypatch.setattr(moe_config, "get_dp_group", lambda r=dp_rank: SimpleNamespace(rank_in_group=r))
+            monkeypatch.setattr(moe_config, "get_pcp_group", lambda r=pcp_rank: SimpleNamespace(rank_in_group=r))
             monkeypatch.setattr(moe_config, "get_tensor_model_parallel_rank", lambda r=tp_rank: r)
             vllm_config = SimpleNamespace(enable_expert_parallel=ep, all2all_backend=_AG_RS, enable_eplb=False)
-            c = FusedMoEParallelConfig.make(tp_size_=tp, pcp_size_=1, dp_size_=dp, sp_size_=1, vllm_parallel_config=vllm_config)
+            c = FusedMoEParallelConfig.make(tp_size_=tp, pcp_size_=pcp, dp_size_=dp, sp_size_=1, vllm_parallel_config=vllm_config)
             want = (c.tp_size, c.tp_rank, c.ep_size, c.ep_rank) if c.use_ep else (c.tp_size, c.tp_rank, 1, 0)
-            got = moe_ranks(tp, tp_rank, dp, dp_rank, ep)
-            assert (got.tp_size, got.tp_rank, got.ep_size, got.ep_rank) == want, (tp, dp, ep, dp_rank, tp_rank)
+            got = moe_ranks(tp, tp_rank, dp, dp_rank, ep, pcp, pcp_rank)
+            assert (got.tp_size, got.tp_rank, got.ep_size, got.ep_rank) == want, (tp, dp, pcp, ep, dp_rank, pcp_rank, tp_rank)
 
 
 def test_placement_is_vllms() -> None:
@@ -69,14 +70,14 @@ def test_placement_is_vllms() -> None:
     from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager, determine_expert_placement_strategy
 
     backends = (_AG_RS, "deepep_low_latency", "deepep_high_throughput", "nixl_ep")
-    for requested, groups, dp, backend, ep in itertools.product(("linear", "round_robin"), (None, 1, 2, 8), (1, 2), backends,
-                                                                (2, 4)):
-        c = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=dp, ep_size=ep, tp_rank=0, pcp_rank=0, dp_rank=0, ep_rank=0,
+    for requested, groups, dp, pcp, backend, ep in itertools.product(("linear", "round_robin"), (None, 1, 2, 8), (1, 2), (1, 2),
+                                                                     backends, (2, 4)):
+        c = FusedMoEParallelConfig(tp_size=1, pcp_size=pcp, dp_size=dp, ep_size=ep, tp_rank=0, pcp_rank=0, dp_rank=0, ep_rank=0,
                                    sp_size=1, use_ep=True, all2all_backend=backend, enable_eplb=False)
         first = determine_expert_placement_strategy(requested, c, groups, 0, False)
         want = ExpertMapManager._determine_placement_strategy(SimpleNamespace(ep_size=ep, moe_parallel_config=c), first)
-        got = placement(requested, ep_size=ep, num_expert_group=groups, dp_size=dp, all2all_backend=backend)
-        assert got == want, (requested, groups, dp, backend)
+        got = placement(requested, ep_size=ep, num_expert_group=groups, dp_size=dp, all2all_backend=backend, pcp_size=pcp)
+        assert got == want, (requested, groups, dp, pcp, backend)
 
 
 # --- the decision ---------------------------------------------------------------------------------------------------
@@ -117,6 +118,9 @@ def test_the_decision_takes_the_experts_from_the_tp_size_vllm_shards_them_at(moe
     sel = decide(LoaderOptions(), _facts(model_dir, tp_size=1, dp_size=2, dp_rank=1)).bundle
     assert sel is not None and sel.experts is not None and sel.experts.rank_file.parts[-2:] == ("tp2", "rank-1.safetensors")
     assert sel.rank_file.parts[-2:] == ("tp1", "rank-0.safetensors") and sel.experts.experts == (0, 1, 2, 3)
+    # prefill context parallelism is flattened with DP as well (flatten_tp_across_dp_and_pcp)
+    sel = decide(LoaderOptions(), _facts(model_dir, tp_size=1, pcp_size=2, pcp_rank=1)).bundle
+    assert sel is not None and sel.experts is not None and sel.experts.rank_file.parts[-2:] == ("tp2", "rank-1.safetensors")
     # nothing changes where the experts are the rank's own: EP over one GPU, or neither EP nor DP
     for facts in (_facts(model_dir, expert_parallel=True), _facts(model_dir, tp_size=2, tp_rank=1)):
         sel = decide(LoaderOptions(), facts).bundle
@@ -180,9 +184,11 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _load(model_dir: Path, quantization: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, tp: int, tp_rank: int,
-          dp: int, dp_rank: int, parallel: dict[str, Any], daemon: bool = False) -> tuple[dict[str, torch.Tensor], _Reads, Any]:
-    """Load GPU (dp_rank, tp_rank) with the loader into vLLM's model built with ``parallel`` and stand-in groups, and
-    post-process it, as an engine does (``daemon``: as vLLM's weight-cache daemon's ``get_model``)."""
+          dp: int, dp_rank: int, parallel: dict[str, Any], daemon: bool = False,
+          pp: tuple[int, int] = (1, 0)) -> tuple[dict[str, torch.Tensor], _Reads, Any]:
+    """Load GPU (dp_rank, tp_rank) of pipeline stage ``pp`` (size, stage) with the loader into vLLM's model built with
+    ``parallel`` and stand-in groups, and post-process it, as an engine does (``daemon``: as vLLM's weight-cache
+    daemon's ``get_model``)."""
     from vllm.config.kernel import KernelConfig
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -197,7 +203,7 @@ def _load(model_dir: Path, quantization: str, dtype: torch.dtype, monkeypatch: p
     vllm_config = SimpleNamespace(
         kernel_config=KernelConfig(), speculative_config=None, cache_config=SimpleNamespace(gpu_memory_utilization=0.9),
         device_config=SimpleNamespace(device=torch.device("cpu")),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, world_size_across_dp=tp * dp,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp[0], world_size_across_dp=tp * dp * pp[0],
                                         data_parallel_size=dp, data_parallel_rank=dp_rank, all2all_backend=_AG_RS,
                                         enable_expert_parallel=parallel.get("enable_expert_parallel", False),
                                         expert_placement_strategy=parallel.get("expert_placement_strategy", "linear")),
@@ -217,7 +223,7 @@ def _load(model_dir: Path, quantization: str, dtype: torch.dtype, monkeypatch: p
     loader = MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={}))
     with monkeypatch.context() as io:
         reads = _Reads(io)
-        with vmr.vr._LOCK, vmr._moe_patched(tp, tp_rank, dp=(dp, dp_rank)) as m, m.base.set_default_torch_dtype(dtype), \
+        with vmr.vr._LOCK, vmr._moe_patched(tp, tp_rank, dp=(dp, dp_rank), pp=pp) as m, m.base.set_default_torch_dtype(dtype), \
                 exit_in_background() if daemon else contextlib.nullcontext():
             model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
             if daemon:
@@ -294,6 +300,28 @@ def test_round_robin_placement_of_grouped_routing(moe_bundle: Any, patched: Any,
         share = decision.bundle.experts
         assert {layer["placement"] for layer in info["layers"].values()} == {"round_robin"} == {share.placement}
         assert share.experts == tuple(range(tp_rank, 8, 2))
+        _check(got, want, reads, decision)
+
+
+def test_a_pipeline_stage_at_expert_parallelism_reads_its_layers_and_its_experts(
+    moe_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PP 2 x TP 2 with EP: each (stage, rank) holds every parameter stock vLLM's stage model holds, reading its
+    stage's dense layers of its TP rank file and its experts of its stage's layers of the tp1 file, nothing else."""
+    model_dir = moe_bundle("Qwen3MoeForCausalLM", "gptq", torch.bfloat16, tps=(1, 2, 4))
+    parallel = {"enable_expert_parallel": True}
+    dtype = torch.bfloat16
+    for stage, tp_rank in itertools.product(range(2), range(2)):
+        with vmr.vr._LOCK, vmr._moe_patched(2, tp_rank, pp=(2, stage)) as m, m.base.set_default_torch_dtype(dtype):
+            ref, real = vmr._build(model_dir, 2, dtype, m, "marlin", parallel)
+            ref.load_weights(vmr.vr._all_tensors(model_dir))
+            m.base.process_weights_after_loading(ref, real, torch.device("cpu"))
+            want = {n: p.data.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)}
+        got, reads, decision = _load(model_dir, "auto_gptq", dtype, monkeypatch, 2, tp_rank, 1, 0, parallel, pp=(2, stage))
+        share = decision.bundle.experts
+        assert decision.bundle.stage is not None and share.experts == ((0, 1), (2, 3))[tp_rank]
+        assert {n.split(".")[2] for n in share.header.tensors} == {str(stage)}  # model.layers.<stage>: one layer a stage
+        assert got.keys() == want.keys()
         _check(got, want, reads, decision)
 
 
