@@ -172,16 +172,21 @@ def check_experts_source(manifest: Manifest, model: str, *, architecture: str, t
     size = moe_ranks(tp_size, 0, dp_size, 0, expert_parallel, pcp_size).tp_size
     if size in manifest.tp_sizes:
         return size
-    pcp = f" x {pcp_size} prefill context" if pcp_size > 1 else ""
-    why = (f"--enable-expert-parallel over {tp_size * pcp_size * dp_size} GPUs: vLLM 0.33.0 gives each whole experts, "
-           "which the tp1 rank file holds" if expert_parallel else
-           f"--data-parallel-size {dp_size}: vLLM 0.33.0 shards each experts layer over the {tp_size}{pcp} x {dp_size} "
-           f"tensor{pcp and ' x prefill context'} x data parallel ranks, which the tp{size} rank files hold")
+    if expert_parallel:
+        why = (f"--enable-expert-parallel over {tp_size * pcp_size * dp_size} GPUs: vLLM 0.33.0 gives each whole experts, "
+               "which the tp1 rank file holds")
+        instead = "serve it without --enable-expert-parallel"
+    else:
+        over = (f"{tp_size} x {dp_size} tensor x data parallel" if pcp_size == 1 else
+                f"{tp_size} x {pcp_size} x {dp_size} tensor x prefill-context x data parallel")
+        why = (f"--data-parallel-size {dp_size}: vLLM 0.33.0 shards each experts layer over the {over} ranks, which the "
+               f"tp{size} rank files hold")
+        instead = "serve it with a smaller --data-parallel-size"
     held = ",".join(map(str, manifest.tp_sizes))
     ok = None if accepted is None else accepted(sorted({1, 2, 4, 8, size, *manifest.tp_sizes}))
     if ok is not None and size not in ok:
         raise BundleMismatchError(field, f"{why}, and this checkpoint cannot be split into tp {size} (marlin-pack convert "
-                                  f"accepts --tp {','.join(map(str, ok)) or 'none of 1,2,4,8'}); serve it without it")
+                                  f"accepts --tp {','.join(map(str, ok)) or 'none of 1,2,4,8'}); {instead}")
     sizes = ",".join(map(str, sorted({*manifest.tp_sizes, size})))
     raise BundleMismatchError(field, f"{why}; the bundle has tp {held}: run `marlin-pack convert {model} --tp {sizes} --force`")
 
@@ -194,9 +199,9 @@ def expert_share(manifest: Manifest, tp_set: TensorParallelSet, source: TensorPa
     wanted = [entries[e.name] for e in tp_set.moe_layers]
     counts = {e.num_experts for e in wanted}
     num = max(counts, default=0)
-    if len(counts) > 1:
-        raise BundleMismatchError(MismatchField.layers, "the bundle's experts layers hold different numbers of experts; "
-                                  "expert parallelism needs one")
+    if len(counts) > 1 and ranks.expert_parallel:
+        raise BundleMismatchError(MismatchField.ep_size, f"the bundle's experts layers hold {sorted(counts)} experts, vLLM "
+                                  "places one number over the EP ranks; serve it without --enable-expert-parallel")
     experts = local_experts(num, ranks.ep_size, ranks.ep_rank, strategy) if ranks.expert_parallel else tuple(range(num))
     names = {e.name for e in wanted}
     tensors = {n: i for n, i in header.tensors.items() if n.rsplit(".", 1)[0] in names}

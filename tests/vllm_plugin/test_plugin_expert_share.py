@@ -139,6 +139,11 @@ def test_a_bundle_without_the_tp_size_is_refused_naming_the_convert_to_run(moe_b
                                                r"the bundle has tp 2: run `marlin-pack convert .* --tp 2,4 --force`"):
         decide(LoaderOptions(), _facts(model_dir, tp_size=2, dp_size=2))
     assert decide(LoaderOptions(fallback=True), _facts(model_dir, tp_size=2, dp_size=2)).field == "dp_size"
+    # a TP size convert cannot write (g128 over 512 / 8 = 64 intermediate features a rank) is not suggested
+    with pytest.raises(LoadRefusedError, match=r"\[dp_size\] .* which the tp8 rank files hold, and this checkpoint cannot be "
+                                               r"split into tp 8 \(marlin-pack convert accepts --tp 1,2,4\); serve it with a "
+                                               r"smaller --data-parallel-size"):
+        decide(LoaderOptions(), _facts(model_dir, tp_size=2, dp_size=4))
 
 
 def test_deepseek_with_sequence_parallel_moe_is_refused(moe_bundle: Any) -> None:
