@@ -181,7 +181,7 @@ def check_experts_source(manifest: Manifest, model: str, *, architecture: str, t
                 f"{tp_size} x {pcp_size} x {dp_size} tensor x prefill-context x data parallel")
         why = (f"--data-parallel-size {dp_size}: vLLM 0.33.0 shards each experts layer over the {over} ranks, which the "
                f"tp{size} rank files hold")
-        instead = "serve it with a smaller --data-parallel-size"
+        instead = "serve it with --enable-expert-parallel (whole experts, from tp1) or a smaller --data-parallel-size"
     held = ",".join(map(str, manifest.tp_sizes))
     ok = None if accepted is None else accepted(sorted({1, 2, 4, 8, size, *manifest.tp_sizes}))
     if ok is not None and size not in ok:

@@ -141,8 +141,9 @@ def test_a_bundle_without_the_tp_size_is_refused_naming_the_convert_to_run(moe_b
     assert decide(LoaderOptions(fallback=True), _facts(model_dir, tp_size=2, dp_size=2)).field == "dp_size"
     # a TP size convert cannot write (g128 over 512 / 8 = 64 intermediate features a rank) is not suggested
     with pytest.raises(LoadRefusedError, match=r"\[dp_size\] .* which the tp8 rank files hold, and this checkpoint cannot be "
-                                               r"split into tp 8 \(marlin-pack convert accepts --tp 1,2,4\); serve it with a "
-                                               r"smaller --data-parallel-size"):
+                                               r"split into tp 8 \(marlin-pack convert accepts --tp 1,2,4\); serve it with "
+                                               r"--enable-expert-parallel \(whole experts, from tp1\) or a smaller "
+                                               r"--data-parallel-size"):
         decide(LoaderOptions(), _facts(model_dir, tp_size=2, dp_size=4))
 
 
