@@ -352,7 +352,9 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     settings), the source checkpoint (quantization config, files, sizes, headers, hashes
     unless this user's stamps vouch for them), then this rank's file and the common file (sizes, hashes likewise,
     readable, headers and metadata exactly as the manifest implies). With ``pipeline_parallel_size > 1`` the
-    selection is this stage's share of them (:func:`~marlin_pack.vllm_plugin.stage.stage_share`).
+    selection is this stage's share of them (:func:`~marlin_pack.vllm_plugin.stage.stage_share`); where vLLM shards the
+    experts over another TP size (expert parallelism, data parallelism), its experts come from that size's rank file,
+    checked likewise (:func:`~marlin_pack.vllm_plugin.expert_share.expert_share`).
 
     Raises:
         BundleMismatchError: naming the field that does not fit.
@@ -405,7 +407,8 @@ def _experts(bundle_dir: Path, manifest: Manifest, tp_set: TensorParallelSet, mo
                       facts.pcp_rank)
     source = manifest.tensor_parallel_set(ranks.tp_size)  # check_engine made sure the bundle holds it
     entry = source.ranks[ranks.tp_rank].file
-    hashed = check_files(bundle_dir, manifest, [entry], full_hash=full_hash)
+    own = entry.path == tp_set.ranks[facts.tp_rank].file.path  # (TP 1 at EP: its own rank file, checked already)
+    hashed = HashReport() if own else check_files(bundle_dir, manifest, [entry], full_hash=full_hash)
     path = resolve_file(bundle_dir, entry)
     header = _checked_header(manifest, source, ranks.tp_rank, path)
     arch = manifest.source.architecture
