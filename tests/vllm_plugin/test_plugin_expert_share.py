@@ -267,6 +267,7 @@ EP_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(EP_CASES))
 def test_each_gpu_loads_what_stock_vllm_holds_reading_only_its_experts(
     moe_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch, case: str,
