@@ -257,6 +257,9 @@ def check(
         typer.Option("-dp", "--data-parallel-size", min=1, max=1024, help="The engine's --data-parallel-size: each replica "
                      "loads the same TP rank files, so every replica decides as the ranks below."),
     ] = 1,
+    ep: Annotated[bool, typer.Option("-ep", "--enable-expert-parallel", help="The engine's --enable-expert-parallel: each "
+                                     "GPU's whole experts, from the tp1 rank file.")] = False,
+    placement: Annotated[str, typer.Option("--expert-placement-strategy", help="The engine's (linear or round_robin).")] = "linear",
     rank: Annotated[int | None, typer.Option("--rank", min=0, help="Check one rank only \\[default: every rank].")] = None,
     dtype: DtypeOpt = Dtype.auto,
     verify_mode: Annotated[VerifyMode, typer.Option("--verify", help="As the loader's verify option: auto hashes what changed.")] = (
@@ -283,24 +286,28 @@ def check(
       marlin-pack check Qwen/Qwen2.5-7B-Instruct-AWQ --tensor-parallel-size 4 --dtype half
 
       marlin-pack check ./Llama-3-70B-AWQ --compute-capability 9.0    # as an H100/H200 engine would decide
+
+      marlin-pack check ./Qwen3-30B-A3B-GPTQ -tp 2 -dp 2 -ep    # each GPU's experts, per replica
     """  # noqa: E501
     from marlin_pack.vllm_plugin.preflight import preflight
 
     model = _local_or_repo(model, revision)
+    if placement not in ("linear", "round_robin"):
+        raise typer.BadParameter(f"{placement!r}: expected linear or round_robin", param_hint="--expert-placement-strategy")
     if rank is not None and rank >= tp:
         raise typer.BadParameter(f"--rank {rank} is outside --tensor-parallel-size {tp}", param_hint="--rank")
     try:
         report = preflight(
             model, bundle=bundle, tp_size=tp, rank=rank, dtype=_engine_dtype(model, revision, dtype.value),
             verify=verify_mode.value, fallback=fallback, revision=revision, capability=_capability(compute_capability),
-            pp_size=pp, dp_size=dp,
+            pp_size=pp, dp_size=dp, expert_parallel=ep, expert_placement=placement,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     if as_json:
         out.print_json(json.dumps({**report.to_dict(), "data_parallel_size": dp}))
     else:
-        if dp > 1:
+        if dp > 1 and not report.per_replica:
             out.print(f"each of the {dp} data-parallel replicas decides as follows (the same TP rank files)", highlight=False)
         colour = {"load": "green", "fallback": "yellow", "refuse": "red"}
         for ranks, decision, message in _grouped(report):
@@ -330,12 +337,15 @@ def _grouped(report) -> list[tuple[str, str, str]]:  # type: ignore[no-untyped-d
     stages, ranks count across them (``stage 1 rank 0``, or ``ranks 0-3/4 of pp 2 x tp 2``)."""
     groups: list[tuple[list, str, str]] = []
     for r in report.ranks:
-        if groups and groups[-1][1:] == (r.decision, r.message):
+        if groups and groups[-1][1:] == (r.decision, r.message) and groups[-1][0][-1].replica == r.replica:
             groups[-1][0].append(r)
         else:
             groups.append(([r], r.decision, r.message))
 
     def where(rs: list) -> str:
+        return (f"replica {rs[0].replica} " if report.per_replica else "") + ranks_of(rs)
+
+    def ranks_of(rs: list) -> str:
         if report.pp_size == 1:
             span = f"rank {rs[0].rank}" if len(rs) == 1 else f"ranks {rs[0].rank}-{rs[-1].rank}"
             return f"{span}/{report.tp_size}"

@@ -54,6 +54,7 @@ class MismatchField(str, Enum):
     tp_rank = "tp_rank"
     pp_size = "pp_size"
     dp_size = "dp_size"
+    ep_size = "ep_size"  # --enable-expert-parallel: the GPUs experts are placed over
     serving_dtype = "serving_dtype"
     activation_dtype = "activation_dtype"
     quant_method = "quant_method"

@@ -388,9 +388,10 @@ def test_check_takes_pipeline_parallel_size_and_decides_every_stage(make_bundle)
     assert "stage 1/2 (layer 1 of 2 layers)" in lines[3] and "of the rank file" in lines[3] and "of the common file" in lines[3]
 
 
-def test_check_refuses_data_parallel_replicas_of_a_moe_bundle(tmp_path: Path) -> None:
-    """vLLM shards experts over every replica's ranks (tests/vllm_plugin/test_plugin_moe.py shows it): -dp 2 is refused
-    for a bundle with experts layers, in one line naming dp_size; -dp 1 loads."""
+def test_check_decides_each_replica_and_ep_rank_of_a_moe_bundle(tmp_path: Path) -> None:
+    """vLLM shards experts over every replica's ranks (tests/vllm_plugin/test_plugin_moe.py shows it): -dp 2 needs the
+    tp2 rank files (refused in one line naming dp_size and the convert to run, then loaded per replica); -ep takes
+    each GPU's whole experts from the tp1 file; -dp 1 without -ep loads as before."""
     import torch
     from moe_checkpoints import write_moe_checkpoint
 
@@ -399,8 +400,24 @@ def test_check_refuses_data_parallel_replicas_of_a_moe_bundle(tmp_path: Path) ->
     model = write_moe_checkpoint(tmp_path / "m", "MixtralForCausalLM", "awq", dtype=torch.float16)
     convert(model, tp=(1,), kernel="marlin")
     r = runner.invoke(app, ["check", str(model), "-dp", "2"], env={"COLUMNS": "400"})
-    assert r.exit_code == 1 and "rank 0/1: refuse" in r.stdout and "[dp_size] the engine runs --data-parallel-size 2" in r.stdout
+    assert r.exit_code == 1 and "rank 0/1: refuse" in r.stdout and "[dp_size] --data-parallel-size 2: vLLM 0.33.0 shards" in r.stdout
+    assert f"run `marlin-pack convert {model} --tp 1,2 --force`" in r.stdout and len(r.stdout.splitlines()) == 2, r.stdout
     assert runner.invoke(app, ["check", str(model)]).exit_code == 0
+    convert(model, tp=(1, 2), kernel="marlin", force=True)
+    r = runner.invoke(app, ["check", str(model), "-dp", "2"], env={"COLUMNS": "400"})
+    lines = [x for x in r.stdout.splitlines() if not x.startswith("check hashed")]
+    assert r.exit_code == 0 and [x.split(":")[0] for x in lines] == ["replica 0 rank 0/1", "replica 1 rank 0/1"], r.stdout
+    assert "experts of tp2/rank-0" in lines[0] and "experts of tp2/rank-1" in lines[1]
+    r = runner.invoke(app, ["check", str(model), "-tp", "2", "-ep"], env={"COLUMNS": "400"})
+    lines = [x for x in r.stdout.splitlines() if not x.startswith("check hashed")]
+    assert r.exit_code == 0 and [x.split(":")[0] for x in lines] == ["rank 0/2", "rank 1/2"], r.stdout
+    assert "experts 0-1 of 4 (ep rank 0/2, linear) from tp1/rank-0" in lines[0] and "experts 2-3 of 4 (ep rank 1/2" in lines[1]
+    r = runner.invoke(app, ["check", str(model), "-tp", "2", "-dp", "2", "-ep", "--json"])
+    data = json.loads(r.stdout)
+    assert r.exit_code == 0 and [(x["replica"], x["rank"], x["reads"]["experts"]["experts"]) for x in data["ranks"]] == [
+        (0, 0, [0]), (0, 1, [1]), (1, 0, [2]), (1, 1, [3])], r.stdout
+    r = runner.invoke(app, ["check", str(model), "-ep", "--expert-placement-strategy", "rr"], env={"COLUMNS": "400"})
+    assert r.exit_code == 2 and "expected linear or round_robin" in r.output
 
 
 def test_check_refuses_a_partition_that_does_not_fit(make_bundle, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,6 +46,9 @@ class ArenaSlot:
     nbytes: int
     offset: int  # arena offset
     retyped: bool = False  # the parameter changes dtype in post-processing (Machete's int32 zero points -> -s*z)
+    # Bytes of another file (an expert share's, :mod:`.expert_share`): its ranges ``(start, nbytes)``, in arena order
+    path: Path | None = None
+    pieces: tuple[tuple[int, int], ...] = ()
 
     @property
     def layer(self) -> str:
@@ -76,8 +79,16 @@ class ArenaLayout:
         specs = [(entry.name, spec, entry.kernel is LayerKernel.machete and quant.zero_points and spec[0] == f"{entry.name}.{zeros}")
                  for entry in bundle.tp_set.layers for spec in tensor_specs(entry, quant, dtype, fmt)]
         specs += [(entry.name, spec, False) for entry in bundle.tp_set.moe_layers for spec in moe_entry_specs(entry, quant, dtype, fmt)]
+        experts = bundle.experts
         slots, offset = [], 0
         for layer, (name, tdtype, shape), retyped in specs:
+            if experts is not None and name in experts.header.tensors:  # this GPU's experts of another rank file
+                pieces = tuple(experts.pieces(experts.header.tensors[name]))
+                slot = ArenaSlot(name, tdtype, tuple(shape), pieces[0][0] if pieces else 0, sum(n for _, n in pieces), offset,
+                                 path=experts.rank_file, pieces=pieces)
+                slots.append(slot)
+                offset += -(-slot.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+                continue
             info = bundle.rank_header.tensors[name]
             slot = ArenaSlot(name, tdtype, tuple(shape), info.start, info.nbytes, offset, retyped)
             assert slot.layer == layer, f"internal error: rank tensor {name} is not a parameter of layer {layer}"
@@ -90,8 +101,24 @@ class ArenaLayout:
         return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
 
     def copy_items(self, arena: torch.Tensor) -> list[CopyItem]:
-        """What to read into ``arena``: each slot's file bytes into its byte range."""
+        """What to read of the rank file into ``arena``: each slot's file bytes into its byte range (a layout with
+        slots of another file: :meth:`copy_jobs`)."""
+        if any(s.path is not None for s in self.slots):
+            raise BundleError("internal error: this arena is filled from several files (copy_jobs)")
         return [CopyItem(s.start, s.nbytes, arena[s.offset : s.offset + s.nbytes]) for s in self.slots]
+
+    def copy_jobs(self, arena: torch.Tensor, rank_file: Path) -> list[tuple[Path, list[CopyItem]]]:
+        """What to read of each file into ``arena`` (``rank_file`` first): a slot of another file piece by piece."""
+        jobs: dict[Path, list[CopyItem]] = {rank_file: []}
+        for s in self.slots:
+            if s.path is None:
+                jobs[rank_file].append(CopyItem(s.start, s.nbytes, arena[s.offset : s.offset + s.nbytes]))
+                continue
+            at = s.offset
+            for start, nbytes in s.pieces:
+                jobs.setdefault(s.path, []).append(CopyItem(start, nbytes, arena[at : at + nbytes]))
+                at += nbytes
+        return [(path, items) for path, items in jobs.items() if items]
 
     def parameters(self, layers: Mapping[str, nn.Module]) -> list[nn.Parameter]:
         """The parameter each slot replaces, checked: it exists and has the slot's dtype."""

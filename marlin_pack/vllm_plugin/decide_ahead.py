@@ -8,7 +8,7 @@ of its own (:func:`start`, from :mod:`.patches.worker_preload`), and the loader 
 
 The loader uses it only where nothing it decided on changed: the same options and the same engine facts
 as the loader gathers (else its TP rank, say, was guessed wrong before distributed was up), the same
-manifest, rank file and common file (device, inode, size, mtime and ctime, checked again at :func:`take`);
+manifest, rank file, common file and experts file (device, inode, size, mtime and ctime, checked again at :func:`take`);
 and only a decision that selected a bundle (a refusal or a fallback is decided again, with its messages,
 by the loader). Anything else: :func:`take` answers None and the loader decides as before.
 
@@ -57,7 +57,8 @@ class Ahead:
             if bundle is not None:
                 from marlin_pack._constants import MANIFEST_NAME
 
-                files = (bundle.bundle_dir / MANIFEST_NAME, bundle.rank_file, bundle.common_file)
+                files = (bundle.bundle_dir / MANIFEST_NAME, bundle.rank_file, bundle.common_file,
+                         *(() if bundle.experts is None else (bundle.experts.rank_file,)))  # an expert share's file too
                 self.identities = {f: _identity(f) for f in files}
                 self.decision = decision
         except BaseException as e:  # noqa: BLE001 - the loader decides again and reports it

@@ -9,6 +9,8 @@ vLLM and of the GPU makes every message testable on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,15 @@ from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
 from marlin_pack.schemas import Manifest, TensorParallelSet
 from marlin_pack.sources.hub import ResolvedModel, locate_bundle, resolve_model
+from marlin_pack.vllm_plugin.expert_share import (
+    ExpertShare,
+    check_experts_source,
+    expert_share,
+    moe_ranks,
+    needs_share,
+    num_expert_group,
+    placement,
+)
 from marlin_pack.vllm_plugin.options import LoaderOptions
 from marlin_pack.vllm_plugin.stage import StageShare, stage_share
 
@@ -56,6 +67,12 @@ class EngineFacts:
     pp_size: int = 1
     pp_rank: int = 0  # this rank's pipeline stage
     dp_size: int = 1  # --data-parallel-size: replicas of tp_size x pp_size GPUs each
+    dp_rank: int = 0  # this GPU's replica
+    expert_parallel: bool = False  # --enable-expert-parallel
+    expert_placement: str = "linear"  # --expert-placement-strategy
+    all2all_backend: str = "allgather_reducescatter"  # --all2all-backend
+    pcp_size: int = 1  # --prefill-context-parallel-size (vLLM flattens it with DP for experts)
+    pcp_rank: int = 0
     dtype: str = "float16"
     quantization: str | None = None
     marlin_input_dtype: str | None = None
@@ -82,6 +99,9 @@ class SelectedBundle:
     hashed: HashReport = HashReport()  # what the checks hashed (nothing: stamps vouched, or ``verify: size``)
     # pipeline_parallel_size > 1: this stage's share (``tp_set`` and both headers above are already restricted to it)
     stage: StageShare | None = None
+    # expert parallelism, or experts at data_parallel_size > 1: where the experts come from (``tp_set.moe_layers`` are
+    # already its entries, the rank header holds no experts tensor)
+    experts: ExpertShare | None = None
 
 
 @dataclass(frozen=True)
@@ -176,19 +196,16 @@ def _tp_set(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
     return tp_set
 
 
-def _check_data_parallel(tp_set: TensorParallelSet, facts: EngineFacts) -> None:
-    """Data-parallel replicas each load their TP rank's file, except for experts layers: vLLM 0.33.0 shards a fused
-    MoE layer's experts across the TP ranks of every replica together (``FusedMoEParallelConfig.make``:
-    ``flatten_tp_across_dp_and_pcp``, TP size ``tp x dp``), which a rank file of this TP size does not hold."""
-    if facts.dp_size > 1 and tp_set.moe_layers:
-        n = facts.tp_size * facts.dp_size
-        raise BundleMismatchError(
-            F.dp_size,
-            f"the engine runs --data-parallel-size {facts.dp_size}: vLLM 0.33.0 shards each experts layer over the "
-            f"{facts.tp_size} x {facts.dp_size} tensor x data parallel ranks (1/{n} of every expert's intermediate size a "
-            f"GPU), the bundle's tp{facts.tp_size} rank files hold 1/{facts.tp_size}; serve this mixture-of-experts "
-            "model with --data-parallel-size 1",
-        )
+def _check_data_parallel(manifest: Manifest, tp_set: TensorParallelSet, facts: EngineFacts) -> None:
+    """Experts layers at expert parallelism or ``--data-parallel-size > 1``: vLLM 0.33.0 shards them over the TP ranks
+    of every replica together (``FusedMoEParallelConfig.make``), so they come from another TP size's rank files
+    (:mod:`~marlin_pack.vllm_plugin.expert_share`), which the bundle must hold."""
+    if needs_share(tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel, facts.pcp_size):
+        from marlin_pack.planning import convertible_tp_sizes
+
+        check_experts_source(manifest, facts.model, architecture=manifest.source.architecture, tp_size=facts.tp_size,
+                             dp_size=facts.dp_size, expert_parallel=facts.expert_parallel, pcp_size=facts.pcp_size,
+                             accepted=lambda sizes: convertible_tp_sizes(facts.model, sizes, facts.revision))
 
 
 def _tp_advice(manifest: Manifest, facts: EngineFacts) -> str:
@@ -291,12 +308,12 @@ def check_engine(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
 
     Raises:
         BundleMismatchError: naming the field (``vllm_version``, ``kernel``, ``serving_dtype``,
-            ``quant_method``, ``tp_size``, ``tp_rank``, ``activation_dtype``, ``linear_backend``, ``dp_size``).
+            ``quant_method``, ``tp_size``, ``tp_rank``, ``activation_dtype``, ``linear_backend``, ``dp_size``, ``ep_size``).
     """
     _check_target(manifest, facts)
     tp_set = _tp_set(manifest, facts)
     _check_kernel_settings(manifest, facts)
-    _check_data_parallel(tp_set, facts)
+    _check_data_parallel(manifest, tp_set, facts)
     return tp_set
 
 
@@ -335,7 +352,9 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     settings), the source checkpoint (quantization config, files, sizes, headers, hashes
     unless this user's stamps vouch for them), then this rank's file and the common file (sizes, hashes likewise,
     readable, headers and metadata exactly as the manifest implies). With ``pipeline_parallel_size > 1`` the
-    selection is this stage's share of them (:func:`~marlin_pack.vllm_plugin.stage.stage_share`).
+    selection is this stage's share of them (:func:`~marlin_pack.vllm_plugin.stage.stage_share`); where vLLM shards the
+    experts over another TP size (expert parallelism, data parallelism), its experts come from that size's rank file,
+    checked likewise (:func:`~marlin_pack.vllm_plugin.expert_share.expert_share`).
 
     Raises:
         BundleMismatchError: naming the field that does not fit.
@@ -357,6 +376,14 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
         stage = _with_field(F.pp_size, lambda: stage_share(
             manifest, tp_set, rank_header, common_header, model_dir, facts.pp_size, facts.pp_rank))
         tp_set, rank_header, common_header = stage.tp_set, stage.rank_header, stage.common_header
+    experts = None
+    if needs_share(tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel, facts.pcp_size):
+        experts, also = _with_field(F.files, lambda: _experts(bundle_dir, manifest, tp_set, model_dir, facts, options.full_hash))
+        hashed = hashed.add(also)
+        moe = {e.name for e in tp_set.moe_layers}
+        tp_set = tp_set.model_copy(update={"moe_layers": list(experts.moe_layers)})
+        rank_header = dataclasses.replace(rank_header, tensors={
+            n: i for n, i in rank_header.tensors.items() if n.rsplit(".", 1)[0] not in moe})
     return SelectedBundle(
         bundle_dir=bundle_dir,
         manifest=manifest,
@@ -368,7 +395,27 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
         common_header=common_header,
         hashed=hashed,
         stage=stage,
+        experts=experts,
     )
+
+
+def _experts(bundle_dir: Path, manifest: Manifest, tp_set: TensorParallelSet, model_dir: Path, facts: EngineFacts,
+             full_hash: bool) -> tuple[ExpertShare, HashReport]:
+    """This GPU's experts (its rank of the TP size vLLM shards them at; checked as its own rank file is) and what
+    checking that file hashed."""
+    ranks = moe_ranks(facts.tp_size, facts.tp_rank, facts.dp_size, facts.dp_rank, facts.expert_parallel, facts.pcp_size,
+                      facts.pcp_rank)
+    source = manifest.tensor_parallel_set(ranks.tp_size)  # check_engine made sure the bundle holds it
+    entry = source.ranks[ranks.tp_rank].file
+    own = entry.path == tp_set.ranks[facts.tp_rank].file.path  # (TP 1 at EP: its own rank file, checked already)
+    hashed = HashReport() if own else check_files(bundle_dir, manifest, [entry], full_hash=full_hash)
+    path = resolve_file(bundle_dir, entry)
+    header = _checked_header(manifest, source, ranks.tp_rank, path)
+    arch = manifest.source.architecture
+    groups = num_expert_group(arch, json.loads((model_dir / "config.json").read_text()))
+    strategy = placement(facts.expert_placement, ep_size=ranks.ep_size, num_expert_group=groups, dp_size=facts.dp_size,
+                         all2all_backend=facts.all2all_backend, pcp_size=facts.pcp_size)
+    return expert_share(manifest, tp_set, source, header, path, ranks, strategy), hashed
 
 
 def _checked_common_header(manifest: Manifest, common_file: Path) -> SafetensorsHeader:

@@ -50,11 +50,18 @@ def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFa
 
     parallel = vllm_config.parallel_config
     pp_size, pp_rank = parallel.pipeline_parallel_size, 0
+    dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)  # each replica's workers see the whole DP size
+    dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0) if dp_size > 1 else 0  # set per replica before distributed
+    pcp_size, pcp_rank = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1), 0
     if ps.model_parallel_is_initialized():
         tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         if pp_size > 1:  # the stage this worker builds (vLLM's make_layers asks the same group)
             pp_group = ps.get_pp_group()
             pp_size, pp_rank = pp_group.world_size, pp_group.rank_in_group
+        if dp_size > 1:  # the replica vLLM's FusedMoEParallelConfig.make places experts for
+            dp_rank = ps.get_dp_group().rank_in_group
+        if pcp_size > 1:
+            pcp_rank = ps.get_pcp_group().rank_in_group
     else:
         tp_size, tp_rank = parallel.tensor_parallel_size, 0
     kc = vllm_config.kernel_config
@@ -65,7 +72,13 @@ def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFa
         tp_rank=tp_rank,
         pp_size=pp_size,
         pp_rank=pp_rank,
-        dp_size=int(getattr(parallel, "data_parallel_size", 1) or 1),  # each replica's workers see the whole DP size
+        dp_size=dp_size,
+        dp_rank=dp_rank,
+        expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)),
+        expert_placement=str(getattr(parallel, "expert_placement_strategy", "linear")),
+        all2all_backend=str(getattr(parallel, "all2all_backend", "allgather_reducescatter")),
+        pcp_size=pcp_size,
+        pcp_rank=pcp_rank,
         dtype=str(model_config.dtype).removeprefix("torch."),
         quantization=model_config.quantization,
         marlin_input_dtype=envs.VLLM_MARLIN_INPUT_DTYPE,

@@ -122,8 +122,12 @@ def check_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mapping[s
                 raise BundleMismatchError(field, f"layer {name}: the engine's {what} is {got}, the bundle's is {want}")
 
 
-def check_moe_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mapping[str, MoeLayerFacts]) -> None:
+def check_moe_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mapping[str, MoeLayerFacts],
+                     global_experts: int | None = None) -> None:
     """Check that vLLM built exactly the bundle's experts layers, each on Marlin MoE with its configuration.
+
+    ``global_experts``: the model's experts where this GPU holds only some (expert parallelism: the entries' own
+    ``num_experts`` are the local ones); None: each entry holds every expert.
 
     Raises:
         BundleMismatchError: ``layers`` (set, experts, shapes), ``kernel`` (method, backend),
@@ -148,8 +152,8 @@ def check_moe_layers(manifest: Manifest, tp_set: TensorParallelSet, found: Mappi
                 F.kernel, f"experts layer {name}: {f.method}.process_weights_after_loading is not patched by marlin-pack"
             )
         checks: list[tuple[MismatchField, object, object, str]] = [
-            (F.layers, f.num_experts, entry.num_experts, "local experts (expert parallelism is not supported)"),
-            (F.layers, f.global_num_experts, entry.num_experts, "experts"),
+            (F.layers, f.num_experts, entry.num_experts, "local experts"),
+            (F.layers, f.global_num_experts, global_experts or entry.num_experts, "experts"),
             (F.layers, f.hidden_size, entry.hidden_size, "hidden size"),
             (F.layers, f.intermediate_size, entry.intermediate_size, "per-rank intermediate size"),
             (F.layout, f.padded_intermediate, entry.padded_intermediate, "Marlin MoE padded intermediate size"),

@@ -315,7 +315,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             }
             check_layers(bundle.manifest, bundle.tp_set, facts)
             moe_facts = {name: moe_layer_facts(m, skips_when_marked=is_patched(m.quant_method)) for name, m in experts.items()}
-            check_moe_layers(bundle.manifest, bundle.tp_set, moe_facts)
+            check_moe_layers(bundle.manifest, bundle.tp_set, moe_facts, None if bundle.experts is None else bundle.experts.num_experts)
             if bundle.stage is not None:  # a pipeline stage: nothing vLLM built there is left unloaded
                 check_nothing_left_out(bundle.stage, built_parameters(model, bundle.stage.left_out))
         except BundleError as e:
@@ -430,7 +430,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     arena = layout.allocate(params[0].device) if params else torch.empty(0, dtype=torch.uint8)
                     layout.bind(params, arena)
                     tc = time.perf_counter()
-                    self._timings.copy_bytes = reader.copy(bundle.rank_file, layout.copy_items(arena))
+                    self._timings.copy_bytes = reader.copy_files(layout.copy_jobs(arena, bundle.rank_file))
                     self._timings.copy = time.perf_counter() - tc
                     self._timings.modes = "/".join(sorted(reader.modes_used)) or "-"
                     if helpers is not None and not state.borrowed:
@@ -476,8 +476,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
             self._timings.modes,
             self._timings.common_text(),
         )
-        if state.plan.mode == "direct" and bundle.stage is None:  # the copy left the page cache as it was: warm it
-            # for the next start (not a pipeline stage's: warming reads the whole file, the other stages' layers too)
+        if state.plan.mode == "direct" and bundle.stage is None and bundle.experts is None:  # the copy left the page cache
+            # as it was: warm it for the next start (not a share's: warming reads the whole file, what others read too)
             started = warm_in_background(bundle.rank_file)
             logger.info(
                 "marlin-pack: %s was read past the page cache (%s); %s", bundle.rank_file, state.plan.why,

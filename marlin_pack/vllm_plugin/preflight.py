@@ -20,7 +20,7 @@ from marlin_pack._constants import TARGET_VLLM_VERSION
 from marlin_pack.bundle.integrity import HashReport
 from marlin_pack.errors import LoadRefusedError
 from marlin_pack.vllm_plugin.decision import EngineFacts, SelectedBundle, decide, hopper_machete_layers
-from marlin_pack.vllm_plugin.options import parse_extra_config
+from marlin_pack.vllm_plugin.options import LoaderOptions, parse_extra_config
 
 __all__ = ["Outcome", "RankOutcome", "PreflightReport", "installed_vllm_version", "preflight"]
 
@@ -37,10 +37,12 @@ class RankOutcome:
     message: str
     hashed: HashReport = HashReport()
     stage: int = 0  # the pipeline stage (pipeline_parallel_size > 1)
-    reads: dict[str, object] | None = None  # a loading pipeline stage: its layers and the bytes it reads (StageShare)
+    reads: dict[str, object] | None = None  # what a loading pipeline stage or expert share reads (StageShare, ExpertShare)
+    replica: int = 0  # the data-parallel replica (decided per replica where its experts differ)
 
     def to_dict(self) -> dict[str, object]:
-        out = {"rank": self.rank, "stage": self.stage, "decision": self.decision, "field": self.field, "message": self.message}
+        out = {"rank": self.rank, "stage": self.stage, "replica": self.replica, "decision": self.decision, "field": self.field,
+               "message": self.message}
         return out if self.reads is None else {**out, "reads": self.reads}
 
 
@@ -52,6 +54,7 @@ class PreflightReport:
     vllm_version: str
     ranks: list[RankOutcome] = field(default_factory=list)
     pp_size: int = 1
+    per_replica: bool = False  # each data-parallel replica decided (its experts differ); else replica 0 stands for all
 
     @property
     def first_problem(self) -> RankOutcome | None:
@@ -132,6 +135,8 @@ def preflight(
     capability: int | None = None,
     pp_size: int = 1,
     dp_size: int = 1,
+    expert_parallel: bool = False,
+    expert_placement: str = "linear",
 ) -> PreflightReport:
     """What ``vllm serve MODEL_DIR --load-format marlin_prepacked`` would decide, per rank.
 
@@ -144,7 +149,9 @@ def preflight(
         pp_size: the engine's ``--pipeline-parallel-size``: every (stage, rank) is decided, each message saying what
             that stage reads of its rank file and of the common file.
         dp_size: the engine's ``--data-parallel-size``: every replica decides as the ranks shown (the same TP rank files),
-            except that experts layers are refused (vLLM shards them over all replicas' ranks).
+            except where the experts differ per replica (vLLM shards them over all replicas' ranks): then each replica.
+        expert_parallel, expert_placement: ``--enable-expert-parallel``, ``--expert-placement-strategy``: each GPU's
+            experts and the file they come from (:mod:`~marlin_pack.vllm_plugin.expert_share`).
         capability: the engine's GPU, major*10 + minor (None: unknown; then which kernel family vLLM picks is
             not checked, only said).
 
@@ -157,32 +164,44 @@ def preflight(
     options = parse_extra_config(extra)
     version = vllm_version or installed_vllm_version()
     report = PreflightReport(tp_size=tp_size, vllm_version=version, pp_size=pp_size)
-    for stage, r in ((s, r) for s in range(pp_size) for r in (range(tp_size) if rank is None else [rank])):
-        facts = EngineFacts(
-            model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, pp_size=pp_size, pp_rank=stage,
-            dp_size=dp_size, dtype=dtype, revision=revision, capability=capability,
-        )
-        try:
-            decision = decide(options, facts)
-        except LoadRefusedError as e:
-            report.ranks.append(RankOutcome(r, "refuse", str(e.field), str(e), stage=stage))
-            continue
-        if decision.bundle is None:
-            message = f"[{decision.field}] {decision.reason}; the engine would load the checkpoint the ordinary way"
-            report.ranks.append(RankOutcome(r, "fallback", str(decision.field), message, stage=stage))
-        else:
-            sel = decision.bundle
-            entry = sel.tp_set.ranks[r].file
-            if sel.stage is None:
-                message = (
-                    f"{entry.path} ({_kernels_text(sel, facts)}, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} "
-                    f"from {sel.bundle_dir}"
-                )
-            else:  # a pipeline stage: its layers of the rank file, its common tensors
-                message = (
-                    f"{entry.path} and {sel.manifest.common.path} from {sel.bundle_dir}, {sel.stage.text()} "
-                    f"({_kernels_text(sel, facts)})"
-                )
-            reads = None if sel.stage is None else sel.stage.to_dict()
-            report.ranks.append(RankOutcome(r, "load", None, message, sel.hashed, stage=stage, reads=reads))
+    for replica in range(dp_size):
+        for stage, r in ((s, r) for s in range(pp_size) for r in (range(tp_size) if rank is None else [rank])):
+            facts = EngineFacts(
+                model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, pp_size=pp_size, pp_rank=stage,
+                dp_size=dp_size, dp_rank=replica, expert_parallel=expert_parallel, expert_placement=expert_placement,
+                dtype=dtype, revision=revision, capability=capability,
+            )
+            report.ranks.append(_outcome(options, facts, replica))
+        if not any(o.reads and "experts" in o.reads for o in report.ranks):
+            break  # every replica loads the same TP rank files: replica 0 stands for them
+        report.per_replica = dp_size > 1
     return report
+
+
+def _outcome(options: LoaderOptions, facts: EngineFacts, replica: int) -> RankOutcome:
+    """What the loader decides for one GPU."""
+    r, stage = facts.tp_rank, facts.pp_rank
+    try:
+        decision = decide(options, facts)
+    except LoadRefusedError as e:
+        return RankOutcome(r, "refuse", str(e.field), str(e), stage=stage, replica=replica)
+    if decision.bundle is None:
+        message = f"[{decision.field}] {decision.reason}; the engine would load the checkpoint the ordinary way"
+        return RankOutcome(r, "fallback", str(decision.field), message, stage=stage, replica=replica)
+    sel = decision.bundle
+    entry = sel.tp_set.ranks[r].file
+    if sel.stage is None:
+        message = (
+            f"{entry.path} ({_kernels_text(sel, facts)}, {entry.size / 1e6:,.1f} MB) and {sel.manifest.common.path} "
+            f"from {sel.bundle_dir}"
+        )
+    else:  # a pipeline stage: its layers of the rank file, its common tensors
+        message = (
+            f"{entry.path} and {sel.manifest.common.path} from {sel.bundle_dir}, {sel.stage.text()} "
+            f"({_kernels_text(sel, facts)})"
+        )
+    reads = None if sel.stage is None else sel.stage.to_dict()
+    if sel.experts is not None:  # its experts of another rank file
+        message += f"; {sel.experts.text()} ({sel.experts.read_bytes / 1e6:,.1f} MB)"
+        reads = {**(reads or {}), "experts": sel.experts.to_dict()}
+    return RankOutcome(r, "load", None, message, sel.hashed, stage=stage, reads=reads, replica=replica)

@@ -166,6 +166,8 @@ def check_nothing_left_out(stage: StageShare, built: list[str]) -> None:
 
 
 def stage_text(bundle: object) -> str:
-    """``, pp stage 1/2 (layers 16-31 of 32 layers): ...`` for a selected bundle of a pipeline stage; empty otherwise."""
-    stage = getattr(bundle, "stage", None)
-    return "" if stage is None else f", pp {stage.text()}"
+    """``, pp stage 1/2 (layers 16-31 of 32 layers): ...`` for a selected bundle of a pipeline stage, and
+    ``, experts 2-3 of 4 (ep rank 1/2, linear) from tp1/rank-0`` where its experts come from another rank file
+    (:class:`~marlin_pack.vllm_plugin.expert_share.ExpertShare`); empty otherwise."""
+    stage, experts = getattr(bundle, "stage", None), getattr(bundle, "experts", None)
+    return ("" if stage is None else f", pp {stage.text()}") + ("" if experts is None else f", {experts.text()}")

@@ -159,11 +159,14 @@ class _ProcessGroupInfo:
 
 
 class _GroupWithDevice(vr._Group):
-    """A stand-in group with a ``device_group`` that answers size/rank (nothing communicates)."""
+    """A stand-in group with a ``device_group`` that answers size/rank (nothing communicates), and for the EP group
+    across data-parallel replicas the size/rank of an all2all manager (what vLLM's MoE kernel set-up reads of it)."""
 
-    def __init__(self, size: int, rank: int) -> None:
+    def __init__(self, size: int, rank: int, dp_size: int = 1) -> None:
         super().__init__(size, rank)
         self.device_group = _ProcessGroupInfo(size, rank)
+        self.device_communicator = types.SimpleNamespace(
+            all2all_manager=types.SimpleNamespace(world_size=size, rank=rank, dp_world_size=dp_size))
 
 
 def _mla_post_processing_recorder(calls: list[tuple[str, tuple[int, ...]]]) -> Any:
@@ -193,7 +196,8 @@ def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_c
     with vr._patched(tp_size, rank, pp=pp):  # pp: (size, stage), as in vllm_reference
         try:
             ps = v.parallel_state
-            setattr_saved(ps, "_EP", _GroupWithDevice(tp_size, rank))
+            # vLLM's EP group spans the TP ranks of every data-parallel replica (rank dp_rank * tp + tp_rank)
+            setattr_saved(ps, "_EP", _GroupWithDevice(tp_size * dp[0], dp[1] * tp_size + rank, dp[0]))
             setattr_saved(ps, "_DP", _GroupWithDevice(*dp))  # (size, rank): the data-parallel replica
             setattr_saved(ps, "_PCP", _GroupWithDevice(1, 0))
             view = vr._CudaView(v.platform)
@@ -230,14 +234,19 @@ def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_c
 # --------------------------------------------------------------------------------------
 
 
-def _build(model_dir: Path, tp_size: int, dtype: torch.dtype, m: Any, moe_backend: str) -> tuple[Any, Any]:
-    """As ``vllm_reference.vllm_model``, with ``KernelConfig(moe_backend=moe_backend)``."""
+def _build(model_dir: Path, tp_size: int, dtype: torch.dtype, m: Any, moe_backend: str,
+           parallel: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """As ``vllm_reference.vllm_model``, with ``KernelConfig(moe_backend=moe_backend)`` and ``ParallelConfig(**parallel)``
+    (e.g. ``enable_expert_parallel``, ``expert_placement_strategy``; the group sizes are the stand-ins')."""
     v = m.base
     try:
+        from vllm.config import ParallelConfig
+
         model_config = v.ModelConfig(model=str(model_dir), dtype=str(dtype).removeprefix("torch."),
                                      trust_remote_code=True, skip_tokenizer_init=True, enforce_eager=True)
         vllm_config = v.VllmConfig(model_config=model_config, device_config=v.DeviceConfig("cpu"),
-                                   load_config=v.LoadConfig(), kernel_config=m.KernelConfig(moe_backend=moe_backend))
+                                   load_config=v.LoadConfig(), kernel_config=m.KernelConfig(moe_backend=moe_backend),
+                                   parallel_config=ParallelConfig(**(parallel or {})))
         with torch.device("cpu"):
             model = v.initialize_model(vllm_config)
     except vr._OracleBug:
@@ -290,7 +299,8 @@ def _dense_layers(model: torch.nn.Module, experts: dict[str, torch.nn.Module]) -
 
 def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: torch.dtype, *,
                                info: dict[str, Any] | None = None, moe_backend: str = "marlin",
-                               humming_installed: bool = False) -> dict[str, torch.Tensor]:
+                               humming_installed: bool = False, dp: tuple[int, int] = (1, 0),
+                               parallel: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """What stock vLLM 0.33.0 holds on TP rank ``rank`` of ``tp_size`` for every AWQ/GPTQ layer
     (dense Marlin linears and Marlin MoE experts) of the MoE checkpoint in ``model_dir``, after
     ``process_weights_after_loading``. Expert tensors are every parameter of the experts module
@@ -305,6 +315,8 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
     ``moe_backend``: vLLM's ``--moe-backend`` ("marlin" by default; "auto" shows vLLM's own
     choice on SM90). ``humming_installed``: pretend the optional ``humming`` package is present
     (as far as the Humming MoE experts' device check asks), to show what ``auto`` picks then.
+    ``dp``: (size, rank) of the stand-in data-parallel group; ``parallel``: ``ParallelConfig`` settings, e.g.
+    ``{"enable_expert_parallel": True}`` (then ``info`` also receives each experts layer's ``expert_map``).
     Raises :class:`VllmRefusedError` where vLLM would not serve a layer through Marlin or fails.
     """
     model_dir = Path(model_dir)
@@ -313,9 +325,9 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
     if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= rank < tp_size):
         raise ValueError(f"bad tp_size/rank {tp_size}/{rank}")
     mla_calls: list[tuple[str, tuple[int, ...]]] = []
-    with vr._LOCK, _moe_patched(tp_size, rank, humming_installed, mla_calls) as m, m.base.set_default_torch_dtype(dtype):
+    with vr._LOCK, _moe_patched(tp_size, rank, humming_installed, mla_calls, dp=dp) as m, m.base.set_default_torch_dtype(dtype):
         v = m.base
-        model, model_config = _build(model_dir, tp_size, dtype, m, moe_backend)
+        model, model_config = _build(model_dir, tp_size, dtype, m, moe_backend, parallel)
         experts = moe_layers(model)
         if not experts:
             raise ValueError(f"vLLM builds no quantized MoE layer for {model_dir}")
@@ -374,6 +386,8 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
                 "experts_class": type(method.moe_kernel.impl.fused_experts).__name__
                 if hasattr(getattr(method, "moe_kernel", None), "impl") else type(method.experts_cls).__name__,
                 "intermediate_size_per_partition": layer.intermediate_size_per_partition,
+                "expert_map": None if layer._expert_map is None else layer._expert_map.tolist(),
+                "placement": layer.expert_placement_strategy,
             }
         if info is not None:
             info.update(model_class=type(model).__name__, layers=layers_info, aliases=aliases, mla_post_processing=mla_calls)

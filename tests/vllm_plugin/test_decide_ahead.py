@@ -121,3 +121,47 @@ def test_a_worker_guesses_its_tp_rank_and_pipeline_stage_from_its_rank(
     )
     decide_ahead.start_in_worker(SimpleNamespace(vllm_config=vllm_config, rank=rank))
     assert [(f.tp_size, f.tp_rank, f.pp_size, f.pp_rank) for f in started] == [(2, tp_rank, 3, pp_rank)]
+
+
+def test_an_experts_file_changed_since_is_decided_again(tmp_path: Path) -> None:
+    """At expert parallelism a GPU also reads its experts from the tp1 rank file (expert_share.py): an edit of it in
+    between is decided again too."""
+    import torch
+    from moe_checkpoints import write_moe_checkpoint
+
+    from marlin_pack import convert
+
+    model = write_moe_checkpoint(tmp_path / "m", "MixtralForCausalLM", "awq", dtype=torch.float16)
+    convert(model, tp=(1, 2), kernel="marlin")
+    ep = facts(model, tp_size=2, tp_rank=1, expert_parallel=True)
+    ahead = decide_ahead.start(LoaderOptions(), ep)
+    assert ahead.done.wait(30) and ahead.decision is not None
+    path = ahead.decision.bundle.experts.rank_file
+    assert path.parts[-2:] == ("tp1", "rank-0.safetensors") and path != ahead.decision.bundle.rank_file
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert decide_ahead.take(LoaderOptions(), ep) is None
+
+
+def test_a_worker_takes_its_replica_and_expert_parallelism_from_vllms_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM sets data_parallel_rank on each replica's parallel config before its workers start: the facts decided ahead
+    carry it and the EP settings, as the loader's (engine_facts) will."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.config.kernel import KernelConfig
+
+    from marlin_pack._constants import LOAD_FORMAT
+
+    started: list[EngineFacts] = []
+    monkeypatch.setattr(decide_ahead, "start", lambda options, facts: started.append(facts))
+    vllm_config = SimpleNamespace(
+        load_config=SimpleNamespace(load_format=LOAD_FORMAT, model_loader_extra_config={}),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=2,
+                                        data_parallel_rank=1, enable_expert_parallel=True, expert_placement_strategy="round_robin",
+                                        all2all_backend="deepep_low_latency"),
+        kernel_config=KernelConfig(),
+        model_config=SimpleNamespace(model="/m", dtype=torch.float16, quantization=None),
+    )
+    decide_ahead.start_in_worker(SimpleNamespace(vllm_config=vllm_config, rank=1))
+    assert [(f.tp_rank, f.dp_size, f.dp_rank, f.expert_parallel, f.expert_placement, f.all2all_backend) for f in started] == [
+        (1, 2, 1, True, "round_robin", "deepep_low_latency")]

@@ -66,8 +66,9 @@ def test_engine_facts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_engine_facts_of_a_pipeline_stage(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With distributed up, the TP rank and the pipeline stage are the groups' (as vLLM's make_layers asks them); the
-    data-parallel size is the configuration's."""
+    """With distributed up, the TP rank, the pipeline stage, the replica and the prefill-context rank are the groups' (as
+    vLLM's make_layers and FusedMoEParallelConfig.make ask them); the sizes and the expert-parallel settings are the
+    configuration's."""
     from vllm.config.kernel import KernelConfig
     from vllm.distributed import parallel_state as ps
 
@@ -77,11 +78,15 @@ def test_engine_facts_of_a_pipeline_stage(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 1)
     monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(world_size=3, rank_in_group=2))
-    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=3,
-                                                                  data_parallel_size=4), kernel_config=KernelConfig())
+    monkeypatch.setattr(ps, "get_dp_group", lambda: SimpleNamespace(world_size=4, rank_in_group=3))
+    monkeypatch.setattr(ps, "get_pcp_group", lambda: SimpleNamespace(world_size=2, rank_in_group=1))
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+        tensor_parallel_size=2, pipeline_parallel_size=3, data_parallel_size=4, data_parallel_rank=0, prefill_context_parallel_size=2,
+        enable_expert_parallel=True, expert_placement_strategy="round_robin"), kernel_config=KernelConfig())
     model_config = SimpleNamespace(model="/m", dtype=torch.float16, quantization=None)
     f = engine_facts(vllm_config, model_config)  # type: ignore[arg-type]
-    assert (f.tp_size, f.tp_rank, f.pp_size, f.pp_rank, f.dp_size) == (2, 1, 3, 2, 4)
+    assert (f.tp_size, f.tp_rank, f.pp_size, f.pp_rank, f.dp_size, f.dp_rank) == (2, 1, 3, 2, 4, 3)
+    assert (f.pcp_size, f.pcp_rank, f.expert_parallel, f.expert_placement) == (2, 1, True, "round_robin")
     vllm_config.parallel_config.pipeline_parallel_size = 1  # PP=1: the PP group is not asked
     monkeypatch.setattr(ps, "get_pp_group", lambda: pytest.fail("asked the PP group at PP=1"))
     f = engine_facts(vllm_config, model_config)  # type: ignore[arg-type]

@@ -175,7 +175,7 @@ def _fact_hook(monkeypatch: pytest.MonkeyPatch, **override: Any) -> None:
 @pytest.mark.parametrize("override,match", [
     ({"backend": "HUMMING"}, r"\[kernel\] vLLM chose the HUMMING MoE backend for experts layer model\.layers\.0\.block_sparse_moe"),
     ({"method": "MoeWNA16Method"}, r"\[kernel\] experts layer .* uses MoeWNA16Method, the bundle holds AutoAWQMoEMethod experts"),
-    ({"num_experts": 2}, r"\[layers\] experts layer .*: the engine's local experts \(expert parallelism is not supported\) is 2"),
+    ({"num_experts": 2}, r"\[layers\] experts layer .*: the engine's local experts is 2, the bundle's is 4"),
     ({"padded_intermediate": 512}, r"\[layout\] experts layer .* Marlin MoE padded intermediate size is 512, the bundle's is 256"),
     ({"act_dtype": "float8_e4m3fn"}, r"\[activation_dtype\] experts layer"),
 ])
@@ -199,23 +199,34 @@ def test_moe_layer_mismatch_refuses_or_falls_back(moe_bundle: Any, patched: Any,
 
 
 @pytest.mark.parametrize(("tp", "dp"), [(1, 2), (2, 2)])
-def test_data_parallel_replicas_of_a_moe_model_are_refused(moe_bundle: Any, monkeypatch: pytest.MonkeyPatch, tp: int, dp: int) -> None:
+def test_data_parallel_replicas_of_a_moe_model_take_the_experts_of_tp_times_dp(
+    moe_bundle: Any, monkeypatch: pytest.MonkeyPatch, tp: int, dp: int,
+) -> None:
     """vLLM's own Mixtral with a stand-in data-parallel group shards its experts over tp x dp ranks (1/(tp*dp) of the
-    intermediate size each), which no rank file of TP size tp holds: the decision refuses --data-parallel-size > 1
-    for a bundle with experts layers, in one line, before the GPU (fallback: the ordinary way); DP=1 loads."""
+    intermediate size each): the decision takes them from the bundle's tp<tp*dp> rank file (expert_share.py; loaded
+    and compared in test_plugin_expert_share.py), and refuses in one line, naming the convert to run, a bundle
+    without it (fallback: the ordinary way); DP=1 loads the rank's own file."""
     from marlin_pack.vllm_plugin.decision import EngineFacts, decide
     from marlin_pack.vllm_plugin.options import LoaderOptions
 
-    model_dir = moe_bundle("MixtralForCausalLM", "awq", torch.float16)
+    model_dir = moe_bundle("MixtralForCausalLM", "awq", torch.float16)  # tp 1 and 2
     intermediate = MOE_CONFIGS["MixtralForCausalLM"]["intermediate_size"]
     for dp_rank in range(dp):
         with vmr.vr._LOCK, vmr._moe_patched(tp, tp - 1, dp=(dp, dp_rank)) as m, m.base.set_default_torch_dtype(torch.float16):
             model, _ = vmr._build(model_dir, tp, torch.float16, m, "marlin")
         experts = vmr.moe_layers(model)
         assert {e.intermediate_size_per_partition for e in experts.values()} == {intermediate // (tp * dp)}
-    facts = EngineFacts(model=str(model_dir), vllm_version="0.33.0", quantization="auto_awq", tp_size=tp, dp_size=dp)
-    with pytest.raises(LoadRefusedError, match=rf"\[dp_size\] the engine runs --data-parallel-size {dp}: vLLM 0\.33\.0 shards "
-                                               rf"each experts layer over the {tp} x {dp} tensor x data parallel ranks") as e:
+    facts = EngineFacts(model=str(model_dir), vllm_version="0.33.0", quantization="auto_awq", tp_size=tp, dp_size=dp,
+                        dp_rank=dp - 1, tp_rank=tp - 1)
+    if tp * dp in (1, 2):
+        sel = decide(LoaderOptions(), facts).bundle
+        assert sel is not None and sel.experts is not None
+        assert sel.experts.rank_file.parts[-2:] == (f"tp{tp * dp}", f"rank-{tp * dp - 1}.safetensors")
+        return
+    with pytest.raises(LoadRefusedError, match=rf"\[dp_size\] --data-parallel-size {dp}: vLLM 0\.33\.0 shards each experts "
+                                               rf"layer over the {tp} x {dp} tensor x data parallel ranks, which the tp{tp * dp} "
+                                               r"rank files hold; the bundle has tp 1,2: run `marlin-pack convert .* --tp 1,2,4 "
+                                               r"--force`") as e:
         decide(LoaderOptions(), facts)
     assert "\n" not in str(e.value)
     assert decide(LoaderOptions(fallback=True), facts).field == "dp_size"
