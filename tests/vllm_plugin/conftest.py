@@ -70,3 +70,25 @@ def marlin_log() -> Iterator[list[str]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def moe_bundle(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """``make(arch, fmt, dtype, tps=(1, 2))``: a tiny MoE checkpoint (``tests/moe_checkpoints.py``; ``fmt`` awq, gptq,
+    ct or ct-asym: compressed-tensors W4A16 / W4A16_ASYM) converted for ``tps``, made once per module and arguments."""
+    from moe_checkpoints import write_moe_checkpoint
+
+    from marlin_pack import convert
+
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str, fmt: str, dtype: object, tps: tuple[int, ...] = (1, 2)) -> Path:
+        key = (arch, fmt, dtype, tps)
+        if key not in cache:
+            ct = {"fmt": "compressed-tensors", "symmetric": fmt == "ct"} if fmt.startswith("ct") else {"fmt": fmt}
+            model = write_moe_checkpoint(tmp_path_factory.mktemp("moe") / "m", arch, dtype=dtype, **ct)
+            convert(model, tp=tps)
+            cache[key] = model
+        return cache[key]
+
+    return make

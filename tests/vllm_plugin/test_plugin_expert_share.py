@@ -23,7 +23,6 @@ import pytest
 import torch
 from torch import nn
 
-from marlin_pack import convert
 from marlin_pack.errors import BundleMismatchError, LoadRefusedError
 from marlin_pack.vllm_plugin import LOAD_FORMAT
 from marlin_pack.vllm_plugin.decision import EngineFacts, decide
@@ -31,7 +30,6 @@ from marlin_pack.vllm_plugin.expert_share import check_experts_source, local_exp
 from marlin_pack.vllm_plugin.options import LoaderOptions
 
 vmr = pytest.importorskip("oracles.vllm_moe_reference")
-from moe_checkpoints import write_moe_checkpoint  # noqa: E402
 
 _AG_RS = "allgather_reducescatter"
 
@@ -81,21 +79,6 @@ def test_placement_is_vllms() -> None:
 
 
 # --- the decision ---------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def moe_bundle(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cache: dict[tuple, Path] = {}
-
-    def make(arch: str, fmt: str, dtype: torch.dtype, tps: tuple[int, ...] = (1, 2)) -> Path:
-        key = (arch, fmt, dtype, tps)
-        if key not in cache:
-            model = write_moe_checkpoint(tmp_path_factory.mktemp("ep") / "m", arch, fmt, dtype=dtype)
-            convert(model, tp=tps)
-            cache[key] = model
-        return cache[key]
-
-    return make
 
 
 def _facts(model_dir: Path, **kw: Any) -> EngineFacts:
@@ -264,7 +247,10 @@ EP_CASES = {
     "qwen3moe-gptq-dp2-ep2": ("Qwen3MoeForCausalLM", "gptq", torch.bfloat16, 1, 2, "linear", True),
     "qwen3moe-gptq-tp2xdp2-ep4-rr": ("Qwen3MoeForCausalLM", "gptq", torch.bfloat16, 2, 2, "round_robin", True),
     "mixtral-awq-dp2-no-ep": ("MixtralForCausalLM", "awq", torch.float16, 1, 2, "linear", False),
+    "qwen3moe-ct-asym-tp2-ep2": ("Qwen3MoeForCausalLM", "ct-asym", torch.bfloat16, 2, 1, "linear", True),
+    "mixtral-ct-dp2-no-ep": ("MixtralForCausalLM", "ct", torch.float16, 1, 2, "linear", False),
 }
+QUANTIZATION = {"awq": "auto_awq", "gptq": "auto_gptq", "ct": "compressed-tensors", "ct-asym": "compressed-tensors"}
 
 
 @pytest.mark.slow
@@ -277,7 +263,7 @@ def test_each_gpu_loads_what_stock_vllm_holds_reading_only_its_experts(
     arch, fmt, dtype, tp, dp, strategy, ep = EP_CASES[case]
     model_dir = moe_bundle(arch, fmt, dtype, tps=(1, 2, 4))
     parallel = {"enable_expert_parallel": ep, "expert_placement_strategy": strategy}
-    quantization = "auto_awq" if fmt == "awq" else "auto_gptq"
+    quantization = QUANTIZATION[fmt]
     seen: list[tuple[int, ...]] = []
     for dp_rank, tp_rank in itertools.product(range(dp), range(tp)):
         info: dict[str, Any] = {}

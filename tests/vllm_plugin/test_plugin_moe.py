@@ -19,13 +19,12 @@ import pytest
 import torch
 from torch import nn
 
-from marlin_pack import convert
 from marlin_pack.errors import LoadRefusedError
 from marlin_pack.vllm_plugin import LOAD_FORMAT
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked
 
 vmr = pytest.importorskip("oracles.vllm_moe_reference")
-from moe_checkpoints import MOE_CONFIGS, write_moe_checkpoint  # noqa: E402
+from moe_checkpoints import MOE_CONFIGS  # noqa: E402
 
 CASES = {
     "mixtral-awq-tp1": ("MixtralForCausalLM", "awq", 1, 0, torch.float16),
@@ -40,22 +39,6 @@ CASES = {
 }
 # The experts' quantized weights per format: vLLM aliases w13_weight / w2_weight to them.
 _W13 = {"awq": "w13_qweight", "gptq": "w13_qweight", "ct": "w13_weight_packed", "ct-asym": "w13_weight_packed"}
-
-
-@pytest.fixture(scope="module")
-def moe_bundle(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cache: dict[tuple, Path] = {}
-
-    def make(arch: str, fmt: str, dtype: torch.dtype, tps: tuple[int, ...] = (1, 2)) -> Path:
-        key = (arch, fmt, dtype, tps)
-        if key not in cache:
-            ct = {"fmt": "compressed-tensors", "symmetric": fmt == "ct"} if fmt.startswith("ct") else {"fmt": fmt}
-            model = write_moe_checkpoint(tmp_path_factory.mktemp("moe") / "m", arch, dtype=dtype, **ct)
-            convert(model, tp=tps)
-            cache[key] = model
-        return cache[key]
-
-    return make
 
 
 def _build(model_dir: Path, dtype: torch.dtype, kernel_config: Any, device: str = "cpu") -> tuple[nn.Module, Any]:
