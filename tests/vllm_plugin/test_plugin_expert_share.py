@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from bundle_reads import BundleReads, file_key, merged_spans
 from torch import nn
 
 from marlin_pack.errors import BundleMismatchError, LoadRefusedError
@@ -145,36 +145,9 @@ def test_deepseek_with_sequence_parallel_moe_is_refused(moe_bundle: Any) -> None
 # --- the loader, against stock vLLM ---------------------------------------------------------------------------------
 
 
-class _Reads:
-    """Every byte range ``pread`` into the arena, per bundle file (``tp<T>/rank-<r>.safetensors``)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from marlin_pack.gpu import reader as gpu_reader
-
-        self.ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        pread_into = gpu_reader._pread_into
-
-        def recorded(fd: int, buf: memoryview, offset: int) -> None:
-            path = Path(os.readlink(f"/proc/self/fd/{fd}"))
-            self.ranges[f"{path.parent.name}/{path.name}"].append((offset, len(buf)))
-            pread_into(fd, buf, offset)
-
-        monkeypatch.setattr(gpu_reader, "_pread_into", recorded)
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    spans: list[list[int]] = []
-    for lo, n in sorted(ranges):
-        if spans and lo <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], lo + n)
-        else:
-            spans.append([lo, lo + n])
-    return [(a, b) for a, b in spans]
-
-
 def _load(model_dir: Path, quantization: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, tp: int, tp_rank: int,
           dp: int, dp_rank: int, parallel: dict[str, Any], daemon: bool = False,
-          pp: tuple[int, int] = (1, 0)) -> tuple[dict[str, torch.Tensor], _Reads, Any]:
+          pp: tuple[int, int] = (1, 0)) -> tuple[dict[str, torch.Tensor], BundleReads, Any]:
     """Load GPU (dp_rank, tp_rank) of pipeline stage ``pp`` (size, stage) with the loader into vLLM's model built with
     ``parallel`` and stand-in groups, and post-process it, as an engine does (``daemon``: as vLLM's weight-cache
     daemon's ``get_model``)."""
@@ -211,7 +184,7 @@ def _load(model_dir: Path, quantization: str, dtype: torch.dtype, monkeypatch: p
 
     loader = MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={}))
     with monkeypatch.context() as io:
-        reads = _Reads(io)
+        reads = BundleReads(io)
         with vmr.vr._LOCK, vmr._moe_patched(tp, tp_rank, dp=(dp, dp_rank), pp=pp) as m, m.base.set_default_torch_dtype(dtype), \
                 exit_in_background() if daemon else contextlib.nullcontext():
             model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
@@ -223,7 +196,7 @@ def _load(model_dir: Path, quantization: str, dtype: torch.dtype, monkeypatch: p
     return got, reads, next(iter(loader._decisions.values()))
 
 
-def _check(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], reads: _Reads, decision: Any) -> None:
+def _check(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], reads: BundleReads, decision: Any) -> None:
     for name, t in want.items():
         if name.endswith(".qzeros") and t.numel() == 0:
             continue
@@ -231,11 +204,11 @@ def _check(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], reads: _
         assert torch.equal(got[name], t), name
     sel = decision.bundle
     share = sel.experts
-    rank_key, experts_key = (f"{p.parent.name}/{p.name}" for p in (sel.rank_file, share.rank_file))
+    rank_key, experts_key = (file_key(p) for p in (sel.rank_file, share.rank_file))
     want_reads: dict[str, list[tuple[int, int]]] = defaultdict(list)
     want_reads[rank_key] += [(i.start, i.nbytes) for i in sel.rank_header.tensors.values()]
     want_reads[experts_key] += [p for i in share.header.tensors.values() for p in share.pieces(i)]
-    assert {k: _merged(v) for k, v in reads.ranges.items()} == {k: _merged(v) for k, v in want_reads.items()}
+    assert {k: merged_spans(v) for k, v in reads.ranges.items()} == {k: merged_spans(v) for k, v in want_reads.items()}
     if experts_key != rank_key:
         assert sum(n for _, n in reads.ranges[experts_key]) == share.read_bytes
 

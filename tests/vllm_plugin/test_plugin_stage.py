@@ -12,14 +12,13 @@ common file's tensors taken from its map).
 from __future__ import annotations
 
 import contextlib
-import os
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from bundle_reads import BundleReads, merged_spans
 from torch import nn
 
 from marlin_pack.vllm_plugin import LOAD_FORMAT
@@ -58,45 +57,6 @@ def _no_preload_no_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(preload, "_CURRENT", None)
     monkeypatch.setenv("MARLIN_PACK_IO", '{"threads": 2, "window_mib": 1}')
     monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
-
-
-class Reads:
-    """Every byte range the loader reads of each bundle file: ``pread`` into the arena, tensors taken from a map."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from marlin_pack.gpu import host_map
-        from marlin_pack.gpu import reader as gpu_reader
-
-        self.ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        pread_into, tensor = gpu_reader._pread_into, host_map.HostMap.tensor
-
-        def recorded_pread(fd: int, buf: memoryview, offset: int) -> None:
-            self.ranges[Path(os.readlink(f"/proc/self/fd/{fd}")).name].append((offset, len(buf)))
-            pread_into(fd, buf, offset)
-
-        def recorded_tensor(hm: Any, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-            self.ranges[hm.path.name].append((offset, nbytes))
-            return tensor(hm, offset, nbytes, dtype, shape)
-
-        monkeypatch.setattr(gpu_reader, "_pread_into", recorded_pread)
-        monkeypatch.setattr(host_map.HostMap, "tensor", recorded_tensor)
-
-    def bytes(self, name: str) -> int:
-        return sum(n for _, n in self.ranges[name])
-
-    def spans(self, name: str) -> list[tuple[int, int]]:
-        return _merged(self.ranges[name])
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``(offset, nbytes)`` ranges as sorted, merged ``[lo, hi)`` spans."""
-    spans: list[list[int]] = []
-    for lo, n in sorted(ranges):
-        if spans and lo <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], lo + n)
-        else:
-            spans.append([lo, lo + n])
-    return [(a, b) for a, b in spans]
 
 
 def _engine(model_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, tp: int, pp: int) -> tuple[Any, Any]:
@@ -144,7 +104,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _load_stage(model_dir: Path, kind: str, monkeypatch: pytest.MonkeyPatch, pp: int, stage: int, tp: int, rank: int,
-                daemon: bool = False) -> tuple[dict[str, torch.Tensor], Reads, Any]:
+                daemon: bool = False) -> tuple[dict[str, torch.Tensor], BundleReads, Any]:
     """Load (stage, rank) with the loader into vLLM's stage model and post-process it, as an engine does (``daemon``:
     as vLLM's weight-cache daemon's ``get_model`` does). Returns its parameters, what it read and its decision."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -158,7 +118,7 @@ def _load_stage(model_dir: Path, kind: str, monkeypatch: pytest.MonkeyPatch, pp:
     vllm_config, model_config = _engine(model_dir, dtype, monkeypatch, tp, pp)
     loader = _loader()
     with monkeypatch.context() as io:
-        reads = Reads(io)
+        reads = BundleReads(io, maps=True)
         with sr.stage_model(model_dir, tp, rank, dtype, (pp, stage), build=False), \
                 exit_in_background() if daemon else contextlib.nullcontext():
             model = loader.create_model(vllm_config, model_config)
@@ -172,7 +132,7 @@ def _load_stage(model_dir: Path, kind: str, monkeypatch: pytest.MonkeyPatch, pp:
     return got, reads, next(iter(loader._decisions.values()))
 
 
-def _check_stage(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], reads: Reads, decision: Any,
+def _check_stage(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], reads: BundleReads, decision: Any,
                  pp: int, stage: int, part: bool = True) -> None:
     """Every parameter as stock vLLM holds it on the stage; exactly the stage's share read (each byte once), ``part``
     of each file."""
@@ -182,11 +142,11 @@ def _check_stage(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], re
         assert torch.equal(_bits(got[name]), _bits(t)), (stage, name)
     share = decision.bundle.stage
     assert share is not None and (share.pp_size, share.pp_rank) == (pp, stage)
-    rank_file, common_file = decision.bundle.rank_file.name, decision.bundle.common_file.name
+    rank_file, common_file = decision.bundle.rank_file, decision.bundle.common_file
     assert reads.bytes(rank_file) == share.rank_bytes and (share.rank_bytes < share.rank_file_bytes or not part)
-    assert reads.spans(rank_file) == _merged([(i.start, i.nbytes) for i in share.rank_header.tensors.values()])
+    assert reads.spans(rank_file) == merged_spans([(i.start, i.nbytes) for i in share.rank_header.tensors.values()])
     assert reads.bytes(common_file) == share.common_bytes and (share.common_bytes < share.common_file_bytes or not part)
-    assert reads.spans(common_file) == _merged([(i.start, i.nbytes) for i in share.common_header.tensors.values()])
+    assert reads.spans(common_file) == merged_spans([(i.start, i.nbytes) for i in share.common_header.tensors.values()])
 
 
 @pytest.mark.slow
@@ -201,7 +161,7 @@ def test_each_stage_loads_what_stock_vllm_holds_reading_only_its_share(
             want = sr.stage_params(model_dir, tp, rank, dtype, (pp, stage))
             got, reads, decision = _load_stage(model_dir, kind, monkeypatch, pp, stage, tp, rank)
             _check_stage(got, want, reads, decision, pp, stage)
-            rank_totals.append(reads.bytes(decision.bundle.rank_file.name))
+            rank_totals.append(reads.bytes(decision.bundle.rank_file))
     # The stages of each TP rank together read its rank file once: every layer on exactly one stage.
     assert sum(rank_totals) == decision.bundle.stage.rank_file_bytes * tp, rank_totals
 

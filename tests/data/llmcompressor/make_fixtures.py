@@ -62,7 +62,11 @@ def tokenizer() -> object:
 
 
 def make(out: Path, layers: int, recipe: object) -> None:
-    model = tiny_llama(layers)
+    quantize_into(tiny_llama(layers), out, recipe)
+
+
+def quantize_into(model: torch.nn.Module, out: Path, recipe: object) -> None:
+    """``recipe`` applied to ``model`` on the random calibration set, saved compressed into ``out`` (replaced)."""
     oneshot(model=model, processor=tokenizer(), dataset=calibration(), recipe=recipe, max_seq_length=SEQ,
             num_calibration_samples=SAMPLES)
     if out.exists():

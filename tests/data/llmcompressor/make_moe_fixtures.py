@@ -13,15 +13,13 @@ examples do. Only the file format matters to the tests.
 
 from __future__ import annotations
 
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
-from make_fixtures import SAMPLES, SEQ, VOCAB, calibration, tokenizer  # this folder (its import also lets AWQ run without a GPU)
+from make_fixtures import VOCAB, quantize_into  # this folder (its import also lets AWQ run without a GPU)
 
 _COMMON = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
@@ -45,13 +43,7 @@ def tiny_moe(arch: str) -> torch.nn.Module:
 
 
 def make(out: Path, arch: str, recipe: object) -> None:
-    model = tiny_moe(arch)
-    oneshot(model=model, processor=tokenizer(), dataset=calibration(), recipe=recipe, max_seq_length=SEQ,
-            num_calibration_samples=SAMPLES)
-    if out.exists():
-        shutil.rmtree(out)
-    model.save_pretrained(out, save_compressed=True)
-    print(out, sum(p.stat().st_size for p in out.iterdir()))
+    quantize_into(tiny_moe(arch), out, recipe)
 
 
 def main(root: Path) -> None:
