@@ -22,17 +22,7 @@ from marlin_pack.errors import UnsupportedCheckpointError
 
 pytest.importorskip("vllm")
 from moe_checkpoints import write_moe_checkpoint  # noqa: E402
-from oracles.oracle_compare import assert_rank_file_equals  # noqa: E402
-from oracles.vllm_moe_reference import VllmRefusedError, reference_moe_rank_tensors  # noqa: E402
-
-
-def assert_moe_bundle_equals_vllm(model: Path, bundle: Path, tps: tuple[int, ...], dtype: torch.dtype) -> int:
-    compared = 0
-    for tp in tps:
-        for rank in range(tp):
-            compared += assert_rank_file_equals(bundle, tp, rank, reference_moe_rank_tensors(model, tp, rank, dtype))
-    return compared
-
+from oracles.vllm_moe_reference import VllmRefusedError, assert_moe_bundle_equals_vllm, reference_moe_rank_tensors  # noqa: E402
 
 CASES = [
     ("MixtralForCausalLM", "awq", 4, torch.bfloat16, (1, 2, 4)),

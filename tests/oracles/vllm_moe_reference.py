@@ -392,3 +392,12 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
         if info is not None:
             info.update(model_class=type(model).__name__, layers=layers_info, aliases=aliases, mla_post_processing=mla_calls)
         return out
+
+
+def assert_moe_bundle_equals_vllm(model: Path, bundle: Path, tps: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Every rank file of ``bundle`` for ``tps`` equals what stock vLLM holds (:func:`reference_moe_rank_tensors`) for
+    the checkpoint ``model``; returns how many tensors were compared."""
+    from .oracle_compare import assert_rank_file_equals
+
+    return sum(assert_rank_file_equals(bundle, tp, rank, reference_moe_rank_tensors(model, tp, rank, dtype))
+               for tp in tps for rank in range(tp))

@@ -24,8 +24,7 @@ from safetensors import safe_open
 from marlin_pack import UnsupportedCheckpointError, convert, verify
 
 pytest.importorskip("vllm")
-from oracles.oracle_compare import assert_rank_file_equals  # noqa: E402
-from oracles.vllm_moe_reference import VllmRefusedError, reference_moe_rank_tensors  # noqa: E402
+from oracles.vllm_moe_reference import VllmRefusedError, assert_moe_bundle_equals_vllm, reference_moe_rank_tensors  # noqa: E402
 from test_llmcompressor_fixtures import DATA, MOE_ACCEPTED  # noqa: E402
 
 
@@ -53,8 +52,7 @@ def test_moe_fixture_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path
     manifest = convert(model, tp=tps, dtype=str(dtype).removeprefix("torch.")).manifest
     assert manifest.source.format.value == "compressed-tensors"
     assert all(len(s.moe_layers) == 2 for s in manifest.tensor_parallel)
-    compared = sum(assert_rank_file_equals(model / "marlin-pack", tp, r, reference_moe_rank_tensors(model, tp, r, dtype))
-                   for tp in tps for r in range(tp))
+    compared = assert_moe_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
     assert compared >= sum(tps) * 2 * 6
     report = verify(model / "marlin-pack")
     assert report.ok, report.first_failure
