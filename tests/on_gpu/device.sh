@@ -3,12 +3,20 @@
 #   bash tests/on_gpu/device.sh PYTEST_ARGS...                      one pytest run (logs and results go to $OUT)
 #   bash tests/on_gpu/device.sh --parallel 'NAME:PYTEST ARGS' ...    several pytest runs side by side, one log each
 #        ($OUT/NAME.log): the engines of the GPU tests start side by side on one GPU (explicit KV cache sizes)
+#   MARLIN_PACK_GPU_JOBS (default 6): at most this many runs at once, the others start as runs end. Each run is a
+#        pytest, an engine and maybe a daemon, several GiB of host memory: 16 at once exhausted a 128 GiB machine
+#        (2026-12-06: pytest processes killed by the kernel, nothing reported, the machine lost).
+#   MARLIN_PACK_GPU_DEADLINE_S (default none): after this many seconds the running runs are interrupted (SIGINT to
+#        each run's process group: pytest reports the failures so far, its engines end), killed 20 s later, the runs
+#        not started are named; summaries and logs come back either way. Set it below the device call's limit.
+#   MARLIN_PACK_DEVICE_NO_INSTALL=1: use the project as installed (the script's own tests on the CPU)
 set -o pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export MARLIN_PACK_TEST_ATTN=${MARLIN_PACK_TEST_ATTN:-TRITON_ATTN}
 # MLA models (DeepSeek): no flash-attn binaries there, so no FLASH_ATTN MLA prefill (see tests/on_gpu/_harness.py)
 export MARLIN_PACK_TEST_MLA_ATTN=${MARLIN_PACK_TEST_MLA_ATTN:-TRITON_MLA} MARLIN_PACK_TEST_MLA_PREFILL=${MARLIN_PACK_TEST_MLA_PREFILL:-CPU}
-python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation --no-index .
+[ "${MARLIN_PACK_DEVICE_NO_INSTALL:-}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null 2>&1 \
+  || python3 -m pip install --no-deps --no-build-isolation --no-index .
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
 # vLLM's model-info cache written on the CPU machine (tests/on_gpu/modelinfo_cache.py), when this call carries it:
@@ -42,24 +50,58 @@ if [ "${1:-}" != "--parallel" ]; then
   exit $rc
 fi
 shift
-pids=() names=()
-for group in "$@"; do
-  name=${group%%:*}
-  # the group's pytest arguments as a shell would split them (quotes kept: -k 'a or b')
-  eval "run_pytest \"\$out/\$name.log\" ${group#*:}" &
-  pids+=($!) names+=("$name")
+set -m  # each run in a process group of its own: a deadline interrupts pytest with the engines it started
+jobs_max=${MARLIN_PACK_GPU_JOBS:-6}
+deadline=${MARLIN_PACK_GPU_DEADLINE_S:-0}
+names=() groups=() pids=() codes=()
+for group in "$@"; do names+=("${group%%:*}") groups+=("${group#*:}"); done
+start_run() {  # INDEX: the group's pytest arguments as a shell would split them (quotes kept: -k 'a or b')
+  local name=${names[$1]}
+  eval "run_pytest \"\$out/\$name.log\" ${groups[$1]}" &
+  pids[$1]=$!
+}
+reap() {  # records the exit code of every started run that ended; sets $running to how many still run
+  local i
+  running=0
+  for i in "${!pids[@]}"; do
+    [ -z "${codes[$i]:-}" ] || continue
+    if kill -0 "${pids[$i]}" 2>/dev/null; then running=$((running + 1)); else wait "${pids[$i]}"; codes[$i]=$?; fi
+  done
+}
+next=0 interrupted=0
+while :; do
+  reap
+  while [ "$running" -lt "$jobs_max" ] && [ "$next" -lt "${#names[@]}" ]; do
+    start_run "$next"; next=$((next + 1)) running=$((running + 1))
+  done
+  [ "$running" -eq 0 ] && [ "$next" -ge "${#names[@]}" ] && break
+  if [ "$deadline" -gt 0 ] && [ "$SECONDS" -ge "$deadline" ]; then
+    interrupted=1
+    echo "== deadline of ${deadline} s: interrupting the runs still going"
+    for i in "${!pids[@]}"; do [ -n "${codes[$i]:-}" ] || kill -INT -- "-${pids[$i]}" 2>/dev/null; done
+    for _ in $(seq 20); do reap; [ "$running" -eq 0 ] && break; sleep 1; done
+    for i in "${!pids[@]}"; do [ -n "${codes[$i]:-}" ] || kill -KILL -- "-${pids[$i]}" 2>/dev/null; done
+    reap
+    break
+  fi
+  sleep 1
 done
-rc=0
-for i in "${!pids[@]}"; do
-  wait "${pids[$i]}"
-  code=$?
-  [ $code -eq 0 ] || rc=1
-  echo "== ${names[$i]}: exit $code, $(grep -E '^=+ .*(passed|failed|error).* =+$' "$out/${names[$i]}.log" | tail -1)"
+rc=$interrupted
+for i in "${!names[@]}"; do
+  name=${names[$i]}
+  if [ -z "${pids[$i]:-}" ]; then echo "== $name: not started (deadline)"; rc=1; continue; fi
+  code=${codes[$i]:-killed}
+  [ "$code" = 0 ] || rc=1
+  summary=$(grep -E '^=+ .* in [0-9.]+s .*=+$' "$out/$name.log" | tail -1)
+  grep -q '^!!*  *KeyboardInterrupt' "$out/$name.log" && summary="interrupted: $summary"
+  echo "== $name: exit $code, $summary"
 done
-for name in "${names[@]}"; do
+started=()
+for i in "${!pids[@]}"; do started+=("${names[$i]}"); done
+for name in "${started[@]}"; do
   grep -E "FAILED|ERROR" "$out/$name.log" | grep -v "^E " | head -5 | sed "s/^/$name: /" | cut -c1-300
   # the first assertion lines of its failures (the whole log is in the archive)
   grep -E "^E  +[A-Za-z]*(Error|assert)" "$out/$name.log" | grep -v "\[rank" | head -6 | sed "s/^/$name: /" | cut -c1-300
 done
-pack_logs "${names[@]/%/.log}"
+pack_logs "${started[@]/%/.log}"
 exit $rc
