@@ -6,7 +6,6 @@ where vLLM refuses."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from marlin_pack import UnsupportedCheckpointError, convert, verify
 
 pytest.importorskip("vllm")
+from committed_fixtures import copy_fixture  # noqa: E402
 from oracles.oracle_compare import assert_bundle_equals_vllm  # noqa: E402
 from oracles.vllm_reference import VllmRefusedError, reference_rank_tensors  # noqa: E402
 
@@ -27,12 +27,6 @@ ACCEPTED: dict[str, tuple[int, ...]] = {
     "rtn-w8a16-g128": (1, 2),  # W8A16: symmetric 8-bit, group 128
     "gptq-w4a16-actorder-ignore": (1, 2, 4),  # group 64, actorder static, layer 1 o_proj ignored
 }
-
-
-def _copy(name: str, tmp_path: Path) -> Path:
-    model = tmp_path / name
-    shutil.copytree(DATA / name, model)
-    return model
 
 
 # Mixture-of-experts fixtures (make_moe_fixtures.py), tested in test_llmcompressor_moe_fixtures.py: fixture -> TP sizes.
@@ -52,7 +46,7 @@ def test_every_fixture_is_listed_and_small() -> None:
 
 @pytest.mark.parametrize("name", sorted(ACCEPTED))
 def test_fixture_bundle_equals_stock_vllm(name: str, tmp_path: Path) -> None:
-    model = _copy(name, tmp_path)
+    model = copy_fixture(DATA, name, tmp_path)
     tps = ACCEPTED[name]
     manifest = convert(model, tp=tps).manifest
     assert manifest.source.format.value == "compressed-tensors"
@@ -69,7 +63,7 @@ def test_fixture_bundle_equals_stock_vllm(name: str, tmp_path: Path) -> None:
 def test_ignored_module_goes_to_common(tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    model = _copy("gptq-w4a16-actorder-ignore", tmp_path)
+    model = copy_fixture(DATA, "gptq-w4a16-actorder-ignore", tmp_path)
     convert(model, tp=(1,))
     with safe_open(str(model / "marlin-pack" / "common.safetensors"), "pt") as f:
         assert "model.layers.1.self_attn.o_proj.weight" in f.keys()  # noqa: SIM118
@@ -87,7 +81,7 @@ def test_ignored_module_goes_to_common(tmp_path: Path) -> None:
     ],
 )
 def test_refused_like_vllm(tmp_path: Path, edit, message: str) -> None:
-    model = _copy("gptq-w4a16-g128", tmp_path)
+    model = copy_fixture(DATA, "gptq-w4a16-g128", tmp_path)
     cfg = json.loads((model / "config.json").read_text())
     edit(cfg["quantization_config"]["config_groups"]["group_0"]["weights"])
     (model / "config.json").write_text(json.dumps(cfg))

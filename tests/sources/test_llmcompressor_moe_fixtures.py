@@ -14,7 +14,6 @@ Both write ``ignore`` as the routers' module names (``model.layers.0.mlp.gate`` 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,9 @@ from safetensors import safe_open
 from marlin_pack import UnsupportedCheckpointError, convert, verify
 
 pytest.importorskip("vllm")
+from committed_fixtures import convert_copy, copy_fixture  # noqa: E402
 from oracles.vllm_moe_reference import VllmRefusedError, assert_moe_bundle_equals_vllm, reference_moe_rank_tensors  # noqa: E402
 from test_llmcompressor_fixtures import DATA, MOE_ACCEPTED  # noqa: E402
-
-
-def _copy(name: str, tmp_path: Path) -> Path:
-    model = tmp_path / name
-    shutil.copytree(DATA / name, model)
-    return model
 
 
 def test_moe_fixtures_are_what_llm_compressor_writes() -> None:
@@ -48,8 +42,7 @@ def test_moe_fixtures_are_what_llm_compressor_writes() -> None:
 @pytest.mark.parametrize("name", list(MOE_ACCEPTED))
 def test_moe_fixture_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path: Path) -> None:
     tps = MOE_ACCEPTED[name]
-    model = _copy(name, tmp_path)
-    manifest = convert(model, tp=tps, dtype=str(dtype).removeprefix("torch.")).manifest
+    model, manifest = convert_copy(DATA, name, tmp_path, tps, dtype)
     assert manifest.source.format.value == "compressed-tensors"
     assert all(len(s.moe_layers) == 2 for s in manifest.tensor_parallel)
     compared = assert_moe_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
@@ -61,7 +54,7 @@ def test_moe_fixture_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path
 @pytest.mark.parametrize("name", list(MOE_ACCEPTED))
 def test_moe_fixture_tp4_refused_by_both(name: str, tmp_path: Path) -> None:
     """256 intermediate features are 64 per rank at TP 4: a group of 128 would straddle ranks."""
-    model = _copy(name, tmp_path)
+    model = copy_fixture(DATA, name, tmp_path)
     with pytest.raises(VllmRefusedError):
         reference_moe_rank_tensors(model, 4, 0, torch.bfloat16)
     with pytest.raises(UnsupportedCheckpointError, match="split a quantization group of 128"):

@@ -10,7 +10,6 @@ refusal on either side fails a test; every other candidate TP size must be refus
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from typer.testing import CliRunner
 from marlin_pack import UnsupportedCheckpointError, convert, verify
 
 pytest.importorskip("vllm")
+from committed_fixtures import copy_fixture  # noqa: E402
 from oracles.oracle_compare import assert_bundle_equals_vllm  # noqa: E402
 from oracles.vllm_reference import VllmRefusedError, _OracleBug, reference_rank_tensors  # noqa: E402
 
@@ -82,12 +82,6 @@ def _fixture_dirs() -> list[str]:
     return sorted(p.parent.name for p in DATA.glob("*/config.json"))
 
 
-def _copy(name: str, tmp_path: Path) -> Path:
-    model = tmp_path / name
-    shutil.copytree(DATA / name, model)
-    return model
-
-
 def test_every_fixture_is_listed_and_small() -> None:
     found = _fixture_dirs()
     assert found, f"no fixtures under {DATA}"
@@ -135,7 +129,7 @@ def test_fixtures_carry_the_quantizers_quirks() -> None:
 @pytest.mark.parametrize("name", list(ACCEPTED))
 def test_convert_is_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path: Path) -> None:
     tps = ACCEPTED[name]
-    model = _copy(name, tmp_path)
+    model = copy_fixture(DATA, name, tmp_path)
     convert(model, tp=tps, dtype=str(dtype).removeprefix("torch."))
     n = assert_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
@@ -148,7 +142,7 @@ def test_convert_is_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path:
 def test_other_tp_sizes_refused_by_both(name: str, tmp_path: Path) -> None:
     accepted = ACCEPTED[name]
     refused = [tp for tp in CANDIDATE_TPS if tp not in accepted and tp not in GAPS.get(name, ((), ""))[0]]
-    model = _copy(name, tmp_path)
+    model = copy_fixture(DATA, name, tmp_path)
     for tp in refused:
         # _OracleBug: vLLM hands gptq_marlin_repack a shape the CUDA op rejects (a load failure in vLLM).
         with pytest.raises((VllmRefusedError, _OracleBug)):
@@ -164,7 +158,7 @@ def _gap(name: str, tps: tuple[int, ...], why: str) -> object:
 
 @pytest.mark.parametrize("name,tps", [_gap(n, tps, why) for n, (tps, why) in GAPS.items()])
 def test_what_vllm_serves_but_marlin_pack_refuses(name: str, tps: tuple[int, ...], tmp_path: Path) -> None:
-    model = _copy(name, tmp_path)
+    model = copy_fixture(DATA, name, tmp_path)
     for tp in tps:
         assert reference_rank_tensors(model, tp, 0, torch.float16)  # vLLM serves these TP sizes
     convert(model, tp=tps, dtype="float16")
@@ -173,7 +167,7 @@ def test_what_vllm_serves_but_marlin_pack_refuses(name: str, tps: tuple[int, ...
 
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_checkpoints_vllm_refuses_are_refused(name: str, tmp_path: Path) -> None:
-    model = _copy(name, tmp_path)
+    model = copy_fixture(DATA, name, tmp_path)
     with pytest.raises(VllmRefusedError):
         reference_rank_tensors(model, 1, 0, torch.float16)
     with pytest.raises(UnsupportedCheckpointError, match=REFUSED[name]):
@@ -193,7 +187,7 @@ def test_cli_convert_and_verify(name: str, dtype_args: list[str], dtype: torch.d
     from marlin_pack.cli import app
 
     runner = CliRunner()
-    model = _copy(name, tmp_path)
+    model = copy_fixture(DATA, name, tmp_path)
     r = runner.invoke(app, ["convert", str(model), "--tp", "1,2", *dtype_args, "--json"])
     assert r.exit_code == 0, r.output
     manifest = json.loads(r.stdout)["manifest"]

@@ -14,7 +14,6 @@ both, marlin-pack naming the reason.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,9 @@ from safetensors import safe_open
 from marlin_pack import UnsupportedCheckpointError, convert, verify
 
 pytest.importorskip("vllm")
+from committed_fixtures import convert_copy, copy_fixture  # noqa: E402
 from oracles.vllm_moe_reference import VllmRefusedError, assert_moe_bundle_equals_vllm, reference_moe_rank_tensors  # noqa: E402
 from test_thirdparty_fixtures import DATA, MOE_ACCEPTED, MOE_REFUSED  # noqa: E402
-
-
-def _copy(name: str, tmp_path: Path) -> Path:
-    model = tmp_path / name
-    shutil.copytree(DATA / name, model)
-    return model
 
 
 def _names(name: str) -> list[str]:
@@ -53,8 +47,7 @@ def test_moe_fixtures_carry_the_quantizers_namings() -> None:
 @pytest.mark.parametrize("name", list(MOE_ACCEPTED))
 def test_moe_fixture_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path: Path) -> None:
     tps = MOE_ACCEPTED[name]
-    model = _copy(name, tmp_path)
-    manifest = convert(model, tp=tps, dtype=str(dtype).removeprefix("torch.")).manifest
+    model, manifest = convert_copy(DATA, name, tmp_path, tps, dtype)
     compared = assert_moe_bundle_equals_vllm(model, model / "marlin-pack", tps, dtype)
     assert compared >= sum(tps) * (6 + 2 * 2)  # 6 expert tensors and 2 attention linears (qweight, scales) per rank
     assert all(len(s.moe_layers) == 1 and s.moe_layers[0].num_experts == 4 for s in manifest.tensor_parallel)
@@ -63,7 +56,7 @@ def test_moe_fixture_bit_exact_with_vllm(name: str, dtype: torch.dtype, tmp_path
 
 @pytest.mark.parametrize("name", list(MOE_REFUSED))
 def test_moe_fixture_vllm_refuses_is_refused_naming_why(name: str, tmp_path: Path) -> None:
-    model = _copy(name, tmp_path)
+    model = copy_fixture(DATA, name, tmp_path)
     with pytest.raises(VllmRefusedError, match="no module or parameter named"):
         reference_moe_rank_tensors(model, 1, 0, torch.float16)
     with pytest.raises(UnsupportedCheckpointError, match=MOE_REFUSED[name]) as e:
