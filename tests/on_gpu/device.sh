@@ -9,6 +9,11 @@
 #   MARLIN_PACK_GPU_DEADLINE_S (default none): after this many seconds the running runs are interrupted (SIGINT to
 #        each run's process group: pytest reports the failures so far, its engines end), killed 20 s later, the runs
 #        not started are named; summaries and logs come back either way. Set it below the device call's limit.
+#   MARLIN_PACK_GPU_MIN_FREE_GB (default 12): host memory guard. A run starts only while MemAvailable is at least
+#        twice this and 10 s after the previous start (its engines have grown by then); below it the newest run is
+#        stopped (SIGINT to its group, killed 10 s later) and fewer run at once from then on: a test_daemon_gpu
+#        selection starts four engines and daemons at once, and six such selections took a machine down (2026-12-06).
+#        The lowest MemAvailable seen is printed; $OUT/memory.log has the timeline (MARLIN_PACK_MEMINFO: another file).
 #   MARLIN_PACK_DEVICE_NO_INSTALL=1: use the project as installed (the script's own tests on the CPU)
 set -o pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
@@ -68,11 +73,38 @@ reap() {  # records the exit code of every started run that ended; sets $running
     if kill -0 "${pids[$i]}" 2>/dev/null; then running=$((running + 1)); else wait "${pids[$i]}"; codes[$i]=$?; fi
   done
 }
-next=0 interrupted=0
+min_free=${MARLIN_PACK_GPU_MIN_FREE_GB:-12}
+meminfo=${MARLIN_PACK_MEMINFO:-/proc/meminfo}
+stagger=${MARLIN_PACK_GPU_STAGGER_S:-10}
+mem_free_gb() { awk '/^MemAvailable:/ {print int($2 / 1048576); exit}' "$meminfo"; }
+stop_newest() {  # host memory is low: the newest run still going gives way (its group interrupted, then killed)
+  local i newest=
+  for i in "${!pids[@]}"; do [ -n "${codes[$i]:-}" ] || newest=$i; done
+  [ -n "$newest" ] || return 0
+  echo "== host memory low ($1 GiB available, guard ${min_free} GiB): stopping ${names[$newest]}"
+  memstop[$newest]=$1
+  kill -INT -- "-${pids[$newest]}" 2>/dev/null
+  for _ in $(seq 10); do kill -0 "${pids[$newest]}" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-${pids[$newest]}" 2>/dev/null
+  reap
+  jobs_max=$((running > 1 ? running : 1))  # fewer at once from now on
+}
+memstop=()
+next=0 interrupted=0 lowest=999999 last_start=-999999 last_stop=-999999
 while :; do
   reap
-  while [ "$running" -lt "$jobs_max" ] && [ "$next" -lt "${#names[@]}" ]; do
-    start_run "$next"; next=$((next + 1)) running=$((running + 1))
+  free_gb=$(mem_free_gb)
+  free_gb=${free_gb:-999999}
+  [ "$free_gb" -ge "$lowest" ] || lowest=$free_gb
+  echo "$SECONDS $free_gb $running" >>"$out/memory.log"
+  # (a stopped run's memory takes a moment to come back: 5 s before the next run is stopped)
+  if [ "$free_gb" -lt "$min_free" ] && [ "$running" -gt 0 ] && [ $((SECONDS - last_stop)) -ge 5 ]; then
+    stop_newest "$free_gb"; last_stop=$SECONDS; continue
+  fi
+  # (with nothing running, waiting would not free memory: the next run starts and the guard watches it)
+  while [ "$running" -lt "$jobs_max" ] && [ "$next" -lt "${#names[@]}" ] && [ $((SECONDS - last_start)) -ge "$stagger" ] \
+    && { [ "$free_gb" -ge $((2 * min_free)) ] || [ "$running" -eq 0 ]; }; do
+    start_run "$next"; next=$((next + 1)) running=$((running + 1)) last_start=$SECONDS
   done
   [ "$running" -eq 0 ] && [ "$next" -ge "${#names[@]}" ] && break
   if [ "$deadline" -gt 0 ] && [ "$SECONDS" -ge "$deadline" ]; then
@@ -91,11 +123,15 @@ for i in "${!names[@]}"; do
   name=${names[$i]}
   if [ -z "${pids[$i]:-}" ]; then echo "== $name: not started (deadline)"; rc=1; continue; fi
   code=${codes[$i]:-killed}
+  if [ -n "${memstop[$i]:-}" ]; then
+    echo "== $name: stopped, host memory low (${memstop[$i]} GiB available): run it with fewer beside it"; rc=1; continue
+  fi
   [ "$code" = 0 ] || rc=1
   summary=$(grep -E '^=+ .* in [0-9.]+s .*=+$' "$out/$name.log" | tail -1)
   grep -q '^!!*  *KeyboardInterrupt' "$out/$name.log" && summary="interrupted: $summary"
   echo "== $name: exit $code, $summary"
 done
+echo "== host memory: lowest available ${lowest} GiB (guard ${min_free} GiB)"
 started=()
 for i in "${!pids[@]}"; do started+=("${names[$i]}"); done
 for name in "${started[@]}"; do
@@ -103,5 +139,5 @@ for name in "${started[@]}"; do
   # the first assertion lines of its failures (the whole log is in the archive)
   grep -E "^E  +[A-Za-z]*(Error|assert)" "$out/$name.log" | grep -v "\[rank" | head -6 | sed "s/^/$name: /" | cut -c1-300
 done
-pack_logs "${started[@]/%/.log}"
+pack_logs "${started[@]/%/.log}" memory.log
 exit $rc

@@ -3,7 +3,9 @@ at ``MARLIN_PACK_GPU_DEADLINE_S``, interrupts the runs still going (with what th
 started, and reports and packs every log either way.
 
 A sitting on the device machine lost everything when 16 runs at once exhausted its memory and the call's own
-time limit ended the script before it reported anything (2026-12-06): these are the two behaviours that prevent it.
+time limit ended the script before it reported anything (2026-12-06): these are the behaviours that prevent it, with
+the host-memory guard (``MARLIN_PACK_GPU_MIN_FREE_GB``, read from ``MARLIN_PACK_MEMINFO`` here) that stops the newest
+run before the kernel's OOM killer or a thrashing machine ends the call (six daemon selections, the same day).
 The runs here are pytest on a throwaway test file whose tests record when they start and end.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -52,9 +55,15 @@ def test_hangs_with_a_child(tmp_path):
 """
 
 
+def _meminfo(path: Path, free_gib: int) -> None:
+    path.write_text(f"MemTotal:       131072000 kB\nMemAvailable:   {free_gib * 1048576} kB\n")
+
+
 def _device_sh(tmp_path: Path, *groups: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "out"
-    full_env = {**os.environ, "OUT": str(out), "EVENTS": str(tmp_path / "events"), "MARLIN_PACK_DEVICE_NO_INSTALL": "1", **env}
+    _meminfo(tmp_path / "meminfo", 100)  # plenty, whatever this machine has
+    full_env = {**os.environ, "OUT": str(out), "EVENTS": str(tmp_path / "events"), "MARLIN_PACK_DEVICE_NO_INSTALL": "1",
+                "MARLIN_PACK_GPU_STAGGER_S": "0", "MARLIN_PACK_MEMINFO": str(tmp_path / "meminfo"), **env}
     proc = subprocess.run(
         ["bash", str(DEVICE_SH), "--parallel", *groups], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=120
     )
@@ -87,7 +96,7 @@ def test_at_most_jobs_runs_at_once(tmp_path: Path, suite: Path, jobs: str, order
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _events(tmp_path)[::2] == order
     assert "== a: exit 0, " in proc.stdout and "== b: exit 0, " in proc.stdout
-    assert _archived(out) == {"a.log", "b.log"} and not list(out.glob("*.log"))
+    assert _archived(out) == {"a.log", "b.log", "memory.log"} and not list(out.glob("*.log"))
 
 
 @pytest.mark.slow
@@ -110,4 +119,36 @@ def test_deadline_interrupts_reports_and_names_runs_not_started(tmp_path: Path, 
     (child,) = [int(e.split()[1]) for e in (tmp_path / "events").read_text().splitlines() if e.startswith("child ")]
     with pytest.raises(ProcessLookupError):  # the run's process group was interrupted: its child is gone
         os.kill(child, 0)
-    assert _archived(out) == {"h.log"}
+    assert _archived(out) == {"h.log", "memory.log"}
+
+
+@pytest.mark.slow
+def test_low_host_memory_stops_the_newest_run_not_the_machine(tmp_path: Path, suite: Path) -> None:
+    """MemAvailable under the guard: the run started last is stopped with what it started, named as stopped for
+    memory; the older one goes on (here until the deadline); the lowest figure is reported."""
+    meminfo = tmp_path / "meminfo"
+    _meminfo(meminfo, 100)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "EVENTS": str(tmp_path / "events"), "MARLIN_PACK_DEVICE_NO_INSTALL": "1",
+           "MARLIN_PACK_GPU_STAGGER_S": "0", "MARLIN_PACK_MEMINFO": str(meminfo), "MARLIN_PACK_GPU_DEADLINE_S": "14"}
+    proc = subprocess.Popen(["bash", str(DEVICE_SH), "--parallel", f"old:{suite} -k hangs", f"new:{suite} -k hangs"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for _ in range(200):  # both runs' children started
+        if (tmp_path / "events").exists() and _events(tmp_path).count("child") == 2:
+            break
+        time.sleep(0.05)
+    _meminfo(meminfo, 4)
+    time.sleep(3)
+    _meminfo(meminfo, 100)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stdout
+    assert "== host memory low (4 GiB available, guard 12 GiB): stopping new" in stdout
+    assert "stopping old" not in stdout
+    assert "== new: stopped, host memory low (4 GiB available): run it with fewer beside it" in stdout
+    assert "== old: exit 2, interrupted: " in stdout  # the older run went on until the deadline
+    assert "== host memory: lowest available 4 GiB (guard 12 GiB)" in stdout
+    children = [int(e.split()[1]) for e in (tmp_path / "events").read_text().splitlines() if e.startswith("child ")]
+    for child in children:  # both runs' engines are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+    assert _archived(out) == {"old.log", "new.log", "memory.log"}
