@@ -235,7 +235,7 @@ class GptqSettings(_Strict):
     checkpoint_format: str = Field(description="gptq or gptq_v2, lowercase; gptq when absent")
     lm_head: bool
     modules_in_block_to_quantize: list[str] = Field(description="flattened, as vLLM reads it")
-    dynamic: dict[str, dict[str, int | bool | str | None]] = Field(
+    dynamic: dict[str, dict[str, int | float | bool | str | None]] = Field(
         description="GPTQModel's per-module rules, in order: '-:REGEX' leaves matching vLLM layers unquantized, "
         "'+:REGEX' or 'REGEX' overrides settings of matching layers"
     )

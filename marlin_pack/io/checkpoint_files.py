@@ -136,7 +136,8 @@ def _dynamic(qc: dict) -> dict[str, dict]:
     for pattern, overrides in rules.items():
         _typed(f"dynamic[{pattern!r}]", overrides, dict, "an object of settings")
         for key, value in overrides.items():
-            if value is not None and not isinstance(value, (int, bool, str)):
+            # GPTQModel writes float settings there too (mse, damp_percent): any JSON scalar
+            if value is not None and not isinstance(value, (int, float, bool, str)):
                 _typed(f"dynamic[{pattern!r}].{key}", value, int, "a number, boolean or string")
     return rules
 

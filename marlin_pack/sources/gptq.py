@@ -59,7 +59,10 @@ class GptqV1Source:
                 f"{gs}: vLLM 0.33.0 no longer supports act-order groups; use a checkpoint quantized with desc_act=false"
             )
         if s.lm_head:  # GPTQModel writes a quantized lm_head as a dynamic override too: name the cause
-            raise UnsupportedCheckpointError("GPTQ lm_head is true (quantized lm_head); only decoder-layer linears are supported")
+            raise UnsupportedCheckpointError(
+                "GPTQ lm_head is true (a quantized lm_head), expected false: marlin-pack prepacks decoder-layer linears "
+                "only; serve this checkpoint without --load-format marlin_prepacked, or quantize it without lm_head=True"
+            )
         if s.checkpoint_format not in ("gptq", "gptq_v2"):
             raise UnsupportedCheckpointError(f"GPTQ checkpoint_format is {s.checkpoint_format!r}, expected 'gptq' or 'gptq_v2'")
         _check_uniform(s, gs)

@@ -64,7 +64,8 @@ class StageShare:
         start, end = self.layers
         span = f"layers {start}-{end - 1}" if end > start + 1 else f"layer {start}" if end > start else "none"
         return (
-            f"stage {self.pp_rank}/{self.pp_size} ({span} of {self.num_layers} layers): {_size(self.rank_bytes)} of "
+            f"stage {self.pp_rank}/{self.pp_size} ({span} of {self.num_layers} layer{'s' * (self.num_layers != 1)}): "
+            f"{_size(self.rank_bytes)} of "
             f"{_size(self.rank_file_bytes)} of the rank file, {_size(self.common_bytes)} of {_size(self.common_file_bytes)} "
             "of the common file"
         )

@@ -75,3 +75,13 @@ def test_regex_that_overflows_the_compiler_is_refused(make_checkpoint, tmp_path:
     model = _with_dynamic(make_checkpoint("gptq", "tiny"), tmp_path / "m", {rule: {}})
     with pytest.raises(UnsupportedCheckpointError, match=r"GPTQ dynamic rule .* is not a valid regular expression"):
         convert(model)
+
+
+def test_float_settings_in_a_rule_are_read(make_checkpoint, tmp_path: Path) -> None:
+    """GPTQModel writes float settings into its rules (``mse``, ``damp_percent``): numbers, not malformed; a rule
+    that keeps the layer's scheme converts as without them."""
+    rule = {r"+:.*self_attn.*": {"bits": 4, "group_size": 128, "mse": 2.4, "damp_percent": 0.05}}
+    model = _with_dynamic(make_checkpoint("gptq", "tiny"), tmp_path / "m", rule)
+    manifest = convert(model).manifest
+    assert manifest.source.quant_settings.dynamic == rule
+    assert "model.layers.0.self_attn.qkv_proj" in {e.name for e in manifest.tensor_parallel[0].layers}

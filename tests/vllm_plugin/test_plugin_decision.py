@@ -180,6 +180,8 @@ def test_a_named_partition_moves_a_stages_share(awq_bundle: Path, monkeypatch: p
     assert set(last.common_header.tensors) == {"model.norm.weight", "lm_head.weight"}
     assert first.text().startswith("stage 0/2 (layers 0-1 of 2 layers): ")
     assert last.text().startswith("stage 1/2 (none of 2 layers): 0.0 kB of ")
+    one = dataclasses.replace(first, layers=(0, 1), num_layers=1)
+    assert one.text().startswith("stage 0/2 (layer 0 of 1 layer): ")
 
 
 # --- source and bundle files ------------------------------------------------------------------
