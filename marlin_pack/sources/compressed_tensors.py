@@ -272,7 +272,7 @@ def _check_group(name: str, w: CompressedTensorsWeights, fmt: str | None, input_
     if w.symmetric is False and w.num_bits != 4:
         raise UnsupportedCheckpointError(
             f"{where} is {w.num_bits}-bit asymmetric: vLLM 0.33.0's Marlin runs zero points only for 4-bit (uint4); "
-            "vLLM would pick another kernel"
+            "serve it without --load-format marlin_prepacked (vLLM picks another kernel, if one takes it)"
         )
     if w.strategy == "channel":
         gs = -1

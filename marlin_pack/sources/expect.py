@@ -40,7 +40,8 @@ def check_group_size(group_size: object, where: str) -> int:
     if isinstance(group_size, bool) or group_size not in SUPPORTED_GROUP_SIZES:
         accepted = ", ".join(map(str, SUPPORTED_GROUP_SIZES))
         raise UnsupportedCheckpointError(
-            f"{where} group_size is {group_size!r}, expected one of {accepted} (Marlin's group sizes in vLLM 0.33.0)"
+            f"{where} group_size is {group_size!r}, expected one of {accepted} (Marlin's group sizes in vLLM 0.33.0); "
+            "serve it without --load-format marlin_prepacked (vLLM picks another kernel, if one takes it)"
         )
     return int(group_size)  # type: ignore[call-overload]
 

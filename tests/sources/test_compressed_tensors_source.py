@@ -59,9 +59,10 @@ def _edit(edit) -> dict:
     "edit,message",
     [
         (lambda qc: _weights(qc).update(num_bits=8, symmetric=False),
-         "8-bit asymmetric: vLLM 0.33.0's Marlin runs zero points only for 4-bit"),
+         "8-bit asymmetric: vLLM 0.33.0's Marlin runs zero points only for 4-bit.*; serve it without --load-format marlin_prepacked"),
         (lambda qc: _weights(qc).update(num_bits=2), "num_bits is 2, expected 4 or 8"),
-        (lambda qc: _weights(qc).update(group_size=256), "group_size is 256, expected one of -1, 32, 64, 128"),
+        (lambda qc: _weights(qc).update(group_size=256),
+         "group_size is 256, expected one of -1, 32, 64, 128 .*; serve it without --load-format marlin_prepacked"),
         (lambda qc: _weights(qc).update(group_size=16), "group_size is 16"),
         (lambda qc: _weights(qc).update(type="float", num_bits=8), "type is 'float', expected 'int'"),
         (lambda qc: _weights(qc).update(strategy="tensor", group_size=None), "strategy is 'tensor', expected 'channel' or 'group'"),
