@@ -5,6 +5,7 @@ from __future__ import annotations
 from enum import Enum, unique
 
 __all__ = [
+    "SERVE_WITHOUT",
     "MarlinPackError",
     "CheckpointError",
     "UnsupportedCheckpointError",
@@ -26,6 +27,10 @@ class CheckpointError(MarlinPackError):
 
 class UnsupportedCheckpointError(MarlinPackError, ValueError):
     """The checkpoint is valid but vLLM 0.33.0 would not serve it through Marlin."""
+
+
+# What to do where vLLM may still serve the checkpoint its own way: the end of such a refusal.
+SERVE_WITHOUT = "serve it without --load-format marlin_prepacked (vLLM picks its own kernel, if one takes it)"
 
 
 class BundleError(MarlinPackError):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.errors import SERVE_WITHOUT, UnsupportedCheckpointError
 from marlin_pack.marlin.hf_config import top_config
 from marlin_pack.marlin.moe import (
     MOE_ARCHITECTURES,
@@ -121,7 +121,9 @@ def _check_ct_experts(source: QuantSource, dims: ModelDims, config: dict) -> Non
 def _config_int(config: dict, key: str, arch: str) -> int:
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UnsupportedCheckpointError(f"config.json {key} is {value!r}, expected a positive integer ({arch})")
+        raise UnsupportedCheckpointError(
+            f"config.json {key} is {value!r}, expected a positive integer ({arch}); restore the checkpoint's config.json"
+        )
     return value
 
 
@@ -176,7 +178,7 @@ def plan_moe(ckpt: Checkpoint, source: QuantSource, dims: ModelDims, tp_sizes: l
                 module = f"{prefix}.{leaf}"
                 source.validate(ckpt, module, k, n)
                 if f"{module}.bias" in ckpt.tensors:
-                    raise UnsupportedCheckpointError(f"{module}.bias: expert biases are not supported")
+                    raise UnsupportedCheckpointError(f"{module}.bias: expert biases are not supported; {SERVE_WITHOUT}")
                 owned.update(t for t in source.tensor_names(module) if t in ckpt.tensors)
     return plan, owned
 

@@ -95,7 +95,8 @@ def plan_conversion(
                 )
             biases = [f"{m.prefix}.bias" in ckpt.tensors for m in modules]
             if any(biases) and not all(biases):
-                raise UnsupportedCheckpointError(f"{spec.name}: only some fused parts have a bias; vLLM needs all or none")
+                raise UnsupportedCheckpointError(f"{spec.name}: only some fused parts have a bias; vLLM needs all or none: "
+                                                 "the checkpoint is incomplete, restore it")
             for m in modules:
                 source.validate(ckpt, m.prefix, m.size_k, m.size_n)
                 owned.update(n for n in source.tensor_names(m.prefix) if n in ckpt.tensors)

@@ -41,7 +41,8 @@ def _get(config: dict, arch: Architecture, key: str) -> object:
 def _int(config: dict, arch: Architecture, key: str, *, minimum: int = 1) -> int:
     value = _get(config, arch, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UnsupportedCheckpointError(f"config.json {key} is {value!r}, expected an integer >= {minimum} ({arch.name})")
+        raise UnsupportedCheckpointError(f"config.json {key} is {value!r}, expected an integer >= {minimum} ({arch.name}); "
+                                          "restore the checkpoint's config.json")
     return value
 
 

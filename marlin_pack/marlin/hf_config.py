@@ -180,7 +180,9 @@ def language_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if text is None:
         return resolve(config, cls.text)
     if not isinstance(text, dict):
-        raise UnsupportedCheckpointError(f"config.json text_config is {type(text).__name__}, expected an object")
+        raise UnsupportedCheckpointError(
+            f"config.json text_config is {type(text).__name__}, expected an object; restore the checkpoint's config.json"
+        )
     own = text.get("model_type")
     known = isinstance(own, str) and own in CONFIG_CLASSES and CONFIG_CLASSES[own].text is None
     return resolve(text, own if known else cls.text)

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.errors import SERVE_WITHOUT, UnsupportedCheckpointError
 from marlin_pack.marlin.packed_codes import PackedCodes, cat_columns
 from marlin_pack.marlin.repack import pack_marlin_zero_points, pad2d, permute_scales, unpack_cols
 from marlin_pack.marlin.sharding import ModuleTensors
@@ -216,7 +216,7 @@ def expert_naming(arch: MoeArchitecture, names: Iterable[str], layers: str, laye
     if len(found) > 1:
         raise UnsupportedCheckpointError(
             f"decoder layer {layer} names its experts both {found[0].describe()} and {found[1].describe()}; "
-            "expected one naming per layer"
+            "expected one naming per layer: the checkpoint is inconsistent, restore it"
         )
     if found:
         return found[0]
@@ -255,13 +255,18 @@ def moe_rank_shape(num_experts: int, hidden: int, intermediate: int, tp: int, sc
     (``ct``: compressed-tensors experts, whose method refuses a group split across ranks outright)."""
     g = scheme.group_size
     if g not in _MARLIN_GROUPS:
-        raise UnsupportedCheckpointError(f"experts: group_size {g} is not one of {_MARLIN_GROUPS} (Marlin MoE)")
+        raise UnsupportedCheckpointError(f"experts: group_size {g} is not one of {_MARLIN_GROUPS} (Marlin MoE); {SERVE_WITHOUT}")
     if awq and g == -1:
-        raise UnsupportedCheckpointError("experts: AWQ with group_size -1 cannot be loaded by vLLM 0.33.0's AutoAWQMoEMethod")
+        raise UnsupportedCheckpointError("experts: AWQ with group_size -1 cannot be loaded by vLLM 0.33.0's AutoAWQMoEMethod; "
+                                         "quantize with group size 32, 64 or 128")
     if hidden % 128:
-        raise UnsupportedCheckpointError(f"experts: hidden_size {hidden} is not a multiple of 128; vLLM 0.33.0's Marlin MoE refuses it")
+        raise UnsupportedCheckpointError(
+            f"experts: hidden_size {hidden} is not a multiple of 128; vLLM 0.33.0's Marlin MoE refuses it; {SERVE_WITHOUT}"
+        )
     if intermediate % tp:
-        raise UnsupportedCheckpointError(f"experts: intermediate size {intermediate} is not divisible by --tp {tp}")
+        raise UnsupportedCheckpointError(
+            f"experts: intermediate size {intermediate} is not divisible by --tp {tp}; choose a --tp that divides it"
+        )
     i_part = intermediate // tp
     if g > 0 and i_part % g and ct:
         raise UnsupportedCheckpointError(
@@ -420,7 +425,7 @@ def read_expert(source: Any, ckpt: Any, naming: ExpertNaming, prefix: str, hidde
         source.validate(ckpt, name, k, n)
         m = source.read(ckpt, name, k, n, device)
         if m.bias is not None:
-            raise UnsupportedCheckpointError(f"{name}.bias: expert biases are not supported")
+            raise UnsupportedCheckpointError(f"{name}.bias: expert biases are not supported; {SERVE_WITHOUT}")
         if source.format is SourceFormat.gptq_v1:
             m.zeros = unpack_cols(ckpt.get(f"{name}.qzeros").to(device), source.bits)
         mods[leaf] = m

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.errors import SERVE_WITHOUT, UnsupportedCheckpointError
 from marlin_pack.marlin.architectures import (
     ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -163,9 +163,13 @@ _MAX_CONFIG_DIM = 1 << 24
 def _int(config: dict, key: str) -> int:
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UnsupportedCheckpointError(f"config.json {key} is {value!r}, expected a positive integer")
+        raise UnsupportedCheckpointError(
+            f"config.json {key} is {value!r}, expected a positive integer; restore the checkpoint's config.json"
+        )
     if value > _MAX_CONFIG_DIM:
-        raise UnsupportedCheckpointError(f"config.json {key} is {value}, expected at most {_MAX_CONFIG_DIM}; the config is corrupt")
+        raise UnsupportedCheckpointError(
+            f"config.json {key} is {value}, expected at most {_MAX_CONFIG_DIM}; the config is corrupt, restore it"
+        )
     return value
 
 
@@ -195,7 +199,7 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
     if arch is None:
         why = f" ({UNSUPPORTED_ARCHITECTURES[name]})" if name in UNSUPPORTED_ARCHITECTURES else ""
         raise UnsupportedCheckpointError(
-            f"architecture is {name!r}{why}, expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"architecture is {name!r}{why}, expected one of {', '.join(SUPPORTED_ARCHITECTURES)}; {SERVE_WITHOUT}"
         )
     cfg = {k: v for k, v in text.items() if v is not None}
     if "vocab_size" in cfg:  # vLLM sizes the embeddings and lm_head by it (absent: transformers' default)

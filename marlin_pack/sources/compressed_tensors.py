@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
+from marlin_pack.errors import SERVE_WITHOUT, CheckpointError, UnsupportedCheckpointError
 from marlin_pack.marlin.packed_codes import PackedCodes
 from marlin_pack.schemas import CompressedTensorsSettings, CompressedTensorsWeights, QuantScheme, SourceFormat, WeightType
 from marlin_pack.sources.base import ModuleTensors
@@ -255,7 +255,7 @@ def _check_group(name: str, w: CompressedTensorsWeights, fmt: str | None, input_
             "for pack-quantized weights"
         )
     if w.dynamic:
-        raise UnsupportedCheckpointError(f"{where} weights dynamic is true: vLLM 0.33.0 has no dynamic weight-only scheme")
+        raise UnsupportedCheckpointError(f"{where} weights dynamic is true: vLLM 0.33.0 has no dynamic weight-only scheme; {SERVE_WITHOUT}")
     if w.actorder == "group":
         raise UnsupportedCheckpointError(
             f"{where} actorder is 'group' (or 'dynamic'/true): vLLM 0.33.0 no longer supports compressed-tensors "
@@ -263,16 +263,18 @@ def _check_group(name: str, w: CompressedTensorsWeights, fmt: str | None, input_
         )
     if w.strategy not in ("channel", "group"):
         raise UnsupportedCheckpointError(
-            f"{where} weights strategy is {w.strategy!r}, expected 'channel' or 'group' (vLLM 0.33.0's WNA16 scheme)"
+            f"{where} weights strategy is {w.strategy!r}, expected 'channel' or 'group' (vLLM 0.33.0's WNA16 scheme); "
+            f"{SERVE_WITHOUT}"
         )
     if w.num_bits not in (4, 8):
         raise UnsupportedCheckpointError(
-            f"{where} num_bits is {w.num_bits!r}, expected 4 or 8: vLLM 0.33.0's Marlin runs only 4- and 8-bit weights"
+            f"{where} num_bits is {w.num_bits!r}, expected 4 or 8: vLLM 0.33.0's Marlin runs only 4- and 8-bit weights; "
+            f"{SERVE_WITHOUT}"
         )
     if w.symmetric is False and w.num_bits != 4:
         raise UnsupportedCheckpointError(
             f"{where} is {w.num_bits}-bit asymmetric: vLLM 0.33.0's Marlin runs zero points only for 4-bit (uint4); "
-            "serve it without --load-format marlin_prepacked (vLLM picks another kernel, if one takes it)"
+            f"{SERVE_WITHOUT}"
         )
     if w.strategy == "channel":
         gs = -1

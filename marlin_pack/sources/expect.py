@@ -7,7 +7,7 @@ import re
 import torch
 
 from marlin_pack._constants import SUPPORTED_GROUP_SIZES
-from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
+from marlin_pack.errors import SERVE_WITHOUT, CheckpointError, UnsupportedCheckpointError
 from marlin_pack.sources.checkpoint import Checkpoint
 
 __all__ = ["expect", "expect_scales", "check_group_size", "num_groups", "check_regex"]
@@ -41,7 +41,7 @@ def check_group_size(group_size: object, where: str) -> int:
         accepted = ", ".join(map(str, SUPPORTED_GROUP_SIZES))
         raise UnsupportedCheckpointError(
             f"{where} group_size is {group_size!r}, expected one of {accepted} (Marlin's group sizes in vLLM 0.33.0); "
-            "serve it without --load-format marlin_prepacked (vLLM picks another kernel, if one takes it)"
+            f"{SERVE_WITHOUT}"
         )
     return int(group_size)  # type: ignore[call-overload]
 
@@ -51,7 +51,8 @@ def num_groups(size_k: int, group_size: int, name: str) -> int:
     if group_size == -1:
         return 1
     if size_k % group_size:
-        raise UnsupportedCheckpointError(f"{name}: {size_k} input features are not a multiple of group_size {group_size}")
+        raise UnsupportedCheckpointError(f"{name}: {size_k} input features are not a multiple of group_size {group_size}; "
+                                         "the checkpoint does not match its quantization_config, restore it")
     return size_k // group_size
 
 

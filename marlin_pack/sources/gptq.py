@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from marlin_pack.errors import CheckpointError, UnsupportedCheckpointError
+from marlin_pack.errors import SERVE_WITHOUT, CheckpointError, UnsupportedCheckpointError
 from marlin_pack.marlin.packed_codes import PackedCodes, repeated_word
 from marlin_pack.schemas import GptqSettings, QuantScheme, SourceFormat, WeightType
 from marlin_pack.sources.base import ModuleTensors
@@ -47,7 +47,7 @@ class GptqV1Source:
     def from_settings(cls, s: GptqSettings) -> GptqV1Source:
         """The reader for these settings, or a one-line refusal if vLLM 0.33.0 would not serve them through Marlin."""
         if s.bits not in (4, 8):
-            raise UnsupportedCheckpointError(f"GPTQ bits is {s.bits!r}, expected 4 or 8 (vLLM 0.33.0 Marlin)")
+            raise UnsupportedCheckpointError(f"GPTQ bits is {s.bits!r}, expected 4 or 8 (vLLM 0.33.0 Marlin); {SERVE_WITHOUT}")
         if s.sym is not True:
             raise UnsupportedCheckpointError(
                 f"GPTQ sym is {s.sym!r}, expected true: vLLM 0.33.0 does not serve asymmetric GPTQ; use a symmetric checkpoint"
@@ -64,7 +64,9 @@ class GptqV1Source:
                 "only; serve this checkpoint without --load-format marlin_prepacked, or quantize it without lm_head=True"
             )
         if s.checkpoint_format not in ("gptq", "gptq_v2"):
-            raise UnsupportedCheckpointError(f"GPTQ checkpoint_format is {s.checkpoint_format!r}, expected 'gptq' or 'gptq_v2'")
+            raise UnsupportedCheckpointError(
+                f"GPTQ checkpoint_format is {s.checkpoint_format!r}, expected 'gptq' or 'gptq_v2'; {SERVE_WITHOUT}"
+            )
         _check_uniform(s, gs)
         return cls(s.bits, gs, 1 if s.checkpoint_format == "gptq" else 0, s.dynamic)
 

@@ -73,7 +73,8 @@ def test_mtp_layers_are_skipped_prefixes() -> None:
 
 @pytest.mark.parametrize("change,match", [
     ({"qk_nope_head_dim": 0, "qk_rope_head_dim": 0}, r"uses vLLM's multi-head attention path"),
-    ({"kv_lora_rank": None}, r"^config\.json kv_lora_rank is None, expected an integer >= 1 \(DeepseekV2ForCausalLM\)$"),
+    ({"kv_lora_rank": None},
+     r"^config\.json kv_lora_rank is None, expected an integer >= 1 \(DeepseekV2ForCausalLM\); restore the checkpoint's config\.json$"),
     ({"n_routed_experts": None}, r"without n_routed_experts has no routed experts"),
 ])
 def test_config_refusals(change: dict, match: str) -> None:
