@@ -114,3 +114,22 @@ def test_a_stage_loads_exactly_the_common_tensors_stage_common_gives_it(tmp_path
             towers = {n for n in got - want if n.startswith(_TOWERS)} if multimodal else set()
             assert got - towers == want, (kind, pp, stage, sorted(got ^ want))
         assert set().union(*held) >= {n for n in common if ".layers." in n}  # every layer's tensors somewhere
+
+
+def test_each_oracle_model_gets_a_fresh_pipeline_missing_cache(tmp_path: Path) -> None:
+    """vLLM caches a model's pipeline-missing layers by ``id(model)`` for the life of the process; a model built at a
+    dead one's address would load with the dead one's list (seen: a DeepSeek stage model raising KeyError for a layer
+    it lacks, a TP oracle leaving a weight unloaded). Each oracle context starts with an empty cache."""
+    import vllm.model_executor.models.utils as model_utils
+    from stage_checkpoints import dtype_of, write_stage_bundle
+
+    from oracles.vllm_stage_reference import stage_model
+
+    model = write_stage_bundle(tmp_path / "m", "llama", 5, tp=(1,))
+    with stage_model(model, 1, 0, dtype_of("llama"), (3, 1)) as (m, _):
+        assert "model.layers.4." in model_utils.get_pp_missing_layer_names(m)
+        model_utils._model_to_pp_missing_layer_names[-1] = []  # what a dead model leaves behind
+    with stage_model(model, 1, 0, dtype_of("llama"), (3, 2)) as (m, _):
+        assert -1 not in model_utils._model_to_pp_missing_layer_names
+        assert "model.layers.0." in model_utils.get_pp_missing_layer_names(m)
+    assert -1 not in model_utils._model_to_pp_missing_layer_names  # the process's own cache was left as it was

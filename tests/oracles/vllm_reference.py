@@ -355,6 +355,12 @@ def _patched(tp_size: int, rank: int, kernel: str = "marlin", pp: tuple[int, int
         setattr_saved(v.marlin_mod, "ops", _OpsProxy(v.marlin_mod.ops))
         setattr_saved(v.machete_mod, "ops", _MacheteOpsProxy(v.machete_mod.ops))
         setattr_saved(v.attention, "get_attn_backend", lambda *a, **k: v.cpu_attention_backend)
+        # vLLM caches each model's pipeline-missing layers by id(model) for the life of the process (one model per
+        # engine process). The oracles build many: a new model at a dead one's address would get the dead one's
+        # list, and its load_weights would skip (or fail on) the wrong layers. Each oracle model gets a fresh cache.
+        import vllm.model_executor.models.utils as model_utils
+
+        setattr_saved(model_utils, "_model_to_pp_missing_layer_names", {})
         if v.envs.VLLM_MARLIN_INPUT_DTYPE is not None or v.envs.VLLM_BATCH_INVARIANT:
             raise RuntimeError("could not clear VLLM_MARLIN_INPUT_DTYPE / VLLM_BATCH_INVARIANT")
         yield v
