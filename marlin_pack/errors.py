@@ -6,6 +6,7 @@ from enum import Enum, unique
 
 __all__ = [
     "SERVE_WITHOUT",
+    "RESTORE_CONFIG",
     "MarlinPackError",
     "CheckpointError",
     "UnsupportedCheckpointError",
@@ -31,6 +32,8 @@ class UnsupportedCheckpointError(MarlinPackError, ValueError):
 
 # What to do where vLLM may still serve the checkpoint its own way: the end of such a refusal.
 SERVE_WITHOUT = "serve it without --load-format marlin_prepacked (vLLM picks its own kernel, if one takes it)"
+# What to do where the checkpoint's config.json holds what no model has: the end of such a refusal.
+RESTORE_CONFIG = "restore the checkpoint's config.json"
 
 
 class BundleError(MarlinPackError):

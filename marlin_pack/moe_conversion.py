@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from marlin_pack.errors import SERVE_WITHOUT, UnsupportedCheckpointError
+from marlin_pack.errors import RESTORE_CONFIG, SERVE_WITHOUT, UnsupportedCheckpointError
 from marlin_pack.marlin.hf_config import top_config
 from marlin_pack.marlin.moe import (
     MOE_ARCHITECTURES,
@@ -122,7 +122,7 @@ def _config_int(config: dict, key: str, arch: str) -> int:
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise UnsupportedCheckpointError(
-            f"config.json {key} is {value!r}, expected a positive integer ({arch}); restore the checkpoint's config.json"
+            f"config.json {key} is {value!r}, expected a positive integer ({arch}); {RESTORE_CONFIG}"
         )
     return value
 

@@ -23,7 +23,7 @@ v_head_dim (o_proj's input), ``se`` the shared experts' width.
 
 from __future__ import annotations
 
-from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.errors import RESTORE_CONFIG, UnsupportedCheckpointError
 from marlin_pack.marlin.architectures import Architecture, Linear, MlaLayout
 from marlin_pack.marlin.hf_config import ARCHITECTURE_MODEL_TYPES, CONFIG_CLASSES
 
@@ -41,8 +41,9 @@ def _get(config: dict, arch: Architecture, key: str) -> object:
 def _int(config: dict, arch: Architecture, key: str, *, minimum: int = 1) -> int:
     value = _get(config, arch, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UnsupportedCheckpointError(f"config.json {key} is {value!r}, expected an integer >= {minimum} ({arch.name}); "
-                                          "restore the checkpoint's config.json")
+        raise UnsupportedCheckpointError(
+            f"config.json {key} is {value!r}, expected an integer >= {minimum} ({arch.name}); {RESTORE_CONFIG}"
+        )
     return value
 
 

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from marlin_pack.errors import UnsupportedCheckpointError
+from marlin_pack.errors import RESTORE_CONFIG, UnsupportedCheckpointError
 
 __all__ = ["ConfigClass", "CONFIG_CLASSES", "ARCHITECTURE_MODEL_TYPES", "language_config", "top_config", "resolve"]
 
@@ -181,7 +181,7 @@ def language_config(config: Mapping[str, Any]) -> dict[str, Any]:
         return resolve(config, cls.text)
     if not isinstance(text, dict):
         raise UnsupportedCheckpointError(
-            f"config.json text_config is {type(text).__name__}, expected an object; restore the checkpoint's config.json"
+            f"config.json text_config is {type(text).__name__}, expected an object; {RESTORE_CONFIG}"
         )
     own = text.get("model_type")
     known = isinstance(own, str) and own in CONFIG_CLASSES and CONFIG_CLASSES[own].text is None

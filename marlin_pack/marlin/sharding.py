@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from marlin_pack.errors import SERVE_WITHOUT, UnsupportedCheckpointError
+from marlin_pack.errors import RESTORE_CONFIG, SERVE_WITHOUT, UnsupportedCheckpointError
 from marlin_pack.marlin.architectures import (
     ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -164,7 +164,7 @@ def _int(config: dict, key: str) -> int:
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise UnsupportedCheckpointError(
-            f"config.json {key} is {value!r}, expected a positive integer; restore the checkpoint's config.json"
+            f"config.json {key} is {value!r}, expected a positive integer; {RESTORE_CONFIG}"
         )
     if value > _MAX_CONFIG_DIM:
         raise UnsupportedCheckpointError(

@@ -59,15 +59,20 @@ def _meminfo(path: Path, free_gib: int) -> None:
     path.write_text(f"MemTotal:       131072000 kB\nMemAvailable:   {free_gib * 1048576} kB\n")
 
 
+def _env(tmp_path: Path, **env: str) -> dict[str, str]:
+    """device.sh's environment here: output under tmp_path, no install, no stagger, a stand-in meminfo with plenty
+    free (whatever this machine has) unless ``env`` names another."""
+    if not (tmp_path / "meminfo").exists():
+        _meminfo(tmp_path / "meminfo", 100)
+    return {**os.environ, "OUT": str(tmp_path / "out"), "EVENTS": str(tmp_path / "events"),
+            "MARLIN_PACK_DEVICE_NO_INSTALL": "1", "MARLIN_PACK_GPU_STAGGER_S": "0",
+            "MARLIN_PACK_MEMINFO": str(tmp_path / "meminfo"), **env}
+
+
 def _device_sh(tmp_path: Path, *groups: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path / "out"
-    _meminfo(tmp_path / "meminfo", 100)  # plenty, whatever this machine has
-    full_env = {**os.environ, "OUT": str(out), "EVENTS": str(tmp_path / "events"), "MARLIN_PACK_DEVICE_NO_INSTALL": "1",
-                "MARLIN_PACK_GPU_STAGGER_S": "0", "MARLIN_PACK_MEMINFO": str(tmp_path / "meminfo"), **env}
-    proc = subprocess.run(
-        ["bash", str(DEVICE_SH), "--parallel", *groups], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=120
-    )
-    return proc, out
+    proc = subprocess.run(["bash", str(DEVICE_SH), "--parallel", *groups], cwd=REPO, env=_env(tmp_path, **env),
+                          capture_output=True, text=True, timeout=120)
+    return proc, tmp_path / "out"
 
 
 @pytest.fixture
@@ -126,13 +131,10 @@ def test_deadline_interrupts_reports_and_names_runs_not_started(tmp_path: Path, 
 def test_low_host_memory_stops_the_newest_run_not_the_machine(tmp_path: Path, suite: Path) -> None:
     """MemAvailable under the guard: the run started last is stopped with what it started, named as stopped for
     memory; the older one goes on (here until the deadline); the lowest figure is reported."""
-    meminfo = tmp_path / "meminfo"
-    _meminfo(meminfo, 100)
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "EVENTS": str(tmp_path / "events"), "MARLIN_PACK_DEVICE_NO_INSTALL": "1",
-           "MARLIN_PACK_GPU_STAGGER_S": "0", "MARLIN_PACK_MEMINFO": str(meminfo), "MARLIN_PACK_GPU_DEADLINE_S": "14"}
-    proc = subprocess.Popen(["bash", str(DEVICE_SH), "--parallel", f"old:{suite} -k hangs", f"new:{suite} -k hangs"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    meminfo, out = tmp_path / "meminfo", tmp_path / "out"
+    proc = subprocess.Popen(["bash", str(DEVICE_SH), "--parallel", f"old:{suite} -k hangs", f"new:{suite} -k hangs"], cwd=REPO,
+                            env=_env(tmp_path, MARLIN_PACK_GPU_DEADLINE_S="14"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     for _ in range(200):  # both runs' children started
         if (tmp_path / "events").exists() and _events(tmp_path).count("child") == 2:
             break
