@@ -97,6 +97,26 @@ POKE = {"qwen3moe-gptq4": f"{MOE_EXPERTS}.w13_qweight", "qwen3moe-ct4-asym": f"{
 _SELECTED = os.environ.get("MARLIN_PACK_TEST_DAEMON_MODELS")
 MODELS = {n: v for n, v in ALL_MODELS.items() if not _SELECTED or n in _SELECTED.split(",")}
 STARTS = ["ordinary", "fallback", "attach1", "attach2"]
+# Tests that read a model other than a `name` parameter: the model each reads.
+READS = {
+    "test_plain_vllm_preload_gets_the_plugin": "gptq8",
+    "test_machete_layers_are_shared": "awq4",
+    "test_int8_activations_are_refused": "gptq4",
+}
+TIMINGS = "test_fill_and_load_timings"  # times the first model started: awq4 when no other is
+
+
+def models_to_start(selected: list[tuple[str, str | None]]) -> list[str]:
+    """The models whose engines and daemon the selected tests read, in ``MODELS`` order.
+
+    ``selected`` holds (test function, its ``name`` parameter or None) of each selected test. A ``-k``
+    selection starts only these: every model is four engines and a daemon, and all nine at once, in each of
+    several selections side by side, took a 128 GiB machine down (2026-12-06).
+    """
+    names = {param or READS.get(test) for test, param in selected} - {None}
+    if not names and any(test == TIMINGS for test, _ in selected):
+        names = {"awq4"}
+    return [n for n in MODELS if n in names]
 
 
 def _kernel(name: str) -> str:
@@ -190,10 +210,17 @@ class Results:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
     workdir = tmp_path_factory.mktemp("daemon-gpu")
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    models = {name: _write(name, workdir / name) for name in MODELS if hopper or _kernel(name) != "machete"}
+    selected = [
+        (item.originalname, getattr(item, "callspec", None) and item.callspec.params.get("name"))
+        for item in request.session.items
+        if item.module.__name__ == __name__
+    ]
+    wanted, tests = models_to_start(selected), {test for test, _ in selected}
+    print(f"marlin-pack: starting the models the selected tests read: {', '.join(wanted)}")
+    models = {name: _write(name, workdir / name) for name in wanted if hopper or _kernel(name) != "machete"}
     cluster = Cluster(workdir)
     try:
         empty = cluster.socket_dir()  # no daemon there: the disk-fallback engines
@@ -206,7 +233,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
             for name in models
         }
         # Machete exists on SM90 only (H100/H200); elsewhere this daemon is not started.
-        machete_sdir = cluster.socket_dir() if hopper and "awq4" in models else None
+        machete_sdir = cluster.socket_dir() if hopper and "test_machete_layers_are_shared" in tests else None
         machete = (
             None
             if machete_sdir is None
@@ -246,7 +273,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         ready = {name: wait_socket(daemons[name], sdirs[name]) for name in models}
         assert all(ready.values()), "\n".join(daemons[n].tail() for n, ok in ready.items() if not ok)
         # int8 activations attach to a ready daemon with fallback on: refused all the same.
-        int8 = None if "gptq4" not in models else cluster.engine(
+        int8 = None if "test_int8_activations_are_refused" not in tests else cluster.engine(
             "gptq4-int8",
             models["gptq4"],
             env={"VLLM_MARLIN_INPUT_DTYPE": "int8"},
