@@ -250,8 +250,10 @@ def _engine_main(spec_path: str) -> None:
 # --- processes --------------------------------------------------------------------------------
 
 # Rendezvous ports (VLLM_PORT) of processes started together: distinct across every Cluster of this
-# process that is not given its own base port.
-_PORTS = itertools.count(21040, 40)
+# process that is not given its own base port. Pytest runs side by side need bases far enough apart:
+# `tests/on_gpu/device.sh --parallel` gives each its own MARLIN_PACK_TEST_PORT_BASE (two runs counting from the
+# same base made two weight-cache daemons bind one port, EADDRINUSE, on 2026-12-06).
+_PORTS = itertools.count(int(os.environ.get("MARLIN_PACK_TEST_PORT_BASE", "21040")), 40)
 
 
 def process_env(port: int, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -60,9 +60,11 @@ jobs_max=${MARLIN_PACK_GPU_JOBS:-6}
 deadline=${MARLIN_PACK_GPU_DEADLINE_S:-0}
 names=() groups=() pids=() codes=()
 for group in "$@"; do names+=("${group%%:*}") groups+=("${group#*:}"); done
-start_run() {  # INDEX: the group's pytest arguments as a shell would split them (quotes kept: -k 'a or b')
+start_run() {  # INDEX: the group's pytest arguments as a shell would split them (quotes kept: -k 'a or b'); each run's
+  # engines and daemons count their rendezvous ports (VLLM_PORT) from a base of its own, 2,000 ports apart, below
+  # the ephemeral range
   local name=${names[$1]}
-  eval "run_pytest \"\$out/\$name.log\" ${groups[$1]}" &
+  MARLIN_PACK_TEST_PORT_BASE=$((10040 + ($1 % 11) * 2000)) eval "run_pytest \"\$out/\$name.log\" ${groups[$1]}" &
   pids[$1]=$!
 }
 reap() {  # records the exit code of every started run that ended; sets $running to how many still run
