@@ -97,11 +97,13 @@ POKE = {"qwen3moe-gptq4": f"{MOE_EXPERTS}.w13_qweight", "qwen3moe-ct4-asym": f"{
 _SELECTED = os.environ.get("MARLIN_PACK_TEST_DAEMON_MODELS")
 MODELS = {n: v for n, v in ALL_MODELS.items() if not _SELECTED or n in _SELECTED.split(",")}
 STARTS = ["ordinary", "fallback", "attach1", "attach2"]
-# Tests that read a model other than a `name` parameter: the model each reads.
-READS = {
-    "test_plain_vllm_preload_gets_the_plugin": "gptq8",
-    "test_machete_layers_are_shared": "awq4",
-    "test_int8_activations_are_refused": "gptq4",
+# The models of the tests without a `name` parameter: the daemon filled by plain `vllm preload`, the checkpoint
+# of the Machete daemon, the model the int8 engine attaches to.
+PLAIN_PRELOAD, MACHETE_DAEMON, INT8 = "gptq8", "awq4", "gptq4"
+READS = {  # test -> the model it reads
+    "test_plain_vllm_preload_gets_the_plugin": PLAIN_PRELOAD,
+    "test_machete_layers_are_shared": MACHETE_DAEMON,
+    "test_int8_activations_are_refused": INT8,
 }
 TIMINGS = "test_fill_and_load_timings"  # times the first model started: awq4 when no other is
 
@@ -228,7 +230,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         vllm_cli = plugin_installed()
         daemons = {
             name: cluster.daemon(
-                f"daemon-{name}", models[name], sdirs[name], vllm_cli=vllm_cli and name == "gptq8", env=DAEMON_IO.get(name)
+                f"daemon-{name}", models[name], sdirs[name], vllm_cli=vllm_cli and name == PLAIN_PRELOAD, env=DAEMON_IO.get(name)
             )
             for name in models
         }
@@ -239,7 +241,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             if machete_sdir is None
             else cluster.daemon(
                 "daemon-machete",
-                models["awq4"],
+                models[MACHETE_DAEMON],
                 machete_sdir,
                 "--load-format",
                 "auto",
@@ -275,10 +277,10 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         # int8 activations attach to a ready daemon with fallback on: refused all the same.
         int8 = None if "test_int8_activations_are_refused" not in tests else cluster.engine(
             "gptq4-int8",
-            models["gptq4"],
+            models[INT8],
             env={"VLLM_MARLIN_INPUT_DTYPE": "int8"},
             load_format="ipc_cache",
-            model_loader_extra_config={"socket_dir": str(sdirs["gptq4"]), "fallback": True},
+            model_loader_extra_config={"socket_dir": str(sdirs[INT8]), "fallback": True},
         )
         results: dict[tuple[str, str], dict[str, Any]] = {}
         for key, proc in engines.items():
@@ -391,9 +393,9 @@ def test_daemons_filled_from_the_bundle(run: Results, name: str) -> None:
         assert "exit in the background" in log, proc.tail()
     if name in DAEMON_IO:  # common_during_build: the embedding and the head copied beside the construction
         assert "(2 of its names copied beside the construction)" in log, proc.tail()
-    if name == "gptq8" and run.vllm_cli_daemon:
+    if name == PLAIN_PRELOAD and run.vllm_cli_daemon:
         assert "marlin-pack: vllm preload" not in log  # plain `vllm preload`, not the launcher
-    if name != "gptq8":
+    if name != PLAIN_PRELOAD:
         assert "marlin-pack: vllm preload --model" in log
 
 
@@ -410,10 +412,10 @@ def test_daemon_options_keep_every_parameter(run: Results, name: str) -> None:
 
 
 def test_plain_vllm_preload_gets_the_plugin(run: Results) -> None:
-    if not run.vllm_cli_daemon or "gptq8" not in run.daemons:
+    if not run.vllm_cli_daemon or PLAIN_PRELOAD not in run.daemons:
         pytest.skip("marlin-pack's entry point is not installed (pip install -e .), or gptq8 is not selected")
-    log = run.daemons["gptq8"].log()
-    assert "plugin active in weight-cache daemon process" in log, run.daemons["gptq8"].tail()
+    daemon = run.daemons[PLAIN_PRELOAD]
+    assert "plugin active in weight-cache daemon process" in daemon.log(), daemon.tail()
 
 
 def test_machete_layers_are_shared(run: Results) -> None:
