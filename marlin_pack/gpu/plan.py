@@ -94,7 +94,8 @@ class IoFacts:
         bundle_bytes: the rank file and the common file.
         gpu: the GPU's memory before loading; None where it cannot be asked (no helpers then).
         utilization: ``--gpu-memory-utilization`` (an engine's share the GPU must keep free at vLLM's snapshot).
-        preload: the loader's ``preload`` option.
+        preload: planned ahead, with the loader's ``preload`` option: an engine's helpers would start before
+            vLLM's memory snapshot. False for the loader's own plan, made after that snapshot.
         cached: the fraction of the rank file in the page cache (None: unknown, taken as cached).
         direct_reads: the rank file's file system takes ``O_DIRECT`` reads.
     """
@@ -165,13 +166,15 @@ class IoPlan:
 def helpers_fit(facts: IoFacts, helpers: int) -> bool:
     """The one rule for room on the GPU: ``helpers`` CUDA contexts and this process's own fit beside what it needs.
 
-    An engine needs ``--gpu-memory-utilization`` of the GPU free at vLLM's memory snapshot (which the helpers
-    may be alive at, with ``preload``); a daemon needs room for the bundle. A model that just fits must not
-    fail to load because of helpers, which only make it faster.
+    Helpers an engine starts ahead (``preload``, no experts) are alive at vLLM's memory snapshot, which must
+    find ``--gpu-memory-utilization`` of the GPU free. Helpers started by the loader come after that snapshot
+    and are gone (joined) before vLLM measures again, so, like a daemon's, they need only room for the bundle
+    beside them. A model that just fits must not fail to load because of helpers, which only make it faster.
     """
     if facts.gpu is None:
         return False
-    need = facts.utilization * facts.gpu.total if facts.role == "engine" else facts.bundle_bytes
+    at_snapshot = facts.role == "engine" and facts.preload and not facts.experts
+    need = facts.utilization * facts.gpu.total if at_snapshot else facts.bundle_bytes
     return facts.gpu.free - helpers * HELPER_CONTEXT_BYTES - _PROCESS_BASELINE_BYTES >= need
 
 

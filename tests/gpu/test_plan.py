@@ -129,6 +129,23 @@ def test_helpers_fit_an_engine_at_the_edge_of_its_utilization_share() -> None:
     assert helpers_fit(dataclasses.replace(HELPERS_HERE, bundle_bytes=1 << 50), 4)
 
 
+@pytest.mark.parametrize("changes", [{"preload": False}, {"experts": True}], ids=["loader's plan", "experts"])
+def test_helpers_fit_an_engine_whose_helpers_start_after_vllms_snapshot_at_the_edge_of_its_bundle(changes: dict) -> None:
+    """Helpers the loader starts (its own plan, or a MoE engine's: never ahead) come after vLLM's memory snapshot
+    and are joined before vLLM measures again: they need room beside the bundle, not the utilization share.
+    (A Qwen3-30B-A3B-shaped engine on an 80 GB H100 at 0.92 was refused them and copied at 16-23 GB/s.)"""
+    total, bundle = 79 * GIB, 16 * GIB
+    edge = bundle + 4 * HELPER_CONTEXT_BYTES + BASELINE
+    facts = dataclasses.replace(HELPERS_HERE, bundle_bytes=bundle, utilization=0.92, gpu=GpuRoom(free=edge, total=total), **changes)
+    assert facts.gpu.free < 0.92 * total  # the share would refuse them
+    assert helpers_fit(facts, 4) and plan(facts).mode == "helpers"
+    short = dataclasses.replace(facts, gpu=GpuRoom(free=edge - 1, total=total))
+    assert not helpers_fit(short, 4)
+    assert plan(short).why == "no copy helpers: no room on the GPU for their CUDA contexts"
+    # ahead of the snapshot (preload, no experts) the share counts, whatever the bundle
+    assert not helpers_fit(dataclasses.replace(facts, preload=True, experts=False), 4)
+
+
 def test_helpers_fit_a_daemon_at_the_edge_of_its_bundle() -> None:
     """A daemon needs room for the bundle; --gpu-memory-utilization does not apply to it."""
     bundle = 37 * GIB + 12345
