@@ -113,6 +113,13 @@ class IoFacts:
     cached: float | None = None
     direct_reads: bool = False
 
+    @property
+    def helpers_ahead(self) -> bool:
+        """Helpers, if the plan has them, start ahead and page-lock the bundle: with ``preload``, and not for
+        experts layers (their copy waits for the model's construction). An engine's are then alive at vLLM's
+        memory snapshot."""
+        return self.preload and not self.experts
+
 
 @dataclass(frozen=True)
 class IoPlan:
@@ -173,7 +180,7 @@ def helpers_fit(facts: IoFacts, helpers: int) -> bool:
     """
     if facts.gpu is None:
         return False
-    at_snapshot = facts.role == "engine" and facts.preload and not facts.experts
+    at_snapshot = facts.role == "engine" and facts.helpers_ahead
     need = facts.utilization * facts.gpu.total if at_snapshot else facts.bundle_bytes
     return facts.gpu.free - helpers * HELPER_CONTEXT_BYTES - _PROCESS_BASELINE_BYTES >= need
 
@@ -210,7 +217,7 @@ def plan_io(facts: IoFacts, environ: Mapping[str, str] | None = None) -> IoPlan:
         plan = IoPlan("registered", threads, window, during_build=during, why=f"no copy helpers: {refused}")
     else:
         daemon = facts.role == "daemon"
-        preload = facts.preload and not facts.experts
+        preload = facts.helpers_ahead
         plan = IoPlan(
             "helpers", _HELPER_THREADS, _HELPER_WINDOW, _HELPERS, during_build=during,
             common_during_build=daemon and during, defer_unregister=daemon, preload=preload,
