@@ -44,7 +44,8 @@ def default_serving_dtype(config: dict, weight_dtypes: Iterable[str] = ()) -> Se
     if found is None:
         floats = {_FLOAT_CODES[c] for c in weight_dtypes if c in _FLOAT_CODES}
         found = floats.pop() if len(floats) == 1 else "float32"
-    if found == "float16" and config.get("model_type") in FLOAT16_UNSUPPORTED_MODEL_TYPES:
+    model_type = config.get("model_type")  # (not a string: no model type vLLM knows, refused where the model is read)
+    if found == "float16" and isinstance(model_type, str) and model_type in FLOAT16_UNSUPPORTED_MODEL_TYPES:
         return ServingDtype.bfloat16
     return ServingDtype(found) if found in {d.value for d in ServingDtype} else ServingDtype.bfloat16
 

@@ -56,6 +56,7 @@ __all__ = [
     "manifest_json_schema",
     "weight_file_name_problem",
     "OUTPUT_HEAD_NAMES",
+    "output_head_problem",
 ]
 
 # Matched with fullmatch: "$" alone also matches before a trailing newline.
@@ -67,8 +68,27 @@ _MAX_DIM = 1 << 24
 # A checkpoint tensor's name, as Hugging Face modules make them (dotted identifiers).
 _TENSOR_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.]*$")
 _MAX_TENSOR_NAME = 300
-# A tied output head's checkpoint names (InternLM2: output): what common_aliases may name (conversion.tied_copies).
-OUTPUT_HEAD_NAMES = ("lm_head.weight", "output.weight")
+# A tied output head's checkpoint names (InternLM2: output; a multimodal checkpoint of transformers < 4.52:
+# language_model.lm_head): each architecture's are its Architecture.output_heads (output_head_problem).
+OUTPUT_HEAD_NAMES = ("lm_head.weight", "output.weight", "language_model.lm_head.weight")
+
+
+def output_head_problem(name: str, architecture: str) -> str | None:
+    """Why ``name`` cannot be a ``common_aliases`` name of a bundle of ``architecture`` (None: it can).
+
+    An alias is a tied output head stored once, as a copy of the embeddings: exactly a checkpoint name of the
+    output head vLLM 0.33.0's class for ``architecture`` loads (``Architecture.output_heads``), never another tensor
+    whose name merely ends like one (``model.layers.0.mlp.lm_head.weight``). The one rule of every manifest reader
+    (``verify``, ``check``, the loader: :class:`Manifest`) and of the aliases ``convert`` makes.
+    """
+    from marlin_pack.marlin.architectures import architecture_for  # (architectures imports this module)
+
+    arch = architecture_for(architecture)
+    heads = arch.output_heads if arch is not None else ()
+    if name in heads:
+        return None
+    known = ", ".join(heads) if heads else "none: marlin-pack knows no output head of it"
+    return f"only the output head of {architecture} ({known}) is stored as a copy of another tensor"
 
 
 class _Strict(BaseModel):
@@ -470,11 +490,6 @@ class Manifest(_Strict):
             for name in (alias, stored):
                 if len(name) > _MAX_TENSOR_NAME or not _TENSOR_NAME.fullmatch(name):
                     raise ValueError(f"common_aliases maps {alias!r} to {stored!r}: {name!r} is not a tensor name")
-            if not any(alias == h or alias.endswith(f".{h}") for h in OUTPUT_HEAD_NAMES):
-                raise ValueError(
-                    f"common_aliases maps {alias!r} to {stored!r}: only an output head ({', '.join(OUTPUT_HEAD_NAMES)}) "
-                    "is stored as a copy of another tensor"
-                )
         return v
 
     @model_validator(mode="after")
@@ -487,6 +502,11 @@ class Manifest(_Strict):
         if set(self.common_aliases) & set(self.common_aliases.values()):
             raise ValueError("common_aliases must point at stored tensors, not at other aliases")
         self._aliases_outside_quantized_layers()
+        for alias, stored in self.common_aliases.items():
+            why = output_head_problem(alias, self.source.architecture)
+            if why is not None:
+                raise ValueError(f"common_aliases maps {alias!r} to {stored!r}: {why}")
+        self._same_layers_at_every_tp_size()
         if self.format_version < 4 and any(s.moe_layers for s in self.tensor_parallel):
             raise ValueError("moe_layers need format_version 4")
         if self.format_version < 5 and self.has_machete_layers:
@@ -495,6 +515,24 @@ class Manifest(_Strict):
         if len(paths) != len(set(paths)):
             raise ValueError("a file is listed twice")
         return self
+
+    def _same_layers_at_every_tp_size(self) -> None:
+        """Every TP size holds the same layers, in the same order: the experts of one size's rank files serve another's
+        engine (expert and data parallelism), and ``verify`` compares each size with the one list the checkpoint implies."""
+        def listed(s: TensorParallelSet) -> tuple[list[str], list[str]]:
+            return ([f"{e.name} ({e.kind.value})" for e in s.layers],
+                    [f"{m.name} ({m.num_experts} experts, hidden size {m.hidden_size})" for m in s.moe_layers])
+
+        first = self.tensor_parallel[0]
+        want = listed(first)
+        for s in self.tensor_parallel[1:]:
+            for what, a, b in zip(("layers", "moe_layers"), want, listed(s), strict=True):
+                if a != b:
+                    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                    raise ValueError(
+                        f"tp {s.tp_size} {what}[{i}] is {b[i] if i < len(b) else 'missing'}, tp {first.tp_size} has "
+                        f"{a[i] if i < len(a) else 'none'} there; every TP size holds the same layers"
+                    )
 
     def _aliases_outside_quantized_layers(self) -> None:
         """No alias names (or points at) a tensor of a quantized layer: those come from the rank files only."""

@@ -17,8 +17,11 @@ symbols of :func:`marlin_pack.marlin.deepseek.mla_sizes` (``qh``, ``ql``, ``kva`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from marlin_pack.errors import RESTORE_CONFIG, UnsupportedCheckpointError
 from marlin_pack.schemas import LayerKind
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "UNSUPPORTED_ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
     "architecture_for",
+    "config_architecture",
 ]
 
 
@@ -161,6 +165,8 @@ class Architecture:
     # False: vLLM's class has no lm_head at all (logits always from the embeddings) and its
     # load_weights refuses a checkpoint that stores one (gemma2.py has no lm_head).
     loads_lm_head: bool = True
+    # The output head's checkpoint name (InternLM2: output.weight); see output_heads.
+    output_head: str = "lm_head.weight"
     # Mixture of experts: the routed experts are described by ``marlin.moe.MOE_ARCHITECTURES[name]``.
     moe: bool = False
     # config key of the "i" size symbol (Qwen2-MoE: its shared expert's width)
@@ -168,6 +174,15 @@ class Architecture:
     # DeepSeek (multi-head latent attention): per-layer linears chosen by config; ``linears`` is then
     # the most common layer (an MoE layer of a q_lora_rank-null model), for the docs.
     mla: MlaLayout | None = None
+
+    @property
+    def output_heads(self) -> tuple[str, ...]:
+        """The checkpoint names of the output head vLLM's class loads: what a tied head stored once may be fed as
+        (``common_aliases``, :func:`~marlin_pack.schemas.output_head_problem`). A multimodal checkpoint of
+        transformers < 4.52 names it ``language_model.lm_head.weight``; a class without an lm_head has none."""
+        if not self.loads_lm_head:
+            return ()
+        return (self.output_head, f"language_model.{self.output_head}") if self.multimodal else (self.output_head,)
 
     def all_linears(self) -> tuple[Linear, ...]:
         """Every linear a decoder layer of this architecture may have, whatever its config."""
@@ -192,7 +207,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("GraniteForCausalLM", "granite.GraniteForCausalLM", LLAMA_LINEARS),
         Architecture("CohereForCausalLM", "commandr.CohereForCausalLM", LLAMA_LINEARS),
         Architecture("Cohere2ForCausalLM", "commandr.CohereForCausalLM", LLAMA_LINEARS),
-        Architecture("InternLM2ForCausalLM", "internlm2.InternLM2ForCausalLM", INTERNLM2_LINEARS, head_dim="derived"),
+        Architecture("InternLM2ForCausalLM", "internlm2.InternLM2ForCausalLM", INTERNLM2_LINEARS, head_dim="derived",
+                     output_head="output.weight"),
         Architecture("MixtralForCausalLM", "mixtral.MixtralForCausalLM", MOE_ATTENTION_LINEARS, moe=True),
         Architecture("Qwen3MoeForCausalLM", "qwen3_moe.Qwen3MoeForCausalLM", MOE_ATTENTION_LINEARS, moe=True),
         Architecture("Qwen2MoeForCausalLM", "qwen2_moe.Qwen2MoeForCausalLM", QWEN2_MOE_LINEARS, head_dim="derived",
@@ -241,3 +257,31 @@ UNSUPPORTED_ARCHITECTURES = {
 def architecture_for(name: str | None) -> Architecture | None:
     """The table row for ``config.json``'s ``architectures[0]``, or None if unsupported."""
     return ARCHITECTURES.get(name) if isinstance(name, str) else None
+
+
+def _json_kind(value: object) -> str:
+    """What JSON made ``value``: ``a string``, ``an object``, ``null``..."""
+    kinds = ((bool, "a boolean"), (str, "a string"), (int, "a number"), (float, "a number"), (dict, "an object"), (list, "an array"))
+    return next((k for t, k in kinds if isinstance(value, t)), "null")
+
+
+def config_architecture(config: Mapping[str, Any]) -> str | None:
+    """``config.json``'s ``architectures[0]``, the model class vLLM builds; None where the file names none (no key,
+    null, an empty list). The one reader of that key.
+
+    Raises:
+        UnsupportedCheckpointError: ``architectures`` is not a list of strings (a string, an object, a list holding a
+            number, a list, an object or null): transformers and vLLM would not find a model class by it.
+    """
+    archs = config.get("architectures")
+    if archs is None or archs == []:
+        return None
+    if isinstance(archs, list) and all(isinstance(a, str) for a in archs):
+        return archs[0]
+    bad = next((a for a in archs if not isinstance(a, str)), None) if isinstance(archs, list) else archs
+    what = f"an array holding {_json_kind(bad)}" if isinstance(archs, list) else _json_kind(archs)
+    found = repr(archs) if len(repr(archs)) <= 120 else repr(archs)[:117] + "..."
+    raise UnsupportedCheckpointError(
+        f"config.json architectures is {found} ({what}), expected an array of model class names (strings), "
+        f'e.g. ["LlamaForCausalLM"]; {RESTORE_CONFIG}'
+    )

@@ -38,11 +38,23 @@ def _get(config: dict, arch: Architecture, key: str) -> object:
     return CONFIG_CLASSES[ARCHITECTURE_MODEL_TYPES[arch.name]].defaults.get(key)
 
 
-def _int(config: dict, arch: Architecture, key: str, *, minimum: int = 1) -> int:
+# Far above any real model's size or count, far below what would make planning loop for hours (as marlin.sharding's).
+_MAX_CONFIG_INT = 1 << 24
+# DeepSeek-V3 has one multi-token-prediction layer: a count past this is a corrupt config, not a model.
+_MAX_MTP_LAYERS = 64
+
+
+def _int(config: dict, arch: Architecture, key: str, *, minimum: int = 1, maximum: int = _MAX_CONFIG_INT) -> int:
+    """``config[key]`` (:func:`_get`) as an integer in ``[minimum, maximum]``: a bool, a float (``2.0``, ``1e400``, NaN),
+    a string, a list, an object or null is refused, as vLLM's arithmetic on it would fail or mean nothing."""
     value = _get(config, arch, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UnsupportedCheckpointError(
-            f"config.json {key} is {value!r}, expected an integer >= {minimum} ({arch.name}); {RESTORE_CONFIG}"
+            f"config.json {key} is {value!r:.100}, expected an integer >= {minimum} ({arch.name}); {RESTORE_CONFIG}"
+        )
+    if value > maximum:
+        raise UnsupportedCheckpointError(
+            f"config.json {key} is {value!r:.100}, expected at most {maximum} ({arch.name}); the config is corrupt, {RESTORE_CONFIG}"
         )
     return value
 
@@ -104,12 +116,13 @@ def decoder_linears(config: dict, arch: Architecture, layer: int, sparse: bool) 
     return (*attention, *m.shared_experts) if _optional(config, arch, "n_shared_experts") is not None else attention
 
 
-def spec_layer_prefixes(config: dict, layers: str) -> tuple[str, ...]:
-    """Checkpoint prefixes of the multi-token-prediction layers (DeepSeek-V3's ``num_nextn_predict_layers``)
-    that vLLM's model skips when loading (``get_spec_layer_idx_from_weight_name``); a draft model loads them."""
-    n, extra = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers") or 0
-    if not isinstance(n, int) or not isinstance(extra, int):
+def spec_layer_prefixes(config: dict, arch: Architecture, layers: str) -> tuple[str, ...]:
+    """Checkpoint prefixes of the multi-token-prediction layers (DeepSeek-V3's ``num_nextn_predict_layers``, none when
+    absent or null) that vLLM's model skips when loading (``get_spec_layer_idx_from_weight_name``); a draft model loads them."""
+    if _get(config, arch, "num_nextn_predict_layers") is None:
         return ()
+    n = _int(config, arch, "num_hidden_layers")
+    extra = _int(config, arch, "num_nextn_predict_layers", minimum=0, maximum=_MAX_MTP_LAYERS)
     return tuple(f"{layers}.{n + i}." for i in range(extra))
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from marlin_pack.errors import RESTORE_CONFIG, UnsupportedCheckpointError
+from marlin_pack.marlin.architectures import config_architecture
 
 __all__ = ["ConfigClass", "CONFIG_CLASSES", "ARCHITECTURE_MODEL_TYPES", "language_config", "top_config", "resolve"]
 
@@ -98,12 +99,13 @@ CONFIG_CLASSES: dict[str, ConfigClass] = {
         "mlp_only_layers": []}),
     "deepseek_v2": ConfigClass("DeepseekV2Config", {"num_experts": "n_routed_experts"}, {
         **_LLAMA_DIMS, "vocab_size": 102400, "moe_intermediate_size": 1407, "n_routed_experts": 64, "n_shared_experts": 2,
-        "first_k_dense_replace": 0, **_MLA}),
+        "first_k_dense_replace": 0, "n_group": None, **_MLA}),
     "deepseek_v3": ConfigClass("DeepseekV3Config", {"num_local_experts": "n_routed_experts",
                                                     "num_mtp_layers": "num_nextn_predict_layers"}, {
         "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
         "num_attention_heads": 128, "num_key_value_heads": 128, "tie_word_embeddings": False, "moe_intermediate_size": 2048,
-        "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3, "num_nextn_predict_layers": 1, **_MLA}),
+        "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3, "num_nextn_predict_layers": 1, "n_group": 8,
+        **_MLA}),
     "qwen2_vl_text": ConfigClass("Qwen2VLTextConfig", defaults=_QWEN2_VL_TEXT),
     "qwen2_5_vl_text": ConfigClass("Qwen2_5_VLTextConfig", defaults=_QWEN2_VL_TEXT),
     "qwen2_vl": ConfigClass("Qwen2VLConfig", text="qwen2_vl_text"),
@@ -126,13 +128,25 @@ ARCHITECTURE_MODEL_TYPES = {
 }
 
 
-def _model_type(config: Mapping[str, Any]) -> str | None:
+def _checked_model_type(config: Mapping[str, Any], where: str) -> str | None:
+    """``config[model_type]``: a string or absent (null).
+
+    Raises:
+        UnsupportedCheckpointError: another JSON type (transformers' ``AutoConfig`` finds no class by it).
+    """
     mt = config.get("model_type")
-    if isinstance(mt, str) and mt in CONFIG_CLASSES:
+    if mt is not None and not isinstance(mt, str):
+        raise UnsupportedCheckpointError(
+            f"config.json {where}model_type is {mt!r:.100} ({type(mt).__name__}), expected a string such as 'llama'; {RESTORE_CONFIG}"
+        )
+    return mt
+
+
+def _model_type(config: Mapping[str, Any]) -> str | None:
+    mt = _checked_model_type(config, "")
+    if mt in CONFIG_CLASSES:
         return mt
-    archs = config.get("architectures")
-    arch = archs[0] if isinstance(archs, list) and archs else None
-    return ARCHITECTURE_MODEL_TYPES.get(arch) if isinstance(arch, str) and not mt else mt if isinstance(mt, str) else None
+    return mt or ARCHITECTURE_MODEL_TYPES.get(config_architecture(config) or "")
 
 
 def resolve(config: Mapping[str, Any], model_type: str | None) -> dict[str, Any]:
@@ -183,6 +197,6 @@ def language_config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise UnsupportedCheckpointError(
             f"config.json text_config is {type(text).__name__}, expected an object; {RESTORE_CONFIG}"
         )
-    own = text.get("model_type")
-    known = isinstance(own, str) and own in CONFIG_CLASSES and CONFIG_CLASSES[own].text is None
+    own = _checked_model_type(text, "text_config.")
+    known = own in CONFIG_CLASSES and CONFIG_CLASSES[own].text is None
     return resolve(text, own if known else cls.text)

@@ -19,6 +19,7 @@ from marlin_pack.marlin.architectures import (
     Architecture,
     Linear,
     architecture_for,
+    config_architecture,
 )
 from marlin_pack.marlin.hf_config import language_config, top_config
 from marlin_pack.marlin.repack import padded_nk
@@ -186,8 +187,7 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
     """Dimensions of a supported dense decoder from ``config.json`` read as vLLM reads it (through the
     config class of its model type, :func:`~marlin_pack.marlin.hf_config.language_config`), and the
     checkpoint's tensor names, which say where its decoder layers are."""
-    archs = config.get("architectures") or []
-    name = archs[0] if isinstance(archs, list) and archs else None
+    name = config_architecture(config)
     arch = architecture_for(name)
     text = language_config(config) if arch and arch.text_config else top_config(config)
     if (arch is None or not arch.moe) and any(text.get(k) or config.get(k) for k in _MOE_KEYS):
@@ -235,7 +235,7 @@ def _mla_dims(config: dict, arch: Architecture, heads: int, num_layers: int, che
     return {
         "sizes": deepseek.mla_sizes(config, arch, heads),
         "layer_linears": tuple(deepseek.decoder_linears(config, arch, i, i in sparse) for i in range(num_layers)),
-        "skipped_prefixes": deepseek.spec_layer_prefixes(config, checkpoint_layers),
+        "skipped_prefixes": deepseek.spec_layer_prefixes(config, arch, checkpoint_layers),
     }
 
 

@@ -7,7 +7,10 @@ marlin-pack's own cache, keyed by repo id and commit (never inside the hub's sna
 folders): ``$MARLIN_PACK_CACHE``, else ``marlin-pack`` beside the hub's cache under
 ``$HF_HOME`` (default ``~/.cache/huggingface/marlin-pack``), so that the volume holding a
 model also holds its bundle; then ``models--ORG--NAME/COMMIT``. A local directory keeps its
-bundle at ``MODEL_DIR/marlin-pack``.
+bundle at ``MODEL_DIR/marlin-pack``, unless it is a snapshot folder of the hub's cache
+(``models--ORG--NAME/snapshots/COMMIT``, COMMIT a 40-hex commit hash): that is its repo id and commit.
+A ``~`` in any of these settings that names no home directory is a one-line
+:class:`~marlin_pack.io.home.HomeDirectoryError` naming the variable.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 from marlin_pack._constants import BUNDLE_DIRNAME
 from marlin_pack.errors import CheckpointError
+from marlin_pack.io.home import expand_user, home_dir
 
 __all__ = ["CACHE_ENV", "ResolvedModel", "is_repo_id", "hf_home", "cache_root", "locate_bundle", "resolve_model", "bundle_dir_for"]
 
@@ -46,17 +50,26 @@ def is_repo_id(model: str) -> bool:
 
 def hf_home() -> Path:
     """``$HF_HOME`` as ``huggingface_hub`` reads it (default ``$XDG_CACHE_HOME/huggingface``, ``~/.cache/huggingface``),
-    read at each call (the hub's constant is fixed at its import)."""
+    read at each call (the hub's constant is fixed at its import).
+
+    Raises:
+        HomeDirectoryError: a ``~`` that names no home directory, or no home directory for the default.
+    """
     if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "huggingface"
+        return expand_user(os.environ["HF_HOME"], "HF_HOME")
+    if os.environ.get("XDG_CACHE_HOME"):
+        return expand_user(os.environ["XDG_CACHE_HOME"], "XDG_CACHE_HOME") / "huggingface"
+    return home_dir("the Hugging Face cache", "HF_HOME (or MARLIN_PACK_CACHE for marlin-pack's bundles)") / ".cache" / "huggingface"
 
 
 def cache_root() -> Path:
-    """Where bundles of repo ids live: ``$MARLIN_PACK_CACHE``, else ``$HF_HOME/marlin-pack`` (beside the hub's cache)."""
+    """Where bundles of repo ids live: ``$MARLIN_PACK_CACHE``, else ``$HF_HOME/marlin-pack`` (beside the hub's cache).
+
+    Raises:
+        HomeDirectoryError: as :func:`hf_home`, or for ``MARLIN_PACK_CACHE``.
+    """
     if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
+        return expand_user(os.environ[CACHE_ENV], CACHE_ENV)
     return hf_home() / "marlin-pack"
 
 
@@ -73,9 +86,10 @@ def locate_bundle(model: str | Path, revision: str | None = None, bundle: str | 
 
     Raises:
         CheckpointError: ``model`` is neither a directory nor a cached repo id.
+        HomeDirectoryError: a ``~`` that names no home directory (``bundle``, ``model``, ``HF_HOME``, ...).
     """
     if bundle is not None:
-        return Path(bundle).expanduser()
+        return expand_user(os.fspath(bundle), "the bundle directory")
     return bundle_dir_for(resolve_model(model, revision, download=False))
 
 
@@ -89,16 +103,12 @@ def resolve_model(model: str | Path, revision: str | None = None, *, download: b
 
     Raises:
         CheckpointError: neither a directory nor a repo id, or the repo is not available.
+        HomeDirectoryError: ``model`` starts with a ``~`` that names no home directory.
     """
-    path = Path(model).expanduser()
+    path = expand_user(os.fspath(model), "the model directory")
     if path.is_dir():
-        # A snapshot folder of the hub's cache (vLLM hands those to the loader, e.g. offline) is that repo
-        # and commit: its bundle lives in marlin-pack's cache, never inside the hub's cache.
-        snapshots = path.resolve().parent
-        if snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
-            repo = snapshots.parent.name.removeprefix("models--").replace("--", "/", 1)
-            return ResolvedModel(path, repo, _commit(path.resolve(), repo))
-        return ResolvedModel(path)
+        snapshot = _snapshot_of(path)
+        return ResolvedModel(path) if snapshot is None else ResolvedModel(path, *snapshot)
     name = str(model)
     if not is_repo_id(name):
         raise CheckpointError(
@@ -109,6 +119,9 @@ def resolve_model(model: str | Path, revision: str | None = None, *, download: b
         from huggingface_hub import constants, snapshot_download
     except ImportError as e:
         raise CheckpointError(f"{name} looks like a Hugging Face model id, but huggingface_hub is not installed") from e
+    if not os.path.isabs(constants.HF_HUB_CACHE):  # a ~ the hub could not expand (HF_HOME=~nosuchuser/x, no home): name it
+        expand_user(os.environ.get("HF_HUB_CACHE") or "", "HF_HUB_CACHE")
+        hf_home()
     offline = bool(constants.HF_HUB_OFFLINE) or not download
     try:
         snapshot = Path(snapshot_download(name, revision=revision, allow_patterns=_PATTERNS, local_files_only=offline))
@@ -121,6 +134,23 @@ def resolve_model(model: str | Path, revision: str | None = None, *, download: b
             ) from e
         raise CheckpointError(f"cannot fetch {where} from the Hugging Face hub ({type(e).__name__}: {e})") from e
     return ResolvedModel(snapshot, name, _commit(snapshot, name))
+
+
+def _snapshot_of(path: Path) -> tuple[str, str] | None:
+    """``(repo id, commit)`` of a local directory that is a snapshot folder of the hub's cache, else None.
+
+    vLLM hands the loader the snapshot path (offline): that is the repo at that commit, whose bundle lives in
+    marlin-pack's cache, never inside the hub's cache. Only a folder that really is one counts:
+    ``models--ORG--NAME/snapshots/COMMIT`` with a valid repo id and COMMIT a 40-hex commit hash. Any other
+    directory (``.../snapshots/v1``, a copy named like the cache) is a local checkpoint directory like every other.
+    """
+    resolved = path.resolve()
+    snapshots = resolved.parent
+    repo = snapshots.parent.name.removeprefix("models--").replace("--", "/", 1)
+    if (snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--") and _COMMIT.fullmatch(resolved.name)
+            and _REPO_ID.fullmatch(repo) and ".." not in repo):
+        return repo, resolved.name
+    return None
 
 
 def _commit(snapshot: Path, repo: str) -> str:

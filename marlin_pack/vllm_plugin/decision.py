@@ -10,7 +10,6 @@ vLLM and of the GPU makes every message testable on a CPU.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,9 @@ from marlin_pack._constants import KERNEL_NAME, LAYOUT_VERSION, MACHETE_KERNEL_N
 from marlin_pack.bundle.integrity import HashReport, check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header
 from marlin_pack.bundle.reader import read_manifest, resolve_file
-from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, LoadRefusedError, MismatchField
+from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, LoadRefusedError, MarlinPackError, MismatchField
+from marlin_pack.io.checkpoint_files import read_json
+from marlin_pack.io.home import HomeDirectoryError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
 from marlin_pack.schemas import Manifest, TensorParallelSet
 from marlin_pack.sources.hub import ResolvedModel, locate_bundle, resolve_model
@@ -46,6 +47,7 @@ __all__ = [
     "check_engine",
     "select_bundle",
     "refusal",
+    "internal_error",
     "decide",
 ]
 
@@ -124,7 +126,7 @@ def _resolve(model: str, revision: str | None) -> ResolvedModel:
     """
     try:
         return resolve_model(model, revision, download=False)
-    except CheckpointError as e:
+    except (CheckpointError, HomeDirectoryError) as e:
         raise BundleMismatchError(F.source, str(e)) from e
 
 
@@ -132,6 +134,8 @@ def resolve_bundle_dir(options: LoaderOptions, model: str, revision: str | None 
     """The explicit ``bundle`` option, else ``MODEL_DIR/marlin-pack``, else (a repo id) its marlin-pack cache entry."""
     try:
         return locate_bundle(model, revision, options.bundle)
+    except HomeDirectoryError as e:  # HF_HOME, MARLIN_PACK_CACHE, ...: the message names it
+        raise BundleMismatchError(F.bundle, str(e)) from e
     except CheckpointError as e:
         raise BundleMismatchError(
             F.bundle,
@@ -321,13 +325,13 @@ def _with_field(field: MismatchField, fn: Callable[[], Any]) -> Any:
     """Run a check; any failure becomes a :class:`BundleMismatchError` naming ``field``.
 
     Files that cannot be read (a dangling symlink, a permission the serving user lacks, a
-    malformed header) are refusals like any other, so that ``fallback`` covers them.
+    malformed header) and a ``config.json`` no model has are refusals like any other, so that ``fallback`` covers them.
     """
     try:
         return fn()
     except BundleMismatchError:
         raise
-    except BundleError as e:
+    except MarlinPackError as e:  # BundleError, UnsupportedCheckpointError, ...: one line that says what to do
         raise BundleMismatchError(field, str(e)) from e
     except SafetensorsFormatError as e:
         raise BundleMismatchError(field, f"{e}; re-run `marlin-pack convert --force`") from e
@@ -378,7 +382,9 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
         tp_set, rank_header, common_header = stage.tp_set, stage.rank_header, stage.common_header
     experts = None
     if needs_share(tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel, facts.pcp_size):
-        experts, also = _with_field(F.files, lambda: _experts(bundle_dir, manifest, tp_set, model_dir, facts, options.full_hash))
+        config = _with_field(F.source, lambda: read_json(model_dir / "config.json", "config.json"))
+        groups = _with_field(F.source, lambda: num_expert_group(manifest.source.architecture, config))
+        experts, also = _with_field(F.files, lambda: _experts(bundle_dir, manifest, tp_set, facts, options.full_hash, groups))
         hashed = hashed.add(also)
         moe = {e.name for e in tp_set.moe_layers}
         tp_set = tp_set.model_copy(update={"moe_layers": list(experts.moe_layers)})
@@ -399,10 +405,10 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     )
 
 
-def _experts(bundle_dir: Path, manifest: Manifest, tp_set: TensorParallelSet, model_dir: Path, facts: EngineFacts,
-             full_hash: bool) -> tuple[ExpertShare, HashReport]:
+def _experts(bundle_dir: Path, manifest: Manifest, tp_set: TensorParallelSet, facts: EngineFacts, full_hash: bool,
+             groups: int | None) -> tuple[ExpertShare, HashReport]:
     """This GPU's experts (its rank of the TP size vLLM shards them at; checked as its own rank file is) and what
-    checking that file hashed."""
+    checking that file hashed; ``groups``: the model's expert groups (:func:`~.expert_share.num_expert_group`)."""
     ranks = moe_ranks(facts.tp_size, facts.tp_rank, facts.dp_size, facts.dp_rank, facts.expert_parallel, facts.pcp_size,
                       facts.pcp_rank)
     source = manifest.tensor_parallel_set(ranks.tp_size)  # check_engine made sure the bundle holds it
@@ -411,8 +417,6 @@ def _experts(bundle_dir: Path, manifest: Manifest, tp_set: TensorParallelSet, mo
     hashed = HashReport() if own else check_files(bundle_dir, manifest, [entry], full_hash=full_hash)
     path = resolve_file(bundle_dir, entry)
     header = _checked_header(manifest, source, ranks.tp_rank, path)
-    arch = manifest.source.architecture
-    groups = num_expert_group(arch, json.loads((model_dir / "config.json").read_text()))
     strategy = placement(facts.expert_placement, ep_size=ranks.ep_size, num_expert_group=groups, dp_size=facts.dp_size,
                          all2all_backend=facts.all2all_backend, pcp_size=facts.pcp_size)
     return expert_share(manifest, tp_set, source, header, path, ranks, strategy), hashed
@@ -438,6 +442,13 @@ def refusal(field: MismatchField, reason: str, model: str, bundle: Path | str | 
     )
 
 
+def internal_error(e: BaseException) -> str:
+    """The reason of a fallback for an exception that is not a refusal: a bug of marlin-pack's, on one line."""
+    text = " ".join(str(e).split()) or "no message"
+    return (f"internal error {type(e).__name__}: {text[:300]} while checking the bundle; please report it "
+            "(MARLIN_PACK_DEBUG=1 marlin-pack check MODEL shows the traceback)")
+
+
 def decide(
     options: LoaderOptions,
     facts: EngineFacts,
@@ -445,14 +456,18 @@ def decide(
 ) -> Decision:
     """Select the bundle; on a problem, fall back (``fallback: true``) or refuse.
 
+    With ``fallback`` on, every failure falls back, whatever its type: one that is not a refusal (a bug of
+    marlin-pack's) too, said to be an internal error (:func:`internal_error`); nothing has touched the GPU yet.
+
     Raises:
         LoadRefusedError: the bundle does not fit and ``fallback`` is off; the message
             names the field and how to fall back.
+        Exception: (``fallback`` off) an internal error, as it was raised.
     """
     try:
         return Decision(selector(options, facts))
-    except BundleError as e:
-        field = getattr(e, "field", None) or F.bundle
+    except MarlinPackError as e:  # a refusal (a bundle error, or a checkpoint no bundle can serve)
+        field = getattr(e, "field", None) or (F.bundle if isinstance(e, BundleError) else F.source)
         if options.fallback:
             return Decision(None, field, str(e))
         bundle: Path | str | None
@@ -461,3 +476,7 @@ def decide(
         except BundleError:
             bundle = options.bundle
         raise refusal(field, str(e), facts.model, bundle) from e
+    except Exception as e:  # not a refusal: a bug of marlin-pack's
+        if not options.fallback:
+            raise
+        return Decision(None, F.bundle, internal_error(e))

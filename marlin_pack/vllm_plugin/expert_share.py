@@ -26,8 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from marlin_pack.errors import BundleMismatchError, MismatchField
+from marlin_pack.errors import RESTORE_CONFIG, BundleMismatchError, MismatchField, UnsupportedCheckpointError
 from marlin_pack.io.safetensors_io import SafetensorsHeader, TensorInfo
+from marlin_pack.marlin.hf_config import language_config
 from marlin_pack.schemas import Manifest, MoeLayerEntry, TensorParallelSet
 
 __all__ = ["ROUND_ROBIN_BACKENDS", "ExpertShare", "MoeRanks", "check_experts_source", "expert_share", "local_experts", "moe_ranks",
@@ -89,12 +90,23 @@ def local_experts(num_experts: int, ep_size: int, ep_rank: int, strategy: str) -
 
 
 def num_expert_group(architecture: str, config: dict) -> int | None:
-    """The expert groups vLLM's model class routes over (``num_expert_group``): DeepSeek's ``n_group``; None for the
-    others marlin-pack reads (Mixtral, Qwen2-MoE, Qwen3-MoE pass none)."""
+    """The expert groups vLLM's model class routes over (``num_expert_group``): DeepSeek's ``n_group`` as transformers'
+    config class holds it (:mod:`~marlin_pack.marlin.hf_config`: the class default where the file omits it, None for
+    DeepSeek-V2, 8 for V3); None for the others marlin-pack reads (Mixtral, Qwen2-MoE, Qwen3-MoE pass none).
+
+    Raises:
+        UnsupportedCheckpointError: ``n_group`` is not an integer >= 1 or null (a bool, a float, a string, a list...).
+    """
     if architecture not in _SEQUENCE_PARALLEL_MOE:
         return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    return int(text.get("n_group") or 1)
+    value = language_config(config).get("n_group")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise UnsupportedCheckpointError(
+            f"config.json n_group is {value!r}, expected an integer from 1 to 4096 or null ({architecture}); {RESTORE_CONFIG}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -196,6 +208,10 @@ def expert_share(manifest: Manifest, tp_set: TensorParallelSet, source: TensorPa
     """The experts of ``tp_set``'s experts layers (already a stage's, at pipeline parallelism) this GPU loads, from
     rank ``ranks.tp_rank`` of ``source`` (whose ``header`` is already checked whole)."""
     entries = {e.name: e for e in source.moe_layers}
+    missing = [e.name for e in tp_set.moe_layers if e.name not in entries]
+    if missing:
+        raise BundleMismatchError(MismatchField.layers, f"the experts layer {missing[0]} of tp{tp_set.tp_size} is not in "
+                                  f"tp{source.tp_size}, whose rank files hold this GPU's experts; the manifest is corrupt, re-convert")
     wanted = [entries[e.name] for e in tp_set.moe_layers]
     counts = {e.num_experts for e in wanted}
     num = max(counts, default=0)

@@ -20,7 +20,10 @@ Three steps, usable separately (the weight-cache daemon calls the first two itse
 
 With ``{"fallback": true}`` a bundle that does not fit is reported with a warning and the
 checkpoint is loaded by vLLM's ``DefaultModelLoader``; without it the load stops with a
-:class:`~marlin_pack.errors.LoadRefusedError` naming the field.
+:class:`~marlin_pack.errors.LoadRefusedError` naming the field. Fallback covers every failure before
+the GPU work begins (the decision, the kernel settings), whatever its type: one that is no refusal
+(a bug) is warned about as an internal error. From the I/O plan on (copy helpers, the arena, the
+model's construction) an error propagates, except the layer checks' refusals.
 """
 
 from __future__ import annotations
@@ -53,7 +56,15 @@ from marlin_pack.io.safetensors_io import TensorInfo
 from marlin_pack.vllm_plugin import decide_ahead, patches, preload
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
 from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, plain_copy_target
-from marlin_pack.vllm_plugin.decision import Decision, EngineFacts, SelectedBundle, decide, hopper_machete_layers, refusal
+from marlin_pack.vllm_plugin.decision import (
+    Decision,
+    EngineFacts,
+    SelectedBundle,
+    decide,
+    hopper_machete_layers,
+    internal_error,
+    refusal,
+)
 from marlin_pack.vllm_plugin.engine import built_parameters, engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
 from marlin_pack.vllm_plugin.io_facts import plan_for
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
@@ -197,12 +208,18 @@ class MarlinPrepackedLoader(BaseModelLoader):
         return spec is not None and model_config is getattr(spec, "draft_model_config", None)
 
     def _decide(self, vllm_config: VllmConfig, model_config: ModelConfig) -> Decision:
-        facts = engine_facts(vllm_config, model_config)
+        try:
+            facts = engine_facts(vllm_config, model_config)
+        except Exception as e:  # vLLM's configuration not as this marlin-pack reads it: before any GPU work
+            return self._internal_fallback(("engine facts",), str(model_config.model), e)
         key = (facts.model, facts.tp_size, facts.tp_rank, facts.pp_size, facts.pp_rank, facts.dtype)
         if key not in self._decisions:
             t0 = time.perf_counter()
-            ahead = decide_ahead.take(self.options, facts)
-            decision = ahead[0] if ahead is not None else decide(self.options, facts)
+            try:
+                ahead = decide_ahead.take(self.options, facts)
+                decision = ahead[0] if ahead is not None else decide(self.options, facts)  # (decide falls back itself)
+            except Exception as e:
+                return self._internal_fallback(key, facts.model, e)
             self._timings.validate = time.perf_counter() - t0
             self._timings.validate_ahead = ahead[1] if ahead is not None else None
             if decision.fallback:
@@ -216,6 +233,22 @@ class MarlinPrepackedLoader(BaseModelLoader):
             elif decision.bundle is not None and (hashed := decision.bundle.hashed.summary()) is not None:
                 logger.warning("marlin-pack: rank %d %s", facts.tp_rank, hashed)
             self._decisions[key] = decision
+        return self._decisions[key]
+
+    def _internal_fallback(self, key: tuple[object, ...], model: str, error: Exception) -> Decision:
+        """An exception before any GPU work that is no refusal (a bug of marlin-pack's, or vLLM internals not as
+        expected): with ``fallback`` on, the checkpoint loads the ordinary way, with one WARNING naming it as an
+        internal error (the traceback at DEBUG); without, it propagates."""
+        if not self.options.fallback:
+            raise error
+        if key not in self._decisions:
+            reason = internal_error(error)
+            logger.warning(
+                "marlin-pack: not using the bundle for %s ([%s] %s); loading the checkpoint the ordinary way because "
+                "fallback is on", model, MismatchField.bundle, reason,
+            )
+            logger.debug("marlin-pack: the internal error's traceback", exc_info=error)
+            self._decisions[key] = Decision(None, MismatchField.bundle, reason)
         return self._decisions[key]
 
     # -- BaseModelLoader API ---------------------------------------------------------------
@@ -245,11 +278,23 @@ class MarlinPrepackedLoader(BaseModelLoader):
             return model
         bundle = decision.bundle
         t0 = time.perf_counter()
-        if not bundle.manifest.has_machete_layers:  # a Marlin bundle: Marlin for every layer (on SM90 too, warned)
-            _warn_marlin_on_hopper(bundle, engine_facts(vllm_config, model_config))  # as configured, before forcing
-            force_marlin(vllm_config.kernel_config)
-        if bundle.tp_set.moe_layers:  # experts: Marlin MoE for --moe-backend auto (an explicit other one is refused below)
-            force_marlin_moe(vllm_config.kernel_config)
+        try:  # still before any GPU work: fallback covers a failure here too
+            if not bundle.manifest.has_machete_layers:  # a Marlin bundle: Marlin for every layer (on SM90 too, warned)
+                _warn_marlin_on_hopper(bundle, engine_facts(vllm_config, model_config))  # as configured, before forcing
+                force_marlin(vllm_config.kernel_config)
+            if bundle.tp_set.moe_layers:  # experts: Marlin MoE for --moe-backend auto (an explicit other one is refused below)
+                force_marlin_moe(vllm_config.kernel_config)
+        except Exception as e:
+            if not self.options.fallback:
+                raise
+            logger.warning(
+                "marlin-pack: not using the bundle %s ([%s] %s); loading the checkpoint the ordinary way because fallback is on",
+                bundle.bundle_dir, MismatchField.bundle, internal_error(e),
+            )
+            logger.debug("marlin-pack: the internal error's traceback", exc_info=e)
+            model = super().create_model(vllm_config, model_config, prefix)  # (Marlin may stay forced, as below)
+            self._models[model] = _ModelState(None)
+            return model
         plan, helpers, borrowed = self._plan_and_helpers(vllm_config, model_config, bundle)
         try:
             model = self._create_checked(vllm_config, model_config, prefix, bundle, t0, plan, helpers, borrowed)

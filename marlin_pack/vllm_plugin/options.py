@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, field_validator
 
 from marlin_pack._constants import LOAD_FORMAT
+from marlin_pack.io.home import HomeDirectoryError, expand_user
 
 __all__ = ["LoaderOptions", "OPTION_KEYS", "parse_extra_config"]
 
@@ -54,8 +55,8 @@ class LoaderOptions(BaseModel):
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise ValueError("must be a directory path")
         try:
-            return Path(value).expanduser()
-        except RuntimeError as e:  # "~nosuchuser/x": no such user's home
+            return expand_user(os.fspath(value), "bundle")
+        except HomeDirectoryError as e:  # "~nosuchuser/x", or "~/x" for a user without a home directory
             raise ValueError(str(e)) from e
 
     @property

@@ -80,3 +80,22 @@ def test_mtp_layers_are_skipped_prefixes() -> None:
 def test_config_refusals(change: dict, match: str) -> None:
     with pytest.raises(UnsupportedCheckpointError, match=match):
         model_dims(_config(**change))
+
+
+@pytest.mark.parametrize("key", ["kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "moe_intermediate_size", "first_k_dense_replace",
+                                 "moe_layer_freq", "q_lora_rank", "n_shared_experts", "num_nextn_predict_layers"])
+@pytest.mark.parametrize("value", [[2], {}, float("inf"), float("nan"), "2", True, 2.0, {"a": 1}, 10**30])
+def test_config_values_of_another_json_type_are_refused_naming_them(key: str, value: object) -> None:
+    """Every integer DeepSeek's layout is read from: a list, an object, inf/NaN, a string, a bool (an int to Python), a
+    float such as 2.0, or an absurd size is one line naming the key, never an internal error (issue 68, item 10)."""
+    config = _config(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", **{key: value})
+    with pytest.raises(UnsupportedCheckpointError, match=rf"^config\.json {key} is .*; (the config is corrupt, )?restore the checkpoint"):
+        model_dims(config)
+
+
+def test_mtp_layer_count_is_bounded_and_may_be_null() -> None:
+    v3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    assert model_dims(_config(**v3, num_nextn_predict_layers=None)).skipped_prefixes == ()
+    assert model_dims(_config(**v3, num_nextn_predict_layers=0)).skipped_prefixes == ()
+    with pytest.raises(UnsupportedCheckpointError, match=r"num_nextn_predict_layers is 1000000, expected at most 64"):
+        model_dims(_config(**v3, num_nextn_predict_layers=10**6))

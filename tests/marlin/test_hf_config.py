@@ -139,3 +139,50 @@ def test_multimodal_text_config_through_its_class() -> None:
     assert text["hidden_size"] == 512 and text["intermediate_size"] == 14336  # MistralConfig's default
     flat = language_config({"model_type": "qwen2_vl", "hidden_size": 512})  # transformers < 4.52: flat
     assert flat["hidden_size"] == 512 and flat["num_key_value_heads"] == 8  # Qwen2VLTextConfig's default
+
+
+@pytest.mark.parametrize("value,kind", [([{"a": 1}], "an array holding an object"), ([["LlamaForCausalLM"]], "an array holding an array"),
+                                        ([1], "an array holding a number"), ([None], "an array holding null"),
+                                        (["LlamaForCausalLM", 2], "an array holding a number"), ("LlamaForCausalLM", "a string"),
+                                        ({"a": 1}, "an object"), (True, "a boolean")])
+def test_architectures_of_another_json_type_are_refused(value: object, kind: str) -> None:
+    """``architectures`` is read in one place (``config_architecture``): a non-string entry is one line naming the field,
+    never ``unhashable type`` (issue 68, item 10); without model_type the config class is found through it too."""
+    from marlin_pack.marlin.architectures import config_architecture
+
+    config = {**json.loads((DATA / "transformers5" / "llama.json").read_text()), "architectures": value}
+    match = rf"^config\.json architectures is .* \({kind}\), expected an array of model class names"
+    for read in (config_architecture, model_dims, lambda c: top_config({k: v for k, v in c.items() if k != "model_type"})):
+        with pytest.raises(UnsupportedCheckpointError, match=match):
+            read(config)
+    assert config_architecture({}) is None and config_architecture({"architectures": None}) is None
+    assert config_architecture({"architectures": []}) is None
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+@pytest.mark.parametrize("value", [[1], {"a": 1}, 5, True])
+def test_model_type_of_another_json_type_is_refused(where: str, value: object) -> None:
+    from marlin_pack.dtypes import serving_dtype_for
+
+    config = json.loads((DATA / "transformers5" / "qwen2_vl.json").read_text())
+    (config if where == "top" else config["text_config"])["model_type"] = value
+    prefix = "" if where == "top" else "text_config."
+    with pytest.raises(UnsupportedCheckpointError, match=rf"^config\.json {prefix}model_type is "):
+        language_config(config)
+    with pytest.raises(UnsupportedCheckpointError, match=rf"^config\.json {prefix}model_type is "):
+        model_dims(config)
+    serving_dtype_for(None, config, [])  # the dtype vLLM would pick: no model type to look up, no error
+
+
+def test_output_heads_are_what_each_vllm_class_loads() -> None:
+    from marlin_pack.schemas import OUTPUT_HEAD_NAMES, output_head_problem
+
+    assert ARCHITECTURES["LlamaForCausalLM"].output_heads == ("lm_head.weight",)
+    assert ARCHITECTURES["InternLM2ForCausalLM"].output_heads == ("output.weight",)
+    assert ARCHITECTURES["Gemma2ForCausalLM"].output_heads == ()
+    assert ARCHITECTURES["Qwen2VLForConditionalGeneration"].output_heads == ("lm_head.weight", "language_model.lm_head.weight")
+    assert {h for a in ARCHITECTURES.values() for h in a.output_heads} == set(OUTPUT_HEAD_NAMES)
+    assert output_head_problem("lm_head.weight", "LlamaForCausalLM") is None
+    for name in ("model.layers.0.mlp.lm_head.weight", "model.lm_head.weight", "output.weight", "xlm_head.weight"):
+        assert output_head_problem(name, "LlamaForCausalLM") is not None
+    assert "none" in str(output_head_problem("lm_head.weight", "NoSuchForCausalLM"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from marlin_pack.vllm_plugin.decision import (
 )
 from marlin_pack.vllm_plugin.layer_check import SUPPORTED_METHODS, LayerFacts, check_layers
 from marlin_pack.vllm_plugin.options import LoaderOptions, parse_extra_config
+from marlin_pack.vllm_plugin.preflight import preflight
 
 VLLM_VERSION = "0.33.0"
 
@@ -276,12 +278,14 @@ def test_decide_falls_back_with_field_and_reason(awq_bundle: Path, tmp_path: Pat
     assert d.fallback and d.field == "manifest"
 
 
-def test_decide_only_catches_bundle_errors(awq_bundle: Path) -> None:
+def test_decide_refuses_only_on_bad_input(awq_bundle: Path) -> None:
+    """A bug is no refusal: without fallback it propagates as it was (with fallback: an internal error, see below)."""
     def selector(options: LoaderOptions, f: EngineFacts):  # noqa: ANN202
         raise RuntimeError("bug")
 
     with pytest.raises(RuntimeError, match="bug"):
-        decide(LoaderOptions(fallback=True), facts(awq_bundle), selector=selector)
+        decide(LoaderOptions(), facts(awq_bundle), selector=selector)
+    assert "internal error RuntimeError: bug" in str(decide(LoaderOptions(fallback=True), facts(awq_bundle), selector=selector).reason)
 
 
 # --- layer checks -----------------------------------------------------------------------------
@@ -375,8 +379,13 @@ def test_rank_header_mismatch(awq_bundle: Path) -> None:
 
 @pytest.mark.parametrize(
     "aliases,match",
-    [({"model.layers.0.self_attn.qkv_proj.qweight": "model.embed_tokens.weight"}, "only an output head"),
+    [({"model.layers.0.self_attn.qkv_proj.qweight": "model.embed_tokens.weight"}, "tensor of the quantized layer"),
      ({"model.layers.0.mlp.down_proj.lm_head.weight": "model.embed_tokens.weight"}, "tensor of the quantized layer"),
+     # names that merely end like an output head, or another architecture's head: vLLM's Llama loads only lm_head.weight
+     ({"model.layers.0.mlp.lm_head.weight": "model.embed_tokens.weight"}, r"only the output head of LlamaForCausalLM \(lm_head"),
+     ({"model.lm_head.weight": "model.embed_tokens.weight"}, "only the output head of LlamaForCausalLM"),
+     ({"output.weight": "model.embed_tokens.weight"}, "only the output head of LlamaForCausalLM"),
+     ({"language_model.lm_head.weight": "model.embed_tokens.weight"}, "only the output head of LlamaForCausalLM"),
      ({"lm_head.weight\n": "model.embed_tokens.weight"}, "is not a tensor name"),
      ({"lm_head.weight": "model.embed_tokens.weight\nx"}, "is not a tensor name"),
      ({"model.lm_head.weight": "model.layers.1.self_attn.q_proj.qweight"}, "tensor of the quantized layer")],
@@ -395,3 +404,158 @@ def test_bad_common_aliases_are_refused_before_the_gpu(awq_bundle: Path, damaged
     assert e.value.field == "manifest" and "\n" not in str(e.value).replace("\\n", "")
     with pytest.raises(LoadRefusedError, match="common_aliases"):
         decide(LoaderOptions(), facts(model))
+    assert decide(LoaderOptions(fallback=True), facts(model)).fallback
+    report = preflight(model)  # `marlin-pack check`
+    assert report.decision == "refuse" and report.ranks[0].field == "manifest" and "common_aliases" in report.ranks[0].message
+
+
+def test_check_verify_and_the_loader_share_one_alias_rule(awq_bundle: Path, damaged_copy) -> None:  # type: ignore[no-untyped-def]
+    """An alias ending like a head (issue 68, item 11): check used to pass it, only verify refused it (comparing with the
+    checkpoint); now the manifest's schema refuses it for all three, with the same words."""
+    from marlin_pack import verify
+
+    def edit(d: Path) -> None:
+        path = d / "marlin-pack" / "manifest.json"
+        m = json.loads(path.read_text())
+        m["common_aliases"] = {"model.layers.0.mlp.lm_head.weight": "model.embed_tokens.weight"}
+        path.write_text(json.dumps(m))
+
+    model = damaged_copy(awq_bundle, edit)
+    why = "only the output head of LlamaForCausalLM (lm_head.weight) is stored as a copy of another tensor"
+    report = verify(model / "marlin-pack")
+    assert not report.ok and report.first_failure is not None and why in report.first_failure.detail
+    assert why in preflight(model).ranks[0].message
+    with pytest.raises(BundleMismatchError, match=re.escape(why)):
+        select_bundle(LoaderOptions(), facts(model))
+
+
+# --- every failure before the GPU is a refusal, or (fallback) falls back: issue 68, item 10 -------------------------
+
+
+def test_an_internal_error_of_the_checks_falls_back_or_propagates(awq_bundle: Path) -> None:
+    """An exception that is no refusal (a bug): ``fallback`` falls back, saying it is an internal error, in one line;
+    without it, it propagates as it was (``check`` then exits 2 with it)."""
+    def broken(options: LoaderOptions, f: EngineFacts) -> object:
+        raise KeyError("model.layers.0.mlp.experts")
+
+    with pytest.raises(KeyError):
+        decide(LoaderOptions(), facts(awq_bundle), broken)  # type: ignore[arg-type]
+    d = decide(LoaderOptions(fallback=True), facts(awq_bundle), broken)  # type: ignore[arg-type]
+    assert d.fallback and d.field is MismatchField.bundle and d.reason is not None and "\n" not in d.reason
+    assert d.reason.startswith("internal error KeyError: 'model.layers.0.mlp.experts' while checking the bundle; please report it")
+
+
+@pytest.fixture(scope="module")
+def moe_tp12(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE GPTQ checkpoint (synthetic) converted for tp 1 and 2."""
+    from marlin_pack import convert
+    from marlin_pack.testing.synthetic_moe import MoeShape, write_moe_checkpoint
+
+    model = write_moe_checkpoint(tmp_path_factory.mktemp("moe") / "m", MoeShape(num_experts=4), "gptq")
+    convert(model, tp=(1, 2))
+    return model
+
+
+@pytest.fixture(scope="module")
+def deepseek_tp1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny DeepSeek-V2 GPTQ checkpoint (synthetic, n_group 1) converted for tp 1."""
+    from marlin_pack import convert
+    from marlin_pack.testing.synthetic_deepseek import DeepseekShape, write_deepseek_checkpoint
+
+    model = write_deepseek_checkpoint(tmp_path_factory.mktemp("ds") / "m", DeepseekShape(), "gptq")
+    convert(model)
+    return model
+
+
+def _rename_experts_layer(model_dir: Path, tp: int) -> None:
+    """A consistent forgery: tp ``tp``'s first experts layer renamed (same length) in its manifest entry and rank
+    files' headers, their sizes and digests recorded anew; the other TP size keeps the old name."""
+    import struct
+
+    from marlin_pack.io.hashing import file_digest
+
+    path = model_dir / "marlin-pack" / "manifest.json"
+    m = json.loads(path.read_text())
+    s = next(s for s in m["tensor_parallel"] if s["tp_size"] == tp)
+    old = s["moe_layers"][0]["name"]
+    new = old[:-1] + ("z" if old[-1] != "z" else "y")
+    s["moe_layers"][0]["name"] = new
+    for r in s["ranks"]:
+        f = model_dir / "marlin-pack" / r["file"]["path"]
+        raw = bytearray(f.read_bytes())
+        n = struct.unpack("<Q", raw[:8])[0]
+        raw[8:8 + n] = raw[8:8 + n].decode().replace(f'"{old}.', f'"{new}.').encode()
+        f.write_bytes(bytes(raw))
+        r["file"]["blake3"] = file_digest(f)
+    path.write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("tp,args", [(2, dict(tp_size=2, expert_parallel=True)), (2, dict(tp_size=1, dp_size=2)),
+                                     (1, dict(tp_size=2, expert_parallel=True)), (1, dict(tp_size=1, dp_size=2))])
+def test_tp_sizes_naming_an_experts_layer_differently_are_refused(moe_tp12: Path, damaged_copy, tp: int, args: dict) -> None:  # type: ignore[no-untyped-def]
+    """The experts of one TP size's rank files serve another's engine (EP, DP): a KeyError there used to escape fallback.
+    Every TP size holds the same layers, which the manifest's schema now checks for every reader."""
+    model = damaged_copy(moe_tp12, lambda d: _rename_experts_layer(d, tp))
+    report = preflight(model, **args)
+    assert report.decision == "refuse" and report.ranks[0].field == "manifest"
+    assert "every TP size holds the same layers" in report.ranks[0].message and "\n" not in report.ranks[0].message
+    assert preflight(model, fallback=True, **args).decision == "fallback"
+
+
+def test_expert_share_refuses_an_experts_layer_its_source_lacks(moe_tp12: Path) -> None:
+    """The share itself, given TP sets that disagree (a stage's, say): a refusal naming the layer, never a KeyError."""
+    from marlin_pack.vllm_plugin.expert_share import expert_share, moe_ranks
+
+    m = read_manifest(moe_tp12 / "marlin-pack")
+    tp1, tp2 = m.tensor_parallel_set(1), m.tensor_parallel_set(2)
+    renamed = tp2.model_copy(update={"moe_layers": [tp2.moe_layers[0].model_copy(update={"name": "x.experts"})]})
+    header = read_header(moe_tp12 / "marlin-pack" / tp1.ranks[0].file.path)
+    with pytest.raises(BundleMismatchError, match="the experts layer x.experts of tp2 is not in tp1") as e:
+        expert_share(m, renamed, tp1, header, Path("rank-0"), moe_ranks(2, 0, 1, 0, True), "linear")
+    assert e.value.field == "layers"
+
+
+@pytest.mark.parametrize("value", [[2], {}, float("inf"), float("nan"), "2", True, 2.0, 0, -1, 10**9, {"a": 1}])
+def test_n_group_of_another_json_type_is_refused_naming_it(deepseek_tp1: Path, damaged_copy, value: object) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek's n_group decides the experts' placement at EP: a list, an object, inf (``1e400``), a float, a bool..."""
+    def edit(d: Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["n_group"] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    model = damaged_copy(deepseek_tp1, edit)
+    args = dict(tp_size=1, dp_size=2, expert_parallel=True, expert_placement="round_robin")
+    report = preflight(model, **args)
+    assert report.decision == "refuse" and report.ranks[0].field == "source", report.to_dict()
+    assert f"config.json n_group is {value!r}, expected an integer from 1 to 4096 or null" in report.ranks[0].message
+    assert preflight(model, fallback=True, **args).decision == "fallback"
+
+
+def test_n_group_as_transformers_config_class_holds_it() -> None:
+    """Absent: the class default (DeepSeek-V3 8, so vLLM places round robin; V2 none); null: none; under text_config too."""
+    from marlin_pack.errors import UnsupportedCheckpointError
+    from marlin_pack.vllm_plugin.expert_share import num_expert_group
+
+    v2, v3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
+    assert num_expert_group(v3, {"model_type": "deepseek_v3"}) == 8
+    assert num_expert_group(v3, {"architectures": [v3]}) == 8
+    assert num_expert_group(v2, {"model_type": "deepseek_v2"}) is None
+    assert num_expert_group(v3, {"model_type": "deepseek_v3", "n_group": None}) is None
+    assert num_expert_group(v2, {"model_type": "deepseek_v2", "n_group": 4}) == 4
+    assert num_expert_group("MixtralForCausalLM", {"n_group": [2]}) is None  # not read for the others
+    with pytest.raises(UnsupportedCheckpointError, match=r"^config.json n_group is \[2\], .*; restore the checkpoint's config.json$"):
+        num_expert_group(v3, {"model_type": "deepseek_v3", "n_group": [2]})
+
+
+@pytest.mark.parametrize("value", [[{"a": 1}], [["LlamaForCausalLM"]], [1], [None], "LlamaForCausalLM", {"a": 1}])
+def test_architectures_of_another_json_type_are_refused_naming_them(awq_bundle: Path, damaged_copy, value: object) -> None:  # type: ignore[no-untyped-def]
+    """A non-string ``architectures`` entry (``unhashable type`` once): one line naming the field, at every TP/PP."""
+    def edit(d: Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["architectures"] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    model = damaged_copy(awq_bundle, edit)
+    report = preflight(model, tp_size=2, pp_size=2)
+    assert report.decision == "refuse" and "config.json architectures is" in report.ranks[0].message, report.to_dict()
+    assert preflight(model, tp_size=2, pp_size=2, fallback=True).decision == "fallback"

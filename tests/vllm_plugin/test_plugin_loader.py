@@ -1066,3 +1066,92 @@ def test_a_start_that_hashes_says_how_much_and_how_long_once(
     assert len(hashed) == 1 and records[0].levelno == logging.WARNING, hashed
     assert re.match(r"marlin-pack: rank 0 hashed [\d.]+ [MG]B \(3 files\) in [\d.]+ s; stamped in ", hashed[0]), hashed
     assert str(tmp_path / "stamps") in hashed[0]
+
+
+# --- fallback covers every failure before the GPU, whatever its type (issue 68, items 10 and 11) ---------------------
+
+
+def _ordinary(monkeypatch: pytest.MonkeyPatch) -> list:
+    """vLLM's DefaultModelLoader.load_model, recorded instead of run."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    calls: list = []
+    monkeypatch.setattr(DefaultModelLoader, "load_model", lambda self, **kw: calls.append(kw) or "ordinary")
+    return calls
+
+
+@pytest.mark.parametrize("where", ["decision", "engine facts"])
+def test_an_internal_error_before_the_gpu_falls_back(
+    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, marlin_log: list[str], where: str
+) -> None:
+    """Not a refusal (a KeyError in the checks, vLLM internals not as expected): ``fallback`` loads the checkpoint the
+    ordinary way with one WARNING naming it as an internal error; without ``fallback`` it propagates as it was."""
+    from marlin_pack.vllm_plugin import decision, loader
+
+    def broken(*args: object) -> object:
+        raise KeyError("model.layers.0.mlp.experts")
+
+    monkeypatch.setattr(decision if where == "decision" else loader, "load_manifest" if where == "decision" else "engine_facts", broken)
+    fake_create_model(monkeypatch, awq_bundle)
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    with pytest.raises(KeyError, match="model.layers.0.mlp.experts"):
+        make_loader().load_model(vllm_config, model_config)
+    calls = _ordinary(monkeypatch)
+    assert make_loader(fallback=True).load_model(vllm_config, model_config) == "ordinary"
+    assert [c["model_config"] for c in calls] == [model_config]
+    warned = [m for m in marlin_log if "internal error KeyError" in m]
+    assert len(warned) == 1 and "\n" not in warned[0] and "loading the checkpoint the ordinary way because fallback is on" in warned[0]
+    assert vllm_config.kernel_config.linear_backend_per_quant is None  # Marlin not forced
+
+
+def test_an_internal_error_forcing_the_kernels_falls_back(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch, marlin_log: list[str]) -> None:
+    """After the decision, before the I/O plan (no GPU work yet): create_model builds the model the ordinary way."""
+    from marlin_pack.vllm_plugin import loader
+
+    def broken(kernel_config: object) -> None:
+        raise AttributeError("'KernelConfig' object has no attribute 'linear_backend_per_quant'")
+
+    monkeypatch.setattr(loader, "force_marlin", broken)
+    fake_create_model(monkeypatch, awq_bundle)
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        with pytest.raises(AttributeError):
+            make_loader().create_model(vllm_config, model_config)
+        fallback = make_loader(fallback=True)
+        model = fallback.create_model(vllm_config, model_config)
+    assert fallback._models[model].bundle is None
+    assert any("internal error AttributeError" in m for m in marlin_log)
+
+
+def test_an_error_once_gpu_work_began_still_propagates(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the I/O plan on (copy helpers, the arena, the model's construction) fallback does not hide an error."""
+    from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(MarlinPrepackedLoader, "_plan_and_helpers", broken)
+    fake_create_model(monkeypatch, awq_bundle)
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        make_loader(fallback=True).create_model(vllm_config, model_config)
+
+
+def test_an_alias_that_is_no_output_head_is_refused_by_the_loader(
+    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model.layers.0.mlp.lm_head.weight`` merely ends like a head: refused before the GPU (fallback: ordinary loading)."""
+    def edit(d: Path) -> None:
+        path = d / "marlin-pack" / "manifest.json"
+        m = json.loads(path.read_text())
+        m["common_aliases"] = {"model.layers.0.mlp.lm_head.weight": "model.embed_tokens.weight"}
+        path.write_text(json.dumps(m))
+
+    model_dir = damaged_copy(awq_bundle, edit)
+    seen = fake_create_model(monkeypatch, model_dir)
+    vllm_config, model_config = fake_engine(model_dir, "auto_awq", monkeypatch)
+    with pytest.raises(LoadRefusedError, match=r"\[manifest\] .*common_aliases maps 'model.layers.0.mlp.lm_head.weight'"):
+        make_loader().create_model(vllm_config, model_config)
+    assert seen == []
+    calls = _ordinary(monkeypatch)
+    assert make_loader(fallback=True).load_model(vllm_config, model_config) == "ordinary" and len(calls) == 1
