@@ -21,11 +21,11 @@ import torch
 
 from marlin_pack._constants import FORMAT_VERSION, MACHETE_FORMAT_VERSION, TARGET_VLLM_VERSION
 from marlin_pack._version import __version__
-from marlin_pack.bundle.existing import reusable_bundle
+from marlin_pack.bundle.existing import output_state, reusable_bundle
 from marlin_pack.bundle.integrity import HashReport, source_digest
-from marlin_pack.bundle.writer import BundleWriter, check_output, output_lock
+from marlin_pack.bundle.writer import BundleWriter, check_output, follow_output, output_lock
 from marlin_pack.dtypes import serving_dtype_for
-from marlin_pack.errors import CheckpointError, MarlinPackError
+from marlin_pack.errors import CheckpointError, MarlinPackError, OutputExistsError
 from marlin_pack.io.hashing import FileChangedError, HashedFile, hash_file, hash_workers, sha256_bytes
 from marlin_pack.io.residency import WRITE_ENV, available_memory, write_through_cache
 from marlin_pack.io.safetensors_io import StreamWriter, read_header_bytes
@@ -43,7 +43,6 @@ from marlin_pack.moe_conversion import build_moe_layer, read_moe_layer
 from marlin_pack.planning import ConversionPlan, layer_weight_shape, plan_conversion
 from marlin_pack.progress import as_progress_fn
 from marlin_pack.schemas import (
-    OUTPUT_HEAD_NAMES,
     LayerKernel,
     Manifest,
     Producer,
@@ -51,10 +50,11 @@ from marlin_pack.schemas import (
     Source,
     SourceFile,
     Target,
+    output_head_problem,
     torch_dtype,
 )
 from marlin_pack.sources import Checkpoint, QuantSource, source_from_quant_config
-from marlin_pack.sources.hub import bundle_dir_for, resolve_model
+from marlin_pack.sources.hub import bundle_dir_for, cache_root, resolve_model
 from marlin_pack.stages import Device, ReadAhead
 
 __all__ = ["convert", "Converted", "resolve_dtype", "ProgressFn"]
@@ -69,9 +69,6 @@ def resolve_dtype(config: dict, dtype: str | None, weight_dtypes: Iterable[str] 
         return serving_dtype_for(dtype, config, weight_dtypes)
     except ValueError as e:
         raise MarlinPackError(str(e)) from e
-
-
-_HEADS = OUTPUT_HEAD_NAMES  # the output projection's checkpoint names (InternLM2: output), all the manifest lets an alias be
 
 
 def tied_copies(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, str]:
@@ -89,7 +86,7 @@ def tied_copies(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, str]:
         return ckpt.tensors[name].dtype, tuple(ckpt.tensors[name].shape)
 
     copies: dict[str, str] = {}
-    for head in (n for n in plan.common if n.endswith(_HEADS)):
+    for head in (n for n in plan.common if output_head_problem(n, plan.dims.architecture) is None):  # the manifest's rule
         candidates = [n for n in plan.common if "embed" in n and spec(n) == spec(head)]
         if not candidates:
             continue
@@ -340,8 +337,9 @@ def convert(
     place at the end.
 
     Idempotent: where an up-to-date bundle of this checkpoint for these settings is at the output, it
-    is reused and nothing is written (:mod:`marlin_pack.bundle.existing`); another conversion of the same
-    output is waited for, then its result reused. Named as the CLI's options.
+    is reused and nothing is written, nor locked (:mod:`marlin_pack.bundle.existing`); another conversion of the same
+    output is waited for (at most ``$MARLIN_PACK_LOCK_WAIT_S``, default 600 s), then its result reused. A symlink at
+    the output is followed only where this user or root owns it. Named as the CLI's options.
 
     Args:
         model: HuggingFace checkpoint directory, or a Hugging Face model id (``org/name``),
@@ -381,8 +379,8 @@ def convert(
     if not tps or tps[0] < 1:
         raise MarlinPackError(f"--tp {tp} is invalid; expected positive sizes such as 1,2,4,8")
     dev = _device(device)
-    if out.is_symlink():
-        out = out.resolve()  # write the link's target, keep the link (the user's layout)
+    # A symlink at the output (or in a model id's cache entry) is followed only where this user or root owns it.
+    out = follow_output(out, cache_root() if output is None and resolved.repo_id is not None else None)
 
     ckpt = Checkpoint(model_dir)
     try:
@@ -390,13 +388,29 @@ def convert(
         serving_dtype = resolve_dtype(ckpt.config, dtype, {t.dtype for t in ckpt.tensors.values()})
         layers_kernel = parse_kernel(kernel)
         plan = plan_conversion(ckpt, source, tps, torch_dtype(serving_dtype), layers_kernel)
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror or e}); choose a writable location with -o") from e
-        with output_lock(out, on_wait):
-            if not force and (found := reusable_bundle(out, model_dir, tps, serving_dtype, plan.entries)) is not None:
-                return Converted(out, found[0], reused=True, hashed=found[1])
+        # Decided before the lock, which needs write access: an up-to-date bundle on a read-only volume is up to date.
+        seen, refused = output_state(out), None
+        if not force:
+            try:
+                found = reusable_bundle(out, model_dir, tps, serving_dtype, plan.entries)
+            except OutputExistsError as e:
+                refused = e  # final unless another conversion publishes meanwhile (decided again under the lock)
+            else:
+                if found is not None:
+                    return Converted(out, found[0], reused=True, hashed=found[1])
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(output_lock(out, on_wait))
+            except MarlinPackError:
+                if refused is not None:  # the bundle there is the news, not that its folder is not writable
+                    raise refused from None
+                raise
+            if not force and output_state(out) != seen:  # another conversion published meanwhile: decide again
+                refused = None
+                if (found := reusable_bundle(out, model_dir, tps, serving_dtype, plan.entries)) is not None:
+                    return Converted(out, found[0], reused=True, hashed=found[1])
+            if refused is not None:
+                raise refused
             check_output(model_dir, out, force)
             manifest = _write_bundle(ckpt, source, plan, serving_dtype, tps, dev, out, force, progress)
     finally:

@@ -11,10 +11,16 @@ proves them.
 
 A bundle for other settings is refused with the difference named and the command that replaces it;
 nothing is extended in place (a bundle is published whole, by one rename).
+
+Deciding reads only, so it comes before the output's lock: an up-to-date bundle on a read-only volume,
+or another user's, is reported up to date without the write access the lock needs. Under the lock the
+decision is taken again only where the output changed meanwhile (:func:`output_state`: another
+conversion published).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from marlin_pack._constants import MANIFEST_NAME
@@ -23,7 +29,20 @@ from marlin_pack.bundle.reader import read_manifest
 from marlin_pack.errors import BundleError, OutputExistsError
 from marlin_pack.schemas import LayerEntry, Manifest, ServingDtype
 
-__all__ = ["reusable_bundle"]
+__all__ = ["reusable_bundle", "output_state"]
+
+
+def output_state(out: Path) -> tuple[tuple[int, ...], ...]:
+    """What is at ``out`` and its manifest, as identities (device, inode, mtime, ctime): changes when a bundle is published there."""
+    state = []
+    for path in (out, out / MANIFEST_NAME):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            state.append(())
+            continue
+        state.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(state)
 
 
 def _kernels(layers: list[LayerEntry]) -> str:

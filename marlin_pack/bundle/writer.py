@@ -5,8 +5,17 @@ the end, so an interrupted or failed conversion never leaves a directory that lo
 bundle; on any error (SIGINT, SIGTERM and SIGHUP included) the temporary directory is
 removed, and temporary directories of dead conversions (SIGKILL) are removed by the next one.
 A lock (``.NAME.lock`` beside the output, removed at the end) keeps two conversions from writing
-one output: the second waits for the first (:func:`output_lock`). Publishing never clobbers: the
+one output: the second waits for the first, for a bounded time (:func:`output_lock`). Publishing never clobbers: the
 rename succeeds only onto nothing, or, with ``--force``, onto a directory that is a marlin-pack bundle and holds nothing else.
+
+The output's parent may be writable by another user (her model directory, a shared model tree or
+cache), who can rename any entry there and put a symlink or a directory of symlinks in its place at
+any moment. So nothing is written by a path: the temporary directory is made and then held by a
+descriptor, every file and folder of the bundle is created relative to it (new, never through a
+symlink: :mod:`marlin_pack.io.files`), the directory renamed into place is checked to be the one made,
+and removals go through held descriptors too. A symlink at the output is followed only when its
+owner is this user or root (:func:`follow_output`); the lock file is this user's (or root's), 0600,
+and locked through a write descriptor.
 
     with output_lock(out):                               # waits for another conversion of out
         out = check_output(model_dir, out, force)        # before the long work
@@ -22,12 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import re
-import shutil
+import secrets
 import signal
 import stat
-import tempfile
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +48,16 @@ from marlin_pack._constants import COMMON_FILE, FORMAT_VERSION, LEGACY_STAMPS_NA
 from marlin_pack.bundle.rank_files import common_metadata, rank_file_path, rank_metadata
 from marlin_pack.bundle.reader import listed_files
 from marlin_pack.errors import BundleError, MarlinPackError, OutputExistsError
-from marlin_pack.io.files import rename_no_replace
+from marlin_pack.io.files import (
+    UntrustedSymlinkError,
+    create_file,
+    open_dirs,
+    owner_text,
+    remove_contents,
+    rename_no_replace,
+    same_file,
+    trusted_link,
+)
 from marlin_pack.io.hashing import HashedFile
 from marlin_pack.io.safetensors_io import StreamWriter
 from marlin_pack.io.stamps import StampStore
@@ -49,13 +68,23 @@ if TYPE_CHECKING:
 
     from marlin_pack.marlin.rank_tensors import TensorSpec
 
-__all__ = ["Interrupted", "check_output", "output_lock", "foreign_entry", "BundleWriter"]
+__all__ = [
+    "Interrupted", "LOCK_WAIT_ENV", "check_output", "follow_output", "output_lock", "lock_wait_s", "foreign_entry", "remove_bundle",
+    "BundleWriter",
+]
 
 # The common file's tensors queued for writing at most (see BundleWriter.write_common).
 _COMMON_BYTES_IN_FLIGHT = 1 << 30
 
 # errnos for which "free space" is the right advice
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+# How long a conversion waits for another one's lock of its output before it gives up (exit 1), unless set.
+LOCK_WAIT_ENV = "MARLIN_PACK_LOCK_WAIT_S"
+_DEFAULT_LOCK_WAIT_S = 600.0
+
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_MAX_LINKS = 40  # symlinks followed at most in one output path (the kernel's limit)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -66,18 +95,18 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def foreign_entry(out: Path) -> str | None:
+def foreign_entry(out: Path, shown: Path | None = None) -> str | None:
     """Why ``out`` is not a bundle that ``--force`` may replace, or None if it is one.
 
     A replaceable bundle parses as a marlin-pack manifest (of any format version: re-converting
     is how an older bundle is upgraded) and holds only what a conversion writes: the manifest,
     the common file and the rank files (and their folders), and the stamp cache older versions
-    kept in the bundle.
+    kept in the bundle. ``shown``: the path to name in the reason, where ``out`` is a held directory's.
     """
     try:
         files = listed_files(out)
     except BundleError as e:
-        return f"it is not a marlin-pack bundle ({e})"
+        return f"it is not a marlin-pack bundle ({str(e).replace(str(out), str(shown or out))})"
     allowed = {MANIFEST_NAME, LEGACY_STAMPS_NAME, *files}
     folders = {str(Path(p).parent) for p in allowed} - {"."}
     for path in sorted(out.rglob("*")):
@@ -94,15 +123,59 @@ def foreign_entry(out: Path) -> str | None:
     return None
 
 
+def _follow_link(path: Path) -> Path:
+    """``path`` with its final symlinks followed, each only if its owner is this user or root."""
+    followed = False
+    for _ in range(_MAX_LINKS):
+        try:
+            st = os.lstat(path)
+        except OSError:  # nothing there (or not searchable): what writes there says so
+            break
+        if not stat.S_ISLNK(st.st_mode):
+            break
+        if not trusted_link(st):
+            raise OutputExistsError(
+                f"{path} is a symlink owned by {owner_text(st.st_uid)}, not by this user or root; refusing to follow it (its owner "
+                "could point it anywhere): remove it, or pass its target with -o if you trust it"
+            )
+        path = Path(os.path.realpath(path.parent)) / os.readlink(path)
+        followed = True
+    else:
+        raise OutputExistsError(f"{path} is a chain of more than {_MAX_LINKS} symlinks; expected a directory: remove it or use another -o")
+    if not followed:
+        return path
+    # The checked links are not followed again: only the parent is resolved (a final "." or ".." names a directory).
+    return Path(os.path.realpath(path)) if path.name in ("", ".", "..") else Path(os.path.realpath(path.parent)) / path.name
+
+
+def follow_output(out: Path, base: Path | None = None) -> Path:
+    """Where to write the bundle ``out``: ``out``, or its target where it is a symlink this user may trust.
+
+    A symlink at the output is followed (the bundle replaces the link's target and the link stays:
+    the user's layout) only when its owner is this user or root, as the kernel's ``protected_symlinks``
+    rule has it: another user's link could point anywhere, into a 0700 directory of root's too. With
+    ``base`` (marlin-pack's cache, for a model id's entry), every component of ``out`` below ``base`` is
+    held to the same rule.
+
+    Raises:
+        OutputExistsError: a symlink owned by another user (named), or a loop of symlinks.
+    """
+    if base is None or not out.is_relative_to(base):
+        return _follow_link(out)
+    path = base
+    for part in out.relative_to(base).parts:
+        path = _follow_link(path / part)
+    return path
+
+
 def check_output(model_dir: Path, out: Path, force: bool) -> Path:
-    """The directory to publish at (``out``, or its target if it is a symlink), if it may be written.
+    """The directory to publish at (``out``, or its target if it is a symlink: :func:`follow_output`), if it may be written.
 
     Raises:
         OutputExistsError: ``out`` exists and ``force`` is off, holds the checkpoint, or is
-            not a bundle that ``force`` may replace.
+            not a bundle that ``force`` may replace; ``out`` is another user's symlink.
     """
-    if out.is_symlink():
-        out = out.resolve()  # replace the link's target, keep the link (the user's layout)
+    out = follow_output(out)
     if not os.path.lexists(out):
         return out
     if not force:
@@ -117,6 +190,22 @@ def check_output(model_dir: Path, out: Path, force: bool) -> Path:
     return out
 
 
+def _open_parent(out: Path) -> int:
+    """A descriptor of the folder ``out`` is published in, made if missing (never through another user's symlink).
+
+    Raises:
+        MarlinPackError: it cannot be made or opened (not writable, not a directory, another user's symlink).
+    """
+    try:
+        return open_dirs(out.parent)
+    except UntrustedSymlinkError as e:
+        raise MarlinPackError(
+            f"cannot write to {out.parent}: {e.filename} {e.strerror}; refusing to follow it: remove it or choose another location with -o"
+        ) from e
+    except OSError as e:
+        raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror or e}); choose a writable location with -o") from e
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -127,86 +216,250 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_temp_dirs(out: Path) -> None:
-    """Temporary directories of conversions to ``out`` whose process is gone (SIGKILL, power loss)."""
+def _remove_held(name: str, parent_fd: int, fd: int) -> None:
+    """Remove the directory held by ``fd``: its contents through ``fd``, then its entry ``name`` only if it is still that directory."""
+    remove_contents(fd)
+    with contextlib.suppress(OSError):
+        if same_file(os.lstat(name, dir_fd=parent_fd), os.fstat(fd)):
+            os.rmdir(name, dir_fd=parent_fd)
+
+
+def remove_bundle(path: Path) -> str | None:
+    """Remove the bundle directory ``path`` (never through a symlink) if it is one: why it is not, or None once removed.
+
+    Checked (:func:`foreign_entry`) and removed through one descriptor, so a directory renamed into its
+    place after the check (by another user who may write its folder) is not what is removed.
+    """
+    try:
+        parent_fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        return f"cannot be opened ({e.strerror or e})"
+    try:
+        try:
+            fd = os.open(path.name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError:
+            return "is not a directory"
+        try:
+            why = foreign_entry(_held_path(fd, path), path)
+            if why is None:
+                _remove_held(path.name, parent_fd, fd)
+            return why
+        finally:
+            os.close(fd)
+    finally:
+        os.close(parent_fd)
+
+
+def _remove_stale_temp_dirs(out: Path, parent_fd: int) -> None:
+    """Temporary directories of this user's conversions to ``out`` whose process is gone (SIGKILL, power loss).
+
+    Only real directories of this user (another user may name anything so), emptied through a descriptor.
+    """
     pattern = re.compile(rf"^\.{re.escape(out.name)}\.tmp-(\d+)-")
-    for path in out.parent.glob(f".{out.name}.tmp-*"):
-        m = pattern.match(path.name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
+    with os.scandir(parent_fd) as entries:
+        found = [(e.name, int(m.group(1))) for e in entries if (m := pattern.match(e.name))]
+    for name, pid in found:
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            st = os.lstat(name, dir_fd=parent_fd)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError:
+            continue
+        try:
+            if same_file(os.fstat(fd), st):
+                _remove_held(name, parent_fd, fd)
+        finally:
+            os.close(fd)
 
 
 _WAIT_NOTICE_S = 30.0  # how often a waiting conversion says it is still waiting
 
 
-def _lock_holder(fd: int) -> str:
-    """``" (pid N)"`` from a lock file's text, or nothing: the file is untrusted (another user may have made it)."""
-    with contextlib.suppress(OSError, ValueError):
-        text = os.pread(fd, 32, 0).decode("ascii").strip()
-        if text.isdigit():
-            return f" (pid {int(text)})"
-    return ""
-
-
-@contextlib.contextmanager
-def output_lock(out: Path, on_wait: Callable[[str], None] | None = None, poll_s: float = 0.2) -> Iterator[None]:
-    """Hold the lock of ``out`` (``.NAME.lock`` beside it): one conversion writes ``out`` at a time.
-
-    A second conversion of the same output **waits** for the first (pods whose init containers start
-    together), saying so through ``on_wait`` at once and every 30 s, and then decides again with the
-    first one's result in place (usually: up to date). The lock is ``flock`` on a file opened without
-    following a symlink; a holder that dies releases it. Removed at the end: a waiter that then holds a
-    lock on the removed file tries again, so two conversions never both believe they hold it.
+def lock_wait_s() -> float:
+    """How long to wait for another conversion's lock: ``$MARLIN_PACK_LOCK_WAIT_S`` seconds (``inf``: without end), default 600.
 
     Raises:
-        MarlinPackError: the lock file cannot be made (an unwritable folder) or is not a regular file.
+        MarlinPackError: the variable is not a non-negative number.
+    """
+    raw = os.environ.get(LOCK_WAIT_ENV, "").strip()
+    if not raw:
+        return _DEFAULT_LOCK_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:  # NaN too
+        raise MarlinPackError(f"{LOCK_WAIT_ENV}={raw!r} is not a number of seconds; expected e.g. 1800, or inf to wait without end")
+    return value
+
+
+def _try_lock(fd: int) -> bool:
+    """Take a write lock of the whole file ``fd`` without waiting; False if another open file holds a lock on it.
+
+    An open-file-description lock (``F_OFD_SETLK``: it also excludes another open of the file in this process),
+    else a POSIX ``lockf``: both need a descriptor open for writing, which only this user and root have (0600).
     """
     import fcntl
 
-    path = out.parent / f".{out.name}.lock"
+    cmd = getattr(fcntl, "F_OFD_SETLK", None)
+    if cmd is not None and struct.calcsize("P") == 8:
+        try:  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for an OFD lock), padding
+            fcntl.fcntl(fd, cmd, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+            return True
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            if e.errno != errno.EINVAL:  # EINVAL: a kernel before 3.15
+                raise
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _lock_holder(fd: int, out: Path) -> str:
+    """Who holds the lock, from the pid its holder wrote into the file (only this user or root can write it)."""
+    pid = 0
+    with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
+        text = os.pread(fd, 32, 0).decode("ascii").strip()
+        pid = int(text) if text.isdigit() else 0
+    if not pid:
+        return f"a process that did not write its pid (not a marlin-pack conversion) holds the lock of {out}"
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return f"another marlin-pack conversion (pid {pid}) is writing {out}"
+    if uid == os.geteuid():
+        return f"another marlin-pack conversion (pid {pid}) is writing {out}"
+    return f"pid {pid} of {owner_text(uid)}, not a conversion of this user, holds the lock of {out}"
+
+
+def _open_lock(name: str, parent_fd: int, path: Path, out: Path) -> int | None:
+    """The lock file, made 0600 if missing; None where it vanished meanwhile (try again).
+
+    Raises:
+        MarlinPackError: not a regular file (a symlink too), or another user's (named), or not openable.
+    """
+    flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=parent_fd)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise MarlinPackError(f"cannot make the lock file {path} ({e.strerror or e}); choose a writable location with -o") from e
+    remove = f"remove it if no conversion of {out} is running (it is only a lock), or choose another -o"
+    try:
+        fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        try:
+            st = os.lstat(name, dir_fd=parent_fd)
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            raise MarlinPackError(f"cannot make the lock file {path}: a symlink is there, expected a lock file; {remove}") from e
+        if not stat.S_ISREG(st.st_mode):
+            raise MarlinPackError(f"{path} is not a regular file; {remove}") from e
+        raise MarlinPackError(
+            f"cannot open the lock file {path} of {owner_text(st.st_uid)} ({e.strerror or e}); a conversion of {out} by that user "
+            f"is running or was killed: wait for it, or have that user or root remove the file"
+        ) from e
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = f"{path} is not a regular file; {remove}"
+    elif st.st_uid not in (os.geteuid(), 0):
+        why = f"the lock file {path} belongs to {owner_text(st.st_uid)}, not to this user or root (anyone could hold it); {remove}"
+    if why is not None:
+        os.close(fd)
+        raise MarlinPackError(why)
+    os.set_blocking(fd, True)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o600:
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o600)  # a lock file of an older version (0644): no one else opens it from now on
+    return fd
+
+
+@contextlib.contextmanager
+def output_lock(
+    out: Path, on_wait: Callable[[str], None] | None = None, poll_s: float = 0.2, wait_s: float | None = None
+) -> Iterator[None]:
+    """Hold the lock of ``out`` (``.NAME.lock`` beside it): one conversion writes ``out`` at a time.
+
+    A second conversion of the same output **waits** for the first (pods whose init containers start
+    together), saying so through ``on_wait`` at once and every 30 s (and whose the lock is, where its
+    holder is not this user's conversion), and then decides again with the first one's result in place
+    (usually: up to date). It waits ``wait_s`` at most (default :func:`lock_wait_s`: ``$MARLIN_PACK_LOCK_WAIT_S``,
+    else 600 s), then gives up. The lock file is made 0600 (new, never through a symlink); one of another
+    user is refused (anyone could hold it); the lock is a write lock, which needs a descriptor open for
+    writing, so a user who may only read the file cannot hold it. A holder that dies releases it. Removed at the
+    end: a waiter that then holds a lock on the removed file tries again, so two conversions never both
+    believe they hold it. The folder of ``out`` is made if missing (never through another user's symlink).
+
+    Raises:
+        MarlinPackError: the lock file cannot be made (an unwritable folder), is not a regular file or is
+            another user's; the lock was still held after ``wait_s``.
+    """
+    limit = lock_wait_s() if wait_s is None else wait_s
+    name = f".{out.name}.lock"
+    path = out.parent / name
+    parent_fd = _open_parent(out)
     began = time.monotonic()
     noticed = -_WAIT_NOTICE_S
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise MarlinPackError(
-                f"cannot make the lock file {path} ({e.strerror or e}); choose a writable location with -o"
-            ) from e
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise MarlinPackError(f"{path} is not a regular file; remove it (it is only a lock) or choose another -o")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                waited = time.monotonic() - began
-                if on_wait is not None and waited - noticed >= _WAIT_NOTICE_S:
-                    noticed = waited
-                    on_wait(f"another marlin-pack conversion{_lock_holder(fd)} is writing {out}; waiting for it "
-                            f"({waited:.0f} s so far)")
-                os.close(fd)
-                fd = -1
-                time.sleep(poll_s)
+    try:
+        while True:
+            fd = _open_lock(name, parent_fd, path, out)
+            if fd is None:
                 continue
             try:
-                same = os.fstat(fd).st_ino == os.lstat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:  # the holder removed the file as we took the lock: take the new one
-                continue
-            if os.fstat(fd).st_uid == os.geteuid():  # ours: say who holds it (never write into another user's file)
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, 0)
-                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            try:
-                yield
+                try:
+                    locked = _try_lock(fd)
+                except OSError as e:  # ENOLCK: a file system without locks
+                    raise MarlinPackError(f"cannot lock {path} ({e.strerror or e}); choose another location with -o") from e
+                if not locked:
+                    waited = time.monotonic() - began
+                    if waited >= limit:
+                        raise MarlinPackError(
+                            f"{path} is still locked after {waited:.0f} s: {_lock_holder(fd, out)}; expected it to finish: wait "
+                            f"for it or stop it, or set {LOCK_WAIT_ENV} to wait longer (seconds, or inf)"
+                        )
+                    if on_wait is not None and waited - noticed >= _WAIT_NOTICE_S:
+                        noticed = waited
+                        bound = f"at most {limit:.0f} s" if math.isfinite(limit) else "without end"
+                        on_wait(f"{_lock_holder(fd, out)}; waiting for it ({waited:.0f} s so far, {bound}: {LOCK_WAIT_ENV})")
+                    os.close(fd)
+                    fd = -1
+                    time.sleep(min(poll_s, max(0.0, limit - waited)))
+                    continue
+                try:
+                    same = same_file(os.fstat(fd), os.lstat(name, dir_fd=parent_fd))
+                except FileNotFoundError:
+                    same = False
+                if not same:  # the holder removed the file as we took the lock: take the new one
+                    continue
+                if os.fstat(fd).st_uid == os.geteuid():  # ours: say who holds it (never write into another user's file)
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, 0)
+                        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                try:
+                    yield
+                finally:
+                    with contextlib.suppress(OSError):
+                        if same_file(os.fstat(fd), os.lstat(name, dir_fd=parent_fd)):
+                            os.unlink(name, dir_fd=parent_fd)
+                return
             finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            return
-        finally:
-            if fd >= 0:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
+    finally:
+        os.close(parent_fd)
 
 
 @contextlib.contextmanager
@@ -236,12 +489,18 @@ def _write_failed(out: Path, e: OSError) -> MarlinPackError:
 
 
 class BundleWriter:
-    """One bundle being written into ``tmp``, to be published at ``out``; use :meth:`create`."""
+    """One bundle being written into a temporary directory it made and holds, to be published at ``out``; use :meth:`create`."""
 
-    def __init__(self, out: Path, tmp: Path, force: bool, format_version: int = FORMAT_VERSION, direct: bool = True) -> None:
+    def __init__(
+        self, out: Path, parent_fd: int, name: str, fd: int, force: bool, format_version: int = FORMAT_VERSION, direct: bool = True
+    ) -> None:
         self.out = out
         self.direct = direct  # files written around the page cache (see marlin_pack.io.residency.write_through_cache)
-        self.tmp = tmp
+        self.tmp = out.parent / name  # where the directory was made (messages; every write goes through _fd)
+        self._parent_fd = parent_fd  # the folder of out, held
+        self._name = name  # the temporary directory's name in it
+        self._fd = fd  # the temporary directory, held from its making
+        self._folders: dict[str, int] = {}  # its folders (tp2, ...), made and held
         self.force = force
         self.format_version = format_version  # written into every file's metadata; the manifest's must match
         self._common: StreamWriter | None = None
@@ -264,18 +523,17 @@ class BundleWriter:
             MarlinPackError: the parent of ``out`` is not writable, or writing failed (disk full, ...).
         """
         with contextlib.ExitStack() as stack:
+            if not locked:
+                stack.enter_context(output_lock(out))
+            parent_fd = _open_parent(out)
+            stack.callback(os.close, parent_fd)
             try:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                if not locked:
-                    stack.enter_context(output_lock(out))
-                _remove_stale_temp_dirs(out)
-                tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a vLLM run by another user must read it
+                _remove_stale_temp_dirs(out, parent_fd)
+                name, fd = _make_temp_dir(out, parent_fd)
             except OSError as e:
                 raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror}); choose a writable location with -o") from e
-            writer = cls(out, tmp, force, format_version, direct)
+            writer = cls(out, parent_fd, name, fd, force, format_version, direct)
+            stack.callback(writer._close_folders)
             try:
                 with _signals_interrupt():
                     yield writer
@@ -298,7 +556,8 @@ class BundleWriter:
         # so the first layer does not wait for them. safetensors >= 0.8 reads them as views of the
         # memory map (page cache, not heap); the byte limit bounds memory where it copies them.
         meta = common_metadata(self.format_version)
-        w = self._track(StreamWriter(self.tmp / COMMON_FILE, specs, meta, None, _COMMON_BYTES_IN_FLIGHT, direct=self.direct))
+        w = StreamWriter(self.tmp / COMMON_FILE, specs, meta, None, _COMMON_BYTES_IN_FLIGHT, direct=self.direct, dir_fd=self._fd)
+        self._track(w)
         for name, _, _ in specs:
             w.write(name, read(name))
         self._common = w
@@ -316,9 +575,10 @@ class BundleWriter:
         ``options``: the :class:`~marlin_pack.io.safetensors_io.StreamWriter`'s (in-flight limits, pinned buffers, hash threads);
         bundle files are written as :attr:`direct` says unless ``direct`` is given (see :mod:`marlin_pack.io.direct_file`).
         """
-        path = self.tmp / rank_file_path(tp_size, rank)
-        path.parent.mkdir(exist_ok=True)
-        w = self._track(StreamWriter(path, specs, rank_metadata(tp_size, rank, self.format_version), **{"direct": self.direct, **options}))
+        rel = rank_file_path(tp_size, rank)
+        folder = self._folder(rel.rpartition("/")[0])
+        meta = rank_metadata(tp_size, rank, self.format_version)
+        w = self._track(StreamWriter(self.tmp / rel, specs, meta, **{"direct": self.direct, **options, "dir_fd": folder}))
         self._ranks[(tp_size, rank)] = w
         return w
 
@@ -348,8 +608,9 @@ class BundleWriter:
 
         Raises:
             OutputExistsError: something that may not be replaced appeared at ``out`` meanwhile.
+            MarlinPackError: the temporary directory was replaced meanwhile (nothing is published).
         """
-        with open(self.tmp / MANIFEST_NAME, "w") as f:
+        with os.fdopen(create_file(MANIFEST_NAME, self._fd), "w") as f:
             f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
@@ -370,30 +631,133 @@ class BundleWriter:
         self._open.remove(w)
         return result
 
+    def _folder(self, name: str) -> int:
+        """The held folder ``name`` of the temporary directory, made at its first use."""
+        if name not in self._folders:
+            os.mkdir(name, 0o777, dir_fd=self._fd)  # a new one: FileExistsError if anything is there
+            self._folders[name] = os.open(name, _DIR_FLAGS, dir_fd=self._fd)
+        return self._folders[name]
+
+    def _close_folders(self) -> None:
+        for fd in self._folders.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._folders.clear()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+    def _replaced(self, what: str) -> MarlinPackError:
+        return MarlinPackError(
+            f"{self.tmp}, this conversion's temporary directory, was {what} while converting; expected the directory it made: "
+            f"nothing was published, make sure only you can write {self.out.parent} and convert again"
+        )
+
     def _publish(self) -> None:
-        """Rename ``tmp`` onto nothing; with ``force``, an existing bundle is moved aside first, then removed."""
+        """Rename the temporary directory onto nothing, after checking it is the one made; with ``force``, an existing bundle
+        is moved aside first, then removed."""
+        try:
+            held = same_file(os.lstat(self._name, dir_fd=self._parent_fd), os.fstat(self._fd))
+        except FileNotFoundError:
+            held = False
+        if not held:
+            raise self._replaced("replaced")
         old = None
-        if os.path.lexists(self.out):
+        if _lexists(self.out.name, self._parent_fd):
             if not self.force:
                 raise OutputExistsError(f"{self.out} appeared while converting; nothing was replaced, pass --force or -o")
-            old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
-            os.rename(self.out, old)
-            why = foreign_entry(old)  # re-checked on what was actually moved: it may have changed since
-            if why is not None:
-                os.rename(old, self.out)
-                raise OutputExistsError(f"{self.out} changed while converting and {why}; nothing was replaced")
+            old = self._move_aside()
         try:
-            rename_no_replace(self.tmp, self.out)
+            rename_no_replace(self._name, self.out.name, src_dir_fd=self._parent_fd, dst_dir_fd=self._parent_fd)
         except FileExistsError as e:
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            self._drop_old(old)
             raise OutputExistsError(f"{self.out} appeared while converting; nothing was replaced, pass --force or -o") from e
+        except BaseException:
+            if old is not None:  # the old bundle goes back where it was
+                with contextlib.suppress(OSError):
+                    rename_no_replace(old[0], self.out.name, src_dir_fd=self._parent_fd, dst_dir_fd=self._parent_fd)
+                os.close(old[1])
+            raise
+        self._drop_old(old)
+        try:
+            published = same_file(os.lstat(self.out.name, dir_fd=self._parent_fd), os.fstat(self._fd))
+        except FileNotFoundError:
+            published = False
+        if not published:  # swapped between the check and the rename: what was renamed is not this bundle
+            with contextlib.suppress(OSError):
+                rename_no_replace(self.out.name, self._name, src_dir_fd=self._parent_fd, dst_dir_fd=self._parent_fd)
+            raise self._replaced("replaced")
+
+    def _drop_old(self, old: tuple[str, int] | None) -> None:
+        """Remove the bundle moved aside, through its descriptor."""
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_held(old[0], self._parent_fd, old[1])
+            os.close(old[1])
+
+    def _move_aside(self) -> tuple[str, int]:
+        """Move the bundle at ``out`` aside (``force``) and hold it: its name and descriptor, once checked to be a bundle.
+
+        Re-checked on what was actually moved, through the descriptor: it may have changed since :func:`check_output`.
+        """
+        name = f".{self.out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        rename_no_replace(self.out.name, name, src_dir_fd=self._parent_fd, dst_dir_fd=self._parent_fd)
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=self._parent_fd)
+        except OSError:
+            fd = -1
+        why = "it is not a directory" if fd < 0 else foreign_entry(_held_path(fd, self.out.parent / name), self.out)
+        if why is not None:
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                rename_no_replace(name, self.out.name, src_dir_fd=self._parent_fd, dst_dir_fd=self._parent_fd)
+            raise OutputExistsError(f"{self.out} changed while converting and {why}; nothing was replaced")
+        return name, fd
 
     def _abort(self) -> None:
         for w in self._open:
             with contextlib.suppress(Exception):
                 w.abort()
         self._open.clear()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if not self._published:  # through the descriptors: whatever was put at the temporary path meanwhile is not touched
+            _remove_held(self._name, self._parent_fd, self._fd)
+
+
+def _lexists(name: str, dir_fd: int) -> bool:
+    try:
+        os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _held_path(fd: int, fallback: Path) -> Path:
+    """A path that reaches the directory held by ``fd`` whatever is renamed meanwhile (``/proc/self/fd/N``), else ``fallback``."""
+    path = Path(f"/proc/self/fd/{fd}")
+    return path if path.is_dir() else fallback
+
+
+def _make_temp_dir(out: Path, parent_fd: int) -> tuple[str, int]:
+    """A new directory ``.NAME.tmp-PID-XXXXXXXX`` in the folder of ``out``, and its descriptor, held from now on.
+
+    Made 0700, so that no one else can have put anything in it, checked to be the one made (ours, empty), then
+    given the umask's permissions (a vLLM run by another user must read the bundle).
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for _ in range(100):
+        name = f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            continue
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077 or os.listdir(fd):
+            os.close(fd)
+            raise MarlinPackError(
+                f"{out.parent / name} was replaced as it was made; expected the directory this conversion made: make sure only "
+                f"you can write {out.parent} and convert again"
+            )
+        os.fchmod(fd, 0o777 & ~umask)
+        return name, fd
+    raise FileExistsError(errno.EEXIST, "no free name for a temporary directory", str(out.parent))

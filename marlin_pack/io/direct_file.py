@@ -54,7 +54,7 @@ from types import TracebackType
 
 import numpy as np
 
-from marlin_pack.io.files import MEMORY_FILESYSTEMS, filesystem_type
+from marlin_pack.io.files import MEMORY_FILESYSTEMS, create_file, filesystem_type
 
 __all__ = ["SequentialFile", "start_writeback"]
 
@@ -87,14 +87,17 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 class SequentialFile:
-    """Write ``path`` (created or truncated) from front to back; :meth:`close` makes it durable.
+    """Write ``path`` (created or truncated, or created new in a held directory) from front to back; :meth:`close` makes it durable.
 
     Args:
-        path: the file.
+        path: the file (created or truncated), or with ``dir_fd`` the file's name in messages and where its file system is
+            looked up.
         direct: try ``O_DIRECT`` (see the module docstring); False: through the page cache, in the
             background, each stage's writeback started at once (on a memory file system: as it comes).
         writers: threads writing full stages at once (the disk's queue depth); ``writers + 1`` stages
             of ``_CHUNK`` bytes, so the caller fills one while they write.
+        dir_fd: create ``path.name`` in this held directory instead: a new file (``O_EXCL``), never through a
+            symlink (see :mod:`marlin_pack.io.files`).
 
     A write that fails in a writer thread fails the file: the next :meth:`write`, and
     :meth:`close`, raise that error (the same exception); :meth:`abort` does not.
@@ -102,25 +105,48 @@ class SequentialFile:
     Not thread-safe: one writer thread at a time.
     """
 
-    def __init__(self, path: Path, direct: bool = True, *, writers: int = 1) -> None:
+    def __init__(self, path: Path, direct: bool = True, *, writers: int = 1, dir_fd: int | None = None) -> None:
         if writers < 1:
             raise ValueError(f"writers must be at least 1, not {writers}")
         self.path = path
         self.size = 0
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self.direct = False
-        fd = None
         # In memory (tmpfs) there is no device to write around: the page cache is the file, and O_DIRECT
         # (accepted there since Linux 6.6) is our staging copy plus the kernel's, instead of the kernel's alone.
         on_disk = filesystem_type(path) not in MEMORY_FILESYSTEMS
-        if direct and hasattr(os, "O_DIRECT") and on_disk:
+        want_direct = direct and hasattr(os, "O_DIRECT") and on_disk
+        self._fd: int = self._open(path, want_direct) if dir_fd is None else self._create(path.name, dir_fd, want_direct)
+        self._setup(writers, direct, on_disk)
+
+    def _open(self, path: Path, want_direct: bool) -> int:
+        """``path`` created or truncated, with ``O_DIRECT`` where wanted and taken."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        if want_direct:
             try:
                 fd = os.open(path, flags | os.O_DIRECT, 0o666)
                 self.direct = True
+                return fd
             except OSError as e:
                 if e.errno != errno.EINVAL:  # EINVAL: this file system does not do O_DIRECT
                     raise
-        self._fd: int = os.open(path, flags, 0o666) if fd is None else fd
+        return os.open(path, flags, 0o666)
+
+    def _create(self, name: str, dir_fd: int, want_direct: bool) -> int:
+        """A new file ``name`` in the held directory ``dir_fd`` (:func:`~marlin_pack.io.files.create_file`), ``O_DIRECT`` set after the
+        open where wanted and taken (an ``O_DIRECT`` open refused with ``EINVAL`` may already have made the file)."""
+        fd = create_file(name, dir_fd, 0o666)
+        if want_direct:
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+                self.direct = True
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: this file system does not do O_DIRECT
+                    os.close(fd)
+                    raise
+        return fd
+
+    def _setup(self, writers: int, direct: bool, on_disk: bool) -> None:
+        """Stages and writer threads for the open file."""
         self._closed = False
         self._chunk = _CHUNK
         # Staged: O_DIRECT, or the page cache of a disk asked for (a refused O_DIRECT open writes as it comes).

@@ -1,21 +1,34 @@
-"""Opening files that may be hostile: regular files only, read with a hard byte limit.
+"""Opening files that may be hostile: regular files only, read with a hard byte limit; files written only where made.
 
 A FIFO at ``config.json`` would block a reader forever, a symlink to ``/dev/zero`` reports
 size 0 and never ends: every file marlin-pack reads goes through :func:`open_regular`,
 which opens without blocking and refuses anything but a regular file.
+
+Writing is the other direction: a directory another user may write (her model directory, a shared
+model tree) can have its entries renamed and replaced by symlinks at any moment, so a path checked
+once says nothing about what a later open by that path reaches. What marlin-pack writes there is
+made relative to a descriptor of a directory it made and still holds (:func:`open_dirs`,
+:func:`open_dir`, :func:`create_file`, :func:`remove_contents`), never through a symlink that
+appeared, and a symlink is followed only when its owner is this user or root (:func:`trusted_link`,
+the kernel's ``protected_symlinks`` rule).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 from pathlib import Path
 
 __all__ = [
-    "MEMORY_FILESYSTEMS", "NotRegularFileError", "FileTooLargeError", "filesystem_type", "in_base_memory_pages",
-    "open_regular", "read_limited", "rename_no_replace",
+    "MEMORY_FILESYSTEMS", "NotRegularFileError", "FileTooLargeError", "UntrustedSymlinkError", "filesystem_type",
+    "in_base_memory_pages", "open_regular", "read_limited", "rename_no_replace", "owner_text", "trusted_link", "same_file",
+    "open_dir", "open_dirs", "create_file", "remove_contents",
 ]
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
 
 # Filesystems whose pages are memory (shmem): no device behind the page cache. The bundle writer
 # writes such files through the page cache rather than O_DIRECT (which there is one more copy, not
@@ -30,6 +43,10 @@ class NotRegularFileError(OSError):
 
 class FileTooLargeError(OSError):
     """A file holds more bytes than its kind ever needs."""
+
+
+class UntrustedSymlinkError(OSError):
+    """A symlink owned by another user (neither this one nor root): never followed."""
 
 
 def _kind(mode: int) -> str:
@@ -79,11 +96,12 @@ def read_limited(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
-def rename_no_replace(src: Path, dst: Path) -> None:
+def rename_no_replace(src: str | Path, dst: str | Path, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None) -> None:
     """Rename ``src`` to ``dst`` only if nothing is at ``dst`` (not even an empty directory).
 
     Uses Linux's ``renameat2(RENAME_NOREPLACE)``, so the check and the rename are one step;
-    where the call or the file system lacks it, falls back to check-then-rename.
+    where the call or the file system lacks it, falls back to check-then-rename. ``src_dir_fd`` /
+    ``dst_dir_fd``: the names are relative to these directories (as :func:`os.rename` takes them).
 
     Raises:
         FileExistsError: something is at ``dst``.
@@ -93,14 +111,138 @@ def rename_no_replace(src: Path, dst: Path) -> None:
     fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if fn is not None:
         at_fdcwd, rename_noreplace = -100, 1
-        if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace) == 0:
+        src_at = at_fdcwd if src_dir_fd is None else src_dir_fd
+        dst_at = at_fdcwd if dst_dir_fd is None else dst_dir_fd
+        if fn(src_at, os.fsencode(src), dst_at, os.fsencode(dst), rename_noreplace) == 0:
             return
         err = ctypes.get_errno()
         if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
             raise (FileExistsError if err == errno.EEXIST else OSError)(err, os.strerror(err), str(dst))
-    if os.path.lexists(dst):
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
-    os.rename(src, dst)
+    try:
+        os.lstat(dst, dir_fd=dst_dir_fd)
+    except FileNotFoundError:
+        os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+        return
+    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+
+
+def owner_text(uid: int) -> str:
+    """``alice (uid 1001)``, or ``uid 1001`` where the user database has no name for it."""
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (KeyError, OverflowError):
+        return f"uid {uid}"
+
+
+def trusted_link(st: os.stat_result) -> bool:
+    """Whether a symlink (its ``lstat``) may be followed: its owner is this user or root.
+
+    The kernel's ``protected_symlinks`` rule: anyone else's link may be swapped for one pointing
+    anywhere (into a 0700 directory of root's too) between a check and the write through it.
+    """
+    return st.st_uid in (os.geteuid(), 0)
+
+
+def same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    """Whether two stats are of one file (device and inode)."""
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def open_dir(name: str | Path, dir_fd: int | None = None) -> int:
+    """A descriptor of the directory ``name`` (relative to ``dir_fd``), following a final symlink only if :func:`trusted_link`.
+
+    Raises:
+        UntrustedSymlinkError: ``name`` is another user's symlink.
+        OSError: missing, not a directory, ...
+    """
+    try:
+        return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        st = os.lstat(name, dir_fd=dir_fd)
+        if not stat.S_ISLNK(st.st_mode):
+            raise
+        if not trusted_link(st):
+            raise UntrustedSymlinkError(
+                errno.ELOOP, f"is a symlink owned by {owner_text(st.st_uid)}, not by this user or root", str(name)
+            ) from None
+    return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+
+
+def open_dirs(path: Path, mode: int = 0o777) -> int:
+    """A descriptor of the directory ``path``, making the missing ones (``mkdir -p``) without following another user's symlink.
+
+    The part of ``path`` that exists is the caller's choice and opened as it is; each missing
+    directory is made and opened relative to the one above it, so a symlink put in its place
+    meanwhile is followed only if :func:`trusted_link` (a plain ``mkdir(parents=True)`` would go
+    wherever it points).
+
+    Raises:
+        UntrustedSymlinkError: a missing directory appeared meanwhile as another user's symlink.
+        OSError: a component is not a directory, not writable, ...
+    """
+    missing: list[str] = []
+    top = Path(path)
+    while not os.path.lexists(top) and top != top.parent:
+        missing.append(top.name)
+        top = top.parent
+    fd = os.open(top, _DIR_FLAGS)
+    try:
+        for name in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # made meanwhile (another conversion): opened as any existing entry
+                os.mkdir(name, mode, dir_fd=fd)
+            below = open_dir(name, fd)
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_file(name: str, dir_fd: int, mode: int = 0o666, flags: int = os.O_WRONLY) -> int:
+    """A new file ``name`` in the held directory ``dir_fd``: never an existing one, never through a symlink.
+
+    Raises:
+        FileExistsError: something (a planted symlink too) is already at ``name``.
+    """
+    return os.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, mode, dir_fd=dir_fd)
+
+
+def remove_contents(dir_fd: int) -> None:
+    """Remove everything inside the held directory ``dir_fd`` (which stays), never following a symlink.
+
+    Each subdirectory is opened without following a symlink and emptied through its descriptor,
+    so nothing outside the directory is reached whatever is renamed meanwhile. Errors are ignored:
+    what cannot be removed stays.
+    """
+    try:
+        names = os.listdir(dir_fd)
+    except OSError:
+        return
+    for name in names:
+        try:
+            st = os.lstat(name, dir_fd=dir_fd)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                sub = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+            except OSError:
+                continue
+            try:
+                if same_file(os.fstat(sub), st):
+                    remove_contents(sub)
+            finally:
+                os.close(sub)
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=dir_fd)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
 
 
 def _mount_of(path: str | Path, mounts: str | Path) -> tuple[str, frozenset[str]] | None:

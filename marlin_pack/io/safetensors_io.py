@@ -41,6 +41,7 @@ __all__ = [
     "SafetensorsHeader",
     "read_header_bytes",
     "read_header",
+    "unpacked",
     "torch_dtype",
     "dtype_code",
     "StreamWriter",
@@ -209,6 +210,18 @@ def read_header(path: Path) -> SafetensorsHeader:
     return SafetensorsHeader(path, raw, tensors, dict(metadata))
 
 
+def unpacked(header: SafetensorsHeader, size: int) -> str | None:
+    """Why the ``safetensors`` library (and so vLLM's ordinary loading) refuses a file of ``size`` bytes with this
+    header, where :func:`read_header` does not: its tensors must fill the data section end to end, in offset
+    order, with no gap and nothing after the last. None when they do."""
+    at = len(header.raw)
+    for t in sorted(header.tensors.values(), key=lambda t: (t.start, t.end)):
+        if t.start != at:
+            return f"tensor {t.name} starts at byte {t.start}, where the one before it ends at {at}"
+        at = t.end
+    return None if at == size else f"{size - at} bytes follow the last tensor"
+
+
 def _when_ready(ready: Callable[[], object] | None, fn: Callable[[memoryview], object], data: memoryview) -> None:
     """``fn(data)`` once ``ready()`` returned (a writer thread's task)."""
     if ready is not None:
@@ -250,7 +263,8 @@ class StreamWriter:
     ``pin_memory``: :meth:`empty` gives page-locked buffers. ``hash_threads``: BLAKE3 threads per
     tensor (its tree hash splits one buffer across them; the digest does not depend on it), for
     machines whose cores would otherwise leave one hashing thread the bottleneck. ``direct``:
-    write around the page cache where possible (:mod:`marlin_pack.io.direct_file`).
+    write around the page cache where possible (:mod:`marlin_pack.io.direct_file`). ``dir_fd``: the file is
+    ``path.name`` made new in this held directory, never through a symlink (``path`` then names it in messages).
     """
 
     def __init__(
@@ -264,6 +278,7 @@ class StreamWriter:
         pin_memory: bool = False,
         hash_threads: int = 1,
         direct: bool = False,
+        dir_fd: int | None = None,
     ) -> None:
         self.path = path
         self._max_in_flight = max_in_flight
@@ -284,7 +299,7 @@ class StreamWriter:
         raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns tensor data to 8 bytes
         self._hash = new_file_hasher(hash_threads)
-        self._file = SequentialFile(path, direct)
+        self._file = SequentialFile(path, direct, dir_fd=dir_fd)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marlin-pack-write")
         self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marlin-pack-hash")
         # Per tensor in flight: the tensor (kept alive until written and hashed), its write, its hash.

@@ -3,14 +3,14 @@
 Bundles of Hugging Face model ids live under :func:`~marlin_pack.sources.hub.cache_root` as
 ``models--ORG--NAME/COMMIT`` (one per commit converted). Removing one removes that bundle only, never
 the checkpoint in the hub's cache. Everything under the root is untrusted: only entries whose names
-have the cache's shape and that hold a manifest are listed, and removal deletes only directories that
-are marlin-pack bundles (a manifest and nothing it does not list), without following symlinks.
+have the cache's shape and that hold a manifest are listed (a symlinked entry is not), and removal deletes only directories
+that are marlin-pack bundles (a manifest and nothing it does not list), without following symlinks, checked and removed
+through one descriptor (another user who may write the cache cannot swap in what is removed).
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +83,7 @@ def remove_cached(model: str, revision: str | None = None, root: Path | None = N
     Raises:
         MarlinPackError: ``model`` is not a model id, or an entry holds files its manifest does not list.
     """
-    from marlin_pack.bundle.writer import foreign_entry
+    from marlin_pack.bundle.writer import remove_bundle
 
     if not is_repo_id(model):
         raise MarlinPackError(f"{model} is not a model id (org/name); the cache holds bundles of model ids only")
@@ -94,10 +94,9 @@ def remove_cached(model: str, revision: str | None = None, root: Path | None = N
     for entry in cached_bundles(root):
         if entry.repo_id != model or (commit is not None and entry.commit != commit):
             continue
-        why = foreign_entry(entry.path)
+        why = remove_bundle(entry.path)  # checked and removed through one descriptor
         if why is not None:
             raise MarlinPackError(f"{entry.path} {why}; not removed: remove it yourself")
-        shutil.rmtree(entry.path)
         removed.append(entry.path)
         parent = entry.path.parent
         if not any(parent.iterdir()):

@@ -267,7 +267,7 @@ def test_write_failures_other_than_space_do_not_blame_space(awq: Path, monkeypat
 
     import marlin_pack.bundle.writer as writer
 
-    def fail(src: Path, dst: Path) -> None:
+    def fail(src: str, dst: str, **dir_fds: int) -> None:
         raise OSError(errno.EMFILE, "Too many open files", str(dst))
 
     monkeypatch.setattr(writer, "rename_no_replace", fail)
@@ -283,3 +283,24 @@ def test_force_replaces_a_bundle_whose_stamp_cache_is_damaged(awq: Path) -> None
     stamps.mkdir()  # a cache, even a broken one, is the bundle's own
     convert(awq, force=True)
     assert not os.path.lexists(stamps) and (awq / "marlin-pack" / "manifest.json").is_file()
+
+
+def test_a_failed_publish_with_force_puts_the_old_bundle_back(awq: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import marlin_pack.bundle.writer as writer
+
+    convert(awq)
+    before = (awq / "marlin-pack" / "manifest.json").stat().st_ino
+    real = writer.rename_no_replace
+
+    def fail_publish(src: str, dst: str, **dir_fds: int) -> None:
+        if ".tmp-" in str(src):  # the publish itself; moving the old bundle aside and back works
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        real(src, dst, **dir_fds)
+
+    monkeypatch.setattr(writer, "rename_no_replace", fail_publish)
+    with pytest.raises(MarlinPackError, match=r"failed \(Input/output error\)"):
+        convert(awq, force=True)
+    assert (awq / "marlin-pack" / "manifest.json").stat().st_ino == before
+    assert not [p for p in awq.iterdir() if p.name.startswith(".marlin-pack.")]

@@ -352,3 +352,24 @@ def test_start_writeback_is_harmless_on_any_descriptor(tmp_path: Path) -> None:
         for x in (fd, r, w):
             os.close(x)
     assert path.read_bytes() == b"x" * 10_000
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_file_made_in_a_held_directory_is_new_and_never_a_symlink(tmp_path: Path, direct: bool) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    folder = tmp_path / "held"
+    folder.mkdir()
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        (folder / "planted.bin").symlink_to(victim)
+        with pytest.raises(FileExistsError):
+            SequentialFile(folder / "planted.bin", direct, dir_fd=fd)
+        folder.rename(tmp_path / "moved")  # written through the descriptor, wherever the folder is now
+        f = SequentialFile(folder / "f.bin", direct, dir_fd=fd)
+        for piece in _pieces():
+            f.write(piece)
+        f.close()
+    finally:
+        os.close(fd)
+    assert (tmp_path / "moved" / "f.bin").read_bytes() == b"".join(_pieces()) and victim.read_bytes() == b"keep"

@@ -67,3 +67,22 @@ def test_verify_and_inspect_take_a_model_id(hub: Path) -> None:
     assert r.exit_code == 0 and json.loads(r.stdout)["bundle"] == str(bundle), r.output
     r = runner.invoke(app, ["verify", REPO, "--revision", "main", "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["ok"] is True, r.output
+
+
+def test_a_cache_whose_home_cannot_be_expanded_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``MARLIN_PACK_CACHE=~x/...`` (no user x): `cache ls` and `cache rm` say so in one line, exit 1, instead of an internal error."""
+    import sys
+
+    from marlin_pack import cli
+    from marlin_pack.io.home import HomeDirectoryError
+
+    monkeypatch.setenv("MARLIN_PACK_CACHE", "~nosuchuser/bundles")
+    monkeypatch.delenv("MARLIN_PACK_DEBUG", raising=False)
+    with pytest.raises(HomeDirectoryError, match="MARLIN_PACK_CACHE is '~nosuchuser/bundles', whose ~ cannot be expanded"):
+        cached_bundles()
+    for args in (["cache", "ls"], ["cache", "rm", REPO]):
+        monkeypatch.setattr(sys, "argv", ["marlin-pack", *args])
+        with pytest.raises(SystemExit) as e:
+            cli._run_app()
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and "error: MARLIN_PACK_CACHE is '~nosuchuser/bundles'" in err, err
