@@ -2,7 +2,9 @@
 
 Sizes are always compared; BLAKE3 is computed per ``full_hash``: always, never, or only for
 files without a stamp of this user for their current identity (:mod:`marlin_pack.io.stamps`).
-Each check returns a :class:`HashReport` of what it hashed, so a start that hashes can say so.
+Each check returns a :class:`HashReport` of what it hashed and stamped, and why it stamped
+nothing for a file (changed, writable by others, an unwritable store), so a start that hashes
+can say so and whether the next one will.
 No vLLM, no torch.
 """
 
@@ -19,7 +21,7 @@ from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError
 from marlin_pack.io.checkpoint_files import QUANTIZE_CONFIG_NAME, quant_settings, read_json, weight_files
 from marlin_pack.io.hashing import FileChangedError, HashedFile, file_digests, sha256_bytes
 from marlin_pack.io.safetensors_io import read_header_bytes
-from marlin_pack.io.stamps import StampStore
+from marlin_pack.io.stamps import NotStamped, StampStore
 from marlin_pack.schemas import FileEntry, Manifest, QuantSettings, SourceFile
 
 __all__ = ["HashReport", "canonical_json", "source_digest", "check_files", "check_source"]
@@ -27,7 +29,11 @@ __all__ = ["HashReport", "canonical_json", "source_digest", "check_files", "chec
 
 @dataclass(frozen=True)
 class HashReport:
-    """What a check hashed: files, bytes and seconds; where this user's stamps are, or why none are kept."""
+    """What a check hashed: files, bytes and seconds; where this user's stamps are, or why none are kept.
+
+    ``stamped``: how many of the files hashed were stamped; ``not_stamped``: ``(file name, why)``
+    for each of the others (:class:`~marlin_pack.io.stamps.NotStamped`).
+    """
 
     files: int = 0
     nbytes: int = 0
@@ -36,12 +42,14 @@ class HashReport:
     stamps: Path | None = None
     unavailable: str | None = None
     every_time: bool = False  # ``verify: full``: stamps are not consulted
+    not_stamped: tuple[tuple[str, NotStamped], ...] = ()
 
     def add(self, other: HashReport) -> HashReport:
         """Both reports together (the stamp location of either)."""
         return HashReport(
             self.files + other.files, self.nbytes + other.nbytes, self.seconds + other.seconds, self.stamped + other.stamped,
             self.stamps or other.stamps, self.unavailable or other.unavailable, self.every_time or other.every_time,
+            self.not_stamped + other.not_stamped,
         )
 
     def summary(self) -> str | None:
@@ -54,12 +62,29 @@ class HashReport:
             return f"{done}; verify full hashes them at every start (auto skips the files this user stamped unchanged)"
         if self.unavailable:
             return f"{done}; {self.unavailable}, so every start hashes them again"
-        if self.stamped < self.files:
-            return (
-                f"{done}; stamped {self.stamped} of them in {self.stamps}: the others changed less than a second before "
-                "they were hashed, so the next start hashes them again"
-            )
-        return f"{done}; stamped in {self.stamps}: starts by this user on this host skip it while the files are unchanged"
+        if not self.not_stamped:
+            return f"{done}; stamped in {self.stamps}: starts by this user on this host skip it while the files are unchanged"
+        parts = [f"stamped {self.stamped} of them in {self.stamps}"] if self.stamped else []
+        for kind in ("store", "writable", "changed"):
+            found = [(name, why.why) for name, why in self.not_stamped if why.kind == kind]
+            if found:
+                parts.append(_not_stamped_text(kind, found))
+        return f"{done}; " + "; ".join(parts)
+
+
+def _not_stamped_text(kind: str, found: list[tuple[str, str]]) -> str:
+    """What the files of one :class:`~marlin_pack.io.stamps.NotStamped` kind mean for the next start, in one phrase."""
+    (name, why), n = found[0], len(found)
+    them = "them" if n > 1 else "it"
+    which = f"{n} files ({name}: {why}; ...)" if n > 1 else f"{name} ({why})"
+    if kind == "store":
+        return f"not stamped: {why}; every start hashes {them} until the store can be written"
+    if kind == "writable":
+        return (
+            f"hashed at every start: writable by others, {which}; to have {them} stamped, make {them} writable only by "
+            "the owner, this user or root, in a directory only that owner may write"
+        )
+    return f"not stamped: changed just before it was hashed or since, {which}; the next start hashes {them} again"
 
 
 def canonical_json(obj: object) -> bytes:
@@ -121,7 +146,8 @@ def _needs_hash(stamps: StampStore, path: Path, expected: str, full_hash: bool |
 def _hash_all(
     stamps: StampStore, to_hash: list[tuple[str, Path, str]], failed: Callable[[str, OSError | str], Exception]
 ) -> HashReport:
-    """Hash ``(name, path, expected blake3)`` in parallel; stamp the ones that match; the first failure, in order, raises.
+    """Hash ``(name, path, expected blake3)`` in parallel; stamp the ones that match (saying why any was not); the first
+    failure, in order, raises.
 
     ``failed(name, why)``: the exception for a file that cannot be read or changed while hashed
     (an OSError) or hashed to another digest (the digest found).
@@ -136,10 +162,13 @@ def _hash_all(
         if hashed.digest != expected:
             raise failed(name, hashed.digest)
         good.append(hashed)
-    for hashed in good:
-        stamps.record(hashed)
-    stamped = 0 if stamps.unavailable else sum(h.stampable for h in good)
-    return HashReport(len(good), sum(h.identity[0] for h in good), seconds, stamped, stamps.where, stamps.unavailable)
+    not_stamped = tuple(
+        (name, why) for (name, _, _), hashed in zip(to_hash, good, strict=True) if (why := stamps.record(hashed)) is not None
+    )
+    stamped = len(good) - len(not_stamped)
+    return HashReport(
+        len(good), sum(h.identity[0] for h in good), seconds, stamped, stamps.where, stamps.unavailable, not_stamped=not_stamped
+    )
 
 
 def _unreadable(e: OSError) -> str:

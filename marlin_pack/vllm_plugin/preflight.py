@@ -92,10 +92,13 @@ class PreflightReport:
 
 
 def _hash_dict(h: HashReport) -> dict[str, object]:
+    """``hashed`` of ``check --json``: ``stamped`` counts the stamps really written; ``not_stamped`` says why for each other
+    file (``kind``: ``changed``, ``writable`` by others: hashed at every start, ``store``: the store cannot be written)."""
     stamps = None if h.stamps is None or h.unavailable else str(h.stamps)
     return {
         "files": h.files, "bytes": h.nbytes, "seconds": round(h.seconds, 3), "stamped": h.stamped, "stamps": stamps,
         "unavailable": h.unavailable,
+        "not_stamped": [{"file": name, "kind": why.kind, "why": why.why} for name, why in h.not_stamped],
     }
 
 

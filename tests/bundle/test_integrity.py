@@ -9,6 +9,7 @@ not hash.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -100,3 +101,48 @@ def test_forged_stamps_in_the_bundle_do_not_vouch_for_another_checkpoint(make_bu
     report = preflight(model, verify="auto")
     assert report.decision == "refuse" and report.ranks[0].field == "source.blake3", report.to_dict()
     assert "changed since the bundle was made" in report.ranks[0].message
+
+
+def _others_may_write(target: Path, who: str) -> str:
+    """Let a user other than this one and root change ``target`` (``who``); why it is then never stamped."""
+    if who == "owner":  # another user's file (she may write it, or chmod it back)
+        os.chown(target, 12345, 12345)
+        return "owned by uid 12345"
+    os.chmod(target.parent, 0o777)  # a directory others may write: they may replace or rename the file
+    return f"its directory {target.parent}: mode 0777: group or others may write it"
+
+
+@pytest.mark.parametrize(
+    "who", [pytest.param("owner", marks=pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")), "directory"]
+)
+@pytest.mark.parametrize("which", ["bundle", "source"])
+def test_a_file_others_may_write_is_hashed_at_every_start_so_writes_through_a_mapping_are_caught(
+    make_bundle: Any, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, which: str, who: str
+) -> None:
+    """She dirties a page of a shared writable mapping, lets the check hash the file, then writes through the same
+    page: neither mtime nor ctime moves, so a stamp would vouch for the tampered bytes at every later start."""
+    from marlin_pack.io import hashing
+
+    monkeypatch.setattr(hashing, "RACY_NS", -1)  # the copy's files count as settled: only the owner rule can refuse a stamp
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(tmp_path / "stamps"))
+    model = damaged_copy(make_bundle("awq"))
+    target = model / "marlin-pack/tp1/rank-0.safetensors" if which == "bundle" else next(model.glob("*.safetensors"))
+    why = _others_may_write(target, who)
+    offset = _data_offset(target)
+    fd = os.open(target, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+            mm[offset] = mm[offset]  # the page is dirty and writable: later writes to it move no file time
+            first = preflight(model, verify="auto")
+            assert first.decision == "load", first.to_dict()
+            line = first.hashed.summary()
+            name = target.relative_to(model / "marlin-pack").as_posix() if which == "bundle" else target.name
+            assert line is not None and f"hashed at every start: writable by others, {name} (" in line, line
+            assert first.to_dict()["hashed"]["not_stamped"] == [{"file": name, "kind": "writable", "why": why}]
+            mm[offset] ^= 0xFF
+    finally:
+        os.close(fd)
+    again = preflight(model, verify="auto")  # hashed again: the tampered bytes are refused
+    assert again.decision == "refuse", again.to_dict()
+    assert again.ranks[0].field == ("files" if which == "bundle" else "source.blake3")
+

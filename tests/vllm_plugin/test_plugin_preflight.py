@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -149,6 +150,51 @@ def test_check_says_every_start_will_hash_where_stamps_cannot_be_kept(
         assert r.exit_code == 0, r.stdout
         (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("check hashed")]
         assert "MARLIN_PACK_STAMPS" in line and line.endswith("so every start hashes them again"), line
+
+
+@pytest.mark.parametrize("err,found", [(errno.EROFS, "is read-only"), (errno.ENOSPC, "is full")])
+def test_check_says_nothing_was_stamped_when_the_store_cannot_be_written(
+    model: Path, settled: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, err: int, found: str
+) -> None:
+    """A read-only or full store: "stamped in ..." would promise the next start a skip it will not get."""
+    store = tmp_path / "stamps"
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(store))
+    real = os.rename
+
+    def failing(src: str, dst: str, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None) -> None:
+        if src_dir_fd is not None:  # the stamp's rename into place
+            raise OSError(err, os.strerror(err))
+        real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+
+    monkeypatch.setattr(os, "rename", failing)
+    for _ in range(2):  # every check hashes again, and says so
+        r = runner.invoke(app, ["check", str(model), "--tp", "2"])
+        assert r.exit_code == 0, r.stdout
+        (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("check hashed")]
+        assert "stamped in" not in line and f"; not stamped: {store} {found} ({os.strerror(err)}); " in line, line
+        assert line.endswith("every start hashes them until the store can be written"), line
+    code, data = _check(str(model), "--tp", "2")
+    assert code == 0 and data["hashed"]["files"] > 0 and data["hashed"]["stamped"] == 0, data["hashed"]
+    assert {n["kind"] for n in data["hashed"]["not_stamped"]} == {"store"}
+    assert len(data["hashed"]["not_stamped"]) == data["hashed"]["files"]
+
+
+def test_check_says_which_files_are_hashed_at_every_start_and_why(
+    model: Path, settled: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(tmp_path / "stamps"))
+    shared = model / "marlin-pack" / "tp2"
+    os.chmod(shared, 0o777)  # others may replace the rank files
+    for _ in range(2):
+        r = runner.invoke(app, ["check", str(model), "--tp", "2"])
+        assert r.exit_code == 0, r.stdout
+        (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("check hashed")]
+        assert "; hashed at every start: writable by others, 2 files (tp2/rank-0.safetensors: its directory " in line, line
+        assert f"{shared}: mode 0777: group or others may write it; ...)" in line, line
+    os.chmod(shared, 0o755)
+    runner.invoke(app, ["check", str(model), "--tp", "2"])
+    r = runner.invoke(app, ["check", str(model), "--tp", "2"])
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("check hashed")] == [], r.stdout  # stamped now
 
 
 def test_a_bundle_on_a_read_only_volume_is_hashed_once(model: Path, settled: None) -> None:
