@@ -1,4 +1,8 @@
-"""The ``marlin-pack`` command line: a thin layer over the library API. Never imports vLLM."""
+"""The ``marlin-pack`` command line: a thin layer over the library API. Never imports vLLM.
+
+Everything it prints goes through two consoles (``out``, ``err``) that show every string with its control
+characters escaped (:mod:`marlin_pack.shown`): a path, manifest string or tensor name cannot drive the terminal.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +12,24 @@ import os
 import shlex
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderableType
+from rich.json import JSON
+from rich.protocol import rich_cast
+from rich.segment import Segment
 from rich.table import Table
-from rich.text import Text
+from rich.text import Span, Text
 
 from marlin_pack._constants import DEBUG_ENV
 from marlin_pack._version import __version__
 from marlin_pack.errors import MarlinPackError
+from marlin_pack.shown import UNSAFE, shown
 
 _CONTEXT = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(
@@ -35,16 +43,74 @@ app = typer.Typer(
 )
 cache_app = typer.Typer(no_args_is_help=True, context_settings=_CONTEXT, help="List or remove the bundles of model ids.")
 app.add_typer(cache_app, name="cache")
-# User text (paths, model and tensor names, messages quoting them) is printed as it is: these consoles
-# read no markup and no emoji codes in strings, so "x[/y]" cannot raise and "Llama [old]" keeps "[old]".
-# Colours come as Text spans (_styled), never as markup inside strings; every str printed is plain text.
-out = Console(markup=False, emoji=False)
-err = Console(stderr=True, markup=False, emoji=False)
+
+
+def _shown_text(text: Text, keep: str = "") -> Text:
+    """``text`` with its characters :func:`~marlin_pack.shown.shown` (control characters escaped) but those in
+    ``keep``, its styles kept."""
+    plain = text.plain
+    if not any(ch not in keep for ch in UNSAFE.findall(plain)):
+        return text
+    pieces = [ch if ch in keep else shown(ch) for ch in plain]
+    at = [0]  # where each character of plain starts in the shown text
+    for piece in pieces:
+        at.append(at[-1] + len(piece))
+    safe = Text("".join(pieces), style=text.style, justify=text.justify, overflow=text.overflow, no_wrap=text.no_wrap,
+                end=text.end, tab_size=text.tab_size)
+    safe.spans = [Span(at[sp.start], at[min(sp.end, len(plain))], sp.style) for sp in text.spans]
+    return safe
+
+
+class _ShownConsole(Console):
+    """A console that shows every string and :class:`~rich.text.Text` it renders (tables' cells and titles,
+    progress columns, JSON included) through :func:`~marlin_pack.shown.shown`: a path, manifest string or tensor
+    name with an escape sequence or a newline prints as ``\\x1b``/``\\n``, never moving the cursor or starting a
+    line. The lines, tables and colours rich lays out itself are not text it is given, so they stay as they are."""
+
+    def render_str(self, text: str, **kwargs) -> Text:  # type: ignore[no-untyped-def,override]
+        return super().render_str(shown(text), **kwargs)
+
+    def render(self, renderable: RenderableType, options: ConsoleOptions | None = None) -> Iterable[Segment]:
+        renderable = rich_cast(renderable)
+        if isinstance(renderable, Text):
+            renderable = _shown_text(renderable)
+        return super().render(renderable, options)
+
+    def print_json(self, json: str, **kwargs) -> None:  # type: ignore[no-untyped-def,override]
+        """As rich prints JSON text (indented, highlighted), the rest shown: json.dumps escapes the C0 controls inside
+        strings, so every newline left is the layout's, and the others are escaped as JSON reads them (``\\u2028``)."""
+        self.print(_Shown(_shown_text(JSON(json, **kwargs).text, keep="\n")), soft_wrap=True)
+
+
+class _Shown:
+    """A :class:`~rich.text.Text` shown already, its newlines kept: rendered as it is (a Text would be shown again)."""
+
+    def __init__(self, text: Text) -> None:
+        self.text = text
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterable[Segment]:
+        yield from self.text.__rich_console__(console, options)
+
+
+# User text (paths, model and tensor names, messages quoting them) is printed as plain text, its control
+# characters escaped (_ShownConsole): these consoles read no markup and no emoji codes in strings, so
+# "x[/y]" cannot raise and "Llama [old]" keeps "[old]". Colours come as Text spans (_styled), never as
+# markup inside strings.
+out = _ShownConsole(markup=False, emoji=False)
+err = _ShownConsole(stderr=True, markup=False, emoji=False)
+
+
+class _BadParameter(typer.BadParameter):
+    """A usage error whose text typer prints (in its own panel, not through ``err``) shown like the rest."""
+
+    def format_message(self) -> str:
+        return shown(super().format_message())
 
 
 def _styled(*parts: str | tuple[str, str]) -> Text:
-    """One line of plain text with styled spans, e.g. ``_styled(("error:", "red"), " ", message)``."""
-    return Text.assemble(*parts)
+    """One line of plain text with styled spans, e.g. ``_styled(("error:", "red"), " ", message)``. Its parts are
+    shown first: rich drops some control characters (CR, BEL) from a Text silently, shown writes them as escapes."""
+    return Text.assemble(*((shown(p) if isinstance(p, str) else (shown(p[0]), p[1])) for p in parts))
 
 ModelArg = Annotated[
     str, typer.Argument(metavar="MODEL", help="Checkpoint directory, or a Hugging Face model id (org/name) as given to vllm serve.")
@@ -109,9 +175,9 @@ def _parse_tp(value: str) -> list[int]:
     try:
         sizes = sorted({int(x) for x in value.split(",") if x.strip()})
     except ValueError:
-        raise typer.BadParameter(f"{value!r}: expected sizes like 1 or 1,2,4,8") from None
+        raise _BadParameter(f"{value!r}: expected sizes like 1 or 1,2,4,8") from None
     if not sizes or sizes[0] < 1:
-        raise typer.BadParameter(f"{value!r}: expected positive sizes like 1 or 1,2,4,8")
+        raise _BadParameter(f"{value!r}: expected positive sizes like 1 or 1,2,4,8")
     return sizes
 
 
@@ -293,9 +359,9 @@ def check(
 
     model = _local_or_repo(model, revision)
     if placement not in ("linear", "round_robin"):
-        raise typer.BadParameter(f"{placement!r}: expected linear or round_robin", param_hint="--expert-placement-strategy")
+        raise _BadParameter(f"{placement!r}: expected linear or round_robin", param_hint="--expert-placement-strategy")
     if rank is not None and rank >= tp:
-        raise typer.BadParameter(f"--rank {rank} is outside --tensor-parallel-size {tp}", param_hint="--rank")
+        raise _BadParameter(f"--rank {rank} is outside --tensor-parallel-size {tp}", param_hint="--rank")
     try:
         report = preflight(
             model, bundle=bundle, tp_size=tp, rank=rank, dtype=_engine_dtype(model, revision, dtype.value),
@@ -303,7 +369,7 @@ def check(
             pp_size=pp, dp_size=dp, expert_parallel=ep, expert_placement=placement,
         )
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise _BadParameter(str(e)) from None
     if as_json:
         out.print_json(json.dumps({**report.to_dict(), "data_parallel_size": dp}))
     else:
@@ -329,7 +395,7 @@ def _capability(text: str | None) -> int | None:
         major, _, minor = text.partition(".")
         return int(major) * 10 + int(minor or 0)
     except ValueError:
-        raise typer.BadParameter(f"{text!r}: expected MAJOR.MINOR, e.g. 9.0", param_hint="--compute-capability") from None
+        raise _BadParameter(f"{text!r}: expected MAJOR.MINOR, e.g. 9.0", param_hint="--compute-capability") from None
 
 
 def _grouped(report) -> list[tuple[str, str, str]]:  # type: ignore[no-untyped-def]
@@ -365,7 +431,7 @@ def _local_or_repo(model: str, revision: str | None) -> str:
     """
     if Path(model).is_dir():
         if revision is not None:
-            raise typer.BadParameter(
+            raise _BadParameter(
                 f"{model} is a local directory; --revision names a branch, tag or commit of a model id: drop it",
                 param_hint="--revision",
             )
@@ -384,7 +450,7 @@ def _bundle_of(target: str, revision: str | None) -> tuple[Path, str | None]:
 
     if Path(target).is_dir() and (Path(target) / MANIFEST_NAME).is_file():
         if revision is not None:
-            raise typer.BadParameter(f"{target} is a bundle directory; --revision is for a model id: drop it", param_hint="--revision")
+            raise _BadParameter(f"{target} is a bundle directory; --revision is for a model id: drop it", param_hint="--revision")
         return Path(target).resolve(), None
     if not Path(target).is_dir() and not is_repo_id(target):
         return Path(target), None  # a bundle path that is not there: reading its manifest says so
@@ -399,7 +465,7 @@ def _check_dtype_word(word: str) -> None:
     try:
         serving_dtype_for(word, {})
     except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--dtype") from None
+        raise _BadParameter(str(e), param_hint="--dtype") from None
 
 
 def _engine_dtype(model: str, revision: str | None, word: str) -> str:

@@ -1,8 +1,15 @@
-"""Error hierarchy. Every message says what was found, what was expected and what to do."""
+"""Error hierarchy. Every message says what was found, what was expected and what to do.
+
+A message quotes paths, manifest strings and tensor names as they are; its text (``str(error)``) shows
+them with their control characters escaped (:func:`~marlin_pack.shown.shown`), wherever it is printed:
+the CLI, a log line, or vLLM's report of a refusal.
+"""
 
 from __future__ import annotations
 
 from enum import Enum, unique
+
+from marlin_pack.shown import shown
 
 __all__ = [
     "SERVE_WITHOUT",
@@ -19,7 +26,10 @@ __all__ = [
 
 
 class MarlinPackError(Exception):
-    """Base class of every error marlin-pack raises on bad input."""
+    """Base class of every error marlin-pack raises on bad input; its text is one line, safe to show."""
+
+    def __str__(self) -> str:
+        return shown(super().__str__())
 
 
 class CheckpointError(MarlinPackError):

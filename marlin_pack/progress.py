@@ -1,7 +1,8 @@
 """Reporting the progress of long work (a conversion, a verification's round trip) on stderr.
 
-On a terminal: a transient rich bar. Anywhere else (a pipe, a file, a container's log): plain
-lines, flushed at once, without ANSI codes: one at the first update, then at most one every
+On a terminal: a transient rich bar (on the CLI's console, which shows names with their control
+characters escaped). Anywhere else (a pipe, a file, a container's log): plain lines, flushed at once,
+without ANSI codes, names shown the same way (:func:`~marlin_pack.shown.shown`): one at the first update, then at most one every
 :data:`DEFAULT_INTERVAL_S` seconds (``MARLIN_PACK_PROGRESS_INTERVAL`` seconds; ``0``: every
 update), and a last one when the work ends::
 
@@ -24,6 +25,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol, TextIO
+
+from marlin_pack.shown import shown
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -161,7 +164,7 @@ class PlainProgress:
         self._write(line)
 
     def _write(self, line: str) -> None:
-        self.file.write(line + "\n")
+        self.file.write(shown(line) + "\n")  # a layer name with a newline or an escape sequence: shown, not obeyed
         self.file.flush()  # a container's log may sit behind a block buffer
 
 

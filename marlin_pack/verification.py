@@ -7,6 +7,10 @@ of Marlin's layout (:func:`~marlin_pack.marlin.repack.pack_marlin_weights`, not 
 converter's word repack; padding included), and a shard that differs is decoded to name the
 first differing code; scales, zero points and bias are decoded from Marlin's layout and
 compared, with their padding checked to be zero.
+
+Every tensor is read with ``pread`` (:class:`~marlin_pack.io.preads.TensorFile`), never through a memory
+map: a bundle or checkpoint file truncated while it is verified fails its check in one line ("changed
+while it was read"), where a mapped page past the new end would kill the process with SIGBUS.
 """
 
 from __future__ import annotations
@@ -17,14 +21,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors import safe_open
 
 from marlin_pack._constants import BUNDLE_DIRNAME, COMMON_FILE
 from marlin_pack.bundle.integrity import check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header, rank_tensor_specs
 from marlin_pack.bundle.reader import read_manifest, resolve_file
 from marlin_pack.errors import BundleError, CheckpointError, MarlinPackError
-from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
+from marlin_pack.io.preads import FileChangedError, TensorFile
+from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header, unpacked
 from marlin_pack.machete.layout import machete_zero_points, prepack_codes, prepack_offsets_slow, stream_code
 from marlin_pack.machete.tensors import decode_machete_tensors
 from marlin_pack.marlin.packed_codes import PackedCodes
@@ -147,6 +151,10 @@ def verify(
         except MarlinPackError as e:
             report.checks.append(Check(name, "failed", str(e)))
             raise _Failed from e
+        except FileChangedError as e:  # a bundle file read short: truncated while it was verified
+            why = f"bundle file {Path(e.filename).name} {e.strerror}; verify again once nothing writes it"
+            report.checks.append(Check(name, "failed", why))
+            raise _Failed from e
         except Exception as e:  # a malformed file that slipped past the header checks: still a report
             report.checks.append(Check(name, "failed", f"{type(e).__name__}: {e}"))
             raise _Failed from e
@@ -201,6 +209,19 @@ def _header(path: Path) -> SafetensorsHeader:
         raise BundleError(f"{e}; re-run `marlin-pack convert --force`") from e
 
 
+def _tensors(path: Path) -> TensorFile:
+    """A bundle file's tensors, read with ``pread``; its header checked first, and its layout as safetensors checks it."""
+    header = _header(path)
+    try:
+        f = TensorFile(path, header.tensors)
+    except OSError as e:
+        raise BundleError(f"cannot open {path.name} ({e.strerror or e}); re-run `marlin-pack convert --force`") from e
+    if (why := unpacked(header, f.size)) is not None:
+        f.close()
+        raise BundleError(f"{path.name} is not a file safetensors reads ({why}); re-run `marlin-pack convert --force`")
+    return f
+
+
 def _check_tensor_specs(bundle: Path, m: Manifest) -> str:
     n = 0
     for tp_set in m.tensor_parallel:
@@ -231,7 +252,7 @@ def _check_common(bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionP
         names = found | set(aliases)
         missing = sorted(set(plan.common) - names) or sorted(names - set(plan.common)) or sorted(found & set(aliases))
         raise MarlinPackError(f"{COMMON_FILE}: tensor set differs from the checkpoint's non-quantized tensors ({missing[0]})")
-    with safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+    with _tensors(path) as f:
         for name in plan.common:
             stored = aliases.get(name, name)
             if stored not in found:
@@ -251,13 +272,20 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _round_trip(
     bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan, progress: Callable[[int, int, str], None] | None
 ) -> str:
+    handles = {(s.tp_size, r.rank): _tensors(resolve_file(bundle, r.file)) for s in m.tensor_parallel for r in s.ranks}
+    try:
+        return _round_trip_ranks(m, ckpt, plan, progress, handles)
+    finally:
+        for f in handles.values():
+            f.close()
+
+
+def _round_trip_ranks(
+    m: Manifest, ckpt: Checkpoint, plan: ConversionPlan, progress: Callable[[int, int, str], None] | None,
+    handles: dict[tuple[int, int], TensorFile],
+) -> str:
     dtype = torch_dtype(m.serving_dtype)
     g = m.quant.group_size
-    handles = {
-        (s.tp_size, r.rank): safe_open(str(resolve_file(bundle, r.file)), framework="pt")  # type: ignore[no-untyped-call]
-        for s in m.tensor_parallel
-        for r in s.ranks
-    }
     checked = 0
     for li, spec in enumerate(plan.layers):
         parts = read_layer_parts(spec, lambda prefix, k, n: plan.source.read(ckpt, prefix, k, n, torch.device("cpu")))

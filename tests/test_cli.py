@@ -439,3 +439,194 @@ def test_check_takes_data_parallel_size(make_bundle) -> None:
     lines = r.stdout.splitlines()
     assert r.exit_code == 0 and lines[0].startswith("each of the 2 data-parallel replicas"), r.stdout
     assert [x.split(":")[0] for x in lines[1:5]] == ["stage 0 rank 0/2", "stage 0 rank 1/2", "stage 1 rank 0/2", "stage 1 rank 1/2"]
+
+
+# --- untrusted text is shown, never obeyed (issue 68, item 7) ------------------------------------
+
+HOSTILE = "m\x1b]0;title\x07\x1b[2J\nrank 0/1: load"
+SHOWN_HOSTILE = "m\\x1b]0;title\\x07\\x1b[2J\\nrank 0/1: load"
+# What a terminal would obey: C0 controls but the newlines that end lines, DEL, C1, line separators, bidi controls.
+RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _shown_safely(r, forged_ok: int = 0) -> None:  # type: ignore[no-untyped-def]
+    """Nothing a terminal would obey, and no line starting as the hostile name's forged one (``forged_ok``: check's own)."""
+    for stream in (r.stdout, r.stderr):
+        assert not RAW_CONTROL.search(stream), stream
+    lines = (r.stdout + r.stderr).splitlines()
+    assert sum(line.startswith("rank 0/1: load") for line in lines) == forged_ok, r.stdout + r.stderr
+
+
+def test_a_hostile_bundle_path_and_manifest_are_shown_in_check_inspect_and_errors(make_bundle, tmp_path: Path) -> None:
+    d = tmp_path / HOSTILE / "model"
+    shutil.copytree(make_bundle("awq", "tiny"), d)
+    env = {"COLUMNS": "400"}
+    r = runner.invoke(app, ["check", str(d)], env=env)
+    assert r.exit_code == 0 and f"{SHOWN_HOSTILE}/model/marlin-pack" in r.stdout, r.output
+    _shown_safely(r, forged_ok=1)  # check's own first line
+    r = runner.invoke(app, ["inspect", str(d)], env=env)
+    assert r.exit_code == 0 and f"bundle         {tmp_path}/{SHOWN_HOSTILE}/model/marlin-pack" in r.stdout, r.output
+    _shown_safely(r)
+    manifest = d / "marlin-pack" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["source"]["architecture"] = f"LlamaForCausalLM{HOSTILE}\u202e\x9b"
+    manifest.write_text(json.dumps(m))
+    r = runner.invoke(app, ["inspect", str(d)], env=env)
+    assert r.exit_code == 0 and f"awq-gemm LlamaForCausalLM{SHOWN_HOSTILE}\\u202e\\u009b, 1 file(s)" in r.stdout, r.output
+    _shown_safely(r)
+    r = runner.invoke(app, ["inspect", str(d), "--json"], env=env)  # JSON stays JSON, and reads back the same
+    assert r.exit_code == 0 and json.loads(r.stdout)["manifest"]["source"]["architecture"] == m["source"]["architecture"]
+    _shown_safely(r)
+    r = runner.invoke(app, ["check", str(d)], env=env)
+    _shown_safely(r, forged_ok=int(r.stdout.startswith("rank 0/1: load")))
+    r = _run_wide("inspect", str(d / f"gone{HOSTILE}"))  # main()'s error line
+    assert r.returncode == 1 and r.stderr.startswith(f"error: no bundle at {tmp_path}/{SHOWN_HOSTILE}/model/gone{SHOWN_HOSTILE}: ")
+    _shown_safely(r)
+    r = runner.invoke(app, ["check", str(d), "--revision", "main"], env=env)  # typer's own panel
+    assert r.exit_code == 2 and SHOWN_HOSTILE in r.stderr.replace("│", "").replace("\n", ""), r.output
+    _shown_safely(r)
+
+
+def test_the_progress_bar_shows_hostile_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from marlin_pack import cli
+
+    buf = io.StringIO()
+    console = type(cli.err)(file=buf, force_terminal=True, width=200, markup=False, color_system=None)  # the CLI's kind of console
+    monkeypatch.setattr(cli, "err", console)
+    with cli._progress(True, "converting") as update:
+        assert update is not None
+        update(1, 2, f"model.layers.0.{HOSTILE}")
+    assert "model.layers.0.m\\x1b]0;tit" in buf.getvalue() and "\x1b]" not in buf.getvalue() and "\x1b[2J" not in buf.getvalue()
+
+
+@pytest.mark.slow
+def test_a_hostile_checkpoint_path_is_shown_through_convert_verify_check_and_inspect(make_checkpoint, tmp_path: Path) -> None:
+    d = tmp_path / HOSTILE / "ckpt"
+    shutil.copytree(make_checkpoint("awq", "tiny", group_size=32), d)
+    for args, forged_ok in [
+        (("convert", str(d)), 0), (("check", str(d)), 1), (("verify", str(d / "marlin-pack")), 0),
+        (("inspect", str(d / "marlin-pack")), 0), (("convert", str(d), "--json"), 0), (("verify", str(d / f"gone{HOSTILE}")), 0),
+    ]:
+        r = _run_wide(*args)
+        assert r.returncode == (1 if "gone" in args[-1] else 0) and "Traceback" not in r.stderr, (args, r.stderr)
+        if "--json" in args:
+            assert json.loads(r.stdout)["bundle"] == str(d / "marlin-pack")
+        else:  # (rich wraps a long path or title)
+            assert re.sub(r"\s+", "", SHOWN_HOSTILE) in re.sub(r"\s+", "", r.stdout + r.stderr), (args, r.stdout, r.stderr)
+        _shown_safely(r, forged_ok)
+
+
+# --- a file truncated while it is hashed or read: a one-line refusal, never SIGBUS (issue 68, item 5) ----
+
+# Runs the CLI (argv[3:]) with a hook that cuts the file argv[1] to argv[2] bytes while it is in use: "hash" cuts it
+# in the first BLAKE3 update of a hash of that file, before the buffer is hashed (through a memory map, before issue 68,
+# that buffer was the file's pages); "read" at the second tensor convert reads (its file open by then); "verify" once
+# verify's round trip compared its first shard (the bundle's rank files open by then).
+_TRUNCATING_CLI = """
+import os, sys, threading
+target, keep, when, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+
+def cut():
+    if os.path.getsize(target) > keep:
+        os.truncate(target, keep)
+
+if when == "hash":
+    import blake3
+    from marlin_pack.io import hashing
+    real, opened, here = blake3.blake3, hashing.open_regular, threading.local()
+
+    def open_regular(path):
+        here.path = os.path.realpath(path)
+        return opened(path)
+
+    class Truncating:
+        AUTO = real.AUTO
+
+        def __init__(self, *args, **kwargs):
+            self.h = real(*args, **kwargs)
+
+        def update(self, data):
+            if getattr(here, "path", None) == os.path.realpath(target):
+                cut()
+            self.h.update(data)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    hashing.open_regular, blake3.blake3 = open_regular, Truncating
+elif when == "read":
+    from marlin_pack.sources.checkpoint import Checkpoint
+    get, calls = Checkpoint.get, []
+
+    def reading(self, name):
+        calls.append(name)
+        if len(calls) == 2:
+            cut()
+        return get(self, name)
+
+    Checkpoint.get = reading
+else:
+    import marlin_pack.verification as verification
+    compare = verification._compare_weights
+
+    def comparing(*args, **kwargs):
+        cut()
+        return compare(*args, **kwargs)
+
+    verification._compare_weights = comparing
+from marlin_pack.cli import main
+sys.argv = ["marlin-pack", *argv]
+main()
+"""
+
+
+def _run_truncating(target: Path, keep: int, when: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "400"}
+    cmd = [sys.executable, "-c", _TRUNCATING_CLI, str(target), str(keep), when, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _header_bytes(path: Path) -> int:
+    import struct
+
+    return 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+@pytest.mark.slow
+def test_a_bundle_file_truncated_while_check_hashes_it_is_a_one_line_refusal(make_bundle, tmp_path: Path) -> None:
+    d = tmp_path / "model"
+    shutil.copytree(make_bundle("awq", "tiny"), d)
+    rank = d / "marlin-pack" / "tp1" / "rank-0.safetensors"
+    size = rank.stat().st_size
+    r = _run_truncating(rank, 0, "hash", "check", str(d), "--verify", "full")
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr[-3000:])  # -7: killed by SIGBUS, nothing said
+    assert r.stdout.startswith("rank 0/1: refuse ") and len(r.stdout.splitlines()) == 1 and "Traceback" not in r.stderr, r.stdout
+    assert f"tp1/rank-0.safetensors changed while it was hashed (truncated to 0 of its {size} bytes)" in r.stdout
+
+
+@pytest.mark.slow
+def test_a_checkpoint_truncated_while_convert_reads_it_is_refused_and_leaves_nothing(make_checkpoint, tmp_path: Path) -> None:
+    d = _ckpt(make_checkpoint, tmp_path)
+    before = sorted(os.listdir(d))
+    weights = d / "model.safetensors"
+    keep = _header_bytes(weights)
+    r = _run_truncating(weights, keep, "read", "convert", str(d))
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr[-3000:])  # -7: killed by SIGBUS, lock and temp dir left
+    assert r.stderr.startswith("error: model.safetensors changed while it was read (truncated to ") and "Traceback" not in r.stderr
+    assert len(r.stderr.splitlines()) == 2, r.stderr  # the error and the MARLIN_PACK_DEBUG hint
+    assert sorted(os.listdir(d)) == before  # no bundle, no lock file, no temporary directory
+
+
+@pytest.mark.slow
+def test_a_bundle_file_truncated_while_verify_reads_it_fails_verify_in_one_line(make_bundle, tmp_path: Path) -> None:
+    d = tmp_path / "model"
+    shutil.copytree(make_bundle("awq", "tiny"), d)
+    rank = d / "marlin-pack" / "tp1" / "rank-0.safetensors"
+    r = _run_truncating(rank, _header_bytes(rank), "verify", "verify", str(d))
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr[-3000:])  # -7: killed by SIGBUS, nothing said
+    assert "Traceback" not in r.stderr and "FAILED" in r.stdout
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, r.stderr
+    assert errors[0].startswith("error: verify failed at round-trip: bundle file rank-0.safetensors changed while it was read"), errors

@@ -2,6 +2,26 @@
 
 ``FileMap`` is what registered copies page-lock window by window; ``HostMap`` hands the tensors vLLM's
 own weight loaders narrow and copy (``common.safetensors``): no copy and no read until a tensor is used.
+
+A bundle file truncated while it is mapped. The CPU reading a page of a map past the file's new end gets
+SIGBUS, which Python cannot turn into an exception: the engine dies without a word. Everything else that
+reads bundle or checkpoint bytes on the CPU (hashing, ``convert``, ``verify``) reads them with ``pread``
+instead (:mod:`marlin_pack.io.preads`) and refuses a short read in one line. Here:
+
+* ``FileMap`` (registered copies, and the copy helpers' maps in :mod:`.helper_main`): the CPU never reads the
+  map. ``MADV_POPULATE_READ`` of pages past the end fails with ``EFAULT`` (no signal), and so does
+  ``cudaHostRegister`` (``cuMemHostRegister``): the window is then staged with ``pread`` (a helper's by this
+  process), which reads short, a :class:`~marlin_pack.errors.BundleError` naming the file. Pages registered
+  before the truncation stay pinned (the driver holds them, the truncation only takes them out of the page
+  cache), so the GPU's copy engine reads the bytes the file held when they were pinned, never a missing page.
+  A file already shorter than the map asked for is a ``BundleError`` ("changed while it was read").
+* ``HostMap``: a CPU-side touch remains. vLLM's weight loaders copy the tensors it hands them (the common
+  tensors at TP > 1; at TP = 1 those under the loader's ``_LARGE_COMMON``; none it skips) out of the map on
+  the CPU, in ``load_weights``; a ``common.safetensors`` truncated during those copies ends the engine with
+  SIGBUS. Reading them with ``pread`` instead would read each rank's whole embedding and head where it uses
+  its shard, and what a pipeline stage skips. marlin-pack never truncates a bundle file in place (``convert
+  --force`` publishes a new directory by rename; a map of a replaced file keeps its bytes), so only another
+  writer of the file can, and whoever may write a bundle file can make the engine serve anything anyway.
 """
 
 from __future__ import annotations
@@ -22,7 +42,12 @@ class FileMap:
     """A read-only memory map of one file, as a CPU byte tensor, for registered copies."""
 
     def __init__(self, fd: int, size: int) -> None:
-        self.mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        """Raises:
+        BundleError: the file is now shorter than ``size`` (truncated since it was opened)."""
+        try:
+            self.mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except ValueError as e:  # "mmap length is greater than file size"
+            raise BundleError(f"the file changed while it was read (it no longer holds the {size} bytes it held)") from e
         with warnings.catch_warnings():  # read-only buffer: we never write through this tensor
             warnings.simplefilter("ignore")
             self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)

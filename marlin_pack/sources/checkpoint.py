@@ -2,7 +2,9 @@
 
 Headers are parsed and checked up front (dtype, shape, offsets inside the file), so a
 truncated or corrupt file is reported before any long work starts. Tensor data is read
-lazily through memory maps, one tensor at a time.
+lazily, one tensor at a time, with ``pread`` into memory of its own (:class:`~marlin_pack.io.preads.TensorFile`),
+never through a memory map: a file truncated while a conversion reads it is a one-line refusal ("changed
+while it was read"), not a SIGBUS that kills the process and leaves its lock and temporary directory behind.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import threading
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from marlin_pack.errors import CheckpointError
 from marlin_pack.io.checkpoint_files import FoundSettings, quant_settings, quantization_config, read_json, unreadable, weight_files
 from marlin_pack.io.hashing import file_identity
-from marlin_pack.io.safetensors_io import SafetensorsFormatError, TensorInfo, read_header
+from marlin_pack.io.preads import FileChangedError, TensorFile
+from marlin_pack.io.safetensors_io import SafetensorsFormatError, TensorInfo, read_header, unpacked
 
 __all__ = ["Checkpoint"]
 
@@ -49,6 +51,8 @@ class Checkpoint:
         # Identity of each file as its header was read: a file that changes later is caught by
         # check_unchanged(), so a bundle never pairs one file's header with another's data.
         self.identities: dict[str, list[int]] = {}
+        # Why safetensors itself (so vLLM loading the checkpoint) refuses a file, said when a tensor of it is read.
+        self._unpacked: dict[str, str | None] = {}
         for f in self.files:
             try:
                 self.identities[f] = file_identity(self.dir / f)
@@ -57,11 +61,12 @@ class Checkpoint:
                 raise CheckpointError(f"{e}; download the file again") from e
             except OSError as e:
                 raise unreadable(self.dir / f, e, "a safetensors weight file") from e
+            self._unpacked[f] = unpacked(header, self.identities[f][0])
             for name, info in header.tensors.items():
                 if name in self.tensors:
                     raise CheckpointError(f"tensor {name} is in both {self.tensors[name].file} and {f}; remove the duplicate file")
                 self.tensors[name] = info
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, TensorFile] = {}
         self._lock = threading.Lock()  # conversion reads ahead on a thread of its own
 
     def quantization_config(self) -> dict | None:
@@ -80,17 +85,28 @@ class Checkpoint:
             raise CheckpointError(f"tensor {name} is missing from the checkpoint; the checkpoint is incomplete") from None
 
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (CPU) through a memory map."""
+        """Read one tensor (CPU) with ``pread``, from the file whose header named it.
+
+        Raises:
+            CheckpointError: the tensor is missing; its file is laid out as safetensors refuses, was replaced since
+                its header was read, or ends before the tensor's bytes (truncated while it is read); a read failed.
+        """
         info = self.info(name)
+        if (why := self._unpacked[info.file]) is not None:
+            raise CheckpointError(f"cannot read tensor {name}: {info.file} is not a file safetensors reads ({why}); download it again")
         try:
             with self._lock:
                 handle = self._handles.get(info.file)
                 if handle is None:
-                    handle = safe_open(str(self.dir / info.file), framework="pt")  # type: ignore[no-untyped-call]
+                    handle = TensorFile(self.dir / info.file, identity=tuple(self.identities[info.file]))
                     self._handles[info.file] = handle
-            return handle.get_tensor(name)  # type: ignore[attr-defined]
-        except Exception as e:  # safetensors raises its own error types
-            raise CheckpointError(f"cannot read tensor {name} from {info.file} ({e}); the file is corrupt, download it again") from e
+            return handle.read(info)
+        except FileChangedError as e:
+            raise CheckpointError(f"{info.file} {e.strerror}; re-run once nothing is writing the checkpoint") from e
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot read tensor {name} from {info.file} ({e.strerror or e}); check the disk, or download the file again"
+            ) from e
 
     def check_unchanged(self) -> None:
         """Refuse if any weight file was replaced or modified since this checkpoint was opened.
@@ -110,5 +126,8 @@ class Checkpoint:
                 )
 
     def close(self) -> None:
-        """Drop the memory maps."""
-        self._handles.clear()
+        """Close the files opened for reading tensors."""
+        with self._lock:
+            for handle in self._handles.values():
+                handle.close()
+            self._handles.clear()

@@ -21,7 +21,8 @@ checks over plain facts), ``engine`` (every read of vLLM internals), ``patches/`
 of vLLM patches, by purpose), ``launcher`` (``marlin-pack daemon``), ``daemon_process`` (the spawn
 target of ``vllm preload``'s daemons), ``preload`` (copy helpers page-locking the bundle before the
 copy: a daemon as it starts, an engine as its worker sets up). Bundle bytes reach the GPU through
-:mod:`marlin_pack.gpu` (reader, copy helpers), which does not import vLLM.
+:mod:`marlin_pack.gpu` (reader, copy helpers), which does not import vLLM. Every line logged through the
+``vllm.marlin_pack`` logger is shown with its control characters escaped (:mod:`marlin_pack.shown`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ from __future__ import annotations
 import logging
 
 from marlin_pack._constants import LOAD_FORMAT
+from marlin_pack.shown import show_log_records
 
 __all__ = ["register", "is_registered", "ensure_registered", "LOAD_FORMAT"]
+
+# The one logger of every marlin-pack module in vLLM's processes: its lines quote paths, model and tensor
+# names, shown with their control characters escaped (a forged second line, a cleared screen: never).
+show_log_records(logging.getLogger("vllm.marlin_pack"))
 
 _REGISTERED = False
 

@@ -1,8 +1,10 @@
-"""File digests: in parallel, in order, and bound to the identity of the bytes hashed."""
+"""File digests: in parallel, in order, bound to the identity of the bytes hashed, read without a memory map."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import blake3
@@ -66,7 +68,7 @@ def test_a_file_changed_while_it_is_hashed_is_refused(tmp_path: Path, monkeypatc
             os.close(fd)
 
     monkeypatch.setattr(blake3, "blake3", HookedBlake3(during))
-    with pytest.raises(FileChangedError, match="while it was hashed"):
+    with pytest.raises(FileChangedError, match="changed while it was hashed"):
         hash_file(f)
 
 
@@ -77,3 +79,76 @@ def test_a_file_changed_within_the_clock_tick_is_hashed_but_not_stampable(tmp_pa
     assert not hash_file(f).stampable
     os.utime(f, ns=(1, 1))  # mtime in 1970, but the change time is now
     assert not hash_file(f).stampable
+
+
+@pytest.mark.parametrize("threads", [1, 16])  # one reading thread; four, each reading a part of every chunk
+def test_chunks_read_ahead_hash_as_the_whole_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """Files are read CHUNK bytes at a time (the next while one is hashed): the digest is the whole file's."""
+    monkeypatch.setattr(hashing, "CHUNK", 1 << 16)
+    for size in (0, 1, 4097, (1 << 16) - 1, 1 << 16, (1 << 16) + 1, 5 * (1 << 16) + 3):
+        f = tmp_path / f"f{size}"
+        f.write_bytes(os.urandom(size))
+        assert hash_file(f, threads=threads).digest == blake3.blake3(f.read_bytes()).hexdigest(), size
+
+
+@pytest.mark.parametrize("threads", [1, 16])
+def test_a_file_truncated_midway_reads_short_and_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """A chunk that reads short (the file cut after the hash began): refused, named, before the identity is compared."""
+    monkeypatch.setattr(hashing, "CHUNK", 1 << 16)
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * (8 << 16))
+    cut: list[int] = []
+
+    def during(n: int) -> None:
+        if not cut:
+            cut.append(n)
+            os.truncate(f, 3 << 16)
+
+    monkeypatch.setattr(blake3, "blake3", HookedBlake3(during))
+    with pytest.raises(FileChangedError, match=r"changed while it was hashed \(truncated to 196608 of its 524288 bytes\)") as e:
+        hash_file(f, threads=threads)
+    assert e.value.filename == str(f)
+
+
+# Hashes argv[1] with a BLAKE3 whose first update cuts the file to nothing *before* hashing the buffer it was given:
+# through a memory map (before issue 68) that buffer was the file's pages, and the hash died of SIGBUS.
+_TRUNCATED_WHILE_HASHED = """
+import os, sys
+from pathlib import Path
+import blake3
+from marlin_pack.io import hashing
+
+target, real = sys.argv[1], blake3.blake3
+
+class Truncating:
+    AUTO = real.AUTO
+
+    def __init__(self, *args, **kwargs):
+        self.h = real(*args, **kwargs)
+
+    def update(self, data):
+        if os.path.getsize(target):
+            os.truncate(target, 0)
+        self.h.update(data)
+
+    def hexdigest(self):
+        return self.h.hexdigest()
+
+blake3.blake3 = Truncating
+try:
+    hashing.hash_file(Path(target))
+except hashing.FileChangedError as e:
+    print(f"{e.filename} {e.strerror}")
+    sys.exit(1)
+print("hashed")
+"""
+
+
+@pytest.mark.parametrize("size", [1 << 20, 80 << 20])  # one chunk; several (read ahead on a thread)
+def test_a_file_truncated_while_it_is_hashed_is_a_one_line_refusal_not_a_sigbus(tmp_path: Path, size: int) -> None:
+    f = tmp_path / "rank-0.safetensors"
+    with open(f, "wb") as fh:
+        fh.truncate(size)  # sparse: reads as zeros, mapped or not
+    r = subprocess.run([sys.executable, "-c", _TRUNCATED_WHILE_HASHED, str(f)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])  # -7: killed by SIGBUS
+    assert r.stdout == f"{f} changed while it was hashed (truncated to 0 of its {size} bytes)\n" and r.stderr == ""

@@ -128,3 +128,28 @@ def test_oversized_header_is_called_oversized_with_the_limit(tmp_path: Path, n: 
     with pytest.raises(SafetensorsFormatError, match=rf"declares a {n}-byte header .*more than the 100,000,000 bytes.*oversized"):
         read_header(path)
     assert MAX_HEADER_BYTES == 100_000_000
+
+
+@pytest.mark.parametrize(
+    ("tensors", "data", "why"),
+    [
+        ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, bytes(4), None),
+        ({"a": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}, "b": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}},
+         bytes(4), None),
+        ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, bytes(12), "8 bytes follow the last tensor"),
+        ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, "b": {"dtype": "U8", "shape": [4], "data_offsets": [8, 12]}},
+         bytes(12), "tensor b starts at byte"),
+    ],
+)
+def test_unpacked_says_what_safetensors_itself_refuses(tmp_path: Path, tensors: dict, data: bytes, why: str | None) -> None:
+    """Tensors must fill the data section end to end (safetensors' own rule, so vLLM's), which read_header does not ask."""
+    from safetensors import SafetensorError
+
+    from marlin_pack.io.safetensors_io import unpacked
+
+    path = _raw_file(tmp_path / "t.safetensors", tensors, data)
+    got = unpacked(read_header(path), path.stat().st_size)
+    assert got is None if why is None else why in (got or "")
+    if why is not None:
+        with pytest.raises(SafetensorError), safe_open(str(path), framework="pt") as f:
+            f.get_tensor("a")
