@@ -23,6 +23,8 @@ from marlin_pack._constants import (
     LAYOUT_VERSION,
     SUPPORTED_GROUP_SIZES,
 )
+from marlin_pack.layer_kinds import LayerKind
+from marlin_pack.marlin.architectures import architecture_for
 
 if TYPE_CHECKING:
     import torch
@@ -81,8 +83,6 @@ def output_head_problem(name: str, architecture: str) -> str | None:
     whose name merely ends like one (``model.layers.0.mlp.lm_head.weight``). The one rule of every manifest reader
     (``verify``, ``check``, the loader: :class:`Manifest`) and of the aliases ``convert`` makes.
     """
-    from marlin_pack.marlin.architectures import architecture_for  # (architectures imports this module)
-
     arch = architecture_for(architecture)
     heads = arch.output_heads if arch is not None else ()
     if name in heads:
@@ -138,19 +138,6 @@ def torch_dtype(dtype: ServingDtype | str) -> torch.dtype:
     import torch
 
     return getattr(torch, ServingDtype(dtype).value)  # type: ignore[no-any-return]
-
-
-@unique
-class LayerKind(str, Enum):
-    """How vLLM shards a fused linear layer across tensor-parallel ranks."""
-
-    qkv = "qkv"  # QKVParallelLinear
-    merged_column = "merged-column"  # MergedColumnParallelLinear
-    column = "column"  # ColumnParallelLinear
-    row = "row"  # RowParallelLinear
-    # ReplicatedLinear, or MergedColumnParallelLinear(disable_tp=True): every rank holds the whole layer
-    # (DeepSeek's kv_a_proj_with_mqa / fused_qkv_a_proj)
-    replicated = "replicated"
 
 
 def _check_path(value: str) -> str:

@@ -6,8 +6,8 @@ same checkpoint and the same settings: every tensor-parallel size asked for, the
 the same layers in the same layouts (``--kernel``), a manifest this marlin-pack reads. The checkpoint is
 checked as the loader checks it with ``verify: auto``: settings, file set, sizes, headers and BLAKE3
 digests, hashing only files without a stamp of this user (the user who converted has stamps of every
-file no one else may write; see :mod:`marlin_pack.io.stamps`). The bundle's files are checked by size: the loader hashes them as it decides, and ``verify``
-proves them.
+file no one else may write; see :mod:`marlin_pack.io.stamps`). The bundle's files are checked by size:
+the loader hashes them as it decides, and ``verify`` proves them.
 
 A bundle for other settings is refused with the difference named and the command that replaces it;
 nothing is extended in place (a bundle is published whole, by one rename).

@@ -11,6 +11,9 @@ made relative to a descriptor of a directory it made and still holds (:func:`ope
 :func:`open_dir`, :func:`create_file`, :func:`remove_contents`), never through a symlink that
 appeared, and a symlink is followed only when its owner is this user or root (:func:`trusted_link`,
 the kernel's ``protected_symlinks`` rule).
+
+A file's *identity* (:func:`identity_of`) and whole reads with ``pread`` (:func:`pread_full`) live here too: a
+file that reads short or whose identity moves while it is read is :class:`FileChangedError`, never SIGBUS.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 __all__ = [
     "MEMORY_FILESYSTEMS", "NotRegularFileError", "FileTooLargeError", "UntrustedSymlinkError", "filesystem_type",
     "in_base_memory_pages", "open_regular", "read_limited", "rename_no_replace", "owner_text", "trusted_link", "same_file",
-    "open_dir", "open_dirs", "create_file", "remove_contents",
+    "open_dir", "open_dirs", "create_file", "remove_contents", "FileChangedError", "identity_of", "pread_full",
 ]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -243,6 +246,36 @@ def remove_contents(dir_fd: int) -> None:
         else:
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=dir_fd)
+
+
+class FileChangedError(OSError):
+    """A file's identity moved while it was hashed or read (written, truncated, replaced): no digest or tensor describes it.
+
+    ``strerror`` says what happened, starting "changed while it was hashed" or "changed while it was read";
+    ``filename`` is the path.
+    """
+
+
+def pread_full(fd: int, buf: memoryview, offset: int) -> int:
+    """Read ``len(buf)`` bytes of ``fd`` at ``offset`` into ``buf`` (the GIL released); the bytes read, fewer only
+    where the file ends first.
+
+    Raises:
+        OSError: a read failed (``EIO``, ...).
+    """
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+def identity_of(st: os.stat_result) -> tuple[int, ...]:
+    """``(size, mtime_ns, ctime_ns, inode, device)``: what a stamp binds. The change time cannot be set
+    by users (``touch -r`` and ``utime`` update it); a file replaced by another has another inode."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
 def _mount_of(path: str | Path, mounts: str | Path) -> tuple[str, frozenset[str]] | None:

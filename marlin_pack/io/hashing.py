@@ -31,8 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from marlin_pack.io.files import open_regular
-from marlin_pack.io.preads import FileChangedError, pread_full
+from marlin_pack.io.files import FileChangedError, identity_of, open_regular, pread_full
 
 __all__ = [
     "FileChangedError", "HashedFile", "file_digest", "file_digests", "file_identity", "hash_file", "hash_workers",
@@ -79,12 +78,6 @@ class HashedFile(NamedTuple):
     digest: str
     identity: tuple[int, ...]
     stampable: bool
-
-
-def identity_of(st: os.stat_result) -> tuple[int, ...]:
-    """``(size, mtime_ns, ctime_ns, inode, device)``: what a stamp binds. The change time cannot be set
-    by users (``touch -r`` and ``utime`` update it); a file replaced by another has another inode."""
-    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
 def file_identity(path: Path) -> tuple[int, ...]:

@@ -3,8 +3,8 @@
 A page of a memory-mapped file that was truncated away cannot be read: the kernel sends SIGBUS, which
 Python cannot turn into an exception, so the process dies without a word (and a conversion leaves its
 lock and temporary directory behind). Every CPU read of a checkpoint or bundle file's bytes therefore
-copies them with ``pread`` (:func:`pread_full`): a file that ends early reads short, and the reader
-refuses in one line (:class:`FileChangedError`, "changed while it was read"). :class:`TensorFile` reads
+copies them with ``pread`` (:func:`~marlin_pack.io.files.pread_full`): a file that ends early reads short, and the reader
+refuses in one line (:class:`~marlin_pack.io.files.FileChangedError`, "changed while it was read"). :class:`TensorFile` reads
 whole tensors so (conversion's checkpoint reads, ``verify``'s reads of the bundle), and
 :func:`~marlin_pack.io.hashing.hash_file` hashes files so. The engine's maps of bundle files are
 :mod:`marlin_pack.gpu.host_map`'s, whose docstring says what a truncation does there.
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from marlin_pack.io.files import open_regular
+from marlin_pack.io.files import FileChangedError, identity_of, open_regular, pread_full
 
 if TYPE_CHECKING:
     import torch
@@ -28,30 +28,6 @@ if TYPE_CHECKING:
     from marlin_pack.io.safetensors_io import TensorInfo
 
 __all__ = ["FileChangedError", "TensorFile", "pread_full"]
-
-
-class FileChangedError(OSError):
-    """A file's identity moved while it was hashed or read (written, truncated, replaced): no digest or tensor describes it.
-
-    ``strerror`` says what happened, starting "changed while it was hashed" or "changed while it was read";
-    ``filename`` is the path.
-    """
-
-
-def pread_full(fd: int, buf: memoryview, offset: int) -> int:
-    """Read ``len(buf)`` bytes of ``fd`` at ``offset`` into ``buf`` (the GIL released); the bytes read, fewer only
-    where the file ends first.
-
-    Raises:
-        OSError: a read failed (``EIO``, ...).
-    """
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n <= 0:
-            break
-        done += n
-    return done
 
 
 class TensorFile:
@@ -69,8 +45,6 @@ class TensorFile:
     """
 
     def __init__(self, path: Path, tensors: Mapping[str, TensorInfo] | None = None, identity: tuple[int, ...] | None = None) -> None:
-        from marlin_pack.io.hashing import identity_of
-
         self.path = Path(path)
         self.tensors = dict(tensors or {})
         self._file = open(open_regular(self.path), "rb", buffering=0)  # noqa: SIM115 (closed by close(), or when dropped)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from marlin_pack.errors import RESTORE_CONFIG, UnsupportedCheckpointError
-from marlin_pack.schemas import LayerKind
+from marlin_pack.layer_kinds import LayerKind
 
 __all__ = [
     "Part",
