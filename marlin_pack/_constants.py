@@ -13,7 +13,7 @@ __all__ = [
     "LOAD_FORMAT",
     "MANIFEST_NAME",
     "LEGACY_STAMPS_NAME",
-    "TARGET_VLLM_VERSION",
+    "MADE_WITH_VLLM",
     "DEBUG_ENV",
     "SUPPORTED_GROUP_SIZES",
 ]
@@ -27,9 +27,12 @@ FORMAT_NAME = "marlin-pack"
 FORMAT_VERSION = 4
 MACHETE_FORMAT_VERSION = 5
 READABLE_FORMAT_VERSIONS = (3, 4, 5)
-# Bumped whenever the tensor layout written for a (kernel, vLLM version) changes.
+# Bumped whenever the tensor layout written for a kernel changes (vLLM releases list the layouts they serve:
+# marlin_pack.vllm_plugin.releases).
 LAYOUT_VERSION = 1
-TARGET_VLLM_VERSION = "0.33.0"
+# The manifest's target.vllm_version ("made with"): the release the layout functions were first checked against.
+# Recorded only; a bundle is accepted by any release whose entry lists its layouts.
+MADE_WITH_VLLM = "0.33.0"
 KERNEL_NAME = "MarlinLinearKernel"
 MACHETE_KERNEL_NAME = "MacheteLinearKernel"  # vLLM 0.33.0's choice on SM90 where it implements a layer
 LOAD_FORMAT = "marlin_prepacked"

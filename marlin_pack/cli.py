@@ -373,6 +373,7 @@ def check(
     if as_json:
         out.print_json(json.dumps({**report.to_dict(), "data_parallel_size": dp}))
     else:
+        err.print(report.release_text, highlight=False, soft_wrap=True, markup=False)  # stdout: the decisions only
         if dp > 1 and not report.per_replica:
             out.print(f"each of the {dp} data-parallel replicas decides as follows (the same TP rank files)", highlight=False)
         colour = {"load": "green", "fallback": "yellow", "refuse": "red"}
@@ -578,7 +579,7 @@ def env(as_json: JsonOpt = False) -> None:
     from marlin_pack.patch_list import environment, patch_rows
 
     facts = environment()
-    rows = patch_rows() if facts["plugin_active"] else []
+    rows = patch_rows(str(facts["vllm"])) if facts["plugin_active"] else []
     if as_json:
         out.print_json(json.dumps({**facts, "patches": [dict(zip(("purpose", "target", "remove_when"), r, strict=True)) for r in rows]}))
         return
@@ -587,7 +588,8 @@ def env(as_json: JsonOpt = False) -> None:
         info.add_row(key.replace("_", " "), str(value))
     out.print(info)
     if not facts["plugin_active"]:
-        out.print("the plugin installs no patch and registers no load format on this vLLM", highlight=False)
+        out.print("the plugin installs no patch on this vLLM; --load-format marlin_prepacked refuses in one line naming the "
+                  "supported releases (or, with fallback, loads the checkpoint the ordinary way)", highlight=False)
         return
     table = Table("purpose", "patched in vLLM", "remove when", title="patches installed in every vLLM process")
     for purpose, target, remove_when in rows:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from marlin_pack._constants import FORMAT_VERSION, MACHETE_FORMAT_VERSION, TARGET_VLLM_VERSION
+from marlin_pack._constants import FORMAT_VERSION, MACHETE_FORMAT_VERSION, MADE_WITH_VLLM
 from marlin_pack._version import __version__
 from marlin_pack.bundle.existing import output_state, reusable_bundle
 from marlin_pack.bundle.integrity import HashReport, source_digest
@@ -444,7 +444,7 @@ def _write_bundle(
             manifest = Manifest(
                 format_version=version,
                 producer=Producer(version=__version__),
-                target=Target(vllm_version=TARGET_VLLM_VERSION),
+                target=Target(vllm_version=MADE_WITH_VLLM),
                 quant=source.scheme,
                 serving_dtype=serving_dtype,
                 activation_dtype=serving_dtype,

@@ -20,8 +20,9 @@ __all__ = ["PURPOSES", "patch_rows", "environment"]
 PURPOSES = ("correctness", "weight_cache", "speed")
 
 
-def patch_rows() -> list[tuple[str, str, str]]:
-    """Every patch as ``(purpose, target, remove_when)``, grouped by purpose in :data:`PURPOSES` order.
+def patch_rows(release: str | None = None) -> list[tuple[str, str, str]]:
+    """Every patch as ``(purpose, target, remove_when)``, grouped by purpose in :data:`PURPOSES` order; with
+    ``release`` (a vLLM release marlin-pack serves), only the rows installed on it.
 
     ``purpose``: ``correctness`` (a bundle is loaded right), ``weight_cache`` (vLLM's weight cache works
     for AWQ/GPTQ/compressed-tensors Marlin layers) or ``speed`` (a faster start; inert in processes that
@@ -31,7 +32,8 @@ def patch_rows() -> list[tuple[str, str, str]]:
     from marlin_pack.vllm_plugin.patches import catalog
 
     rank = {purpose: i for i, purpose in enumerate(PURPOSES)}
-    rows = sorted(catalog.ROWS, key=lambda row: rank[row.purpose])  # stable: catalog order within a purpose
+    rows = [row for row in catalog.ROWS if release is None or row.applies_to(release)]
+    rows = sorted(rows, key=lambda row: rank[row.purpose])  # stable: catalog order within a purpose
     return [(row.purpose, row.target, row.remove_when) for row in rows]
 
 
@@ -47,21 +49,23 @@ def _installed(dist: str) -> str:
 def environment() -> dict[str, object]:
     """What a bug report needs, read without importing vLLM: versions of marlin-pack, vLLM, torch and its CUDA,
     the GPU torch sees, and whether vLLM finds the plugin (its ``vllm.general_plugins`` entry point) and would
-    activate it (the installed vLLM is the targeted release)."""
+    activate it (marlin-pack supports the installed vLLM release: :mod:`marlin_pack.vllm_plugin.releases`)."""
     from importlib.metadata import entry_points
 
-    from marlin_pack._constants import TARGET_VLLM_VERSION
     from marlin_pack._version import __version__
+    from marlin_pack.vllm_plugin import releases
 
     vllm = _installed("vllm")
     plugins = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "marlin_pack"]
     facts: dict[str, object] = {
         "marlin_pack": __version__,
         "vllm": vllm,
-        "vllm_targeted": TARGET_VLLM_VERSION,
+        "vllm_supported": releases.supported_text(),
+        "vllm_release": "not installed" if vllm == "not installed" else (
+            "supported" if releases.release(vllm) is not None else "not supported: the plugin patches nothing"),
         "torch": _installed("torch"),
         "plugin_entry_point": plugins[0].value if plugins else "missing (reinstall marlin-pack into vLLM's environment)",
-        "plugin_active": bool(plugins) and vllm == TARGET_VLLM_VERSION,
+        "plugin_active": bool(plugins) and releases.release(vllm) is not None,
     }
     try:
         import torch

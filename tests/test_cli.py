@@ -233,7 +233,7 @@ def test_check_refuses_an_alias_naming_a_quantized_tensor(make_checkpoint, tmp_p
 
 
 def test_env_lists_every_patch_by_purpose_without_importing_vllm() -> None:
-    """`marlin-pack env`: the targeted and installed vLLM, and a row per patch (purpose, target, upstream change)."""
+    """`marlin-pack env`: the supported and installed vLLM, and a row per patch of it (purpose, target, upstream change)."""
     from marlin_pack.patch_list import patch_rows
 
     done = subprocess.run(
@@ -243,10 +243,13 @@ def test_env_lists_every_patch_by_purpose_without_importing_vllm() -> None:
         capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"}, timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert re.search(r"vllm targeted +0\.33\.0", done.stdout)
+    assert re.search(r"vllm supported +0\.34\.0, 0\.33\.0", done.stdout)
+    assert re.search(r"vllm release +supported", done.stdout)  # the installed vLLM is one of them
     assert re.search(r"plugin entry point +marlin_pack\.vllm_plugin:register", done.stdout)
     assert re.search(r"torch +\d", done.stdout) and "torch cuda" in done.stdout and "gpu " in done.stdout, done.stdout
-    rows = patch_rows()
+    from importlib.metadata import version
+
+    rows = patch_rows(version("vllm"))  # the rows of the installed release
     assert {purpose for purpose, _, _ in rows} == {"correctness", "weight_cache", "speed"}
     for _, target, _ in rows:
         assert target.split(":")[-1] in done.stdout, target

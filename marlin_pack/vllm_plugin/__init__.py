@@ -39,6 +39,7 @@ __all__ = ["register", "is_registered", "ensure_registered", "LOAD_FORMAT"]
 show_log_records(logging.getLogger("vllm.marlin_pack"))
 
 _REGISTERED = False
+_UNSERVED: str | None = None  # a release not served, for which only the refusing loader is registered
 
 
 def register() -> None:
@@ -46,8 +47,9 @@ def register() -> None:
 
     Cheap and idempotent: vLLM may call it in every process, and more than once. It never
     raises (vLLM does not guard plugin functions): a failure is logged and the load format
-    stays unregistered, so only engines asking for it are affected. On a vLLM other than
-    the targeted release it logs once and registers nothing.
+    stays unregistered, so only engines asking for it are affected. On a vLLM release marlin-pack
+    does not serve (:mod:`.releases`) it logs once, patches nothing and registers a loader that
+    refuses in one line naming the supported releases (or, ``fallback`` on, loads ordinarily).
 
     Example:
         >>> from marlin_pack.vllm_plugin import register
@@ -61,8 +63,15 @@ def register() -> None:
     if _REGISTERED:
         return
     try:
-        from marlin_pack.vllm_plugin import patches
+        from marlin_pack.vllm_plugin import patches, releases
+        from marlin_pack.vllm_plugin.version_guard import vllm_version
 
+        running = vllm_version()
+        if releases.release(running) is None:
+            if running != _UNSERVED:
+                patches.install()  # logs once which releases are supported; installs nothing
+                _register_unserved(running)
+            return
         if not patches.install():
             return
         from vllm.model_executor.model_loader import register_model_loader
@@ -74,6 +83,18 @@ def register() -> None:
         logging.getLogger("vllm.marlin_pack").exception("marlin-pack: could not register the %s load format", LOAD_FORMAT)
         return
     _REGISTERED = True
+
+
+def _register_unserved(running: str) -> None:
+    """On a release marlin-pack does not serve: only the load format's name, whose loader refuses in one line (or falls
+    back); nothing patched, so an engine not asking for it runs exactly as without the plugin."""
+    global _UNSERVED
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from marlin_pack.vllm_plugin.unserved import UnservedReleaseLoader
+
+    register_model_loader(LOAD_FORMAT)(UnservedReleaseLoader)
+    _UNSERVED = running
 
 
 def is_registered() -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marlin_pack._constants import KERNEL_NAME, LAYOUT_VERSION, MACHETE_KERNEL_NAME, MANIFEST_NAME
+from marlin_pack._constants import KERNEL_NAME, MACHETE_KERNEL_NAME, MANIFEST_NAME
 from marlin_pack.bundle.integrity import HashReport, check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header
 from marlin_pack.bundle.reader import read_manifest, resolve_file
@@ -25,6 +25,7 @@ from marlin_pack.io.home import HomeDirectoryError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
 from marlin_pack.schemas import Manifest, TensorParallelSet
 from marlin_pack.sources.hub import ResolvedModel, locate_bundle, resolve_model
+from marlin_pack.vllm_plugin import releases
 from marlin_pack.vllm_plugin.expert_share import (
     ExpertShare,
     check_experts_source,
@@ -45,6 +46,9 @@ __all__ = [
     "load_manifest",
     "resolve_bundle_dir",
     "check_engine",
+    "check_release",
+    "loaded_zero_word",
+    "bundle_layouts",
     "select_bundle",
     "refusal",
     "internal_error",
@@ -162,18 +166,51 @@ def load_manifest(bundle_dir: Path) -> Manifest:
     return _MANIFESTS[key]
 
 
+def bundle_layouts(manifest: Manifest) -> dict[str, int]:
+    """The layouts a bundle holds: each layer family it has (``marlin``, ``machete``, ``marlin_moe``) -> its layout version."""
+    from marlin_pack.schemas import LayerKernel
+
+    v = manifest.target.layout_version
+    kernels = {e.kernel for s in manifest.tensor_parallel for e in s.layers}
+    families = {"marlin": LayerKernel.marlin in kernels, "machete": LayerKernel.machete in kernels,
+                "marlin_moe": any(s.moe_layers for s in manifest.tensor_parallel)}
+    return {f: v for f, present in families.items() if present}
+
+
+def loaded_zero_word(manifest: Manifest) -> int | None:
+    """The int32 word every ``qzeros`` word of a symmetric GPTQ source holds (the source's checks made sure), which
+    vLLM loads and no Marlin kernel reads; None for other sources (their zero points, if any, are in the bundle)."""
+    from marlin_pack.marlin.packed_codes import repeated_word
+    from marlin_pack.schemas import GptqSettings
+    from marlin_pack.sources.gptq import GptqV1Source
+
+    settings = manifest.source.quant_settings
+    if not isinstance(settings, GptqSettings):
+        return None
+    source = GptqV1Source.from_settings(settings)
+    return repeated_word(source.stored_zero, source.bits)
+
+
+def check_release(vllm_version: str) -> None:
+    """The running vLLM is a release marlin-pack serves (its entry in :mod:`.releases`).
+
+    Raises:
+        BundleMismatchError: ``vllm_version``, naming the releases served.
+    """
+    if releases.release(vllm_version) is None:
+        raise BundleMismatchError(F.vllm_version, releases.unsupported_reason(vllm_version))
+
+
 def _check_target(manifest: Manifest, facts: EngineFacts) -> None:
-    """The engine vLLM and kernel layout the bundle was made for."""
-    if manifest.target.vllm_version != facts.vllm_version:
-        raise BundleMismatchError(
-            F.vllm_version,
-            f"bundle was made for vLLM {manifest.target.vllm_version}, this engine runs {facts.vllm_version}; "
-            "re-convert with a marlin-pack that targets it",
-        )
-    if manifest.target.kernel != KERNEL_NAME or manifest.target.layout_version != LAYOUT_VERSION:
+    """The running release serves the bundle's layouts (whatever release it was made with), and its dtype and method."""
+    check_release(facts.vllm_version)
+    layouts = bundle_layouts(manifest)
+    if manifest.target.kernel != KERNEL_NAME or not releases.serves(facts.vllm_version, layouts):
+        held = ", ".join(f"{f} v{v}" for f, v in layouts.items())
         raise BundleMismatchError(
             F.kernel,
-            f"bundle layout {manifest.target.kernel} v{manifest.target.layout_version} is not {KERNEL_NAME} v{LAYOUT_VERSION}",
+            f"bundle layout {manifest.target.kernel} ({held}, made with vLLM {manifest.target.vllm_version}) is not one "
+            f"vLLM {facts.vllm_version} serves; re-convert with a marlin-pack that supports it",
         )
     if facts.dtype != manifest.serving_dtype.value:
         raise BundleMismatchError(
@@ -352,7 +389,8 @@ def _checked_header(manifest: Manifest, tp_set: TensorParallelSet, rank: int, pa
 def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     """Find and check the bundle for this engine and rank, before anything touches the GPU.
 
-    Order: manifest (format version), engine fit (vLLM version, dtype, TP, kernel
+    Order: the running vLLM release (one marlin-pack supports), manifest (format version), engine fit (layouts the
+    release serves, dtype, TP, kernel
     settings), the source checkpoint (quantization config, files, sizes, headers, hashes
     unless this user's stamps vouch for them), then this rank's file and the common file (sizes, hashes likewise,
     readable, headers and metadata exactly as the manifest implies). With ``pipeline_parallel_size > 1`` the
@@ -363,6 +401,7 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     Raises:
         BundleMismatchError: naming the field that does not fit.
     """
+    check_release(facts.vllm_version)  # first: an unknown release is refused whatever the bundle
     bundle_dir = resolve_bundle_dir(options, facts.model, facts.revision)
     manifest: Manifest = _with_field(F.manifest, lambda: load_manifest(bundle_dir))
     tp_set = check_engine(manifest, facts)

@@ -1,8 +1,9 @@
-"""Every read (and the few writes) of vLLM 0.33.0 internals the loader and the patches need.
+"""Every read (and the few writes) of vLLM internals the loader and the patches need, for every release served.
 
 Facts are returned as the plain dataclasses of ``decision.py``; layer state is finished the
-way ``MarlinLinearKernel.process_weights_after_loading`` (or, on SM90, ``MacheteLinearKernel``'s) leaves it. Importing this module
-imports vLLM: only vLLM processes (the loader, the patches) import it.
+way ``MarlinLinearKernel.process_weights_after_loading`` (or, on SM90, ``MacheteLinearKernel``'s) leaves it in the
+running release. What differs between releases is read from the release's entry (:mod:`.releases`), never from a
+version comparison here. Importing this module imports vLLM: only vLLM processes (the loader, the patches) import it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_empty, marlin_padded_nk
 
+from marlin_pack.vllm_plugin import releases
 from marlin_pack.vllm_plugin.decision import EngineFacts
 from marlin_pack.vllm_plugin.layer_check import SUPPORTED_METHODS, LayerFacts
+from marlin_pack.vllm_plugin.stubs import is_stub
 from marlin_pack.vllm_plugin.version_guard import vllm_version
 
 __all__ = [
@@ -41,6 +44,8 @@ __all__ = [
     "check_machete_layout",
     "finish_layer",
     "finish_marlin_layer",
+    "keep_loaded_zero_points",
+    "running_release",
 ]
 
 
@@ -81,7 +86,7 @@ def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFa
         pcp_rank=pcp_rank,
         dtype=str(model_config.dtype).removeprefix("torch."),
         quantization=model_config.quantization,
-        marlin_input_dtype=envs.VLLM_MARLIN_INPUT_DTYPE,
+        marlin_input_dtype=_env("VLLM_MARLIN_INPUT_DTYPE"),  # gone in 0.34.0 (8-bit activations left Marlin)
         batch_invariant=bool(envs.VLLM_BATCH_INVARIANT),
         disabled_kernels=tuple(envs.VLLM_DISABLED_KERNELS or ()),
         linear_backend=str(kc.linear_backend),
@@ -89,6 +94,23 @@ def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFa
         revision=getattr(model_config, "revision", None),
         capability=_capability(),
     )
+
+
+def running_release() -> releases.Release:
+    """The running vLLM release's entry (the plugin's loader and patches run only on a release served).
+
+    Raises:
+        RuntimeError: marlin-pack does not serve it.
+    """
+    entry = releases.release(vllm_version())
+    if entry is None:
+        raise RuntimeError(releases.unsupported_reason(vllm_version()))
+    return entry
+
+
+def _env(name: str) -> Any:
+    """vLLM's value of the environment variable ``name``, None where the running release no longer has it."""
+    return getattr(envs, name) if running_release().has_env(name) else None
 
 
 def _capability() -> int | None:
@@ -302,20 +324,70 @@ def finish_layer(quant_method: Any, layer: nn.Module) -> None:
 
 
 def finish_marlin_layer(quant_method: Any, layer: nn.Module) -> None:
-    """Set what MarlinLinearKernel's post-processing sets besides the tensors it transforms.
+    """Set what MarlinLinearKernel's post-processing sets besides the tensors it transforms, in the running release.
 
-    With 16-bit activations that is ``input_global_scale = None`` and, without zero points
-    (GPTQ, symmetric compressed-tensors), the empty ``int32[0]`` zero-point parameter
-    (``marlin_make_empty``). Called for every layer whose tensors arrived final (from a bundle
-    or the weight cache).
+    With 16-bit activations, without zero points (GPTQ, symmetric compressed-tensors), Marlin reads an empty
+    ``int32[0]`` zero-point parameter (``marlin_make_empty``). How the release leaves the unused one is its entry's
+    ``finish``:
+
+    * ``empty_qzeros`` (0.31-0.33): the kernel's zero-point parameter (``qzeros``) becomes that empty parameter, and
+      ``input_global_scale = None``;
+    * ``w_zp`` (0.34): a loaded ``qzeros`` is retired (``retire_parameter``: registered, its data kept, read by no
+      kernel), and the empty parameter is ``w_zp``, the kernel's zero-point name from then on; no ``input_global_scale``.
+
+    Called for every layer whose tensors arrived final (from a bundle or the weight cache); idempotent.
     """
     kernel = marlin_kernel(quant_method, layer)
+    finish = running_release().finish
+    if finish == "w_zp":
+        _finish_w_zp(kernel, layer)
+        return
+    if finish != "empty_qzeros":
+        raise NotImplementedError(f"marlin-pack cannot finish a Marlin layer as vLLM {vllm_version()} does ({finish})")
     if kernel.w_zp_name is None:  # as the kernel does: Marlin needs a zero-point parameter
         kernel.w_zp_name = "w_zp"
     if not kernel.config.zero_points:
         device = getattr(layer, kernel.w_q_name).device
         zp = getattr(layer, kernel.w_zp_name, None)
-        if not (isinstance(zp, torch.Tensor) and zp.numel() == 0 and zp.device == device):
+        if not _is_empty_on(zp, device):
             setattr(layer, kernel.w_zp_name, marlin_make_empty(device))
     if "input_global_scale" not in layer._parameters:
         layer.input_global_scale = None
+
+
+def keep_loaded_zero_points(layer: nn.Module, word: int | None) -> None:
+    """Before a layer filled from a bundle is finished: where the running release keeps the loaded zero points its
+    Marlin kernel does not read (``finish`` ``w_zp``: retired, data kept), give them the checkpoint's value ``word``
+    (every word of symmetric GPTQ's ``qzeros``; None: nothing to keep). Elsewhere finishing replaces them."""
+    if word is None or running_release().finish != "w_zp":
+        return
+    kernel = marlin_kernel(layer.quant_method, layer)
+    if type(kernel) is not MarlinLinearKernel or kernel.config.zero_points or kernel.w_zp_name in (None, "w_zp"):
+        return
+    zp = getattr(layer, kernel.w_zp_name, None)
+    if not isinstance(zp, torch.Tensor) or zp.numel() == 0:
+        return
+    if is_stub(zp):  # still no memory: finishing keeps it, and materialize_stubs then gives it memory with this value
+        zp.data = torch.full((1,), word, dtype=torch.int32, device=zp.device).expand(zp.shape)
+    else:
+        zp.data.fill_(word)
+
+
+def _is_empty_on(t: Any, device: torch.device) -> bool:
+    return isinstance(t, torch.Tensor) and t.numel() == 0 and t.device == device and t.dtype == torch.int32
+
+
+def _finish_w_zp(kernel: Any, layer: nn.Module) -> None:
+    """vLLM 0.34.0's MarlinLinearKernel: ``_retire_unused_zp``, then ``w_zp`` = ``marlin_make_empty`` (no zero points)."""
+    from vllm.model_executor.utils import replace_parameter, retire_parameter
+
+    if kernel.config.zero_points:
+        if kernel.w_zp_name is None:
+            kernel.w_zp_name = "w_zp"
+        return
+    device = getattr(layer, kernel.w_q_name).device
+    if kernel.w_zp_name not in (None, "w_zp") and getattr(layer, kernel.w_zp_name, None) is not None:
+        retire_parameter(layer, kernel.w_zp_name)  # loaded but unused: kept, with its data
+    kernel.w_zp_name = "w_zp"
+    if not _is_empty_on(getattr(layer, "w_zp", None), device):
+        replace_parameter(layer, "w_zp", marlin_make_empty(device))

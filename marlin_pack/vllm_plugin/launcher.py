@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from marlin_pack._constants import LOAD_FORMAT, MANIFEST_NAME, TARGET_VLLM_VERSION
+from marlin_pack._constants import LOAD_FORMAT, MANIFEST_NAME
 from marlin_pack.errors import BundleError, CheckpointError, MarlinPackError
 from marlin_pack.sources.hub import locate_bundle
 
@@ -115,13 +115,13 @@ def run(argv: Sequence[str]) -> None:
     """
     import importlib
 
-    from marlin_pack.vllm_plugin import ensure_registered
+    from marlin_pack.vllm_plugin import ensure_registered, releases
     from marlin_pack.vllm_plugin.daemon_process import DAEMON_MODULE
 
     if not ensure_registered():  # also where register() ran before and its patches were removed
         raise MarlinPackError(
             f"could not register the {LOAD_FORMAT} load format with vLLM (see the log above); "
-            f"is vLLM {TARGET_VLLM_VERSION} installed?"
+            f"is one of vLLM {releases.supported_text()} installed?"
         )
     importlib.import_module(DAEMON_MODULE)  # vllm preload imports it later; the registry patches it on import
 

@@ -63,9 +63,18 @@ from marlin_pack.vllm_plugin.decision import (
     decide,
     hopper_machete_layers,
     internal_error,
+    loaded_zero_word,
     refusal,
 )
-from marlin_pack.vllm_plugin.engine import built_parameters, engine_facts, force_marlin, freeze_gc_heap, layer_facts, quantized_layers
+from marlin_pack.vllm_plugin.engine import (
+    built_parameters,
+    engine_facts,
+    force_marlin,
+    freeze_gc_heap,
+    keep_loaded_zero_points,
+    layer_facts,
+    quantized_layers,
+)
 from marlin_pack.vllm_plugin.io_facts import plan_for
 from marlin_pack.vllm_plugin.layer_check import check_layers, check_moe_layers
 from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, moe_layer_facts
@@ -486,10 +495,13 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 if fill is not None and fill.common is not None:
                     prefilled = self._bind_common(fill.common, bundle, model, state)
                     self._timings.common_beside = len(prefilled)
+                zero_word = loaded_zero_word(bundle.manifest)
                 for layer in state.layers.values():
                     # Placeholders the bundle does not replace stay stubs: finishing sets them (GPTQ's qzeros
-                    # become int32[0]) and gives memory to any it keeps (70B GPTQ: 267 MB in 320 tensors no
-                    # longer allocated and filled only to be dropped).
+                    # become int32[0] up to vLLM 0.33) and gives memory to any it keeps (70B GPTQ: 267 MB in 320
+                    # tensors no longer allocated and filled only to be dropped). A release that keeps the loaded
+                    # unused zero points (0.34: retired) gets the checkpoint's, as its own loading leaves them.
+                    keep_loaded_zero_points(layer, zero_word)
                     mark_prepacked(layer)
                 t1 = time.perf_counter()
                 # (a pipeline stage may have no decoder layer: then the model's first parameter says it)

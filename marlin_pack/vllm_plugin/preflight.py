@@ -16,7 +16,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-from marlin_pack._constants import TARGET_VLLM_VERSION
 from marlin_pack.bundle.integrity import HashReport
 from marlin_pack.errors import LoadRefusedError
 from marlin_pack.vllm_plugin.decision import EngineFacts, SelectedBundle, decide, hopper_machete_layers
@@ -73,9 +72,23 @@ class PreflightReport:
         return total
 
     @property
+    def release_text(self) -> str:
+        """Which vLLM release the engine runs and whether marlin-pack supports it (one line)."""
+        from marlin_pack.vllm_plugin import releases
+
+        if releases.release(self.vllm_version) is None:
+            return releases.unsupported_reason(self.vllm_version)
+        return f"vLLM {self.vllm_version}: supported (supported: {releases.supported_text()})"
+
+    @property
     def decision(self) -> Outcome:
         problem = self.first_problem
         return "load" if problem is None else problem.decision
+
+    def _supported(self) -> bool:
+        from marlin_pack.vllm_plugin import releases
+
+        return releases.release(self.vllm_version) is not None
 
     def to_dict(self) -> dict[str, object]:
         problem = self.first_problem
@@ -86,6 +99,7 @@ class PreflightReport:
             "tp_size": self.tp_size,
             "pp_size": self.pp_size,
             "vllm_version": self.vllm_version,
+            "vllm_supported": self._supported(),
             "hashed": _hash_dict(self.hashed),
             "ranks": [r.to_dict() for r in self.ranks],
         }
@@ -103,11 +117,13 @@ def _hash_dict(h: HashReport) -> dict[str, object]:
 
 
 def installed_vllm_version() -> str:
-    """The installed vLLM's release, read without importing it; the targeted one if none is installed."""
+    """The installed vLLM's release, read without importing it; the newest supported one if none is installed."""
     try:
         return metadata.version("vllm").split("+")[0]
     except metadata.PackageNotFoundError:
-        return TARGET_VLLM_VERSION
+        from marlin_pack.vllm_plugin import releases
+
+        return releases.supported()[0]
 
 
 def _kernels_text(sel: SelectedBundle, facts: EngineFacts) -> str:

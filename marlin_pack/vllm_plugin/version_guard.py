@@ -1,10 +1,9 @@
-"""Which vLLM is running, read cheaply (before any vLLM internal is imported)."""
+"""Which vLLM is running, read cheaply (before any vLLM internal is imported). Whether marlin-pack serves it is the
+release table's to say (:mod:`.releases`)."""
 
 from __future__ import annotations
 
-from marlin_pack._constants import TARGET_VLLM_VERSION
-
-__all__ = ["vllm_version", "is_target_vllm"]
+__all__ = ["vllm_version"]
 
 
 def vllm_version() -> str:
@@ -13,7 +12,3 @@ def vllm_version() -> str:
 
     return str(vllm.__version__).split("+")[0]
 
-
-def is_target_vllm() -> bool:
-    """Whether the running vLLM is exactly the release the bundle layout and the patches target."""
-    return vllm_version() == TARGET_VLLM_VERSION

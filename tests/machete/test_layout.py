@@ -310,7 +310,8 @@ def _run_vllm_machete_transform(monkeypatch, *, fmt: str, bits: int, act: torch.
     calls = []
 
     def recorder(b, a_type, b_type, group_scales_type):
-        calls.append((b, a_type, b_type, group_scales_type))
+        # a copy: from vLLM 0.34.0 replace_parameter copies a smaller result into the loaded storage b may view
+        calls.append((b.clone(), a_type, b_type, group_scales_type))
         return L.prepack_b(b, bits)
 
     monkeypatch.setattr(ops, "machete_prepack_B", recorder)

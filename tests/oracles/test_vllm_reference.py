@@ -223,8 +223,8 @@ def expected_rank(ck: Ckpt, tp: int, r: int, dtype: torch.dtype) -> dict[str, to
         if ck.fmt == "awq":
             zeros = pad(zeros, (0, np_ - n, 0, gp - zeros.shape[0]))
             out[f"{name}.qzeros"] = marlin_zero_points(zeros, gp, np_, ck.bits)
-        else:
-            out[f"{name}.qzeros"] = torch.empty(0, dtype=torch.int32)
+        else:  # Marlin's empty zero points: the kernel's qzeros up to vLLM 0.33, w_zp from 0.34 (qzeros retired)
+            out[f"{name}.{_empty_zero_point_name()}"] = torch.empty(0, dtype=torch.int32)
         if bias is not None:
             out[f"{name}.bias"] = marlin_permute_bias(pad(bias.to(dtype), (0, np_ - n)))
     return out
@@ -264,7 +264,7 @@ def test_gptq_tp1_plumbing(tmp_path: Path, bits: int, group: int) -> None:
     assert torch.equal(got[f"{qkv}.scales"], marlin_permute_scales(scales, k, n, group))
     assert got[f"{qkv}.qweight"].shape == (k // 16, n * bits // 2)
     for layer in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-        qz = got[f"model.layers.0.{layer}.qzeros"]
+        qz = got[f"model.layers.0.{layer}.{_empty_zero_point_name()}"]
         assert qz.dtype == torch.int32 and qz.shape == (0,)
     assert_same(got, expected_rank(ck, 1, 0, torch.float16))
 
@@ -279,6 +279,13 @@ def test_tp2_qkv_per_rank_size(tmp_path: Path) -> None:
         # o_proj is row-parallel: K halves, N stays hidden
         o_proj = got["model.layers.0.self_attn.o_proj.qweight"]
         assert o_proj.shape == (ck.heads * ck.head_dim // 2 // 16, ck.hidden * 2)
+
+
+def _empty_zero_point_name() -> str:
+    from marlin_pack.vllm_plugin import releases
+    from marlin_pack.vllm_plugin.version_guard import vllm_version
+
+    return "w_zp" if releases.release(vllm_version()).finish == "w_zp" else "qzeros"  # type: ignore[union-attr]
 
 
 def test_kv_replication(tmp_path: Path) -> None:

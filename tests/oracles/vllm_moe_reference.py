@@ -97,9 +97,9 @@ def reference_awq_marlin_repack(b_q_weight: torch.Tensor, size_k: int, size_n: i
     interleaved = m.unpack_cols(b_q_weight, num_bits, size_k, size_n)  # [K, N], AWQ nibble order
     undo = torch.argsort(torch.tensor(_AWQ_ORDER))
     codes = interleaved.reshape(-1, 8)[:, undo].reshape(size_k, size_n)
-    mut = m.base.marlin_utils_test
-    return mut.marlin_weights(codes.contiguous(), size_k, size_n, num_bits,
-                              mut.get_weight_perm(num_bits, is_a_8bit), is_a_8bit)
+    if is_a_8bit:
+        raise vr._OracleBug("awq_marlin_repack stand-in: 8-bit activations are not a bundle's")
+    return vr.reference_marlin_weights(m.base.marlin_utils_test, codes.contiguous(), size_k, size_n, num_bits)
 
 
 class _C:
@@ -175,7 +175,7 @@ def _mla_post_processing_recorder(calls: list[tuple[str, tuple[int, ...]]]) -> A
     step dequantizes ``kv_b_proj`` through its Marlin GEMM (a CUDA op) into ``W_UK``/``W_UV``, which
     are derived tensors no bundle holds; the GPU tests compare them."""
 
-    def process_weights_after_loading(self: Any, act_dtype: torch.dtype) -> None:
+    def process_weights_after_loading(self: Any, act_dtype: torch.dtype | None = None) -> None:  # (0.34: no argument)
         q = getattr(self.kv_b_proj, "qweight", None)
         calls.append((self.layer_name, tuple(q.shape) if isinstance(q, torch.Tensor) else ()))
 

@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import glob
+import inspect
 import logging
 import os
 import threading
@@ -208,15 +209,17 @@ def _reference_gptq_marlin_repack(
         )
     wtype = {4: v.scalar_types.uint4b8, 8: v.scalar_types.uint8b128}[num_bits]
     codes = v.unpack(b_q_weight, wtype, packed_dim=0)  # [size_k, size_n], GPTQ order
-    mut = v.marlin_utils_test
-    return mut.marlin_weights(
-        codes.contiguous(),
-        size_k,
-        size_n,
-        num_bits,
-        mut.get_weight_perm(num_bits, is_a_8bit),
-        is_a_8bit,
-    )
+    if is_a_8bit:
+        raise _OracleBug("gptq_marlin_repack stand-in: 8-bit activations are not a bundle's")
+    return reference_marlin_weights(v.marlin_utils_test, codes.contiguous(), size_k, size_n, num_bits)
+
+
+def reference_marlin_weights(mut: Any, codes: torch.Tensor, size_k: int, size_n: int, num_bits: int) -> torch.Tensor:
+    """vLLM's pure-torch ``marlin_weights`` (module ``mut``: its ``marlin_utils_test``) for 16-bit activations, in the
+    signature of the installed release (up to 0.33 it also takes ``is_a_8bit``, which 0.34.0 dropped with W4A8)."""
+    if "is_a_8bit" in inspect.signature(mut.marlin_weights).parameters:
+        return mut.marlin_weights(codes, size_k, size_n, num_bits, mut.get_weight_perm(num_bits, False), False)
+    return mut.marlin_weights(codes, size_k, size_n, num_bits, mut.get_weight_perm(num_bits))
 
 
 class _OpsProxy:
@@ -361,7 +364,7 @@ def _patched(tp_size: int, rank: int, kernel: str = "marlin", pp: tuple[int, int
         import vllm.model_executor.models.utils as model_utils
 
         setattr_saved(model_utils, "_model_to_pp_missing_layer_names", {})
-        if v.envs.VLLM_MARLIN_INPUT_DTYPE is not None or v.envs.VLLM_BATCH_INVARIANT:
+        if getattr(v.envs, "VLLM_MARLIN_INPUT_DTYPE", None) is not None or v.envs.VLLM_BATCH_INVARIANT:  # gone in 0.34
             raise RuntimeError("could not clear VLLM_MARLIN_INPUT_DTYPE / VLLM_BATCH_INVARIANT")
         yield v
     finally:
@@ -587,6 +590,7 @@ def _marlin_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 def reference_rank_tensors(
     model_dir: Path, tp_size: int, rank: int, dtype: torch.dtype, *, model_class: list[str] | None = None,
     kernel: str = "marlin", kernels: dict[str, str] | None = None, pp: tuple[int, int] = (1, 0),
+    states: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """What stock vLLM 0.33.0 holds, on TP rank ``rank`` of ``tp_size``, for every AWQ/GPTQ
     Marlin linear layer of the checkpoint in ``model_dir``, after
@@ -603,6 +607,8 @@ def reference_rank_tensors(
     the layer, :func:`_choose_on_hopper`); then every parameter a Machete layer keeps is returned (its
     ``weight``/``scales``/zero points as Machete leaves them, and what it leaves untouched, e.g. GPTQ's
     ``qzeros`` and ``g_idx``), and ``kernels`` (if a dict) receives each layer's kernel class name.
+
+    ``states`` (if a dict) receives each layer's whole state after post-processing (:func:`layer_state`).
 
     Raises :class:`VllmRefusedError` where vLLM would not use Marlin for a layer or fails.
     """
@@ -639,6 +645,8 @@ def reference_rank_tensors(
                 f"vLLM's process_weights_after_loading fails (tp_size={tp_size}, rank={rank}): "
                 f"{type(e).__name__}: {e}"
             ) from e
+        if states is not None:
+            states.update({name: layer_state(layer) for name, layer in marlin_layers.items()})
         out: dict[str, torch.Tensor] = {}
         for name, layer in marlin_layers.items():
             kernel = _kernel(layer)
@@ -659,3 +667,19 @@ def reference_rank_tensors(
             if getattr(layer, "input_global_scale", None) is not None:  # int8 activations only
                 raise RuntimeError(f"{name}: unexpected input_global_scale")
         return out
+
+
+def layer_state(layer: torch.nn.Module) -> dict[str, Any]:
+    """Everything post-processing leaves on a quantized layer, for an attribute-for-attribute comparison: each
+    registered parameter (class, dtype, shape, whether vLLM retired it, a CPU copy of its data), the plain attributes
+    it sets (``input_global_scale``), and the kernel's parameter names and Python-side state (a workspace)."""
+    kernel = _kernel(layer)
+    params = {
+        n: {"class": type(t).__name__, "dtype": t.dtype, "shape": tuple(t.shape), "retired": bool(getattr(t, "retired", False)),
+            "data": t.data.detach().cpu().clone()}
+        for n, t in layer._parameters.items() if t is not None
+    }
+    plain = {n: layer.__dict__[n] for n in ("input_global_scale",) if n in layer.__dict__}
+    names = {a: getattr(kernel, a, None) for a in ("w_q_name", "w_s_name", "w_zp_name", "w_gidx_name")}
+    return {"params": params, "plain": plain, "kernel": type(kernel).__name__, "names": names,
+            "workspace": getattr(kernel, "workspace", None) is not None}

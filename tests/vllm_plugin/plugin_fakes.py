@@ -52,7 +52,28 @@ def quant_method(kind: str, kernel: Any) -> Any:
     cls = AutoAWQMarlinLinearMethod if kind == "awq" else AutoGPTQLinearMethod
     method = cls.__new__(cls)
     method.kernel = kernel
+    method.use_batch_invariant = False  # read by GPTQ's post-processing from vLLM 0.34.0
     return method
+
+
+def running_release() -> Any:
+    """The installed vLLM's entry in marlin-pack's release table."""
+    from marlin_pack.vllm_plugin import releases
+    from marlin_pack.vllm_plugin.version_guard import vllm_version
+
+    entry = releases.release(vllm_version())
+    assert entry is not None, f"vLLM {vllm_version()} is not a release marlin-pack supports"
+    return entry
+
+
+def assert_empty_zero_points(layer: nn.Module, method: Any) -> None:
+    """The kernel's zero-point parameter is Marlin's empty int32[0] on the weights' device (``qzeros`` up to vLLM 0.33,
+    ``w_zp`` from 0.34, where an unused loaded ``qzeros`` is retired instead); no ``input_global_scale`` but None."""
+    zp = getattr(layer, method.kernel.w_zp_name)
+    assert isinstance(zp, nn.Parameter) and zp.numel() == 0 and zp.dtype == torch.int32 and zp.device == layer.qweight.device
+    if running_release().finish == "w_zp":
+        assert method.kernel.w_zp_name == "w_zp" and getattr(layer.qzeros, "retired", False)
+    assert getattr(layer, "input_global_scale", None) is None
 
 
 def marlin_method(kind: str, config: Any) -> Any:

@@ -56,7 +56,7 @@ def test_moe_ranks_are_vllms_parallel_config(monkeypatch: pytest.MonkeyPatch) ->
             monkeypatch.setattr(moe_config, "get_dp_group", lambda r=dp_rank: SimpleNamespace(rank_in_group=r))
             monkeypatch.setattr(moe_config, "get_pcp_group", lambda r=pcp_rank: SimpleNamespace(rank_in_group=r))
             monkeypatch.setattr(moe_config, "get_tensor_model_parallel_rank", lambda r=tp_rank: r)
-            vllm_config = SimpleNamespace(enable_expert_parallel=ep, all2all_backend=_AG_RS, enable_eplb=False)
+            vllm_config = SimpleNamespace(enable_expert_parallel=ep, all2all_backend=_AG_RS, enable_eplb=False, mori_ep_v2=False)
             c = FusedMoEParallelConfig.make(tp_size_=tp, pcp_size_=pcp, dp_size_=dp, sp_size_=1, vllm_parallel_config=vllm_config)
             want = (c.tp_size, c.tp_rank, c.ep_size, c.ep_rank) if c.use_ep else (c.tp_size, c.tp_rank, 1, 0)
             got = moe_ranks(tp, tp_rank, dp, dp_rank, ep, pcp, pcp_rank)

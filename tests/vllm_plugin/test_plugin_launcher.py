@@ -155,5 +155,6 @@ def test_run_refuses_when_marlin_pack_cannot_register(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(plugin, "register", lambda: None)
     monkeypatch.setattr(plugin, "is_registered", lambda: False)
-    with pytest.raises(MarlinPackError, match=r"could not register the marlin_prepacked load format .* vLLM 0\.33\.0"):
+    expected = r"could not register the marlin_prepacked load format .* is one of vLLM 0\.34\.0, 0\.33\.0 installed"
+    with pytest.raises(MarlinPackError, match=expected):
         run(["preload", "--model", "/m"])

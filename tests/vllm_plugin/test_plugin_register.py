@@ -94,14 +94,15 @@ logging.getLogger("vllm.marlin_pack").addHandler(Record())
 
 out = {"before": plugin.is_registered()}
 real = vllm.__version__
-vllm.__version__ = "0.34.0+cu130"  # another release: register() patches and registers nothing
+vllm.__version__ = "0.35.0+cu130"  # a release not served: register() patches nothing, its load format refuses
 plugin.register()
 plugin.register()
 out["other"] = {
     "registered": plugin.is_registered(),
     "patched": patches.installed(),
     "format": "marlin_prepacked" in formats,
-    "warnings": [m for m in messages if "targets vLLM" in m],
+    "warnings": [m for m in messages if "not a release" in m],
+    "loader": formats.get("marlin_prepacked").__name__ if "marlin_prepacked" in formats else None,
 }
 vllm.__version__ = real
 
@@ -118,7 +119,7 @@ print("FRESH " + json.dumps(out), flush=True)
 @pytest.mark.slow
 def test_vllm_plugin_machinery_calls_register_and_the_version_guard_holds() -> None:
     """vLLM's plugin loading calls register(), which registers the loader and installs the
-    patches; on another vLLM release it only warns, once."""
+    patches; on a release marlin-pack does not serve it warns once, patches nothing and registers the refusing loader."""
     r = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=300, cwd=ROOT)
     line = next((x for x in r.stdout.splitlines() if x.startswith("FRESH ")), None)
     assert line is not None, (r.stdout + r.stderr)[-4000:]
@@ -127,8 +128,9 @@ def test_vllm_plugin_machinery_calls_register_and_the_version_guard_holds() -> N
     assert out["other"] == {
         "registered": False,
         "patched": [],
-        "format": False,
-        "warnings": ["marlin-pack targets vLLM 0.33.0, found 0.34.0: nothing patched, nothing registered"],
+        "format": True,
+        "warnings": ["marlin-pack: vLLM 0.35.0 is not a release marlin-pack supports (supported: 0.34.0, 0.33.0); nothing patched"],
+        "loader": "UnservedReleaseLoader",
     }
     assert out["loaded"] == {"marlin_pack": True}
     assert out["target"]["registered"] and out["target"]["format"] and out["target"]["patched"] > 0

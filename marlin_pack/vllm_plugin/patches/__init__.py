@@ -1,4 +1,4 @@
-"""Every patch marlin-pack applies to vLLM 0.33.0, in one registry, grouped by purpose.
+"""Every patch marlin-pack applies to vLLM, in one registry, grouped by purpose (each row says the releases it applies to).
 
 What is patched, why (``correctness``, ``weight_cache``, ``speed``) and which upstream change retires
 each patch is data, in :mod:`.catalog`; the modules below build the replacements of their rows:
@@ -16,7 +16,7 @@ each patch is data, in :mod:`.catalog`; the modules below build the replacements
   starts the helpers that page-lock its bundle), ``construct`` (vLLM's per-layer bookkeeping while it builds
   a model), ``cache_key`` (the weight-cache key's checkpoint fingerprint).
 
-``registry``: install (version guarded, idempotent) and uninstall. Importing this package imports neither
+``registry``: install (only on a release marlin-pack serves, idempotent) and uninstall. Importing this package imports neither
 vLLM nor torch (``marlin-pack env`` lists :data:`.catalog.ROWS` through it); :data:`PATCHES` imports the
 patch modules when first read, :func:`install` imports the patched vLLM modules.
 """
@@ -26,11 +26,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from marlin_pack._constants import TARGET_VLLM_VERSION
 from marlin_pack.vllm_plugin.patches import catalog
 from marlin_pack.vllm_plugin.patches.registry import PURPOSES, Patch, installed, uninstall_all
 
-__all__ = ["PATCHES", "PURPOSES", "Patch", "install", "installed", "uninstall_all"]
+__all__ = ["PATCHES", "PURPOSES", "Patch", "for_release", "install", "installed", "uninstall_all"]
 
 _LOADED: list[tuple[Patch, ...]] = []
 
@@ -54,11 +53,21 @@ def __getattr__(name: str) -> Any:
 
 
 def install() -> bool:
-    """Install every patch (idempotent) if vLLM is exactly the targeted release; else log once.
+    """Install every patch whose catalog row applies to the running vLLM release (idempotent), if marlin-pack serves
+    that release (:mod:`..releases`); else log once and install nothing.
 
     Imports the patched vLLM modules (the daemon's and the GPU worker's only when vLLM imports them).
     """
+    from marlin_pack.vllm_plugin import releases
     from marlin_pack.vllm_plugin.patches import registry
     from marlin_pack.vllm_plugin.version_guard import vllm_version
 
-    return registry.install_all(_patches(), running=vllm_version(), targeted=TARGET_VLLM_VERSION)
+    running = vllm_version()
+    if releases.release(running) is None:
+        return registry.install_all((), running=running, served=False, reason=releases.unsupported_reason(running))
+    return registry.install_all(for_release(running), running=running, served=True)
+
+
+def for_release(version: str) -> tuple[Patch, ...]:
+    """The patches whose catalog rows apply to the release ``version``, in catalog order."""
+    return tuple(p for p, row in zip(_patches(), catalog.ROWS, strict=True) if row.applies_to(version))

@@ -1,4 +1,5 @@
-"""Every patch marlin-pack applies to vLLM 0.33.0, as data: purpose, target, the upstream change that retires it.
+"""Every patch marlin-pack applies to vLLM, as data: purpose, target, the upstream change that retires it, the releases
+it applies to (``first``..``last``; see :mod:`marlin_pack.vllm_plugin.releases`).
 
 One list read by both the patch modules of this package (each adds the replacement of its own rows:
 :func:`patches`) and the plain listing ``marlin-pack env`` prints (:func:`marlin_pack.patch_list.patch_rows`,
@@ -17,7 +18,10 @@ which must not import vLLM or torch: importing this module imports neither). Gro
   in weight-cache processes only (under ``weights_already_processed()``, in the daemon and the IPC loader).
 * ``speed``: nothing but a faster start; inert outside marlin-pack's paths (:mod:`.scope`).
 
-Each ``remove_when`` names the upstream vLLM change after which the patch can go.
+Each ``remove_when`` names the upstream vLLM change after which the patch can go; once a release ships it, the row's
+``last`` is the release before. vLLM 0.34.0 ships the dense AWQ/GPTQ ``supports_pre_processed_weights`` and
+pre-processed branch for MarlinLinearKernel only: the rows stay on 0.34.0, which they extend to MacheteLinearKernel
+(and to the layers the loader marks).
 """
 
 from __future__ import annotations
@@ -55,6 +59,15 @@ class Row:
     remove_when: str
     provider: str  # the module of this package that builds the replacement (``make``)
     deferred: bool = False  # applied when vLLM first imports the target's module (see registry)
+    # The releases it applies to, oldest and newest (None: open), as data; releases.applies() resolves them.
+    first: str | None = None
+    last: str | None = None
+
+    def applies_to(self, version: str) -> bool:
+        """Whether this row is installed on the vLLM release ``version`` (one of :data:`~..releases.RELEASES`)."""
+        from marlin_pack.vllm_plugin import releases
+
+        return releases.applies(version, self.first, self.last)
 
 
 _QUANT = "vllm.model_executor.layers.quantization"
@@ -144,7 +157,8 @@ ROWS: tuple[Row, ...] = (
             WEIGHT_CACHE,
             f"{m}.supports_pre_processed_weights",
             f"{_cls(m)} declares supports_pre_processed_weights when MarlinLinearKernel serves it with fp16/bf16 "
-            "activations" + (" (for the CompressedTensorsWNA16 scheme of its layer)" if m == QUANT_METHODS[2] else ""),
+            "activations" + (" (for the CompressedTensorsWNA16 scheme of its layer)" if m == QUANT_METHODS[2] else
+                             " and when MacheteLinearKernel does (vLLM 0.34.0 declares it for Marlin only)"),
             "post_processing",
         )
         for m in QUANT_METHODS
@@ -170,6 +184,7 @@ ROWS: tuple[Row, ...] = (
         f"{_PROTOCOL}:WeightCacheKey.from_model_config",
         f"{_AUTO_MARLIN} (then nothing is forced, and daemon and engine keys match unaided)",
         "weight_cache",
+        first="0.33.0",  # the key takes kernel_config from 0.33.0 (0.30-0.32: TypeError)
     ),
     *(
         Row(

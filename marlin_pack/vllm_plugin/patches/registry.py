@@ -2,8 +2,8 @@
 
 A :class:`Patch` names its target (``"module:Class.attribute"`` or ``"module:function"``),
 how to build the replacement from the original, its purpose (:data:`PURPOSES`) and the
-upstream change that makes it unnecessary. :func:`install_all` installs patches only on the
-exact vLLM release the bundle format targets; :func:`uninstall_all` restores every original.
+upstream change that makes it unnecessary. :func:`install_all` installs patches only on a
+vLLM release marlin-pack serves (the caller picks the patches of that release); :func:`uninstall_all` restores every original.
 Which patches exist, with their purposes and exits, is data (:mod:`.catalog`).
 
 A patch whose module vLLM imports only on some paths (``deferred=True``) is not imported by
@@ -126,21 +126,22 @@ class _DeferredPatchHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install_all(patches: Sequence[Patch], *, running: str, targeted: str) -> bool:
-    """Install ``patches`` (idempotent) if ``running`` is exactly ``targeted``.
+def install_all(patches: Sequence[Patch], *, running: str, served: bool, reason: str = "") -> bool:
+    """Install ``patches`` (idempotent) if marlin-pack serves the running vLLM release.
 
     Args:
         running: the running vLLM's version.
-        targeted: the version the patches were written for.
+        served: whether marlin-pack serves it (the caller picked ``patches`` for it).
+        reason: the one line logged (once per process) where it does not.
 
     Returns:
-        Whether the patches are installed; False (after one warning) on another version.
+        Whether the patches are installed; False (after one warning) on a release not served.
     """
-    if running != targeted:
+    if not served:
         if running in _WARNED:
             return False
         _WARNED.add(running)
-        logger.warning("marlin-pack targets vLLM %s, found %s: nothing patched, nothing registered", targeted, running)
+        logger.warning("marlin-pack: %s; nothing patched", reason or f"vLLM {running} is not served")
         return False
     for patch in patches:
         if patch.target in _INSTALLED:

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from marlin_pack.vllm_plugin import daemon_process, preload
@@ -260,8 +261,9 @@ def _ct_kv_cache_post_processing(original: Callable[..., Any]) -> Callable[..., 
     scheme. vLLM 0.33.0's override reads the ``k_scale``/``v_scale``/``q_scale`` placeholders with
     ``.item()``, which in an engine built on ``meta`` and filled from the daemon never received
     data (the daemon consumed and deleted them; it exported the ``_k_scale``... buffers). The
-    base class has the pre-processed branch for exactly this; use it, and drop the zero-point
-    placeholders the override would have dropped.
+    base class has the pre-processed branch for exactly this; use it, and drop the placeholders that never received
+    data (still on ``meta``): up to 0.33 the daemon deleted them all (so did stock post-processing); from 0.34 stock keeps
+    them, the daemon exports them and the engine's hold data, which stays as stock leaves it.
     """
 
     @functools.wraps(original)
@@ -272,8 +274,9 @@ def _ct_kv_cache_post_processing(original: Callable[..., Any]) -> Callable[..., 
         if not is_weights_pre_processed():
             return original(self, layer)
         BaseKVCacheMethod.process_weights_after_loading(self, layer)
-        for name in ("k_zero_point", "v_zero_point", "q_zero_point"):
-            if hasattr(layer, name):
+        for name in ("k_scale", "v_scale", "q_scale", "prob_scale", "k_zero_point", "v_zero_point", "q_zero_point"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and t.is_meta:
                 delattr(layer, name)
         return None
 

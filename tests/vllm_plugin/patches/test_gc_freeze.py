@@ -57,6 +57,7 @@ def test_vllms_worker_load_model_runs_its_model_runner_in_the_scope(patched: Any
         model_runner=SimpleNamespace(load_model=runner_load_model),
         _maybe_get_memory_pool_context=lambda tag: contextlib.nullcontext(),
         _scoped_allocator_max_split=lambda max_split_size_mb: contextlib.nullcontext(),
+        _external_weight_charges=SimpleNamespace(track=contextlib.nullcontext, fallback_bytes=0),  # vLLM 0.34.0
     )
     Worker.load_model(worker, load_dummy_weights=True)  # type: ignore[arg-type]
     assert seen == [(True, ours, config)]

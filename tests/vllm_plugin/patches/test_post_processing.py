@@ -59,8 +59,8 @@ def test_marked_layers_skip_stock_post_processing_once(patched: Any, monkeypatch
     method.kernel.process_weights_after_loading = calls.append
     mark_prepacked(layer)
     method.process_weights_after_loading(layer)
-    assert calls == [] and layer.input_global_scale is None and not is_prepacked(layer)
-    assert isinstance(layer.qzeros, nn.Parameter) and layer.qzeros.numel() == 0 and layer.qzeros.dtype == torch.int32
+    assert calls == [] and not is_prepacked(layer)
+    fakes.assert_empty_zero_points(layer, method)
     method.process_weights_after_loading(layer)  # the mark is one-shot
     assert calls == [layer]
 
@@ -71,7 +71,7 @@ def test_marked_layers_skip_stock_post_processing_once(patched: Any, monkeypatch
     qzeros = awq_layer.qzeros
     mark_prepacked(awq_layer)
     awq_method.process_weights_after_loading(awq_layer)
-    assert awq_layer.input_global_scale is None and awq_layer.qzeros is qzeros
+    assert getattr(awq_layer, "input_global_scale", None) is None and awq_layer.qzeros is qzeros
 
     assert is_patched(AutoGPTQLinearMethod.__new__(AutoGPTQLinearMethod)) and is_patched(method)
     patched.uninstall_all()
@@ -128,9 +128,13 @@ def test_supports_needs_exactly_marlin(patched: Any) -> None:
 
 
 def test_stock_vllm_refuses_pre_processed_awq_gptq() -> None:
-    """Without the patches (what they are for): vLLM refuses AWQ/GPTQ Marlin layers."""
+    """Without the patches (what they are for): vLLM refuses AWQ/GPTQ Marlin layers, up to the release that ships the
+    opt-in itself (0.34.0: Marlin only, so Machete layers are still refused)."""
+    upstream = "dense_pre_processed" in fakes.running_release().upstream
     method = fakes.marlin_method("gptq", fakes.mp_config("uint4b8"))
-    assert method.supports_pre_processed_weights is False
+    assert method.supports_pre_processed_weights is upstream
+    machete = fakes.quant_method("gptq", fakes.fake_kernel(fakes.kernel_cls("Machete"), fakes.mp_config("uint4b8")))
+    assert machete.supports_pre_processed_weights is False
 
 
 def test_vllm_post_processing_refuses_unsupported_layers(patched: Any) -> None:
@@ -180,10 +184,12 @@ def test_pre_processed_mode_only_restores_state(
     with weights_already_processed():
         method.process_weights_after_loading(layer)
     after = dict(layer.named_parameters())
-    assert after.keys() == before.keys()
+    # (0.34.0: Marlin's empty w_zp, which a real cache also shares, is created where this fake one lacks it)
+    added = {"w_zp"} if fakes.running_release().finish == "w_zp" and not config.zero_points else set()
+    assert after.keys() == before.keys() | added
     for name, (t, ptr) in before.items():
         assert after[name] is t and t.data_ptr() == ptr, name  # the shared tensors, untouched
-    assert layer.input_global_scale is None
+    assert getattr(layer, "input_global_scale", None) is None
 
 
 def test_pre_processed_gptq_recreates_missing_empty_qzeros(patched: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,8 +201,7 @@ def test_pre_processed_gptq_recreates_missing_empty_qzeros(patched: Any, monkeyp
     fakes.forbid_stock_post_processing(monkeypatch, method)
     with weights_already_processed():
         method.process_weights_after_loading(layer)
-    assert isinstance(layer.qzeros, nn.Parameter) and layer.qzeros.numel() == 0
-    assert layer.qzeros.dtype == torch.int32 and layer.qzeros.device == layer.qweight.device
+    fakes.assert_empty_zero_points(layer, method)
 
 
 @pytest.mark.parametrize(

@@ -119,24 +119,26 @@ def test_a_patch_needs_a_purpose_and_an_exit() -> None:
 def test_version_guard_reads_the_release(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm
 
-    from marlin_pack.vllm_plugin.version_guard import is_target_vllm, vllm_version
+    from marlin_pack.vllm_plugin import releases
+    from marlin_pack.vllm_plugin.version_guard import vllm_version
 
     monkeypatch.setattr(vllm, "__version__", "0.33.0+cu130")
-    assert vllm_version() == "0.33.0" and is_target_vllm()
+    assert vllm_version() == "0.33.0" and releases.release(vllm_version()) is not None
     monkeypatch.setattr(vllm, "__version__", "0.33.1")
-    assert vllm_version() == "0.33.1" and not is_target_vllm()
+    assert vllm_version() == "0.33.1" and releases.release(vllm_version()) is None
 
 
 def test_install_all_on_another_version_patches_nothing_and_warns_once(marlin_log: list[str]) -> None:
     gptq_pwal = "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQLinearMethod.process_weights_after_loading"
     before = raw(gptq_pwal)
     running = unique_version()
-    assert registry.install_all(PATCHES, running=running, targeted="0.33.0") is False
-    assert registry.install_all(PATCHES, running=running, targeted="0.33.0") is False
+    reason = f"vLLM {running} is not a release marlin-pack supports (supported: 0.34.0, 0.33.0)"
+    assert registry.install_all(PATCHES, running=running, served=False, reason=reason) is False
+    assert registry.install_all(PATCHES, running=running, served=False, reason=reason) is False
     assert registry.installed() == []
+    warnings = [m for m in marlin_log if "not a release marlin-pack supports" in m]
+    assert warnings == [f"marlin-pack: {reason}; nothing patched"]
     assert raw(gptq_pwal) is before and not registry.is_replacement(before)
-    warnings = [m for m in marlin_log if "targets vLLM" in m]
-    assert warnings == [f"marlin-pack targets vLLM 0.33.0, found {running}: nothing patched, nothing registered"]
 
 
 def test_patches_install_follows_the_running_vllm(monkeypatch: pytest.MonkeyPatch, marlin_log: list[str]) -> None:
@@ -149,7 +151,7 @@ def test_patches_install_follows_the_running_vllm(monkeypatch: pytest.MonkeyPatc
     assert patches.install() is False and patches.installed() == []
     monkeypatch.undo()
     assert patches.install() is True and len(patches.installed()) >= 7
-    assert sum("targets vLLM" in m for m in marlin_log) == 1
+    assert sum("is not a release marlin-pack supports" in m for m in marlin_log) == 1
 
 
 # --- install, idempotence, uninstall --------------------------------------------------------
@@ -175,7 +177,8 @@ def test_uninstall_all_restores_the_exact_originals() -> None:
 
     importlib.import_module(DAEMON_MODULE)  # imported: its deferred patches apply at once too
     before = {p.target: raw(p.target) for p in PATCHES}
-    assert "supports_pre_processed_weights" not in vars(AutoGPTQLinearMethod)  # inherited from QuantizeMethodBase
+    # inherited from QuantizeMethodBase before 0.34.0, vLLM's own property (Marlin only) from it
+    stock = vars(AutoGPTQLinearMethod).get("supports_pre_processed_weights", _MISSING)
     from_model_config = vars(WeightCacheKey)["from_model_config"]
     assert isinstance(from_model_config, classmethod)
 
@@ -193,8 +196,7 @@ def test_uninstall_all_restores_the_exact_originals() -> None:
     assert registry.installed() == []
     for target, original in before.items():
         assert raw(target) is original, target
-    assert "supports_pre_processed_weights" not in vars(AutoGPTQLinearMethod)
-    assert AutoGPTQLinearMethod.supports_pre_processed_weights is False
+    assert vars(AutoGPTQLinearMethod).get("supports_pre_processed_weights", _MISSING) is stock
     assert vars(WeightCacheKey)["from_model_config"] is from_model_config
     assert not registry.is_replacement(WeightCacheKey.from_model_config)
     with pytest.raises(KeyError):
@@ -247,7 +249,7 @@ def _patches(name: str) -> list[Patch]:
 def test_deferred_patches_apply_on_first_import(throwaway: Any) -> None:
     name = throwaway()
     meta_path = list(sys.meta_path)
-    assert registry.install_all(_patches(name), running="1", targeted="1")
+    assert registry.install_all(_patches(name), running="1", served=True)
     assert name not in sys.modules  # not imported by install_all
     assert registry.installed() == []
     mod = importlib.import_module(name)
@@ -255,7 +257,7 @@ def test_deferred_patches_apply_on_first_import(throwaway: Any) -> None:
     assert registry.installed() == [f"{name}:greet", f"{name}:Thing.meth"]
     assert registry.is_replacement(mod.greet) and registry.is_replacement(mod.Thing.meth)
     assert registry.original(f"{name}:greet")() == "stock"
-    assert registry.install_all(_patches(name), running="1", targeted="1")  # idempotent
+    assert registry.install_all(_patches(name), running="1", served=True)  # idempotent
     assert mod.greet() == "patched stock"
     registry.uninstall_all()
     assert mod.greet() == "stock" and mod.Thing().meth() == "stock"
@@ -265,13 +267,13 @@ def test_deferred_patches_apply_on_first_import(throwaway: Any) -> None:
 def test_deferred_patches_of_an_imported_module_apply_at_once(throwaway: Any) -> None:
     name = throwaway()
     mod = importlib.import_module(name)
-    assert registry.install_all(_patches(name), running="1", targeted="1")
+    assert registry.install_all(_patches(name), running="1", served=True)
     assert mod.greet() == "patched stock" and registry.installed() == [f"{name}:greet", f"{name}:Thing.meth"]
 
 
 def test_uninstall_all_forgets_pending_patches(throwaway: Any) -> None:
     name = throwaway()
-    assert registry.install_all(_patches(name), running="1", targeted="1")
+    assert registry.install_all(_patches(name), running="1", served=True)
     registry.uninstall_all()
     assert importlib.import_module(name).greet() == "stock"
     assert registry.installed() == []
@@ -281,7 +283,7 @@ def test_a_failing_deferred_patch_is_logged_and_the_import_succeeds(throwaway: A
     name = throwaway()
     broken = Patch(f"{name}:Missing.attr", lambda original: original, remove_when="never (test)", purpose="speed",
                    deferred=True)
-    assert registry.install_all([broken, *_patches(name)], running="1", targeted="1")
+    assert registry.install_all([broken, *_patches(name)], running="1", served=True)
     mod = importlib.import_module(name)
     assert mod.greet() == "patched stock"
     assert f"marlin-pack: could not patch {name}:Missing.attr" in marlin_log

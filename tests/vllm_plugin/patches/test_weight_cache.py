@@ -267,14 +267,14 @@ def test_daemon_to_engine_round_trip_on_real_layers(patched: Any, make_checkpoin
             process_weights_after_loading(engine, model_config, torch.device("cpu"))
     got = dict(engine.named_parameters())
     shared = dict(daemon.named_parameters())
-    assert got.keys() == shared.keys() == reference.keys()
+    assert got.keys() == shared.keys() and set(reference) <= set(got)  # (0.34.0 also keeps GPTQ's retired qzeros)
     for name, want in reference.items():
         assert not got[name].is_meta, name
         assert got[name].data_ptr() == shared[name].data_ptr(), name  # the same memory, not a copy
         assert got[name].dtype == want.dtype and torch.equal(got[name].detach(), want), name
     for module in engine.modules():
         if hasattr(module, "quant_method"):
-            assert module.input_global_scale is None
+            assert getattr(module, "input_global_scale", None) is None
 
 
 # --- spawned daemon processes ---------------------------------------------------------------
@@ -297,6 +297,7 @@ class Probe:
         from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 
         from marlin_pack.vllm_plugin import is_registered
+        from marlin_pack.vllm_plugin.patches.registry import is_replacement
 
         self.queue.put(
             {
@@ -304,7 +305,8 @@ class Probe:
                 "pid": os.getpid(),
                 "registered": "marlin_prepacked" in _LOAD_FORMAT_TO_MODEL_LOADER,
                 "plugin_registered": is_registered(),
-                "quant_patch": isinstance(AutoGPTQLinearMethod.__dict__.get("supports_pre_processed_weights"), property),
+                # marlin-pack's opt-in (vLLM 0.34.0 has a property of its own there)
+                "quant_patch": is_replacement(AutoGPTQLinearMethod.__dict__.get("supports_pre_processed_weights")),
                 "general_plugins_loaded": vllm.plugins.plugins_loaded,
             }
         )

@@ -73,5 +73,5 @@ def test_patched_method_is_unchanged_outside_the_weight_cache() -> None:
     stock, ours = _attention_like("cpu"), _attention_like("cpu")
     stock_fn(_method(), stock)  # vLLM's own path: placeholders copied, then dropped
     patch.make(stock_fn)(_method(), ours)
-    assert ours._k_scale_float == 1.0 and not hasattr(ours, "k_zero_point")
+    assert ours._k_scale_float == 1.0  # (0.33 drops the placeholders, 0.34 keeps them: as stock, either way)
     assert _state(ours) == _state(stock)

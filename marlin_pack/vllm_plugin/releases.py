@@ -1,0 +1,134 @@
+"""The vLLM releases marlin-pack serves, newest first: what differs between them, as data.
+
+One entry per release. What a bundle holds does not differ (the post-processed bytes of Marlin dense, Machete
+dense, Marlin MoE and compressed-tensors WNA16 are the same from 0.30.0 to 0.34.0, see docs/development.md);
+what differs is the plugin's surface, read from each release's code:
+
+* ``layouts``: the bundle layouts the release serves, by layer family (``marlin``, ``machete``, ``marlin_moe``)
+  -> layout version. A bundle is accepted when the running release lists the layout of every family it holds
+  (:func:`serves`), whatever release it was made with; a layout version is bumped only when bytes change.
+* ``finish``: what ``MarlinLinearKernel``'s post-processing leaves on a layer besides its tensors, so what
+  finishing a layer whose tensors arrived final sets: ``workspace`` (0.30: ``kernel.workspace``, read by
+  ``apply_weights``), ``empty_qzeros`` (0.31-0.33: an unused zero-point parameter becomes ``int32[0]``),
+  ``w_zp`` (0.34: an unused ``qzeros`` is retired, its data kept, and an empty ``w_zp`` is the kernel's).
+* ``env``: the vLLM environment variables the plugin reads that the release still has.
+* ``memory_hook``: vLLM's GPU worker calls ``BaseModelLoader.get_external_weight_memory`` (the loader waits there
+  for its copy helpers).
+* ``cache_key``: ``WeightCacheKey.from_model_config`` takes ``kernel_config`` (``kernel_config``) or not (``plain``).
+* ``daemon``: how weight-cache daemons start: ``module`` (0.30: ``python -m ...weight_cache.daemon``) or
+  ``preload`` (``vllm preload``, with ``WeightCacheDaemon.get_model`` and ``get_draft_daemon_config``).
+* ``upstream``: what marlin-pack patches in that the release ships itself: ``dense_pre_processed`` (0.34: the dense
+  AWQ/GPTQ methods declare ``supports_pre_processed_weights`` and have a pre-processed branch, for MarlinLinearKernel
+  only, so marlin-pack's rows stay: they also cover Machete, compressed-tensors and MoE), ``kernel_format_reload``
+  (0.34: ``reload_weights(is_checkpoint_format=False)`` post-processes under ``weights_already_processed()``).
+* ``ready``: the plugin's adapter for the release is done and its oracles pass. A release listed but not ready is
+  refused like an unknown one; its entry is data for the adapter to come.
+
+Patches carry the releases they apply to in :mod:`.patches.catalog` (``Row.first``/``Row.last``), resolved here
+(:func:`applies`). This module is the only place that orders or compares release strings; importing it imports
+neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from marlin_pack._constants import LAYOUT_VERSION, MADE_WITH_VLLM
+
+__all__ = [
+    "Release",
+    "RELEASES",
+    "MADE_WITH",
+    "release",
+    "supported",
+    "supported_text",
+    "unsupported_reason",
+    "applies",
+    "serves",
+]
+
+FAMILIES = ("marlin", "machete", "marlin_moe")
+_LAYOUTS_V1: Mapping[str, int] = MappingProxyType({f: LAYOUT_VERSION for f in FAMILIES})
+
+
+@dataclass(frozen=True)
+class Release:
+    """What marlin-pack's plugin needs to know about one vLLM release (see the module docstring)."""
+
+    version: str
+    finish: Literal["workspace", "empty_qzeros", "w_zp"]
+    memory_hook: bool
+    cache_key: Literal["plain", "kernel_config"]
+    daemon: Literal["module", "preload"]
+    ready: bool
+    env: frozenset[str] = frozenset()
+    upstream: frozenset[str] = frozenset()
+    layouts: Mapping[str, int] = field(default_factory=lambda: _LAYOUTS_V1)
+
+    def has_env(self, name: str) -> bool:
+        """Whether this release still reads the environment variable ``name``."""
+        return name in self.env
+
+
+_MARLIN_INPUT = frozenset({"VLLM_MARLIN_INPUT_DTYPE"})
+
+# Newest first. Each fact was read from the release's wheel (vllm/**/*.py).
+RELEASES: tuple[Release, ...] = (
+    Release("0.34.0", finish="w_zp", memory_hook=True, cache_key="kernel_config", daemon="preload", ready=True,
+            upstream=frozenset({"dense_pre_processed", "kernel_format_reload"})),
+    Release("0.33.0", finish="empty_qzeros", memory_hook=True, cache_key="kernel_config", daemon="preload", ready=True,
+            env=_MARLIN_INPUT),
+    Release("0.32.0", finish="empty_qzeros", memory_hook=True, cache_key="plain", daemon="preload", ready=False,
+            env=_MARLIN_INPUT),
+    Release("0.31.0", finish="empty_qzeros", memory_hook=False, cache_key="plain", daemon="preload", ready=False,
+            env=_MARLIN_INPUT),
+    Release("0.30.0", finish="workspace", memory_hook=False, cache_key="plain", daemon="module", ready=False,
+            env=_MARLIN_INPUT),
+)
+
+# The release written into a manifest as ``target.vllm_version`` ("made with"): the one whose post-processing the
+# converter's layout functions were first checked against. Only recorded; acceptance is by layout (:func:`serves`).
+MADE_WITH = MADE_WITH_VLLM
+
+_BY_VERSION = {r.version: r for r in RELEASES}
+_ORDER = {r.version: i for i, r in enumerate(RELEASES)}  # 0: newest
+
+
+def release(version: str) -> Release | None:
+    """The entry of ``version`` (a local build suffix such as ``+cu130`` ignored) if marlin-pack serves it."""
+    entry = _BY_VERSION.get(version.split("+", 1)[0])
+    return entry if entry is not None and entry.ready else None
+
+
+def supported() -> tuple[str, ...]:
+    """The releases served, newest first."""
+    return tuple(r.version for r in RELEASES if r.ready)
+
+
+def supported_text() -> str:
+    """``0.34.0, 0.33.0``: the releases served, for messages."""
+    return ", ".join(supported())
+
+
+def unsupported_reason(version: str) -> str:
+    """The one line said where ``version`` is not served."""
+    return f"vLLM {version} is not a release marlin-pack supports (supported: {supported_text()})"
+
+
+def applies(version: str, first: str | None, last: str | None) -> bool:
+    """Whether a patch row listed for ``first``..``last`` (either None: open) applies to the release ``version``.
+
+    Raises:
+        KeyError: ``version``, ``first`` or ``last`` is not in :data:`RELEASES`.
+    """
+    at = _ORDER[version.split("+", 1)[0]]
+    return (first is None or at <= _ORDER[first]) and (last is None or at >= _ORDER[last])
+
+
+def serves(version: str, layouts: Mapping[str, int]) -> bool:
+    """Whether the release ``version`` serves a bundle holding ``layouts`` (family -> layout version)."""
+    entry = release(version)
+    return entry is not None and all(entry.layouts.get(f) == v for f, v in layouts.items())

@@ -1,0 +1,110 @@
+"""``vllm_plugin.releases``: the table of vLLM releases served, and the decisions read from it (pure, no vLLM)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from marlin_pack.bundle.reader import read_manifest
+from marlin_pack.errors import BundleMismatchError, LoadRefusedError
+from marlin_pack.vllm_plugin import releases
+from marlin_pack.vllm_plugin.decision import EngineFacts, bundle_layouts, check_engine, decide
+from marlin_pack.vllm_plugin.options import LoaderOptions
+from marlin_pack.vllm_plugin.patches import catalog
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_table_lists_releases_newest_first_with_what_differs() -> None:
+    assert [r.version for r in releases.RELEASES] == ["0.34.0", "0.33.0", "0.32.0", "0.31.0", "0.30.0"]
+    by = {r.version: r for r in releases.RELEASES}
+    assert [by[v].finish for v in ("0.34.0", "0.33.0", "0.32.0", "0.31.0", "0.30.0")] == [
+        "w_zp", "empty_qzeros", "empty_qzeros", "empty_qzeros", "workspace"]
+    assert not by["0.34.0"].has_env("VLLM_MARLIN_INPUT_DTYPE") and by["0.33.0"].has_env("VLLM_MARLIN_INPUT_DTYPE")
+    assert [v for v, r in by.items() if r.memory_hook] == ["0.34.0", "0.33.0", "0.32.0"]
+    assert [v for v, r in by.items() if r.cache_key == "kernel_config"] == ["0.34.0", "0.33.0"]
+    assert [v for v, r in by.items() if r.daemon == "module"] == ["0.30.0"]
+    assert all(dict(r.layouts) == {"marlin": 1, "machete": 1, "marlin_moe": 1} for r in releases.RELEASES)
+
+
+def test_supported_releases_and_the_one_line_for_others() -> None:
+    assert releases.supported() == ("0.34.0", "0.33.0")
+    assert releases.release("0.34.0+cu130") is releases.RELEASES[0]
+    assert releases.release("0.35.0") is None and releases.release("0.32.0") is None  # listed, adapter not done
+    assert releases.unsupported_reason("0.35.0") == "vLLM 0.35.0 is not a release marlin-pack supports (supported: 0.34.0, 0.33.0)"
+
+
+def test_patch_rows_apply_to_the_releases_they_list() -> None:
+    assert releases.applies("0.34.0", None, None) and releases.applies("0.30.0", None, None)
+    assert releases.applies("0.33.0", "0.33.0", None) and not releases.applies("0.32.0", "0.33.0", None)
+    assert releases.applies("0.31.0", None, "0.31.0") and not releases.applies("0.32.0", None, "0.31.0")
+    with pytest.raises(KeyError):
+        releases.applies("0.35.0", None, None)
+    key = next(r for r in catalog.ROWS if r.target.endswith("WeightCacheKey.from_model_config"))
+    assert key.applies_to("0.33.0") and key.applies_to("0.34.0") and not key.applies_to("0.32.0")  # kernel_config from 0.33
+    # every row names releases of the table
+    assert all(v is None or v in {r.version for r in releases.RELEASES} for row in catalog.ROWS for v in (row.first, row.last))
+
+
+def test_bundles_are_accepted_by_layout_not_by_the_release_they_were_made_with(awq_bundle: Path) -> None:
+    manifest = read_manifest(awq_bundle / "marlin-pack")
+    assert manifest.target.vllm_version == "0.33.0" and bundle_layouts(manifest) == {"marlin": 1}
+    for version in releases.supported():
+        check_engine(manifest, EngineFacts(model=str(awq_bundle), vllm_version=version, quantization="auto_awq"))
+    assert releases.serves("0.34.0", {"marlin": 1, "machete": 1, "marlin_moe": 1})
+    assert not releases.serves("0.34.0", {"marlin": 2}) and not releases.serves("0.35.0", {"marlin": 1})
+
+
+def test_an_unknown_release_is_refused_in_one_line_or_falls_back(awq_bundle: Path) -> None:
+    facts = EngineFacts(model=str(awq_bundle), vllm_version="0.35.0", quantization="auto_awq")
+    with pytest.raises(LoadRefusedError) as e:
+        decide(LoaderOptions(), facts)
+    text = str(e.value)
+    assert "\n" not in text and e.value.field == "vllm_version"
+    assert "vLLM 0.35.0 is not a release marlin-pack supports (supported: 0.34.0, 0.33.0)" in text and '"fallback": true' in text
+    fallback = decide(LoaderOptions(fallback=True), facts)
+    assert fallback.fallback and fallback.field == "vllm_version"
+    with pytest.raises(BundleMismatchError, match="not a release"):  # before looking for a bundle
+        decide(LoaderOptions(bundle=awq_bundle / "nowhere"), facts)
+
+
+def test_the_table_imports_neither_vllm_nor_torch() -> None:
+    code = (
+        "import sys\nimport marlin_pack.vllm_plugin.releases, marlin_pack.vllm_plugin.patches.catalog\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')], 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_on_a_release_not_served_the_load_format_refuses_in_one_line_or_loads_ordinarily(
+    monkeypatch: pytest.MonkeyPatch, marlin_log: list[str]
+) -> None:
+    """The loader registered where the running release has no entry: it imports nothing of marlin-pack's vLLM internals,
+    refuses before building anything, and with ``fallback`` hands the whole load to vLLM's DefaultModelLoader."""
+    from types import SimpleNamespace
+
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    import marlin_pack.vllm_plugin.version_guard as guard
+    from marlin_pack.vllm_plugin.unserved import UnservedReleaseLoader
+
+    monkeypatch.setattr(guard, "vllm_version", lambda: "0.35.0")
+    calls: list[str] = []
+    monkeypatch.setattr(DefaultModelLoader, "load_model", lambda self, **kw: calls.append("load") or "model")
+    model_config = SimpleNamespace(model="/models/m")
+    loader = UnservedReleaseLoader(LoadConfig(load_format="marlin_prepacked"))
+    with pytest.raises(LoadRefusedError) as e:
+        loader.load_model(None, model_config)
+    assert str(e.value) == (
+        "marlin-pack cannot serve /models/m: [vllm_version] vLLM 0.35.0 is not a release marlin-pack supports (supported: "
+        "0.34.0, 0.33.0). Install one of them, or pass --model-loader-extra-config '{\"fallback\": true}' to load the "
+        "checkpoint the ordinary way."
+    )
+    assert calls == []
+    loader = UnservedReleaseLoader(LoadConfig(load_format="marlin_prepacked", model_loader_extra_config={"fallback": True}))
+    assert loader.load_model(None, model_config) == "model" and calls == ["load"]
+    assert any("vLLM 0.35.0 is not a release marlin-pack supports" in m and "ordinary way" in m for m in marlin_log)
