@@ -332,6 +332,8 @@ def finish_marlin_layer(quant_method: Any, layer: nn.Module) -> None:
 
     * ``empty_qzeros`` (0.31-0.33): the kernel's zero-point parameter (``qzeros``) becomes that empty parameter, and
       ``input_global_scale = None``;
+    * ``workspace`` (0.30): as ``empty_qzeros``, and the kernel gets its ``workspace`` (``marlin_make_workspace_new``,
+      reusing one it has), which its ``apply_weights`` passes to every Marlin GEMM;
     * ``w_zp`` (0.34): a loaded ``qzeros`` is retired (``retire_parameter``: registered, its data kept, read by no
       kernel), and the empty parameter is ``w_zp``, the kernel's zero-point name from then on; no ``input_global_scale``.
 
@@ -342,8 +344,10 @@ def finish_marlin_layer(quant_method: Any, layer: nn.Module) -> None:
     if finish == "w_zp":
         _finish_w_zp(kernel, layer)
         return
-    if finish != "empty_qzeros":
+    if finish not in ("empty_qzeros", "workspace"):
         raise NotImplementedError(f"marlin-pack cannot finish a Marlin layer as vLLM {vllm_version()} does ({finish})")
+    if finish == "workspace":
+        _finish_workspace(kernel, getattr(layer, kernel.w_q_name).device)
     if kernel.w_zp_name is None:  # as the kernel does: Marlin needs a zero-point parameter
         kernel.w_zp_name = "w_zp"
     if not kernel.config.zero_points:
@@ -371,6 +375,13 @@ def keep_loaded_zero_points(layer: nn.Module, word: int | None) -> None:
         zp.data = torch.full((1,), word, dtype=torch.int32, device=zp.device).expand(zp.shape)
     else:
         zp.data.fill_(word)
+
+
+def _finish_workspace(kernel: Any, device: torch.device) -> None:
+    """vLLM 0.30.0's MarlinLinearKernel: ``self.workspace = marlin_make_workspace_new(device, existing=...)``."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_workspace_new
+
+    kernel.workspace = marlin_make_workspace_new(device, existing=getattr(kernel, "workspace", None))
 
 
 def _is_empty_on(t: Any, device: torch.device) -> bool:

@@ -117,11 +117,19 @@ def run(argv: Sequence[str]) -> None:
 
     from marlin_pack.vllm_plugin import ensure_registered, releases
     from marlin_pack.vllm_plugin.daemon_process import DAEMON_MODULE
+    from marlin_pack.vllm_plugin.version_guard import vllm_version
 
     if not ensure_registered():  # also where register() ran before and its patches were removed
         raise MarlinPackError(
             f"could not register the {LOAD_FORMAT} load format with vLLM (see the log above); "
             f"is one of vLLM {releases.supported_text()} installed?"
+        )
+    entry = releases.release(vllm_version())
+    if entry is not None and not entry.has("vllm_preload"):
+        raise MarlinPackError(
+            f"vLLM {vllm_version()} starts its weight-cache daemon without `vllm preload` (python -m {DAEMON_MODULE}), "
+            f"which marlin-pack does not fill; use vLLM {_preload_releases()} for the daemon, or start the engines "
+            f"with --load-format {LOAD_FORMAT} (as fast from a warm page cache)"
         )
     importlib.import_module(DAEMON_MODULE)  # vllm preload imports it later; the registry patches it on import
 
@@ -135,3 +143,10 @@ def run(argv: Sequence[str]) -> None:
         raise MarlinPackError(f"vllm {argv[0]} failed: {type(e).__name__}: {e}") from e
     finally:
         sys.argv = saved
+
+
+def _preload_releases() -> str:
+    """``0.34.0, 0.33.0, ...``: the supported releases whose daemon starts with ``vllm preload``."""
+    from marlin_pack.vllm_plugin import releases
+
+    return ", ".join(v for v in releases.supported() if releases.release(v).has("vllm_preload"))  # type: ignore[union-attr]

@@ -8,8 +8,9 @@ what differs is the plugin's surface, read from each release's code:
   -> layout version. A bundle is accepted when the running release lists the layout of every family it holds
   (:func:`serves`), whatever release it was made with; a layout version is bumped only when bytes change.
 * ``finish``: what ``MarlinLinearKernel``'s post-processing leaves on a layer besides its tensors, so what
-  finishing a layer whose tensors arrived final sets: ``workspace`` (0.30: ``kernel.workspace``, read by
-  ``apply_weights``), ``empty_qzeros`` (0.31-0.33: an unused zero-point parameter becomes ``int32[0]``),
+  finishing a layer whose tensors arrived final sets: ``workspace`` (0.30: as ``empty_qzeros``, and the kernel's
+  own ``workspace``, which its ``apply_weights`` reads; the Marlin MoE methods' ``layer.workspace`` is read by no
+  kernel), ``empty_qzeros`` (0.31-0.33: an unused zero-point parameter becomes ``int32[0]``),
   ``w_zp`` (0.34: an unused ``qzeros`` is retired, its data kept, and an empty ``w_zp`` is the kernel's).
 * ``env``: the vLLM environment variables the plugin reads that the release still has.
 * ``memory_hook``: vLLM's GPU worker calls ``BaseModelLoader.get_external_weight_memory`` (the loader waits there
@@ -24,14 +25,14 @@ what differs is the plugin's surface, read from each release's code:
 * ``ready``: the plugin's adapter for the release is done and its oracles pass. A release listed but not ready is
   refused like an unknown one; its entry is data for the adapter to come.
 
-Patches carry the releases they apply to in :mod:`.patches.catalog` (``Row.first``/``Row.last``), resolved here
-(:func:`applies`). This module is the only place that orders or compares release strings; importing it imports
+Patches carry the releases they apply to in :mod:`.patches.catalog` (``Row.first``/``Row.last``, or ``Row.needs``: a
+feature of :data:`FEATURES` read from the entries above), resolved here (:func:`applies`). This module is the only place that orders or compares release strings; importing it imports
 neither vLLM nor torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
@@ -72,6 +73,21 @@ class Release:
         """Whether this release still reads the environment variable ``name``."""
         return name in self.env
 
+    def has(self, feature: str) -> bool:
+        """Whether this release has ``feature``, one of :data:`FEATURES` (what a patch row ``needs``).
+
+        Raises:
+            KeyError: ``feature`` is not one of :data:`FEATURES`.
+        """
+        return FEATURES[feature](self)
+
+
+# What a patch row may need of a release (``Row.needs``), each read from the entry's data above.
+FEATURES: Mapping[str, Callable[[Release], bool]] = MappingProxyType({
+    "memory_hook": lambda r: r.memory_hook,             # get_external_weight_memory is called before the snapshot
+    "vllm_preload": lambda r: r.daemon == "preload",     # WeightCacheDaemon.get_model, get_draft_daemon_config
+    "kernel_config_key": lambda r: r.cache_key == "kernel_config",  # WeightCacheKey.from_model_config(kernel_config=)
+})
 
 _MARLIN_INPUT = frozenset({"VLLM_MARLIN_INPUT_DTYPE"})
 
@@ -81,11 +97,11 @@ RELEASES: tuple[Release, ...] = (
             upstream=frozenset({"dense_pre_processed", "kernel_format_reload"})),
     Release("0.33.0", finish="empty_qzeros", memory_hook=True, cache_key="kernel_config", daemon="preload", ready=True,
             env=_MARLIN_INPUT),
-    Release("0.32.0", finish="empty_qzeros", memory_hook=True, cache_key="plain", daemon="preload", ready=False,
+    Release("0.32.0", finish="empty_qzeros", memory_hook=True, cache_key="plain", daemon="preload", ready=True,
             env=_MARLIN_INPUT),
-    Release("0.31.0", finish="empty_qzeros", memory_hook=False, cache_key="plain", daemon="preload", ready=False,
+    Release("0.31.0", finish="empty_qzeros", memory_hook=False, cache_key="plain", daemon="preload", ready=True,
             env=_MARLIN_INPUT),
-    Release("0.30.0", finish="workspace", memory_hook=False, cache_key="plain", daemon="module", ready=False,
+    Release("0.30.0", finish="workspace", memory_hook=False, cache_key="plain", daemon="module", ready=True,
             env=_MARLIN_INPUT),
 )
 
@@ -109,7 +125,7 @@ def supported() -> tuple[str, ...]:
 
 
 def supported_text() -> str:
-    """``0.34.0, 0.33.0``: the releases served, for messages."""
+    """``0.34.0, 0.33.0, ...``: the releases served, newest first, for messages."""
     return ", ".join(supported())
 
 
@@ -118,14 +134,17 @@ def unsupported_reason(version: str) -> str:
     return f"vLLM {version} is not a release marlin-pack supports (supported: {supported_text()})"
 
 
-def applies(version: str, first: str | None, last: str | None) -> bool:
-    """Whether a patch row listed for ``first``..``last`` (either None: open) applies to the release ``version``.
+def applies(version: str, first: str | None, last: str | None, needs: str | None = None) -> bool:
+    """Whether a patch row listed for ``first``..``last`` (either None: open) that ``needs`` a feature of
+    :data:`FEATURES` (None: nothing) applies to the release ``version``.
 
     Raises:
-        KeyError: ``version``, ``first`` or ``last`` is not in :data:`RELEASES`.
+        KeyError: ``version``, ``first`` or ``last`` is not in :data:`RELEASES`, or ``needs`` not in :data:`FEATURES`.
     """
-    at = _ORDER[version.split("+", 1)[0]]
-    return (first is None or at <= _ORDER[first]) and (last is None or at >= _ORDER[last])
+    base = version.split("+", 1)[0]
+    at = _ORDER[base]
+    in_range = (first is None or at <= _ORDER[first]) and (last is None or at >= _ORDER[last])
+    return in_range and (needs is None or _BY_VERSION[base].has(needs))
 
 
 def serves(version: str, layouts: Mapping[str, int]) -> bool:

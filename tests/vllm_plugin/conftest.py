@@ -45,6 +45,16 @@ def patched(registered: None, stock_vllm: None) -> Iterator[ModuleType]:
 
 
 @pytest.fixture
+def weight_cache_scope() -> Iterator[None]:
+    """The process is a weight-cache one for this test: marlin-pack's scope entered, as its patches of the IPC loader's
+    build and of a daemon's fill enter it (outside it, post-processing under weights_already_processed() is vLLM's own)."""
+    from marlin_pack.vllm_plugin.patches import scope
+
+    with scope.in_use():
+        yield
+
+
+@pytest.fixture
 def awq_bundle(make_bundle) -> Path:  # type: ignore[no-untyped-def]
     """The tiny AWQ checkpoint with a float16 bundle for TP 1 and 2 (shared, read-only)."""
     return make_bundle("awq", "tiny", tp_sizes=(1, 2))

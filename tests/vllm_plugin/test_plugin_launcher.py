@@ -155,6 +155,20 @@ def test_run_refuses_when_marlin_pack_cannot_register(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(plugin, "register", lambda: None)
     monkeypatch.setattr(plugin, "is_registered", lambda: False)
-    expected = r"could not register the marlin_prepacked load format .* is one of vLLM 0\.34\.0, 0\.33\.0 installed"
+    expected = r"could not register the marlin_prepacked load format .* is one of vLLM 0\.34\.0, 0\.33\.0, 0\.32\.0, 0\.31\.0, 0\.30\.0 installed"
     with pytest.raises(MarlinPackError, match=expected):
         run(["preload", "--model", "/m"])
+
+
+def test_run_refuses_a_release_whose_daemon_has_no_vllm_preload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.30.0 starts its weight-cache daemon with python -m (no `vllm preload`, no get_model hook): one line."""
+    import marlin_pack.vllm_plugin as plugin
+    import marlin_pack.vllm_plugin.version_guard as guard
+
+    monkeypatch.setattr(plugin, "ensure_registered", lambda: True)
+    monkeypatch.setattr(guard, "vllm_version", lambda: "0.30.0")
+    with pytest.raises(MarlinPackError) as e:
+        run(["preload", "--model", "/m"])
+    text = str(e.value)
+    assert "\n" not in text and "vLLM 0.30.0 starts its weight-cache daemon without `vllm preload`" in text
+    assert "use vLLM 0.34.0, 0.33.0, 0.32.0, 0.31.0 for the daemon" in text and "--load-format marlin_prepacked" in text

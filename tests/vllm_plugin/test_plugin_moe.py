@@ -281,6 +281,7 @@ def test_force_marlin_moe_only_resolves_auto() -> None:
 # --- the weight cache ---------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 @pytest.mark.parametrize("arch,fmt,dtype", [("MixtralForCausalLM", "awq", torch.float16), ("Qwen3MoeForCausalLM", "gptq", torch.bfloat16),
                                             ("DeepseekV2ForCausalLM", "gptq", torch.float16),
                                             ("MixtralForCausalLM", "ct-asym", torch.float16),
@@ -331,6 +332,7 @@ def test_daemon_to_engine_round_trip_moe(moe_bundle: Any, patched: Any, arch: st
         assert layer.w13_weight is getattr(layer, _W13[fmt])
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 @pytest.mark.parametrize("fmt,method", [("awq", "AutoAWQMoEMethod"), ("ct", "CompressedTensorsWNA16MoEMethod")])
 @pytest.mark.parametrize("change", ["backend", "input_dtype", "unpatched"])
 def test_ipc_still_refuses_moe_methods_off_marlin(moe_bundle: Any, stock_vllm: None, registered: None, change: str,

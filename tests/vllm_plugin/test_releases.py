@@ -31,10 +31,21 @@ def test_the_table_lists_releases_newest_first_with_what_differs() -> None:
 
 
 def test_supported_releases_and_the_one_line_for_others() -> None:
-    assert releases.supported() == ("0.34.0", "0.33.0")
+    assert releases.supported() == ("0.34.0", "0.33.0", "0.32.0", "0.31.0", "0.30.0")
     assert releases.release("0.34.0+cu130") is releases.RELEASES[0]
-    assert releases.release("0.35.0") is None and releases.release("0.32.0") is None  # listed, adapter not done
-    assert releases.unsupported_reason("0.35.0") == "vLLM 0.35.0 is not a release marlin-pack supports (supported: 0.34.0, 0.33.0)"
+    assert releases.release("0.35.0") is None and releases.release("0.29.0") is None
+    assert releases.unsupported_reason("0.35.0") == (
+        "vLLM 0.35.0 is not a release marlin-pack supports (supported: 0.34.0, 0.33.0, 0.32.0, 0.31.0, 0.30.0)")
+
+
+def test_a_release_listed_before_its_adapter_is_done_is_refused_like_an_unknown_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    table = tuple(replace(r, ready=False) if r.version == "0.32.0" else r for r in releases.RELEASES)
+    monkeypatch.setattr(releases, "RELEASES", table)
+    monkeypatch.setattr(releases, "_BY_VERSION", {r.version: r for r in table})
+    assert releases.release("0.32.0") is None and "0.32.0" not in releases.supported()
+    assert releases.release("0.31.0") is not None
 
 
 def test_patch_rows_apply_to_the_releases_they_list() -> None:
@@ -45,6 +56,25 @@ def test_patch_rows_apply_to_the_releases_they_list() -> None:
         releases.applies("0.35.0", None, None)
     key = next(r for r in catalog.ROWS if r.target.endswith("WeightCacheKey.from_model_config"))
     assert key.applies_to("0.33.0") and key.applies_to("0.34.0") and not key.applies_to("0.32.0")  # kernel_config from 0.33
+    with pytest.raises(KeyError):
+        releases.applies("0.33.0", None, None, needs="no such feature")
+
+
+@pytest.mark.parametrize(
+    ("suffix", "releases_applied"),
+    [
+        ("WeightCacheKey.from_model_config", ["0.34.0", "0.33.0"]),  # takes kernel_config from 0.33 (TypeError before)
+        ("WeightCacheDaemon.get_model", ["0.34.0", "0.33.0", "0.32.0", "0.31.0"]),  # 0.30: python -m ...daemon
+        ("get_draft_daemon_config", ["0.34.0", "0.33.0", "0.32.0", "0.31.0"]),
+        (":_run_daemon", ["0.34.0", "0.33.0", "0.32.0", "0.31.0"]),
+        ("Worker.init_device", ["0.34.0", "0.33.0", "0.32.0"]),  # the memory hook that counts early helpers: 0.32+
+        ("Worker.initialize_from_config", ["0.34.0", "0.33.0", "0.32.0"]),
+        ("Worker.load_model", ["0.34.0", "0.33.0", "0.32.0", "0.31.0", "0.30.0"]),
+    ],
+)
+def test_rows_that_need_a_feature_apply_where_the_release_has_it(suffix: str, releases_applied: list[str]) -> None:
+    row = next(r for r in catalog.ROWS if r.target.endswith(suffix))
+    assert [r.version for r in releases.RELEASES if row.applies_to(r.version)] == releases_applied
     # every row names releases of the table
     assert all(v is None or v in {r.version for r in releases.RELEASES} for row in catalog.ROWS for v in (row.first, row.last))
 
@@ -64,7 +94,8 @@ def test_an_unknown_release_is_refused_in_one_line_or_falls_back(awq_bundle: Pat
         decide(LoaderOptions(), facts)
     text = str(e.value)
     assert "\n" not in text and e.value.field == "vllm_version"
-    assert "vLLM 0.35.0 is not a release marlin-pack supports (supported: 0.34.0, 0.33.0)" in text and '"fallback": true' in text
+    assert f"vLLM 0.35.0 is not a release marlin-pack supports (supported: {releases.supported_text()})" in text
+    assert '"fallback": true' in text
     fallback = decide(LoaderOptions(fallback=True), facts)
     assert fallback.fallback and fallback.field == "vllm_version"
     with pytest.raises(BundleMismatchError, match="not a release"):  # before looking for a bundle
@@ -101,7 +132,7 @@ def test_on_a_release_not_served_the_load_format_refuses_in_one_line_or_loads_or
         loader.load_model(None, model_config)
     assert str(e.value) == (
         "marlin-pack cannot serve /models/m: [vllm_version] vLLM 0.35.0 is not a release marlin-pack supports (supported: "
-        "0.34.0, 0.33.0). Install one of them, or pass --model-loader-extra-config '{\"fallback\": true}' to load the "
+        "0.34.0, 0.33.0, 0.32.0, 0.31.0, 0.30.0). Install one of them, or pass --model-loader-extra-config '{\"fallback\": true}' to load the "
         "checkpoint the ordinary way."
     )
     assert calls == []

@@ -1,5 +1,5 @@
 """Every patch marlin-pack applies to vLLM, as data: purpose, target, the upstream change that retires it, the releases
-it applies to (``first``..``last``; see :mod:`marlin_pack.vllm_plugin.releases`).
+it applies to (``first``..``last`` and ``needs``; see :mod:`marlin_pack.vllm_plugin.releases`).
 
 One list read by both the patch modules of this package (each adds the replacement of its own rows:
 :func:`patches`) and the plain listing ``marlin-pack env`` prints (:func:`marlin_pack.patch_list.patch_rows`,
@@ -62,12 +62,14 @@ class Row:
     # The releases it applies to, oldest and newest (None: open), as data; releases.applies() resolves them.
     first: str | None = None
     last: str | None = None
+    # A feature of the release it needs (releases.FEATURES: "memory_hook", "vllm_preload", "kernel_config_key").
+    needs: str | None = None
 
     def applies_to(self, version: str) -> bool:
         """Whether this row is installed on the vLLM release ``version`` (one of :data:`~..releases.RELEASES`)."""
         from marlin_pack.vllm_plugin import releases
 
-        return releases.applies(version, self.first, self.last)
+        return releases.applies(version, self.first, self.last, self.needs)
 
 
 _QUANT = "vllm.model_executor.layers.quantization"
@@ -184,7 +186,7 @@ ROWS: tuple[Row, ...] = (
         f"{_PROTOCOL}:WeightCacheKey.from_model_config",
         f"{_AUTO_MARLIN} (then nothing is forced, and daemon and engine keys match unaided)",
         "weight_cache",
-        first="0.33.0",  # the key takes kernel_config from 0.33.0 (0.30-0.32: TypeError)
+        needs="kernel_config_key",  # the key takes kernel_config from 0.33.0 (0.30-0.32: TypeError, no backend fields)
     ),
     *(
         Row(
@@ -201,6 +203,7 @@ ROWS: tuple[Row, ...] = (
         f"{_AUTO_MARLIN}, and vLLM gives the loader a hook after a daemon's fill (to end its early page-locking)",
         "weight_cache",
         deferred=True,  # vLLM imports the daemon module only in `vllm preload` processes
+        needs="vllm_preload",  # 0.30.0's daemon has neither (python -m ...daemon, get_daemon_model)
     ),
     Row(
         WEIGHT_CACHE,
@@ -208,6 +211,7 @@ ROWS: tuple[Row, ...] = (
         "vllm preload page-locks a bundle ahead of its daemons' fill, or gives plugins a hook before it spawns them",
         "weight_cache",
         deferred=True,
+        needs="vllm_preload",
     ),
     Row(
         WEIGHT_CACHE,
@@ -215,6 +219,7 @@ ROWS: tuple[Row, ...] = (
         "vllm preload's spawned daemons call load_general_plugins()",
         "weight_cache",
         deferred=True,
+        needs="vllm_preload",
     ),
     # --- speed: nothing but a faster start, inert outside marlin-pack's paths (scope) ----------------------
     Row(
@@ -225,8 +230,9 @@ ROWS: tuple[Row, ...] = (
         "gc_freeze",
         deferred=True,  # imported by vLLM only in GPU worker processes
     ),
-    Row(SPEED, f"{_WORKER}.init_device", _WORKER_HOOKS, "worker_preload", deferred=True),
-    Row(SPEED, f"{_WORKER}.initialize_from_config", _WORKER_HOOKS, "worker_preload", deferred=True),
+    # The helpers started early are counted in vLLM's memory snapshot only where the loader's memory hook waits for them.
+    Row(SPEED, f"{_WORKER}.init_device", _WORKER_HOOKS, "worker_preload", deferred=True, needs="memory_hook"),
+    Row(SPEED, f"{_WORKER}.initialize_from_config", _WORKER_HOOKS, "worker_preload", deferred=True, needs="memory_hook"),
     Row(SPEED, f"{_GPTQ_UTILS}:deepcopy", f"gptq_utils.get_linear_quant_method {_NO_DEEP_COPY}", "construct"),
     Row(SPEED, f"{AUTO_GPTQ}:deepcopy", f"auto_gptq.get_moe_quant_method {_NO_DEEP_COPY}", "construct"),
     Row(

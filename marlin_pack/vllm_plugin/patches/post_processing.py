@@ -15,11 +15,12 @@ order:
 besides the transformed tensors. The mark is one-shot: a later reload of checkpoint-format
 weights into the same layer is post-processed normally. ``apply()`` is never touched.
 
-Inert outside marlin-pack's paths: only the loader marks layers, and only vLLM's IPC loader
-post-processes under ``weights_already_processed()`` (an ``ipc_cache`` engine); any other layer gets
-vLLM's own post-processing, called with the same arguments. vLLM reads
-``supports_pre_processed_weights`` only in the weight cache's checks (``check_ipc_quant_support``, and
-``process_weights_after_loading`` under ``weights_already_processed()``). Purposes: the post-processing
+Inert outside marlin-pack's paths: only the loader marks layers, and the weight cache's final tensors are taken
+only inside marlin-pack's scope (:func:`.scope.pre_processed_here`: an ``ipc_cache`` engine's build, a daemon's
+fill); any other layer gets vLLM's own post-processing, called with the same arguments, and
+``supports_pre_processed_weights`` is the release's own value outside that scope (vLLM 0.34's
+``reload_weights(is_checkpoint_format=False)`` post-processes under ``weights_already_processed()`` in any engine:
+there a Machete or compressed-tensors layer is refused as without the plugin). Purposes: the post-processing
 is ``correctness``, the opt-in ``weight_cache`` (:mod:`.catalog`).
 """
 
@@ -31,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from marlin_pack.vllm_plugin.patches import catalog
+from marlin_pack.vllm_plugin.patches import catalog, scope
 from marlin_pack.vllm_plugin.patches.registry import is_replacement
 from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
@@ -98,14 +99,12 @@ def supports_pre_processed(quant_method: Any, layer: nn.Module | None = None) ->
 def _process_weights_after_loading(original: Callable[[Any, nn.Module], None]) -> Callable[[Any, nn.Module], None]:
     @functools.wraps(original)
     def process_weights_after_loading(self: Any, layer: nn.Module) -> None:
-        from vllm.model_executor.utils import is_weights_pre_processed
-
         from marlin_pack.vllm_plugin.engine import check_layout, finish_layer
 
         if take_prepacked_mark(layer):
             finish_layer(self, layer)
             materialize_stubs(layer)  # stub placeholders the bundle did not replace and finishing kept
-        elif is_weights_pre_processed():
+        elif scope.pre_processed_here():
             if not supports_pre_processed(self, layer):  # vLLM checks the flag first; keep the promise anyway
                 raise RuntimeError(f"{type(getattr(self, 'kernel', None)).__name__} cannot use pre-processed weights")
             check_layout(self, layer)
@@ -116,15 +115,11 @@ def _process_weights_after_loading(original: Callable[[Any, nn.Module], None]) -
     return process_weights_after_loading
 
 
-_SUPPORTS = property(
-    supports_pre_processed, doc="marlin-pack: True when served by MarlinLinearKernel or MacheteLinearKernel with fp16/bf16 activations."
-)
-
-
 PATCHES = catalog.patches(
     __name__,
     {
         **{f"{target}.process_weights_after_loading": _process_weights_after_loading for target in QUANT_METHODS},
-        **{f"{target}.supports_pre_processed_weights": lambda _original: _SUPPORTS for target in QUANT_METHODS},
+        **{f"{target}.supports_pre_processed_weights": functools.partial(scope.supports_in_scope, supports_pre_processed)
+           for target in QUANT_METHODS},
     },
 )

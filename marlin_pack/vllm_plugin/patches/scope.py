@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from marlin_pack._constants import LOAD_FORMAT
 
-__all__ = ["LOAD_FORMATS", "active", "in_use", "uses_marlin_pack"]
+__all__ = ["LOAD_FORMATS", "active", "in_use", "pre_processed_here", "supports_in_scope", "uses_marlin_pack"]
 
 # The load formats whose engines are marlin-pack's path (ipc_cache: marlin-pack makes it usable for AWQ/GPTQ).
 LOAD_FORMATS = frozenset({LOAD_FORMAT, "ipc_cache"})
@@ -68,3 +68,30 @@ def uses_marlin_pack(vllm_config: Any) -> bool:
     :data:`LOAD_FORMATS`; False for None or a config without a load config."""
     load_config = getattr(vllm_config, "load_config", None)
     return str(getattr(load_config, "load_format", "")) in LOAD_FORMATS
+
+
+def pre_processed_here() -> bool:
+    """Whether final tensors are being post-processed for marlin-pack's weight-cache path: under vLLM's
+    ``weights_already_processed()`` *and* inside :func:`in_use` (an ``ipc_cache`` engine's build, a daemon's fill).
+
+    Elsewhere vLLM's own branch runs: from 0.34 ``reload_weights(is_checkpoint_format=False)`` post-processes under
+    ``weights_already_processed()`` in any engine, and there every quant method behaves as without the plugin.
+    """
+    from vllm.model_executor.utils import is_weights_pre_processed
+
+    return active() and bool(is_weights_pre_processed())
+
+
+def supports_in_scope(ours: Callable[[Any], bool], original: Any) -> property:
+    """A ``supports_pre_processed_weights`` property: ``ours`` inside :func:`in_use` (the weight cache's checks in an
+    ``ipc_cache`` engine or a daemon), the release's own value elsewhere (``original``: the class's own property or
+    value, None where it inherits ``QuantizeMethodBase``'s ``False``)."""
+
+    def fget(self: Any) -> bool:
+        if active():
+            return ours(self)
+        if isinstance(original, property):
+            return bool(original.fget(self))  # type: ignore[misc]
+        return bool(original) if original is not None else False
+
+    return property(fget, doc=f"marlin-pack: {ours.__doc__ or ours.__name__} (inside marlin-pack's scope); vLLM's own elsewhere.")

@@ -269,9 +269,8 @@ def _ct_kv_cache_post_processing(original: Callable[..., Any]) -> Callable[..., 
     @functools.wraps(original)
     def process_weights_after_loading(self: Any, layer: nn.Module) -> None:
         from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
-        from vllm.model_executor.utils import is_weights_pre_processed
 
-        if not is_weights_pre_processed():
+        if not scope.pre_processed_here():  # elsewhere (0.34's kernel-format reload too) as without the plugin
             return original(self, layer)
         BaseKVCacheMethod.process_weights_after_loading(self, layer)
         for name in ("k_scale", "v_scale", "q_scale", "prob_scale", "k_zero_point", "v_zero_point", "q_zero_point"):

@@ -284,7 +284,8 @@ def test_vllm_reads_the_opt_in_and_enters_pre_processed_mode_only_in_the_weight_
     assert check_callers <= {f"model_executor/model_loader/weight_cache/{m}.py" for m in ("protocol", "daemon", "ipc_loader")}
     entered = {f for f, text in sources.items() if re.search(r"(?<!def )\bweights_already_processed\(\)", text)}
     # vLLM 0.34.0 also enters it where an engine reloads kernel-format weights (reload_weights(is_checkpoint_format=False)):
-    # there the opt-in lets Machete / compressed-tensors / MoE layers finish where stock 0.34.0 raises (Marlin only)
+    # outside marlin-pack's scope the opt-in and the branches are vLLM's own there
+    # (test_pre_processed_post_processing_outside_the_weight_cache_is_vllms)
     from marlin_pack.vllm_plugin import releases
     from marlin_pack.vllm_plugin.version_guard import vllm_version
 
@@ -293,6 +294,52 @@ def test_vllm_reads_the_opt_in_and_enters_pre_processed_mode_only_in_the_weight_
         {"model_executor/model_loader/reload/inplace.py"} if reload else set())
     setters = {f for f, text in sources.items() if "_weights_pre_processed.set(" in text}
     assert setters == {"model_executor/utils.py"}  # only through weights_already_processed()
+
+
+_OPT_IN = [r.target for r in catalog.ROWS if r.target.endswith(".supports_pre_processed_weights")]
+_PRE_PROCESSED = [r.target for r in catalog.ROWS if r.target.endswith(".process_weights_after_loading")]
+
+
+@pytest.mark.parametrize("target", _PRE_PROCESSED, ids=lambda t: t.rsplit(":", 1)[1])
+def test_pre_processed_post_processing_outside_the_weight_cache_is_vllms(target: str) -> None:
+    """Under ``weights_already_processed()`` but outside marlin-pack's scope (vLLM 0.34's kernel-format
+    ``reload_weights`` in any engine): vLLM's method with the same arguments; inside the scope (an ``ipc_cache``
+    engine's build, a daemon's fill) it is marlin-pack's, which refuses what it cannot finish."""
+    from vllm.model_executor.utils import weights_already_processed
+
+    calls: list[tuple[Any, Any]] = []
+
+    def stock(self: Any, layer: nn.Module) -> None:
+        calls.append((self, layer))
+
+    method, layer = SimpleNamespace(), nn.Linear(2, 2)
+    ours = _patch(target).make(stock)
+    assert not scope.active()
+    with weights_already_processed():
+        assert ours(method, layer) is None
+    assert calls == [(method, layer)]
+    if "KVCacheMethod" in target:
+        return
+    with scope.in_use(), weights_already_processed(), pytest.raises(Exception):  # noqa: B017 (not vLLM's: a plain object)
+        ours(method, layer)
+    assert calls == [(method, layer)]
+
+
+@pytest.mark.parametrize("target", _OPT_IN, ids=lambda t: t.rsplit(":", 1)[1])
+@pytest.mark.parametrize("original", [None, False, True, "property"])
+def test_the_opt_in_outside_the_weight_cache_is_the_releases_own(target: str, original: Any) -> None:
+    """``supports_pre_processed_weights`` outside marlin-pack's scope: what the class had (its own property, e.g.
+    0.34.0's dense AWQ/GPTQ one for MarlinLinearKernel only; a value; None: the base class's False)."""
+    seen: list[Any] = []
+    if original == "property":
+        original = property(lambda self: seen.append(self) or "upstream")
+    prop = _patch(target).make(original)
+    owner = type("Method", (), {"supports_pre_processed_weights": prop, "kernel": None})
+    method = owner()
+    assert not scope.active()
+    want = {None: False, False: False, True: True}.get(original, True) if not isinstance(original, property) else True
+    assert method.supports_pre_processed_weights is want
+    assert seen == ([method] if isinstance(original, property) else [])
 
 
 def test_an_unforced_kernel_config_keys_the_cache_as_vllm_does() -> None:

@@ -81,6 +81,7 @@ def test_marked_layers_skip_stock_post_processing_once(patched: Any, monkeypatch
 # --- supports_pre_processed_weights -----------------------------------------------------------
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 @pytest.mark.parametrize(
     ("kind", "kernel", "weight", "act", "ok"),
     [
@@ -151,6 +152,7 @@ def test_vllm_post_processing_refuses_unsupported_layers(patched: Any) -> None:
         process_weights_after_loading(root, cfg, torch.device("cpu"))
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 def test_wrapper_keeps_its_promise_if_called_directly(patched: Any) -> None:
     from vllm.model_executor.utils import weights_already_processed
 
@@ -163,6 +165,7 @@ def test_wrapper_keeps_its_promise_if_called_directly(patched: Any) -> None:
 # --- the pre-processed path -------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 @pytest.mark.parametrize(
     ("kind", "weight", "k", "n", "g", "bias"),
     [
@@ -192,6 +195,7 @@ def test_pre_processed_mode_only_restores_state(
     assert getattr(layer, "input_global_scale", None) is None
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 def test_pre_processed_gptq_recreates_missing_empty_qzeros(patched: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.model_executor.utils import weights_already_processed
 
@@ -204,6 +208,7 @@ def test_pre_processed_gptq_recreates_missing_empty_qzeros(patched: Any, monkeyp
     fakes.assert_empty_zero_points(layer, method)
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 @pytest.mark.parametrize(
     ("damage", "match"),
     [
@@ -244,6 +249,7 @@ def test_normal_mode_runs_stock_post_processing(patched: Any) -> None:
     assert calls == [layer]
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 def test_one_wrapper_takes_the_decisions_in_order(patched: Any) -> None:
     """The mark (a daemon filled from a bundle), then pre-processed mode (an ipc_cache engine),
     then a later ordinary reload: one wrapper, directly around vLLM's method, handles all three."""
@@ -287,6 +293,7 @@ def _ct_layers(make_checkpoint: Any, fmt: str, in_scope: bool = True) -> dict[st
     return {n: m for n, m in root.named_modules() if hasattr(m, "scheme")}
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 @pytest.mark.parametrize("fmt", ["ct", "ct-asym"])
 def test_compressed_tensors_wna16_opts_in_to_the_weight_cache(patched: Any, make_checkpoint: Any, fmt: str) -> None:
     from vllm.model_executor.model_loader.weight_cache.protocol import check_ipc_quant_support

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from marlin_pack.vllm_plugin import releases
 from marlin_pack.vllm_plugin.patches import PATCHES, Patch, registry
 from marlin_pack.vllm_plugin.patches.weight_cache import DAEMON_MODULE, RUN_DAEMON
 
@@ -132,7 +133,7 @@ def test_install_all_on_another_version_patches_nothing_and_warns_once(marlin_lo
     gptq_pwal = "vllm.model_executor.layers.quantization.auto_gptq:AutoGPTQLinearMethod.process_weights_after_loading"
     before = raw(gptq_pwal)
     running = unique_version()
-    reason = f"vLLM {running} is not a release marlin-pack supports (supported: 0.34.0, 0.33.0)"
+    reason = f"vLLM {running} is not a release marlin-pack supports (supported: {releases.supported_text()})"
     assert registry.install_all(PATCHES, running=running, served=False, reason=reason) is False
     assert registry.install_all(PATCHES, running=running, served=False, reason=reason) is False
     assert registry.installed() == []

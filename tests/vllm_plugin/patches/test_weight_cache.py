@@ -226,6 +226,7 @@ ROUND_TRIPS = {
 }
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 @pytest.mark.parametrize("case", list(ROUND_TRIPS))
 def test_daemon_to_engine_round_trip_on_real_layers(patched: Any, make_checkpoint: Any, case: str) -> None:
     """Stock post-processing (the daemon), vLLM's export, then a meta-built model filled by vLLM's

@@ -44,6 +44,7 @@ def test_stock_method_fails_on_meta_placeholders_in_pre_processed_mode() -> None
         _method().process_weights_after_loading(_attention_like("meta"))
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 def test_patched_method_uses_the_exported_buffers(patched: ModuleType) -> None:
     from vllm.model_executor.utils import weights_already_processed
 
