@@ -119,6 +119,7 @@ def test_supports_pre_processed_weights(patched: Any, kind: str, kernel: str, we
             check_ipc_quant_support(root)
 
 
+@pytest.mark.usefixtures("weight_cache_scope")
 def test_supports_needs_exactly_marlin(patched: Any) -> None:
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
