@@ -19,7 +19,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from _harness import assert_engines_identical, ordinary_and_prepacked
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")]

@@ -28,6 +28,7 @@ from marlin_pack.vllm_plugin import LOAD_FORMAT
 from marlin_pack.vllm_plugin.decision import EngineFacts, decide
 from marlin_pack.vllm_plugin.expert_share import check_experts_source, local_experts, moe_ranks, placement
 from marlin_pack.vllm_plugin.options import LoaderOptions
+from marlin_pack.vllm_plugin.patches import scope
 
 vmr = pytest.importorskip("oracles.vllm_moe_reference")
 
@@ -186,7 +187,8 @@ def _load(model_dir: Path, quantization: str, dtype: torch.dtype, monkeypatch: p
     with monkeypatch.context() as io:
         reads = BundleReads(io)
         with vmr.vr._LOCK, vmr._moe_patched(tp, tp_rank, dp=(dp, dp_rank), pp=pp) as m, m.base.set_default_torch_dtype(dtype), \
-                exit_in_background() if daemon else contextlib.nullcontext():
+                exit_in_background() if daemon else contextlib.nullcontext(), \
+                scope.in_use() if daemon else contextlib.nullcontext():  # as the patched daemon get_model enters it
             model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
             if daemon:
                 check_ipc_quant_support(model)  # vLLM's daemon: every layer can be shared as loaded
@@ -292,7 +294,7 @@ def test_a_pipeline_stage_at_expert_parallelism_reads_its_layers_and_its_experts
 
 
 def test_a_weight_cache_daemon_fills_its_experts(moe_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM 0.33.0's daemon builds its model with the engine's TP/DP/EP groups and the loader's create_model and
+    """vLLM's daemon (0.31+) builds its model with the engine's TP/DP/EP groups and the loader's create_model and
     load_weights (weight_cache/daemon.py): a daemon of EP rank 3 of 4 holds what that engine GPU holds."""
     model_dir = moe_bundle("MixtralForCausalLM", "awq", torch.float16, tps=(1, 2, 4))
     parallel = {"enable_expert_parallel": True}
