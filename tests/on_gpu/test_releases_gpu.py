@@ -19,9 +19,10 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from _harness import assert_engines_identical, ordinary_and_prepacked
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 LAYER = "model.layers.0.self_attn.qkv_proj"
 MACHETE, MARLIN = "MacheteLinearKernel", "MarlinLinearKernel"
