@@ -204,6 +204,9 @@ def check_release(vllm_version: str) -> None:
 def _check_target(manifest: Manifest, facts: EngineFacts) -> None:
     """The running release serves the bundle's layouts (whatever release it was made with), and its dtype and method."""
     check_release(facts.vllm_version)
+    backend = releases.served_natively(facts.vllm_version, manifest.source.architecture)
+    if backend is not None:
+        raise BundleMismatchError(F.vllm_version, backend)
     layouts = bundle_layouts(manifest)
     if manifest.target.kernel != KERNEL_NAME or not releases.serves(facts.vllm_version, layouts):
         held = ", ".join(f"{f} v{v}" for f, v in layouts.items())

@@ -22,12 +22,15 @@ what differs is the plugin's surface, read from each release's code:
   AWQ/GPTQ methods declare ``supports_pre_processed_weights`` and have a pre-processed branch, for MarlinLinearKernel
   only, so marlin-pack's rows stay: they also cover Machete, compressed-tensors and MoE), ``kernel_format_reload``
   (0.34: ``reload_weights(is_checkpoint_format=False)`` post-processes under ``weights_already_processed()``).
+* ``transformers_backend``: architectures marlin-pack converts for a native vLLM class that the release serves through
+  its Transformers backend instead (0.34: ``GemmaForCausalLM``); a bundle of one is refused on that release
+  (:func:`served_natively`).
 * ``ready``: the plugin's adapter for the release is done and its oracles pass. A release listed but not ready is
   refused like an unknown one; its entry is data for the adapter to come.
 
 Patches carry the releases they apply to in :mod:`.patches.catalog` (``Row.first``/``Row.last``, or ``Row.needs``: a
-feature of :data:`FEATURES` read from the entries above), resolved here (:func:`applies`). This module is the only place that orders or compares release strings; importing it imports
-neither vLLM nor torch.
+feature of :data:`FEATURES` read from the entries above), resolved here (:func:`applies`). This module is the only
+place that orders or compares release strings; importing it imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ __all__ = [
     "unsupported_reason",
     "applies",
     "serves",
+    "served_natively",
 ]
 
 FAMILIES = ("marlin", "machete", "marlin_moe")
@@ -68,6 +72,9 @@ class Release:
     env: frozenset[str] = frozenset()
     upstream: frozenset[str] = frozenset()
     layouts: Mapping[str, int] = field(default_factory=lambda: _LAYOUTS_V1)
+    # Architectures of marlin-pack's table that this release serves through its Transformers backend (registry entry
+    # ("transformers", ...)), not the vLLM class the table names: their layers are built from a trace, so refused.
+    transformers_backend: frozenset[str] = frozenset()
 
     def has_env(self, name: str) -> bool:
         """Whether this release still reads the environment variable ``name``."""
@@ -94,7 +101,8 @@ _MARLIN_INPUT = frozenset({"VLLM_MARLIN_INPUT_DTYPE"})
 # Newest first. Each fact was read from the release's wheel (vllm/**/*.py).
 RELEASES: tuple[Release, ...] = (
     Release("0.34.0", finish="w_zp", memory_hook=True, cache_key="kernel_config", daemon="preload", ready=True,
-            upstream=frozenset({"dense_pre_processed", "kernel_format_reload"})),
+            upstream=frozenset({"dense_pre_processed", "kernel_format_reload"}),
+            transformers_backend=frozenset({"GemmaForCausalLM"})),
     Release("0.33.0", finish="empty_qzeros", memory_hook=True, cache_key="kernel_config", daemon="preload", ready=True,
             env=_MARLIN_INPUT),
     Release("0.32.0", finish="empty_qzeros", memory_hook=True, cache_key="plain", daemon="preload", ready=True,
@@ -151,3 +159,15 @@ def serves(version: str, layouts: Mapping[str, int]) -> bool:
     """Whether the release ``version`` serves a bundle holding ``layouts`` (family -> layout version)."""
     entry = release(version)
     return entry is not None and all(entry.layouts.get(f) == v for f, v in layouts.items())
+
+
+def served_natively(version: str, architecture: str) -> str | None:
+    """Why the release ``version`` cannot serve a bundle of ``architecture`` (None: it builds vLLM's own class for it)."""
+    entry = release(version)
+    if entry is None or architecture not in entry.transformers_backend:
+        return None
+    native = [r.version for r in RELEASES if r.ready and architecture not in r.transformers_backend]
+    return (
+        f"vLLM {version} serves {architecture} through its Transformers backend, whose layers marlin-pack does not "
+        f"prepack; serve this bundle with vLLM {', '.join(native)}"
+    )

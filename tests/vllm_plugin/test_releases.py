@@ -102,6 +102,40 @@ def test_an_unknown_release_is_refused_in_one_line_or_falls_back(awq_bundle: Pat
         decide(LoaderOptions(bundle=awq_bundle / "nowhere"), facts)
 
 
+def test_an_architecture_a_release_serves_through_its_transformers_backend_is_refused_there(awq_bundle: Path) -> None:
+    """vLLM 0.34.0 serves GemmaForCausalLM through its Transformers backend (registry ("transformers", ...)): a Gemma
+    bundle is refused there in one line naming the releases that build vLLM's own Gemma class, and loads elsewhere."""
+    manifest = read_manifest(awq_bundle / "marlin-pack")
+    gemma = manifest.model_copy(update={"source": manifest.source.model_copy(update={"architecture": "GemmaForCausalLM"})})
+    facts = {v: EngineFacts(model=str(awq_bundle), vllm_version=v, quantization="auto_awq") for v in releases.supported()}
+    with pytest.raises(BundleMismatchError) as e:
+        check_engine(gemma, facts["0.34.0"])
+    assert e.value.field == "vllm_version" and "\n" not in str(e.value)
+    assert ("vLLM 0.34.0 serves GemmaForCausalLM through its Transformers backend, whose layers marlin-pack does not "
+            "prepack; serve this bundle with vLLM 0.33.0, 0.32.0, 0.31.0, 0.30.0") in str(e.value)
+    for version in ("0.33.0", "0.32.0", "0.31.0", "0.30.0"):
+        check_engine(gemma, facts[version])
+    check_engine(manifest, facts["0.34.0"])  # Llama: vLLM's own class on every release
+    assert releases.served_natively("0.33.0", "GemmaForCausalLM") is None
+
+
+def test_the_transformers_backend_column_is_what_each_release_registers() -> None:
+    """Read from the installed vLLM's registry where it is one of the table's releases: every architecture marlin-pack
+    converts is served by vLLM's own class unless the entry lists it."""
+    from vllm.model_executor.models import registry
+
+    from marlin_pack.marlin.architectures import SUPPORTED_ARCHITECTURES
+    from marlin_pack.vllm_plugin.version_guard import vllm_version
+
+    entry = releases.release(vllm_version())
+    assert entry is not None
+
+    tables = [getattr(registry, n) for n in dir(registry) if n.startswith("_") and n.endswith("_MODELS")]
+    through_backend = {a for a in SUPPORTED_ARCHITECTURES
+                       if any(isinstance(t, dict) and t.get(a, (None,))[0] == "transformers" for t in tables)}
+    assert through_backend == set(entry.transformers_backend)
+
+
 def test_the_table_imports_neither_vllm_nor_torch() -> None:
     code = (
         "import sys\nimport marlin_pack.vllm_plugin.releases, marlin_pack.vllm_plugin.patches.catalog\n"
@@ -132,8 +166,8 @@ def test_on_a_release_not_served_the_load_format_refuses_in_one_line_or_loads_or
         loader.load_model(None, model_config)
     assert str(e.value) == (
         "marlin-pack cannot serve /models/m: [vllm_version] vLLM 0.35.0 is not a release marlin-pack supports (supported: "
-        "0.34.0, 0.33.0, 0.32.0, 0.31.0, 0.30.0). Install one of them, or pass --model-loader-extra-config '{\"fallback\": true}' to load the "
-        "checkpoint the ordinary way."
+        "0.34.0, 0.33.0, 0.32.0, 0.31.0, 0.30.0). Install one of them, or pass --model-loader-extra-config "
+        "'{\"fallback\": true}' to load the checkpoint the ordinary way."
     )
     assert calls == []
     loader = UnservedReleaseLoader(LoadConfig(load_format="marlin_prepacked", model_loader_extra_config={"fallback": True}))
