@@ -155,7 +155,8 @@ def test_run_refuses_when_marlin_pack_cannot_register(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(plugin, "register", lambda: None)
     monkeypatch.setattr(plugin, "is_registered", lambda: False)
-    expected = r"could not register the marlin_prepacked load format .* is one of vLLM 0\.34\.0, 0\.33\.0, 0\.32\.0, 0\.31\.0, 0\.30\.0 installed"
+    expected = (r"could not register the marlin_prepacked load format .* is one of vLLM "
+                r"0\.34\.0, 0\.33\.0, 0\.32\.0, 0\.31\.0, 0\.30\.0 installed")
     with pytest.raises(MarlinPackError, match=expected):
         run(["preload", "--model", "/m"])
 
