@@ -129,8 +129,8 @@ def test_vllm_plugin_machinery_calls_register_and_the_version_guard_holds() -> N
         "registered": False,
         "patched": [],
         "format": True,
-        "warnings": ["marlin-pack: vLLM 0.35.0 is not a release marlin-pack supports "
-                     "(supported: 0.34.0, 0.33.0, 0.32.0, 0.31.0, 0.30.0); nothing patched"],
+        "warnings": [("marlin-pack: vLLM 0.35.0 is not a release marlin-pack supports "
+                      "(supported: 0.34.0, 0.33.0, 0.32.0, 0.31.0, 0.30.0); nothing patched")],
         "loader": "UnservedReleaseLoader",
     }
     assert out["loaded"] == {"marlin_pack": True}
