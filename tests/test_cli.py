@@ -176,11 +176,11 @@ def test_progress_bar_shows_names_as_they_are(monkeypatch: pytest.MonkeyPatch) -
 
     from rich.console import Console
 
-    from marlin_pack import cli
+    from marlin_pack.commands import console as cli
 
     buf = io.StringIO()
     monkeypatch.setattr(cli, "err", Console(file=buf, force_terminal=True, width=200, markup=False, color_system=None))
-    with cli._progress(True, "converting") as update:
+    with cli.progress(True, "converting") as update:
         assert update is not None
         update(1, 2, "x[/y] [bold]z")
     assert "x[/y] [bold]z" in buf.getvalue()
@@ -493,12 +493,12 @@ def test_a_hostile_bundle_path_and_manifest_are_shown_in_check_inspect_and_error
 def test_the_progress_bar_shows_hostile_names(monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
-    from marlin_pack import cli
+    from marlin_pack.commands import console as cli
 
     buf = io.StringIO()
     console = type(cli.err)(file=buf, force_terminal=True, width=200, markup=False, color_system=None)  # the CLI's kind of console
     monkeypatch.setattr(cli, "err", console)
-    with cli._progress(True, "converting") as update:
+    with cli.progress(True, "converting") as update:
         assert update is not None
         update(1, 2, f"model.layers.0.{HOSTILE}")
     assert "model.layers.0.m\\x1b]0;tit" in buf.getvalue() and "\x1b]" not in buf.getvalue() and "\x1b[2J" not in buf.getvalue()

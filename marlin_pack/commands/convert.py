@@ -1,0 +1,98 @@
+"""``marlin-pack convert``: a bundle for MODEL, said in a table (or JSON), or ``up to date``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from marlin_pack.commands.console import err, out, progress, styled
+from marlin_pack.commands.params import (
+    Device,
+    Dtype,
+    DtypeOpt,
+    JsonOpt,
+    Kernel,
+    ModelArg,
+    RevisionOpt,
+    check_dtype_word,
+    local_or_repo,
+    parse_tp,
+)
+from marlin_pack.commands.verify import render_manifest
+
+__all__ = ["convert"]
+
+
+def convert(
+    model: ModelArg,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Bundle directory \\[default: MODEL_DIR/marlin-pack].")] = None,
+    tp: Annotated[
+        str, typer.Option("--tp", "-tp", "--tensor-parallel-size", help="Tensor-parallel sizes to write, e.g. 1,2,4,8.")
+    ] = "1",
+    dtype: DtypeOpt = Dtype.auto,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle, even an up-to-date one.")] = False,
+    device: Annotated[Device, typer.Option("--device", help="Where to do the tensor work.")] = Device.cpu,
+    kernel: Annotated[
+        Kernel | None,
+        typer.Option(
+            "--kernel",
+            help="machete: the layers as vLLM serves them on Hopper (SM90: Machete where it can, Marlin elsewhere); "
+            "marlin: Marlin for every layer (other GPUs) \\[default: what vLLM picks on this machine's GPU; Marlin without one].",
+        ),
+    ] = None,
+    revision: RevisionOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a bundle for MODEL (engine-free; CPU is enough): the tensors vLLM holds after post-processing.
+
+    Idempotent: an up-to-date bundle for the same settings is reused (exit 0, nothing written), and a conversion of the same output already running is waited for, then its result reused.
+
+    Examples:
+
+      marlin-pack convert ./Llama-3-8B-AWQ --tp 1,2
+
+      marlin-pack convert Qwen/Qwen2.5-7B-Instruct-AWQ -tp 2 --dtype bfloat16
+
+      marlin-pack convert ./Llama-3-70B-AWQ --kernel machete    # for H100/H200 engines, converted on any machine
+    """  # noqa: E501
+    from marlin_pack.conversion import convert as run_convert
+    from marlin_pack.kernel_choice import default_kernel
+
+    model = local_or_repo(model, revision)
+    check_dtype_word(dtype.value)
+    why = None
+    if kernel is None:
+        chosen, why = default_kernel()
+        kernel = Kernel(chosen.value)
+    try:
+        with progress(not as_json, "converting") as update:
+            result = run_convert(
+                model, output, tp=parse_tp(tp), dtype=dtype.value, force=force, device=device.value, revision=revision,
+                progress=update, kernel=kernel.value,
+                on_wait=lambda line: err.print(f"marlin-pack: {line}", highlight=False, soft_wrap=True),
+            )
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM/SIGHUP (Interrupted): the writer removed its files
+        signum = getattr(e, "signum", 2)
+        err.print(styled(("interrupted", "red"), f" ({e or 'SIGINT'}): nothing was written (partial output removed)"), highlight=False)
+        raise typer.Exit(128 + signum) from None
+    if as_json:
+        body = {"bundle": str(result.bundle), "reused": result.reused, "manifest": result.manifest.model_dump(mode="json")}
+        out.print_json(json.dumps(body))
+        return
+    if why is not None:  # after the work: a refusal stays the first line of stderr
+        err.print(f"marlin-pack: --kernel {kernel.value}: {why}", highlight=False, soft_wrap=True)
+    if result.reused:
+        sizes = ",".join(map(str, result.manifest.tp_sizes))
+        hashed = result.hashed.summary()
+        checked = f"; checked the checkpoint: {hashed}" if hashed else ""
+        out.print(
+            styled(("up to date", "green"), f" {result.bundle} (tp {sizes}, {result.manifest.serving_dtype.value}); "
+                   f"nothing written{checked}"),
+            soft_wrap=True, highlight=False,
+        )
+        return
+    render_manifest(result.manifest, result.bundle)
+    out.print(styled(("wrote", "green"), f" {result.bundle}"), soft_wrap=True)

@@ -1,0 +1,147 @@
+"""The words several commands share (``MODEL``, ``--revision``, ``--dtype``, ``--json``...) and their parsing:
+each a usage error (exit 2, one line naming the option) when it cannot be read."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from marlin_pack.commands.console import BadParameter
+
+__all__ = [
+    "Device", "Dtype", "DtypeOpt", "JsonOpt", "Kernel", "ModelArg", "RevisionOpt", "TargetArg", "VerifyMode",
+    "bundle_of", "capability", "check_dtype_word", "engine_dtype", "local_or_repo", "parse_tp",
+]
+
+ModelArg = Annotated[
+    str, typer.Argument(metavar="MODEL", help="Checkpoint directory, or a Hugging Face model id (org/name) as given to vllm serve.")
+]
+TargetArg = Annotated[
+    str, typer.Argument(metavar="MODEL|BUNDLE", help="A bundle directory, or MODEL (a checkpoint directory or a model id): its bundle.")
+]
+RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Branch, tag or commit of a model id \\[default: main].")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+
+
+class Dtype(str, Enum):
+    """vLLM 0.33.0's --dtype words (float/float32 are refused: these layers run 16-bit activations)."""
+
+    auto = "auto"
+    half = "half"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float = "float"
+    float32 = "float32"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Kernel(str, Enum):
+    """The layout of the bundle's layers: vLLM's choice on SM90 per layer (machete), or Marlin for every layer."""
+
+    marlin = "marlin"
+    machete = "machete"
+
+
+class VerifyMode(str, Enum):
+    auto = "auto"
+    full = "full"
+    size = "size"
+
+
+DtypeOpt = Annotated[
+    Dtype, typer.Option("--dtype", help="The engine's --dtype, as vllm serve takes it (auto: what vLLM picks from config.json).")
+]
+
+
+def parse_tp(value: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in value.split(",") if x.strip()})
+    except ValueError:
+        raise BadParameter(f"{value!r}: expected sizes like 1 or 1,2,4,8") from None
+    if not sizes or sizes[0] < 1:
+        raise BadParameter(f"{value!r}: expected positive sizes like 1 or 1,2,4,8")
+    return sizes
+
+
+def local_or_repo(model: str, revision: str | None) -> str:
+    """A local directory as an absolute path (what vLLM and the bundle record see); a repo id as it is.
+
+    Raises:
+        typer.BadParameter: ``--revision`` given with a local directory (it names a commit of a model id).
+    """
+    if Path(model).is_dir():
+        if revision is not None:
+            raise BadParameter(
+                f"{model} is a local directory; --revision names a branch, tag or commit of a model id: drop it",
+                param_hint="--revision",
+            )
+        return str(Path(model).resolve())
+    return model
+
+
+def bundle_of(target: str, revision: str | None) -> tuple[Path, str | None]:
+    """The bundle a command was pointed at, and the model it belongs to when MODEL was given (else None).
+
+    ``target``: a bundle directory (it holds manifest.json), a checkpoint directory (its default bundle) or a
+    model id (its bundle in marlin-pack's cache; nothing is downloaded).
+    """
+    from marlin_pack._constants import MANIFEST_NAME
+    from marlin_pack.sources.hub import is_repo_id, locate_bundle
+
+    if Path(target).is_dir() and (Path(target) / MANIFEST_NAME).is_file():
+        if revision is not None:
+            raise BadParameter(f"{target} is a bundle directory; --revision is for a model id: drop it", param_hint="--revision")
+        return Path(target).resolve(), None
+    if not Path(target).is_dir() and not is_repo_id(target):
+        return Path(target), None  # a bundle path that is not there: reading its manifest says so
+    model = local_or_repo(target, revision)
+    return locate_bundle(model, revision), model
+
+
+def check_dtype_word(word: str) -> None:
+    """A --dtype word vLLM takes but these layers cannot run in (float, float32) is a usage error, before any work."""
+    from marlin_pack.dtypes import serving_dtype_for
+
+    try:
+        serving_dtype_for(word, {})
+    except ValueError as e:
+        raise BadParameter(str(e), param_hint="--dtype") from None
+
+
+def engine_dtype(model: str, revision: str | None, word: str) -> str:
+    """The dtype `vllm serve MODEL --dtype WORD` runs in (auto: what vLLM picks from the config)."""
+    from marlin_pack.dtypes import serving_dtype_for
+    from marlin_pack.errors import CheckpointError
+    from marlin_pack.io.checkpoint_files import read_json, weight_files
+    from marlin_pack.io.safetensors_io import read_header
+    from marlin_pack.sources.hub import resolve_model
+
+    check_dtype_word(word)
+    try:
+        model_dir = resolve_model(model, revision, download=False).dir
+        config = read_json(model_dir / "config.json", "config.json")
+        codes = {t.dtype for f in weight_files(model_dir) for t in read_header(model_dir / f).tensors.values()}
+    except (CheckpointError, OSError, ValueError):
+        return serving_dtype_for(word, {"dtype": "float16"}).value  # the source check reports what is wrong
+    return serving_dtype_for(word, config, codes).value
+
+
+def capability(text: str | None) -> int | None:
+    """``--compute-capability 9.0`` as 90; without it, this machine's GPU's (torch), else None."""
+    if text is None:
+        from marlin_pack.kernel_choice import visible_gpu
+
+        gpu = visible_gpu()
+        return None if gpu is None else gpu[1]
+    try:
+        major, _, minor = text.partition(".")
+        return int(major) * 10 + int(minor or 0)
+    except ValueError:
+        raise BadParameter(f"{text!r}: expected MAJOR.MINOR, e.g. 9.0", param_hint="--compute-capability") from None
