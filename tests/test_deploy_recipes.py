@@ -1,8 +1,11 @@
-"""The deployment recipes (docs/deployment.md, examples/deploy/): their commands parse, and the pod's roles work.
+"""The deployment recipes (docs/deployment.md, examples/deploy/): their commands parse, each bundle is for a GPU the
+recipe names, and the pod's roles work.
 
-The pod plays out with real processes on a temporary "volume": several init containers start
-``marlin-pack convert`` at once, then ``marlin-pack check`` decides as the engine would, also on a
-read-only volume.
+Every conversion names the GPU its bundle is for (``--compute-capability``; or it runs in a container given a GPU),
+and every ``check``, node selector and server of the recipe agrees with it; each recipe's conversions and checks,
+played on a small checkpoint, give every layer the kernel vLLM runs it with on that GPU. The pod plays out with
+real processes on a temporary "volume": several init containers start ``marlin-pack convert`` at once, then
+``marlin-pack check`` decides as the engine would, also on a read-only volume.
 """
 
 from __future__ import annotations
@@ -22,8 +25,12 @@ from pathlib import Path
 import pytest
 import typer
 from typer.main import get_command
+from typer.testing import CliRunner
 
+from marlin_pack import read_manifest
 from marlin_pack.cli import app
+from marlin_pack.machete.supports import machete_supports
+from marlin_pack.schemas import Manifest, TensorParallelSet, torch_dtype
 
 ROOT = Path(__file__).parents[1]
 DEPLOY = ROOT / "examples" / "deploy"
@@ -72,8 +79,20 @@ def _pod_specs(doc: dict) -> Iterator[dict]:
     yield spec.get("template", {}).get("spec", spec)
 
 
+def _spec_containers(spec: dict) -> list[dict]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
 def _containers(path: Path) -> list[dict]:
-    return [c for doc in _yaml_docs(path) for spec in _pod_specs(doc) for c in spec.get("initContainers", []) + spec["containers"]]
+    return [c for doc in _yaml_docs(path) for spec in _pod_specs(doc) for c in _spec_containers(spec)]
+
+
+def _arg(match: re.Match, args: dict[str, str]) -> str:
+    """``${NAME}``, or ``${NAME%%,*}`` (the shell's: up to the first comma), from the ARG defaults."""
+    if match.group(1) not in args:
+        return match.group(0)
+    value = args[match.group(1)]
+    return value.split(",")[0] if match.group(2) else value
 
 
 def _dockerfile_argvs(path: Path) -> list[list[str]]:
@@ -85,7 +104,7 @@ def _dockerfile_argvs(path: Path) -> list[list[str]]:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         word, _, rest = line.strip().partition(" ")
-        rest = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), rest)
+        rest = re.sub(r"\$\{(\w+)(%%,\*)?\}", lambda m: _arg(m, args), rest)
         if word == "ARG" and "=" in rest:
             name, _, value = rest.partition("=")
             args[name] = value
@@ -164,49 +183,223 @@ def _tp_sizes(argv: list[str]) -> tuple[int, ...]:
     return tuple(int(t) for t in str(ctx.params["tp"]).split(","))
 
 
+def _mounts(container: dict) -> set[str]:
+    return {m["mountPath"] for m in container.get("volumeMounts", [])}
+
+
 def _assert_on_a_volume(path: Path, container: dict) -> None:
     """Where a model id's checkpoint and bundle go (HF_HOME, MARLIN_PACK_CACHE) is on a volume of the container."""
     env = {e["name"]: e["value"] for e in container.get("env", [])}
-    mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+    mounts = _mounts(container)
     places = [env[n] for n in ("HF_HOME", "MARLIN_PACK_CACHE") if n in env]
     assert places and all(any(v.startswith(m + "/") for m in mounts) for v in places), f"{path.name}: {places} off {mounts}"
 
 
+# --- which GPU each bundle is for --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One command of a recipe, with the container it runs in and the GPU its pod's node selector names."""
+
+    where: str
+    argv: list[str]
+    container: dict
+    node: str | None  # "9.0" from nvidia.com/gpu.compute.major/minor; None: no such selector (or the Dockerfile)
+
+
+RECIPES = [*(p.name for p in sorted(DEPLOY.glob("*.yaml"))), "Dockerfile"]
+
+
+def _node_capability(spec: dict) -> str | None:
+    selector = spec.get("nodeSelector") or {}
+    major = selector.get("nvidia.com/gpu.compute.major")
+    return None if major is None else f"{major}.{selector.get('nvidia.com/gpu.compute.minor', '0')}"
+
+
+def _steps(recipe: str) -> list[_Step]:
+    if recipe == "Dockerfile":
+        return [_Step(recipe, argv, {}, None) for argv in _dockerfile_argvs(DEPLOY / recipe)]
+    return [
+        _Step(f"{recipe} {doc['metadata']['name']}/{c['name']}", argv, c, _node_capability(spec))
+        for doc in _yaml_docs(DEPLOY / recipe) for spec in _pod_specs(doc) for c in _spec_containers(spec) for argv in _argvs(c)
+    ]
+
+
+def _flag(argv: list[str], *names: str) -> str | None:
+    """The value of the first of ``names`` in ``argv`` (``--name value`` or ``--name=value``)."""
+    for i, word in enumerate(argv):
+        for name in names:
+            if word == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if word.startswith(name + "="):
+                return word.partition("=")[2]
+    return None
+
+
+def _given_a_gpu(container: dict) -> bool:
+    resources = container.get("resources") or {}
+    return any("nvidia.com/gpu" in (resources.get(k) or {}) for k in ("limits", "requests"))
+
+
+def _bundle_key(argv: list[str]) -> tuple[str, str | None]:
+    """(MODEL, bundle directory; None: the default place) of a convert, check or vllm serve."""
+    if argv[:2] == ["marlin-pack", "convert"]:
+        return argv[2], _flag(argv, "-o", "--output")
+    if argv[:2] == ["marlin-pack", "check"]:
+        return argv[2], _flag(argv, "--bundle")
+    assert argv[:2] == ["vllm", "serve"], argv
+    extra = _vllm_serve_flags(argv).get("--model-loader-extra-config")
+    return argv[2], json.loads(extra).get("bundle") if extra else None
+
+
+def _gpu_of_each_bundle(steps: list[_Step]) -> dict[tuple[str, str | None], str | None]:
+    """{bundle: the compute capability its conversion names}, asserting that every conversion names the GPU (or runs
+    in a container given one: None), that its pod's node selector agrees, and that every check and server of the
+    recipe is for a bundle the recipe writes, on the GPU it was written for."""
+    gpu: dict[tuple[str, str | None], str | None] = {}
+    for st in steps:
+        if st.argv[:2] != ["marlin-pack", "convert"]:
+            continue
+        cc = _flag(st.argv, "--compute-capability")
+        assert cc is not None or _given_a_gpu(st.container), (
+            f"{st.where}: `{shlex.join(st.argv)}` converts without naming the GPU the bundle is for (a machine without "
+            "a GPU writes Marlin's layout, slower on H100/H200): pass --compute-capability (9.0 H100/H200, 8.0 A100) "
+            "or run it in a container given the GPU")
+        assert cc is None or st.node is None or cc == st.node, f"{st.where}: converts for {cc}, on a node of {st.node}"
+        gpu[_bundle_key(st.argv)] = cc if cc is not None else st.node
+    for st in steps:
+        if st.argv[:2] not in (["marlin-pack", "check"], ["vllm", "serve"]):
+            continue
+        key = _bundle_key(st.argv)
+        assert key in gpu, f"{st.where}: `{shlex.join(st.argv)}` uses a bundle no conversion of the recipe writes: {key}"
+        if st.argv[0] == "marlin-pack":
+            cc = _flag(st.argv, "--compute-capability")
+            assert cc == gpu[key], f"{st.where}: `{shlex.join(st.argv)}` checks for {cc}, the bundle is for {gpu[key]}"
+        if st.node is not None:
+            assert gpu[key] == st.node, f"{st.where}: a node of {st.node} uses the bundle for {gpu[key]}: {key}"
+    return gpu
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_bundle_is_for_a_gpu_the_recipe_names(recipe: str) -> None:
+    """Each conversion names the GPU (or sees it); checks, node selectors and servers agree with it."""
+    gpu = _gpu_of_each_bundle(_steps(recipe))
+    assert gpu and all(cc is not None for cc in gpu.values()), gpu
+
+
+def test_a_conversion_without_a_gpu_named_is_caught() -> None:
+    convert = ["marlin-pack", "convert", "M", "--tp", "2"]
+    with pytest.raises(AssertionError, match="without naming the GPU"):
+        _gpu_of_each_bundle([_Step("x", convert, {}, None)])
+    on_the_gpu = {"resources": {"limits": {"nvidia.com/gpu": 1}}}
+    assert _gpu_of_each_bundle([_Step("x", convert, on_the_gpu, "9.0")]) == {("M", None): "9.0"}
+    named = _Step("x", [*convert, "--compute-capability", "9.0"], {}, None)
+    with pytest.raises(AssertionError, match="converts for 9.0, on a node of 8.0"):
+        _gpu_of_each_bundle([dataclasses.replace(named, node="8.0")])
+    with pytest.raises(AssertionError, match="checks for 8.0, the bundle is for 9.0"):
+        _gpu_of_each_bundle([named, _Step("x", ["marlin-pack", "check", "M", "--compute-capability", "8.0"], {}, None)])
+    with pytest.raises(AssertionError, match="checks for None"):
+        _gpu_of_each_bundle([named, _Step("x", ["marlin-pack", "check", "M"], {}, None)])
+    with pytest.raises(AssertionError, match="a node of 8.0 uses the bundle for 9.0"):
+        _gpu_of_each_bundle([named, _Step("x", ["vllm", "serve", "M"], {}, "8.0")])
+    with pytest.raises(AssertionError, match="no conversion of the recipe writes"):
+        _gpu_of_each_bundle([named, _Step("x", ["marlin-pack", "check", "M", "--bundle", "/b"], {}, None)])
+
+
+def _expected_kernels(manifest: Manifest, tp_set: TensorParallelSet, capability: str | None) -> list[str]:
+    """What vLLM runs each layer of ``tp_set`` with on a GPU of ``capability`` by default: Machete where it implements
+    the layer on SM90, else Marlin."""
+    major, _, minor = (capability or "").partition(".")
+    cc = int(major) * 10 + int(minor or 0) if major else None
+    q = manifest.quant
+    return ["machete" if machete_supports(
+        capability=cc, weight_type=q.weight_type.value, zero_points=q.zero_points, group_size=q.group_size,
+        act_dtype=torch_dtype(manifest.serving_dtype), in_features=e.size_k, out_features=e.size_n)[0] else "marlin"
+        for e in tp_set.layers]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_bundle_holds_the_kernels_of_the_gpu_its_recipe_names(recipe: str, make_checkpoint, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe's conversions and checks, played in order on a small AWQ checkpoint (each model id or directory a copy
+    of it, each bundle directory moved under tmp_path): every layer of every TP size holds the layout of the kernel vLLM
+    runs it with on the GPU the conversion names, and every check loads, naming those kernels."""
+    steps = [st for st in _steps(recipe) if st.argv[:2] in (["marlin-pack", "convert"], ["marlin-pack", "check"])]
+    gpu = _gpu_of_each_bundle(_steps(recipe))
+    source, models, bundles = make_checkpoint("awq", "wide"), {}, {}
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(tmp_path / "stamps"))
+
+    def local(argv: list[str]) -> list[str]:
+        argv = list(argv)
+        if argv[2] not in models:
+            models[argv[2]] = tmp_path / f"model-{len(models)}"
+            shutil.copytree(source, models[argv[2]])
+        argv[2] = str(models[argv[2]])
+        for i, word in enumerate(argv[:-1]):
+            if word in ("-o", "--output", "--bundle"):
+                argv[i + 1] = str(tmp_path / "volume" / argv[i + 1].lstrip("/"))
+        return [*argv[1:], "--json"]
+
+    runner = CliRunner()
+    for st in steps:
+        r = runner.invoke(app, local(st.argv))
+        assert r.exit_code == 0, f"{st.where}: `{shlex.join(st.argv)}` exited {r.exit_code}: {r.output}"
+        cc = gpu[_bundle_key(st.argv)]
+        if st.argv[1] == "convert":
+            manifest = read_manifest(json.loads(r.stdout)["bundle"])
+            bundles[_bundle_key(st.argv)] = manifest
+            for s in manifest.tensor_parallel:
+                got = [e.kernel.value for e in s.layers]
+                assert got == _expected_kernels(manifest, s, cc), f"{st.where}: tp {s.tp_size} for {cc}: {got}"
+                assert ("machete" in got) == (cc == "9.0"), f"{st.where}: tp {s.tp_size} for {cc}: {got}"
+        else:
+            report = json.loads(r.stdout)
+            assert report["decision"] == "load", report
+            machete = bundles[_bundle_key(st.argv)].has_machete_layers
+            for rank in report["ranks"]:
+                assert ("on MacheteLinearKernel" in rank["message"]) == machete and "forced" not in rank["message"], rank
+    assert {st.argv[1] for st in steps} == {"convert", "check"}
+
+
 def test_every_engine_uses_the_converted_model_and_tp() -> None:
-    """Each vllm serve: the model and TP a conversion in the same recipe wrote, with marlin_prepacked; the env agrees."""
+    """Each check and vllm serve: the model, bundle and TP a conversion of the same recipe wrote, with marlin_prepacked;
+    bundles and caches on the containers' volumes; the env agrees."""
     checked = 0
     for path in sorted(DEPLOY.glob("*.yaml")):
-        containers = _containers(path)
-        converts = [(c, a) for c in containers for a in _argvs(c) if a[:2] == ["marlin-pack", "convert"]]
+        steps = _steps(path.name)
+        converts = {_bundle_key(st.argv): st for st in steps if st.argv[:2] == ["marlin-pack", "convert"]}
         assert converts, f"{path.name}: no conversion"
-        for c, argv in converts:
-            for check in [a for a in _argvs(c) if a[:2] == ["marlin-pack", "check"]]:
-                assert check[2] == argv[2] and _marlin_pack_context(check).params["tp"] in _tp_sizes(argv)
-        pod_env = {e["name"]: e["value"] for c, _ in converts for e in c.get("env", [])}
-        for c, _ in converts:
-            _assert_on_a_volume(path, c)
-        for c in containers:
-            for argv in (a for a in _argvs(c) if a[:2] == ["vllm", "serve"]):
-                flags = _vllm_serve_flags(argv)
-                assert flags["--load-format"] == "marlin_prepacked"
-                convert = next(a for _, a in converts if a[2] == argv[2])
-                assert int(flags.get("--tensor-parallel-size") or 1) in _tp_sizes(convert)
-                env = {e["name"]: e["value"] for e in c.get("env", [])}
-                for name in ("HF_HOME", "MARLIN_PACK_CACHE"):
-                    assert env.get(name) == pod_env.get(name), f"{path.name}: {name} differs between convert and vllm"
-                _assert_on_a_volume(path, c)
-                checked += 1
+        pod_env = {e["name"]: e["value"] for st in converts.values() for e in st.container.get("env", [])}
+        for key, st in converts.items():
+            _assert_on_a_volume(path, st.container)
+            assert key[1] is None or any(key[1].startswith(m + "/") for m in _mounts(st.container)), f"{st.where}: {key[1]}"
+        for st in steps:
+            if st.argv[:2] == ["marlin-pack", "check"]:
+                assert _marlin_pack_context(st.argv).params["tp"] in _tp_sizes(converts[_bundle_key(st.argv)].argv)
+            if st.argv[:2] != ["vllm", "serve"]:
+                continue
+            flags = _vllm_serve_flags(st.argv)
+            assert flags["--load-format"] == "marlin_prepacked"
+            key = _bundle_key(st.argv)
+            assert int(flags.get("--tensor-parallel-size") or 1) in _tp_sizes(converts[key].argv)
+            env = {e["name"]: e["value"] for e in st.container.get("env", [])}
+            for name in ("HF_HOME", "MARLIN_PACK_CACHE"):
+                assert env.get(name) == pod_env.get(name), f"{st.where}: {name} differs between convert and vllm"
+            _assert_on_a_volume(path, st.container)
+            assert key[1] is None or any(key[1].startswith(m + "/") for m in _mounts(st.container)), f"{st.where}: {key[1]}"
+            checked += 1
     dockerfile = _dockerfile_argvs(DEPLOY / "Dockerfile")
     convert = next(a for a in dockerfile if a[:2] == ["marlin-pack", "convert"])
     flags = _vllm_serve_flags(dockerfile[-1])
     assert dockerfile[-1][2] == convert[2] and flags["--load-format"] == "marlin_prepacked"
     assert int(flags.get("--tensor-parallel-size") or 1) in _tp_sizes(convert)
-    assert checked >= 1
+    assert checked >= 3
 
 
 @pytest.mark.slow
 def test_every_vllm_flag_is_one_vllm_takes() -> None:
-    """The flags of each `vllm serve` are vLLM 0.33.0's engine or server arguments (their dataclass fields)."""
+    """The flags of each `vllm serve` are the installed vLLM's engine or server arguments (their dataclass fields)."""
     arg_utils = pytest.importorskip("vllm.engine.arg_utils")
     cli_args = pytest.importorskip("vllm.entrypoints.common.cli_args")
     known = {f"--{f.name.replace('_', '-')}" for cls in (arg_utils.AsyncEngineArgs, cli_args.FrontendArgs) for f in dataclasses.fields(cls)}
