@@ -1,4 +1,4 @@
-"""marlin-pack: AWQ/GPTQ checkpoints converted offline into vLLM 0.33.0's Marlin layout.
+"""marlin-pack: AWQ/GPTQ/compressed-tensors checkpoints converted offline into vLLM's post-processed Marlin/Machete layouts.
 
 Importing this package never imports vLLM (nor torch, until an API that needs it is
 touched). Public API::

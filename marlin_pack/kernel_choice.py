@@ -1,4 +1,4 @@
-"""Which kernel's layout a bundle's layers take: vLLM 0.33.0's per-layer choice on the GPU the bundle is for.
+"""Which kernel's layout a bundle's layers take: vLLM's per-layer choice on the GPU the bundle is for.
 
 On SM90 (H100/H200) vLLM serves AWQ/GPTQ/compressed-tensors linears with ``MacheteLinearKernel`` where it
 implements the layer and with ``MarlinLinearKernel`` elsewhere; on other GPUs with Marlin. A bundle made
@@ -19,7 +19,7 @@ __all__ = ["machete_entry", "visible_gpu", "default_kernel", "parse_kernel"]
 
 
 def machete_entry(entry: LayerEntry, scheme: QuantScheme, dtype: torch.dtype) -> LayerEntry:
-    """``entry`` in Machete's layout where vLLM 0.33.0 on an SM90 GPU (default kernel settings) gives the layer to
+    """``entry`` in Machete's layout where vLLM on an SM90 GPU (default kernel settings) gives the layer to
     ``MacheteLinearKernel``; else as it is (Marlin, e.g. group size 32, or a per-rank shape Machete does not tile)."""
     ok, _ = machete_supports(
         capability=90, weight_type=scheme.weight_type.value, zero_points=scheme.zero_points, group_size=scheme.group_size,

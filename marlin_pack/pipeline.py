@@ -1,4 +1,4 @@
-"""Pipeline parallelism: which decoder layers each stage of a vLLM 0.33.0 engine builds (issue 51, groundwork).
+"""Pipeline parallelism: which decoder layers each stage of a vLLM engine builds, and which common tensors it loads.
 
 vLLM gives stage ``s`` of ``P`` the layers ``[start, end)`` of its partition of ``L`` decoder layers: an
 even split, with the remainder spread one layer each over the stages before the last, from the
@@ -8,7 +8,7 @@ bundle then needs only the layers of its stage. Pure: no vLLM import (checked ag
 ``get_pp_indices`` in the tests).
 
 Which common (unquantized) tensors a stage loads (:func:`stage_common`): a decoder layer's (its norms, a
-router) on the stage of that layer; the embedding, final norm and output head where vLLM 0.33.0's model
+router) on the stage of that layer; the embedding, final norm and output head where vLLM's model
 class builds them. Most classes build them on every stage (Gemma 2, Mixtral, Qwen3-MoE, ...: vLLM's
 loader fills them there, so every stage reads them); the classes in :data:`FIRST_LAST_STAGE` build the
 embedding only on the first stage (and on the last with tied embeddings, where some do), the norm and

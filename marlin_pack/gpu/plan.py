@@ -61,8 +61,8 @@ _HELPER_MIN_CORES = 8
 _STAGED = (8, 64 * _MIB)  # more or larger pinned buffers cost more to allocate than they gain
 _REGISTERED = (16, 256 * _MIB)
 _HELPER_THREADS, _HELPER_WINDOW, _HELPERS = 4, 256 * _MIB, 4
-# Direct reads: 8 threads x 2 buffers of 32 MiB (16 requests of 32 MiB in flight, as fast loaders keep on NVMe),
-# not yet measured on the H200's disk (issue 55).
+# Direct reads: 8 threads x 2 buffers of 32 MiB (16 requests of 32 MiB in flight, as fast loaders keep on NVMe);
+# on an H100's local disk a cold start read at the disk's rate with them (docs/performance.md, cold starts).
 _DIRECT = (8, 32 * _MIB)
 # Below this fraction of the rank file in the page cache, the copy reads it directly.
 COLD_BELOW = 0.5

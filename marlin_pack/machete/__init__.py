@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's Machete (SM90) weight layout, computed offline without the engine (issue 49).
+"""vLLM's Machete (SM90) weight layout, computed offline without the engine.
 
 :mod:`.layout` gives the tensors ``MacheteLinearKernel.process_weights_after_loading`` keeps
 (prepacked codes, scales, pre-scaled zero points); :mod:`.supports` says which layers vLLM gives

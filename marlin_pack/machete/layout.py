@@ -1,4 +1,4 @@
-"""The Machete prepacked weight layout of vLLM 0.33.0, computed on any device without the engine.
+"""vLLM's Machete prepacked weight layout, computed on any device without the engine.
 
 On Hopper (SM90) vLLM serves W4A16/W8A16 linears with ``MacheteLinearKernel``. Its
 ``process_weights_after_loading`` hands the weight, packed along K as an int32 ``[K/P, N]``

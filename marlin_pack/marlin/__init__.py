@@ -1,4 +1,4 @@
-"""The Marlin layout of vLLM 0.33.0, as pure functions over plain facts.
+"""vLLM's Marlin layout (the same in every release served), as pure functions over plain facts.
 
 ``sharding``: which checkpoint modules vLLM fuses into one layer and what each tensor-parallel
 rank holds of it. ``rank_tensors``: the tensors of one layer on one rank (their specs, how to

@@ -1,4 +1,4 @@
-"""Pure tensor functions: the Marlin layout of vLLM 0.33.0 (16-bit activations) and its inverse.
+"""Pure tensor functions: vLLM's Marlin layout (16-bit activations) and its inverse.
 
 Everything works on *codes*: unsigned integer weights ``[K, N]`` (uint8, 0..2^bits-1) in
 natural (input, output) order. Packing into int32 words relies on little-endian byte

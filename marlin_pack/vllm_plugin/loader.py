@@ -1,14 +1,18 @@
-"""``MarlinPrepackedLoader``: vLLM 0.33.0 model loader for ``--load-format marlin_prepacked``.
+"""``MarlinPrepackedLoader``: the vLLM model loader for ``--load-format marlin_prepacked``.
 
 Three steps, usable separately (the weight-cache daemon calls the first two itself):
 
 ``create_model``
     Validates the bundle against the engine (cheap, before any GPU allocation), then
-    builds the model with ``linear_backend_per_quant["mixed_precision"] = "marlin"``
-    on the engine's ``KernelConfig`` so every AWQ/GPTQ layer gets ``MarlinLinearKernel``
-    (on SM90 vLLM would pick Machete), and checks each quantized layer's kernel and
-    configuration against the manifest. The override stays set: the engine does run
-    Marlin, and vLLM's compile-cache hashes must not collide with a Machete run.
+    builds the model with the kernels the bundle's layouts are for, and checks each quantized
+    layer's kernel and configuration against the manifest. A bundle converted for SM90 (with
+    Machete layers) keeps vLLM's own per-layer choice: ``MacheteLinearKernel`` where it implements
+    the layer, ``MarlinLinearKernel`` elsewhere (off SM90 such a bundle is refused before this).
+    A Marlin bundle sets ``linear_backend_per_quant["mixed_precision"] = "marlin"`` on the engine's
+    ``KernelConfig`` so every AWQ/GPTQ/compressed-tensors layer gets ``MarlinLinearKernel``, on SM90
+    too, where one WARNING names what vLLM's default would have run on Machete. That override stays
+    set: the engine does run Marlin, and vLLM's compile-cache hashes must not collide with a Machete
+    run. Experts layers get the Marlin MoE backend.
 ``load_weights``
     Replaces each quantized layer's placeholder tensors with the rank file's tensors
     (new device tensors bound to the same Parameter objects), marks the
@@ -16,7 +20,7 @@ Three steps, usable separately (the weight-cache daemon calls the first two itse
     the model's own ``load_weights`` (sharding, stacking, tied embeddings).
 ``load_model``
     The engine path: both steps, vLLM's ``process_weights_after_loading`` (for the marked
-    layers only ``engine.finish_marlin_layer``), timings in one INFO line.
+    layers only ``engine.finish_layer``: Marlin's or Machete's finish), timings in one INFO line.
 
 With ``{"fallback": true}`` a bundle that does not fit is reported with a warning and the
 checkpoint is loaded by vLLM's ``DefaultModelLoader``; without it the load stops with a
@@ -273,7 +277,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
         return 0
 
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
-        """Build the model with Marlin forced for mixed-precision layers and check its layers."""
+        """Build the model with the kernels the bundle's layouts are for (Marlin forced for a Marlin bundle) and check its
+        layers."""
         patches.install()
         if self._is_draft(vllm_config, model_config):
             logger.info("marlin-pack: loading the draft model %s the ordinary way", model_config.model)

@@ -150,7 +150,7 @@ def _bundle_holds_machete(model_config: Any) -> bool:
     """Whether the model's bundle (at its default place: daemon and engine find the same one) holds Machete layers.
 
     Then daemon and engine both keep vLLM's own per-layer choice (Machete on SM90, whose processed tensors the
-    cache shares too); otherwise both force Marlin, as before. No bundle, or one that cannot be read: False.
+    cache shares too); otherwise both force Marlin. No bundle, or one that cannot be read: False.
     """
     from marlin_pack.sources.hub import locate_bundle
     from marlin_pack.vllm_plugin.decision import load_manifest
