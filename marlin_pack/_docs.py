@@ -57,7 +57,7 @@ def _layers(arch: Architecture) -> str:
 
 def architecture_table() -> str:
     """Markdown: one row per supported architecture, then the refused ones with vLLM's reason."""
-    header = ("| architecture (`config.json`) | vLLM 0.33.0 class | quantized layers (vLLM ← checkpoint) "
+    header = ("| architecture (`config.json`) | vLLM class | quantized layers (vLLM ← checkpoint) "
               "| decoder layers in checkpoint → in vLLM |")
     rows = [header, "|---|---|---|---|"]
     for a in ARCHITECTURES.values():

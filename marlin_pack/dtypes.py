@@ -1,4 +1,4 @@
-"""The serving dtype, as vLLM 0.33.0 reads ``--dtype``: the one normaliser every command and the converter use.
+"""The serving dtype, as vLLM reads ``--dtype``: the one normaliser every command and the converter use.
 
 ``vllm serve --dtype auto`` runs a checkpoint in its config's dtype where it is float16 or bfloat16
 (bfloat16 for float32 configs and for model types vLLM refuses float16 for); a bundle holds scales in
@@ -13,7 +13,7 @@ from marlin_pack.schemas import ServingDtype
 
 __all__ = ["VLLM_DTYPES", "FLOAT16_UNSUPPORTED_MODEL_TYPES", "default_serving_dtype", "serving_dtype_for"]
 
-# vLLM 0.33.0 refuses float16 for these model types (config/model.py _FLOAT16_NOT_SUPPORTED_MODELS).
+# vLLM refuses float16 for these model types (config/model.py _FLOAT16_NOT_SUPPORTED_MODELS).
 FLOAT16_UNSUPPORTED_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
 _FLOAT_CODES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
@@ -29,7 +29,7 @@ def _config_dtype(config: dict) -> str | None:
 
 
 def default_serving_dtype(config: dict, weight_dtypes: Iterable[str] = ()) -> ServingDtype:
-    """The dtype ``vllm serve --dtype auto`` (vLLM 0.33.0) runs a checkpoint in on a bfloat16-capable GPU.
+    """The dtype ``vllm serve --dtype auto`` (vLLM) runs a checkpoint in on a bfloat16-capable GPU.
 
     The config's dtype (``dtype`` or ``torch_dtype``; else the text or vision sub-config's) is kept
     if it is float16 or bfloat16 and the model type allows it; float32 (and anything else) becomes
@@ -50,7 +50,7 @@ def default_serving_dtype(config: dict, weight_dtypes: Iterable[str] = ()) -> Se
     return ServingDtype(found) if found in {d.value for d in ServingDtype} else ServingDtype.bfloat16
 
 
-# vLLM 0.33.0's --dtype words (ModelConfig.dtype) and the dtype each names; None: auto (from the config).
+# vLLM's --dtype words (ModelConfig.dtype) and the dtype each names; None: auto (from the config).
 VLLM_DTYPES: dict[str, str | None] = {
     "auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32",
 }
@@ -61,7 +61,7 @@ def serving_dtype_for(word: str | None, config: dict, weight_dtypes: Iterable[st
 
     ``word`` is read as vLLM reads ``--dtype`` (``auto`` or None: :func:`default_serving_dtype`; ``half`` is
     float16). Raises ValueError (one line, naming what to pass) for a word vLLM does not take, and for float32:
-    vLLM 0.33.0 serves AWQ, GPTQ and compressed-tensors WNA16 with 16-bit activations only.
+    vLLM serves AWQ, GPTQ and compressed-tensors WNA16 with 16-bit activations only.
     """
     key = "auto" if word is None else str(word).strip().lower()
     if key not in VLLM_DTYPES:
@@ -73,7 +73,7 @@ def serving_dtype_for(word: str | None, config: dict, weight_dtypes: Iterable[st
         return default_serving_dtype(config, weight_dtypes)
     if found == "float32":
         raise ValueError(
-            f"--dtype {word}: vLLM 0.33.0 serves these quantized layers with float16 or bfloat16 activations only; "
+            f"--dtype {word}: vLLM serves these quantized layers with float16 or bfloat16 activations only; "
             "pass --dtype auto, float16 or bfloat16"
         )
     return ServingDtype(found)

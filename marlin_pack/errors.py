@@ -37,7 +37,7 @@ class CheckpointError(MarlinPackError):
 
 
 class UnsupportedCheckpointError(MarlinPackError, ValueError):
-    """The checkpoint is valid but vLLM 0.33.0 would not serve it through Marlin."""
+    """The checkpoint is valid but vLLM would not serve it through Marlin."""
 
 
 # What to do where vLLM may still serve the checkpoint its own way: the end of such a refusal.

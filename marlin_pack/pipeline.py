@@ -27,7 +27,7 @@ __all__ = ["FIRST_LAST_STAGE", "PARTITION_ENV", "layer_index", "stage_common", "
 
 PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
 
-# vLLM 0.33.0 classes whose embedding is built on the first stage only (True: also on the last one when the
+# vLLM classes whose embedding is built on the first stage only (True: also on the last one when the
 # embeddings are tied, llama.py's `is_first_rank or (tie_word_embeddings and is_last_rank)`), whose final
 # norm and lm_head are built on the last stage only (PPMissingLayer elsewhere). Any other class: on every stage.
 FIRST_LAST_STAGE: dict[str, bool] = {

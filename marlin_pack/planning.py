@@ -57,7 +57,7 @@ def plan_conversion(
 ) -> ConversionPlan:
     """Validate everything that can be validated without reading tensor data.
 
-    ``kernel``: ``machete`` lays out each layer as vLLM 0.33.0 does on an SM90 GPU: Machete's layout where
+    ``kernel``: ``machete`` lays out each layer as vLLM does on an SM90 GPU: Machete's layout where
     Machete implements the layer (per rank), Marlin's where it does not
     (:func:`~marlin_pack.kernel_choice.machete_entry`).
 
@@ -71,7 +71,7 @@ def plan_conversion(
     if not plan.dims.arch.loads_lm_head and "lm_head.weight" in ckpt.tensors:
         name = plan.dims.architecture
         raise UnsupportedCheckpointError(
-            f"the checkpoint stores lm_head.weight, but vLLM 0.33.0's {name} has no lm_head (logits come from the "
+            f"the checkpoint stores lm_head.weight, but vLLM's {name} has no lm_head (logits come from the "
             f"embeddings) and refuses to load it; if it is a copy of the embeddings (GPTQModel saves one), remove it"
         )
     owned: set[str] = set()
@@ -164,7 +164,7 @@ def _missing_module(ckpt: Checkpoint, dims: ModelDims, module: str) -> None:
     if any(name not in known for name in instead):  # other modules stand where this one should
         raise UnsupportedCheckpointError(
             f"module {module} is not in the checkpoint, which has {', '.join(instead)} under {parent}: "
-            f"not the layout vLLM 0.33.0's {dims.arch.vllm_class.split('.')[-1]} loads for {dims.architecture}, "
+            f"not the layout vLLM's {dims.arch.vllm_class.split('.')[-1]} loads for {dims.architecture}, "
             "so vLLM cannot serve it either"
         )
     raise CheckpointError(
@@ -199,7 +199,7 @@ def _elsewhere(ckpt: Checkpoint, dims: ModelDims) -> None:
     if found:
         accepted = " or ".join(dims.arch.checkpoint_layers)
         raise UnsupportedCheckpointError(
-            f"the checkpoint's decoder layers are under {', '.join(found)}, but vLLM 0.33.0's "
+            f"the checkpoint's decoder layers are under {', '.join(found)}, but vLLM's "
             f"{dims.arch.vllm_class.split('.')[-1]} loads {dims.architecture}'s only from {accepted} "
             f"(its hf_to_vllm_mapper maps no other prefix to {dims.arch.layers}), so vLLM cannot serve it either"
         )

@@ -1,4 +1,4 @@
-"""Every tensor the converter writes equals what stock vLLM 0.33.0 holds, bit for bit.
+"""Every tensor the converter writes equals what stock vLLM holds, bit for bit.
 
 The reference is ``tests/oracles/vllm_reference.py``: vLLM's real layers, weight loaders and
 ``process_weights_after_loading`` on the CPU, with only the CUDA repack op replaced by

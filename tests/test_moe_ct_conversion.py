@@ -89,7 +89,7 @@ def test_ct_group_split_refused_like_vllm(tmp_path: Path) -> None:
     with pytest.raises(VllmRefusedError, match="No WNA16 MoE backend|divisible by group_size"):  # auto: none serves it
         reference_moe_rank_tensors(model, 4, 0, torch.float16, moe_backend="auto")
     with pytest.raises(UnsupportedCheckpointError, match=r"^experts: 96 intermediate features per rank at --tp 4 split a "
-                       r"quantization group of 64; vLLM 0.33.0's CompressedTensorsWNA16MoEMethod refuses it, choose a smaller --tp$"):
+                       r"quantization group of 64; vLLM's CompressedTensorsWNA16MoEMethod refuses it, choose a smaller --tp$"):
         convert(model, tp=(1, 4))
     assert not (model / "marlin-pack").exists()
 
@@ -108,7 +108,7 @@ def _edit_qc(model: Path, **changes) -> None:
 @pytest.mark.parametrize("changes,match", [
     ({"ignore": [*CT_IGNORE[Q3], "re:.*experts.*"]},
      (r"^compressed-tensors ignore/targets leave the experts of decoder layer 0 unquantized "
-      r"\(model\.layers\.0\.mlp\.experts\.0\.gate_proj\); vLLM 0.33.0 serves them with UnquantizedFusedMoEMethod")),
+      r"\(model\.layers\.0\.mlp\.experts\.0\.gate_proj\); vLLM serves them with UnquantizedFusedMoEMethod")),
     ({"ignore": [*CT_IGNORE[Q3], "re:.*experts.*gate_proj$"]},
      r"^compressed-tensors ignore/targets leave model\.layers\.0\.mlp\.experts\.0\.gate_proj unquantized but not its sibling"),
     ({"actorder": "group"}, r"actorder is 'group'"),
@@ -138,7 +138,7 @@ def test_ct_moe_cli_refusal_one_line_exit_1(tmp_path: Path) -> None:
 
 
 def _vllm_quantizes_experts(qc: dict, names: tuple[str, ...]) -> bool | str:
-    """vLLM 0.33.0's answer for one experts layer: get_scheme_dict of expert 0's names on a RoutedExperts module."""
+    """vLLM's answer for one experts layer: get_scheme_dict of expert 0's names on a RoutedExperts module."""
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
     config = CompressedTensorsConfig.from_config(json.loads(json.dumps(qc)))

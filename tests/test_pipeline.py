@@ -1,4 +1,4 @@
-"""``marlin_pack.pipeline``: each stage's decoder layers, as vLLM 0.33.0's own ``get_pp_indices`` decides them."""
+"""``marlin_pack.pipeline``: each stage's decoder layers, as vLLM's own ``get_pp_indices`` decides them."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ class HostMap:
     Not page-locked: a CUDA copy whose source crosses two ``cudaHostRegister`` ranges fails
     with "invalid argument" (seen on an H200), tensors sharing a page cannot be registered
     separately, and pinning one large tensor in a single call runs on one thread. The loader
-    copies large tensors with :class:`ParallelReader` instead. vLLM 0.33.0's weight loaders
+    copies large tensors with :class:`ParallelReader` instead. vLLM's weight loaders
     narrow and copy what they are fed, they never write into it.
     """
 

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
-# Older AutoGPTQ keeps the settings only here; vLLM 0.33.0 reads it (with --quantization gptq).
+# Older AutoGPTQ keeps the settings only here; vLLM reads it (with --quantization gptq).
 QUANTIZE_CONFIG_NAME = "quantize_config.json"
 # config.json and index files are small; anything larger is not one (and is not read whole).
 MAX_JSON_BYTES = 64 << 20
@@ -149,7 +149,7 @@ def _lower(qc: dict, key: str, default: str) -> str:
 def parse_quant_settings(qc: dict) -> QuantSettings:
     """The settings of a ``quantization_config`` that decide a bundle; everything else is dropped.
 
-    The one place that knows which keys matter and under which names: what vLLM 0.33.0's
+    The one place that knows which keys matter and under which names: what vLLM's
     ``AutoAWQConfig.from_config`` / ``AutoGPTQConfig.from_config`` and marlin-pack's readers
     read. Calibration data, paths, dates and tool versions are left out, so that they neither
     bloat the manifest nor make a bundle stale. Values are type-checked, not range-checked:
@@ -271,7 +271,7 @@ def quant_settings(model_dir: Path, config: dict) -> FoundSettings | None:
 
 
 def weight_files(model_dir: Path) -> list[str]:
-    """The weight files, as vLLM 0.33.0 finds them: those the index names if there is one (others, e.g.
+    """The weight files, as vLLM finds them: those the index names if there is one (others, e.g.
     Mistral's ``consolidated.safetensors``, are not part of the checkpoint), else every top-level one
     but hidden ones (vLLM's ``glob`` skips names starting with a dot).
 

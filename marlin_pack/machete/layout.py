@@ -47,7 +47,7 @@ BLOCK_SIZE = BLOCK_N * BLOCK_K
 
 ATOM_M = 2
 """Warpgroups of the tiled MMA along N (``AtomLayoutMNK = (ATOM_M,1,1)``): 2 for the cooperative
-schedule vLLM 0.33.0 instantiates. Set to 1 to switch every default to the alternative reading."""
+schedule vLLM instantiates. Set to 1 to switch every default to the alternative reading."""
 
 ATOM_M_CHOICES = (2, 1)
 

@@ -1,4 +1,4 @@
-"""Whether vLLM 0.33.0 serves a linear layer with ``MacheteLinearKernel``, from plain facts, without vLLM.
+"""Whether vLLM serves a linear layer with ``MacheteLinearKernel``, from plain facts, without vLLM.
 
 A bundle holds one post-processed layout per layer; on an SM90 GPU that layout is Machete's
 prepacked one for exactly the layers vLLM's ``choose_mp_linear_kernel`` gives to Machete. This
@@ -79,7 +79,7 @@ def machete_supports(
     linear_backend: str | None = "auto",
     linear_backend_per_quant: Mapping[str, str] | None = None,
 ) -> tuple[bool, str]:
-    """Whether vLLM 0.33.0 on a CUDA GPU of ``capability`` picks Machete for this layer, and why (not).
+    """Whether vLLM on a CUDA GPU of ``capability`` picks Machete for this layer, and why (not).
 
     ``weight_type`` is vLLM's scalar type name (``str(scalar_types.uint4b8)`` = ``"uint4b8"``);
     ``in_features``/``out_features`` are the per-rank partition sizes (fused width for qkv and
@@ -121,6 +121,6 @@ def machete_supports(
     if act_dtype not in MACHETE_ACT_DTYPES:
         return True, (
             f"{KERNEL_NAME} is picked, but machete_prepack_B has no variant for act dtype {act_dtype}: "
-            "vLLM 0.33.0 would fail to load this layer"
+            "vLLM would fail to load this layer"
         )
     return True, f"{KERNEL_NAME} is picked"

@@ -1,6 +1,6 @@
 """The per-rank tensors of one bundle layer in Machete's layout: specs, how to build them, how to read them back.
 
-What ``MacheteLinearKernel.process_weights_after_loading`` (vLLM 0.33.0) leaves on a layer, under the
+What ``MacheteLinearKernel.process_weights_after_loading`` (vLLM) leaves on a layer, under the
 parameter names vLLM's quant method gives it (:func:`~marlin_pack.marlin.rank_tensors.param_names`):
 
 - weight: ``machete_prepack_B`` of the codes packed along K, int32 ``[K*bits/32, N]`` row-major, its flat

@@ -1,4 +1,4 @@
-"""The supported architectures, as data: which checkpoint modules vLLM 0.33.0 fuses into which layer.
+"""The supported architectures, as data: which checkpoint modules vLLM fuses into which layer.
 
 Each :class:`Architecture` says, for one Hugging Face ``architectures[0]`` value, what vLLM's
 model class for it builds per decoder layer (``QKVParallelLinear``, ``MergedColumnParallelLinear``,
@@ -95,7 +95,7 @@ QWEN2_MOE_LINEARS = (
     _merged("mlp.shared_expert.gate_up_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
     _row("mlp.shared_expert.down_proj", "i"),
 )
-# InternLM2: wqkv is stored fused (grouped per KV head); vLLM 0.33.0 loads it as one QKV
+# InternLM2: wqkv is stored fused (grouped per KV head); vLLM loads it as one QKV
 # tensor cut into [q | k | v] column blocks and regroups the heads at run time (split_qkv).
 INTERNLM2_LINEARS = (
     _qkv("attention.wqkv", "attention.wqkv", "attention.wqkv", "attention.wqkv"),
@@ -104,7 +104,7 @@ INTERNLM2_LINEARS = (
     _row("feed_forward.w2", "i"),
 )
 
-# DeepSeek-V2/V3, as vLLM 0.33.0's DeepseekV2MLAAttention (the MLA path vLLM takes on CUDA) and
+# DeepSeek-V2/V3, as vLLM's DeepseekV2MLAAttention (the MLA path vLLM takes on CUDA) and
 # DeepseekV2MoE / DeepseekV2MLP build them; module order as vLLM registers them.
 MLA_ATTENTION_LINEARS = (  # q_lora_rank null (DeepSeek-V2-Lite)
     Linear("self_attn.kv_a_proj_with_mqa", LayerKind.replicated, "h", (Part("out", "kva", "self_attn.kv_a_proj_with_mqa"),)),
@@ -142,7 +142,7 @@ DEEPSEEK_MLA = MlaLayout(MLA_ATTENTION_LINEARS, MLA_Q_LORA_ATTENTION_LINEARS, DE
 
 # Where decoder layers live in multimodal checkpoints: transformers >= 4.52 writes
 # model.language_model.layers, older versions language_model.model.layers (Gemma 3, Mistral 3)
-# or model.layers (Qwen2-VL, Qwen2.5-VL). vLLM 0.33.0's hf_to_vllm_mapper of Qwen2-VL, Qwen2.5-VL
+# or model.layers (Qwen2-VL, Qwen2.5-VL). vLLM's hf_to_vllm_mapper of Qwen2-VL, Qwen2.5-VL
 # and Mistral 3 also maps "model." to "language_model.model." (Mistral 3: text-only PEFT/merged
 # names), so model.layers loads there too; Gemma 3's has no such rule and refuses it.
 _MM_PREFIXES = ("model.language_model.layers", "language_model.model.layers")
@@ -150,7 +150,7 @@ _MM_PREFIXES = ("model.language_model.layers", "language_model.model.layers")
 
 @dataclass(frozen=True)
 class Architecture:
-    """How vLLM 0.33.0's model class for one Hugging Face architecture lays out its quantized layers."""
+    """How vLLM's model class for one Hugging Face architecture lays out its quantized layers."""
 
     name: str  # config.json architectures[0]
     vllm_class: str  # vLLM's model class (module.Class), for docs and error messages
@@ -243,12 +243,12 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
-# Architectures users ask for that vLLM 0.33.0 does not serve through a fixed model class of its own.
+# Architectures users ask for that vLLM does not serve through a fixed model class of its own.
 UNSUPPORTED_ARCHITECTURES = {
-    "Olmo2ForCausalLM": "vLLM 0.33.0 serves it through its Transformers backend "
+    "Olmo2ForCausalLM": "vLLM serves it through its Transformers backend "
     "(models/registry.py _TRANSFORMERS_SUPPORTED_MODELS), whose layers are traced from the installed "
     "transformers at engine start (models/transformers/fuser.py), so there is no fixed layout to prepack",
-    "Starcoder2ForCausalLM": "vLLM 0.33.0 serves it through its Transformers backend "
+    "Starcoder2ForCausalLM": "vLLM serves it through its Transformers backend "
     "(models/registry.py _TRANSFORMERS_SUPPORTED_MODELS), whose layers are traced from the installed "
     "transformers at engine start (models/transformers/fuser.py), so there is no fixed layout to prepack",
 }

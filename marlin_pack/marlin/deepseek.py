@@ -1,4 +1,4 @@
-"""DeepSeek-V2 / V3 decoder layers as vLLM 0.33.0's ``models/deepseek_v2.py`` builds them from ``config.json``.
+"""DeepSeek-V2 / V3 decoder layers as vLLM's ``models/deepseek_v2.py`` builds them from ``config.json``.
 
 Both architectures are that module's ``DeepseekV2ForCausalLM`` code path (``DeepseekV3ForCausalLM``
 only subclasses it). Per decoder layer ``i`` vLLM builds:
@@ -64,7 +64,7 @@ def _optional(config: dict, arch: Architecture, key: str) -> int | None:
 
 
 def check_config(config: dict, arch: Architecture) -> None:
-    """Refuse the DeepSeek variants vLLM 0.33.0 does not build through the layout described here."""
+    """Refuse the DeepSeek variants vLLM does not build through the layout described here."""
     name = arch.name
     if "index_topk" in config:
         raise UnsupportedCheckpointError(
@@ -130,6 +130,6 @@ def check_tp(num_heads: int, tp: int, arch: Architecture) -> None:
     """vLLM asserts ``num_attention_heads % tp == 0`` for MLA (heads are never replicated)."""
     if num_heads % tp:
         raise UnsupportedCheckpointError(
-            f"{arch.name}: num_attention_heads ({num_heads}) is not divisible by --tp {tp}; vLLM 0.33.0's MLA "
+            f"{arch.name}: num_attention_heads ({num_heads}) is not divisible by --tp {tp}; vLLM's MLA "
             "attention splits whole heads, choose another --tp"
         )

@@ -1,6 +1,6 @@
-"""Mixture-of-experts layers: the stacked Marlin expert tensors vLLM 0.33.0 holds per rank.
+"""Mixture-of-experts layers: the stacked Marlin expert tensors vLLM holds per rank.
 
-vLLM 0.33.0 serves AWQ (GEMM, zero points) and symmetric GPTQ (4/8-bit) experts through
+vLLM serves AWQ (GEMM, zero points) and symmetric GPTQ (4/8-bit) experts through
 ``AutoAWQMoEMethod`` / ``AutoGPTQMoEMethod`` on the Marlin MoE backend (``--moe-backend
 marlin``; also what ``auto`` picks on SM90 without the optional ``humming`` package). With
 tensor parallelism and no expert parallelism every rank holds **all** experts and a slice of
@@ -75,7 +75,7 @@ _MARLIN_GROUPS = (-1, 32, 64, 128)
 
 @dataclass(frozen=True)
 class MoeParamNames:
-    """The parameter names of an experts layer after vLLM 0.33.0's Marlin MoE post-processing, per quant method."""
+    """The parameter names of an experts layer after vLLM's Marlin MoE post-processing, per quant method."""
 
     w13: str
     w2: str
@@ -108,7 +108,7 @@ class ExpertNaming:
     gate: str  # per-expert leaf names under f"{block}.experts.{e}"
     up: str
     down: str
-    why: str = ""  # how vLLM 0.33.0 loads it (docs)
+    why: str = ""  # how vLLM loads it (docs)
 
     def expert(self, layers: str, layer: int, expert: int) -> str:
         return f"{layers}.{layer}.{self.block}.experts.{expert}"
@@ -123,9 +123,9 @@ class ExpertNaming:
 
 @dataclass(frozen=True)
 class MoeArchitecture:
-    """Where one architecture's routed experts live, in the checkpoint and in vLLM 0.33.0.
+    """Where one architecture's routed experts live, in the checkpoint and in vLLM.
 
-    ``namings``: every checkpoint naming vLLM 0.33.0's model class loads into its experts (its
+    ``namings``: every checkpoint naming vLLM's model class loads into its experts (its
     ``hf_to_vllm_mapper`` and the ``RoutedExperts`` expert mapping built from ``ckpt_names``), the
     one transformers writes first. ``refused``: namings real quantizers write that vLLM does not
     load, each with the reason (:func:`expert_naming` names it instead of calling the checkpoint
@@ -150,12 +150,12 @@ _MIXTRAL_PROJ = ExpertNaming("block_sparse_moe", "gate_proj", "up_proj", "down_p
                              "MixtralModel.hf_to_vllm_mapper renames .gate_proj./.up_proj./.down_proj. to .w1./.w3./.w2.")
 _MLP_W = ExpertNaming("mlp", "w1", "w3", "w2")
 _TF5_MIXTRAL = (
-    "transformers 5's module names (GPTQModel 7 writes them); vLLM 0.33.0's MixtralForCausalLM loads "
+    "transformers 5's module names (GPTQModel 7 writes them); vLLM's MixtralForCausalLM loads "
     "block_sparse_moe.experts.N.{w1,w3,w2} or {gate_proj,up_proj,down_proj} (its hf_to_vllm_mapper renames the "
     "projections, not mlp to block_sparse_moe) and stock vLLM refuses this checkpoint; rename mlp. to "
     "block_sparse_moe. in the tensor names"
 )
-_W_NAMES = ("vLLM 0.33.0's {cls} loads experts as mlp.experts.N.{{gate_proj,up_proj,down_proj}} only (no mapping from "
+_W_NAMES = ("vLLM's {cls} loads experts as mlp.experts.N.{{gate_proj,up_proj,down_proj}} only (no mapping from "
             "w1/w3/w2); rename them to gate_proj/up_proj/down_proj")
 
 
@@ -192,7 +192,7 @@ def expert_naming(arch: MoeArchitecture, names: Iterable[str], layers: str, laye
     """The naming of decoder layer ``layer``'s experts in a checkpoint holding tensors ``names``.
 
     Raises:
-        UnsupportedCheckpointError: a naming vLLM 0.33.0 does not load (naming why), fused expert
+        UnsupportedCheckpointError: a naming vLLM does not load (naming why), fused expert
             tensors, or more than one naming in one layer.
     """
     here = f"{layers}.{layer}."
@@ -209,7 +209,7 @@ def expert_naming(arch: MoeArchitecture, names: Iterable[str], layers: str, laye
                      None)
         if fused is not None:
             raise UnsupportedCheckpointError(
-                f"{fused}: fused expert tensors (gate and up in one module) are not supported; vLLM 0.33.0 splits them as "
+                f"{fused}: fused expert tensors (gate and up in one module) are not supported; vLLM splits them as "
                 f"unquantized weights; marlin-pack converts one module per expert and projection ({arch.namings[0].describe()})"
             )
     found = [n for n in arch.namings if present(n)]
@@ -251,17 +251,17 @@ class MoeRankShape:
 
 def moe_rank_shape(num_experts: int, hidden: int, intermediate: int, tp: int, scheme: QuantScheme, awq: bool,
                    ct: bool = False) -> MoeRankShape:
-    """The shapes of an experts layer at ``--tp tp``; refuses what vLLM 0.33.0 would not run on Marlin MoE
+    """The shapes of an experts layer at ``--tp tp``; refuses what vLLM would not run on Marlin MoE
     (``ct``: compressed-tensors experts, whose method refuses a group split across ranks outright)."""
     g = scheme.group_size
     if g not in _MARLIN_GROUPS:
         raise UnsupportedCheckpointError(f"experts: group_size {g} is not one of {_MARLIN_GROUPS} (Marlin MoE); {SERVE_WITHOUT}")
     if awq and g == -1:
-        raise UnsupportedCheckpointError("experts: AWQ with group_size -1 cannot be loaded by vLLM 0.33.0's AutoAWQMoEMethod; "
+        raise UnsupportedCheckpointError("experts: AWQ with group_size -1 cannot be loaded by vLLM's AutoAWQMoEMethod; "
                                          "quantize with group size 32, 64 or 128")
     if hidden % 128:
         raise UnsupportedCheckpointError(
-            f"experts: hidden_size {hidden} is not a multiple of 128; vLLM 0.33.0's Marlin MoE refuses it; {SERVE_WITHOUT}"
+            f"experts: hidden_size {hidden} is not a multiple of 128; vLLM's Marlin MoE refuses it; {SERVE_WITHOUT}"
         )
     if intermediate % tp:
         raise UnsupportedCheckpointError(
@@ -271,12 +271,12 @@ def moe_rank_shape(num_experts: int, hidden: int, intermediate: int, tp: int, sc
     if g > 0 and i_part % g and ct:
         raise UnsupportedCheckpointError(
             f"experts: {i_part} intermediate features per rank at --tp {tp} split a quantization group of {g}; "
-            "vLLM 0.33.0's CompressedTensorsWNA16MoEMethod refuses it, choose a smaller --tp"
+            "vLLM's CompressedTensorsWNA16MoEMethod refuses it, choose a smaller --tp"
         )
     if g > 0 and i_part % g:
         raise UnsupportedCheckpointError(
             f"experts: {i_part} intermediate features per rank at --tp {tp} split a quantization group of {g}; "
-            "vLLM 0.33.0 would use its MoeWNA16 kernels, not Marlin, choose a smaller --tp"
+            "vLLM would use its MoeWNA16 kernels, not Marlin, choose a smaller --tp"
         )
     per_word = 8 if awq else 32 // scheme.bits
     if i_part % per_word:

@@ -27,7 +27,7 @@ TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
 
 
 class ParamNames(NamedTuple):
-    """vLLM 0.33.0's parameter names of one quant method's Marlin layers (as the kernel's
+    """vLLM's parameter names of one quant method's Marlin layers (as the kernel's
     ``w_q_name``/``w_s_name``/``w_zp_name``), plus parameters it keeps untouched."""
 
     weight: str

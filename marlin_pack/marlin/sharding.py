@@ -333,7 +333,7 @@ def rank_slices(spec: LayerSpec, d: ModelDims, tp: int, rank: int) -> list[RankS
 
 
 def layer_entry(spec: LayerSpec, d: ModelDims, tp: int, group_size: int, awq: bool, has_bias: bool, bits: int = 4) -> LayerEntry:
-    """Per-rank shapes of a layer; refuses shards Marlin in vLLM 0.33.0 would not take."""
+    """Per-rank shapes of a layer; refuses shards Marlin in vLLM would not take."""
     if d.arch.mla is not None:
         from marlin_pack.marlin.deepseek import check_tp
 
@@ -345,12 +345,12 @@ def layer_entry(spec: LayerSpec, d: ModelDims, tp: int, group_size: int, awq: bo
     if group_size != -1 and group_size < full_k and size_k % group_size:
         raise UnsupportedCheckpointError(
             f"{spec.name}: {size_k} input features per rank at --tp {tp} split a quantization group of {group_size}; "
-            "vLLM 0.33.0 cannot serve this layer with Marlin, choose a smaller --tp"
+            "vLLM cannot serve this layer with Marlin, choose a smaller --tp"
         )
     if spec.kind is LayerKind.row and tp > 1 and (group_size >= full_k or (group_size == -1 and awq)):
         raise UnsupportedCheckpointError(
             f"{spec.name}: group_size {group_size} leaves no whole group per rank at --tp {tp} "
-            f"(vLLM 0.33.0 allocates zero scale rows there); use --tp 1"
+            f"(vLLM allocates zero scale rows there); use --tp 1"
         )
     per_word = 32 // bits  # vLLM packs (or, for AWQ, repacks) input rows this many per int32
     if spec.kind is LayerKind.row and size_k % per_word:

@@ -32,7 +32,7 @@ def source_for(settings: QuantSettings) -> QuantSource:
     """Pick and validate the reader for a checkpoint's quantization settings.
 
     Raises:
-        UnsupportedCheckpointError: a scheme vLLM 0.33.0 does not serve through Marlin.
+        UnsupportedCheckpointError: a scheme vLLM does not serve through Marlin.
     """
     if isinstance(settings, AwqSettings):
         return AwqGemmSource.from_settings(settings)
@@ -45,7 +45,7 @@ def source_from_quant_config(qc: dict | None) -> QuantSource:
     """Pick and validate the reader for a checkpoint's ``quantization_config``.
 
     Raises:
-        UnsupportedCheckpointError: not quantized, or a scheme vLLM 0.33.0 does not
+        UnsupportedCheckpointError: not quantized, or a scheme vLLM does not
             serve through Marlin.
     """
     if qc is None:

@@ -32,27 +32,27 @@ class AwqGemmSource:
 
     @classmethod
     def from_settings(cls, s: AwqSettings) -> AwqGemmSource:
-        """The reader for these settings, or a one-line refusal if vLLM 0.33.0 would not serve them through Marlin."""
+        """The reader for these settings, or a one-line refusal if vLLM would not serve them through Marlin."""
         if s.bits != 4:
-            raise UnsupportedCheckpointError(f"AWQ bits is {s.bits!r}, expected 4: vLLM 0.33.0 serves only 4-bit AWQ through Marlin")
+            raise UnsupportedCheckpointError(f"AWQ bits is {s.bits!r}, expected 4: vLLM serves only 4-bit AWQ through Marlin")
         if s.version != "gemm":
             raise UnsupportedCheckpointError(
                 f"AWQ version is {s.version!r}, expected 'gemm'; re-export the model with AutoAWQ's GEMM kernel"
             )
         if s.zero_point is not True:
             raise UnsupportedCheckpointError(
-                f"AWQ zero_point is {s.zero_point!r}, expected true: vLLM 0.33.0 does not run AWQ without zero points on Marlin"
+                f"AWQ zero_point is {s.zero_point!r}, expected true: vLLM does not run AWQ without zero points on Marlin"
             )
         if s.dynamic:
             raise UnsupportedCheckpointError(
-                "AWQ 'dynamic' per-module overrides (written by GPTQModel): vLLM 0.33.0's AutoAWQ ignores them and "
+                "AWQ 'dynamic' per-module overrides (written by GPTQModel): vLLM's AutoAWQ ignores them and "
                 "cannot load such a checkpoint; use a uniform checkpoint"
             )
         return cls(check_group_size(s.group_size, "AWQ"), tuple(s.modules_to_not_convert))
 
     def check_layer(self, name: str, quantized: bool, *, ckpt: Checkpoint | None = None, parts: tuple[str, ...] = (),
                     modules: tuple[str, ...] = ()) -> None:
-        """Refuse a layer whose stored form contradicts what ``modules_to_not_convert`` makes of it in vLLM 0.33.0.
+        """Refuse a layer whose stored form contradicts what ``modules_to_not_convert`` makes of it in vLLM.
 
         ``parts`` are vLLM's names of a fused layer's parts and ``modules`` the checkpoint modules
         it is read from (entries may be written in either naming).
@@ -68,12 +68,12 @@ class AwqGemmSource:
         if quantized and hit is not None:
             where = "modules_to_not_convert entry" if self.modules_to_not_convert else "unquantized checkpoint module"
             raise UnsupportedCheckpointError(
-                f"AWQ {where} {hit!r} is a substring of {name}, so vLLM 0.33.0 leaves it unquantized, but the checkpoint "
+                f"AWQ {where} {hit!r} is a substring of {name}, so vLLM leaves it unquantized, but the checkpoint "
                 "stores it quantized; vLLM could not load it either, fix modules_to_not_convert"
             )
         if not quantized and hit is None and self.modules_to_not_convert and _first_hit_any(modules, entries) is None:
             raise UnsupportedCheckpointError(
-                f"{name} is stored unquantized, but no AWQ modules_to_not_convert entry matches it, so vLLM 0.33.0 would "
+                f"{name} is stored unquantized, but no AWQ modules_to_not_convert entry matches it, so vLLM would "
                 "expect it quantized and could not load it; add it to modules_to_not_convert"
             )
 

@@ -1,4 +1,4 @@
-"""Which layers vLLM 0.33.0's AutoAWQ leaves unquantized (``modules_to_not_convert``).
+"""Which layers vLLM's AutoAWQ leaves unquantized (``modules_to_not_convert``).
 
 vLLM matches the list as *substrings* of its own layer names (``is_layer_skipped(...,
 match_mode="substring")``): a fused layer is skipped when an entry is in its own name, else
@@ -45,7 +45,7 @@ def skipping_entry(name: str, parts: Sequence[str], entries: Sequence[str]) -> s
 
     Raises:
         UnsupportedCheckpointError: the entries skip some parts of a fused layer but not all,
-            which vLLM 0.33.0 refuses at start-up.
+            which vLLM refuses at start-up.
     """
     hit = _first_hit(name, entries)
     if hit is not None or not parts:
@@ -55,7 +55,7 @@ def skipping_entry(name: str, parts: Sequence[str], entries: Sequence[str]) -> s
         skipped = next(p for p, h in zip(parts, hits, strict=True) if h is not None)
         kept = next(p for p, h in zip(parts, hits, strict=True) if h is None)
         raise UnsupportedCheckpointError(
-            f"AWQ modules_to_not_convert leaves {skipped} unquantized but not {kept}, which vLLM 0.33.0 fuses into {name} "
+            f"AWQ modules_to_not_convert leaves {skipped} unquantized but not {kept}, which vLLM fuses into {name} "
             "and refuses to mix; list all parts of the fused layer or none"
         )
     return hits[0]

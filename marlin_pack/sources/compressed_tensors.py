@@ -4,7 +4,7 @@ Per linear: ``weight_packed`` int32 ``[N, K/P]`` packed along K (value ``i`` of 
 ``bits*i``, stored ``+2**(bits-1)``, so codes read like GPTQ's), ``weight_scale`` ``[N, G]``,
 ``weight_shape`` ``[2]`` (the unpacked ``[N, K]``) and, for asymmetric schemes,
 ``weight_zero_point`` int32 ``[N/P, G]`` packed along N (also stored ``+2**(bits-1)``).
-vLLM 0.33.0 serves them with ``CompressedTensorsWNA16`` through ``choose_mp_linear_kernel``;
+vLLM serves them with ``CompressedTensorsWNA16`` through ``choose_mp_linear_kernel``;
 on Marlin: 4-bit symmetric (uint4b8), 8-bit symmetric (uint8b128), 4-bit with zero points
 (uint4), group sizes -1 (channel), 32, 64, 128; ``actorder`` group/dynamic is refused by vLLM.
 """
@@ -91,10 +91,10 @@ class CompressedTensorsSource:
 
     @classmethod
     def from_settings(cls, s: CompressedTensorsSettings) -> CompressedTensorsSource:
-        """The reader for these settings, or a one-line refusal naming the setting vLLM 0.33.0 would not serve on Marlin."""
+        """The reader for these settings, or a one-line refusal naming the setting vLLM would not serve on Marlin."""
         if s.sparsity:
             raise UnsupportedCheckpointError(
-                "compressed-tensors sparsity_config has targets: vLLM 0.33.0 removed sparsity support and refuses the checkpoint"
+                "compressed-tensors sparsity_config has targets: vLLM removed sparsity support and refuses the checkpoint"
             )
         if s.transform:
             raise UnsupportedCheckpointError(
@@ -123,7 +123,7 @@ class CompressedTensorsSource:
         return [t for g in self.settings.config_groups.values() if g.weights is not None for t in g.targets]
 
     def vllm_quantizes(self, name: str, class_name: str = "Linear", extra_targets: tuple[str, ...] = ()) -> bool:
-        """Whether vLLM 0.33.0 gives the layer (vLLM's name) a compressed-tensors scheme.
+        """Whether vLLM gives the layer (vLLM's name) a compressed-tensors scheme.
 
         As ``CompressedTensorsConfig.get_scheme_dict``: the ``ignore`` list (every shard of a fused
         layer must match), then ``targets`` by name or regex, by all shards, or contained in the
@@ -141,7 +141,7 @@ class CompressedTensorsSource:
             if any(hits):
                 raise UnsupportedCheckpointError(
                     f"compressed-tensors ignore leaves some shards of {name} unquantized but not others; "
-                    "vLLM 0.33.0 requires one scheme for all shards of a fused layer and refuses the checkpoint"
+                    "vLLM requires one scheme for all shards of a fused layer and refuses the checkpoint"
                 )
         targets = [*self._targets(), *extra_targets]
         if any(_match(name, t) for t in targets):
@@ -151,7 +151,7 @@ class CompressedTensorsSource:
         return any(_match(class_name, t, contains=True) for t in targets)
 
     def vllm_quantizes_experts(self, names: tuple[str, ...]) -> bool:
-        """Whether vLLM 0.33.0 quantizes an experts layer, as ``CompressedTensorsMoEMethod.get_moe_method`` decides.
+        """Whether vLLM quantizes an experts layer, as ``CompressedTensorsMoEMethod.get_moe_method`` decides.
 
         ``names``: vLLM's names of expert 0's gate, up and down projections (``{experts}.0.{leaf}``),
         each looked up like a linear of class ``RoutedExperts`` (which a ``Linear`` target also
@@ -166,7 +166,7 @@ class CompressedTensorsSource:
             ignored = next(n for n, q in answers.items() if not q)
             raise UnsupportedCheckpointError(
                 f"compressed-tensors ignore/targets leave {ignored} unquantized but not its sibling expert projections; "
-                "vLLM 0.33.0 requires one scheme for all MoE projections and refuses the checkpoint"
+                "vLLM requires one scheme for all MoE projections and refuses the checkpoint"
             )
         return next(iter(answers.values()))
 
@@ -178,7 +178,7 @@ class CompressedTensorsSource:
             stored = "quantized" if quantized else "unquantized"
             served = "quantized" if wanted else "unquantized"
             raise UnsupportedCheckpointError(
-                f"compressed-tensors ignore/targets make {name} {served} in vLLM 0.33.0, but the checkpoint stores it "
+                f"compressed-tensors ignore/targets make {name} {served} in vLLM, but the checkpoint stores it "
                 f"{stored}; vLLM could not load it either, fix the config or the checkpoint"
             )
 
@@ -205,7 +205,7 @@ class CompressedTensorsSource:
             expect(ckpt, f"{prefix}.weight_zero_point", (size_n // per_word, g), (torch.int32,))
         if f"{prefix}.weight_g_idx" in ckpt.tensors:
             raise UnsupportedCheckpointError(
-                f"{prefix}.weight_g_idx is stored (group activation ordering): vLLM 0.33.0 no longer supports "
+                f"{prefix}.weight_g_idx is stored (group activation ordering): vLLM no longer supports "
                 "compressed-tensors group/dynamic activation ordering"
             )
 
@@ -237,43 +237,43 @@ def _describe(bits: int, group_size: int, symmetric: bool) -> str:
 
 
 def _check_group(name: str, w: CompressedTensorsWeights, fmt: str | None, input_act: bool, output_act: bool) -> tuple[int, int, bool]:
-    """(bits, group_size, symmetric) of one config group, or the refusal vLLM 0.33.0's Marlin path implies."""
+    """(bits, group_size, symmetric) of one config group, or the refusal vLLM's Marlin path implies."""
     where = f"compressed-tensors config_groups[{name!r}]"
     if input_act or output_act:
         which = "input_activations" if input_act else "output_activations"
         raise UnsupportedCheckpointError(
-            f"{where} quantizes {which}: not a weight-only (WNA16) scheme, vLLM 0.33.0 serves it with another "
+            f"{where} quantizes {which}: not a weight-only (WNA16) scheme, vLLM serves it with another "
             "scheme than Marlin; marlin-pack converts weight-only int schemes"
         )
     if w.type != "int":
         raise UnsupportedCheckpointError(
-            f"{where} weights type is {w.type!r}, expected 'int': vLLM 0.33.0 serves float weights with other kernels"
+            f"{where} weights type is {w.type!r}, expected 'int': vLLM serves float weights with other kernels"
         )
     if fmt != _PACK_FORMAT:
         raise UnsupportedCheckpointError(
-            f"{where} format is {fmt!r}, expected {_PACK_FORMAT!r}: vLLM 0.33.0 uses CompressedTensorsWNA16 (Marlin) only "
+            f"{where} format is {fmt!r}, expected {_PACK_FORMAT!r}: vLLM uses CompressedTensorsWNA16 (Marlin) only "
             "for pack-quantized weights"
         )
     if w.dynamic:
-        raise UnsupportedCheckpointError(f"{where} weights dynamic is true: vLLM 0.33.0 has no dynamic weight-only scheme; {SERVE_WITHOUT}")
+        raise UnsupportedCheckpointError(f"{where} weights dynamic is true: vLLM has no dynamic weight-only scheme; {SERVE_WITHOUT}")
     if w.actorder == "group":
         raise UnsupportedCheckpointError(
-            f"{where} actorder is 'group' (or 'dynamic'/true): vLLM 0.33.0 no longer supports compressed-tensors "
+            f"{where} actorder is 'group' (or 'dynamic'/true): vLLM no longer supports compressed-tensors "
             "group/dynamic activation ordering; use a checkpoint with static (weight) activation ordering or none"
         )
     if w.strategy not in ("channel", "group"):
         raise UnsupportedCheckpointError(
-            f"{where} weights strategy is {w.strategy!r}, expected 'channel' or 'group' (vLLM 0.33.0's WNA16 scheme); "
+            f"{where} weights strategy is {w.strategy!r}, expected 'channel' or 'group' (vLLM's WNA16 scheme); "
             f"{SERVE_WITHOUT}"
         )
     if w.num_bits not in (4, 8):
         raise UnsupportedCheckpointError(
-            f"{where} num_bits is {w.num_bits!r}, expected 4 or 8: vLLM 0.33.0's Marlin runs only 4- and 8-bit weights; "
+            f"{where} num_bits is {w.num_bits!r}, expected 4 or 8: vLLM's Marlin runs only 4- and 8-bit weights; "
             f"{SERVE_WITHOUT}"
         )
     if w.symmetric is False and w.num_bits != 4:
         raise UnsupportedCheckpointError(
-            f"{where} is {w.num_bits}-bit asymmetric: vLLM 0.33.0's Marlin runs zero points only for 4-bit (uint4); "
+            f"{where} is {w.num_bits}-bit asymmetric: vLLM's Marlin runs zero points only for 4-bit (uint4); "
             f"{SERVE_WITHOUT}"
         )
     if w.strategy == "channel":

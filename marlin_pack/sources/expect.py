@@ -40,7 +40,7 @@ def check_group_size(group_size: object, where: str) -> int:
     if isinstance(group_size, bool) or group_size not in SUPPORTED_GROUP_SIZES:
         accepted = ", ".join(map(str, SUPPORTED_GROUP_SIZES))
         raise UnsupportedCheckpointError(
-            f"{where} group_size is {group_size!r}, expected one of {accepted} (Marlin's group sizes in vLLM 0.33.0); "
+            f"{where} group_size is {group_size!r}, expected one of {accepted} (Marlin's group sizes in vLLM); "
             f"{SERVE_WITHOUT}"
         )
     return int(group_size)  # type: ignore[call-overload]
@@ -60,7 +60,7 @@ def check_regex(pattern: str, setting: str) -> re.Pattern[str]:
     """A regular expression from a quantization config, compiled; else a one-line refusal naming ``setting``
     (the config entry that holds it, e.g. ``GPTQ dynamic rule '-:('``).
 
-    vLLM 0.33.0 matches these patterns (compressed-tensors ``re:`` targets and ignore entries,
+    vLLM matches these patterns (compressed-tensors ``re:`` targets and ignore entries,
     GPTQModel ``dynamic`` rules) with ``re.match``; one that does not compile would stop vLLM
     too, so it is bad input, never an internal error.
     """

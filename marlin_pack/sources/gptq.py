@@ -19,7 +19,7 @@ __all__ = ["GptqV1Source"]
 class GptqV1Source:
     """Reader for ``quant_method: gptq``, ``sym: true``, bits 4 or 8, no act-order groups.
 
-    vLLM 0.33.0 ignores GPTQ ``qzeros`` (the weight type carries the symmetric zero)
+    vLLM ignores GPTQ ``qzeros`` (the weight type carries the symmetric zero)
     and drops ``g_idx``; both are checked to be what that assumes, so a checkpoint that
     vLLM would silently serve wrong is refused instead.
     """
@@ -45,18 +45,18 @@ class GptqV1Source:
 
     @classmethod
     def from_settings(cls, s: GptqSettings) -> GptqV1Source:
-        """The reader for these settings, or a one-line refusal if vLLM 0.33.0 would not serve them through Marlin."""
+        """The reader for these settings, or a one-line refusal if vLLM would not serve them through Marlin."""
         if s.bits not in (4, 8):
-            raise UnsupportedCheckpointError(f"GPTQ bits is {s.bits!r}, expected 4 or 8 (vLLM 0.33.0 Marlin); {SERVE_WITHOUT}")
+            raise UnsupportedCheckpointError(f"GPTQ bits is {s.bits!r}, expected 4 or 8 (vLLM Marlin); {SERVE_WITHOUT}")
         if s.sym is not True:
             raise UnsupportedCheckpointError(
-                f"GPTQ sym is {s.sym!r}, expected true: vLLM 0.33.0 does not serve asymmetric GPTQ; use a symmetric checkpoint"
+                f"GPTQ sym is {s.sym!r}, expected true: vLLM does not serve asymmetric GPTQ; use a symmetric checkpoint"
             )
         gs = check_group_size(s.group_size, "GPTQ")
         if s.desc_act and gs != -1:
             raise UnsupportedCheckpointError(
                 "GPTQ desc_act is true with group_size "
-                f"{gs}: vLLM 0.33.0 no longer supports act-order groups; use a checkpoint quantized with desc_act=false"
+                f"{gs}: vLLM no longer supports act-order groups; use a checkpoint quantized with desc_act=false"
             )
         if s.lm_head:  # GPTQModel writes a quantized lm_head as a dynamic override too: name the cause
             raise UnsupportedCheckpointError(
@@ -74,13 +74,13 @@ class GptqV1Source:
                     modules: tuple[str, ...] = ()) -> None:
         """Refuse a quantized layer that a ``dynamic`` exclusion ('-:REGEX') leaves unquantized in vLLM.
 
-        ``name`` is vLLM's layer name, which is what vLLM 0.33.0 matches the rules against (the
+        ``name`` is vLLM's layer name, which is what vLLM matches the rules against (the
         first matching rule decides).
         """
         rule = next((p for p in self.dynamic if re.match(p.removeprefix("-:").removeprefix("+:"), name)), None)
         if quantized and rule is not None and rule.startswith("-:"):
             raise UnsupportedCheckpointError(
-                f"GPTQ dynamic rule {rule!r} leaves {name} unquantized in vLLM 0.33.0, but the checkpoint stores it "
+                f"GPTQ dynamic rule {rule!r} leaves {name} unquantized in vLLM, but the checkpoint stores it "
                 "quantized; vLLM could not load it either, fix the rule or the checkpoint"
             )
 
@@ -117,7 +117,7 @@ class GptqV1Source:
                 ok = torch.equal(g_idx.long(), torch.arange(size_k, device=device) // self.group_size)
             if not ok:
                 raise UnsupportedCheckpointError(
-                    f"{prefix}.g_idx reorders input channels (act-order); vLLM 0.33.0 drops g_idx and would serve it wrong"
+                    f"{prefix}.g_idx reorders input channels (act-order); vLLM drops g_idx and would serve it wrong"
                 )
 
     def read(self, ckpt: Checkpoint, prefix: str, size_k: int, size_n: int, device: torch.device) -> ModuleTensors:
@@ -131,7 +131,7 @@ class GptqV1Source:
         )
 
 
-# dynamic override keys vLLM 0.33.0 applies per layer (gptq_utils.override_config).
+# dynamic override keys vLLM applies per layer (gptq_utils.override_config).
 _OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")
 
 

@@ -351,7 +351,7 @@ def write_gptq_checkpoint(out_dir: str | Path, shape: ModelShape, *, bits: int =
     Args:
         out_dir: directory to write (created if missing).
         shape: model dimensions, e.g. ``PRESETS["tiny"]``.
-        bits: 2, 4 or 8 (vLLM 0.33.0 serves 4 and 8, symmetric only).
+        bits: 2, 4 or 8 (vLLM serves 4 and 8, symmetric only).
         group_size: quantization group size along K, or -1 for one group per column.
         desc_act: write an act-order ``g_idx`` (a random permutation of the static one).
         sym: zero points ``2**(bits-1)``; False draws random zero points.
@@ -401,7 +401,7 @@ def write_compressed_tensors_checkpoint(out_dir: str | Path, shape: ModelShape, 
     ``[N/P, G]`` packed along N.
 
     Args:
-        bits: 4 or 8 (vLLM 0.33.0's Marlin: 4 and 8 symmetric, 4 asymmetric).
+        bits: 4 or 8 (vLLM's Marlin: 4 and 8 symmetric, 4 asymmetric).
         group_size: group size along K, or -1 for channel-wise (strategy ``channel``).
         symmetric: False writes random zero points.
         out_dir, shape, dtype, seed, max_shard_bytes, device, tokenizer, progress: as in `write_awq_checkpoint`.

@@ -85,7 +85,7 @@ DEEPSEEK_PRESETS: dict[str, DeepseekShape] = {
 
 
 def _config(shape: DeepseekShape, qc: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """config.json as transformers' DeepseekV2Config saves it (the keys vLLM 0.33.0 reads)."""
+    """config.json as transformers' DeepseekV2Config saves it (the keys vLLM reads)."""
     return {
         **base_config(shape, qc, dtype, architecture="DeepseekV2ForCausalLM", model_type="deepseek_v2", dtype_key="dtype"),
         "intermediate_size": shape.intermediate_size, "moe_intermediate_size": shape.moe_intermediate_size,

@@ -1,4 +1,4 @@
-"""Where a rank's experts come from when vLLM 0.33.0 does not shard them as its attention: expert parallelism, and
+"""Where a rank's experts come from when vLLM does not shard them as its attention: expert parallelism, and
 data-parallel replicas.
 
 vLLM builds each fused experts layer with ``FusedMoEParallelConfig.make`` (``fused_moe/config.py``): it flattens
@@ -43,7 +43,7 @@ _SEQUENCE_PARALLEL_MOE = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 @dataclass(frozen=True)
 class MoeRanks:
-    """How vLLM 0.33.0 shards the experts layers on one GPU (``FusedMoEParallelConfig``'s sizes and ranks)."""
+    """How vLLM shards the experts layers on one GPU (``FusedMoEParallelConfig``'s sizes and ranks)."""
 
     tp_size: int  # the experts' tensor-parallel size (1 with expert parallelism)
     tp_rank: int
@@ -68,7 +68,7 @@ def moe_ranks(tp_size: int, tp_rank: int, dp_size: int, dp_rank: int, expert_par
 
 def placement(requested: str, *, ep_size: int, num_expert_group: int | None, dp_size: int, all2all_backend: str,
               pcp_size: int = 1) -> str:
-    """The placement vLLM 0.33.0 uses (``determine_expert_placement_strategy`` and
+    """The placement vLLM uses (``determine_expert_placement_strategy`` and
     ``ExpertMapManager._determine_placement_strategy``): ``round_robin`` only for a model routing over several
     expert groups (DeepSeek's ``n_group`` > 1; EPLB is not available to AWQ/GPTQ experts), and across data-parallel
     replicas (its all2all kernels) only with the DeepEP low-latency or NIXL EP backend; else ``linear``."""
@@ -177,7 +177,7 @@ def check_experts_source(manifest: Manifest, model: str, *, architecture: str, t
     if expert_parallel and tp_size > 1 and dp_size > 1 and architecture in _SEQUENCE_PARALLEL_MOE:
         raise BundleMismatchError(
             field, f"{architecture} with --enable-expert-parallel at --tensor-parallel-size {tp_size} x --data-parallel-size "
-            f"{dp_size}: vLLM 0.33.0 builds its shared experts unsharded there (DeepseekV2MoE, disable_tp="
+            f"{dp_size}: vLLM builds its shared experts unsharded there (DeepseekV2MoE, disable_tp="
             "use_sequence_parallel_moe), which no TP rank file holds; serve it with --tensor-parallel-size 1 or "
             "--data-parallel-size 1",
         )
@@ -185,13 +185,13 @@ def check_experts_source(manifest: Manifest, model: str, *, architecture: str, t
     if size in manifest.tp_sizes:
         return size
     if expert_parallel:
-        why = (f"--enable-expert-parallel over {tp_size * pcp_size * dp_size} GPUs: vLLM 0.33.0 gives each whole experts, "
+        why = (f"--enable-expert-parallel over {tp_size * pcp_size * dp_size} GPUs: vLLM gives each whole experts, "
                "which the tp1 rank file holds")
         instead = "serve it without --enable-expert-parallel"
     else:
         over = (f"{tp_size} x {dp_size} tensor x data parallel" if pcp_size == 1 else
                 f"{tp_size} x {pcp_size} x {dp_size} tensor x prefill-context x data parallel")
-        why = (f"--data-parallel-size {dp_size}: vLLM 0.33.0 shards each experts layer over the {over} ranks, which the "
+        why = (f"--data-parallel-size {dp_size}: vLLM shards each experts layer over the {over} ranks, which the "
                f"tp{size} rank files hold")
         instead = "serve it with --enable-expert-parallel (whole experts, from tp1) or a smaller --data-parallel-size"
     held = ",".join(map(str, manifest.tp_sizes))

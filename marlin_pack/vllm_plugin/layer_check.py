@@ -17,7 +17,7 @@ from marlin_pack.schemas import LayerKernel, Manifest, TensorParallelSet
 __all__ = ["SUPPORTED_METHODS", "SUPPORTED_MOE_METHODS", "MOE_BACKEND", "LayerFacts", "MoeLayerFacts", "check_layers",
            "check_moe_layers"]
 
-# The quant methods whose layers a bundle can fill (vLLM 0.33.0 dense AWQ / GPTQ, and compressed-tensors'
+# The quant methods whose layers a bundle can fill (vLLM dense AWQ / GPTQ, and compressed-tensors'
 # linear method with its weight-only WNA16 scheme, named "method:scheme" as engine.layer_facts reports it).
 SUPPORTED_METHODS = (
     "AutoAWQMarlinLinearMethod",

@@ -1,6 +1,6 @@
-"""Every read (and the few writes) of vLLM 0.33.0's mixture-of-experts internals the loader and the patches need.
+"""Every read (and the few writes) of vLLM's mixture-of-experts internals the loader and the patches need.
 
-vLLM 0.33.0 runs AWQ / GPTQ experts through ``AutoAWQMoEMethod`` / ``AutoGPTQMoEMethod``, and
+vLLM runs AWQ / GPTQ experts through ``AutoAWQMoEMethod`` / ``AutoGPTQMoEMethod``, and
 compressed-tensors pack-quantized ones through ``CompressedTensorsWNA16MoEMethod`` (its backend is
 ``wna16_backend``, its parameters are named ``w13_weight_packed`` ...: ``marlin.moe.CT_MOE_NAMES``), on a
 WNA16 MoE backend chosen per layer (``select_wna16_moe_backend``): ``--moe-backend auto`` picks

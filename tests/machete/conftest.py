@@ -1,4 +1,4 @@
-"""Fixtures for the Machete tests: vLLM 0.33.0's own kernel-selection code run on the CPU.
+"""Fixtures for the Machete tests: vLLM's own kernel-selection code run on the CPU.
 
 ``fake_cuda`` makes vLLM's ``current_platform`` (as held by every loaded ``vllm`` module) answer
 like a CUDA device of a chosen compute capability, so ``MacheteLinearKernel.can_implement`` and

@@ -1,4 +1,4 @@
-"""``convert --kernel machete``: every tensor equals what stock vLLM 0.33.0 holds on an SM90 GPU, bit for bit.
+"""``convert --kernel machete``: every tensor equals what stock vLLM holds on an SM90 GPU, bit for bit.
 
 The reference is ``tests/oracles/vllm_reference.py`` with ``kernel="machete"``: vLLM's real layers, weight
 loaders, AWQ conversion, kernel choice (Machete's own ``can_implement``, else Marlin) and

@@ -1,4 +1,4 @@
-"""``machete_supports`` against vLLM 0.33.0's own kernel choice, run on the CPU with a faked CUDA device.
+"""``machete_supports`` against vLLM's own kernel choice, run on the CPU with a faked CUDA device.
 
 Every rule is checked by calling vLLM: ``MacheteLinearKernel.can_implement`` on a grid of layer
 configs and capabilities, and ``choose_mp_linear_kernel`` (selection order, min capability,

@@ -1,4 +1,4 @@
-"""Every architecture of the table converts bit-exactly to what vLLM 0.33.0's own model class holds.
+"""Every architecture of the table converts bit-exactly to what vLLM's own model class holds.
 
 Checkpoints come from ``arch_checkpoints`` (transformers' model class for the unquantized parts,
 AWQ/GPTQ tensors for the decoder's linears); the reference instantiates vLLM's registered model
@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 from arch_checkpoints import ARCH_CONFIGS, write_arch_checkpoint  # noqa: E402
 from oracles.oracle_compare import assert_bundle_equals_vllm  # noqa: E402
 
-# vLLM 0.33.0 refuses float16 for these (ModelConfig: "does not support float16").
+# vLLM refuses float16 for these (ModelConfig: "does not support float16").
 BF16_ONLY = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"}
 FORMATS = {"awq": dict(fmt="awq"), "gptq4": dict(fmt="gptq", bits=4), "gptq8": dict(fmt="gptq", bits=8)}
 
@@ -85,7 +85,7 @@ def test_multimodal_text_layers_quantized_vision_in_common(tmp_path: Path, arch:
 
 @pytest.mark.parametrize("arch", ["Qwen2VLForConditionalGeneration", "Mistral3ForConditionalGeneration"])
 def test_multimodal_language_model_under_model(tmp_path: Path, arch: str) -> None:
-    """vLLM 0.33.0's mapper of Qwen2-VL and Mistral 3 maps ``model.`` to ``language_model.model.``:
+    """vLLM's mapper of Qwen2-VL and Mistral 3 maps ``model.`` to ``language_model.model.``:
     decoder layers at ``model.layers`` load there, and convert bit-exactly."""
     model = write_arch_checkpoint(tmp_path / "m", arch, "gptq", dtype=torch.bfloat16, names="model")
     with safe_open(str(model / "model.safetensors"), "pt") as f:

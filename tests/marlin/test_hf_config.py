@@ -1,4 +1,4 @@
-"""``marlin.hf_config`` against transformers' own config classes (what vLLM 0.33.0 reads configs through).
+"""``marlin.hf_config`` against transformers' own config classes (what vLLM reads configs through).
 
 * Every attribute map and default the table keeps equals the installed transformers' class's.
 * ``config.json`` files written by transformers 4.51 and 5 for every supported architecture
@@ -33,7 +33,7 @@ DERIVED = {"num_key_value_heads", "head_dim"}
 
 
 def _hf(config: dict[str, Any], tmp_path: Path) -> Any:
-    """The config object vLLM 0.33.0 builds from this file (``AutoConfig.from_pretrained``)."""
+    """The config object vLLM builds from this file (``AutoConfig.from_pretrained``)."""
     d = tmp_path / "cfg"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(config))
@@ -41,7 +41,7 @@ def _hf(config: dict[str, Any], tmp_path: Path) -> Any:
 
 
 def _vllm_view(config: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
-    """What vLLM 0.33.0's model class of ``architectures[0]`` reads from the config object."""
+    """What vLLM's model class of ``architectures[0]`` reads from the config object."""
     name = config["architectures"][0]
     arch = ARCHITECTURES[name]
     hf = _hf(config, tmp_path)

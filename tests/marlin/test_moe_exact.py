@@ -1,4 +1,4 @@
-"""marlin_pack.marlin.moe against vLLM 0.33.0's own MoE post-processing (tests/oracles/vllm_moe_reference.py), bit for bit.
+"""marlin_pack.marlin.moe against vLLM's own MoE post-processing (tests/oracles/vllm_moe_reference.py), bit for bit.
 
 For each tiny Mixtral / Qwen3-MoE checkpoint, TP size and rank, every experts layer's tensors
 built by marlin-pack (through the format readers) equal what vLLM's AutoAWQMoEMethod /

@@ -1,4 +1,4 @@
-"""marlin_pack.repack against vLLM 0.33.0's own pure-torch Marlin helpers, bit for bit."""
+"""marlin_pack.repack against vLLM's own pure-torch Marlin helpers, bit for bit."""
 
 from __future__ import annotations
 

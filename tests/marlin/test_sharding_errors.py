@@ -1,4 +1,4 @@
-"""Tensor-parallel sizes vLLM 0.33.0 cannot shard a checkpoint into: refused before anything is written."""
+"""Tensor-parallel sizes vLLM cannot shard a checkpoint into: refused before anything is written."""
 
 from __future__ import annotations
 

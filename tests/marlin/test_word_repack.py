@@ -1,4 +1,4 @@
-"""The word-level Marlin repack (marlin.word_repack) against vLLM 0.33.0's pure-torch helpers, bit for bit,
+"""The word-level Marlin repack (marlin.word_repack) against vLLM's pure-torch helpers, bit for bit,
 and the packed-codes layouts (slicing, concatenation) against unpacked codes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU: architectures beyond Llama served from their bundles, against stock vLLM 0.33.0.
+"""GPU: architectures beyond Llama served from their bundles, against stock vLLM.
 
 For a tiny Gemma 2 (GPTQ, bf16), Phi-3 (AWQ, fp16; qkv_proj/gate_up_proj stored fused) and
 Qwen2.5-VL (AWQ, fp16; text prompts, vision tower in common): engine (a) loads the checkpoint the

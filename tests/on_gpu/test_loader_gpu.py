@@ -1,4 +1,4 @@
-"""GPU tests of ``--load-format marlin_prepacked`` against stock vLLM 0.33.0.
+"""GPU tests of ``--load-format marlin_prepacked`` against stock vLLM.
 
 For tiny AWQ-4, GPTQ-4, GPTQ-8 and padded checkpoints (FP16, eager, TP=1):
 

@@ -1,4 +1,4 @@
-"""GPU: ``marlin_pack.machete.prepack_codes`` against the real ``ops.machete_prepack_B`` of vLLM 0.33.0.
+"""GPU: ``marlin_pack.machete.prepack_codes`` against the real ``ops.machete_prepack_B`` of vLLM.
 
 On the H200 (SM90), for every distinct per-rank linear shape (K_part, N_part) that Machete takes
 in Llama-3-8B/70B, Qwen2.5-7B/72B, Qwen3-8B/32B, Mistral-7B and Gemma-2-9B at TP 1/2/4/8 (fused qkv

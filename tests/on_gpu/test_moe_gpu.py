@@ -1,4 +1,4 @@
-"""GPU: mixture-of-experts models served from their bundles, against stock vLLM 0.33.0.
+"""GPU: mixture-of-experts models served from their bundles, against stock vLLM.
 
 For a tiny Mixtral (AWQ, fp16; compressed-tensors W4A16_ASYM, fp16), a tiny Qwen3-MoE (GPTQ 4-bit, bf16;
 compressed-tensors W4A16, bf16) and tiny DeepSeek-V2-Lite-shaped

@@ -1,4 +1,4 @@
-"""GPU: mixture-of-experts checkpoints as the real quantizers name them, served from their bundles against stock vLLM 0.33.0.
+"""GPU: mixture-of-experts checkpoints as the real quantizers name them, served from their bundles against stock vLLM.
 
 * ``gptqmodel-qwen3moe-4bit-g128`` (GPTQModel 7.7, transformers-5 config: ``num_local_experts``), bf16 and fp16;
 * ``autoawq-mixtral-4bit-g128`` (AutoAWQ 0.2.9: ``block_sparse_moe.experts.N.{w1,w2,w3}``), fp16;
@@ -10,7 +10,7 @@ each at TP 1: engine (a) loads the checkpoint the ordinary way with Marlin force
 Every parameter of (b) is bit-identical to (a) and the tokens and logprobs of both are equal (``_harness``).
 The fixtures are committed under ``tests/data/thirdparty`` without tokenizer: a word-level tokenizer of
 their 128 tokens is written next to a copy. GPTQModel's Mixtral (``mlp.experts.N.*``) is not here: stock
-vLLM 0.33.0 refuses it (``tests/sources/test_thirdparty_moe_fixtures.py``), so there is nothing to compare.
+vLLM refuses it (``tests/sources/test_thirdparty_moe_fixtures.py``), so there is nothing to compare.
 
 Run on the GPU machine::
 

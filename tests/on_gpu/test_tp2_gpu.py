@@ -215,7 +215,7 @@ def test_loader_tp2_bundle_equals_stock_vllm_per_rank(loader: Started, kind: str
         assert quantized == {n.rsplit(".", 1)[0] for n in bundle if n.endswith(".qweight")}
         total += len(bundle)
     assert bundles[0] != bundles[1]  # each rank holds its own shard
-    print(f"{kind}: {total} bundle tensors (2 ranks) bit-identical to stock vLLM 0.33.0 at TP=2")
+    print(f"{kind}: {total} bundle tensors (2 ranks) bit-identical to stock vLLM at TP=2")
 
 
 def test_loader_tp1_bundle_refused_by_tp2_engine(loader: Started) -> None:

@@ -1,4 +1,4 @@
-"""vLLM reference oracles: vLLM 0.33.0's own classes, run on the CPU, compute what a bundle must hold.
+"""vLLM reference oracles: vLLM's own classes, run on the CPU, compute what a bundle must hold.
 
 * ``oracles.vllm_reference``: dense AWQ/GPTQ/compressed-tensors Marlin linears, per TP rank.
 * ``oracles.vllm_moe_reference``: mixture-of-experts checkpoints (routed experts on Marlin MoE).

@@ -1,4 +1,4 @@
-"""Pipeline parallelism needs no new files: what stock vLLM 0.33.0 holds on stage ``s``, TP rank ``r`` is exactly the
+"""Pipeline parallelism needs no new files: what stock vLLM holds on stage ``s``, TP rank ``r`` is exactly the
 bundle's TP rank file restricted to the decoder layers :func:`marlin_pack.pipeline.stage_layers` gives the stage.
 
 vLLM's own model classes are built with stand-in TP and PP groups (``vllm_reference``, ``pp=(size, stage)``), so

@@ -1,6 +1,6 @@
-"""Independent reference ("oracle") for mixture-of-experts checkpoints, from vLLM 0.33.0's own code.
+"""Independent reference ("oracle") for mixture-of-experts checkpoints, from vLLM's own code.
 
-``reference_moe_rank_tensors(model_dir, tp_size, rank, dtype)`` returns what stock vLLM 0.33.0
+``reference_moe_rank_tensors(model_dir, tp_size, rank, dtype)`` returns what stock vLLM
 holds on one tensor-parallel rank after ``process_weights_after_loading``, for every AWQ/GPTQ
 layer of an MoE checkpoint (Mixtral, Qwen3-MoE, Qwen2-MoE): the dense Marlin linear layers exactly as
 :func:`vllm_reference.reference_rank_tensors` reports them, plus every parameter of each
@@ -301,7 +301,7 @@ def reference_moe_rank_tensors(model_dir: Path, tp_size: int, rank: int, dtype: 
                                info: dict[str, Any] | None = None, moe_backend: str = "marlin",
                                humming_installed: bool = False, dp: tuple[int, int] = (1, 0),
                                parallel: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """What stock vLLM 0.33.0 holds on TP rank ``rank`` of ``tp_size`` for every AWQ/GPTQ layer
+    """What stock vLLM holds on TP rank ``rank`` of ``tp_size`` for every AWQ/GPTQ layer
     (dense Marlin linears and Marlin MoE experts) of the MoE checkpoint in ``model_dir``, after
     ``process_weights_after_loading``. Expert tensors are every parameter of the experts module
     (``<prefix>.experts.w13_qweight`` ...; the ``w13_weight``/``w2_weight`` aliases vLLM adds for

@@ -1,6 +1,6 @@
-"""Independent reference ("oracle") for the CPU tests, built from vLLM 0.33.0's own code.
+"""Independent reference ("oracle") for the CPU tests, built from vLLM's own code.
 
-``reference_rank_tensors(model_dir, tp_size, rank, dtype)`` returns what stock vLLM 0.33.0
+``reference_rank_tensors(model_dir, tp_size, rank, dtype)`` returns what stock vLLM
 holds, on one tensor-parallel rank, for every AWQ/GPTQ Marlin linear layer of a checkpoint
 after ``process_weights_after_loading`` with ``MarlinLinearKernel`` and 16-bit activations.
 
@@ -78,7 +78,7 @@ __all__ = ["VllmRefusedError", "reference_rank_tensors", "vllm_layer_names", "vl
 
 
 class VllmRefusedError(RuntimeError):
-    """Stock vLLM 0.33.0 would not serve this layer with MarlinLinearKernel (or fails on it)."""
+    """Stock vLLM would not serve this layer with MarlinLinearKernel (or fails on it)."""
 
 
 class _OracleBug(Exception):
@@ -592,7 +592,7 @@ def reference_rank_tensors(
     kernel: str = "marlin", kernels: dict[str, str] | None = None, pp: tuple[int, int] = (1, 0),
     states: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """What stock vLLM 0.33.0 holds, on TP rank ``rank`` of ``tp_size``, for every AWQ/GPTQ
+    """What stock vLLM holds, on TP rank ``rank`` of ``tp_size``, for every AWQ/GPTQ
     Marlin linear layer of the checkpoint in ``model_dir``, after
     ``process_weights_after_loading``: ``{"<layer>.qweight", "<layer>.scales",
     "<layer>.qzeros" (AWQ: Marlin zero points; GPTQ: the empty ``int32[0]`` placeholder),

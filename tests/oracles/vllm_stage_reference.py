@@ -1,4 +1,4 @@
-"""Oracle for pipeline stages: what vLLM 0.33.0's own model classes hold and load on one (stage, TP rank).
+"""Oracle for pipeline stages: what vLLM's own model classes hold and load on one (stage, TP rank).
 
 Built as :mod:`vllm_reference` (dense) and :mod:`vllm_moe_reference` (experts) build a TP rank, with the
 stand-in pipeline group of ``pp=(size, stage)``: the layers and the ``PPMissingLayer`` placeholders are

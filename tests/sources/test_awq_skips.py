@@ -1,4 +1,4 @@
-"""``modules_to_not_convert`` as vLLM 0.33.0's AutoAWQ reads it, checked against vLLM's own code."""
+"""``modules_to_not_convert`` as vLLM's AutoAWQ reads it, checked against vLLM's own code."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""compressed-tensors (llm-compressor pack-quantized) bundles equal what stock vLLM 0.33.0 holds, bit for bit.
+"""compressed-tensors (llm-compressor pack-quantized) bundles equal what stock vLLM holds, bit for bit.
 
 Same oracle as ``test_conversion_exact.py`` (``tests/oracles/vllm_reference.py``): vLLM's own model class,
 ``CompressedTensorsConfig``, ``CompressedTensorsWNA16`` with ``MarlinLinearKernel`` and its real

@@ -1,4 +1,4 @@
-"""compressed-tensors settings: what marlin-pack accepts, and the refusals (worded after vLLM 0.33.0's own)."""
+"""compressed-tensors settings: what marlin-pack accepts, and the refusals (worded after vLLM's own)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _edit(edit) -> dict:
     "edit,message",
     [
         (lambda qc: _weights(qc).update(num_bits=8, symmetric=False),
-         "8-bit asymmetric: vLLM 0.33.0's Marlin runs zero points only for 4-bit.*; serve it without --load-format marlin_prepacked"),
+         "8-bit asymmetric: vLLM's Marlin runs zero points only for 4-bit.*; serve it without --load-format marlin_prepacked"),
         (lambda qc: _weights(qc).update(num_bits=2), "num_bits is 2, expected 4 or 8"),
         (lambda qc: _weights(qc).update(group_size=256),
          "group_size is 256, expected one of -1, 32, 64, 128 .*; serve it without --load-format marlin_prepacked"),
@@ -99,7 +99,7 @@ def test_ignore_and_targets_per_layer() -> None:
     with pytest.raises(UnsupportedCheckpointError, match="some shards of model.layers.0.self_attn.qkv_proj"):
         src.vllm_quantizes("model.layers.0.self_attn.qkv_proj")
     src.check_layer("model.layers.1.mlp.down_proj", quantized=False)
-    stored = "make model.layers.0.mlp.down_proj quantized in vLLM 0.33.0, but the checkpoint stores it unquantized"
+    stored = "make model.layers.0.mlp.down_proj quantized in vLLM, but the checkpoint stores it unquantized"
     with pytest.raises(UnsupportedCheckpointError, match=stored):
         src.check_layer("model.layers.0.mlp.down_proj", quantized=False)
     # Targets by name: only the MLP is quantized.

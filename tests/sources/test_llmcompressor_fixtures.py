@@ -1,6 +1,6 @@
 """Checkpoints written by llm-compressor (compressed-tensors pack-quantized), committed under
 ``tests/data/llmcompressor/`` (see its README.md and make_fixtures.py): converted, compared bit for
-bit with what stock vLLM 0.33.0 holds (``tests/oracles/vllm_reference.py``), verified, and refused exactly
+bit with what stock vLLM holds (``tests/oracles/vllm_reference.py``), verified, and refused exactly
 where vLLM refuses."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from oracles.oracle_compare import assert_bundle_equals_vllm  # noqa: E402
 from oracles.vllm_reference import VllmRefusedError, reference_rank_tensors  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "llmcompressor"
-# fixture -> TP sizes vLLM 0.33.0 serves with Marlin (hidden 256: o_proj has 64 input features per rank
+# fixture -> TP sizes vLLM serves with Marlin (hidden 256: o_proj has 64 input features per rank
 # at TP 4, which split a group of 128 or 64... but not of 32).
 ACCEPTED: dict[str, tuple[int, ...]] = {
     "gptq-w4a16-g128": (1, 2),  # W4A16: symmetric, group 128, actorder static

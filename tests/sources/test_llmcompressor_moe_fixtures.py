@@ -1,5 +1,5 @@
 """Mixture-of-experts checkpoints written by llm-compressor (``tests/data/llmcompressor``, ``make_moe_fixtures.py``):
-converted and compared bit for bit with what stock vLLM 0.33.0 holds (``tests/oracles/vllm_moe_reference.py``:
+converted and compared bit for bit with what stock vLLM holds (``tests/oracles/vllm_moe_reference.py``:
 its own model class, ``CompressedTensorsWNA16MoEMethod`` on the Marlin MoE backend for the experts, the
 compressed-tensors Marlin linears for attention), verified, and refused by both where a group would be split.
 

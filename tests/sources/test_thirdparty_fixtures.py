@@ -1,6 +1,6 @@
 """Checkpoints written by the real quantizers (GPTQModel, AutoAWQ, optimum), committed under
 ``tests/data/thirdparty/`` (see its README.md and make_fixtures.py): converted, compared bit for
-bit with what stock vLLM 0.33.0 holds (``tests/oracles/vllm_reference.py``), verified, and refused exactly
+bit with what stock vLLM holds (``tests/oracles/vllm_reference.py``), verified, and refused exactly
 where vLLM refuses.
 
 Each fixture's accepted TP sizes are written down here, not derived from the oracle, so a
@@ -27,7 +27,7 @@ from oracles.vllm_reference import VllmRefusedError, _OracleBug, reference_rank_
 DATA = Path(__file__).resolve().parent.parent / "data" / "thirdparty"
 CANDIDATE_TPS = (1, 2, 4, 8)
 
-# fixture -> the TP sizes vLLM 0.33.0 serves with Marlin (hidden 256, 8 heads, 2 KV heads).
+# fixture -> the TP sizes vLLM serves with Marlin (hidden 256, 8 heads, 2 KV heads).
 ACCEPTED: dict[str, tuple[int, ...]] = {
     # g128: o_proj has 256 input features, 64 per rank at TP 4 split a group.
     "gptqmodel-llama-4bit-g128": (1, 2),
@@ -46,7 +46,7 @@ ACCEPTED: dict[str, tuple[int, ...]] = {
     "optimum-llama-4bit-g32": (1, 2),
     "autoawq-qwen2-4bit-g64": (1, 2, 4),
 }
-# TP sizes vLLM 0.33.0 serves that marlin-pack refuses (a refusal, never wrong bytes): strict xfails.
+# TP sizes vLLM serves that marlin-pack refuses (a refusal, never wrong bytes): strict xfails.
 GAPS: dict[str, tuple[tuple[int, ...], str]] = {
     "gptqmodel-llama-4bit-g128-lmhead": (
         (1, 2),
@@ -56,7 +56,7 @@ GAPS: dict[str, tuple[tuple[int, ...], str]] = {
         ),
     ),
 }
-# Checkpoints vLLM 0.33.0 refuses outright: marlin-pack must refuse them too, naming the cause.
+# Checkpoints vLLM refuses outright: marlin-pack must refuse them too, naming the cause.
 REFUSED: dict[str, str] = {
     "gptqmodel-llama-4bit-g128-descact": "desc_act",
     "gptqmodel-llama-4bit-g128-asym": "sym is False",
@@ -65,7 +65,7 @@ REFUSED: dict[str, str] = {
     # Phi3ForCausalLM expects gate_up_proj (its packed_modules_mapping) and fails to load it.
     "gptqmodel-phi3-4bit-g64": "mlp.gate_up_proj is not in the checkpoint, which has down_proj, gate_proj, up_proj",
     # GPTQModel saves the tied lm_head; vLLM's Gemma2ForCausalLM has none and refuses the tensor.
-    "gptqmodel-gemma2-4bit-g64": "stores lm_head.weight, but vLLM 0.33.0's Gemma2ForCausalLM has no lm_head",
+    "gptqmodel-gemma2-4bit-g64": "stores lm_head.weight, but vLLM's Gemma2ForCausalLM has no lm_head",
 }
 # Mixture-of-experts fixtures (1 decoder layer, 4 experts of 256; tests/sources/test_thirdparty_moe_fixtures.py).
 MOE_ACCEPTED: dict[str, tuple[int, ...]] = {
@@ -73,7 +73,7 @@ MOE_ACCEPTED: dict[str, tuple[int, ...]] = {
     "autoawq-mixtral-4bit-g128": (1, 2),  # block_sparse_moe.experts.N.{w1,w2,w3}
 }
 MOE_REFUSED: dict[str, str] = {
-    # transformers 5's mlp.experts.N.{gate,up,down}_proj: vLLM 0.33.0's MixtralForCausalLM has no mlp module
+    # transformers 5's mlp.experts.N.{gate,up,down}_proj: vLLM's MixtralForCausalLM has no mlp module
     "gptqmodel-mixtral-4bit-g128": "stores its experts as mlp.experts.N",
 }
 

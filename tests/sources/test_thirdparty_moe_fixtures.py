@@ -1,5 +1,5 @@
 """Mixture-of-experts checkpoints written by the real quantizers (``tests/data/thirdparty``): converted and
-compared bit for bit with what stock vLLM 0.33.0 holds (``tests/oracles/vllm_moe_reference.py``: its own model
+compared bit for bit with what stock vLLM holds (``tests/oracles/vllm_moe_reference.py``: its own model
 class, config read through transformers, ``load_weights`` with its ``hf_to_vllm_mapper``), or refused by
 both, marlin-pack naming the reason.
 
@@ -7,7 +7,7 @@ both, marlin-pack naming the reason.
   count as ``num_local_experts`` (``Qwen3MoeConfig.attribute_map`` maps ``num_experts`` to it).
 * ``autoawq-mixtral-4bit-g128``: AutoAWQ 0.2.9 (transformers 4.51), ``block_sparse_moe.experts.N.{w1,w2,w3}``.
 * ``gptqmodel-mixtral-4bit-g128``: GPTQModel 7.7 with transformers 5.25 writes Mixtral's experts under
-  ``mlp.experts.N.{gate,up,down}_proj`` (router ``mlp.gate``): vLLM 0.33.0's ``MixtralForCausalLM`` has no
+  ``mlp.experts.N.{gate,up,down}_proj`` (router ``mlp.gate``): vLLM's ``MixtralForCausalLM`` has no
   ``mlp`` module and its mapper renames only the projections, so stock vLLM refuses it.
 """
 

@@ -1,4 +1,4 @@
-"""``marlin_pack.testing.synthetic_moe``: random Qwen3-MoE checkpoints vLLM 0.33.0 loads, convert bit-exactly."""
+"""``marlin_pack.testing.synthetic_moe``: random Qwen3-MoE checkpoints vLLM loads, convert bit-exactly."""
 
 from __future__ import annotations
 

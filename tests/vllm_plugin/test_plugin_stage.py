@@ -183,7 +183,7 @@ def test_a_named_partition_and_a_stage_without_decoder_layers(
 
 
 def test_a_weight_cache_daemon_fills_its_stage_share(stage_bundle: Any, patched: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM 0.33.0's daemon runs one process per (stage, rank) with the engine's model-parallel groups and builds its
+    """vLLM's daemon runs one process per (stage, rank) with the engine's model-parallel groups and builds its
     model with the loader's create_model/load_weights: the daemon of stage 1 of 3, TP rank 1 of 2, holds its stage."""
     model_dir = stage_bundle("llama")
     want = sr.stage_params(model_dir, 2, 1, dtype_of("llama"), (3, 1))

@@ -1,7 +1,7 @@
 """Cheaper per-layer bookkeeping while vLLM builds a model, for marlin-pack's start paths.
 
 An ``ipc_cache`` engine spends most of "Model loading took" building the model on ``meta``, and
-so does the ``marlin_prepacked`` loader's create phase. vLLM 0.33.0 does three things per layer
+so does the ``marlin_prepacked`` loader's create phase. vLLM does three things per layer
 whose cost grows with the size of the whole model. For GPTQ, per linear, attention and experts
 layer (and again per attention layer in its post-processing), with the *quantized modules of the
 whole checkpoint* (``AutoGPTQConfig.modules_in_block_to_quantize``, filled from the safetensors

@@ -1,6 +1,6 @@
 """An engine's model load for marlin-pack: the GC heap frozen first, marlin-pack's scope entered.
 
-vLLM 0.33.0's GPU model runner times "Model loading took" around a ``DeviceMemoryProfiler``
+vLLM's GPU model runner times "Model loading took" around a ``DeviceMemoryProfiler``
 whose ``__enter__`` and ``__exit__`` run ``gc.collect()`` (three full collections inside the
 span). Each walks every object the process tracks, ~0.35 s in an engine process on an H200
 host, most of it the objects of the imports. The loader used to freeze the heap at its own

@@ -52,7 +52,7 @@ _STUBS: contextvars.ContextVar[bool] = contextvars.ContextVar("marlin_pack_stub_
 _STUB_EMBEDDINGS: contextvars.ContextVar[bool] = contextvars.ContextVar("marlin_pack_stub_embeddings", default=False)
 EMBEDDING_METHOD = catalog.EMBEDDING_METHOD
 _CT_METHOD = QUANT_METHODS[2]
-# The factories vLLM 0.33.0's linear methods and the WNA16 scheme create placeholders with.
+# The factories vLLM's linear methods and the WNA16 scheme create placeholders with.
 _FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones})
 
 

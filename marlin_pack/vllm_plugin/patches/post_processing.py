@@ -2,7 +2,7 @@
 
 Two sources deliver final tensors: the ``marlin_prepacked`` loader (which *marks* the layers
 it filled from a bundle) and vLLM's weight cache (``weights_already_processed()``, which
-vLLM 0.33.0 allows only for quant methods declaring ``supports_pre_processed_weights``).
+vLLM allows only for quant methods declaring ``supports_pre_processed_weights``).
 One wrapper of ``process_weights_after_loading`` per quant method takes its decisions in
 order:
 

@@ -258,7 +258,7 @@ def _ct_kv_cache_post_processing(original: Callable[..., Any]) -> Callable[..., 
     """``CompressedTensorsKVCacheMethod.process_weights_after_loading`` for an ``ipc_cache`` engine.
 
     Every compressed-tensors model gives its attention layers this method, even without a KV-cache
-    scheme. vLLM 0.33.0's override reads the ``k_scale``/``v_scale``/``q_scale`` placeholders with
+    scheme. vLLM's override reads the ``k_scale``/``v_scale``/``q_scale`` placeholders with
     ``.item()``, which in an engine built on ``meta`` and filled from the daemon never received
     data (the daemon consumed and deleted them; it exported the ``_k_scale``... buffers). The
     base class has the pre-processed branch for exactly this; use it, and drop the placeholders that never received

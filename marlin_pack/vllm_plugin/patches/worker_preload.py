@@ -1,7 +1,7 @@
 """An engine's GPU worker starts the copy helpers that page-lock its bundle early, and stops them once the KV cache is sized;
 it also starts the loader's decision ahead of the load (:mod:`marlin_pack.vllm_plugin.decide_ahead`).
 
-vLLM 0.33.0's ``Worker.init_device`` sets up CUDA, NCCL and cuBLAS, takes the memory snapshot the KV
+vLLM's ``Worker.init_device`` sets up CUDA, NCCL and cuBLAS, takes the memory snapshot the KV
 cache is sized from and builds the model runner; ``load_model`` then builds the model and the loader
 copies the bundle. Starting the helpers (and their page-locking) as ``init_device`` begins puts that
 work beside vLLM's own set-up and construction (:mod:`marlin_pack.vllm_plugin.preload`). The helpers'

@@ -1,6 +1,6 @@
 """Write the ``config.json`` of a tiny model of every supported architecture, as one transformers version saves it (NOT run by the tests).
 
-``tests/marlin/test_hf_config.py`` reads each file the way marlin-pack does and the way vLLM 0.33.0
+``tests/marlin/test_hf_config.py`` reads each file the way marlin-pack does and the way vLLM
 does (the installed transformers' config classes) and compares what the two make of it. The files
 are what ``PretrainedConfig.save_pretrained`` writes, so each carries its version's key names
 (transformers 5 writes Qwen3-MoE's expert count as ``num_local_experts``, transformers 4

@@ -172,13 +172,13 @@ GPTQMODEL = {
     "gptqmodel-llama-4bit-g64-bf16": (
         "llama", {"num_hidden_layers": 1, "dtype": "bfloat16"}, dict(bits=4, group_size=64, desc_act=False)
     ),
-    # sym=False: real zero points, which vLLM 0.33.0's GPTQ Marlin path does not serve
+    # sym=False: real zero points, which vLLM's GPTQ Marlin path does not serve
     "gptqmodel-llama-4bit-g128-asym": ("llama", {"num_hidden_layers": 1}, dict(bits=4, group_size=128, sym=False)),
     # AWQ written by GPTQModel (method awq, format gemm): sym=False gives zero points ...
     "gptqmodel-awq-llama-4bit-g128": (
         "llama", {"num_hidden_layers": 1}, dict(method="awq", format="gemm", bits=4, group_size=128, sym=False)
     ),
-    # ... its default (sym=True) writes zero_point: false, which vLLM 0.33.0 does not serve with Marlin
+    # ... its default (sym=True) writes zero_point: false, which vLLM does not serve with Marlin
     "gptqmodel-awq-llama-4bit-g128-nozp": (
         "llama", {"num_hidden_layers": 1}, dict(method="awq", format="gemm", bits=4, group_size=128)
     ),

@@ -1,7 +1,7 @@
 """``patches.weight_cache`` (compressed-tensors KV cache): an ipc_cache engine post-processes compressed-tensors
 attention layers built on ``meta``; outside ``weights_already_processed()`` the method is vLLM's.
 
-vLLM 0.33.0's ``CompressedTensorsKVCacheMethod`` reads its scale placeholders with ``.item()``; in
+vLLM's ``CompressedTensorsKVCacheMethod`` reads its scale placeholders with ``.item()``; in
 an engine filled from the weight-cache daemon they stay on ``meta`` (the daemon consumed them and
 exported the ``_k_scale``... buffers). The patch routes pre-processed mode to the base class's
 branch. Seen failing on the H200 (``Tensor.item() cannot be called on meta tensors``) before it.
