@@ -22,6 +22,7 @@ from bundle_reads import BundleReads, merged_spans
 from torch import nn
 
 from marlin_pack.vllm_plugin import LOAD_FORMAT
+from marlin_pack.vllm_plugin.patches import scope
 
 sr = pytest.importorskip("oracles.vllm_stage_reference")
 from stage_checkpoints import dtype_of, write_stage_bundle  # noqa: E402
@@ -120,7 +121,8 @@ def _load_stage(model_dir: Path, kind: str, monkeypatch: pytest.MonkeyPatch, pp:
     with monkeypatch.context() as io:
         reads = BundleReads(io, maps=True)
         with sr.stage_model(model_dir, tp, rank, dtype, (pp, stage), build=False), \
-                exit_in_background() if daemon else contextlib.nullcontext():
+                exit_in_background() if daemon else contextlib.nullcontext(), \
+                scope.in_use() if daemon else contextlib.nullcontext():  # as the patched daemon get_model enters it
             model = loader.create_model(vllm_config, model_config)
             if daemon:
                 check_ipc_quant_support(model)  # vLLM's daemon: every layer can be shared as loaded
