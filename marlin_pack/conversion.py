@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from marlin_pack._constants import FORMAT_VERSION, MACHETE_FORMAT_VERSION, MADE_WITH_VLLM
+from marlin_pack._constants import MADE_WITH_VLLM
 from marlin_pack._version import __version__
-from marlin_pack.bundle.existing import output_state, reusable_bundle
+from marlin_pack.bundle.existing import Findings, State, Update, assess, decide, look, output_state
 from marlin_pack.bundle.integrity import HashReport, source_digest
 from marlin_pack.bundle.writer import BundleWriter, check_output, follow_output, output_lock
 from marlin_pack.dtypes import serving_dtype_for
@@ -51,6 +51,7 @@ from marlin_pack.schemas import (
     SourceFile,
     Target,
     output_head_problem,
+    target_kernel,
     torch_dtype,
 )
 from marlin_pack.sources import Checkpoint, QuantSource, source_from_quant_config
@@ -308,12 +309,13 @@ def _convert_layers(
 
 @dataclass(frozen=True)
 class Converted:
-    """What :func:`convert` made, or found up to date: the bundle's directory and its manifest."""
+    """What :func:`convert` made, or found up to date: the bundle's directory and its manifest, and what was done."""
 
     bundle: Path
     manifest: Manifest
     reused: bool = False  # an up-to-date bundle was already there: nothing was written
-    hashed: HashReport = HashReport()  # reused: what checking the checkpoint hashed
+    hashed: HashReport = HashReport()  # what checking the checkpoint and the bundle hashed
+    summary: str = ""  # what was done and why, in one line ("added tp4; tp1, tp2 kept"; "up to date")
 
 
 def convert(
@@ -336,10 +338,12 @@ def convert(
     checkpoint's non-quantized tensors. Output is written to a temporary directory and renamed into
     place at the end.
 
-    Idempotent: where an up-to-date bundle of this checkpoint for these settings is at the output, it
-    is reused and nothing is written, nor locked (:mod:`marlin_pack.bundle.existing`); another conversion of the same
-    output is waited for (at most ``$MARLIN_PACK_LOCK_WAIT_S``, default 600 s), then its result reused. A symlink at
-    the output is followed only where this user or root owns it. Named as the CLI's options.
+    Idempotent and self-healing (:mod:`marlin_pack.bundle.existing`): a bundle already at the output is made to match
+    the checkpoint and these settings, nothing written where it does (nor locked); TP sizes it lacks are added, its
+    files that are damaged or stale rewritten, the rest kept; an empty directory is written into; anything else that
+    is not a bundle is refused. Another conversion of the same output is waited for (at most
+    ``$MARLIN_PACK_LOCK_WAIT_S``, default 600 s), then decided on again. A symlink at the output is followed only where
+    this user or root owns it. Named as the CLI's options.
 
     Args:
         model: HuggingFace checkpoint directory, or a Hugging Face model id (``org/name``),
@@ -349,7 +353,7 @@ def convert(
         tp: tensor-parallel sizes to write.
         dtype: serving dtype as vLLM's ``--dtype`` takes it (``auto``, ``half``, ``float16``, ``bfloat16``);
             default ``auto``: what ``vllm serve`` picks from config.json.
-        force: replace an existing bundle, even an up-to-date one.
+        force: rewrite the whole bundle, even an up-to-date one, holding exactly the sizes ``tp``.
         device: ``cpu`` or ``cuda`` for the tensor work.
         revision: branch, tag or commit of a model id (an error for a local directory).
         progress: called as ``progress(done, total, layer_name)`` after each layer, and with
@@ -361,7 +365,7 @@ def convert(
             :func:`~marlin_pack.kernel_choice.default_kernel`.
 
     Returns:
-        :class:`Converted`: the bundle's path and manifest, and whether it was reused.
+        :class:`Converted`: the bundle's path and manifest, whether it was reused, and what was done.
 
     Raises:
         CheckpointError, UnsupportedCheckpointError, OutputExistsError, MarlinPackError.
@@ -381,77 +385,117 @@ def convert(
     dev = _device(device)
     # A symlink at the output (or in a model id's cache entry) is followed only where this user or root owns it.
     out = follow_output(out, cache_root() if output is None and resolved.repo_id is not None else None)
+    if os.path.lexists(out) and model_dir.resolve().is_relative_to(out.resolve()):
+        raise OutputExistsError(f"{out} holds the checkpoint itself; choose another output with -o")
 
     ckpt = Checkpoint(model_dir)
     try:
         source = source_from_quant_config(ckpt.quantization_config())
         serving_dtype = resolve_dtype(ckpt.config, dtype, {t.dtype for t in ckpt.tensors.values()})
         layers_kernel = parse_kernel(kernel)
-        plan = plan_conversion(ckpt, source, tps, torch_dtype(serving_dtype), layers_kernel)
         # Decided before the lock, which needs write access: an up-to-date bundle on a read-only volume is up to date.
-        seen, refused = output_state(out), None
-        if not force:
-            try:
-                found = reusable_bundle(out, model_dir, tps, serving_dtype, plan.entries)
-            except OutputExistsError as e:
-                refused = e  # final unless another conversion publishes meanwhile (decided again under the lock)
-            else:
-                if found is not None:
-                    return Converted(out, found[0], reused=True, hashed=found[1])
+        seen = output_state(out)
+        plan, found, update = _decide(ckpt, source, tps, serving_dtype, layers_kernel, out, force)
+        if update.up_to_date:
+            return _reused(out, found)
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(output_lock(out, on_wait))
-            except MarlinPackError:
-                if refused is not None:  # the bundle there is the news, not that its folder is not writable
-                    raise refused from None
-                raise
-            if not force and output_state(out) != seen:  # another conversion published meanwhile: decide again
-                refused = None
-                if (found := reusable_bundle(out, model_dir, tps, serving_dtype, plan.entries)) is not None:
-                    return Converted(out, found[0], reused=True, hashed=found[1])
-            if refused is not None:
-                raise refused
-            check_output(model_dir, out, force)
-            manifest = _write_bundle(ckpt, source, plan, serving_dtype, tps, dev, out, force, progress)
+            except MarlinPackError as e:  # what is wrong with the bundle is the news, then why it cannot be mended
+                if force or found.state is not State.bundle:
+                    raise
+                raise MarlinPackError(f"{out} is not up to date ({update.why}) and cannot be updated: {e}") from None
+            now = output_state(out)
+            if now != seen:  # another conversion published meanwhile: decide again
+                plan, found, update = _decide(ckpt, source, tps, serving_dtype, layers_kernel, out, force)
+                if update.up_to_date:
+                    return _reused(out, found)
+            identity = (now[0][0], now[0][1]) if now[0] else None  # the output decided on (device, inode)
+            manifest = _write_bundle(ckpt, source, plan, serving_dtype, dev, out, found, update, identity, progress)
     finally:
         ckpt.close()
-    return Converted(out, manifest)
+    return Converted(out, manifest, hashed=found.hashed, summary=update.summary)
+
+
+def _reused(out: Path, found: Findings) -> Converted:
+    assert found.manifest is not None
+    return Converted(out, found.manifest, reused=True, hashed=found.hashed, summary="up to date")
+
+
+def _decide(
+    ckpt: Checkpoint, source: QuantSource, tps: list[int], serving_dtype: ServingDtype, kernel: LayerKernel, out: Path, force: bool,
+) -> tuple[ConversionPlan, Findings, Update]:
+    """The plan (every size asked, and every size the bundle at ``out`` holds that the checkpoint can take), what is at
+    ``out`` against it, and what to do (:mod:`marlin_pack.bundle.existing`)."""
+    held = look(out)
+    extra = [t for t in (held.manifest.tp_sizes if held.manifest and not force else []) if t not in tps]
+    dtype = torch_dtype(serving_dtype)
+    try:
+        plan = plan_conversion(ckpt, source, sorted(tps + extra), dtype, kernel)
+    except MarlinPackError:
+        if not extra:
+            raise
+        plan = plan_conversion(ckpt, source, tps, dtype, kernel)  # a size held that this checkpoint cannot take is dropped
+    moe = {tp: plan.moe.entries(tp) for tp in plan.entries} if plan.moe else None
+    common = {n: (ckpt.tensors[n].dtype, tuple(ckpt.tensors[n].shape)) for n in plan.common if n in ckpt.tensors}
+    found = assess(out, held, ckpt.dir, tps, serving_dtype, plan.entries, moe, common, force)
+    return plan, found, decide(found, tps, force)
 
 
 def _write_bundle(
-    ckpt: Checkpoint, source: QuantSource, plan: ConversionPlan, serving_dtype: ServingDtype, tps: list[int],
-    dev: torch.device, out: Path, force: bool, progress: ProgressFn | None,
+    ckpt: Checkpoint, source: QuantSource, plan: ConversionPlan, serving_dtype: ServingDtype, dev: torch.device, out: Path,
+    found: Findings, update: Update, identity: tuple[int, int] | None, progress: ProgressFn | None,
 ) -> Manifest:
-    """The conversion proper, the output's lock held: every layer streamed into a new bundle published at ``out``."""
-    machete = any(e.kernel is LayerKernel.machete for entries in plan.entries.values() for e in entries)
+    """The conversion proper, the output's lock held: the TP sizes and files ``update`` names streamed into a bundle
+    published at ``out``: a new one (nothing there), one replacing the bundle there at once (everything rewritten), or
+    in place (sizes added or rewritten beside the ones kept; an empty directory, a volume mounted at ``out``: the one
+    decided on, ``identity``)."""
+    write = list(update.write)
+    kept = found.manifest if (update.keep or not update.common) else None  # files of it stay: its record of the source too
+    replace, in_place, expect = False, False, None
+    if found.state is State.missing:
+        pass
+    elif kept is not None or found.state is State.empty or os.path.ismount(out):
+        in_place, expect = True, identity
+    else:  # everything rewritten: built beside and swapped in at once, as --force does (never over a non-bundle)
+        check_output(ckpt.dir, out, force=True)
+        replace = True
     # Through the page cache where memory holds the bundle: the first start after convert is then a warm one.
     try:
-        direct = not write_through_cache(_bundle_bytes_estimate(ckpt, plan, tps), available_memory(), os.environ.get(WRITE_ENV))
+        direct = not write_through_cache(_bundle_bytes_estimate(ckpt, plan, write), available_memory(), os.environ.get(WRITE_ENV))
     except ValueError as e:
         raise MarlinPackError(str(e)) from None
-    version = MACHETE_FORMAT_VERSION if machete else FORMAT_VERSION  # a Marlin-only bundle keeps format 4
-    # Source files hash on their own threads while the main thread converts (hashlib releases the GIL).
+    layers = {tp: plan.entries[tp] for tp in write}
+    # Source files hash on their own threads while the main thread converts (hashlib releases the GIL); where files
+    # are kept, the checkpoint was checked against the bundle's record of it, which stays.
     pool = ThreadPoolExecutor(max_workers=hash_workers(len(ckpt.files)))
     try:
         with _torch_threads(1 if dev.type == "cpu" else None), BundleWriter.create(
-            out, force=force, locked=True, format_version=version, direct=direct
+            out, force=replace, locked=True, format_version=update.format_version, direct=direct, in_place=in_place, expect=expect
         ) as bundle:
-            hashes = [(f, pool.submit(hash_file, ckpt.dir / f, 1)) for f in ckpt.files]
-            aliases = tied_copies(ckpt, plan) if plan.dims.tie_word_embeddings else {}
-            stored = [n for n in plan.common if n not in aliases]
-            bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
-            _convert_layers(ckpt, plan, tps, dev, bundle, progress)
+            hashes = [] if kept is not None else [(f, pool.submit(hash_file, ckpt.dir / f, 1)) for f in ckpt.files]
+            aliases = kept.common_aliases if kept is not None and not update.common else {}
+            if update.common:
+                aliases = tied_copies(ckpt, plan) if plan.dims.tie_word_embeddings else {}
+                stored = [n for n in plan.common if n not in aliases]
+                bundle.write_common([(n, ckpt.tensors[n].torch_dtype, ckpt.tensors[n].shape) for n in stored], ckpt.get)
+            if write:
+                _convert_layers(ckpt, plan, write, dev, bundle, progress)
+            sets = bundle.close_ranks(layers, {tp: plan.moe.entries(tp) for tp in write} if plan.moe else None)
+            if kept is not None:
+                sets = sorted(sets + [s for s in kept.tensor_parallel if s.tp_size in update.keep], key=lambda s: s.tp_size)
+            layer_kernels = (e.kernel for s in sets for e in s.layers)
             manifest = Manifest(
-                format_version=version,
+                format_version=update.format_version,
                 producer=Producer(version=__version__),
-                target=Target(vllm_version=MADE_WITH_VLLM),
+                target=Target(vllm_version=MADE_WITH_VLLM, kernel=target_kernel(layer_kernels)),
                 quant=source.scheme,
                 serving_dtype=serving_dtype,
                 activation_dtype=serving_dtype,
-                source=_source_entry(ckpt, plan, hashes),
-                common=bundle.close_common(),
+                source=_source_entry(ckpt, plan, hashes) if kept is None else kept.source,
+                common=bundle.close_common() if update.common or kept is None else kept.common,
                 common_aliases=aliases,
-                tensor_parallel=bundle.close_ranks(plan.entries, {tp: plan.moe.entries(tp) for tp in tps} if plan.moe else None),
+                tensor_parallel=sets,
             )
             ckpt.check_unchanged()  # after hashing and reading: the hashes describe the data converted
             bundle.finish(manifest, [fut.result() for _, fut in hashes])

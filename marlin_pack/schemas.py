@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
+from collections.abc import Iterable
 from enum import Enum, unique
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -21,6 +22,7 @@ from marlin_pack._constants import (
     FORMAT_VERSION,
     KERNEL_NAME,
     LAYOUT_VERSION,
+    MACHETE_KERNEL_NAME,
     SUPPORTED_GROUP_SIZES,
 )
 from marlin_pack.layer_kinds import LayerKind
@@ -48,6 +50,8 @@ __all__ = [
     "Source",
     "Producer",
     "Target",
+    "TARGET_KERNELS",
+    "target_kernel",
     "QuantScheme",
     "LayerPart",
     "LayerEntry",
@@ -320,11 +324,18 @@ class Producer(_Strict):
     version: str
 
 
+# target.kernel: the vLLM linear kernels a bundle's quantized layers are laid out for, "+"-joined in name order
+# (target_kernel). A Marlin-only bundle says MarlinLinearKernel, as every bundle did before Machete layers named
+# theirs; a bundle written with --kernel machete names Machete, and Marlin too where some layers stay Marlin.
+TARGET_KERNELS = (KERNEL_NAME, MACHETE_KERNEL_NAME, f"{MACHETE_KERNEL_NAME}+{KERNEL_NAME}")
+TargetKernel = Literal["MarlinLinearKernel", "MacheteLinearKernel", "MacheteLinearKernel+MarlinLinearKernel"]
+
+
 class Target(_Strict):
     """The engine the layout was computed for."""
 
     vllm_version: str
-    kernel: Literal["MarlinLinearKernel"] = KERNEL_NAME  # type: ignore[assignment]
+    kernel: TargetKernel = KERNEL_NAME  # type: ignore[assignment]
     layout_version: Literal[1] = LAYOUT_VERSION  # type: ignore[assignment]
 
 
@@ -350,6 +361,12 @@ class LayerKernel(str, Enum):
 
     marlin = "marlin"  # MarlinLinearKernel: padded, permuted (marlin_pack.marlin)
     machete = "machete"  # MacheteLinearKernel (SM90 only): prepacked, unpadded (marlin_pack.machete)
+
+
+def target_kernel(kernels: Iterable[LayerKernel]) -> str:
+    """``target.kernel`` of a bundle whose quantized layers are in these layouts (one of :data:`TARGET_KERNELS`)."""
+    names = {LayerKernel.marlin: KERNEL_NAME, LayerKernel.machete: MACHETE_KERNEL_NAME}
+    return "+".join(sorted({names[k] for k in kernels})) or KERNEL_NAME
 
 
 class LayerPart(_Strict):
@@ -498,6 +515,9 @@ class Manifest(_Strict):
             raise ValueError("moe_layers need format_version 4")
         if self.format_version < 5 and self.has_machete_layers:
             raise ValueError("layers with kernel machete need format_version 5")
+        laid_out = target_kernel(e.kernel for s in self.tensor_parallel for e in s.layers)
+        if self.target.kernel not in (laid_out, KERNEL_NAME):  # MarlinLinearKernel: what every bundle said before
+            raise ValueError(f"target.kernel is {self.target.kernel}, the layers are laid out for {laid_out}")
         paths = [self.common.path] + [r.file.path for s in self.tensor_parallel for r in s.ranks]
         if len(paths) != len(set(paths)):
             raise ValueError("a file is listed twice")

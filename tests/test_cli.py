@@ -349,9 +349,16 @@ def test_convert_again_is_up_to_date_and_exits_0(make_checkpoint, tmp_path: Path
     assert r.returncode == 0 and f"up to date {d}/marlin-pack (tp 1,2, float16); nothing written" in r.stdout, r.stdout + r.stderr
     r = runner.invoke(app, ["convert", str(d), "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["reused"] is True
-    r = _run_wide("convert", str(d), "--tp", "4")
-    assert r.returncode == 1, r.stderr
-    assert r.stderr.startswith(f"error: {d}/marlin-pack holds a bundle for tp 1,2 in float16, asked for tp 4"), r.stderr
+    r = _run_wide("convert", str(d), "--tp", "4", "--kernel", "marlin")  # a size more: added, the others kept
+    assert r.returncode == 0 and f"wrote {d}/marlin-pack: added tp4; tp1, tp2 kept" in r.stdout, r.stdout + r.stderr
+    rank = d / "marlin-pack" / "tp2" / "rank-1.safetensors"
+    data = bytearray(rank.read_bytes())
+    data[-3] ^= 1  # one flipped byte: convert rewrites that size, and check then loads
+    rank.write_bytes(bytes(data))
+    r = runner.invoke(app, ["convert", str(d), "--tp", "2", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["reused"] is False, r.output
+    assert json.loads(r.stdout)["done"] == "rewrote tp2: tp2/rank-1.safetensors changed since it was written; tp1, tp4 kept"
+    assert runner.invoke(app, ["check", str(d), "-tp", "2"]).exit_code == 0
 
 
 def test_check_says_which_kernel_each_layer_runs_on_the_gpu_given(make_bundle) -> None:

@@ -11,6 +11,8 @@ No vLLM, no torch.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -24,7 +26,7 @@ from marlin_pack.io.safetensors_io import read_header_bytes
 from marlin_pack.io.stamps import NotStamped, StampStore
 from marlin_pack.schemas import FileEntry, Manifest, QuantSettings, SourceFile
 
-__all__ = ["HashReport", "canonical_json", "source_digest", "check_files", "check_source"]
+__all__ = ["HashReport", "canonical_json", "source_digest", "check_files", "file_problems", "check_source"]
 
 
 @dataclass(frozen=True)
@@ -152,23 +154,36 @@ def _hash_all(
     ``failed(name, why)``: the exception for a file that cannot be read or changed while hashed
     (an OSError) or hashed to another digest (the digest found).
     """
+    report, failures = _hash_each(stamps, to_hash)
+    if failures:
+        name, why = failures[0]
+        raise failed(name, why) from (why if isinstance(why, OSError) else None)
+    return report
+
+
+def _hash_each(
+    stamps: StampStore, to_hash: list[tuple[str, Path, str]]
+) -> tuple[HashReport, list[tuple[str, OSError | str]]]:
+    """Hash ``(name, path, expected blake3)`` in parallel and stamp the ones that match: what was hashed, and
+    ``(name, why)`` for each other one, in order (an OSError, or the digest found)."""
     t0 = time.perf_counter()
     results = file_digests([p for _, p, _ in to_hash])
     seconds = time.perf_counter() - t0
-    good: list[HashedFile] = []
+    good: list[tuple[str, HashedFile]] = []
+    failures: list[tuple[str, OSError | str]] = []
     for (name, _, expected), hashed in zip(to_hash, results, strict=True):
         if isinstance(hashed, OSError):
-            raise failed(name, hashed) from hashed
-        if hashed.digest != expected:
-            raise failed(name, hashed.digest)
-        good.append(hashed)
-    not_stamped = tuple(
-        (name, why) for (name, _, _), hashed in zip(to_hash, good, strict=True) if (why := stamps.record(hashed)) is not None
-    )
+            failures.append((name, hashed))
+        elif hashed.digest != expected:
+            failures.append((name, hashed.digest))
+        else:
+            good.append((name, hashed))
+    not_stamped = tuple((name, why) for name, hashed in good if (why := stamps.record(hashed)) is not None)
     stamped = len(good) - len(not_stamped)
-    return HashReport(
-        len(good), sum(h.identity[0] for h in good), seconds, stamped, stamps.where, stamps.unavailable, not_stamped=not_stamped
+    report = HashReport(
+        len(good), sum(h.identity[0] for _, h in good), seconds, stamped, stamps.where, stamps.unavailable, not_stamped=not_stamped
     )
+    return report, failures
 
 
 def _unreadable(e: OSError) -> str:
@@ -211,6 +226,44 @@ def check_files(
         expected = {e.path: e.blake3 for e in manifest.files()}
         report = _hash_all(stamps, to_hash, lambda name, why: _bundle_file_failed(name, why, expected[name]))
     return replace(report, every_time=full_hash is True)
+
+
+def file_problems(bundle_dir: Path, manifest: Manifest, entries: list[FileEntry]) -> tuple[dict[str, str], HashReport]:
+    """What is wrong with each of ``entries`` (bundle files), checked as :func:`check_files` checks them with ``full_hash=None``
+    (sizes; BLAKE3 unless this user's stamp vouches for the file as it is), every file rather than the first: ``{path: why}``
+    (``why`` a phrase: "is missing", "changed since it was written", ...), and what was hashed. Files that match are stamped.
+    """
+    problems: dict[str, str] = {}
+    with StampStore.open() as stamps:
+        to_hash: list[tuple[str, Path, str]] = []
+        for entry in entries:
+            try:
+                path = resolve_file(bundle_dir, entry)
+                st = os.stat(path)
+            except BundleError:
+                problems[entry.path] = "points outside the bundle"
+                continue
+            except FileNotFoundError:
+                problems[entry.path] = "is missing"
+                continue
+            except OSError as e:
+                problems[entry.path] = f"cannot be read ({e.strerror or e})"
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                problems[entry.path] = "is not a file"
+            elif st.st_size != entry.size:
+                problems[entry.path] = f"is {st.st_size} bytes, the manifest says {entry.size} (truncated or replaced)"
+            elif _needs_hash(stamps, path, entry.blake3, None):
+                to_hash.append((entry.path, path, entry.blake3))
+        report, failures = _hash_each(stamps, to_hash)
+    for name, why in failures:
+        if isinstance(why, FileChangedError):
+            problems[name] = f"{why.strerror}"
+        elif isinstance(why, OSError):
+            problems[name] = f"cannot be read ({why.strerror or why})"
+        else:
+            problems[name] = "changed since it was written"
+    return problems, report
 
 
 def _bundle_file_failed(name: str, why: OSError | str, expected: str) -> BundleError:

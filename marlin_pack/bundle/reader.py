@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -71,19 +72,19 @@ def read_manifest(bundle_dir: str | Path) -> Manifest:
 
 
 def listed_files(bundle_dir: str | Path) -> list[str]:
-    """Paths of the bundle files its manifest lists, whatever its format version: what ``convert --force`` may replace.
+    """Paths of the bundle files its manifest lists, whatever its format version: what ``convert`` may replace.
 
-    A bundle of another format version must stay replaceable, since re-converting is the advice
-    for it; every format version so far lists ``common`` and ``tensor_parallel[].ranks[].file``.
+    A bundle of another format version, or with a manifest failing the schema, must stay replaceable, since
+    re-converting is the advice for it; every format version so far lists ``common`` and ``tensor_parallel[].ranks[].file``.
 
     Raises:
-        BundleError: not a marlin-pack manifest, or (this version) failing the schema, or (another
-            version) no file entries that parse.
+        BundleError: not a marlin-pack manifest, or no file entries that parse.
     """
     bundle_dir = Path(bundle_dir)
     path, _, raw = _read_raw(bundle_dir)
     if raw.get("format_version") in READABLE_FORMAT_VERSIONS and not isinstance(raw.get("format_version"), bool):
-        return [f.path for f in read_manifest(bundle_dir).files()]
+        with contextlib.suppress(BundleError):  # a manifest failing the schema (damaged) is read for its paths below
+            return [f.path for f in read_manifest(bundle_dir).files()]
     try:
         entries = [raw["common"], *(r["file"] for s in raw["tensor_parallel"] for r in s["ranks"])]
         # Older versions name their digests differently: only the paths matter here, checked as

@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marlin_pack._constants import COMMON_FILE, FORMAT_VERSION, LEGACY_STAMPS_NAME, MANIFEST_NAME
+from marlin_pack.bundle.existing import is_own_entry
+from marlin_pack.bundle.in_place import open_output, publish_in_place
 from marlin_pack.bundle.rank_files import common_metadata, rank_file_path, rank_metadata
 from marlin_pack.bundle.reader import listed_files
 from marlin_pack.errors import BundleError, MarlinPackError, OutputExistsError
@@ -109,9 +111,15 @@ def foreign_entry(out: Path, shown: Path | None = None) -> str | None:
         return f"it is not a marlin-pack bundle ({str(e).replace(str(out), str(shown or out))})"
     allowed = {MANIFEST_NAME, LEGACY_STAMPS_NAME, *files}
     folders = {str(Path(p).parent) for p in allowed} - {"."}
+    name = (shown or out).name
     for path in sorted(out.rglob("*")):
         rel = path.relative_to(out).as_posix()
         if rel in allowed and path.is_file() and not path.is_symlink():
+            continue
+        top = out / rel.partition("/")[0]
+        if is_own_entry(top.name, shown or out) and top.is_dir() and not top.is_symlink():
+            continue  # a temporary directory of an in-place update killed before it finished: the conversion's own
+        if rel == f".{name}.lock" and path.is_file() and not path.is_symlink():
             continue
         if rel == LEGACY_STAMPS_NAME and not path.is_symlink() and (not path.is_dir() or not any(path.iterdir())):
             continue  # a damaged stamp cache (FIFO, empty directory) is still only a cache
@@ -409,8 +417,10 @@ def output_lock(
     """
     limit = lock_wait_s() if wait_s is None else wait_s
     name = f".{out.name}.lock"
-    path = out.parent / name
-    parent_fd = _open_parent(out)
+    # Beside the output, except where a volume is mounted at it: then in it, where every pod that mounts it finds it.
+    inside = os.path.ismount(out)
+    path = (out if inside else out.parent) / name
+    parent_fd = open_output(out) if inside else _open_parent(out)
     began = time.monotonic()
     noticed = -_WAIT_NOTICE_S
     try:
@@ -492,12 +502,15 @@ class BundleWriter:
     """One bundle being written into a temporary directory it made and holds, to be published at ``out``; use :meth:`create`."""
 
     def __init__(
-        self, out: Path, parent_fd: int, name: str, fd: int, force: bool, format_version: int = FORMAT_VERSION, direct: bool = True
+        self, out: Path, parent_fd: int, name: str, fd: int, force: bool, format_version: int = FORMAT_VERSION, direct: bool = True,
+        in_place: bool = False,
     ) -> None:
         self.out = out
         self.direct = direct  # files written around the page cache (see marlin_pack.io.residency.write_through_cache)
-        self.tmp = out.parent / name  # where the directory was made (messages; every write goes through _fd)
-        self._parent_fd = parent_fd  # the folder of out, held
+        self.in_place = in_place  # published into out itself, entry by entry (marlin_pack.bundle.in_place)
+        self.tmp = (out if in_place else out.parent) / name  # where the directory was made (messages; every write goes through _fd)
+        self._parent_fd = parent_fd  # the folder of out (in place: out), held
+        self._written: list[str] = []  # the bundle files written (and so stamped) by this writer
         self._name = name  # the temporary directory's name in it
         self._fd = fd  # the temporary directory, held from its making
         self._folders: dict[str, int] = {}  # its folders (tp2, ...), made and held
@@ -511,13 +524,16 @@ class BundleWriter:
     @classmethod
     @contextlib.contextmanager
     def create(
-        cls, out: Path, *, force: bool = False, locked: bool = False, format_version: int = FORMAT_VERSION, direct: bool = True
+        cls, out: Path, *, force: bool = False, locked: bool = False, format_version: int = FORMAT_VERSION, direct: bool = True,
+        in_place: bool = False, expect: tuple[int, int] | None = None,
     ) -> Iterator[BundleWriter]:
         """A locked writer over a fresh temporary directory beside ``out``, removed unless :meth:`finish` ran.
 
         ``locked``: the caller holds :func:`output_lock` of ``out`` already (else it is taken here, waiting for
         another conversion of ``out``). ``direct``: write the files around the page cache (False: through it, so
-        that they are in the page cache afterwards).
+        that they are in the page cache afterwards). ``in_place``: ``out`` is a directory (a bundle to extend or
+        heal, an empty one) and the temporary directory is made in it, its entries moved into ``out`` by :meth:`finish`
+        (:mod:`marlin_pack.bundle.in_place`); ``expect``: ``out``'s (device, inode) when it was decided on.
 
         Raises:
             MarlinPackError: the parent of ``out`` is not writable, or writing failed (disk full, ...).
@@ -525,14 +541,15 @@ class BundleWriter:
         with contextlib.ExitStack() as stack:
             if not locked:
                 stack.enter_context(output_lock(out))
-            parent_fd = _open_parent(out)
+            parent_fd = open_output(out, expect) if in_place else _open_parent(out)
             stack.callback(os.close, parent_fd)
             try:
                 _remove_stale_temp_dirs(out, parent_fd)
                 name, fd = _make_temp_dir(out, parent_fd)
             except OSError as e:
-                raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror}); choose a writable location with -o") from e
-            writer = cls(out, parent_fd, name, fd, force, format_version, direct)
+                where = out if in_place else out.parent
+                raise MarlinPackError(f"cannot write to {where} ({e.strerror}); choose a writable location with -o") from e
+            writer = cls(out, parent_fd, name, fd, force, format_version, direct, in_place)
             stack.callback(writer._close_folders)
             try:
                 with _signals_interrupt():
@@ -558,6 +575,7 @@ class BundleWriter:
         meta = common_metadata(self.format_version)
         w = StreamWriter(self.tmp / COMMON_FILE, specs, meta, None, _COMMON_BYTES_IN_FLIGHT, direct=self.direct, dir_fd=self._fd)
         self._track(w)
+        self._written.append(COMMON_FILE)
         for name, _, _ in specs:
             w.write(name, read(name))
         self._common = w
@@ -580,6 +598,7 @@ class BundleWriter:
         meta = rank_metadata(tp_size, rank, self.format_version)
         w = self._track(StreamWriter(self.tmp / rel, specs, meta, **{"direct": self.direct, **options, "dir_fd": folder}))
         self._ranks[(tp_size, rank)] = w
+        self._written.append(rel)
         return w
 
     def close_ranks(
@@ -597,11 +616,12 @@ class BundleWriter:
         return sets
 
     def finish(self, manifest: Manifest, source_hashes: list[HashedFile]) -> None:
-        """Write the manifest, then publish the bundle at ``out`` and stamp its files and the source's.
+        """Write the manifest, then publish the bundle at ``out`` and stamp the files written and the source's.
 
         Stamps go to this user's stamp store (:mod:`marlin_pack.io.stamps`), so that this user's
         first start need not hash again: the bundle files, hashed while this process wrote them
-        (stamped only where no one else could write them), and the source files as hashed.
+        (stamped only where no one else could write them), and the source files as hashed. In place, the
+        files the manifest lists and this writer did not write are the ones kept: neither moved nor stamped.
 
         Args:
             source_hashes: the source files hashed while converting (identity held still while hashed).
@@ -614,11 +634,20 @@ class BundleWriter:
             f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
-        self._publish()
-        self._published = True
-        with StampStore.open() as stamps:  # after the rename: it keeps each file's identity
+        if self.in_place:
+            folders = {name: fd for name, fd in self._folders.items() if "/" not in name}
+            publish_in_place(self.out, self._parent_fd, self._fd, folders, COMMON_FILE in self._written,
+                             [e.path for e in manifest.files()])
+            self._published = True
+            _remove_held(self._name, self._parent_fd, self._fd)  # the temporary directory, with the old files moved aside
+        else:
+            self._publish()
+            self._published = True
+        written = set(self._written)
+        with StampStore.open() as stamps:  # after the rename (ext4 gives a renamed file a new ctime)
             for entry in manifest.files():
-                stamps.record_written(self.out / entry.path, entry.blake3)
+                if entry.path in written:
+                    stamps.record_written(self.out / entry.path, entry.blake3)
             for hashed in source_hashes:
                 stamps.record(hashed)
 

@@ -33,7 +33,7 @@ def convert(
         str, typer.Option("--tp", "-tp", "--tensor-parallel-size", help="Tensor-parallel sizes to write, e.g. 1,2,4,8.")
     ] = "1",
     dtype: DtypeOpt = Dtype.auto,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle, even an up-to-date one.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Rewrite the whole bundle, even an up-to-date one: only --tp's sizes.")] = False,
     device: Annotated[Device, typer.Option("--device", help="Where to do the tensor work.")] = Device.cpu,
     kernel: Annotated[
         Kernel | None,
@@ -48,7 +48,7 @@ def convert(
 ) -> None:
     """Write a bundle for MODEL (engine-free; CPU is enough): the tensors vLLM holds after post-processing.
 
-    Idempotent: an up-to-date bundle for the same settings is reused (exit 0, nothing written), and a conversion of the same output already running is waited for, then its result reused.
+    Idempotent and self-healing: an up-to-date bundle is reused (exit 0, nothing written); TP sizes it lacks are added and files damaged or stale (another checkpoint, --dtype or --kernel) rewritten, the rest kept; an empty directory is written into, one that is not a bundle refused. A conversion of the same output already running is waited for.
 
     Examples:
 
@@ -79,7 +79,8 @@ def convert(
         err.print(styled(("interrupted", "red"), f" ({e or 'SIGINT'}): nothing was written (partial output removed)"), highlight=False)
         raise typer.Exit(128 + signum) from None
     if as_json:
-        body = {"bundle": str(result.bundle), "reused": result.reused, "manifest": result.manifest.model_dump(mode="json")}
+        body = {"bundle": str(result.bundle), "reused": result.reused, "done": result.summary,
+                "manifest": result.manifest.model_dump(mode="json")}
         out.print_json(json.dumps(body))
         return
     if why is not None:  # after the work: a refusal stays the first line of stderr
@@ -87,7 +88,7 @@ def convert(
     if result.reused:
         sizes = ",".join(map(str, result.manifest.tp_sizes))
         hashed = result.hashed.summary()
-        checked = f"; checked the checkpoint: {hashed}" if hashed else ""
+        checked = f"; checked the checkpoint and the bundle: {hashed}" if hashed else ""
         out.print(
             styled(("up to date", "green"), f" {result.bundle} (tp {sizes}, {result.manifest.serving_dtype.value}); "
                    f"nothing written{checked}"),
@@ -95,4 +96,4 @@ def convert(
         )
         return
     render_manifest(result.manifest, result.bundle)
-    out.print(styled(("wrote", "green"), f" {result.bundle}"), soft_wrap=True)
+    out.print(styled(("wrote", "green"), f" {result.bundle}: {result.summary}"), soft_wrap=True, highlight=False)

@@ -23,7 +23,7 @@ from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError
 from marlin_pack.io.checkpoint_files import read_json
 from marlin_pack.io.home import HomeDirectoryError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
-from marlin_pack.schemas import Manifest, TensorParallelSet
+from marlin_pack.schemas import TARGET_KERNELS, Manifest, TensorParallelSet
 from marlin_pack.sources.hub import ResolvedModel, locate_bundle, resolve_model
 from marlin_pack.vllm_plugin import releases
 from marlin_pack.vllm_plugin.expert_share import (
@@ -208,7 +208,7 @@ def _check_target(manifest: Manifest, facts: EngineFacts) -> None:
     if backend is not None:
         raise BundleMismatchError(F.vllm_version, backend)
     layouts = bundle_layouts(manifest)
-    if manifest.target.kernel != KERNEL_NAME or not releases.serves(facts.vllm_version, layouts):
+    if manifest.target.kernel not in TARGET_KERNELS or not releases.serves(facts.vllm_version, layouts):
         held = ", ".join(f"{f} v{v}" for f, v in layouts.items())
         raise BundleMismatchError(
             F.kernel,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
-from marlin_pack import MarlinPackError, OutputExistsError, convert
+from marlin_pack import MarlinPackError, OutputExistsError, convert, verify
 
 
 @pytest.fixture
@@ -33,23 +34,26 @@ def test_existing_up_to_date_output_is_reused_and_force_replaces_it(awq: Path) -
     assert (awq / "marlin-pack" / "manifest.json").stat().st_ino != manifest.st_ino
 
 
-def test_existing_output_for_other_settings_is_refused_naming_the_difference(awq: Path) -> None:
+def test_existing_output_for_other_settings_is_updated_saying_what_and_why(awq: Path) -> None:
     convert(awq)
-    with pytest.raises(OutputExistsError, match=r"holds a bundle for tp 1 in float16, asked for tp 2 in float16; "
-                       r"pass --tp 1,2 --force to replace it with one holding both"):
-        convert(awq, tp=(2,))
-    with pytest.raises(OutputExistsError, match=r"holds a bundle for tp 1 in float16, asked for tp 1 in bfloat16; pass --force"):
-        convert(awq, dtype="bfloat16")
+    added = convert(awq, tp=(2,))
+    assert not added.reused and added.summary == "added tp2; tp1 kept" and added.manifest.tp_sizes == [1, 2]
+    other = convert(awq, dtype="bfloat16")
+    assert other.summary == ("rewrote tp1 and common.safetensors: it holds float16 scales, asked for bfloat16; "
+                             "dropped tp2 (not asked)")
+    assert other.manifest.tp_sizes == [1] and other.manifest.serving_dtype.value == "bfloat16"
 
 
-def test_existing_output_of_a_changed_checkpoint_is_refused(awq: Path) -> None:
-    convert(awq)
+def test_existing_output_of_a_changed_checkpoint_is_rewritten(awq: Path) -> None:
+    convert(awq, tp=(1, 2))
     weights = awq / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # the same header and size, other bytes: only the digest tells
     weights.write_bytes(bytes(data))
-    with pytest.raises(OutputExistsError, match=r"is not an up-to-date bundle of .*blake3.*pass --force"):
-        convert(awq)
+    again = convert(awq, tp=(2,))
+    assert re.fullmatch(r"rewrote tp2 and common.safetensors: source file model.safetensors changed since the bundle was made "
+                        r"\(blake3 \w+…, expected \w+…\); dropped tp1 \(not asked\)", again.summary), again.summary
+    assert verify(awq / "marlin-pack").ok
 
 
 def test_existing_output_of_another_format_version_is_refused(awq: Path) -> None:

@@ -346,8 +346,9 @@ def test_an_up_to_date_bundle_is_reported_without_taking_the_lock(awq: Path, mon
 
     monkeypatch.setattr(conversion, "output_lock", read_only)
     assert convert(awq).reused
-    with pytest.raises(OutputExistsError, match=r"holds a bundle for tp 1 in float16, asked for tp 2"):
-        convert(awq, tp=(2,))  # what is wrong with the bundle, not that its folder is read-only
+    with pytest.raises(MarlinPackError, match=r"marlin-pack is not up to date \(tp2 is not in it\) and cannot be updated: "
+                       r"cannot make the lock file"):
+        convert(awq, tp=(2,))  # what is wrong with the bundle first, then that its folder is read-only
     with pytest.raises(MarlinPackError, match=r"cannot make the lock file"):
         convert(awq, force=True)
 
