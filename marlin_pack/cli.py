@@ -18,7 +18,9 @@ import typer
 from marlin_pack._constants import DEBUG_ENV
 from marlin_pack._version import __version__
 from marlin_pack.commands import cache, check, convert, daemon, system, verify
+from marlin_pack.commands.api_words import as_cli
 from marlin_pack.commands.console import err, out, styled
+from marlin_pack.commands.plain_help import Command, Group
 from marlin_pack.errors import MarlinPackError
 
 __all__ = ["app", "main"]
@@ -30,6 +32,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
     context_settings=_CONTEXT,
+    cls=Group,
     help="Convert AWQ/GPTQ/compressed-tensors checkpoints into vLLM 0.33.0's post-processed Marlin layout, offline, "
     "verify the result, and say what an engine will do with it.",
 )
@@ -50,15 +53,15 @@ def _main(
     """Convert AWQ/GPTQ/compressed-tensors checkpoints into vLLM 0.33.0's post-processed Marlin layout, offline."""
 
 
-app.command("convert")(convert.convert)
-app.command("verify")(verify.verify)
-app.command("check")(check.check)
-app.command("inspect")(verify.inspect)
+app.command("convert", cls=Command)(convert.convert)
+app.command("verify", cls=Command)(verify.verify)
+app.command("check", cls=Command)(check.check)
+app.command("inspect", cls=Command)(verify.inspect)
 app.add_typer(cache.cache_app, name="cache")
-app.command("daemon", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(daemon.daemon)
-app.command("env")(system.env)
-app.command("schema")(system.schema)
-app.command("version")(system.version)
+app.command("daemon", cls=Command, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(daemon.daemon)
+app.command("env", cls=Command)(system.env)
+app.command("schema", cls=Command)(system.schema)
+app.command("version", cls=Command)(system.version)
 
 
 def main() -> None:
@@ -77,7 +80,7 @@ def _run_app() -> None:
     except MarlinPackError as e:
         if os.environ.get(DEBUG_ENV):
             raise
-        err.print(styled(("error:", "red"), f" {e}"), soft_wrap=True, highlight=False)
+        err.print(styled(("error:", "red"), f" {as_cli(str(e))}"), soft_wrap=True, highlight=False)
         err.print(styled((f"(set {DEBUG_ENV}=1 for a traceback)", "dim")))
         sys.exit(1)
     except Exception as e:  # a bug, not bad input: still one line, but say so

@@ -137,13 +137,13 @@ def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str
 
 def _device(device: str) -> torch.device:
     if device != "cpu" and not device.startswith("cuda"):
-        raise MarlinPackError(f"--device {device!r} is not supported; expected cpu or cuda[:N]")
+        raise MarlinPackError(f"`device={device!r}` is not supported; expected 'cpu' or 'cuda[:N]'")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise MarlinPackError(f"--device {device} asked for, but no CUDA GPU is available; use --device cpu")
+        raise MarlinPackError(f"`device={device!r}` asked for, but no CUDA GPU is available; use `device='cpu'`")
     try:
         return torch.device(device)
     except RuntimeError as e:
-        raise MarlinPackError(f"--device {device!r} is not a valid device; expected cpu or cuda[:N]") from e
+        raise MarlinPackError(f"`device={device!r}` is not a valid device; expected 'cpu' or 'cuda[:N]'") from e
 
 
 @contextlib.contextmanager
@@ -381,7 +381,7 @@ def convert(
     out = Path(output) if output is not None else bundle_dir_for(resolved)
     tps = sorted(set(int(t) for t in tp))
     if not tps or tps[0] < 1:
-        raise MarlinPackError(f"--tp {tp} is invalid; expected positive sizes such as 1,2,4,8")
+        raise MarlinPackError(f"`tp={list(tp)!r}` is invalid; expected positive sizes such as [1, 2, 4, 8]")
     dev = _device(device)
     # A symlink at the output (or in a model id's cache entry) is followed only where this user or root owns it.
     out = follow_output(out, cache_root() if output is None and resolved.repo_id is not None else None)

@@ -15,7 +15,7 @@ from marlin_pack.errors import MarlinPackError
 from marlin_pack.machete.supports import machete_supports
 from marlin_pack.schemas import LayerEntry, LayerKernel, QuantScheme
 
-__all__ = ["machete_entry", "visible_gpu", "default_kernel", "parse_kernel"]
+__all__ = ["machete_entry", "visible_gpu", "kernel_for", "default_kernel", "parse_kernel"]
 
 
 def machete_entry(entry: LayerEntry, scheme: QuantScheme, dtype: torch.dtype) -> LayerEntry:
@@ -44,11 +44,17 @@ def visible_gpu() -> tuple[str, int] | None:
     return None
 
 
+def kernel_for(capability: int) -> LayerKernel:
+    """The layout of a bundle for a GPU of ``capability`` (major*10 + minor): ``machete`` for SM90 (each layer then
+    Machete's where vLLM gives it Machete, Marlin's elsewhere: :func:`machete_entry`), ``marlin`` for any other."""
+    return LayerKernel.machete if capability == 90 else LayerKernel.marlin
+
+
 def default_kernel() -> tuple[LayerKernel, str]:
     """The kernel vLLM would choose on this machine's GPU, and why: Machete on a visible SM90 (Hopper) GPU, else Marlin."""
     gpu = visible_gpu()
     if gpu is None:
-        return LayerKernel.marlin, "no GPU visible: Marlin's layout; on Hopper (H100/H200) pass --kernel machete to keep vLLM's own kernel"
+        return LayerKernel.marlin, "no GPU visible: Marlin's layout; for Hopper (H100/H200) engines pass `kernel='machete'`"
     name, cc = gpu
     if cc == 90:
         return LayerKernel.machete, f"{name} is SM90: vLLM serves these layers with Machete where it can"
@@ -56,10 +62,10 @@ def default_kernel() -> tuple[LayerKernel, str]:
 
 
 def parse_kernel(kernel: str | LayerKernel | None) -> LayerKernel:
-    """``--kernel``'s value (None: :func:`default_kernel`)."""
+    """``kernel``'s value (None: :func:`default_kernel`)."""
     if kernel is None:
         return default_kernel()[0]
     try:
         return LayerKernel(kernel)
     except ValueError:
-        raise MarlinPackError(f"--kernel {kernel!r} is not one of marlin, machete") from None
+        raise MarlinPackError(f"`kernel={kernel!r}` is not one of 'marlin', 'machete'") from None

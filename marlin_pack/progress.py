@@ -6,12 +6,14 @@ without ANSI codes, names shown the same way (:func:`~marlin_pack.shown.shown`):
 :data:`DEFAULT_INTERVAL_S` seconds (``MARLIN_PACK_PROGRESS_INTERVAL`` seconds; ``0``: every
 update), and a last one when the work ends::
 
+    marlin-pack: converting layer 1/80 (model.layers.0.mlp), 0.4/35.3 GB read
     marlin-pack: converting layer 37/80 (model.layers.36.mlp), 16.2/35.3 GB read, 1.9 GB/s, ETA 10 s
     marlin-pack: converting done: 80 layers, 35.3 GB read in 18 s (1.9 GB/s)
 
 The protocol (:class:`ProgressFn`): ``progress(done, total, name, *, bytes_done=None, bytes_total=None)``,
 ``done`` of ``total`` steps (layers) finished, ``name`` the last one's; the byte counts, where the
-work knows them, give the line its GB, GB/s and a byte-based ETA. Callers written for the older
+work knows them, give the line its GB, GB/s and a byte-based ETA. Rates and ETAs are measured from the first
+update on, so the first line has none. Callers written for the older
 three-argument form ``progress(done, total, name)`` keep working: the work calls them through
 :func:`as_progress_fn`, which leaves the byte counts out for a function that takes no such keywords.
 """
@@ -95,8 +97,9 @@ def _duration(s: float) -> str:
 class PlainProgress:
     """Plain progress lines on ``file`` (see the module's docstring); ``clock`` is seconds, monotonic.
 
-    Rates and the ETA are measured from the first update on (the steady pipeline, not the setup
-    before it); at the first update itself, from the reporter's start.
+    Rates and the ETA are measured from the first update on: the steady pipeline, not the setup before it (reading
+    headers, hashing the checkpoint, planning, starting the reader: often longer than the first layers, so a rate
+    from the reporter's start made the first ETA 10-20x too long). The first line has no rate or ETA: none is known.
     """
 
     def __init__(self, file: TextIO, what: str, *, interval: float | None = None, bytes_label: str = "read",
@@ -120,13 +123,15 @@ class PlainProgress:
             self.first = (now, done, bytes_done or 0)
 
     def _rates(self, now: float) -> tuple[float | None, float | None]:
-        """(steps per second, bytes per second): since the first update, or at that update since the start."""
-        for t0, d0, b0 in [r for r in (self.first, (self.start, 0, 0)) if r is not None]:
-            dt = now - t0
-            if dt > 0 and self.done > d0:
-                bytes_rate = (self.bytes_done - b0) / dt if self.bytes_done is not None and self.bytes_done > b0 else None
-                return (self.done - d0) / dt, bytes_rate
-        return None, None
+        """(steps per second, bytes per second) since the first update; (None, None) until a step after it."""
+        if self.first is None:
+            return None, None
+        t0, d0, b0 = self.first
+        dt = now - t0
+        if dt <= 0 or self.done <= d0:
+            return None, None
+        bytes_rate = (self.bytes_done - b0) / dt if self.bytes_done is not None and self.bytes_done > b0 else None
+        return (self.done - d0) / dt, bytes_rate
 
     def _line(self, now: float, name: str) -> str:
         parts = [f"{_PREFIX}{self.what} layer {self.done}/{self.total}" + (f" ({name})" if name else "")]

@@ -37,6 +37,7 @@ from marlin_pack.marlin.repack import awq_to_natural, pack_marlin_weights, pad2d
 from marlin_pack.marlin.sharding import fuse_rank_slices, rank_slices, read_layer_parts
 from marlin_pack.moe_verification import check_moe_layers
 from marlin_pack.planning import ConversionPlan, layer_weight_shape, plan_conversion
+from marlin_pack.remedies import convert_command
 from marlin_pack.schemas import LayerEntry, LayerKernel, Manifest, torch_dtype
 from marlin_pack.sources import Checkpoint, source_from_quant_config
 from marlin_pack.sources.hub import cache_root, resolve_model
@@ -174,9 +175,9 @@ def verify(
         stage("tensors", lambda: _check_tensor_specs(bundle, m))
         if source is None:
             why = (
-                "skipped (--integrity-only)"
+                "skipped (`integrity_only=True`)"
                 if integrity_only
-                else "skipped: no checkpoint to compare with; pass --source MODEL_DIR, or --integrity-only to check the bundle alone"
+                else "skipped: no checkpoint to compare with; pass `source=MODEL_DIR`, or `integrity_only=True` to check the bundle alone"
             )
             report.checks.extend(Check(name, "skipped", why) for name in _SOURCE_STAGES)
             return report
@@ -202,23 +203,28 @@ def verify(
     return report
 
 
-def _header(path: Path) -> SafetensorsHeader:
+def _redo(bundle: Path, m: Manifest) -> str:
+    """The advice for a damaged bundle file: the whole command that writes it again."""
+    return f"re-run `{convert_command(bundle, tp_sizes=m.tp_sizes)}`"
+
+
+def _header(path: Path, redo: str) -> SafetensorsHeader:
     try:
         return read_header(path)
     except (SafetensorsFormatError, OSError) as e:
-        raise BundleError(f"{e}; re-run `marlin-pack convert --force`") from e
+        raise BundleError(f"{e}; {redo}") from e
 
 
-def _tensors(path: Path) -> TensorFile:
+def _tensors(path: Path, redo: str) -> TensorFile:
     """A bundle file's tensors, read with ``pread``; its header checked first, and its layout as safetensors checks it."""
-    header = _header(path)
+    header = _header(path, redo)
     try:
         f = TensorFile(path, header.tensors)
     except OSError as e:
-        raise BundleError(f"cannot open {path.name} ({e.strerror or e}); re-run `marlin-pack convert --force`") from e
+        raise BundleError(f"cannot open {path.name} ({e.strerror or e}); {redo}") from e
     if (why := unpacked(header, f.size)) is not None:
         f.close()
-        raise BundleError(f"{path.name} is not a file safetensors reads ({why}); re-run `marlin-pack convert --force`")
+        raise BundleError(f"{path.name} is not a file safetensors reads ({why}); {redo}")
     return f
 
 
@@ -226,9 +232,9 @@ def _check_tensor_specs(bundle: Path, m: Manifest) -> str:
     n = 0
     for tp_set in m.tensor_parallel:
         for r in tp_set.ranks:
-            check_rank_header(m, tp_set, r.rank, _header(resolve_file(bundle, r.file)))
+            check_rank_header(m, tp_set, r.rank, _header(resolve_file(bundle, r.file), _redo(bundle, m)))
         n += len(tp_set.ranks) * len(rank_tensor_specs(tp_set, m.quant, m.serving_dtype, m.source.format))
-    _header(resolve_file(bundle, m.common))
+    _header(resolve_file(bundle, m.common), _redo(bundle, m))
     return f"{n} layer tensors present with the declared dtype and shape"
 
 
@@ -246,13 +252,13 @@ def _check_layout(m: Manifest, plan: ConversionPlan) -> str:
 
 def _check_common(bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan) -> str:
     path = resolve_file(bundle, m.common)
-    found = set(_header(path).tensors)
+    found = set(_header(path, _redo(bundle, m)).tensors)
     aliases = m.common_aliases
     if found & set(aliases) or sorted(found | set(aliases)) != plan.common:
         names = found | set(aliases)
         missing = sorted(set(plan.common) - names) or sorted(names - set(plan.common)) or sorted(found & set(aliases))
         raise MarlinPackError(f"{COMMON_FILE}: tensor set differs from the checkpoint's non-quantized tensors ({missing[0]})")
-    with _tensors(path) as f:
+    with _tensors(path, _redo(bundle, m)) as f:
         for name in plan.common:
             stored = aliases.get(name, name)
             if stored not in found:
@@ -272,7 +278,8 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _round_trip(
     bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan, progress: Callable[[int, int, str], None] | None
 ) -> str:
-    handles = {(s.tp_size, r.rank): _tensors(resolve_file(bundle, r.file)) for s in m.tensor_parallel for r in s.ranks}
+    redo = _redo(bundle, m)
+    handles = {(s.tp_size, r.rank): _tensors(resolve_file(bundle, r.file), redo) for s in m.tensor_parallel for r in s.ranks}
     try:
         return _round_trip_ranks(m, ckpt, plan, progress, handles)
     finally:

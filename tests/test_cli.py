@@ -410,16 +410,16 @@ def test_check_decides_each_replica_and_ep_rank_of_a_moe_bundle(tmp_path: Path) 
     model = write_moe_checkpoint(tmp_path / "m", "MixtralForCausalLM", "awq", dtype=torch.float16)
     convert(model, tp=(1,), kernel="marlin")
     r = runner.invoke(app, ["check", str(model), "-dp", "2"], env={"COLUMNS": "400"})
-    assert r.exit_code == 1 and "rank 0/1: refuse" in r.stdout and "[dp_size] --data-parallel-size 2: vLLM 0.33.0 shards" in r.stdout
+    assert r.exit_code == 1 and "rank 0/1: refuse" in r.stdout and "[dp_size] --data-parallel-size 2: vLLM shards" in r.stdout
     assert f"run `marlin-pack convert {model} --tp 1,2 --force`" in r.stdout and len(r.stdout.splitlines()) == 2, r.stdout
     assert runner.invoke(app, ["check", str(model)]).exit_code == 0
     convert(model, tp=(1, 2), kernel="marlin", force=True)
     r = runner.invoke(app, ["check", str(model), "-dp", "2"], env={"COLUMNS": "400"})
-    lines = [x for x in r.stdout.splitlines() if not x.startswith("check hashed")]
+    lines = [x for x in r.stdout.splitlines() if not x.startswith(("check hashed", "kernel fit not checked"))]
     assert r.exit_code == 0 and [x.split(":")[0] for x in lines] == ["replica 0 rank 0/1", "replica 1 rank 0/1"], r.stdout
     assert "experts of tp2/rank-0" in lines[0] and "experts of tp2/rank-1" in lines[1]
     r = runner.invoke(app, ["check", str(model), "-tp", "2", "-ep"], env={"COLUMNS": "400"})
-    lines = [x for x in r.stdout.splitlines() if not x.startswith("check hashed")]
+    lines = [x for x in r.stdout.splitlines() if not x.startswith(("check hashed", "kernel fit not checked"))]
     assert r.exit_code == 0 and [x.split(":")[0] for x in lines] == ["rank 0/2", "rank 1/2"], r.stdout
     assert "experts 0-1 of 4 (ep rank 0/2, linear) from tp1/rank-0" in lines[0] and "experts 2-3 of 4 (ep rank 1/2" in lines[1]
     r = runner.invoke(app, ["check", str(model), "-tp", "2", "-dp", "2", "-ep", "--json"])
@@ -640,3 +640,153 @@ def test_a_bundle_file_truncated_while_verify_reads_it_fails_verify_in_one_line(
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, r.stderr
     assert errors[0].startswith("error: verify failed at round-trip: bundle file rank-0.safetensors changed while it was read"), errors
+
+
+# --- small things a new user meets: --tp words, Ctrl-C, a daemon without a GPU, --version where the docs say ---
+
+
+@pytest.mark.parametrize("value", ["1,,2", "1,", ",2", "", "1, ,2", "2,2", "0", "-1", "1.5", "two", "１"])
+def test_tp_sizes_that_are_not_a_plain_list_are_refused(value: str) -> None:
+    r = runner.invoke(app, ["convert", "/nonexistent", "--tp", value])
+    assert r.exit_code == 2 and "Invalid value for --tp" in r.output and repr(value) in r.output, r.output
+
+
+def test_tp_sizes_are_read_sorted() -> None:
+    from marlin_pack.commands.params import parse_tp
+
+    assert parse_tp("4,1,2") == [1, 2, 4] and parse_tp(" 1 , 2 ") == [1, 2] and parse_tp("8") == [8]
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_an_interrupted_conversion_names_its_signal(signame: str, make_checkpoint, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    from marlin_pack import conversion
+    from marlin_pack.bundle.writer import Interrupted
+
+    signum = signal.Signals[signame]
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt() if signame == "SIGINT" else Interrupted(signum)  # Ctrl-C is a plain KeyboardInterrupt
+
+    monkeypatch.setattr(conversion, "convert", interrupted)
+    r = runner.invoke(app, ["convert", str(_ckpt(make_checkpoint, tmp_path))])
+    assert r.exit_code == 128 + signum, r.output
+    assert f"interrupted ({signame}): nothing was written" in r.output and "()" not in r.output, r.output
+
+
+def test_daemon_without_a_gpu_says_so_before_vllm_starts(make_bundle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU: one line at once (vLLM would fail ~14 s later, in a traceback), without importing vLLM or torch."""
+    code = (
+        "import sys; from marlin_pack.cli import main; sys.argv = ['marlin-pack', 'daemon', *sys.argv[1:]]\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    print('RC', e.code)\n"
+        "print('IMPORTED', sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-c", code, str(make_bundle("awq")), "-tp", "2"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert "RC 1" in r.stdout and "IMPORTED []" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.startswith("error: marlin-pack daemon fills GPU memory, and CUDA_VISIBLE_DEVICES='' hides every GPU; "
+                               "run it on a machine with the engines' GPUs"), r.stderr
+
+
+def test_daemon_needs_the_gpus_its_tp_and_pp_take(make_bundle, monkeypatch: pytest.MonkeyPatch) -> None:
+    import marlin_pack.vllm_plugin.launcher as launcher
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(launcher, "run", calls.append)
+    monkeypatch.setattr("marlin_pack.gpu.gpu_room.visible_gpus", lambda: (2, ""))
+    r = runner.invoke(app, ["daemon", str(make_bundle("awq")), "--tensor-parallel-size=2", "-pp", "2"])
+    assert r.exit_code == 1 and not calls, r.output
+    assert "marlin-pack daemon with 4 GPUs (-tp x -pp), 2 visible here" in str(r.exception), r.exception
+    r = runner.invoke(app, ["daemon", str(make_bundle("awq")), "-tp", "2"])
+    assert r.exit_code == 0 and len(calls) == 1, r.output
+
+
+def test_visible_gpus_follows_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+
+    from marlin_pack.gpu import gpu_room
+
+    class FakeNvml:
+        def nvmlInit_v2(self) -> int:
+            return 0
+
+        def nvmlDeviceGetCount_v2(self, count) -> int:  # type: ignore[no-untyped-def]
+            ctypes.cast(count, ctypes.POINTER(ctypes.c_uint)).contents.value = 2
+            return 0
+
+        def nvmlShutdown(self) -> int:
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeNvml())
+    assert gpu_room.visible_gpus({}) == (2, "")
+    assert gpu_room.visible_gpus({"CUDA_VISIBLE_DEVICES": "1"}) == (1, "")
+    assert gpu_room.visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1,5"}) == (2, "")  # CUDA stops at the first device not there
+    assert gpu_room.visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == (0, "CUDA_VISIBLE_DEVICES='-1' names no GPU of this machine")
+    assert gpu_room.visible_gpus({"CUDA_VISIBLE_DEVICES": " "})[0] == 0
+
+    def no_driver(name: str) -> None:
+        raise OSError(name)
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert gpu_room.visible_gpus({}) == (0, "no NVIDIA driver here (libnvidia-ml.so.1 cannot be loaded)")
+
+
+def test_version_is_where_the_options_page_says() -> None:
+    """docs/options.md: -h/--help on every command, --version/-V on marlin-pack itself, and the version command."""
+    from marlin_pack import __version__
+
+    text = (Path(__file__).parents[1] / "docs" / "options.md").read_text()
+    assert "`-h`/`--help` work on every command" in text and "`--version` (`-V`) on `marlin-pack` itself" in text
+    for argv in (["--version"], ["-V"], ["version"]):
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 0 and __version__ in r.stdout, (argv, r.output)
+    for command in (["convert"], ["verify"], ["check"], ["inspect"], ["cache", "ls"], ["cache", "rm"], ["daemon"], ["env"],
+                    ["schema"], ["version"]):
+        for flag in ("-h", "--help"):
+            assert runner.invoke(app, [*command, flag]).exit_code == 0, (command, flag)
+
+
+def test_library_errors_name_arguments_the_cli_names_options(make_checkpoint, tmp_path: Path) -> None:
+    """An error raised below the CLI names the library's argument (`device='cuda'`); the CLI prints its option."""
+    import torch
+
+    from marlin_pack import convert
+    from marlin_pack.errors import MarlinPackError
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a CUDA GPU")
+    d = _ckpt(make_checkpoint, tmp_path)
+    with pytest.raises(MarlinPackError, match=r"`device='cuda'` asked for, but no CUDA GPU is available; use `device='cpu'`"):
+        convert(d, device="cuda")
+    r = _run("convert", str(d), "--device", "cuda")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: `--device cuda` asked for, but no CUDA GPU is available; use `--device cpu`"), r.stderr
+
+
+@pytest.mark.parametrize("api, cli", [
+    ("pass `force=True` to replace it", "pass `--force` to replace it"),
+    ("or `output=DIR` elsewhere", "or `-o DIR` elsewhere"),
+    ("asked for `tp=[1, 2, 4]`", "asked for `--tp 1,2,4`"),
+    ("`kernel='machete'` and `dtype='bfloat16'`", "`--kernel machete` and `--dtype bfloat16`"),
+    ("`revision=COMMIT`, `source=MODEL_DIR`, `integrity_only=True`", "`--revision COMMIT`, `--source MODEL_DIR`, `--integrity-only`"),
+    ("run `marlin-pack convert /m --tp 2`", "run `marlin-pack convert /m --tp 2`"),  # a command: as it is
+    ("`unknown=1`, `force=False`, a path /x/force=True", "`unknown=1`, `force=False`, a path /x/force=True"),
+])
+def test_the_cli_shows_each_library_argument_as_its_option(api: str, cli: str) -> None:
+    from marlin_pack.commands.api_words import as_cli
+
+    assert as_cli(api) == cli
+
+
+def test_verify_shows_the_reports_advice_in_the_cli_words(make_bundle, tmp_path: Path) -> None:
+    """verify()'s report names its arguments (`source=MODEL_DIR`); verify's table shows the options."""
+    moved = tmp_path / "moved"
+    shutil.copytree(make_bundle("awq") / "marlin-pack", moved)
+    r = runner.invoke(app, ["verify", str(moved)])
+    assert r.exit_code == 1 and "pass `--source MODEL_DIR`, or `--integrity-only` to check the bundle alone" in r.stdout, r.stdout
+    assert "source=" not in r.stdout and "integrity_only" not in r.stdout
+    r = runner.invoke(app, ["verify", str(moved), "--integrity-only"])
+    assert r.exit_code == 0 and "skipped (`--integrity-only`)" in r.stdout, r.stdout

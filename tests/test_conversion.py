@@ -16,7 +16,7 @@ def awq(awq_copy: Path) -> Path:
 
 @pytest.mark.parametrize("device", ["foo", "meta"])
 def test_unsupported_device(awq: Path, device: str, no_leftovers) -> None:
-    with pytest.raises(MarlinPackError, match=rf"--device '{device}' is not supported; expected cpu or cuda"):
+    with pytest.raises(MarlinPackError, match=rf"`device='{device}'` is not supported; expected 'cpu' or 'cuda"):  # the API's word
         convert(awq, device=device)
     no_leftovers(awq)
 

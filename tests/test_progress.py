@@ -50,7 +50,7 @@ def test_plain_lines_are_throttled_and_say_layer_gb_rate_and_eta() -> None:
     lines = buf.getvalue().splitlines()
     # the first update, then one line per 5 s (layers 6, 11, ... 76), then the final line
     assert len(lines) == 1 + 15 + 1, lines
-    assert lines[0].startswith("marlin-pack: converting layer 1/80 (model.layers.0.mlp), 0.5/40.0 GB read")
+    assert lines[0] == "marlin-pack: converting layer 1/80 (model.layers.0.mlp), 0.5/40.0 GB read"  # no rate measured yet
     assert lines[1] == "marlin-pack: converting layer 6/80 (model.layers.5.mlp), 3.0/40.0 GB read, 0.5 GB/s, ETA 1 min 14 s"
     assert lines[-2].startswith("marlin-pack: converting layer 76/80 ")
     assert lines[-1] == "marlin-pack: converting done: 80 layers, 40.0 GB read in 1 min 20 s (0.5 GB/s)"
@@ -62,12 +62,12 @@ def test_eta_comes_from_the_byte_rate_or_else_the_layer_rate() -> None:
     buf, clock = io.StringIO(), FakeClock()
     p = PlainProgress(buf, "converting", interval=0, clock=clock)
     clock.t += 2
-    p.update(1, 10, "a", bytes_done=1 * GB, bytes_total=10 * GB)  # measured from the start: 0.5 GB/s
+    p.update(1, 10, "a", bytes_done=1 * GB, bytes_total=10 * GB)  # no rate yet: the 2 s include the setup
     clock.t += 1
     p.update(2, 10, "b", bytes_done=3 * GB, bytes_total=10 * GB)  # since the first update: 2 GB/s
     p.finish()
     first, second, last = buf.getvalue().splitlines()
-    assert first == "marlin-pack: converting layer 1/10 (a), 1.0/10.0 GB read, 0.5 GB/s, ETA 18 s"
+    assert first == "marlin-pack: converting layer 1/10 (a), 1.0/10.0 GB read"
     assert second == "marlin-pack: converting layer 2/10 (b), 3.0/10.0 GB read, 2.0 GB/s, ETA 4 s"
     assert last == "marlin-pack: converting done: 2 layers, 3.0 GB read in 3 s (1.0 GB/s)"
 
@@ -75,16 +75,38 @@ def test_eta_comes_from_the_byte_rate_or_else_the_layer_rate() -> None:
     p = PlainProgress(buf, "round trip", interval=0, clock=clock)
     clock.t += 3
     p.update(1, 4, "x")  # no bytes: layers only
+    clock.t += 1
+    p.update(2, 4, "y")  # a layer a second since the first
     p.finish()
-    assert buf.getvalue().splitlines() == ["marlin-pack: round trip layer 1/4 (x), ETA 9 s", "marlin-pack: round trip done: 1 layer in 3 s"]
+    assert buf.getvalue().splitlines() == [
+        "marlin-pack: round trip layer 1/4 (x)", "marlin-pack: round trip layer 2/4 (y), ETA 2 s",
+        "marlin-pack: round trip done: 2 layers in 4 s",
+    ]
+
+
+def test_a_long_setup_does_not_slow_the_first_eta() -> None:
+    """40 s of setup (headers, hashing, planning) before 80 layers of 0.5 GB at one a second: no line's ETA counts
+    the setup (a rate from the start gave the first ETA as 79 x 41 s = 54 min for 79 s of work left)."""
+    buf, clock = io.StringIO(), FakeClock()
+    p = PlainProgress(buf, "converting", interval=0, clock=clock)
+    clock.t += 40
+    for i in range(1, 4):
+        clock.t += 1
+        p.update(i, 80, f"l{i}", bytes_done=i * GB // 2, bytes_total=40 * GB)
+    lines = buf.getvalue().splitlines()
+    assert "ETA" not in lines[0] and "GB/s" not in lines[0], lines
+    assert lines[1].endswith("0.5 GB/s, ETA 1 min 18 s") and lines[2].endswith("0.5 GB/s, ETA 1 min 17 s"), lines
 
 
 def test_small_jobs_read_in_mb() -> None:
     buf, clock = io.StringIO(), FakeClock()
     p = PlainProgress(buf, "converting", interval=0, clock=clock)
     clock.t += 1
-    p.update(1, 2, "a", bytes_done=3_000_000, bytes_total=6_000_000)
-    assert buf.getvalue() == "marlin-pack: converting layer 1/2 (a), 3.0/6.0 MB read, 3.0 MB/s, ETA 1 s\n"
+    p.update(1, 4, "a", bytes_done=3_000_000, bytes_total=12_000_000)
+    clock.t += 1
+    p.update(2, 4, "b", bytes_done=6_000_000, bytes_total=12_000_000)
+    assert buf.getvalue().splitlines() == ["marlin-pack: converting layer 1/4 (a), 3.0/12.0 MB read",
+                                           "marlin-pack: converting layer 2/4 (b), 6.0/12.0 MB read, 3.0 MB/s, ETA 2 s"]
 
 
 def test_an_error_ends_with_where_it_stopped_and_no_update_prints_nothing() -> None:
@@ -167,7 +189,7 @@ def test_cli_convert_to_a_pipe_prints_plain_start_and_final_lines(make_checkpoin
                        env={**env, INTERVAL_ENV: "0", "COLUMNS": "80"})
     lines = [line for line in r.stderr.splitlines() if line.startswith("marlin-pack: converting ")]
     assert lines, r.stderr
-    first = r"marlin-pack: converting layer 1/(\d+) \(\S+\), [\d.]+/[\d.]+ [MG]B read(, [\d.]+ [MG]B/s)?(, ETA .+)?"
+    first = r"marlin-pack: converting layer 1/(\d+) \(\S+\), [\d.]+/[\d.]+ [MG]B read"  # no rate yet, so no ETA
     assert re.fullmatch(first, lines[0]), lines
     n = int(lines[0].split("/")[1].split()[0])
     assert len(lines) == n + 1  # interval 0: a line per layer, and the final one

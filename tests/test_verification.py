@@ -168,7 +168,7 @@ def test_without_source_is_incomplete_not_ok(bundle: Path, tmp_path: Path) -> No
     assert not report.ok and report.incomplete and report.first_failure is None
     skipped = [c for c in report.checks if c.status == "skipped"]
     assert [c.name for c in skipped] == ["source", "plan", "layout", "common", "round-trip"]
-    assert "pass --source MODEL_DIR" in skipped[0].detail
+    assert "pass `source=MODEL_DIR`" in skipped[0].detail  # the API's argument (the CLI shows --source)
     assert verify(moved, bundle.parent).ok  # naming the source makes it complete
 
 

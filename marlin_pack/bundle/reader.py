@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from marlin_pack._constants import BUNDLE_DIRNAME, FORMAT_NAME, MANIFEST_NAME, READABLE_FORMAT_VERSIONS
 from marlin_pack.errors import BundleError, BundleMismatchError, MismatchField
 from marlin_pack.io.files import FileTooLargeError, NotRegularFileError, read_limited
+from marlin_pack.remedies import convert_command
 from marlin_pack.schemas import FileEntry, Manifest
 
 __all__ = ["MAX_MANIFEST_BYTES", "default_bundle_dir", "read_manifest", "listed_files", "resolve_file"]
@@ -29,7 +30,7 @@ def _read_raw(bundle_dir: Path) -> tuple[Path, bytes, dict]:
     if not bundle_dir.is_dir():
         raise BundleError(
             f"no bundle at {bundle_dir}: expected a directory with {MANIFEST_NAME}; "
-            "run `marlin-pack convert MODEL_DIR` first"
+            f"run `{convert_command(bundle_dir)}` first"
         )
     try:
         text = read_limited(path, MAX_MANIFEST_BYTES)

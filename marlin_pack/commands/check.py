@@ -9,9 +9,25 @@ from typing import Annotated
 import typer
 
 from marlin_pack.commands.console import BadParameter, err, out, styled
-from marlin_pack.commands.params import Dtype, DtypeOpt, JsonOpt, ModelArg, RevisionOpt, VerifyMode, capability, engine_dtype, local_or_repo
+from marlin_pack.commands.gpu import CapabilityOpt, engine_gpu
+from marlin_pack.commands.params import (
+    Dtype,
+    DtypeOpt,
+    JsonOpt,
+    ModelArg,
+    RevisionOpt,
+    VerifyMode,
+    engine_dtype,
+    local_or_repo,
+    unconvertible,
+)
 
 __all__ = ["check"]
+
+_NOT_CHECKED = (
+    "no GPU is visible here and none was named; pass --compute-capability X.Y for the engine's GPU (9.0 for H100/H200: "
+    "there a Marlin bundle runs with Marlin forced, slower; a Machete bundle loads on 9.0 only)"
+)
 
 
 def check(
@@ -37,10 +53,7 @@ def check(
         VerifyMode.auto
     ),
     fallback: Annotated[bool, typer.Option("--fallback", help="As the loader's fallback: a bad bundle means loading ordinarily.")] = False,
-    compute_capability: Annotated[
-        str | None,
-        typer.Option("--compute-capability", help="The engine's GPU, e.g. 9.0 (H100/H200) or 8.0 \\[default: this machine's GPU, if any]."),
-    ] = None,
+    compute_capability: CapabilityOpt = None,
     revision: RevisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -67,16 +80,18 @@ def check(
         raise BadParameter(f"{placement!r}: expected linear or round_robin", param_hint="--expert-placement-strategy")
     if rank is not None and rank >= tp:
         raise BadParameter(f"--rank {rank} is outside --tensor-parallel-size {tp}", param_hint="--rank")
+    gpu = engine_gpu(compute_capability)
     try:
         report = preflight(
             model, bundle=bundle, tp_size=tp, rank=rank, dtype=engine_dtype(model, revision, dtype.value),
-            verify=verify_mode.value, fallback=fallback, revision=revision, capability=capability(compute_capability),
+            verify=verify_mode.value, fallback=fallback, revision=revision, capability=None if gpu is None else gpu.capability,
             pp_size=pp, dp_size=dp, expert_parallel=ep, expert_placement=placement,
         )
     except ValueError as e:
         raise BadParameter(str(e)) from None
     if as_json:
-        out.print_json(json.dumps({**report.to_dict(), "data_parallel_size": dp}))
+        gpu_dict = None if gpu is None else {"compute_capability": gpu.text, "named": gpu.named, "name": gpu.name or None}
+        out.print_json(json.dumps({**report.to_dict(), "data_parallel_size": dp, "gpu": gpu_dict, "kernel_fit_checked": gpu is not None}))
     else:
         err.print(report.release_text, highlight=False, soft_wrap=True, markup=False)  # stdout: the decisions only
         if dp > 1 and not report.per_replica:
@@ -86,8 +101,26 @@ def check(
             out.print(styled(f"{ranks}: ", (decision, colour[decision]), f" {message}"), soft_wrap=True)
         if (hashed := report.hashed.summary()) is not None:
             out.print(f"check {hashed}", soft_wrap=True)
+        problem = report.first_problem
+        if problem is not None and problem.field == "manifest" and bundle is None and _no_bundle(model, revision):
+            why = unconvertible(model, revision)  # the refusal says how to convert; say instead why it cannot be
+            if why is not None:
+                out.print(styled(("why:", "yellow"), f" {model} cannot have a bundle: {why}"), soft_wrap=True)
+        if gpu is None and report.decision != "refuse":
+            out.print(styled(("kernel fit not checked:", "yellow"), f" {_NOT_CHECKED}"), soft_wrap=True)
     if report.decision == "refuse":
         raise typer.Exit(1)
+
+
+def _no_bundle(model: str, revision: str | None) -> bool:
+    """MODEL's default bundle is not there (a model id not in the hub's cache: that refusal says why itself)."""
+    from marlin_pack.errors import MarlinPackError
+    from marlin_pack.sources.hub import locate_bundle
+
+    try:
+        return not locate_bundle(model, revision).exists()
+    except MarlinPackError:
+        return False
 
 
 def _grouped(report) -> list[tuple[str, str, str]]:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import typer
-from rich.console import Console, ConsoleOptions, RenderableType
+from rich.console import Console, ConsoleDimensions, ConsoleOptions, RenderableType
 from rich.json import JSON
 from rich.protocol import rich_cast
 from rich.segment import Segment
@@ -18,7 +18,11 @@ from rich.text import Span, Text
 
 from marlin_pack.shown import UNSAFE, shown
 
-__all__ = ["BadParameter", "ShownConsole", "err", "out", "progress", "styled"]
+__all__ = ["PIPE_WIDTH", "BadParameter", "ShownConsole", "err", "out", "progress", "styled"]
+
+# Where output is not a terminal (a pipe, a file, a container's log), lines are as long as their text: a table is as
+# wide as its cells, never squeezed to 80 columns and cut with "…" (a patch target, a model id, a path).
+PIPE_WIDTH = 100_000
 
 
 def _shown_text(text: Text, keep: str = "") -> Text:
@@ -41,7 +45,26 @@ class ShownConsole(Console):
     """A console that shows every string and :class:`~rich.text.Text` it renders (tables' cells and titles,
     progress columns, JSON included) through :func:`~marlin_pack.shown.shown`: a path, manifest string or tensor
     name with an escape sequence or a newline prints as ``\\x1b``/``\\n``, never moving the cursor or starting a
-    line. The lines, tables and colours rich lays out itself are not text it is given, so they stay as they are."""
+    line. The lines, tables and colours rich lays out itself are not text it is given, so they stay as they are.
+
+    Not on a terminal, and given no width, it is :data:`PIPE_WIDTH` wide whatever ``COLUMNS`` says: piped text is
+    whole (a terminal's width still lays out what a terminal shows)."""
+
+    def __init__(self, *args, width: int | None = None, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, width=width, **kwargs)
+        self._asked_width = width
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
+        if self._asked_width is not None or self.is_terminal:
+            return dims
+        return ConsoleDimensions(PIPE_WIDTH, dims.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+        self._asked_width = new_size[0]
 
     def render_str(self, text: str, **kwargs) -> Text:  # type: ignore[no-untyped-def,override]
         return super().render_str(shown(text), **kwargs)

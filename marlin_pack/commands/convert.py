@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from marlin_pack.commands.console import err, out, progress, styled
+from marlin_pack.commands.gpu import CapabilityOpt, engine_gpu, kernel_for_gpu
 from marlin_pack.commands.params import (
     Device,
     Dtype,
@@ -30,7 +32,7 @@ def convert(
     model: ModelArg,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Bundle directory \\[default: MODEL_DIR/marlin-pack].")] = None,
     tp: Annotated[
-        str, typer.Option("--tp", "-tp", "--tensor-parallel-size", help="Tensor-parallel sizes to write, e.g. 1,2,4,8.")
+        str, typer.Option("--tp", "-tp", "--tensor-parallel-size", metavar="SIZES", help="Tensor-parallel sizes to write, e.g. 1,2,4,8.")
     ] = "1",
     dtype: DtypeOpt = Dtype.auto,
     force: Annotated[bool, typer.Option("--force", help="Rewrite the whole bundle, even an up-to-date one: only --tp's sizes.")] = False,
@@ -40,9 +42,11 @@ def convert(
         typer.Option(
             "--kernel",
             help="machete: the layers as vLLM serves them on Hopper (SM90: Machete where it can, Marlin elsewhere); "
-            "marlin: Marlin for every layer (other GPUs) \\[default: what vLLM picks on this machine's GPU; Marlin without one].",
+            "marlin: Marlin for every layer (other GPUs) \\[default: what vLLM picks on the GPU --compute-capability names, "
+            "else on this machine's; Marlin without one].",
         ),
     ] = None,
+    compute_capability: CapabilityOpt = None,
     revision: RevisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -56,17 +60,14 @@ def convert(
 
       marlin-pack convert Qwen/Qwen2.5-7B-Instruct-AWQ -tp 2 --dtype bfloat16
 
-      marlin-pack convert ./Llama-3-70B-AWQ --kernel machete    # for H100/H200 engines, converted on any machine
+      marlin-pack convert ./Llama-3-70B-AWQ --compute-capability 9.0    # for H100/H200 engines, converted on any machine
     """  # noqa: E501
     from marlin_pack.conversion import convert as run_convert
-    from marlin_pack.kernel_choice import default_kernel
 
     model = local_or_repo(model, revision)
     check_dtype_word(dtype.value)
-    why = None
-    if kernel is None:
-        chosen, why = default_kernel()
-        kernel = Kernel(chosen.value)
+    chosen, why = kernel_for_gpu(None if kernel is None else kernel.value, engine_gpu(compute_capability))
+    kernel = Kernel(chosen)
     try:
         with progress(not as_json, "converting") as update:
             result = run_convert(
@@ -75,8 +76,9 @@ def convert(
                 on_wait=lambda line: err.print(f"marlin-pack: {line}", highlight=False, soft_wrap=True),
             )
     except KeyboardInterrupt as e:  # SIGINT, or SIGTERM/SIGHUP (Interrupted): the writer removed its files
-        signum = getattr(e, "signum", 2)
-        err.print(styled(("interrupted", "red"), f" ({e or 'SIGINT'}): nothing was written (partial output removed)"), highlight=False)
+        signum = getattr(e, "signum", signal.SIGINT)
+        said = f" ({signal.Signals(signum).name}): nothing was written (partial output removed)"
+        err.print(styled(("interrupted", "red"), said), highlight=False)
         raise typer.Exit(128 + signum) from None
     if as_json:
         body = {"bundle": str(result.bundle), "reused": result.reused, "done": result.summary,
@@ -84,7 +86,7 @@ def convert(
         out.print_json(json.dumps(body))
         return
     if why is not None:  # after the work: a refusal stays the first line of stderr
-        err.print(f"marlin-pack: --kernel {kernel.value}: {why}", highlight=False, soft_wrap=True)
+        err.print(f"marlin-pack: {why}", highlight=False, soft_wrap=True)
     if result.reused:
         sizes = ",".join(map(str, result.manifest.tp_sizes))
         hashed = result.hashed.summary()

@@ -3,6 +3,7 @@ each a usage error (exit 2, one line naming the option) when it cannot be read."
 
 from __future__ import annotations
 
+import shlex
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -10,10 +11,11 @@ from typing import Annotated
 import typer
 
 from marlin_pack.commands.console import BadParameter
+from marlin_pack.errors import MarlinPackError
 
 __all__ = [
     "Device", "Dtype", "DtypeOpt", "JsonOpt", "Kernel", "ModelArg", "RevisionOpt", "TargetArg", "VerifyMode",
-    "bundle_of", "capability", "check_dtype_word", "engine_dtype", "local_or_repo", "parse_tp",
+    "bundle_of", "check_dtype_word", "engine_dtype", "local_or_repo", "parse_tp", "unconvertible", "why_no_bundle",
 ]
 
 ModelArg = Annotated[
@@ -61,13 +63,17 @@ DtypeOpt = Annotated[
 
 
 def parse_tp(value: str) -> list[int]:
-    try:
-        sizes = sorted({int(x) for x in value.split(",") if x.strip()})
-    except ValueError:
-        raise BadParameter(f"{value!r}: expected sizes like 1 or 1,2,4,8") from None
-    if not sizes or sizes[0] < 1:
-        raise BadParameter(f"{value!r}: expected positive sizes like 1 or 1,2,4,8")
-    return sizes
+    """``--tp 1,2,4``: positive sizes, comma-separated, each written once (``1,,2``, ``2,2``, ``1,`` are refused: a
+    typo, not a wish)."""
+    words = [w.strip() for w in value.split(",")]
+    if not all(w.isascii() and w.isdigit() for w in words):
+        raise BadParameter(f"{value!r}: expected positive sizes separated by commas, like 1 or 1,2,4,8", param_hint="--tp")
+    sizes = [int(w) for w in words]
+    if min(sizes) < 1:
+        raise BadParameter(f"{value!r}: expected positive sizes like 1 or 1,2,4,8 (0 is no size)", param_hint="--tp")
+    if len(set(sizes)) != len(sizes):
+        raise BadParameter(f"{value!r}: each size once, like {','.join(map(str, sorted(set(sizes))))}", param_hint="--tp")
+    return sorted(sizes)
 
 
 def local_or_repo(model: str, revision: str | None) -> str:
@@ -102,7 +108,37 @@ def bundle_of(target: str, revision: str | None) -> tuple[Path, str | None]:
     if not Path(target).is_dir() and not is_repo_id(target):
         return Path(target), None  # a bundle path that is not there: reading its manifest says so
     model = local_or_repo(target, revision)
-    return locate_bundle(model, revision), model
+    bundle = locate_bundle(model, revision)
+    if not bundle.exists():
+        raise MarlinPackError(f"no bundle at {bundle}: {why_no_bundle(model, revision)}")
+    return bundle, model
+
+
+def why_no_bundle(model: str, revision: str | None) -> str:
+    """Why MODEL has no bundle, and what to do: the checkpoint's refusal where it cannot have one, else the command
+    that writes it."""
+    why = unconvertible(model, revision)
+    if why is not None:
+        return f"{model} cannot have one: {why}"
+    command = shlex.join(["marlin-pack", "convert", model, *(["--revision", revision] if revision else [])])
+    return f"run `{command}` first"
+
+
+def unconvertible(model: str, revision: str | None) -> str | None:
+    """Why MODEL's checkpoint cannot have a bundle (not quantized, GGUF, another method: as ``convert`` would refuse
+    it, read from its headers and config only), or None."""
+    from marlin_pack.io.checkpoint_files import weight_files
+    from marlin_pack.sources import source_from_quant_config
+    from marlin_pack.sources.checkpoint import Checkpoint
+    from marlin_pack.sources.hub import resolve_model
+
+    try:
+        model_dir = resolve_model(model, revision, download=False).dir
+        weight_files(model_dir)
+        source_from_quant_config(Checkpoint(model_dir).quantization_config())
+    except MarlinPackError as e:
+        return str(e)
+    return None
 
 
 def check_dtype_word(word: str) -> None:
@@ -131,17 +167,3 @@ def engine_dtype(model: str, revision: str | None, word: str) -> str:
     except (CheckpointError, OSError, ValueError):
         return serving_dtype_for(word, {"dtype": "float16"}).value  # the source check reports what is wrong
     return serving_dtype_for(word, config, codes).value
-
-
-def capability(text: str | None) -> int | None:
-    """``--compute-capability 9.0`` as 90; without it, this machine's GPU's (torch), else None."""
-    if text is None:
-        from marlin_pack.kernel_choice import visible_gpu
-
-        gpu = visible_gpu()
-        return None if gpu is None else gpu[1]
-    try:
-        major, _, minor = text.partition(".")
-        return int(major) * 10 + int(minor or 0)
-    except ValueError:
-        raise BadParameter(f"{text!r}: expected MAJOR.MINOR, e.g. 9.0", param_hint="--compute-capability") from None

@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from marlin_pack.commands.api_words import as_cli
 from marlin_pack.commands.console import out, progress
 from marlin_pack.commands.params import JsonOpt, RevisionOpt, TargetArg, bundle_of
 from marlin_pack.errors import MarlinPackError
@@ -50,7 +51,7 @@ def verify(
         table = Table("check", "result", "detail", title=f"verify {bundle}")
         marks = {"ok": Text("ok", "green"), "failed": Text("FAILED", "red"), "skipped": Text("skipped", "yellow")}
         for c in report.checks:
-            table.add_row(c.name, marks[c.status], c.detail)
+            table.add_row(c.name, marks[c.status], as_cli(c.detail))
         out.print(table)
     failed = report.first_failure
     if failed is not None:

@@ -185,8 +185,10 @@ def parse_quant_settings(qc: dict) -> QuantSettings:
     if method == "compressed-tensors":
         return _compressed_tensors(qc, common["lm_head"])
     raise UnsupportedCheckpointError(
-        f"quant_method is {method or 'missing'!r}, expected 'awq', 'gptq' or 'compressed-tensors'; "
-        "other methods do not use this Marlin path"
+        f"quant_method is {method or 'missing'!r}, expected 'awq', 'gptq' or 'compressed-tensors' (the weight-only int4/int8 "
+        "schemes vLLM serves with Marlin or Machete kernels, whose post-processing a bundle saves); a checkpoint of another "
+        "method has nothing to convert: serve it with vLLM as it is (no --load-format marlin_prepacked), or use an AWQ or "
+        "GPTQ checkpoint of the model"
     )
 
 
@@ -292,9 +294,24 @@ def weight_files(model_dir: Path) -> list[str]:
             raise CheckpointError(f"{INDEX_NAME} names {missing[0]}, which is not in {model_dir}; download the missing shard")
         return files
     if not found:
-        raise CheckpointError(f"no *.safetensors files in {model_dir}; marlin-pack reads safetensors checkpoints only")
+        raise CheckpointError(_no_safetensors(model_dir))
     _check_names(found, f"{model_dir} holds")
     return found
+
+
+def _no_safetensors(model_dir: Path) -> str:
+    """Why a directory without safetensors files has nothing to convert, naming what it holds instead."""
+    def held(pattern: str) -> list[str]:
+        return sorted(p.name for p in model_dir.glob(pattern) if not p.name.startswith("."))
+
+    if gguf := held("*.gguf"):
+        return (f"{model_dir} holds GGUF weights ({gguf[0]}{', ...' if len(gguf) > 1 else ''}), no *.safetensors files; "
+                "marlin-pack converts AWQ, GPTQ and compressed-tensors safetensors checkpoints, and vLLM loads GGUF itself "
+                f"(`vllm serve {model_dir / gguf[0]}`): use an AWQ or GPTQ checkpoint of the model for a bundle")
+    if pickled := held("*.bin") + held("*.pt") + held("*.pth"):
+        return (f"{model_dir} holds PyTorch pickle weights ({pickled[0]}), no *.safetensors files; marlin-pack reads "
+                "safetensors checkpoints only: save the checkpoint as safetensors (save_pretrained(..., safe_serialization=True))")
+    return f"no *.safetensors files in {model_dir}; marlin-pack reads safetensors checkpoints only (AWQ, GPTQ, compressed-tensors)"
 
 
 def _check_names(names: list[str], where: str) -> None:

@@ -50,7 +50,8 @@ def source_from_quant_config(qc: dict | None) -> QuantSource:
     """
     if qc is None:
         raise UnsupportedCheckpointError(
-            "config.json has no quantization_config (and there is no quantize_config.json): the checkpoint is not quantized; "
-            "marlin-pack converts AWQ (GEMM), GPTQ and compressed-tensors (pack-quantized) checkpoints only"
+            "config.json has no quantization_config (and there is no quantize_config.json): the checkpoint is not quantized, "
+            "so it has no bundle; marlin-pack converts AWQ (GEMM), GPTQ and compressed-tensors (pack-quantized) checkpoints only: "
+            "serve this one with vLLM as it is (no --load-format marlin_prepacked), or use an AWQ or GPTQ checkpoint of the model"
         )
     return source_for(parse_quant_settings(qc))

@@ -18,7 +18,7 @@ from marlin_pack._constants import MANIFEST_NAME
 from marlin_pack.errors import BundleError, MarlinPackError
 from marlin_pack.sources.hub import cache_root, is_repo_id
 
-__all__ = ["CachedBundle", "cache_root", "cached_bundles", "remove_cached"]
+__all__ = ["CachedBundle", "cache_root", "cached_bundles", "cached_of", "remove_cached", "remove_entries"]
 
 _REPO_DIR = re.compile(r"^models--([A-Za-z0-9][A-Za-z0-9_.-]*)--([A-Za-z0-9][A-Za-z0-9_.-]*)$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -75,25 +75,31 @@ def cached_bundles(root: Path | None = None) -> list[CachedBundle]:
     return found
 
 
-def remove_cached(model: str, revision: str | None = None, root: Path | None = None) -> list[Path]:
-    """Remove the cached bundles of ``model`` (every commit's, or the one ``revision`` names); the paths removed.
-
-    ``revision`` may be a full commit or a branch/tag the hub's cache resolves (nothing is downloaded).
+def cached_of(model: str, revision: str | None = None, root: Path | None = None) -> list[CachedBundle]:
+    """The cached bundles of ``model``: every commit's, or the one ``revision`` names (a full commit, or a branch/tag
+    the hub's cache resolves; nothing is downloaded). What :func:`remove_cached` would remove.
 
     Raises:
-        MarlinPackError: ``model`` is not a model id, or an entry holds files its manifest does not list.
+        MarlinPackError: ``model`` is not a model id.
     """
-    from marlin_pack.bundle.writer import remove_bundle
-
     if not is_repo_id(model):
         raise MarlinPackError(f"{model} is not a model id (org/name); the cache holds bundles of model ids only")
     commit = None
     if revision is not None:
         commit = revision if _COMMIT.fullmatch(revision) else _resolved_commit(model, revision)
+    return [e for e in cached_bundles(root) if e.repo_id == model and (commit is None or e.commit == commit)]
+
+
+def remove_entries(entries: list[CachedBundle]) -> list[Path]:
+    """Remove these cached bundles (from :func:`cached_of`); the paths removed, in order.
+
+    Raises:
+        MarlinPackError: an entry holds files its manifest does not list (it and those after it are kept).
+    """
+    from marlin_pack.bundle.writer import remove_bundle
+
     removed: list[Path] = []
-    for entry in cached_bundles(root):
-        if entry.repo_id != model or (commit is not None and entry.commit != commit):
-            continue
+    for entry in entries:
         why = remove_bundle(entry.path)  # checked and removed through one descriptor
         if why is not None:
             raise MarlinPackError(f"{entry.path} {why}; not removed: remove it yourself")
@@ -102,6 +108,17 @@ def remove_cached(model: str, revision: str | None = None, root: Path | None = N
         if not any(parent.iterdir()):
             parent.rmdir()
     return removed
+
+
+def remove_cached(model: str, revision: str | None = None, root: Path | None = None) -> list[Path]:
+    """Remove the cached bundles of ``model`` (every commit's, or the one ``revision`` names); the paths removed.
+
+    ``revision`` may be a full commit or a branch/tag the hub's cache resolves (nothing is downloaded).
+
+    Raises:
+        MarlinPackError: ``model`` is not a model id, or an entry holds files its manifest does not list.
+    """
+    return remove_entries(cached_of(model, revision, root))
 
 
 def _resolved_commit(model: str, revision: str) -> str:

@@ -110,6 +110,11 @@ def resolve_model(model: str | Path, revision: str | None = None, *, download: b
         snapshot = _snapshot_of(path)
         return ResolvedModel(path) if snapshot is None else ResolvedModel(path, *snapshot)
     name = str(model)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        raise CheckpointError(
+            f"{name} is a GGUF file; marlin-pack converts AWQ, GPTQ and compressed-tensors safetensors checkpoints (a "
+            f"directory), and vLLM loads GGUF itself (`vllm serve {name}`): use an AWQ or GPTQ checkpoint of the model"
+        )
     if not is_repo_id(name):
         raise CheckpointError(
             f"{name} is neither a checkpoint directory nor a Hugging Face model id (org/name); "
@@ -127,10 +132,16 @@ def resolve_model(model: str | Path, revision: str | None = None, *, download: b
         snapshot = Path(snapshot_download(name, revision=revision, allow_patterns=_PATTERNS, local_files_only=offline))
     except Exception as e:  # the hub's own error types (not found, gated, offline miss, network)
         where = f"{name}@{revision}" if revision else name
-        if offline:
+        if offline and constants.HF_HUB_OFFLINE:
             raise CheckpointError(
-                f"{where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and downloading is off; "
+                f"{where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set; "
                 f"download it once (`hf download {name}`), unset HF_HUB_OFFLINE, or pass a local directory"
+            ) from e
+        if offline:  # a step that reads the cache only (check, verify, inspect, the loader): convert fetches it
+            raise CheckpointError(
+                f"{where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), which this step only reads; "
+                f"`marlin-pack convert {name}{f' --revision {revision}' if revision else ''}` downloads and converts it "
+                "(or `hf download` it), or pass a local directory"
             ) from e
         raise CheckpointError(f"cannot fetch {where} from the Hugging Face hub ({type(e).__name__}: {e})") from e
     return ResolvedModel(snapshot, name, _commit(snapshot, name))

@@ -47,7 +47,7 @@ def test_cache_ls_and_rm(hub: Path, tmp_path: Path, make_checkpoint) -> None:
     r = runner.invoke(app, ["cache", "ls", "--json"])
     assert r.exit_code == 0 and [e["commit"] for e in json.loads(r.stdout)] == ["a" * 40, "b" * 40], r.output
     assert remove_cached(REPO, "a" * 40) == [entries[0].path] and not entries[0].path.exists()
-    r = runner.invoke(app, ["cache", "rm", REPO])
+    r = runner.invoke(app, ["cache", "rm", REPO, "--yes"])
     assert r.exit_code == 0 and f"removed {entries[1].path}" in r.stdout, r.output
     assert cached_bundles() == [] and (cache_root() / "not-a-repo").is_dir()
     r = runner.invoke(app, ["cache", "rm", REPO])
@@ -57,7 +57,7 @@ def test_cache_ls_and_rm(hub: Path, tmp_path: Path, make_checkpoint) -> None:
 def test_cache_rm_keeps_an_entry_holding_foreign_files(hub: Path) -> None:
     bundle = convert(REPO).bundle
     (bundle / "notes.txt").write_text("mine")
-    r = runner.invoke(app, ["cache", "rm", REPO])
+    r = runner.invoke(app, ["cache", "rm", REPO, "--yes"])
     assert r.exit_code == 1 and (bundle / "notes.txt").is_file()
 
 
@@ -86,3 +86,28 @@ def test_a_cache_whose_home_cannot_be_expanded_is_one_line(monkeypatch: pytest.M
             cli._run_app()
         err = capsys.readouterr().err
         assert e.value.code == 1 and "error: MARLIN_PACK_CACHE is '~nosuchuser/bundles'" in err, err
+
+
+def test_cache_rm_shows_what_and_how_big_then_asks(hub: Path) -> None:
+    """As `hf cache rm`: each bundle and its size, then a question (--yes: none); --dry-run shows and removes nothing."""
+    bundle = convert(REPO, tp=(1, 2)).bundle
+    size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+    shown = f"{size / 1e6:,.1f} MB"
+    r = runner.invoke(app, ["cache", "rm", REPO, "--dry-run"])
+    assert r.exit_code == 0 and bundle.is_dir(), r.output
+    assert f"1 bundle ({shown}) of {REPO}" in r.stdout and str(bundle) in r.stdout and "1,2" in r.stdout, r.stdout
+    assert "dry run: nothing removed" in r.stdout and "Remove" not in r.stdout
+    r = runner.invoke(app, ["cache", "rm", REPO], input="n\n")
+    assert r.exit_code == 0 and f"Remove 1 bundle ({shown})? [y/N]" in r.stdout and "nothing removed" in r.stdout, r.output
+    assert bundle.is_dir()
+    r = runner.invoke(app, ["cache", "rm", REPO], input="")  # no answer (a script without --yes): never removed on a guess
+    assert r.exit_code == 1 and bundle.is_dir(), r.output
+    assert "nothing removed; pass --yes to remove without asking" in str(r.exception), r.exception
+    r = runner.invoke(app, ["cache", "rm", REPO], input="y\n")
+    assert r.exit_code == 0 and f"removed {bundle} ({shown})" in r.stdout and not bundle.exists(), r.output
+
+
+def test_cache_rm_yes_removes_without_asking(hub: Path) -> None:
+    bundle = convert(REPO).bundle
+    r = runner.invoke(app, ["cache", "rm", REPO, "-y"], input="n\n")  # -y: the input is never read
+    assert r.exit_code == 0 and "Remove" not in r.stdout and not bundle.exists(), r.output

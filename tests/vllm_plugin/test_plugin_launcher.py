@@ -86,6 +86,7 @@ def test_cli_daemon_forwards_every_other_argument(tmp_path: Path, monkeypatch: p
     model = _bundle(tmp_path)
     calls: list[list[str]] = []
     monkeypatch.setattr(launcher, "run", calls.append)
+    monkeypatch.setattr("marlin_pack.gpu.gpu_room.visible_gpus", lambda: (2, ""))  # the GPUs -tp 2 takes
     args = ["--tensor-parallel-size", "2", "--weight-cache-socket-dir", "/s", "--enforce-eager"]
     r = runner.invoke(app, ["daemon", str(model), *args])
     assert r.exit_code == 0, r.output
