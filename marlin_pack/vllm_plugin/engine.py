@@ -319,8 +319,24 @@ def check_layout(quant_method: Any, layer: nn.Module) -> None:
 def finish_layer(quant_method: Any, layer: nn.Module) -> None:
     """Finish a layer whose tensors arrived final, as its kernel's post-processing leaves it: Marlin's
     (:func:`finish_marlin_layer`); Machete's sets nothing besides the tensors it transforms."""
-    if type(marlin_kernel(quant_method, layer)) is not MacheteLinearKernel:
+    kernel = marlin_kernel(quant_method, layer)
+    if running_release().new_params:
+        _new_params(kernel, layer)
+    if type(kernel) is not MacheteLinearKernel:
         finish_marlin_layer(quant_method, layer)
+
+
+def _new_params(kernel: Any, layer: nn.Module) -> None:
+    """vLLM 0.30-0.32's ``MPLinearKernel._transform_param``: each transformed parameter (``w_q``, ``w_s``, and ``w_zp`` with
+    zero points) is re-registered as a plain ``torch.nn.Parameter`` by vLLM's ``replace_parameter`` (the old one's
+    ``weight_loader`` kept), its data unchanged; a parameter already plain is left as it is (idempotent)."""
+    from vllm.model_executor.layers.quantization.utils import replace_parameter
+
+    names = [kernel.w_q_name, kernel.w_s_name, *([kernel.w_zp_name] if kernel.config.zero_points else [])]
+    for name in names:
+        param = getattr(layer, name, None) if name is not None else None
+        if isinstance(param, torch.Tensor) and type(param) is not nn.Parameter:
+            replace_parameter(layer, name, nn.Parameter(param.data, requires_grad=False))
 
 
 def finish_marlin_layer(quant_method: Any, layer: nn.Module) -> None:

@@ -22,6 +22,9 @@ what differs is the plugin's surface, read from each release's code:
   AWQ/GPTQ methods declare ``supports_pre_processed_weights`` and have a pre-processed branch, for MarlinLinearKernel
   only, so marlin-pack's rows stay: they also cover Machete, compressed-tensors and MoE), ``kernel_format_reload``
   (0.34: ``reload_weights(is_checkpoint_format=False)`` post-processes under ``weights_already_processed()``).
+* ``new_params``: the kernel's post-processing leaves each parameter it transforms (``w_q``, ``w_s``, ``w_zp`` with
+  zero points) a new plain ``torch.nn.Parameter`` holding the old one's ``weight_loader`` (0.30-0.32), where later
+  releases keep the loaded parameter object (``PackedvLLMParameter``, ...); finishing does the same.
 * ``transformers_backend``: architectures marlin-pack converts for a native vLLM class that the release serves through
   its Transformers backend instead (0.34: ``GemmaForCausalLM``); a bundle of one is refused on that release
   (:func:`served_natively`).
@@ -72,6 +75,9 @@ class Release:
     env: frozenset[str] = frozenset()
     upstream: frozenset[str] = frozenset()
     layouts: Mapping[str, int] = field(default_factory=lambda: _LAYOUTS_V1)
+    # Whether the kernel's post-processing re-registers each transformed parameter as a plain torch.nn.Parameter
+    # (MPLinearKernel._transform_param -> replace_parameter: 0.30-0.32) instead of keeping the parameter object (0.33+).
+    new_params: bool = False
     # Architectures of marlin-pack's table that this release serves through its Transformers backend (registry entry
     # ("transformers", ...)), not the vLLM class the table names: their layers are built from a trace, so refused.
     transformers_backend: frozenset[str] = frozenset()
@@ -105,11 +111,11 @@ RELEASES: tuple[Release, ...] = (
             transformers_backend=frozenset({"GemmaForCausalLM"})),
     Release("0.33.0", finish="empty_qzeros", memory_hook=True, cache_key="kernel_config", daemon="preload", ready=True,
             env=_MARLIN_INPUT),
-    Release("0.32.0", finish="empty_qzeros", memory_hook=True, cache_key="plain", daemon="preload", ready=True,
+    Release("0.32.0", finish="empty_qzeros", memory_hook=True, cache_key="plain", daemon="preload", ready=True, new_params=True,
             env=_MARLIN_INPUT),
-    Release("0.31.0", finish="empty_qzeros", memory_hook=False, cache_key="plain", daemon="preload", ready=True,
+    Release("0.31.0", finish="empty_qzeros", memory_hook=False, cache_key="plain", daemon="preload", ready=True, new_params=True,
             env=_MARLIN_INPUT),
-    Release("0.30.0", finish="workspace", memory_hook=False, cache_key="plain", daemon="module", ready=True,
+    Release("0.30.0", finish="workspace", memory_hook=False, cache_key="plain", daemon="module", ready=True, new_params=True,
             env=_MARLIN_INPUT),
 )
 

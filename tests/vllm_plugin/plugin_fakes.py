@@ -113,3 +113,14 @@ def forbid_stock_post_processing(monkeypatch: pytest.MonkeyPatch, method: Any) -
 
     monkeypatch.setattr(auto_awq, "_convert_awq_to_standard_format", boom)
     monkeypatch.setattr(method.kernel, "process_weights_after_loading", boom, raising=False)
+
+
+def weight_cache_key(model_config: Any, tp_size: int, tp_rank: int, **settings: Any) -> Any:
+    """vLLM's ``WeightCacheKey.from_model_config`` with those of ``settings`` (``cache_config``, ``kernel_config``) the
+    running release takes: 0.30-0.32 take neither, 0.33+ both."""
+    import inspect
+
+    from vllm.model_executor.model_loader.weight_cache.protocol import WeightCacheKey
+
+    takes = inspect.signature(WeightCacheKey.from_model_config).parameters
+    return WeightCacheKey.from_model_config(model_config, tp_size, tp_rank, **{k: v for k, v in settings.items() if k in takes})

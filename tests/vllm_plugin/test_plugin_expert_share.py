@@ -115,12 +115,12 @@ def test_a_bundle_without_the_tp_size_is_refused_naming_the_convert_to_run(moe_b
     model_dir = moe_bundle("MixtralForCausalLM", "awq", torch.float16, tps=(2,))
     with pytest.raises(LoadRefusedError, match=r"\[ep_size\] --enable-expert-parallel over 2 GPUs: vLLM gives each whole "
                                                rf"experts, which the tp1 rank file holds; the bundle has tp 2: run `marlin-pack "
-                                               rf"convert {model_dir} --tp 1,2 --force`") as e:
+                                               rf"convert {model_dir} --tp 1,2`") as e:
         decide(LoaderOptions(), _facts(model_dir, tp_size=2, expert_parallel=True))
     assert "\n" not in str(e.value)
     with pytest.raises(LoadRefusedError, match=r"\[dp_size\] --data-parallel-size 2: vLLM shards each experts layer "
                                                r"over the 2 x 2 tensor x data parallel ranks, which the tp4 rank files hold; "
-                                               r"the bundle has tp 2: run `marlin-pack convert .* --tp 2,4 --force`"):
+                                               r"the bundle has tp 2: run `marlin-pack convert .* --tp 2,4`"):
         decide(LoaderOptions(), _facts(model_dir, tp_size=2, dp_size=2))
     assert decide(LoaderOptions(fallback=True), _facts(model_dir, tp_size=2, dp_size=2)).field == "dp_size"
     # a TP size convert cannot write (g128 over 512 / 8 = 64 intermediate features a rank) is not suggested

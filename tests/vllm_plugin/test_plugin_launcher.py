@@ -134,7 +134,9 @@ def test_run_installs_marlin_pack_before_vllm_cli(registered: None, monkeypatch:
     assert seen["spawn_target"] is run_daemon  # what PreloadSubcommand.cmd hands to spawn
     assert "marlin_prepacked" in seen["formats"]
     # Deferred patches apply when vLLM first imports their module (the GPU worker's is not imported here).
-    imported = {p.target for p in patches.PATCHES if not p.deferred or p.module in sys.modules}
+    from marlin_pack.vllm_plugin.version_guard import vllm_version
+
+    imported = {p.target for p in patches.for_release(vllm_version()) if not p.deferred or p.module in sys.modules}
     assert imported == set(patches.installed())
 
 

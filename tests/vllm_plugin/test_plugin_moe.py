@@ -208,8 +208,7 @@ def test_data_parallel_replicas_of_a_moe_model_take_the_experts_of_tp_times_dp(
         return
     with pytest.raises(LoadRefusedError, match=rf"\[dp_size\] --data-parallel-size {dp}: vLLM shards each experts "
                                                rf"layer over the {tp} x {dp} tensor x data parallel ranks, which the tp{tp * dp} "
-                                               r"rank files hold; the bundle has tp 1,2: run `marlin-pack convert .* --tp 1,2,4 "
-                                               r"--force`") as e:
+                                               r"rank files hold; the bundle has tp 1,2: run `marlin-pack convert .* --tp 1,2,4`") as e:
         decide(LoaderOptions(), facts)
     assert "\n" not in str(e.value)
     assert decide(LoaderOptions(fallback=True), facts).field == "dp_size"

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import plugin_fakes
 import pytest
 
 from marlin_pack.vllm_plugin.patches import cache_key, scope
@@ -56,7 +57,6 @@ def test_weight_cache_key_unchanged(patched: Any, make_checkpoint: Any, monkeypa
     """The key an ipc_cache engine sends (inside marlin-pack's scope) equals stock vLLM's (the daemon's is computed
     outside it, in WeightCacheDaemon.__init__)."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader.weight_cache.protocol import WeightCacheKey
 
     model = make_checkpoint("gptq", sharded=True)
     assert (model / INDEX).is_file()
@@ -66,7 +66,7 @@ def test_weight_cache_key_unchanged(patched: Any, make_checkpoint: Any, monkeypa
 
     def key() -> Any:
         with set_current_vllm_config(vc):
-            return WeightCacheKey.from_model_config(mc, 1, 0, cache_config=vc.cache_config, kernel_config=vc.kernel_config)
+            return plugin_fakes.weight_cache_key(mc, 1, 0, cache_config=vc.cache_config, kernel_config=vc.kernel_config)
 
     answered: list[bool] = []
     indexed = cache_key.indexed_files

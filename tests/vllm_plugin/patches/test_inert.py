@@ -346,7 +346,11 @@ def test_an_unforced_kernel_config_keys_the_cache_as_vllm_does() -> None:
     from vllm.config.kernel import KernelConfig
     from vllm.model_executor.model_loader.weight_cache.protocol import WeightCacheKey
 
+    from marlin_pack.vllm_plugin.version_guard import vllm_version
+
     target = "vllm.model_executor.model_loader.weight_cache.protocol:WeightCacheKey.from_model_config"
+    if not next(r for r in catalog.ROWS if r.target == target).applies_to(vllm_version()):
+        pytest.skip(f"vLLM {vllm_version()}'s key takes no kernel configuration: the patch is not installed there")
     hf = SimpleNamespace(architectures=["LlamaForCausalLM"], quantization_config={"quant_method": "gptq"})
     text = SimpleNamespace(rope_parameters={"rope_theta": 1e4}, max_position_embeddings=4096)
     mc = SimpleNamespace(hf_config=hf, hf_text_config=text, model="/not/a/dir", dtype=torch.float16,
