@@ -386,7 +386,7 @@ def convert(
     # A symlink at the output (or in a model id's cache entry) is followed only where this user or root owns it.
     out = follow_output(out, cache_root() if output is None and resolved.repo_id is not None else None)
     if os.path.lexists(out) and model_dir.resolve().is_relative_to(out.resolve()):
-        raise OutputExistsError(f"{out} holds the checkpoint itself; choose another output with -o")
+        raise OutputExistsError(f"{out} holds the checkpoint itself; choose another output (`output=DIR`)")
 
     ckpt = Checkpoint(model_dir)
     try:

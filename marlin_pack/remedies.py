@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 from marlin_pack._constants import BUNDLE_DIRNAME
 
@@ -19,17 +20,28 @@ _CACHED = re.compile(r"^models--([A-Za-z0-9][A-Za-z0-9_.-]*)--([A-Za-z0-9][A-Za-
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
-def convert_command(bundle_dir: str | Path, *, tp_sizes: list[int] | tuple[int, ...] | None = None, extra: str = "") -> str:
-    """``marlin-pack convert MODEL [--revision C] [--output B] [--tp 1,2] [extra]`` for the bundle at ``bundle_dir``."""
-    bundle = Path(bundle_dir)
+def convert_command(bundle_dir: str | Path | None = None, *, model: str | Path | None = None, manifest: Any = None,
+                    tp_sizes: list[int] | tuple[int, ...] | None = None, extra: str = "") -> str:
+    """``marlin-pack convert MODEL [--revision C] [--output B] [--tp 1,2 --dtype D --kernel K] [extra]`` for the bundle at
+    ``bundle_dir``, or for ``model``'s default bundle (a checkpoint directory); with ``manifest``, the settings it was
+    made with (its TP sizes, serving dtype and kernel), so that the command writes the same bundle on any machine."""
+    if bundle_dir is None:
+        assert model is not None
+        bundle = Path(model) / BUNDLE_DIRNAME
+    else:
+        bundle = Path(bundle_dir)
     cached = _CACHED.fullmatch(bundle.parent.name)
     if bundle.name == BUNDLE_DIRNAME:
         words = [str(bundle.parent)]
     elif cached is not None and _COMMIT.fullmatch(bundle.name):
         words = [f"{cached[1]}/{cached[2]}", "--revision", bundle.name]
     else:
-        words = ["MODEL", "--output", str(bundle)]
+        words = [str(model) if model is not None else "MODEL", "--output", str(bundle)]
+    if manifest is not None:
+        tp_sizes = manifest.tp_sizes
     if tp_sizes:
         words += ["--tp", ",".join(map(str, sorted(tp_sizes)))]
-    command = "marlin-pack convert " + " ".join(w if w == "MODEL" else shlex.quote(w) for w in words)
+    if manifest is not None:
+        words += ["--dtype", manifest.serving_dtype.value, "--kernel", "machete" if manifest.has_machete_layers else "marlin"]
+    command = "marlin-pack convert " + " ".join(w if w == "MODEL" and model is None else shlex.quote(w) for w in words)
     return f"{command} {extra}".rstrip()

@@ -205,7 +205,7 @@ def verify(
 
 def _redo(bundle: Path, m: Manifest) -> str:
     """The advice for a damaged bundle file: the whole command that writes it again."""
-    return f"re-run `{convert_command(bundle, tp_sizes=m.tp_sizes)}`"
+    return f"re-run `{convert_command(bundle, manifest=m)}`"
 
 
 def _header(path: Path, redo: str) -> SafetensorsHeader:

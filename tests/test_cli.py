@@ -315,7 +315,7 @@ def test_a_refusal_shared_by_every_rank_is_printed_once(make_bundle) -> None:
     d = make_bundle("gptq", "tiny")  # tp 1 only
     r = runner.invoke(app, ["check", str(d), "-tp", "2"])
     assert r.exit_code == 1 and r.stdout.count("refuse") == 1 and r.stdout.startswith("ranks 0-1/2: refuse"), r.output
-    assert f"run `marlin-pack convert {d} --tp 1,2 --force`" in r.stdout
+    assert f"run `marlin-pack convert {d} --tp 1,2` (it adds the size, the others kept)" in r.stdout  # no --force: convert heals
 
 
 def test_a_tp_size_the_checkpoint_cannot_take_is_not_suggested(make_bundle) -> None:
@@ -411,7 +411,7 @@ def test_check_decides_each_replica_and_ep_rank_of_a_moe_bundle(tmp_path: Path) 
     convert(model, tp=(1,), kernel="marlin")
     r = runner.invoke(app, ["check", str(model), "-dp", "2"], env={"COLUMNS": "400"})
     assert r.exit_code == 1 and "rank 0/1: refuse" in r.stdout and "[dp_size] --data-parallel-size 2: vLLM shards" in r.stdout
-    assert f"run `marlin-pack convert {model} --tp 1,2 --force`" in r.stdout and len(r.stdout.splitlines()) == 2, r.stdout
+    assert f"run `marlin-pack convert {model} --tp 1,2`" in r.stdout and len(r.stdout.splitlines()) == 2, r.stdout
     assert runner.invoke(app, ["check", str(model)]).exit_code == 0
     convert(model, tp=(1, 2), kernel="marlin", force=True)
     r = runner.invoke(app, ["check", str(model), "-dp", "2"], env={"COLUMNS": "400"})

@@ -90,6 +90,7 @@ def test_the_convert_command_is_read_off_the_bundles_place() -> None:
     assert convert_command(f"/c/models--acme--m-AWQ/{commit}", tp_sizes=[2, 1]) == (
         f"marlin-pack convert acme/m-AWQ --revision {commit} --tp 1,2")
     assert convert_command("/vol/my bundle") == "marlin-pack convert MODEL --output '/vol/my bundle'"
+    assert convert_command("/b", model="/m") == "marlin-pack convert /m --output /b"
 
 
 def test_a_model_id_missing_from_the_cache_says_why_it_was_not_fetched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -107,3 +108,27 @@ def test_a_model_id_missing_from_the_cache_says_why_it_was_not_fetched(monkeypat
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(CheckpointError, match="and HF_HUB_OFFLINE is set; download it once .*unset HF_HUB_OFFLINE"):
         resolve_model("acme/missing")
+
+
+def test_the_advised_command_is_whole_and_mends_the_bundle(make_checkpoint, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A damaged bundle file: check refuses naming the whole command (model, TP sizes, dtype, kernel; no --force: convert heals),
+    and running exactly that command makes check load again."""
+    import re
+    import shlex
+
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(tmp_path / "stamps"))
+    d = tmp_path / "m"
+    shutil.copytree(make_checkpoint("awq"), d)
+    assert runner.invoke(app, ["convert", str(d), "--tp", "1,2", "--kernel", "marlin"]).exit_code == 0
+    rank = d / "marlin-pack" / "tp2" / "rank-1.safetensors"
+    data = bytearray(rank.read_bytes())
+    data[-3] ^= 1
+    rank.write_bytes(bytes(data))
+    r = runner.invoke(app, ["check", str(d), "-tp", "2", "--verify", "full", "--compute-capability", "8.0"])
+    assert r.exit_code == 1 and "refuse" in r.stdout, r.stdout
+    advised = re.search(r"re-run `(marlin-pack convert [^`]*)`", r.stdout)
+    assert advised is not None and advised[1] == f"marlin-pack convert {d} --tp 1,2 --dtype float16 --kernel marlin", r.stdout
+    r = runner.invoke(app, shlex.split(advised[1])[1:])
+    assert r.exit_code == 0 and "rewrote tp2" in r.stdout, r.output
+    assert runner.invoke(app, ["check", str(d), "-tp", "2", "--verify", "full", "--compute-capability", "8.0"]).exit_code == 0

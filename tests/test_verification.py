@@ -196,7 +196,7 @@ def test_forged_source_record_fails(bundle: Path, forge) -> None:
     forge(m)
     (bundle / "manifest.json").write_text(json.dumps(m))
     name, detail = _failure(bundle)
-    assert name == "source" and "source.digest does not match" in detail and "re-convert" in detail
+    assert name == "source" and "source.digest does not match" in detail and "re-run `marlin-pack convert " in detail
 
 
 def test_changed_irrelevant_quantization_key_passes(bundle: Path) -> None:

@@ -94,25 +94,26 @@ def look(out: Path) -> Held:
     except (FileNotFoundError, NotADirectoryError):  # (a file above it: writing there says so)
         return Held(State.missing)
     except OSError as e:
-        return Held(State.other, f"{out} cannot be read ({e.strerror or e}); choose another output with -o")
+        return Held(State.other, f"{out} cannot be read ({e.strerror or e}); choose another output (`output=DIR`)")
     if not stat.S_ISDIR(st.st_mode):
         kind = "symlink" if stat.S_ISLNK(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "special file"
         return Held(State.other, f"{out} is a {kind}, expected a directory (a bundle or an empty one) or nothing; "
-                                 "remove it or choose another output with -o")
+                                 "remove it or choose another output (`output=DIR`)")
     try:
         names = sorted(n for n in os.listdir(out) if not is_own_entry(n, out))
     except OSError as e:
-        return Held(State.other, f"{out} cannot be listed ({e.strerror or e}); choose another output with -o")
+        return Held(State.other, f"{out} cannot be listed ({e.strerror or e}); choose another output (`output=DIR`)")
     if not names:
         return Held(State.empty)
     if MANIFEST_NAME not in names:
         return Held(State.other, f"{out} exists and is not a marlin-pack bundle (no {MANIFEST_NAME}); refusing to replace it "
-                                 f"(it holds {names[0]}; expected a bundle, an empty directory or nothing): choose another output with -o")
+                                 f"(it holds {names[0]}; expected a bundle, an empty directory or nothing): "
+                                 "choose another output (`output=DIR`)")
     try:
         listed_files(out)  # a marlin-pack manifest, of any format version, whose file list parses
     except BundleError as e:
         return Held(State.other, f"{out} exists and is not a marlin-pack bundle ({e}); refusing to replace it, remove it yourself "
-                                 "or use -o")
+                                 "or use another `output=DIR`")
     try:
         return Held(State.bundle, manifest=read_manifest(out))
     except BundleMismatchError:  # another format version
@@ -286,10 +287,10 @@ def decide(f: Findings, asked: Sequence[int], force: bool = False) -> Update:
         return Update(write=want, common=True, format_version=version, summary=f"{_sizes(want)} into the empty directory",
                       why="the directory is empty")
     if f.newer and not force:
-        raise OutputExistsError(f"{f.why}; pass --force to replace it with this marlin-pack's, or -o to write another bundle elsewhere")
+        raise OutputExistsError(f"{f.why}; pass `force=True` to replace it with this marlin-pack's, or `output=DIR` to write it elsewhere")
     dropped = tuple(t for t in f.held if t not in want)
     if force or f.whole:
-        return _whole(want, dropped, version, "--force" if force else f.whole or "")
+        return _whole(want, dropped, version, "`force=True`" if force else f.whole or "")
     write = tuple(t for t in want if t not in f.held or t in f.sets)
     if not write and f.common is None:
         return Update(keep=f.held, format_version=f.held_format or version, summary="up to date")

@@ -43,7 +43,7 @@ def open_output(out: Path, expect: tuple[int, int] | None = None) -> int:
     try:
         fd = os.open(out, _DIR_FLAGS)
     except OSError as e:
-        raise MarlinPackError(f"cannot write to {out} ({e.strerror or e}); choose a writable location with -o") from e
+        raise MarlinPackError(f"cannot write to {out} ({e.strerror or e}); choose a writable location (`output=DIR`)") from e
     st = os.fstat(fd)
     if expect is not None and (st.st_dev, st.st_ino) != expect:
         os.close(fd)
@@ -89,7 +89,8 @@ class _Moves:
             return None
         if not stat.S_ISDIR(st.st_mode):
             raise OutputExistsError(
-                f"{self.out / name} is {_kind(st.st_mode)}, expected a folder of rank files; nothing was replaced: remove it or use -o"
+                f"{self.out / name} is {_kind(st.st_mode)}, expected a folder of rank files; nothing was replaced: "
+                "remove it or pass `output=DIR`"
             )
         fd = os.open(name, _DIR_FLAGS, dir_fd=self.out_fd)
         if not same_file(os.fstat(fd), st):
@@ -108,7 +109,8 @@ class _Moves:
         if st is not None:
             if not stat.S_ISREG(st.st_mode):
                 raise OutputExistsError(
-                    f"{self.out / shown} is {_kind(st.st_mode)}, expected a bundle file; nothing was replaced: remove it or use -o"
+                    f"{self.out / shown} is {_kind(st.st_mode)}, expected a bundle file; nothing was replaced: "
+                    "remove it or pass `output=DIR`"
                 )
             self._aside += 1
             aside = f"old-{self._aside}"

@@ -24,6 +24,7 @@ from marlin_pack.io.checkpoint_files import QUANTIZE_CONFIG_NAME, quant_settings
 from marlin_pack.io.hashing import FileChangedError, HashedFile, file_digests, sha256_bytes
 from marlin_pack.io.safetensors_io import read_header_bytes
 from marlin_pack.io.stamps import NotStamped, StampStore
+from marlin_pack.remedies import convert_command
 from marlin_pack.schemas import FileEntry, Manifest, QuantSettings, SourceFile
 
 __all__ = ["HashReport", "canonical_json", "source_digest", "check_files", "file_problems", "check_source"]
@@ -107,6 +108,11 @@ def _first_difference(found: dict, recorded: dict) -> str:
     return f"{key} is {json.dumps(found.get(key))}, the bundle was made with {json.dumps(recorded.get(key))}"
 
 
+def _redo(model_dir: Path, manifest: Manifest) -> str:
+    """The advice for a bundle its checkpoint no longer matches: the whole command that converts it again."""
+    return f"re-run `{convert_command(model=model_dir, manifest=manifest)}`"
+
+
 def _check_source_settings(manifest: Manifest, model_dir: Path) -> None:
     """The manifest's record of the source is self-consistent, and the checkpoint's relevant
     quantization settings are the recorded ones (other keys of its quantization_config may change)."""
@@ -114,7 +120,8 @@ def _check_source_settings(manifest: Manifest, model_dir: Path) -> None:
     if source_digest([(f.name, f.blake3) for f in src.files], src.quant_settings, src.quant_settings_file) != src.digest:
         raise BundleMismatchError(
             MismatchField.source_settings,
-            "source.digest does not match the recorded files and quantization settings; the manifest was edited, re-convert",
+            "source.digest does not match the recorded files and quantization settings; the manifest was edited: "
+            f"{_redo(model_dir, manifest)}",
         )
     try:
         found = quant_settings(model_dir, read_json(model_dir / "config.json", "config.json"))
@@ -130,13 +137,13 @@ def _check_source_settings(manifest: Manifest, model_dir: Path) -> None:
         raise BundleMismatchError(
             MismatchField.source_settings,
             f"{model_dir}'s quantization settings are in {found.file}, the bundle was made from {src.quant_settings_file}'s; "
-            "re-run `marlin-pack convert --force`",
+            f"{_redo(model_dir, manifest)}",
         )
     if found.settings != src.quant_settings:
         diff = _first_difference(found.settings.model_dump(mode="json"), src.quant_settings.model_dump(mode="json"))
         raise BundleMismatchError(
             MismatchField.source_settings,
-            f"{model_dir / found.file}: quantization setting {diff}; re-run `marlin-pack convert --force`",
+            f"{model_dir / found.file}: quantization setting {diff}; {_redo(model_dir, manifest)}",
         )
 
 
@@ -209,22 +216,20 @@ def check_files(
     Raises:
         BundleError: a file is missing, has another size, another hash, or changed while hashed.
     """
+    redo = f"re-run `{convert_command(bundle_dir, manifest=manifest)}`"  # it rewrites what is damaged
     with StampStore.open() as stamps:
         to_hash: list[tuple[str, Path, str]] = []
         for entry in manifest.files() if entries is None else entries:  # cheap checks first, every file
             path = resolve_file(bundle_dir, entry)
             if not path.is_file():
-                raise BundleError(f"bundle file {entry.path} is missing; re-run `marlin-pack convert --force`")
+                raise BundleError(f"bundle file {entry.path} is missing; {redo}")
             size = path.stat().st_size
             if size != entry.size:
-                raise BundleError(
-                    f"bundle file {entry.path} is {size} bytes, manifest says {entry.size}: "
-                    "truncated or replaced; re-run `marlin-pack convert --force`"
-                )
+                raise BundleError(f"bundle file {entry.path} is {size} bytes, manifest says {entry.size}: truncated or replaced; {redo}")
             if _needs_hash(stamps, path, entry.blake3, full_hash):
                 to_hash.append((entry.path, path, entry.blake3))
         expected = {e.path: e.blake3 for e in manifest.files()}
-        report = _hash_all(stamps, to_hash, lambda name, why: _bundle_file_failed(name, why, expected[name]))
+        report = _hash_all(stamps, to_hash, lambda name, why: _bundle_file_failed(name, why, expected[name], redo))
     return replace(report, every_time=full_hash is True)
 
 
@@ -266,16 +271,13 @@ def file_problems(bundle_dir: Path, manifest: Manifest, entries: list[FileEntry]
     return problems, report
 
 
-def _bundle_file_failed(name: str, why: OSError | str, expected: str) -> BundleError:
+def _bundle_file_failed(name: str, why: OSError | str, expected: str, redo: str) -> BundleError:
     if isinstance(why, OSError):
         advice = "" if isinstance(why, FileChangedError) else (
-            "; the serving user must be able to read the bundle (check its permissions), or re-run `marlin-pack convert --force`"
+            f"; the serving user must be able to read the bundle (check its permissions), or {redo}"
         )
         return BundleError(f"bundle file {name} {_unreadable(why)}{advice}")
-    return BundleError(
-        f"bundle file {name} has blake3 {why[:16]}…, manifest says {expected[:16]}…: the file was modified; "
-        "re-run `marlin-pack convert --force`"
-    )
+    return BundleError(f"bundle file {name} has blake3 {why[:16]}…, manifest says {expected[:16]}…: the file was modified; {redo}")
 
 
 def check_source(manifest: Manifest, model_dir: str | Path, *, full_hash: bool | None = None) -> HashReport:
@@ -299,18 +301,18 @@ def check_source(manifest: Manifest, model_dir: str | Path, *, full_hash: bool |
     if found != expected:
         raise BundleMismatchError(
             MismatchField.source_files,
-            f"{model_dir} holds safetensors files {found}, the bundle was made from {expected}; "
-            "re-convert this checkpoint",
+            f"{model_dir} holds safetensors files {found}, the bundle was made from {expected}; {_redo(model_dir, manifest)}",
         )
     digests = {f.name: f.blake3 for f in manifest.source.files}
     with StampStore.open() as stamps:
-        to_hash = [_checked_source_file(model_dir, f, full_hash, stamps) for f in manifest.source.files]
-        report = _hash_all(stamps, [t for t in to_hash if t], lambda name, why: _source_file_failed(name, why, digests[name]))
+        redo = _redo(model_dir, manifest)
+        to_hash = [_checked_source_file(model_dir, f, full_hash, stamps, redo) for f in manifest.source.files]
+        report = _hash_all(stamps, [t for t in to_hash if t], lambda name, why: _source_file_failed(name, why, digests[name], redo))
     return replace(report, every_time=full_hash is True)
 
 
 def _checked_source_file(
-    model_dir: Path, f: SourceFile, full_hash: bool | None, stamps: StampStore
+    model_dir: Path, f: SourceFile, full_hash: bool | None, stamps: StampStore, redo: str
 ) -> tuple[str, Path, str] | None:
     """Size and header of one source file checked; ``(name, path, blake3)`` if it is to be hashed."""
     path = model_dir / f.name
@@ -324,28 +326,27 @@ def _checked_source_file(
     if size != f.size:
         raise BundleMismatchError(
             MismatchField.source_size,
-            f"source file {f.name} is {size} bytes, the bundle was made from {f.size}; re-convert",
+            f"source file {f.name} is {size} bytes, the bundle was made from {f.size}; {redo}",
         )
     try:
         header = sha256_bytes(read_header_bytes(path))
     except (OSError, ValueError) as e:
         raise BundleMismatchError(
-            MismatchField.source_header, f"source file {f.name} is unreadable ({e}); re-convert"
+            MismatchField.source_header, f"source file {f.name} is unreadable ({e}); {redo}"
         ) from e
     if header != f.header_sha256:
         raise BundleMismatchError(
             MismatchField.source_header,
-            f"source file {f.name} has other tensors than when the bundle was made; re-convert",
+            f"source file {f.name} has other tensors than when the bundle was made; {redo}",
         )
     return (f.name, path, f.blake3) if _needs_hash(stamps, path, f.blake3, full_hash) else None
 
 
-def _source_file_failed(name: str, why: OSError | str, expected: str) -> BundleMismatchError:
+def _source_file_failed(name: str, why: OSError | str, expected: str, redo: str) -> BundleMismatchError:
     if isinstance(why, OSError):
         advice = "" if isinstance(why, FileChangedError) else "; check its permissions"
         return BundleMismatchError(MismatchField.source_blake3, f"source file {name} {_unreadable(why)}{advice}")
     return BundleMismatchError(
         MismatchField.source_blake3,
-        f"source file {name} changed since the bundle was made (blake3 {why[:16]}…, expected {expected[:16]}…); "
-        "re-run `marlin-pack convert --force`",
+        f"source file {name} changed since the bundle was made (blake3 {why[:16]}…, expected {expected[:16]}…); {redo}",
     )

@@ -38,14 +38,20 @@ def _read_raw(bundle_dir: Path) -> tuple[Path, bytes, dict]:
     except FileTooLargeError as e:
         raise BundleError(f"{path} {e.strerror}, expected under {MAX_MANIFEST_BYTES}: not a marlin-pack manifest") from e
     except NotRegularFileError as e:
-        raise BundleError(f"{path} {e.strerror}: not a marlin-pack manifest; re-run `marlin-pack convert --force`") from e
+        raise BundleError(
+            f"{path} {e.strerror}: not a marlin-pack manifest; remove {bundle_dir}, then run `{convert_command(bundle_dir)}`"
+        ) from e
     except FileNotFoundError as e:
         raise BundleError(
             f"{bundle_dir} has no {MANIFEST_NAME}: an interrupted or foreign directory; "
-            "re-run `marlin-pack convert --force`"
+            f"remove it (or empty it), then run `{convert_command(bundle_dir)}`"
         ) from e
-    except (OSError, ValueError, RecursionError) as e:
-        raise BundleError(f"cannot read {path}: {type(e).__name__}; re-run `marlin-pack convert --force`") from e
+    except OSError as e:
+        raise BundleError(f"cannot read {path} ({e.strerror or type(e).__name__}); check its permissions") from e
+    except (ValueError, RecursionError) as e:  # not JSON: a damaged manifest, which no conversion replaces
+        raise BundleError(
+            f"cannot read {path}: {type(e).__name__}; remove {bundle_dir}, then run `{convert_command(bundle_dir)}`"
+        ) from e
     if not isinstance(raw, dict):
         raise BundleError(f"{path} holds a JSON {type(raw).__name__}, expected an object")
     if raw.get("format") != FORMAT_NAME:
@@ -100,10 +106,7 @@ def listed_files(bundle_dir: str | Path) -> list[str]:
 
 def _version_advice(bundle_dir: Path, found: object) -> str:
     """One line for a bundle of another format version: found, expected, and the command that replaces it."""
-    if bundle_dir.name == BUNDLE_DIRNAME:  # the default location: the checkpoint is its parent
-        command = f"marlin-pack convert {bundle_dir.parent} --force"
-    else:
-        command = f"marlin-pack convert MODEL --output {bundle_dir} --force"
+    command = convert_command(bundle_dir, extra="--force")
     older = isinstance(found, int) and not isinstance(found, bool) and found < min(READABLE_FORMAT_VERSIONS)
     why = "made by an older marlin-pack" if older else "not a format this marlin-pack knows (a newer one may)"
     readable = f"formats {min(READABLE_FORMAT_VERSIONS)} to {max(READABLE_FORMAT_VERSIONS)}"

@@ -144,12 +144,14 @@ def _follow_link(path: Path) -> Path:
         if not trusted_link(st):
             raise OutputExistsError(
                 f"{path} is a symlink owned by {owner_text(st.st_uid)}, not by this user or root; refusing to follow it (its owner "
-                "could point it anywhere): remove it, or pass its target with -o if you trust it"
+                "could point it anywhere): remove it, or pass its target as `output=DIR` if you trust it"
             )
         path = Path(os.path.realpath(path.parent)) / os.readlink(path)
         followed = True
     else:
-        raise OutputExistsError(f"{path} is a chain of more than {_MAX_LINKS} symlinks; expected a directory: remove it or use another -o")
+        raise OutputExistsError(
+            f"{path} is a chain of more than {_MAX_LINKS} symlinks; expected a directory: remove it or pass `output=DIR`"
+        )
     if not followed:
         return path
     # The checked links are not followed again: only the parent is resolved (a final "." or ".." names a directory).
@@ -187,14 +189,14 @@ def check_output(model_dir: Path, out: Path, force: bool) -> Path:
     if not os.path.lexists(out):
         return out
     if not force:
-        raise OutputExistsError(f"{out} already exists; pass --force to replace it or -o to write elsewhere")
+        raise OutputExistsError(f"{out} already exists; pass `force=True` to replace it or `output=DIR` to write elsewhere")
     if model_dir.resolve().is_relative_to(out.resolve()):
-        raise OutputExistsError(f"{out} holds the checkpoint itself; choose another output with -o")
+        raise OutputExistsError(f"{out} holds the checkpoint itself; choose another output (`output=DIR`)")
     if not (out / MANIFEST_NAME).is_file():
         raise OutputExistsError(f"{out} exists and is not a marlin-pack bundle (no {MANIFEST_NAME}); refusing to replace it")
     why = foreign_entry(out)
     if why is not None:
-        raise OutputExistsError(f"{out} exists and {why}; refusing to replace it, remove it yourself or use -o")
+        raise OutputExistsError(f"{out} exists and {why}; refusing to replace it, remove it yourself or use another `output=DIR`")
     return out
 
 
@@ -208,10 +210,10 @@ def _open_parent(out: Path) -> int:
         return open_dirs(out.parent)
     except UntrustedSymlinkError as e:
         raise MarlinPackError(
-            f"cannot write to {out.parent}: {e.filename} {e.strerror}; refusing to follow it: remove it or choose another location with -o"
+            f"cannot write to {out.parent}: {e.filename} {e.strerror}; refusing to follow it: remove it or pass another `output=DIR`"
         ) from e
     except OSError as e:
-        raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror or e}); choose a writable location with -o") from e
+        raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror or e}); choose a writable location (`output=DIR`)") from e
 
 
 def _pid_alive(pid: int) -> bool:
@@ -360,8 +362,8 @@ def _open_lock(name: str, parent_fd: int, path: Path, out: Path) -> int | None:
     except FileExistsError:
         pass
     except OSError as e:
-        raise MarlinPackError(f"cannot make the lock file {path} ({e.strerror or e}); choose a writable location with -o") from e
-    remove = f"remove it if no conversion of {out} is running (it is only a lock), or choose another -o"
+        raise MarlinPackError(f"cannot make the lock file {path} ({e.strerror or e}); choose a writable location (`output=DIR`)") from e
+    remove = f"remove it if no conversion of {out} is running (it is only a lock), or choose another `output=DIR`"
     try:
         fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=parent_fd)
     except FileNotFoundError:
@@ -432,7 +434,7 @@ def output_lock(
                 try:
                     locked = _try_lock(fd)
                 except OSError as e:  # ENOLCK: a file system without locks
-                    raise MarlinPackError(f"cannot lock {path} ({e.strerror or e}); choose another location with -o") from e
+                    raise MarlinPackError(f"cannot lock {path} ({e.strerror or e}); choose another location (`output=DIR`)") from e
                 if not locked:
                     waited = time.monotonic() - began
                     if waited >= limit:
@@ -492,9 +494,9 @@ def _signals_interrupt() -> Iterator[None]:
 
 def _write_failed(out: Path, e: OSError) -> MarlinPackError:
     if e.errno in _NO_SPACE:
-        advice = "free space or choose another place with -o"
+        advice = "free space or choose another place (`output=DIR`)"
     else:
-        advice = "check that location (permissions, open-file limit, a concurrent writer) or choose another place with -o"
+        advice = "check that location (permissions, open-file limit, a concurrent writer) or choose another place (`output=DIR`)"
     return MarlinPackError(f"writing the bundle under {out.parent} failed ({e.strerror or e}); {advice}")
 
 
@@ -548,7 +550,7 @@ class BundleWriter:
                 name, fd = _make_temp_dir(out, parent_fd)
             except OSError as e:
                 where = out if in_place else out.parent
-                raise MarlinPackError(f"cannot write to {where} ({e.strerror}); choose a writable location with -o") from e
+                raise MarlinPackError(f"cannot write to {where} ({e.strerror}); choose a writable location (`output=DIR`)") from e
             writer = cls(out, parent_fd, name, fd, force, format_version, direct, in_place)
             stack.callback(writer._close_folders)
             try:
@@ -693,13 +695,13 @@ class BundleWriter:
         old = None
         if _lexists(self.out.name, self._parent_fd):
             if not self.force:
-                raise OutputExistsError(f"{self.out} appeared while converting; nothing was replaced, pass --force or -o")
+                raise OutputExistsError(f"{self.out} appeared while converting; nothing was replaced, pass `force=True` or `output=DIR`")
             old = self._move_aside()
         try:
             rename_no_replace(self._name, self.out.name, src_dir_fd=self._parent_fd, dst_dir_fd=self._parent_fd)
         except FileExistsError as e:
             self._drop_old(old)
-            raise OutputExistsError(f"{self.out} appeared while converting; nothing was replaced, pass --force or -o") from e
+            raise OutputExistsError(f"{self.out} appeared while converting; nothing was replaced, pass `force=True` or `output=DIR`") from e
         except BaseException:
             if old is not None:  # the old bundle goes back where it was
                 with contextlib.suppress(OSError):

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from marlin_pack.commands.api_words import as_cli
 from marlin_pack.commands.console import err, out, progress, styled
 from marlin_pack.commands.gpu import CapabilityOpt, engine_gpu, kernel_for_gpu
 from marlin_pack.commands.params import (
@@ -81,7 +82,7 @@ def convert(
         err.print(styled(("interrupted", "red"), said), highlight=False)
         raise typer.Exit(128 + signum) from None
     if as_json:
-        body = {"bundle": str(result.bundle), "reused": result.reused, "done": result.summary,
+        body = {"bundle": str(result.bundle), "reused": result.reused, "done": as_cli(result.summary),
                 "manifest": result.manifest.model_dump(mode="json")}
         out.print_json(json.dumps(body))
         return
@@ -98,4 +99,4 @@ def convert(
         )
         return
     render_manifest(result.manifest, result.bundle)
-    out.print(styled(("wrote", "green"), f" {result.bundle}: {result.summary}"), soft_wrap=True, highlight=False)
+    out.print(styled(("wrote", "green"), f" {result.bundle}: {as_cli(result.summary)}"), soft_wrap=True, highlight=False)

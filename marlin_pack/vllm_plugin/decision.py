@@ -23,6 +23,7 @@ from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError
 from marlin_pack.io.checkpoint_files import read_json
 from marlin_pack.io.home import HomeDirectoryError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
+from marlin_pack.remedies import convert_command
 from marlin_pack.schemas import TARGET_KERNELS, Manifest, TensorParallelSet
 from marlin_pack.sources.hub import ResolvedModel, locate_bundle, resolve_model
 from marlin_pack.vllm_plugin import releases
@@ -261,7 +262,7 @@ def _tp_advice(manifest: Manifest, facts: EngineFacts) -> str:
     accepted = convertible_tp_sizes(facts.model, sorted({1, 2, 4, 8, facts.tp_size, *manifest.tp_sizes}), facts.revision)
     if facts.tp_size in accepted:
         sizes = ",".join(map(str, sorted({*manifest.tp_sizes, facts.tp_size})))
-        return f"{found}; run `marlin-pack convert {facts.model} --tp {sizes} --force`"
+        return f"{found}; run `marlin-pack convert {facts.model} --tp {sizes}` (it adds the size, the others kept)"
     others = ",".join(map(str, accepted)) or "none of 1,2,4,8"
     return (
         f"{found}, which this checkpoint cannot be split into (marlin-pack convert accepts --tp {others} for it); "
@@ -361,7 +362,7 @@ def check_engine(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
     return tp_set
 
 
-def _with_field(field: MismatchField, fn: Callable[[], Any]) -> Any:
+def _with_field(field: MismatchField, fn: Callable[[], Any], redo: str = "re-convert") -> Any:
     """Run a check; any failure becomes a :class:`BundleMismatchError` naming ``field``.
 
     Files that cannot be read (a dangling symlink, a permission the serving user lacks, a
@@ -374,10 +375,10 @@ def _with_field(field: MismatchField, fn: Callable[[], Any]) -> Any:
     except MarlinPackError as e:  # BundleError, UnsupportedCheckpointError, ...: one line that says what to do
         raise BundleMismatchError(field, str(e)) from e
     except SafetensorsFormatError as e:
-        raise BundleMismatchError(field, f"{e}; re-run `marlin-pack convert --force`") from e
+        raise BundleMismatchError(field, f"{e}; {redo}") from e
     except OSError as e:
         where = e.filename or "a file"
-        advice = "the serving user must be able to read it" if isinstance(e, PermissionError) else "re-convert"
+        advice = "the serving user must be able to read it" if isinstance(e, PermissionError) else redo
         raise BundleMismatchError(field, f"cannot read {where} ({e.strerror or e}); {advice}") from e
     except (ValueError, RecursionError) as e:
         raise BundleMismatchError(field, f"{type(e).__name__}: {e}") from e
@@ -415,8 +416,9 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     hashed = hashed.add(_with_field(F.files, lambda: check_files(bundle_dir, manifest, entries, full_hash=options.full_hash)))
     rank_file = _with_field(F.files, lambda: resolve_file(bundle_dir, rank_entry))
     common_file = _with_field(F.files, lambda: resolve_file(bundle_dir, manifest.common))
-    common_header = _with_field(F.files, lambda: _checked_common_header(manifest, common_file))
-    rank_header = _with_field(F.files, lambda: _checked_header(manifest, tp_set, facts.tp_rank, rank_file))
+    redo = f"re-run `{convert_command(bundle_dir, manifest=manifest)}`"  # it rewrites a damaged file
+    common_header = _with_field(F.files, lambda: _checked_common_header(manifest, common_file), redo)
+    rank_header = _with_field(F.files, lambda: _checked_header(manifest, tp_set, facts.tp_rank, rank_file), redo)
     stage = None
     if facts.pp_size > 1:
         stage = _with_field(F.pp_size, lambda: stage_share(

@@ -200,7 +200,7 @@ def check_experts_source(manifest: Manifest, model: str, *, architecture: str, t
         raise BundleMismatchError(field, f"{why}, and this checkpoint cannot be split into tp {size} (marlin-pack convert "
                                   f"accepts --tp {','.join(map(str, ok)) or 'none of 1,2,4,8'}); {instead}")
     sizes = ",".join(map(str, sorted({*manifest.tp_sizes, size})))
-    raise BundleMismatchError(field, f"{why}; the bundle has tp {held}: run `marlin-pack convert {model} --tp {sizes} --force`")
+    raise BundleMismatchError(field, f"{why}; the bundle has tp {held}: run `marlin-pack convert {model} --tp {sizes}`")
 
 
 def expert_share(manifest: Manifest, tp_set: TensorParallelSet, source: TensorParallelSet, header: SafetensorsHeader,

@@ -187,7 +187,7 @@ def _warn_marlin_on_hopper(bundle: SelectedBundle, facts: EngineFacts) -> None:
         logger.warning(
             "marlin-pack: the bundle %s holds Marlin's layout; on this SM90 GPU vLLM's default serves %d of its %d "
             "quantized layers with Machete, which prefilled 1.76x faster in our measurement (70B AWQ). The start stays "
-            "fast; to keep vLLM's kernel too, re-convert with `marlin-pack convert %s --kernel machete --force`",
+            "fast; to keep vLLM's kernel too, re-convert with `marlin-pack convert %s --compute-capability 9.0`",
             bundle.bundle_dir, n, len(bundle.tp_set.layers), facts.model,
         )
 

@@ -60,7 +60,7 @@ def test_existing_output_of_another_format_version_is_refused(awq: Path) -> None
     convert(awq)
     path = awq / "marlin-pack" / "manifest.json"
     path.write_text(path.read_text().replace('"format_version": ', '"format_version": 9', 1))
-    with pytest.raises(OutputExistsError, match=r"holds a bundle this marlin-pack cannot use .*pass --force"):
+    with pytest.raises(OutputExistsError, match=r"holds a bundle this marlin-pack cannot use .*pass `force=True`"):
         convert(awq)
     assert not convert(awq, force=True).reused
 

@@ -77,12 +77,12 @@ def test_a_bundle_of_another_checkpoint_dtype_or_older_format_is_rewritten_whole
 def test_a_newer_bundle_needs_force_and_force_rewrites_everything() -> None:
     newer = Findings(State.bundle, "/o holds a bundle this marlin-pack cannot use (format_version 9: a newer marlin-pack's)",
                      newer=True, whole="x", held_format=9)
-    with pytest.raises(OutputExistsError, match=r"cannot use \(format_version 9: a newer marlin-pack's\); pass --force to replace it"):
+    with pytest.raises(OutputExistsError, match=r"cannot use \(format_version 9: a newer marlin-pack's\); pass `force=True` to replace it"):
         decide(newer, [1])
     assert decide(newer, [1], force=True).write == (1,)
     forced = decide(bundle(), [2], force=True)
     assert (forced.write, forced.keep, forced.drop, forced.common) == ((2,), (), (1,), True)
-    assert forced.summary == "rewrote tp2 and common.safetensors: --force; dropped tp1 (not asked)"
+    assert forced.summary == "rewrote tp2 and common.safetensors: `force=True`; dropped tp1 (not asked)"
 
 
 def test_target_kernel_names_the_kernels_the_layers_are_laid_out_for() -> None:

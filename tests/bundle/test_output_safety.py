@@ -148,7 +148,7 @@ def _links_to(link: Path, target: Path, uid: int) -> None:
 def test_an_output_symlink_of_another_user_is_never_followed(awq: Path, victim: Path, force: bool) -> None:
     _links_to(awq / "marlin-pack", victim / "bundle", OTHER_UID)
     with pytest.raises(OutputExistsError, match=rf"marlin-pack is a symlink owned by uid {OTHER_UID}, not by this user or root; "
-                       r"refusing to follow it .*: remove it, or pass its target with -o if you trust it") as e:
+                       r"refusing to follow it .*: remove it, or pass its target as `output=DIR` if you trust it") as e:
         convert(awq, force=force)
     assert "\n" not in str(e.value)
     assert not (victim / "bundle").exists() and not [p for p in awq.iterdir() if p.name.startswith(".marlin-pack.")]

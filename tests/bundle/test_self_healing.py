@@ -93,7 +93,7 @@ def test_an_empty_directory_is_written_into(awq_copy: Path, tmp_path: Path) -> N
     assert verify(volume, awq_copy).ok
     assert convert(awq_copy, volume, tp=(1, 2), kernel="marlin").summary == "added tp2; tp1 kept"
     forced = convert(awq_copy, volume, tp=(2,), kernel="marlin", force=True)
-    assert forced.summary == "rewrote tp2 and common.safetensors: --force; dropped tp1 (not asked)"
+    assert forced.summary == "rewrote tp2 and common.safetensors: `force=True`; dropped tp1 (not asked)"
     assert sorted(p.name for p in volume.iterdir()) == ["common.safetensors", "manifest.json", "tp2"]
     assert verify(volume, awq_copy).ok
     assert not _temp_dirs(tmp_path, volume)
@@ -206,7 +206,7 @@ def test_what_is_planted_at_a_bundle_path_is_never_followed_or_moved(make_bundle
     bundle = model / "marlin-pack"
     (bundle / "tp2").symlink_to(victim)
     with pytest.raises(OutputExistsError, match=r"marlin-pack/tp2 is a symlink, expected a folder of rank files; nothing was "
-                       r"replaced: remove it or use -o"):
+                       r"replaced: remove it or pass `output=DIR`"):
         convert(model, tp=(1, 2), kernel="marlin")
     assert [p.name for p in victim.iterdir()] == ["rank-0.safetensors"] and (victim / "rank-0.safetensors").read_text() == "hers"
     (bundle / "tp2").unlink()
@@ -247,7 +247,7 @@ def test_a_fresh_volume_mounted_at_the_output_is_written_into(awq_copy: Path, tm
     assert r.returncode == 0, r.stderr
     done, entries, ok, seen, beside = json.loads(r.stdout.splitlines()[-1])
     assert done == ["tp1 into the empty directory", "added tp2; tp1 kept",
-                    "rewrote tp2 and common.safetensors: --force; dropped tp1 (not asked)"]
+                    "rewrote tp2 and common.safetensors: `force=True`; dropped tp1 (not asked)"]
     assert entries == ["common.safetensors", "lost+found", "manifest.json", "tp1", "tp1/notes.txt", "tp2", "tp2/rank-0.safetensors",
                        "tp2/rank-1.safetensors"] and ok
     assert ".volume.lock" in seen and any(n.startswith(".volume.tmp-") for n in seen)

@@ -100,7 +100,8 @@ def test_relevant_change_makes_the_bundle_stale(fmt: str, changes: dict, message
     failed = report.first_failure
     assert failed is not None and failed.name == "source"
     assert f"{model / 'config.json'}: quantization setting {message}" in failed.detail
-    assert "re-run `marlin-pack convert --force`" in failed.detail
+    # the whole command, with the bundle's settings: it rewrites a stale bundle (no --force: convert heals)
+    assert f"re-run `marlin-pack convert {model} --tp 1 --dtype float16 --kernel marlin`" in failed.detail
     outcome = preflight(model).ranks[0]
     assert outcome.decision == "refuse" and outcome.field == "source.quant_settings" and message in outcome.message
 
