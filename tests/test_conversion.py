@@ -28,7 +28,7 @@ _DTYPES = [None, "float16", "bfloat16", "float32"]
 @pytest.mark.parametrize("config_dtype", [d for d in _DTYPES if d])
 @pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
 def test_default_dtype_is_what_vllm_auto_picks(model_type: str, config_dtype: str, key: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The oracle is vLLM 0.33.0's own --dtype auto resolution on a bfloat16-capable platform.
+    # The oracle is vLLM's own --dtype auto resolution on a bfloat16-capable platform.
     import torch
 
     vllm_model = pytest.importorskip("vllm.config.model")

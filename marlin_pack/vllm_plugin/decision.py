@@ -242,7 +242,7 @@ def _tp_set(manifest: Manifest, facts: EngineFacts) -> TensorParallelSet:
 
 
 def _check_data_parallel(manifest: Manifest, tp_set: TensorParallelSet, facts: EngineFacts) -> None:
-    """Experts layers at expert parallelism or ``--data-parallel-size > 1``: vLLM 0.33.0 shards them over the TP ranks
+    """Experts layers at expert parallelism or ``--data-parallel-size > 1``: vLLM shards them over the TP ranks
     of every replica together (``FusedMoEParallelConfig.make``), so they come from another TP size's rank files
     (:mod:`~marlin_pack.vllm_plugin.expert_share`), which the bundle must hold."""
     if needs_share(tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel, facts.pcp_size):

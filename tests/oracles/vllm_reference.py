@@ -330,6 +330,9 @@ class _Group:
         raise _OracleBug(f"the oracle's stand-in process group has no {name!r} (vLLM communicated at load time?)")
 
 
+_H200_SMS = 132  # what num_compute_units answers on the H200 the platform stand-in claims (capability 9.0)
+
+
 @contextlib.contextmanager
 def _patched(tp_size: int, rank: int, kernel: str = "marlin", pp: tuple[int, int] = (1, 0)):
     v = _vllm()
@@ -358,6 +361,8 @@ def _patched(tp_size: int, rank: int, kernel: str = "marlin", pp: tuple[int, int
         setattr_saved(v.marlin_mod, "ops", _OpsProxy(v.marlin_mod.ops))
         setattr_saved(v.machete_mod, "ops", _MacheteOpsProxy(v.machete_mod.ops))
         setattr_saved(v.attention, "get_attn_backend", lambda *a, **k: v.cpu_attention_backend)
+        if "num_compute_units" in v.marlin_utils.__dict__:  # 0.30's Marlin workspace is sized by the GPU's SM count
+            setattr_saved(v.marlin_utils, "num_compute_units", lambda *a, **k: _H200_SMS)
         # vLLM caches each model's pipeline-missing layers by id(model) for the life of the process (one model per
         # engine process). The oracles build many: a new model at a dead one's address would get the dead one's
         # list, and its load_weights would skip (or fail on) the wrong layers. Each oracle model gets a fresh cache.
