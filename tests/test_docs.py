@@ -52,7 +52,7 @@ def test_readme_opens_with_the_two_commands() -> None:
     first = lines.index("```bash")
     assert lines[first + 1] == "python3 -m pip install -e . && python3 examples/quickstart.py"
     marker = lines.index("<!-- test-command -->")
-    assert marker > first and lines[marker + 2] == "python3 -m pip install -e '.[test,vllm]' && python3 -m pytest -q"
+    assert marker > first and lines[marker + 2] == "bash tools/vllm-env.sh 0.34.0 .venv && .venv/bin/python -m pytest -q"
 
 
 def test_performance_page_is_short() -> None:

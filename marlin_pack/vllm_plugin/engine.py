@@ -155,9 +155,11 @@ def built_parameters(model: nn.Module, names: Iterable[str]) -> list[str]:
     (as its ``load_weights`` maps them): for a pipeline stage, what vLLM built there (``PPMissingLayer`` holds none)."""
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     mapper = getattr(model, "hf_to_vllm_mapper", None)
+    # WeightsMapper.map_name is public from 0.31; 0.30 has the same function as _map_name
+    map_name = (getattr(mapper, "map_name", None) or mapper._map_name) if mapper is not None else None
     found = []
     for name in names:
-        mapped = mapper.map_name(name) if mapper is not None else name
+        mapped = map_name(name) if map_name is not None else name
         if mapped in params:
             found.append(name)
     return found
