@@ -33,7 +33,7 @@ app = typer.Typer(
     add_completion=False,
     context_settings=_CONTEXT,
     cls=Group,
-    help="Convert AWQ/GPTQ/compressed-tensors checkpoints into vLLM 0.33.0's post-processed Marlin layout, offline, "
+    help="Convert AWQ/GPTQ/compressed-tensors checkpoints into vLLM's post-processed Marlin layout, offline, "
     "verify the result, and say what an engine will do with it.",
 )
 
@@ -50,7 +50,7 @@ def _main(
         bool, typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print marlin-pack's version and exit.")
     ] = False,
 ) -> None:
-    """Convert AWQ/GPTQ/compressed-tensors checkpoints into vLLM 0.33.0's post-processed Marlin layout, offline."""
+    """Convert AWQ/GPTQ/compressed-tensors checkpoints into vLLM's post-processed Marlin layout, offline."""
 
 
 app.command("convert", cls=Command)(convert.convert)

@@ -75,7 +75,7 @@ def resolve_dtype(config: dict, dtype: str | None, weight_dtypes: Iterable[str] 
 def tied_copies(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, str]:
     """A tied output head saved as a byte-identical copy of the input embeddings: ``{head: embeddings}``.
 
-    Quantizers often save the tied ``lm_head`` anyway; vLLM 0.33.0 loads it, finds it equal and
+    Quantizers often save the tied ``lm_head`` anyway; vLLM loads it, finds it equal and
     ties the two again. The bundle stores it once and feeds it under both names. Only the head is
     considered (never, say, two norms that happen to be equal: a weight loader may change what it
     is given in place), and only against tensors of its dtype and shape whose name says embedding.
@@ -334,7 +334,7 @@ def convert(
     """Convert an AWQ (GEMM), GPTQ (v1) or compressed-tensors (pack-quantized) checkpoint into a Marlin bundle.
 
     The bundle holds, for every tensor-parallel size in ``tp`` and every rank, the tensors stock vLLM
-    0.33.0 holds after ``process_weights_after_loading`` with ``MarlinLinearKernel``, plus the
+    holds after ``process_weights_after_loading`` with ``MarlinLinearKernel``, plus the
     checkpoint's non-quantized tensors. Output is written to a temporary directory and renamed into
     place at the end.
 

@@ -1,7 +1,7 @@
 """The routed experts of a mixture-of-experts checkpoint in a conversion: plan, read, build.
 
 AWQ (GEMM), symmetric GPTQ and compressed-tensors pack-quantized (WNA16) experts: the last are
-quantized or not per layer as vLLM 0.33.0's ``CompressedTensorsMoEMethod`` decides from ``ignore`` /
+quantized or not per layer as vLLM's ``CompressedTensorsMoEMethod`` decides from ``ignore`` /
 ``targets`` (:func:`ct_expert_names`); their dense parts (attention, shared experts, an ignored
 router left in 16-bit) go through the dense plan.
 
@@ -73,7 +73,7 @@ class MoePlan:
 
 
 def check_moe_settings(ckpt: Checkpoint, source: QuantSource, dims: ModelDims) -> None:
-    """Refuse, before any per-layer check, the settings whose experts marlin-pack does not lay out for vLLM 0.33.0's Marlin MoE."""
+    """Refuse, before any per-layer check, the settings whose experts marlin-pack does not lay out for vLLM's Marlin MoE."""
     arch = dims.architecture
     _sparse_layers(top_config(ckpt.config), dims)
     if source.format is SourceFormat.compressed_tensors:
@@ -105,7 +105,7 @@ def ct_expert_names(arch: MoeArchitecture, vllm_layers: str, layer: int) -> tupl
 
 
 def _check_ct_experts(source: QuantSource, dims: ModelDims, config: dict) -> None:
-    """compressed-tensors: every experts layer must be quantized as vLLM 0.33.0 decides it from ``ignore``/``targets``
+    """compressed-tensors: every experts layer must be quantized as vLLM decides it from ``ignore``/``targets``
     (else ``UnquantizedFusedMoEMethod`` serves it, and there is nothing of Marlin to prepare)."""
     arch = MOE_ARCHITECTURES[dims.architecture]
     for layer in _sparse_layers(config, dims):
@@ -113,7 +113,7 @@ def _check_ct_experts(source: QuantSource, dims: ModelDims, config: dict) -> Non
         if not source.vllm_quantizes_experts(names):  # type: ignore[attr-defined]
             raise UnsupportedCheckpointError(
                 f"compressed-tensors ignore/targets leave the experts of decoder layer {layer} unquantized ({names[0]}); "
-                "vLLM 0.33.0 serves them with UnquantizedFusedMoEMethod, marlin-pack converts quantized experts only; "
+                "vLLM serves them with UnquantizedFusedMoEMethod, marlin-pack converts quantized experts only; "
                 "use a checkpoint whose experts are quantized"
             )
 

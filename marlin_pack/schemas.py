@@ -83,7 +83,7 @@ def output_head_problem(name: str, architecture: str) -> str | None:
     """Why ``name`` cannot be a ``common_aliases`` name of a bundle of ``architecture`` (None: it can).
 
     An alias is a tied output head stored once, as a copy of the embeddings: exactly a checkpoint name of the
-    output head vLLM 0.33.0's class for ``architecture`` loads (``Architecture.output_heads``), never another tensor
+    output head vLLM's class for ``architecture`` loads (``Architecture.output_heads``), never another tensor
     whose name merely ends like one (``model.layers.0.mlp.lm_head.weight``). The one rule of every manifest reader
     (``verify``, ``check``, the loader: :class:`Manifest`) and of the aliases ``convert`` makes.
     """
@@ -170,7 +170,7 @@ class FileEntry(_Strict):
 def weight_file_name_problem(name: str) -> str | None:
     """Why ``name`` cannot be a weight file of a checkpoint (None: it can), as a clause after the name.
 
-    vLLM 0.33.0 loads the files ``glob("MODEL_DIR/*.safetensors")`` finds (``DefaultModelLoader``,
+    vLLM loads the files ``glob("MODEL_DIR/*.safetensors")`` finds (``DefaultModelLoader``,
     filtered by ``model.safetensors.index.json`` when there is one) through safetensors: any top-level
     name ending in ``.safetensors``, spaces and non-ASCII letters included, except hidden ones (glob
     skips names starting with a dot) and names that are not UTF-8 (safetensors opens UTF-8 paths
@@ -180,13 +180,13 @@ def weight_file_name_problem(name: str) -> str | None:
     if "/" in name or "\0" in name:
         return "is not a plain file name"
     if name.startswith("."):
-        return "is hidden (starts with a dot): vLLM 0.33.0 does not load it"
+        return "is hidden (starts with a dot): vLLM does not load it"
     if not name.endswith(".safetensors") or name == ".safetensors":
         return "is not a *.safetensors file"
     try:
         encoded = name.encode("utf-8")
     except UnicodeEncodeError:
-        return "is not UTF-8: safetensors (and so vLLM 0.33.0) cannot open it"
+        return "is not UTF-8: safetensors (and so vLLM) cannot open it"
     if len(encoded) > 255:
         return f"is {len(encoded)} bytes long, more than a file name can be (255)"
     if any(unicodedata.category(c) == "Cc" for c in name):
@@ -215,7 +215,7 @@ class SourceFile(_Strict):
 
 
 class AwqSettings(_Strict):
-    """The AWQ settings a bundle depends on: what marlin-pack's reader and vLLM 0.33.0's
+    """The AWQ settings a bundle depends on: what marlin-pack's reader and vLLM's
     ``AutoAWQConfig.from_config`` read, as they read them (aliases resolved, defaults applied).
 
     ``null``: the checkpoint does not set it (the reader then refuses the checkpoint).
@@ -232,7 +232,7 @@ class AwqSettings(_Strict):
 
 
 class GptqSettings(_Strict):
-    """The GPTQ settings a bundle depends on: what marlin-pack's reader and vLLM 0.33.0's
+    """The GPTQ settings a bundle depends on: what marlin-pack's reader and vLLM's
     ``AutoGPTQConfig.from_config`` read, as they read them (defaults applied).
 
     ``null``: the checkpoint does not set it.
@@ -278,7 +278,7 @@ class CompressedTensorsGroup(_Strict):
 
 class CompressedTensorsSettings(_Strict):
     """The compressed-tensors (llm-compressor) settings a bundle depends on: what marlin-pack's
-    reader and vLLM 0.33.0's ``CompressedTensorsConfig.from_config`` read. Calibration details,
+    reader and vLLM's ``CompressedTensorsConfig.from_config`` read. Calibration details,
     observers, versions and the KV-cache scheme are left out.
     """
 
@@ -357,7 +357,7 @@ class QuantScheme(_Strict):
 
 @unique
 class LayerKernel(str, Enum):
-    """The kernel (and so the post-processed layout) of one quantized layer: vLLM 0.33.0's per-layer choice."""
+    """The kernel (and so the post-processed layout) of one quantized layer: vLLM's per-layer choice."""
 
     marlin = "marlin"  # MarlinLinearKernel: padded, permuted (marlin_pack.marlin)
     machete = "machete"  # MacheteLinearKernel (SM90 only): prepacked, unpadded (marlin_pack.machete)
@@ -414,7 +414,7 @@ class MoeLayerEntry(_Strict):
     """One routed-experts layer (vLLM's FusedMoE) on every rank of a TP set, all experts on each rank.
 
     Its tensors are ``{name}.w13_qweight``, ``w2_qweight``, ``w13_scales``, ``w2_scales``,
-    ``w13_qzeros``, ``w2_qzeros``, as vLLM 0.33.0's Marlin MoE path holds them
+    ``w13_qzeros``, ``w2_qzeros``, as vLLM's Marlin MoE path holds them
     (``marlin_pack.marlin.moe``); for compressed-tensors bundles the names of
     ``CompressedTensorsWNA16MoEMethod`` (``marlin.moe.CT_MOE_NAMES``).
     """

@@ -29,7 +29,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 
 
 class Dtype(str, Enum):
-    """vLLM 0.33.0's --dtype words (float/float32 are refused: these layers run 16-bit activations)."""
+    """vLLM's --dtype words (float/float32 are refused: these layers run 16-bit activations)."""
 
     auto = "auto"
     half = "half"
