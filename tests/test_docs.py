@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -50,9 +51,29 @@ def test_readme_opens_with_the_two_commands() -> None:
     lines = README.read_text().splitlines()
     assert len(lines) <= 200
     first = lines.index("```bash")
-    assert lines[first + 1] == "python3 -m pip install -e . && python3 examples/quickstart.py"
+    assert lines[first + 1] == (
+        "python3 -m venv .venv && .venv/bin/pip install -e . -c tools/torch-constraint.txt && .venv/bin/python examples/quickstart.py"
+    )
     marker = lines.index("<!-- test-command -->")
     assert marker > first and lines[marker + 2] == "bash tools/vllm-env.sh 0.34.0 .venv && .venv/bin/python -m pytest -q"
+
+
+def test_first_command_installs_the_torch_the_test_command_keeps() -> None:
+    """The README's two commands share .venv: the first pins the torch that the test command's vLLM pins, so the
+    second neither fetches another torch nor swaps it (and the first, run again, keeps it)."""
+    pins = [line.split("#")[0].strip() for line in (ROOT / "tools/torch-constraint.txt").read_text().splitlines()]
+    pins = [pin for pin in pins if pin]
+    assert len(pins) == 1 and pins[0].startswith("torch==")
+    lines = README.read_text().splitlines()
+    newest = lines[lines.index("<!-- test-command -->") + 2].split()[2]
+    try:
+        installed = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        pytest.skip("vLLM is not installed: its torch pin cannot be read")
+    if installed != newest:
+        pytest.skip(f"vLLM {installed} is installed, the README's test command installs {newest}")
+    vllm_torch = [r.split(";")[0].replace(" ", "") for r in metadata.requires("vllm") or [] if r.startswith("torch=")]
+    assert vllm_torch == [pins[0]], f"vLLM {newest} requires {vllm_torch}; tools/torch-constraint.txt says {pins[0]}"
 
 
 def test_performance_page_is_short() -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tools/vllm-env.sh VERSION DIR: make (or bring up to date) the venv DIR with vLLM==VERSION, torch as that release pins it
-# (the registry's CUDA build), marlin-pack installed editable from this checkout (--no-deps -e), pytest>=8 and
-# tokenizers>=0.19. One environment per release: the release-dependent tests (tools/release-tests.txt) run in each.
+# (the registry's CUDA build), marlin-pack installed editable from this checkout (--no-deps -e), pytest>=8,
+# tokenizers>=0.19 and nvidia-cutlass>=3.5 (its pycute runs the Machete layout's CuTe derivation in the tests).
+# One environment per release: the release-dependent tests (tools/release-tests.txt) run in each.
 #
 # It installs with uv (pip cannot apply an override; uv reads no pip.conf, so no local CPU-only torch is preferred).
 # tools/overrides/vllm-VERSION.txt holds the release's overrides (uv --override), each with its reason; a release
@@ -68,7 +69,7 @@ find_links=()
 override=()
 grep -qvE '^[[:space:]]*(#|$)' "$overrides" && override=(--override "$overrides")  # a file of comments only: none
 say "installing vllm==$version (overrides: tools/overrides/vllm-$version.txt) into $dir"
-"$uv" pip install --python "$py" "${find_links[@]}" "${override[@]}" "vllm==$version" "pytest>=8" "tokenizers>=0.19"
+"$uv" pip install --python "$py" "${find_links[@]}" "${override[@]}" "vllm==$version" "pytest>=8" "tokenizers>=0.19" "nvidia-cutlass>=3.5"
 "$uv" pip install --python "$py" --no-deps -e "$root"
 
 # --no-deps: marlin-pack's own requirements must already be there (vLLM brings them all); say so if one is not.
