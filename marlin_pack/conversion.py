@@ -42,6 +42,7 @@ from marlin_pack.marlin.sharding import (
 from marlin_pack.moe_conversion import build_moe_layer, read_moe_layer
 from marlin_pack.planning import ConversionPlan, layer_weight_shape, plan_conversion
 from marlin_pack.progress import as_progress_fn
+from marlin_pack.remote.url import refuse_url
 from marlin_pack.schemas import (
     LayerKernel,
     Manifest,
@@ -375,6 +376,7 @@ def convert(
         >>> result.bundle.name, result.manifest.tp_sizes
         ('marlin-pack', [1, 2])
     """
+    refuse_url(output, "output", "a directory", "write the bundle to a directory, then publish it with `marlin-pack push DIR {url}`")
     resolved = resolve_model(model, revision)
     model_dir = resolved.dir
     parse_kernel(kernel)  # a bad value before any work

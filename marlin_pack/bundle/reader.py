@@ -12,6 +12,7 @@ from marlin_pack._constants import BUNDLE_DIRNAME, FORMAT_NAME, MANIFEST_NAME, R
 from marlin_pack.errors import BundleError, BundleMismatchError, MismatchField
 from marlin_pack.io.files import FileTooLargeError, NotRegularFileError, read_limited
 from marlin_pack.remedies import convert_command
+from marlin_pack.remote.url import refuse_url
 from marlin_pack.schemas import FileEntry, Manifest
 
 __all__ = ["MAX_MANIFEST_BYTES", "default_bundle_dir", "read_manifest", "listed_files", "resolve_file"]
@@ -26,6 +27,7 @@ def default_bundle_dir(model_dir: str | Path) -> Path:
 
 def _read_raw(bundle_dir: Path) -> tuple[Path, bytes, dict]:
     """``manifest.json``'s path, bytes and JSON object, if it is a marlin-pack manifest of any version."""
+    refuse_url(bundle_dir, "bundle", "a directory", "copy it to a local directory first (`aws s3 sync {url} DIR`) and read DIR")
     path = bundle_dir / MANIFEST_NAME
     if not bundle_dir.is_dir():
         raise BundleError(

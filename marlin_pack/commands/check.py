@@ -18,6 +18,7 @@ from marlin_pack.commands.params import (
     RevisionOpt,
     VerifyMode,
     engine_dtype,
+    local_dir,
     local_or_repo,
     unconvertible,
 )
@@ -76,6 +77,7 @@ def check(
     from marlin_pack.vllm_plugin.preflight import preflight
 
     model = local_or_repo(model, revision)
+    bundle = local_dir(bundle, "--bundle")
     if placement not in ("linear", "round_robin"):
         raise BadParameter(f"{placement!r}: expected linear or round_robin", param_hint="--expert-placement-strategy")
     if rank is not None and rank >= tp:

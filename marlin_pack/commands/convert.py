@@ -21,6 +21,7 @@ from marlin_pack.commands.params import (
     ModelArg,
     RevisionOpt,
     check_dtype_word,
+    local_dir,
     local_or_repo,
     parse_tp,
 )
@@ -68,6 +69,7 @@ def convert(
     from marlin_pack.conversion import convert as run_convert
 
     model = local_or_repo(model, revision)
+    output = local_dir(output, "-o")
     check_dtype_word(dtype.value)
     chosen, why = kernel_for_gpu(None if kernel is None else kernel.value, engine_gpu(compute_capability))
     kernel = Kernel(chosen)

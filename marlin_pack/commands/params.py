@@ -12,10 +12,12 @@ import typer
 
 from marlin_pack.commands.console import BadParameter
 from marlin_pack.errors import MarlinPackError
+from marlin_pack.remote.url import refuse_url
 
 __all__ = [
     "Device", "Dtype", "DtypeOpt", "JsonOpt", "Kernel", "ModelArg", "RevisionOpt", "TargetArg", "VerifyMode",
-    "bundle_of", "check_dtype_word", "engine_dtype", "local_or_repo", "parse_tp", "unconvertible", "why_no_bundle",
+    "bundle_of", "check_dtype_word", "engine_dtype", "local_dir", "local_or_repo", "parse_tp", "unconvertible",
+    "why_no_bundle",
 ]
 
 ModelArg = Annotated[
@@ -76,12 +78,37 @@ def parse_tp(value: str) -> list[int]:
     return sorted(sizes)
 
 
+# What to do with a URL where a path is expected: a word per option (refuse_url's ``todo``; {url} is the URL).
+_COPY_DOWN = "copy it to a local directory first (`aws s3 sync {url} DIR`) and pass DIR"
+URL_ADVICE = {
+    "MODEL": ("a checkpoint directory or a Hugging Face model id (org/name)", _COPY_DOWN),
+    "MODEL|BUNDLE": ("a bundle directory, a checkpoint directory or a model id", _COPY_DOWN),
+    "-o": ("a directory", "convert writes a local bundle: convert to a directory, then publish it with `marlin-pack push DIR {url}`"),
+    "--bundle": ("a directory", _COPY_DOWN),
+    "--source": ("a checkpoint directory", _COPY_DOWN),
+}
+
+
+def local_dir(value: Path | str | None, option: str) -> Path | None:
+    """An option's path, refusing an object-storage URL in one line (a Path would have made ``s3://b/x`` the local
+    folder ``s3:``).
+
+    Raises:
+        UrlNotPathError: ``value`` is written as a URL (``s3://...``).
+    """
+    expected, todo = URL_ADVICE[option]
+    refuse_url(value, option, expected, todo)
+    return None if value is None else Path(value)
+
+
 def local_or_repo(model: str, revision: str | None) -> str:
     """A local directory as an absolute path (what vLLM and the bundle record see); a repo id as it is.
 
     Raises:
         typer.BadParameter: ``--revision`` given with a local directory (it names a commit of a model id).
+        UrlNotPathError: MODEL is an object-storage URL.
     """
+    local_dir(model, "MODEL")
     if Path(model).is_dir():
         if revision is not None:
             raise BadParameter(
@@ -101,6 +128,7 @@ def bundle_of(target: str, revision: str | None) -> tuple[Path, str | None]:
     from marlin_pack._constants import MANIFEST_NAME
     from marlin_pack.sources.hub import is_repo_id, locate_bundle
 
+    local_dir(target, "MODEL|BUNDLE")
     if Path(target).is_dir() and (Path(target) / MANIFEST_NAME).is_file():
         if revision is not None:
             raise BadParameter(f"{target} is a bundle directory; --revision is for a model id: drop it", param_hint="--revision")

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from marlin_pack.commands.api_words import as_cli
 from marlin_pack.commands.console import out, progress
-from marlin_pack.commands.params import JsonOpt, RevisionOpt, TargetArg, bundle_of
+from marlin_pack.commands.params import JsonOpt, RevisionOpt, TargetArg, bundle_of, local_dir
 from marlin_pack.errors import MarlinPackError
 
 __all__ = ["inspect", "render_manifest", "verify"]
@@ -43,6 +43,7 @@ def verify(
     from marlin_pack.verification import verify as run_verify
 
     bundle, model = bundle_of(target, revision)
+    source = local_dir(source, "--source")
     with progress(not as_json, "round trip") as update:
         report = run_verify(bundle, source if source is not None else model, integrity_only=integrity_only, progress=update)
     if as_json:

@@ -23,6 +23,7 @@ from pathlib import Path
 from marlin_pack._constants import BUNDLE_DIRNAME
 from marlin_pack.errors import CheckpointError
 from marlin_pack.io.home import expand_user, home_dir
+from marlin_pack.remote.url import refuse_url
 
 __all__ = ["CACHE_ENV", "ResolvedModel", "is_repo_id", "hf_home", "cache_root", "locate_bundle", "resolve_model", "bundle_dir_for"]
 
@@ -89,6 +90,7 @@ def locate_bundle(model: str | Path, revision: str | None = None, bundle: str | 
         HomeDirectoryError: a ``~`` that names no home directory (``bundle``, ``model``, ``HF_HOME``, ...).
     """
     if bundle is not None:
+        refuse_url(bundle, "bundle", "a directory", "copy it to a local directory first (`aws s3 sync {url} DIR`) and name DIR")
         return expand_user(os.fspath(bundle), "the bundle directory")
     return bundle_dir_for(resolve_model(model, revision, download=False))
 
@@ -105,6 +107,8 @@ def resolve_model(model: str | Path, revision: str | None = None, *, download: b
         CheckpointError: neither a directory nor a repo id, or the repo is not available.
         HomeDirectoryError: ``model`` starts with a ``~`` that names no home directory.
     """
+    refuse_url(model, "model", "a checkpoint directory or a Hugging Face model id (org/name)",
+               "copy the checkpoint to a local directory first (`aws s3 sync {url} DIR`) and pass DIR")
     path = expand_user(os.fspath(model), "the model directory")
     if path.is_dir():
         snapshot = _snapshot_of(path)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, field_v
 
 from marlin_pack._constants import LOAD_FORMAT
 from marlin_pack.io.home import HomeDirectoryError, expand_user
+from marlin_pack.remote.url import refuse_url
 
 __all__ = ["LoaderOptions", "OPTION_KEYS", "parse_extra_config"]
 
@@ -54,6 +55,8 @@ class LoaderOptions(BaseModel):
             return None
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise ValueError("must be a directory path")
+        refuse_url(value, "bundle", "a directory", "marlin_prepacked reads a bundle from a directory: copy it there first "
+                   "(`aws s3 sync {url} DIR`) and name DIR")
         try:
             return expand_user(os.fspath(value), "bundle")
         except HomeDirectoryError as e:  # "~nosuchuser/x", or "~/x" for a user without a home directory

@@ -1,0 +1,124 @@
+"""Object-storage URLs (``s3://bucket/prefix``) told apart from paths, and refused where a path is expected.
+
+``pathlib.Path("s3://bucket/x")`` is ``s3:/bucket/x``: a relative path whose first folder is ``s3:``. Taken for a
+path, ``convert -o s3://bucket/x`` would write a local folder named ``s3:`` and report success, and ``check --bundle
+s3://...`` would read it back. Every place that takes a bundle or model path asks :func:`refuse_url` first (the CLI's
+words in :mod:`marlin_pack.commands.params`, the loader's ``bundle`` option, the library's ``convert``, the bundle
+reader, the model resolver): a URL there is one line naming what was found, what was expected and what to do.
+
+:func:`parse_url` is the one parser of the URLs marlin-pack serves (``s3://``: :mod:`marlin_pack.remote`), used by
+``push`` and the remote reader. No client library is imported here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from marlin_pack.errors import MarlinPackError
+
+__all__ = ["SERVED_SCHEMES", "ObjectUrl", "UrlNotPathError", "parse_url", "refuse_url", "url_scheme", "url_text"]
+
+# Schemes marlin-pack reads and writes (push, the remote reader). gs:// is recognised and refused with advice: Run:ai's
+# streamer reads it, but publishing needs a GCS client marlin-pack does not ship (docs/deployment.md).
+SERVED_SCHEMES = ("s3",)
+
+# "scheme:/" as typed ("s3://b/x") or as a Path leaves it ("s3:/b/x"): a scheme is a letter then letters, digits,
+# "+", "-", "." (RFC 3986). A one-letter scheme is not taken (no object store has one).
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/(/?)(.*)", re.DOTALL)
+# S3's bucket naming rules (3-63 characters, lowercase letters, digits, "-" and "."); GCS's are the same letters.
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+class UrlNotPathError(MarlinPackError, ValueError):
+    """An object-storage URL where a local path is expected (or a URL of a scheme marlin-pack does not serve)."""
+
+
+def url_scheme(value: str | os.PathLike[str] | None) -> str | None:
+    """The scheme (lowercase) of ``value`` if it is written as a URL (``s3://...``, or ``s3:/...`` as a Path
+    collapses it), else None: a plain path, relative or absolute."""
+    if value is None:
+        return None
+    match = _SCHEME.fullmatch(os.fspath(value))
+    return match.group(1).lower() if match else None
+
+
+def url_text(value: str | os.PathLike[str]) -> str:
+    """``value`` as the user wrote it: a Path's ``s3:/bucket/x`` back to ``s3://bucket/x``."""
+    text = os.fspath(value)
+    match = _SCHEME.fullmatch(text)
+    if match is None:
+        return text
+    return f"{match.group(1)}://{match.group(3)}"
+
+
+def refuse_url(value: str | os.PathLike[str] | None, what: str, expected: str, todo: str) -> None:
+    """Raise :class:`UrlNotPathError` if ``value`` is a URL: ``{what} {url} is an object-storage URL, not {expected};
+    {todo}``. Nothing else is checked: a plain path passes as it is.
+
+    Args:
+        what: the word the user gave it as (``-o``, ``--bundle``, ``MODEL``, ``the bundle``).
+        expected: what is expected there (``a directory``).
+        todo: what to do instead, naming the command (``{url}`` in it is replaced by the URL).
+    """
+    if url_scheme(value) is None:
+        return
+    assert value is not None
+    url = url_text(value)
+    raise UrlNotPathError(f"{what} {url} is an object-storage URL, not {expected}; {todo.format(url=url)}")
+
+
+@dataclass(frozen=True)
+class ObjectUrl:
+    """``scheme://bucket/prefix``: where a bundle lives in object storage. ``prefix`` has no leading or trailing
+    ``/`` (empty: the bucket's root)."""
+
+    scheme: str
+    bucket: str
+    prefix: str
+
+    def key(self, name: str) -> str:
+        """The object key of ``name`` (a bundle-relative path, ``tp2/rank-1.safetensors``) under the prefix."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def url_of(self, name: str) -> str:
+        """``s3://bucket/prefix/name``: what the streaming client is given."""
+        return f"{self.scheme}://{self.bucket}/{self.key(name)}"
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
+
+
+def parse_url(value: str | os.PathLike[str]) -> ObjectUrl:
+    """``s3://bucket/prefix`` as an :class:`ObjectUrl`.
+
+    Raises:
+        UrlNotPathError: not a URL, a scheme marlin-pack does not serve, a malformed bucket, or a prefix with empty,
+            ``.`` or ``..`` segments (a key that means another place on each client).
+    """
+    text = url_text(value)
+    match = _SCHEME.fullmatch(text)
+    served = ", ".join(f"{s}://BUCKET/PREFIX" for s in SERVED_SCHEMES)
+    if match is None or not match.group(2):
+        raise UrlNotPathError(f"{text!r} is not an object-storage URL; expected {served}")
+    scheme = match.group(1).lower()
+    if scheme not in SERVED_SCHEMES:
+        advice = (
+            "GCS serves the S3 API too: use s3://BUCKET/PREFIX with AWS_ENDPOINT_URL=https://storage.googleapis.com and "
+            "an HMAC key in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (docs/deployment.md)"
+            if scheme == "gs" else f"copy the bundle to {served} or to a local directory"
+        )
+        raise UrlNotPathError(f"{text}: marlin-pack reads and writes bundles at {served}, not {scheme}://; {advice}")
+    bucket, _, prefix = match.group(3).partition("/")
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+        raise UrlNotPathError(
+            f"{text}: bucket {bucket!r} is not a bucket name (3-63 lowercase letters, digits, '-' and '.'); "
+            f"expected {served}"
+        )
+    prefix = prefix.rstrip("/")
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise UrlNotPathError(f"{text}: the prefix {prefix!r} has an empty, '.' or '..' segment; write it without them")
+    if any(ord(c) < 0x20 or c == "\x7f" for c in prefix):
+        raise UrlNotPathError(f"{text}: the prefix has control characters; write it without them")
+    return ObjectUrl(scheme, bucket, prefix)

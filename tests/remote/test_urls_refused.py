@@ -1,0 +1,133 @@
+"""A URL is never taken for a path: every command and API taking a bundle or model path refuses ``s3://...`` in one
+line (what was found, what was expected, what to do), exits non-zero and writes nothing (no local folder ``s3:``)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from marlin_pack import cli
+from marlin_pack.remote.url import ObjectUrl, UrlNotPathError, parse_url, url_scheme, url_text
+
+URL = "s3://bucket-1/models/x"
+
+
+@pytest.mark.parametrize(("value", "scheme"), [
+    ("s3://b1/x", "s3"), ("s3:/b1/x", "s3"), (Path("s3://b1/x"), "s3"), ("GS://b1", "gs"), ("file:///tmp/x", "file"),
+    ("/tmp/s3:/x", None), ("models/x", None), ("./s3:/x", None), ("c:/x", None), ("", None), (None, None),
+])
+def test_url_scheme(value: object, scheme: str | None) -> None:
+    assert url_scheme(value) == scheme  # type: ignore[arg-type]
+
+
+def test_url_text_restores_what_a_path_collapsed() -> None:
+    assert url_text(Path(URL)) == URL
+    assert url_text("./local") == "./local"
+
+
+def test_parse_url() -> None:
+    assert parse_url("s3://bucket-1/a/b/") == ObjectUrl("s3", "bucket-1", "a/b")
+    assert parse_url("s3://bucket-1") == ObjectUrl("s3", "bucket-1", "")
+    assert parse_url("s3://bucket-1/a").url_of("tp1/rank-0.safetensors") == "s3://bucket-1/a/tp1/rank-0.safetensors"
+    assert str(parse_url(Path("s3://bucket-1/a"))) == "s3://bucket-1/a"
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    ("gs://bucket-1/x", r"not gs://; GCS serves the S3 API too: use s3://BUCKET/PREFIX with AWS_ENDPOINT_URL"),
+    ("az://bucket-1/x", r"not az://; copy the bundle to s3://BUCKET/PREFIX or to a local directory"),
+    ("s3://B/x", r"bucket 'B' is not a bucket name"),
+    ("s3://bucket-1/a//b", r"has an empty, '\.' or '\.\.' segment"),
+    ("s3://bucket-1/a/../b", r"has an empty, '\.' or '\.\.' segment"),
+    ("/local/dir", r"is not an object-storage URL; expected s3://BUCKET/PREFIX"),
+])
+def test_parse_url_refuses(value: str, match: str) -> None:
+    with pytest.raises(UrlNotPathError, match=match):
+        parse_url(value)
+
+
+@dataclass
+class Ran:
+    exit_code: int
+    stderr: str
+
+
+@pytest.fixture
+def marlin_pack(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
+    """``marlin_pack(*argv)``: the console entry point in this process (its one-line errors), as a :class:`Ran`."""
+    monkeypatch.setattr(gc, "freeze", lambda: None)
+
+    def run(*argv: str) -> Ran:
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "argv", ["marlin-pack", *argv])
+        with pytest.raises(SystemExit) as e:
+            cli.main()
+        return Ran(int(e.value.code or 0), capsys.readouterr().err)
+
+    return run
+
+
+def _one_line_refusal(result: Ran, found: str, expected: str) -> None:
+    assert result.exit_code == 1, result.stderr
+    line = result.stderr.splitlines()[0]
+    assert line.startswith("error: ") and found in line and expected in line, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_convert_to_a_url_writes_nothing(make_checkpoint, marlin_pack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    model = make_checkpoint("awq", "tiny", group_size=32)
+    before = sorted(os.listdir(model))
+    r = marlin_pack("convert", str(model), "-o", URL)
+    _one_line_refusal(r, f"-o {URL} is an object-storage URL, not a directory", f"`marlin-pack push DIR {URL}`")
+    assert os.listdir(tmp_path) == [] and sorted(os.listdir(model)) == before  # no folder "s3:", no bundle
+
+
+@pytest.mark.parametrize("args", [
+    ["check", "{model}", "--bundle", URL],
+    ["check", URL],
+    ["verify", URL],
+    ["verify", "{bundle}", "--source", URL],
+    ["inspect", URL],
+    ["convert", URL],
+])
+def test_commands_refuse_urls(args: list[str], make_bundle, marlin_pack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    model = make_bundle("awq", group_size=32)
+    argv = [a.format(model=model, bundle=model / "marlin-pack") for a in args]
+    r = marlin_pack(*argv)
+    _one_line_refusal(r, f"{URL} is an object-storage URL, not a", "aws s3 sync" if args[0] != "convert" else "")
+    assert os.listdir(tmp_path) == []
+
+
+def test_library_refuses_urls(make_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from marlin_pack import convert
+    from marlin_pack.bundle.reader import read_manifest
+    from marlin_pack.sources.hub import locate_bundle, resolve_model
+
+    monkeypatch.chdir(tmp_path)
+    model = make_checkpoint("awq", "tiny", group_size=32)
+    with pytest.raises(UrlNotPathError, match=rf"^output {URL} is an object-storage URL, not a directory; .*marlin-pack push"):
+        convert(model, output=URL)
+    with pytest.raises(UrlNotPathError, match=rf"^bundle {URL} is an object-storage URL"):
+        read_manifest(URL)
+    with pytest.raises(UrlNotPathError, match=rf"^bundle {URL} is an object-storage URL"):
+        read_manifest(Path(URL))  # as a Path collapses it: still said as written
+    with pytest.raises(UrlNotPathError, match=rf"^model {URL} is an object-storage URL"):
+        resolve_model(URL)
+    with pytest.raises(UrlNotPathError, match=rf"^bundle {URL} is an object-storage URL"):
+        locate_bundle(model, None, URL)
+    assert os.listdir(tmp_path) == []
+
+
+def test_loader_option_refuses_a_url() -> None:
+    from marlin_pack.vllm_plugin.options import parse_extra_config
+
+    with pytest.raises(ValueError, match=rf"model_loader_extra_config\['bundle'\] must be a directory path, got '{URL}' "
+                       rf"\(.*bundle {URL} is an object-storage URL, not a directory; .*aws s3 sync {URL} DIR"):
+        parse_extra_config({"bundle": URL})
+    assert parse_extra_config({"bundle": "/models/b"}).bundle == Path("/models/b")
