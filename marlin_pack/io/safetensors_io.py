@@ -41,6 +41,7 @@ __all__ = [
     "SafetensorsHeader",
     "read_header_bytes",
     "read_header",
+    "parse_header",
     "unpacked",
     "torch_dtype",
     "dtype_code",
@@ -171,6 +172,16 @@ def read_header(path: Path) -> SafetensorsHeader:
         OSError: the file cannot be opened or read.
     """
     raw, size = _read_header_bytes(path)
+    return parse_header(raw, size, path)
+
+
+def parse_header(raw: bytes, size: int, path: Path) -> SafetensorsHeader:
+    """:func:`read_header`'s checks over header bytes read elsewhere (``raw``: the length prefix and the JSON; ``size``:
+    the whole file's; ``path``: the name messages give), e.g. a bundle file in object storage (marlin_pack.remote).
+
+    Raises:
+        SafetensorsFormatError: as :func:`read_header`.
+    """
     try:
         header = json.loads(raw[8:])
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
