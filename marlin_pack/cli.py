@@ -17,7 +17,7 @@ import typer
 
 from marlin_pack._constants import DEBUG_ENV
 from marlin_pack._version import __version__
-from marlin_pack.commands import cache, check, convert, daemon, system, verify
+from marlin_pack.commands import cache, check, convert, daemon, push, system, verify
 from marlin_pack.commands.api_words import as_cli
 from marlin_pack.commands.console import err, out, styled
 from marlin_pack.commands.plain_help import Command, Group
@@ -57,6 +57,7 @@ app.command("convert", cls=Command)(convert.convert)
 app.command("verify", cls=Command)(verify.verify)
 app.command("check", cls=Command)(check.check)
 app.command("inspect", cls=Command)(verify.inspect)
+app.command("push", cls=Command)(push.push)
 app.add_typer(cache.cache_app, name="cache")
 app.command("daemon", cls=Command, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(daemon.daemon)
 app.command("env", cls=Command)(system.env)

@@ -1,0 +1,101 @@
+"""A real S3-compatible server for the tests of bundles in object storage: moto's server mode (``moto[server]``), on
+loopback, in this process's threads, started by the session's first test that needs it. The clients (boto3, Run:ai's
+streamer) talk HTTP to it exactly as to AWS; nothing of theirs is mocked.
+
+The server checks credentials (moto's IAM access control from the first request on): :func:`s3` hands each test the
+keys of an IAM user allowed ``s3:*`` and a bucket of its own, through the usual environment variables.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("moto.server", reason="moto[server] (the test extra) starts the S3 server")
+pytest.importorskip("runai_model_streamer", reason="runai-model-streamer[s3] (the s3 extra) reads bundles from buckets")
+
+_buckets = itertools.count()
+
+
+@dataclass(frozen=True)
+class S3:
+    """The server of this session and this test's bucket and credentials (already in the environment)."""
+
+    endpoint: str
+    bucket: str
+    access_key: str
+    secret_key: str
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{prefix}"
+
+    def client(self):  # type: ignore[no-untyped-def]
+        import boto3
+
+        return boto3.session.Session().client("s3")
+
+    def keys(self, prefix: str = "") -> dict[str, int]:
+        """Every object under ``prefix`` and its size."""
+        found = self.client().list_objects_v2(Bucket=self.bucket, Prefix=prefix).get("Contents", [])
+        return {o["Key"]: o["Size"] for o in found}
+
+
+@pytest.fixture(scope="session")
+def _s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+    from moto import settings
+    from moto.core.responses import ActionAuthenticatorMixin
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bootstrap", "AWS_SECRET_ACCESS_KEY": "bootstrap",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import boto3
+
+        # Three unauthenticated calls make the user and its key; every request after them is checked.
+        settings.INITIAL_NO_AUTH_ACTION_COUNT = 3
+        ActionAuthenticatorMixin.request_count = 0
+        iam = boto3.session.Session().client("iam")
+        iam.create_user(UserName="marlin-pack-tests")
+        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="marlin-pack-tests", PolicyName="s3", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName="marlin-pack-tests")["AccessKey"]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    yield endpoint, key["AccessKeyId"], key["SecretAccessKey"]
+    server.stop()
+    settings.INITIAL_NO_AUTH_ACTION_COUNT = float("inf")
+
+
+@pytest.fixture
+def s3(_s3_server: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> S3:
+    """This test's bucket on the session's server, with the environment a user sets for an S3-compatible server."""
+    endpoint, access, secret = _s3_server
+    for var in [v for v in os.environ if v.startswith(("AWS_", "RUNAI_STREAMER_"))]:
+        monkeypatch.delenv(var)
+    no_file = tmp_path / "no-aws-config"  # never the machine's ~/.aws
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(no_file))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(no_file))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", access)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s = S3(endpoint, f"marlin-pack-{next(_buckets)}", access, secret)
+    s.client().create_bucket(Bucket=s.bucket)
+    return s
