@@ -125,7 +125,7 @@ def _published_record(store: S3Store) -> Record | None | str:
 
 
 def push(bundle: str | os.PathLike[str], url: str, *, force: bool = False,
-         progress: Callable[[int, int, str], None] | None = None) -> Pushed:
+         progress: Callable[[int, int, str], None] | None = None, block_size: int = BLOCK_SIZE) -> Pushed:
     """Publish the bundle directory ``bundle`` at ``url`` (``s3://bucket/prefix``).
 
     Args:
@@ -133,6 +133,7 @@ def push(bundle: str | os.PathLike[str], url: str, *, force: bool = False,
         url: where to publish it; the prefix then holds the bundle's files, its manifest and the publication record.
         force: replace another bundle published there (its readers are refused meanwhile, never given a mix).
         progress: called ``(done, total, path)`` as files are proven.
+        block_size: bytes per block digest (the unit a partial reader verifies; tests take small ones).
 
     Returns:
         :class:`Pushed`: what was uploaded and what was already there; ``up_to_date`` when nothing was written.
@@ -156,20 +157,20 @@ def push(bundle: str | os.PathLike[str], url: str, *, force: bool = False,
             manifest_data = f.read(MAX_MANIFEST_BYTES + 1)
         if Manifest.model_validate_json(manifest_data, strict=True) != manifest:
             raise BundleError(f"{bundle_dir / MANIFEST_NAME} changed while it was read; push again once nothing writes the bundle")
-        files = _prove(bundle_dir, dir_fd, manifest, BLOCK_SIZE, progress)
+        files = _prove(bundle_dir, dir_fd, manifest, block_size, progress)
     finally:
         os.close(dir_fd)
     try:
-        return _publish(open_store(target), manifest, manifest_data, files, force)
+        return _publish(open_store(target), manifest, manifest_data, files, force, block_size)
     finally:
         for f in files:
             os.close(f.fd)
 
 
-def _publish(store: S3Store, manifest: Manifest, manifest_data: bytes, files: list[_Local], force: bool) -> Pushed:
+def _publish(store: S3Store, manifest: Manifest, manifest_data: bytes, files: list[_Local], force: bool, block_size: int) -> Pushed:
     """Steps 2 and 3 (see the module's docstring)."""
     record = Record(manifest_sha256=hashlib.sha256(manifest_data).hexdigest(), manifest_size=len(manifest_data),
-                    block_size=BLOCK_SIZE, files=[f.published for f in files])
+                    block_size=block_size, files=[f.published for f in files])
     there = _published_record(store)
     replaced = there is not None and there != record
     if replaced and not force:
