@@ -12,13 +12,26 @@ disk: ``--layers`` keeps both on a 64 GiB disk). In order, it prints:
 * ``convert``: ``--device cuda`` twice, around the page cache (``MARLIN_PACK_WRITE=direct``) and by the default
   rule (through it where memory holds the bundle); then the bundle's residency;
 * ``first start after convert``, then ``warm`` (the page cache as the first start left it);
-* ``prepacked cold``: page cache dropped, with the physical bound (bundle bytes / the disk's rate);
+* ``prepacked cold``: page cache dropped (this user's stamps from ``convert`` kept), with the physical bound (bundle
+  bytes / the disk's rate);
 * ``ordinary cold`` and ``ordinary warm``: vLLM's default engine from the checkpoint;
 * ``daemon fill cold``: ``marlin-pack daemon`` filled from the dropped bundle;
-* ``verify cold``: ``marlin-pack verify`` of the dropped bundle (its BLAKE3 reads).
+* ``verify cold``: ``marlin-pack verify`` of the dropped bundle (its BLAKE3 reads);
+* a fresh node's first start (issue 72, ``--skip first``): page cache dropped *and* an empty stamp store of its own
+  (``MARLIN_PACK_STAMPS``) before each row: ``prepacked cold, no stamps, verify auto`` and ``... verify full`` (the
+  bundle read once for the copy and its BLAKE3 digest), ``daemon fill cold, no stamps`` and ``check cold, no stamps``
+  (``marlin-pack check`` of the cold bundle). Each of these rows also gives the bytes the disk under ``--workdir``
+  read meanwhile (``/proc/diskstats``), against the bundle's size: about 1.0 is one read. (After a cold copy the
+  loader has the kernel read the rank file into the page cache in the background where memory holds it, for the
+  next start: those reads may land in the row's count too, the engine's log says whether it did.)
 
 Every figure is vLLM's "Model loading took" (engines) or the daemon's fill line; the table at the end gives
 the goals' ratios. Nothing is asserted: the figures go to docs/performance.md.
+
+The whole GPU acceptance of issue 72 in one command (one sitting, as root, a 64 GiB disk):
+
+    python benchmarks/bench_cold.py --preset llama-70b --layers 40 --format awq --kernel machete --workdir /tmp/cold \
+        --disk-reads 4x32,8x32 --skip convert-rows
 """
 
 from __future__ import annotations
@@ -63,6 +76,63 @@ def residency(root: Path) -> float:
     return sum((cached_fraction(f) or 0.0) * f.stat().st_size for f in files) / total
 
 
+def disk_read_bytes(path: Path) -> int | None:
+    """Bytes the block device holding ``path`` has read since boot (``/proc/diskstats``, sectors of 512 bytes); None
+    where it cannot be told (no such line: an overlay, a network file system)."""
+    dev = os.stat(path).st_dev
+    try:
+        for line in Path("/proc/diskstats").read_text().splitlines():
+            f = line.split()
+            if len(f) > 5 and (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
+                return int(f[5]) * 512
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _first_start_rows(
+    rows: dict[str, float | None], errors: dict[str, str], notes: list[str], model: Path, bundle: Path, workdir: Path,
+    attn: str, bundle_gb: float,
+) -> None:
+    """Issue 72: each row cold (page cache dropped) with an empty stamp store of its own; the disk's reads beside it."""
+
+    def fresh_store(name: str) -> str:
+        store = workdir / f"stamps-{name}"
+        shutil.rmtree(store, ignore_errors=True)  # marlin-pack creates it 0700
+        return str(store)
+
+    def prepacked(verify: str) -> float | None:
+        env = {"MARLIN_PACK_STAMPS": fresh_store(f"prepacked-{verify}")}
+        result = _engine(model, "prepacked", attn, {"verify": verify}, env=env)
+        for line in result["marlin_pack_log"]:
+            if "as it was copied" in line or "hashed" in line or "I/O plan" in line:
+                print(f"    {line}", flush=True)
+        return result["model_loading_s"]
+
+    def daemon() -> float | None:
+        io = json.dumps({"verify": "auto", "env:MARLIN_PACK_STAMPS": fresh_store("daemon")})
+        return _daemon_rows(model, bundle, attn, False, workdir, io=io, attach=False)["fill_s"]
+
+    def check() -> float:
+        env = {"MARLIN_PACK_STAMPS": fresh_store("check")}
+        return _timed([sys.executable, "-m", "marlin_pack.cli", "check", str(model)], env)
+
+    for key, measure in (
+        ("prepacked cold, no stamps, verify auto", lambda: prepacked("auto")),
+        ("prepacked cold, no stamps, verify full", lambda: prepacked("full")),
+        ("daemon fill cold, no stamps", daemon),
+        ("check cold, no stamps s", check),
+    ):
+        how = drop_page_cache([model])
+        before = disk_read_bytes(workdir)
+        _row(rows, errors, key, measure)
+        after = disk_read_bytes(workdir)
+        if before is not None and after is not None and bundle_gb:
+            read_gb = (after - before) / 1e9
+            notes.append(f"{key}: the disk read {read_gb:.1f} GB meanwhile, {read_gb / bundle_gb:.2f} of the bundle ({how})")
+            print(notes[-1], flush=True)
+
+
 def _timed(argv: list[str], env: dict[str, str] | None = None) -> float:
     t = time.perf_counter()
     subprocess.run(argv, check=True, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL)
@@ -92,7 +162,8 @@ def main() -> None:
                     help="O_DIRECT reads of the cold checkpoint, STREAMSxMIB,...: the best is the disk's rate")
     ap.add_argument("--cold-io", default="", help="more prepacked cold rows, each with this $MARLIN_PACK_IO (';'-separated JSON objects)")
     ap.add_argument("--attention-backend", default=os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN"))
-    ap.add_argument("--skip", default="", help="rows to leave out (comma-separated): prepacked, ordinary, daemon, verify")
+    ap.add_argument("--skip", default="", help="rows to leave out (comma-separated): convert-rows (the convert, first-start-"
+                    "after-convert and warm rows), prepacked, ordinary, daemon, verify, first (no stamps)")
     ap.add_argument("--keep", action="store_true", help="leave the checkpoint and bundle in --workdir for a second part")
     ap.add_argument("--reuse", action="store_true",
                     help="a second part: the checkpoint and bundle --keep left (no generation, no convert rows)")
@@ -141,7 +212,10 @@ def main() -> None:
             bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
         convert = [sys.executable, "-m", "marlin_pack.cli", "convert", str(model), "--device", "cuda", "--tp", "1",
                    "--kernel", args.kernel, "--dtype", "float16", "--force"]
-        if not reuse:
+        if not reuse and "convert-rows" in skip:  # one conversion (around the page cache: a cold bundle), no rows of it
+            _timed(convert, {"MARLIN_PACK_WRITE": "direct"})
+            bundle_gb = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e9
+        elif not reuse:
             _row(rows, errors, "convert around the page cache s", lambda: _timed(convert, {"MARLIN_PACK_WRITE": "direct"}))
             notes.append(f"convert around the page cache (MARLIN_PACK_WRITE=direct): {rows['convert around the page cache s']} s; "
                          f"bundle {residency(bundle):.0%} cached")
@@ -155,9 +229,10 @@ def main() -> None:
         attn = args.attention_backend
         prepacked = lambda env=None: _engine(model, "prepacked", attn, {}, env=env)["model_loading_s"]  # noqa: E731
         if "prepacked" not in skip:
-            if not reuse:
+            if not reuse and "convert-rows" not in skip:
                 _row(rows, errors, "first start after convert", prepacked)
-            _row(rows, errors, "prepacked warm", prepacked)
+            if "convert-rows" not in skip:
+                _row(rows, errors, "prepacked warm", prepacked)
             drop_page_cache([model])
             _row(rows, errors, "prepacked cold", prepacked)
             for io in filter(None, (s.strip() for s in args.cold_io.split(";"))):
@@ -175,6 +250,8 @@ def main() -> None:
             drop_page_cache([model])
             _row(rows, errors, "verify cold s",
                  lambda: _timed([sys.executable, "-m", "marlin_pack.cli", "verify", str(bundle), "--integrity-only"]))
+        if "first" not in skip:
+            _first_start_rows(rows, errors, notes, model, bundle, args.workdir, attn, bundle_gb)
     finally:
         if not args.keep:
             shutil.rmtree(args.workdir, ignore_errors=True)
@@ -193,7 +270,7 @@ def main() -> None:
             print(f"  {key:40} failed: {errors.get(key, 'no figure in its log')}")
             continue
         note = ""
-        if key.startswith("prepacked cold"):
+        if key.startswith(("prepacked cold", "daemon fill cold, no stamps")):
             note = f"  {value / bound:.2f} of the bound (goal <= 1.10 x + 1 s: {1.1 * bound + 1:.2f} s)"
             if rows.get("ordinary cold"):
                 note += f"; {value / rows['ordinary cold']:.2f} of ordinary cold"  # type: ignore[operator]

@@ -4,7 +4,9 @@ Sizes are always compared; BLAKE3 is computed per ``full_hash``: always, never, 
 files without a stamp of this user for their current identity (:mod:`marlin_pack.io.stamps`).
 Each check returns a :class:`HashReport` of what it hashed and stamped, and why it stamped
 nothing for a file (changed, writable by others, an unwritable store), so a start that hashes
-can say so and whether the next one will.
+can say so and whether the next one will. A check may leave a file's digest to the copy that reads it
+anyway (``leave_to_copy``: a cold file, read once for both); the report lists it as ``pending`` and
+:func:`settle_pending` compares and stamps what the copy hashed, before anything is served.
 No vLLM, no torch.
 """
 
@@ -27,7 +29,21 @@ from marlin_pack.io.stamps import NotStamped, StampStore
 from marlin_pack.remedies import convert_command
 from marlin_pack.schemas import FileEntry, Manifest, QuantSettings, SourceFile
 
-__all__ = ["HashReport", "canonical_json", "source_digest", "check_files", "file_problems", "check_source"]
+__all__ = [
+    "HashReport", "PendingHash", "canonical_json", "source_digest", "check_files", "file_problems", "check_source",
+    "settle_pending",
+]
+
+
+@dataclass(frozen=True)
+class PendingHash:
+    """A bundle file whose size was checked and whose BLAKE3 digest is left to the copy that reads it: ``name`` as the
+    manifest has it, ``path`` as resolved, ``blake3`` expected, ``redo`` the advice should it differ."""
+
+    name: str
+    path: Path
+    blake3: str
+    redo: str
 
 
 @dataclass(frozen=True)
@@ -46,13 +62,14 @@ class HashReport:
     unavailable: str | None = None
     every_time: bool = False  # ``verify: full``: stamps are not consulted
     not_stamped: tuple[tuple[str, NotStamped], ...] = ()
+    pending: tuple[PendingHash, ...] = ()  # left to the copy (settle_pending): not hashed yet, nothing served before
 
     def add(self, other: HashReport) -> HashReport:
         """Both reports together (the stamp location of either)."""
         return HashReport(
             self.files + other.files, self.nbytes + other.nbytes, self.seconds + other.seconds, self.stamped + other.stamped,
             self.stamps or other.stamps, self.unavailable or other.unavailable, self.every_time or other.every_time,
-            self.not_stamped + other.not_stamped,
+            self.not_stamped + other.not_stamped, self.pending + other.pending,
         )
 
     def summary(self) -> str | None:
@@ -205,6 +222,7 @@ def check_files(
     entries: list[FileEntry] | None = None,
     *,
     full_hash: bool | None = None,
+    leave_to_copy: Callable[[Path], bool] | None = None,
 ) -> HashReport:
     """Check sizes and BLAKE3 digests of bundle files; what was hashed.
 
@@ -212,6 +230,8 @@ def check_files(
         entries: files to check (default: all of the manifest's).
         full_hash: True hashes every file; False checks sizes only; None (default)
             hashes only files without a stamp of this user for their current identity.
+        leave_to_copy: for a file to be hashed, whether its digest is left to the copy that will read it
+            (the report's ``pending``; the caller must :func:`settle_pending` before it serves anything).
 
     Raises:
         BundleError: a file is missing, has another size, another hash, or changed while hashed.
@@ -228,9 +248,39 @@ def check_files(
                 raise BundleError(f"bundle file {entry.path} is {size} bytes, manifest says {entry.size}: truncated or replaced; {redo}")
             if _needs_hash(stamps, path, entry.blake3, full_hash):
                 to_hash.append((entry.path, path, entry.blake3))
+        pending = tuple(PendingHash(n, p, d, redo) for n, p, d in to_hash if leave_to_copy is not None and leave_to_copy(p))
+        to_hash = [t for t in to_hash if t[1] not in {p.path for p in pending}]
         expected = {e.path: e.blake3 for e in manifest.files()}
         report = _hash_all(stamps, to_hash, lambda name, why: _bundle_file_failed(name, why, expected[name], redo))
-    return replace(report, every_time=full_hash is True)
+    return replace(report, every_time=full_hash is True, pending=pending)
+
+
+def settle_pending(
+    pending: tuple[PendingHash, ...], found: dict[str, HashedFile | OSError], seconds: float = 0.0, every_time: bool = False
+) -> HashReport:
+    """Compare what the copy hashed of each pending file (``found``, by ``str(path)``: a
+    :class:`~marlin_pack.io.hashing.HashedFile`, or the ``OSError`` saying why there is none) with the manifest, and stamp
+    each file that matches as :func:`check_files` stamps what it hashes (the same store, the same rules); what was hashed.
+    ``seconds``: the copy's; ``every_time``: ``verify: full``.
+
+    Raises:
+        BundleError: a file hashed to another digest, changed while it was copied, or was not hashed at all (the first,
+            in order), in the words of :func:`check_files`.
+    """
+    with StampStore.open() as stamps:
+        good: list[tuple[str, HashedFile]] = []
+        for p in pending:
+            hashed = found.get(str(p.path))
+            if hashed is None:
+                raise BundleError(f"internal error: bundle file {p.name} was left to its copy to hash, and the copy did not")
+            if isinstance(hashed, OSError) or hashed.digest != p.blake3:
+                raise _bundle_file_failed(p.name, hashed if isinstance(hashed, OSError) else hashed.digest, p.blake3, p.redo)
+            good.append((p.name, hashed))
+        not_stamped = tuple((name, why) for name, hashed in good if (why := stamps.record(hashed)) is not None)
+        return HashReport(
+            len(good), sum(h.identity[0] for _, h in good), seconds, len(good) - len(not_stamped), stamps.where,
+            stamps.unavailable, every_time, not_stamped,
+        )
 
 
 def file_problems(bundle_dir: Path, manifest: Manifest, entries: list[FileEntry]) -> tuple[dict[str, str], HashReport]:

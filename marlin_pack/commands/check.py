@@ -74,6 +74,7 @@ def check(
 
       marlin-pack check ./Qwen3-30B-A3B-GPTQ -tp 2 -dp 2 -ep    # each GPU's experts, per replica
     """  # noqa: E501
+    from marlin_pack.io.hashing import remembered
     from marlin_pack.vllm_plugin.preflight import preflight
 
     model = local_or_repo(model, revision)
@@ -84,11 +85,12 @@ def check(
         raise BadParameter(f"--rank {rank} is outside --tensor-parallel-size {tp}", param_hint="--rank")
     gpu = engine_gpu(compute_capability)
     try:
-        report = preflight(
-            model, bundle=bundle, tp_size=tp, rank=rank, dtype=engine_dtype(model, revision, dtype.value),
-            verify=verify_mode.value, fallback=fallback, revision=revision, capability=None if gpu is None else gpu.capability,
-            pp_size=pp, dp_size=dp, expert_parallel=ep, expert_placement=placement,
-        )
+        with remembered():  # each file read once, whatever the ranks and the stamp store (a cold bundle: once from the disk)
+            report = preflight(
+                model, bundle=bundle, tp_size=tp, rank=rank, dtype=engine_dtype(model, revision, dtype.value),
+                verify=verify_mode.value, fallback=fallback, revision=revision, capability=None if gpu is None else gpu.capability,
+                pp_size=pp, dp_size=dp, expert_parallel=ep, expert_placement=placement,
+            )
     except ValueError as e:
         raise BadParameter(str(e)) from None
     if as_json:

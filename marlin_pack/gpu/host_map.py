@@ -30,6 +30,7 @@ import mmap
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,21 +72,48 @@ class HostMap:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.whole = False  # read whole into this process's memory (read_whole), not mapped
         fd = os.open(path, os.O_RDONLY)
         try:
             self.size = os.fstat(fd).st_size
             self._mapping: FileMap | None = FileMap(fd, self.size) if self.size else None
         finally:
             os.close(fd)
+        self._bytes: torch.Tensor | None = None if self._mapping is None else self._mapping.bytes
+
+    @classmethod
+    def read_whole(cls, path: str | Path, reader: Any) -> HostMap:
+        """``path`` read once, whole, into memory of this process by ``reader`` (a
+        :class:`~marlin_pack.gpu.reader.ParallelReader`), which hashes it on the way (its digest in ``reader.digests``)
+        and copies the file's items from this memory from then on (:meth:`~marlin_pack.gpu.reader.ParallelReader.hold`).
+
+        For ``common.safetensors`` on a cold start whose digest is left to the copy: its tensors, large ones for the
+        reader and small ones for vLLM's weight loaders, then come from the one read that also hashed them, where a
+        map would read the file a second time. Pageable memory (the file's size, the time of the load), never a map of
+        the file: a truncation cannot reach it.
+
+        Raises:
+            BundleError: the file is shorter than when its size was taken (truncated), or a read failed.
+        """
+        from marlin_pack.gpu.reader import CopyItem
+
+        host = cls.__new__(cls)
+        host.path, host.whole, host._mapping = Path(path), True, None
+        host.size = os.stat(path).st_size
+        image = torch.empty(host.size, dtype=torch.uint8)
+        reader.copy_files([(path, [CopyItem(0, host.size, image)])], hashed=[path])
+        host._bytes = image if host.size else None
+        reader.hold(host)
+        return host
 
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The file bytes ``[offset, offset + nbytes)`` as a CPU tensor (a view when aligned, else a copy)."""
-        if offset < 0 or offset + nbytes > self.size or self._mapping is None:
+        if offset < 0 or offset + nbytes > self.size or self._bytes is None:
             raise BundleError(
                 f"tensor bytes {offset}..{offset + nbytes} lie outside {self.path.name} ({self.size} bytes): "
                 "the bundle file is truncated"
             )
-        raw = self._mapping.bytes[offset : offset + nbytes]
+        raw = self._bytes[offset : offset + nbytes]
         if offset % dtype.itemsize:
             raw = raw.clone()  # a view of another dtype must start at a multiple of its item size
         return raw.view(dtype).view(shape)
@@ -94,6 +122,7 @@ class HostMap:
         # Not mmap.close(): a view vLLM kept would point at unmapped memory. The tensors hold a
         # reference to the map, which is unmapped when the last of them goes.
         self._mapping = None
+        self._bytes = None
 
     def __enter__(self) -> HostMap:
         return self

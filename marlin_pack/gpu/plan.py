@@ -28,6 +28,12 @@ The four ways, with the figures that chose them (H200 host, 16 cores, pinned hos
     (1.2 GB/s for a 70B rank file, 29.95 s "Model loading took"); direct reads are bound by the disk.
     Chosen from :func:`~marlin_pack.io.residency.cached_fraction` of the rank file, never by an option.
 
+A file this process must hash as well as copy (``verify: auto`` without a stamp of this user, or ``full``) is read
+once for both where its copy reads it from the disk (:func:`reads_cold`: the ``direct`` way): the decision leaves its
+digest to the copy (:func:`hash_left_to_copy`), which stages every byte of it through its own buffers and hashes them
+there (:meth:`IoPlan.hashing`; :class:`~marlin_pack.io.hashing.CopyHash`). A warm file is hashed before the copy, as
+before: both read the page cache, not the disk.
+
 ``MARLIN_PACK_IO`` (a JSON object of :class:`IoPlan` fields, e.g. ``{"mode": "registered"}``) overrides
 the plan for benchmarks; it is not an option a user needs.
 """
@@ -42,7 +48,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
-    "ENV", "GpuRoom", "HELPER_CONTEXT_BYTES", "IoFacts", "IoPlan", "Mode", "helpers_fit", "plan_io", "usable_cores",
+    "ENV", "GpuRoom", "HELPER_CONTEXT_BYTES", "IoFacts", "IoPlan", "Mode", "hash_left_to_copy", "helpers_fit", "plan_io",
+    "reads_cold", "usable_cores",
 ]
 
 Mode = Literal["staged", "registered", "helpers", "direct"]
@@ -157,6 +164,16 @@ class IoPlan:
         threads, window = _REGISTERED
         return dataclasses.replace(self, mode="registered", threads=threads, window=window, helpers=0, preload=False)
 
+    def hashing(self) -> IoPlan:
+        """The plan for a file this process hashes as it copies it: every byte through this process's own staging
+        buffers, where the digest is taken (:class:`~marlin_pack.io.hashing.CopyHash`). The plan itself where it
+        stages (``staged``, ``direct``); else ``staged`` (registered pages and helpers' copies never pass through
+        this process's buffers)."""
+        if self.mode in ("staged", "direct"):
+            return self
+        threads, window = _STAGED
+        return dataclasses.replace(self, mode="staged", threads=threads, window=window, helpers=0, preload=False)
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
@@ -198,6 +215,21 @@ def _helpers_refused(facts: IoFacts) -> str | None:
     return None
 
 
+def reads_cold(cached: float | None, direct_reads: bool) -> bool:
+    """The one rule for a cold file: its file system takes ``O_DIRECT`` reads and less than :data:`COLD_BELOW` of it is
+    in the page cache (None: unknown, taken as cached). Such a rank file is copied ``direct``."""
+    return direct_reads and cached is not None and cached < COLD_BELOW
+
+
+def hash_left_to_copy(path: str | os.PathLike[str]) -> bool:
+    """Whether a bundle file that must be hashed is better hashed by its copy than before it: it is cold
+    (:func:`reads_cold`), so hashing it first would read it from the disk once for the digest and again for the copy.
+    The caller leaves its digest to a copy that reads the whole file (the loader's, which compares it before serving)."""
+    from marlin_pack.io.residency import cached_fraction, takes_direct_reads  # plain file facts (no torch)
+
+    return reads_cold(cached_fraction(path), takes_direct_reads(path))
+
+
 def plan_io(facts: IoFacts, environ: Mapping[str, str] | None = None) -> IoPlan:
     """The plan for ``facts`` (then ``$MARLIN_PACK_IO``'s overrides, for benchmarks).
 
@@ -205,7 +237,7 @@ def plan_io(facts: IoFacts, environ: Mapping[str, str] | None = None) -> IoPlan:
         ValueError: ``$MARLIN_PACK_IO`` is not a JSON object of plan fields.
     """
     during = not facts.experts
-    if facts.direct_reads and facts.cached is not None and facts.cached < COLD_BELOW:
+    if reads_cold(facts.cached, facts.direct_reads):
         threads, window = _DIRECT
         plan = IoPlan("direct", threads, window, during_build=during,
                       why=f"{facts.cached:.0%} of the rank file is in the page cache: direct reads, at the disk's speed")

@@ -18,6 +18,13 @@ them with ``plan.threads`` threads, each on its own CUDA stream:
     cache (a cold bundle), the window widened to whole blocks. Where the file will not open that way,
     or a read ends off a block boundary, the buffered descriptor reads instead.
 
+A file whose digest is asked for (``copy_files(..., hashed=...)``) is read whole, header and gaps included, staged
+through this process's buffers in every mode (:meth:`~marlin_pack.gpu.plan.IoPlan.hashing`; ``O_DIRECT`` where the plan
+is ``direct``), and each window's buffer is handed to a :class:`~marlin_pack.io.hashing.CopyHash` before its bytes go on:
+the one read serves the copy and the digest (``digests``). A buffer is reused only once its window is hashed.
+A file held in memory already (:meth:`ParallelReader.hold`, a :class:`~marlin_pack.gpu.host_map.HostMap` read whole)
+is copied from there, not read again.
+
 A read that fails (``EIO``, a truncated file) raises :class:`~marlin_pack.errors.BundleError` naming
 the file and the offset.
 
@@ -35,7 +42,7 @@ import mmap
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +51,9 @@ import torch
 
 from marlin_pack.errors import BundleError
 from marlin_pack.gpu.helpers import HelperPool
-from marlin_pack.gpu.host_map import FileMap
+from marlin_pack.gpu.host_map import FileMap, HostMap
 from marlin_pack.gpu.plan import IoPlan
+from marlin_pack.io.hashing import CopyHash, HashedFile
 from marlin_pack.io.residency import DIRECT_ALIGN
 
 __all__ = ["CopyItem", "ParallelReader", "Window", "populate_read", "pread_direct", "windows_of"]
@@ -155,10 +163,12 @@ def _open_direct(path: str | Path) -> int | None:
         return None
 
 
-def windows_of(items: Iterable[CopyItem], size: int, file_size: int) -> list[Window]:
+def windows_of(items: Iterable[CopyItem], size: int, file_size: int, whole: bool = False) -> list[Window]:
     """The items' bytes grouped by aligned window of ``size`` bytes (a multiple of the page size).
 
-    Windows never share a page, so two threads never register the same page.
+    Windows never share a page, so two threads never register the same page. ``whole``: the windows tile the
+    whole file (``[k * size, (k + 1) * size)``, the last one to its end), bytes no item wants included: a file
+    that is hashed as it is copied.
     """
     by_index: dict[int, Window] = {}
     for it in items:
@@ -179,6 +189,10 @@ def windows_of(items: Iterable[CopyItem], size: int, file_size: int) -> list[Win
             w.lo, w.hi = min(w.lo, off), max(w.hi, off + n)
             w.pieces.append((off, n, flat[pos : pos + n]))
             pos += n
+    if whole:
+        for k in range(-(-file_size // size)):
+            w = by_index.setdefault(k, Window(lo=0, hi=0))
+            w.lo, w.hi = k * size, min((k + 1) * size, file_size)
     return [by_index[k] for k in sorted(by_index)]
 
 
@@ -202,6 +216,7 @@ class _OpenFile:
     file_size: int
     windows: list[Window]
     device: torch.device | None
+    digest: CopyHash | None = None  # hashed as it is copied (its windows tile the file)
 
 
 def _device_of(windows: list[Window]) -> torch.device | None:
@@ -234,6 +249,9 @@ class ParallelReader:
         self._slots: dict[tuple[int, int, int], _Slot] = {}
         self._registration_failed = False
         self.bytes_read = 0
+        # Per file asked to be hashed (copy_files' ``hashed``, by str(path)): its digest, or why there is none.
+        self.digests: dict[str, HashedFile | OSError] = {}
+        self._images: dict[str, HostMap] = {}  # files held in memory whole: copied from there (hold)
 
     def __enter__(self) -> ParallelReader:
         return self
@@ -253,6 +271,13 @@ class ParallelReader:
         if had_pinned and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # give the staging buffers back to the OS
 
+    def hold(self, host: HostMap) -> None:
+        """Copy ``host.path``'s items from ``host`` (a file read whole into memory, :meth:`HostMap.read_whole`) from now on,
+        instead of reading the file again."""
+        if not host.whole:
+            raise ValueError(f"{host.path} is mapped, not held in memory: read it with HostMap.read_whole")
+        self._images[str(host.path)] = host
+
     def copy(self, path: str | Path, items: Iterable[CopyItem]) -> int:
         """Copy every item's file bytes into its tensor; returns the bytes copied.
 
@@ -260,33 +285,64 @@ class ParallelReader:
         """
         return self.copy_files([(path, items)])
 
-    def copy_files(self, jobs: Sequence[tuple[str | Path, Iterable[CopyItem]]]) -> int:
+    def copy_files(self, jobs: Sequence[tuple[str | Path, Iterable[CopyItem]]], hashed: Collection[str | Path] = ()) -> int:
         """:meth:`copy` of several files, in order; returns the bytes copied.
 
         With helpers, each helper gets its share of every file in one job, so the files follow one
-        another without a pause.
+        another without a pause. ``hashed``: files read whole and hashed as they are copied (see the module
+        docstring); each one's :class:`~marlin_pack.io.hashing.HashedFile`, or the ``OSError`` that says why it has
+        none (it changed while it was copied), is in :attr:`digests` once this returns.
         """
+        want = {str(p) for p in hashed}
+        held = [(path, items) for path, items in jobs if str(path) in self._images and str(path) not in want]
+        total = sum(self._copy_held(self._images[str(path)], items) for path, items in held)
         with contextlib.ExitStack() as stack:
             opened = []
             for path, items in jobs:
+                if str(path) in self._images and str(path) not in want:
+                    continue
                 fd = os.open(path, os.O_RDONLY)
                 stack.callback(os.close, fd)
                 file_size = os.fstat(fd).st_size
+                digest = None
+                if str(path) in want:
+                    digest = CopyHash(Path(path), fd)
+                    stack.callback(digest.abort)  # joined before the descriptor closes (callbacks run last first)
                 try:
-                    windows = windows_of(items, self.plan.window, file_size)
+                    windows = windows_of(items, self.plan.window, file_size, whole=digest is not None)
                 except BundleError as e:  # the file is shorter than its header says
                     raise BundleError(f"reading {path}: {e}; convert the model again, or start with fallback on") from e
-                opened.append(_OpenFile(path, fd, file_size, windows, _device_of(windows)))
+                opened.append(_OpenFile(path, fd, file_size, windows, _device_of(windows), digest))
             on_gpu = [f for f in opened if f.windows and f.device is not None]
             _device_of([w for f in on_gpu for w in f.windows])  # one device for every file
-            if self.plan.mode == "helpers" and on_gpu:
-                self._copy_with_helpers(on_gpu)
+            helped = [f for f in on_gpu if f.digest is None]
+            if self.plan.mode == "helpers" and helped:
+                self._copy_with_helpers(helped)
             for f in opened:
-                if f.windows and (self.plan.mode != "helpers" or f.device is None):
+                if f.digest is not None:
+                    self._read(self.plan.hashing(), f, f.windows)
+                    self._finish_digest(f)
+                elif f.windows and (self.plan.mode != "helpers" or f.device is None):
                     self._read(self.plan, f, f.windows)
-        total = sum(p[1] for f in opened for w in f.windows for p in w.pieces)
+        total += sum(p[1] for f in opened for w in f.windows for p in w.pieces)
         self.bytes_read += total
         return total
+
+    def _finish_digest(self, f: _OpenFile) -> None:
+        assert f.digest is not None
+        try:
+            self.digests[str(f.path)] = f.digest.finish()
+        except OSError as e:  # FileChangedError: it changed while it was copied
+            self.digests[str(f.path)] = e
+
+    @staticmethod
+    def _copy_held(host: HostMap, items: Iterable[CopyItem]) -> int:
+        """Copy items of a file held in memory from there (no read)."""
+        n = 0
+        for it in items:
+            _byte_view(it.dst).copy_(host.tensor(it.offset, it.nbytes, torch.uint8, (it.nbytes,)))
+            n += it.nbytes
+        return n
 
     def _copy_with_helpers(self, files: list[_OpenFile]) -> None:
         """The helpers copy ``files``; this process registers whatever they leave itself."""
@@ -316,10 +372,10 @@ class ParallelReader:
                 # Destinations were allocated on the caller's stream: order our copies after it.
                 start_event = torch.cuda.Event()
                 start_event.record(torch.cuda.current_stream(device))
-                if plan.mode == "registered" and not self._registration_failed:
+                if plan.mode == "registered" and not self._registration_failed and f.digest is None:
                     mapping = FileMap(f.fd, f.file_size)
-                elif plan.mode == "direct":
-                    direct_fd = _open_direct(f.path)
+            if plan.mode == "direct" and (device is not None or f.digest is not None):
+                direct_fd = _open_direct(f.path)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             lock = threading.Lock()
@@ -333,6 +389,11 @@ class ParallelReader:
                     return next(queue, None)
 
             def work(worker: int, in_pool: bool = True) -> None:
+                if f.digest is not None:
+                    if device is not None and in_pool:
+                        torch.cuda.set_device(device)
+                    self._work_hashed(plan, worker, f, take, device, start_event, direct_fd, failed)
+                    return
                 if device is None:
                     while (window := take()) is not None:
                         for offset, _, dst in window.pieces:
@@ -418,6 +479,66 @@ class ParallelReader:
         finally:
             slot.stream.synchronize()
             slot.pending = [False, False]
+
+    def _work_hashed(
+        self, plan: IoPlan, worker: int, f: _OpenFile, take: Callable[[], Window | None], device: torch.device | None,
+        start_event: torch.cuda.Event | None, direct_fd: int | None, failed: threading.Event,
+    ) -> None:
+        """Staged reads (two buffers per thread) whose every window is also handed to the file's hash; a buffer is
+        reused once both its copy and its hash are done. CPU destinations are staged the same way (page-aligned
+        buffers of this thread, copied out at once): the path the CPU tests take."""
+        digest = f.digest
+        assert digest is not None
+        size = plan.window + (2 * DIRECT_ALIGN if direct_fd is not None else 0)
+        slot = None
+        if device is not None:
+            slot = self._slot(worker, device, size)
+            bufs, views = slot.bufs, slot.views
+            slot.stream.wait_event(start_event)
+        else:
+            maps = [mmap.mmap(-1, size) for _ in range(2)]  # anonymous maps are page-aligned (O_DIRECT)
+            views = [memoryview(m) for m in maps]
+            bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+        if direct_fd is not None and any(b.data_ptr() % DIRECT_ALIGN for b in bufs):
+            direct_fd = None  # not aligned for O_DIRECT (never seen: pinned blocks and maps start on pages)
+        hashing: list[threading.Event | None] = [None, None]  # the hash's claim on each buffer
+        k = 0
+        try:
+            while (window := take()) is not None:
+                b = k % 2
+                k += 1
+                if slot is not None and slot.pending[b]:
+                    slot.events[b].synchronize()  # the copy out of this buffer has finished
+                if (claim := hashing[b]) is not None:
+                    claim.wait()  # and so has its hash
+                if direct_fd is not None:
+                    skip = pread_direct(direct_fd, f.fd, views[b], window.lo, window.hi)
+                else:
+                    skip = 0
+                    _pread_into(f.fd, views[b][: window.hi - window.lo], window.lo)
+                hashing[b] = digest.submit(window.lo, views[b][skip : skip + window.hi - window.lo])
+                if slot is None:
+                    for offset, n, dst in window.pieces:
+                        at = skip + offset - window.lo
+                        dst.copy_(bufs[b][at : at + n])
+                    continue
+                with torch.cuda.stream(slot.stream):
+                    for offset, n, dst in window.pieces:
+                        at = skip + offset - window.lo
+                        dst.copy_(bufs[b][at : at + n], non_blocking=True)
+                    slot.events[b].record(slot.stream)
+                slot.pending[b] = True
+        except BaseException:
+            failed.set()  # the other threads take no more windows,
+            digest.abort()  # and none waits for a window this one will never hand over
+            raise
+        finally:
+            for claim in hashing:  # the hash reads the buffers until then (abort releases them)
+                if claim is not None:
+                    claim.wait()
+            if slot is not None:
+                slot.stream.synchronize()
+                slot.pending = [False, False]
 
     def _work_registered(
         self, plan: IoPlan, worker: int, fd: int, mapping: FileMap, take: Callable[[], Window | None],

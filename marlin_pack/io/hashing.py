@@ -23,10 +23,13 @@ the map.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,8 +37,8 @@ from typing import Any, NamedTuple
 from marlin_pack.io.files import FileChangedError, identity_of, open_regular, pread_full
 
 __all__ = [
-    "FileChangedError", "HashedFile", "file_digest", "file_digests", "file_identity", "hash_file", "hash_workers",
-    "identity_of", "new_file_hasher", "sha256_bytes",
+    "CopyHash", "FileChangedError", "HashedFile", "file_digest", "file_digests", "file_identity", "hash_file", "hash_workers",
+    "identity_of", "new_file_hasher", "remembered", "sha256_bytes",
 ]
 
 # A file whose change time is this close to the start of its hash (or later) is hashed but not
@@ -85,7 +88,52 @@ def file_identity(path: Path) -> tuple[int, ...]:
     return identity_of(path.stat())
 
 
+_REMEMBERED: list[dict[tuple[str, tuple[int, ...]], HashedFile]] = []  # the innermost remembered() scope's results
+_REMEMBERED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def remembered() -> Iterator[None]:
+    """Within: :func:`hash_file` of a file hashed already in this scope, under the same path and identity, gives that
+    result without reading the file again.
+
+    For one command that checks several ranks (``marlin-pack check -tp 8``): each rank's check hashes the source
+    checkpoint and the common file, which a stamp spares the next rank's only where stamps can be written; the
+    scope reads each file once whatever the store. Only files no one but this user and root may write are
+    remembered (the rule stamps follow, :func:`~marlin_pack.io.stamps.writable_by_others`).
+    """
+    with _REMEMBERED_LOCK:
+        _REMEMBERED.append({})
+    try:
+        yield
+    finally:
+        with _REMEMBERED_LOCK:
+            _REMEMBERED.pop()
+
+
 def hash_file(path: Path, threads: int | None = None) -> HashedFile:
+    """:func:`_hash_file`, or within :func:`remembered` the result of the same file hashed earlier in that scope."""
+    if not _REMEMBERED:
+        return _hash_file(path, threads)
+    from marlin_pack.io.stamps import writable_by_others  # (stamps imports this module)
+
+    try:
+        key = (str(path), file_identity(path))
+    except OSError:
+        return _hash_file(path, threads)
+    with _REMEMBERED_LOCK:
+        found = _REMEMBERED[-1].get(key) if _REMEMBERED else None
+    if found is not None and writable_by_others(path) is None:
+        return found
+    hashed = _hash_file(path, threads)
+    if writable_by_others(path) is None:
+        with _REMEMBERED_LOCK:
+            if _REMEMBERED:
+                _REMEMBERED[-1][(str(path), hashed.identity)] = hashed
+    return hashed
+
+
+def _hash_file(path: Path, threads: int | None = None) -> HashedFile:
     """BLAKE3 of a whole regular file, read with ``pread`` (:func:`_hash_bytes`), with the identity of what was hashed.
 
     ``threads``: BLAKE3 threads for this file (default: every core); the tree hash splits one
@@ -107,6 +155,16 @@ def hash_file(path: Path, threads: int | None = None) -> HashedFile:
         after = identity_of(os.fstat(fd))
     finally:
         os.close(fd)
+    return _result(path, h.hexdigest(), before, after, started)
+
+
+def _result(path: Path, digest: str, before: tuple[int, ...], after: tuple[int, ...], started: int) -> HashedFile:
+    """The :class:`HashedFile` of bytes hashed between identities ``before`` and ``after`` (the descriptor's), the path
+    looked at again now.
+
+    Raises:
+        FileChangedError: the identity moved, or the path names another file (or none).
+    """
     try:
         named = file_identity(path)
     except OSError as e:
@@ -116,7 +174,123 @@ def hash_file(path: Path, threads: int | None = None) -> HashedFile:
         if what == "written" and after[0] < before[0]:
             what = f"truncated to {after[0]} of its {before[0]} bytes"
         raise FileChangedError(errno.ESTALE, f"changed while it was hashed ({what})", str(path))
-    return HashedFile(path, h.hexdigest(), before, stampable=max(before[1], before[2]) < started - RACY_NS)
+    return HashedFile(path, digest, before, stampable=max(before[1], before[2]) < started - RACY_NS)
+
+
+class CopyHash:
+    """BLAKE3 of a whole file from the bytes a copy reads anyway: one read of the file serves the copy and its digest.
+
+    The copy's threads read the file window by window, in any order, and hand each window's bytes over with
+    :meth:`submit` (their staging buffer, not a copy of it); one thread of this object hashes them in file order,
+    BLAKE3 itself on every core (``update`` releases the GIL), and sets the :class:`threading.Event` that
+    :meth:`submit` returned once a window is hashed: only then may its buffer be reused. A copy keeps a few windows
+    per thread in flight, so the hash runs behind the reads by at most that much, and the copy waits for it only
+    where BLAKE3 on every core is slower than the disk (on 16 cores it hashes several times a disk's rate).
+
+    The digest is bound to the identity ``(size, mtime_ns, ctime_ns, inode, device)`` of the copy's own descriptor
+    before the first read and after the last, and to the path's afterwards (:meth:`finish`), as :func:`hash_file`
+    binds its own: so a stamp can be recorded from it by the same rule (:meth:`~marlin_pack.io.stamps.StampStore.record`).
+
+    Args:
+        path: the file, as its stamp and messages name it.
+        fd: the copy's descriptor of it (read-only; the caller closes it after :meth:`finish` or :meth:`abort`).
+        threads: BLAKE3 threads (default: every core).
+    """
+
+    def __init__(self, path: Path, fd: int, threads: int | None = None) -> None:
+        import blake3
+
+        self.path = Path(path)
+        self._fd = fd
+        self._started = time.time_ns()
+        self._before = identity_of(os.fstat(fd))
+        self.size = self._before[0]
+        self._h = blake3.blake3(max_threads=threads or blake3.blake3.AUTO)
+        self._cond = threading.Condition()
+        self._ready: dict[int, tuple[memoryview, threading.Event]] = {}
+        self._next = 0  # bytes [0, _next) are hashed
+        self._closing = False  # every window is submitted (finish)
+        self._stopped = False  # aborted, or the hash failed
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="marlin-pack-copy-hash", daemon=True)
+        self._thread.start()
+
+    @property
+    def hashed(self) -> int:
+        """Bytes hashed so far (from the file's start)."""
+        return self._next
+
+    def submit(self, offset: int, data: memoryview) -> threading.Event:
+        """Hand over the file's bytes ``[offset, offset + len(data))``; the event is set once they are hashed (or the hash
+        was abandoned): until then ``data`` must not change. Windows must tile the file, each handed over once."""
+        done = threading.Event()
+        with self._cond:
+            if self._stopped:
+                done.set()
+            elif offset < self._next or offset in self._ready:
+                self._fail(RuntimeError(f"internal error: bytes at {offset} of {self.path} handed to its hash twice"))
+                done.set()
+            else:
+                self._ready[offset] = (data, done)
+                self._cond.notify_all()
+        return done
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and self._next not in self._ready and not self._closing:
+                    self._cond.wait()
+                if self._stopped or self._next not in self._ready:
+                    return
+                data, done = self._ready.pop(self._next)
+            try:
+                self._h.update(data)
+            except BaseException as e:  # noqa: BLE001 - raised by finish()
+                with self._cond:
+                    self._fail(e)
+                done.set()
+                return
+            with self._cond:
+                self._next += len(data)
+            done.set()
+
+    def _fail(self, error: BaseException) -> None:
+        """(with the lock held) Stop hashing: every window handed over is released."""
+        self._error = self._error or error
+        self._stopped = True
+        for _, done in self._ready.values():
+            done.set()
+        self._ready.clear()
+        self._cond.notify_all()
+
+    def abort(self) -> None:
+        """Give the hash up (the copy failed): every window handed over is released; idempotent."""
+        with self._cond:
+            self._stopped = True
+            for _, done in self._ready.values():
+                done.set()
+            self._ready.clear()
+            self._cond.notify_all()
+        self._thread.join()
+
+    def finish(self) -> HashedFile:
+        """The digest, once every window is handed over (the copy's threads are done), bound to what was hashed.
+
+        Raises:
+            FileChangedError: the file changed while it was copied (its identity moved, it is shorter than its windows
+                covered, or the path names another file now).
+            RuntimeError: the copy left bytes of the file out (an internal error), or the hash failed.
+        """
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        after = identity_of(os.fstat(self._fd))
+        if self._next != self.size and after[0] == self.size:
+            raise RuntimeError(f"internal error: the copy of {self.path} handed {self._next} of its {self.size} bytes to its hash")
+        return _result(self.path, self._h.hexdigest(), self._before, after, self._started)
 
 
 def _hash_bytes(fd: int, size: int, h: Any, path: Path, readers: int = 1) -> None:

@@ -164,10 +164,14 @@ class BackgroundCopy:
         on_done: Callable[[], None] | None = None,
         then: Sequence[tuple[str | Path, list[CopyItem]]] = (),
         name: str = "marlin-pack-arena-copy",
+        hashed: Sequence[str | Path] = (),
     ) -> None:
         """Copy ``items`` of ``path``, then each ``(path, items)`` of ``then``, with one reader and in one
-        :meth:`~marlin_pack.gpu.reader.ParallelReader.copy_files` call, on a thread called ``name``."""
+        :meth:`~marlin_pack.gpu.reader.ParallelReader.copy_files` call, on a thread called ``name``; ``hashed``: files
+        hashed as they are copied (their digests in ``digests`` once joined)."""
         self.bytes = 0
+        self.digests: dict[str, object] = {}  # the reader's: HashedFile, or the OSError why none
+        self._hashed = tuple(hashed)
         self.seconds = 0.0
         self.modes_used: set[str] = set()
         self._error: BaseException | None = None
@@ -185,7 +189,11 @@ class BackgroundCopy:
                 torch.cuda.set_device(self._device)  # the current device is per thread (a TP rank's is not cuda:0)
             with self._make_reader() as reader:
                 # One call for every file: with helpers, each gets one job holding its share of all of them.
-                self.bytes += reader.copy_files(self._jobs)
+                if self._hashed:  # read once for the copy and the digests
+                    self.bytes += reader.copy_files(self._jobs, hashed=self._hashed)
+                    self.digests = dict(reader.digests)
+                else:
+                    self.bytes += reader.copy_files(self._jobs)
                 self.modes_used = set(reader.modes_used)
         except BaseException as e:  # noqa: BLE001 - handed to join()
             self._error = e

@@ -78,10 +78,14 @@ _AHEAD: Ahead | None = None
 def start(options: Any, facts: Any, decide: Any = None) -> Ahead:
     """Run ``decide(options, facts)`` on a daemon thread; the loader's :func:`take` finds it.
 
-    ``decide``: :func:`marlin_pack.vllm_plugin.decision.decide` unless given (tests)."""
+    ``decide``: the loader's :func:`marlin_pack.vllm_plugin.decision.decide` (``select_for_copy``) unless given (tests)."""
     global _AHEAD
     if decide is None:
-        from marlin_pack.vllm_plugin.decision import decide
+        from marlin_pack.vllm_plugin.decision import decide as decide_with
+        from marlin_pack.vllm_plugin.decision import select_for_copy
+
+        def decide(options: Any, facts: Any) -> Any:
+            return decide_with(options, facts, select_for_copy)
     ahead = Ahead(options, facts)
     with _LOCK:
         _AHEAD = ahead

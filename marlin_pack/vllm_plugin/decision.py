@@ -20,6 +20,7 @@ from marlin_pack.bundle.integrity import HashReport, check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header
 from marlin_pack.bundle.reader import read_manifest, resolve_file
 from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError, LoadRefusedError, MarlinPackError, MismatchField
+from marlin_pack.gpu.plan import hash_left_to_copy
 from marlin_pack.io.checkpoint_files import read_json
 from marlin_pack.io.home import HomeDirectoryError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
@@ -51,6 +52,7 @@ __all__ = [
     "loaded_zero_word",
     "bundle_layouts",
     "select_bundle",
+    "select_for_copy",
     "refusal",
     "internal_error",
     "decide",
@@ -390,7 +392,7 @@ def _checked_header(manifest: Manifest, tp_set: TensorParallelSet, rank: int, pa
     return header
 
 
-def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
+def select_bundle(options: LoaderOptions, facts: EngineFacts, *, copy_hashes: bool = False) -> SelectedBundle:
     """Find and check the bundle for this engine and rank, before anything touches the GPU.
 
     Order: the running vLLM release (one marlin-pack supports), manifest (format version), engine fit (layouts the
@@ -401,6 +403,10 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     selection is this stage's share of them (:func:`~marlin_pack.vllm_plugin.stage.stage_share`); where vLLM shards the
     experts over another TP size (expert parallelism, data parallelism), its experts come from that size's rank file,
     checked likewise (:func:`~marlin_pack.vllm_plugin.expert_share.expert_share`).
+
+    ``copy_hashes`` (the loader's, :func:`select_for_copy`): a cold rank or common file it would hash is left to the
+    loader's copy, which reads it whole anyway (``hashed.pending``; :func:`~marlin_pack.gpu.plan.hash_left_to_copy`):
+    only for a dense bundle read whole (no pipeline stage, no expert share).
 
     Raises:
         BundleMismatchError: naming the field that does not fit.
@@ -413,7 +419,11 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
     hashed: HashReport = _with_field(F.source, lambda: check_source(manifest, model_dir, full_hash=options.full_hash))
     rank_entry = tp_set.ranks[facts.tp_rank].file
     entries = [manifest.common, rank_entry]
-    hashed = hashed.add(_with_field(F.files, lambda: check_files(bundle_dir, manifest, entries, full_hash=options.full_hash)))
+    whole = copy_hashes and facts.pp_size == 1 and not tp_set.moe_layers and not needs_share(
+        tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel, facts.pcp_size)
+    leave = hash_left_to_copy if whole else None
+    hashed = hashed.add(_with_field(F.files, lambda: check_files(
+        bundle_dir, manifest, entries, full_hash=options.full_hash, leave_to_copy=leave)))
     rank_file = _with_field(F.files, lambda: resolve_file(bundle_dir, rank_entry))
     common_file = _with_field(F.files, lambda: resolve_file(bundle_dir, manifest.common))
     redo = f"re-run `{convert_command(bundle_dir, manifest=manifest)}`"  # it rewrites a damaged file
@@ -447,6 +457,11 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
         stage=stage,
         experts=experts,
     )
+
+
+def select_for_copy(options: LoaderOptions, facts: EngineFacts) -> SelectedBundle:
+    """:func:`select_bundle` for the loader, whose copy hashes the cold files it reads (``copy_hashes``)."""
+    return select_bundle(options, facts, copy_hashes=True)
 
 
 def _experts(bundle_dir: Path, manifest: Manifest, tp_set: TensorParallelSet, facts: EngineFacts, full_hash: bool,

@@ -50,11 +50,13 @@ from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT
+from marlin_pack.bundle.integrity import settle_pending
 from marlin_pack.errors import BundleError, MismatchField
 from marlin_pack.gpu.helpers import HelperPool, exits_in_background
 from marlin_pack.gpu.host_map import HostMap
 from marlin_pack.gpu.plan import IoPlan
 from marlin_pack.gpu.reader import CopyItem, ParallelReader
+from marlin_pack.io.hashing import hash_file
 from marlin_pack.io.residency import warm_in_background
 from marlin_pack.io.safetensors_io import TensorInfo
 from marlin_pack.vllm_plugin import decide_ahead, patches, preload
@@ -69,6 +71,7 @@ from marlin_pack.vllm_plugin.decision import (
     internal_error,
     loaded_zero_word,
     refusal,
+    select_for_copy,
 )
 from marlin_pack.vllm_plugin.engine import (
     built_parameters,
@@ -124,6 +127,7 @@ class _ModelState:
     helpers: HelperPool | None = None  # a helpers plan: started before vLLM builds the model, ended after the copies
     borrowed: bool = False  # the helpers are the early ones of preload (which ends them), not the loader's
     fill: _ArenaFill | None = None  # the rank file already being copied (dense bundles)
+    common_host: HostMap | None = None  # common.safetensors read whole and hashed (its digest left to the copy)
 
 
 @dataclass
@@ -230,7 +234,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             t0 = time.perf_counter()
             try:
                 ahead = decide_ahead.take(self.options, facts)
-                decision = ahead[0] if ahead is not None else decide(self.options, facts)  # (decide falls back itself)
+                decision = ahead[0] if ahead is not None else decide(self.options, facts, select_for_copy)  # (falls back itself)
             except Exception as e:
                 return self._internal_fallback(key, facts.model, e)
             self._timings.validate = time.perf_counter() - t0
@@ -438,6 +442,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             # their CUDA contexts go while loading goes on.
             on_done=None if helpers is None or borrowed else (lambda: helpers.close(wait=False)),
             then=[] if common is None else [(bundle.common_file, common.copy_items())],
+            hashed=[p.path for p in bundle.hashed.pending if p.path == bundle.rank_file],  # read once for both
         )
         return _ArenaFill(layout, arena, copy, common)
 
@@ -453,6 +458,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
             return
         helpers, state.helpers = state.helpers, None
         try:
+            if state.bundle.hashed.pending and not self._settle_copy(state, state.bundle, model, model_config):
+                return  # loaded the ordinary way (fallback)
             self._load_bundle(state, state.bundle, model, helpers)
         finally:
             if helpers is not None:
@@ -474,6 +481,49 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     helpers.join()
                     logger.info("marlin-pack: waited %.2f s for the copy helpers to exit", time.perf_counter() - t0)
 
+    def _settle_copy(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, model_config: ModelConfig) -> bool:
+        """The digests the decision left to the copy (cold files, no stamp of this user, or ``verify: full``), compared
+        and stamped before any tensor is bound or served: ``common.safetensors`` read whole once (hashed) while the rank
+        file's copy goes on, then that copy's digest. A mismatch, a file that changed or was cut short while it was
+        copied: the decision's one-line refusal, or with ``fallback`` the checkpoint loaded the ordinary way into
+        the model vLLM built (as after a layer check's refusal). Returns whether the bundle is still used."""
+        pending, found = bundle.hashed.pending, {}
+        paths = {str(p.path) for p in pending}
+        t0 = time.perf_counter()
+        try:
+            if str(bundle.common_file) in paths:
+                with ParallelReader(state.plan.local()) as reader:
+                    state.common_host = HostMap.read_whole(bundle.common_file, reader)
+                    found.update(reader.digests)
+            if str(bundle.rank_file) in paths and state.fill is not None:
+                state.fill.join()  # raises what the copy raised (a file cut short)
+                found.update(state.fill.copy.digests)
+            elif str(bundle.rank_file) in paths:  # no copy beside the construction: hashed before its copy
+                try:
+                    found[str(bundle.rank_file)] = hash_file(bundle.rank_file)
+                except OSError as e:
+                    found[str(bundle.rank_file)] = e
+            report = settle_pending(pending, found, time.perf_counter() - t0, bundle.hashed.every_time)
+        except BundleError as e:
+            state.common_host = None
+            if state.fill is not None:
+                state.fill.abandon()
+                state.fill = None  # the arena goes before the checkpoint loads
+                for module in model.modules():  # vLLM's weight loaders will write into the placeholders
+                    materialize_stubs(module)
+            if not self.options.fallback:
+                raise refusal(MismatchField.files, str(e), str(model_config.model), bundle.bundle_dir) from e
+            logger.warning(
+                "marlin-pack: not using the bundle %s ([%s] %s); loading the checkpoint the ordinary way because "
+                "fallback is on", bundle.bundle_dir, MismatchField.files, e,
+            )
+            state.bundle = None
+            self._default_loader().load_weights(model, model_config)
+            return False
+        if (summary := report.summary()) is not None:
+            logger.warning("marlin-pack: rank %d %s, as it was copied", bundle.rank, summary)
+        return True
+
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         fill, state.fill = state.fill, None
         # With the rank file copying beside, this process reads the common tensors itself (the helpers copy the
@@ -481,6 +531,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
         plan = state.plan.local() if fill is not None else state.plan
         try:
             with ParallelReader(plan, None if fill is not None else helpers) as reader:
+                if state.common_host is not None:
+                    reader.hold(state.common_host)  # read once already (hashed): its tensors come from there
                 t0 = time.perf_counter()
                 layout = fill.layout if fill is not None else ArenaLayout.of(bundle)
                 params = layout.parameters(state.layers)
@@ -511,7 +563,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 t1 = time.perf_counter()
                 # (a pipeline stage may have no decoder layer: then the model's first parameter says it)
                 device = next(next(iter(state.layers.values())).parameters() if state.layers else model.parameters()).device
-                with HostMap(bundle.common_file) as host:
+                with state.common_host or HostMap(bundle.common_file) as host:
                     model.load_weights(self._common_weights(reader, host, bundle, model, device, skip=prefilled))
                 t2 = time.perf_counter()
         finally:

@@ -72,7 +72,8 @@ def test_the_plan_picks_threads_and_window(rank_file: Path, monkeypatch: pytest.
     assert (plan.threads, plan.window) == (2, 1 << 20)
     windows: list[int] = []
     real = reader_mod.windows_of
-    monkeypatch.setattr(reader_mod, "windows_of", lambda items, size, file_size: windows.append(size) or real(items, size, file_size))
+    monkeypatch.setattr(reader_mod, "windows_of", lambda items, size, file_size, **kw: windows.append(size) or real(
+        items, size, file_size, **kw))
     want = load_file(str(rank_file))
     out, items = _items(rank_file)
     with ParallelReader(plan) as r:

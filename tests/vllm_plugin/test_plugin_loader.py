@@ -109,10 +109,10 @@ def on_reader_copy(monkeypatch: pytest.MonkeyPatch, seen: Callable[[str], object
 
     copy_files = gpu_reader.ParallelReader.copy_files
 
-    def seen_copy(self: Any, jobs: Any) -> int:
+    def seen_copy(self: Any, jobs: Any, **kw: Any) -> int:
         for path, _ in jobs:
             seen(Path(path).name)
-        return copy_files(self, jobs)
+        return copy_files(self, jobs, **kw)
 
     monkeypatch.setattr(gpu_reader.ParallelReader, "copy_files", seen_copy)
 

@@ -1,0 +1,260 @@
+"""A fresh node's first start (issue 72): a cold bundle and an empty stamp store, ``verify: auto`` or ``full``. The
+bundle is read once: the decision leaves the cold rank and common files' digests to the loader's copy, which hashes
+the bytes it reads and compares them before anything is bound or served; a file that matched is stamped as
+``check`` stamps it. On the CPU: the loader's own flow with vLLM's real layers (``test_plugin_loader``'s fakes), the
+page cache's coldness stood in for (``hash_left_to_copy``) and the copy ``direct`` as the plan makes it for a cold
+file; every ``os.preadv`` and every mapped tensor of a bundle file counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from marlin_pack.errors import LoadRefusedError
+from marlin_pack.gpu import host_map
+from marlin_pack.io import hashing
+from marlin_pack.io.hashing import file_identity
+from marlin_pack.vllm_plugin import decision
+from marlin_pack.vllm_plugin.patches.post_processing import is_prepacked
+
+vr = pytest.importorskip("oracles.vllm_reference")
+from test_plugin_loader import fake_create_model, fake_engine, make_loader  # noqa: E402
+
+# The first block of a rank or common file is read before the copy, as before issue 72: the header (a few KiB: the
+# decision checks it) and the plan's probe of O_DIRECT (residency.takes_direct_reads: one aligned block).
+FIRST_BLOCK = 4096
+
+
+class BundleBytes:
+    """Every byte range of the bundle's files read, per file name: ``os.preadv`` on any descriptor (the copy's buffered
+    and ``O_DIRECT`` reads, the hash's reads, the direct-read probe), safetensors headers, and tensors taken from a map
+    of the file (``HostMap.tensor``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, bundle: Path) -> None:
+        from marlin_pack.io import safetensors_io
+
+        self.bundle = str(bundle.resolve())
+        self.ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        self._lock = threading.Lock()
+        preadv, tensor, header = os.preadv, host_map.HostMap.tensor, safetensors_io._read_header_bytes
+
+        def header_read(path: Path) -> tuple[bytes, int]:
+            raw, size = header(path)
+            self._add(os.path.realpath(path), 0, len(raw))
+            return raw, size
+
+        monkeypatch.setattr(safetensors_io, "_read_header_bytes", header_read)
+
+        def counted(fd: int, bufs: list, offset: int) -> int:
+            n = preadv(fd, bufs, offset)
+            self._add(os.readlink(f"/proc/self/fd/{fd}"), offset, n)
+            return n
+
+        def mapped(hm: Any, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            if not hm.whole:  # a file read whole is memory, not a read of the file
+                self._add(str(hm.path.resolve()), offset, nbytes)
+            return tensor(hm, offset, nbytes, dtype, shape)
+
+        monkeypatch.setattr(os, "preadv", counted)
+        monkeypatch.setattr(host_map.HostMap, "tensor", mapped)
+
+    def _add(self, path: str, offset: int, n: int) -> None:
+        if path.startswith(self.bundle) and path.endswith(".safetensors"):
+            with self._lock:
+                self.ranges[Path(path).name].append((offset, n))
+
+    def total(self, name: str) -> int:
+        return sum(n for _, n in self.ranges[name])
+
+    def times_read(self, name: str, size: int, start: int = 0) -> set[int]:
+        """How many times each byte of ``[start, size)`` was read (the distinct counts)."""
+        seen = bytearray(size)
+        for lo, n in self.ranges[name]:
+            for i in range(lo, min(lo + n, size)):
+                seen[i] += 1
+        return set(seen[start:])
+
+    def once_past_the_first_block(self, name: str, size: int, first: int = FIRST_BLOCK, most: int = 3) -> bool:
+        """Every byte after the ``first`` bytes read exactly once, those at most ``most`` times (the O_DIRECT probe, the
+        header check, the copy)."""
+        return self.times_read(name, size, first) == {1} and self.times_read(name, first) <= set(range(1, most + 1))
+
+
+@pytest.fixture
+def cold(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A cold bundle (its residency stood in for) copied ``direct``, and this user's empty stamp store."""
+    from marlin_pack.vllm_plugin import preload
+
+    monkeypatch.setattr(preload, "_CURRENT", None)
+    monkeypatch.setattr(decision, "hash_left_to_copy", lambda path: True)
+    monkeypatch.setenv("MARLIN_PACK_IO", json.dumps({"mode": "direct", "threads": 2, "window_mib": 1}))
+    monkeypatch.setattr(hashing, "RACY_NS", -1)  # the test's files count as settled: stampable
+    store = tmp_path / "stamps"
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(store))
+    return store
+
+
+def _start(model_dir: Path, monkeypatch: pytest.MonkeyPatch, **extra: object) -> tuple[Any, Any]:
+    fake_create_model(monkeypatch, model_dir)
+    vllm_config, model_config = fake_engine(model_dir, "auto_awq", monkeypatch)
+    loader = make_loader(**extra)
+    with vr._patched(1, 0):
+        return loader, loader.load_model(vllm_config, model_config)  # type: ignore[arg-type]
+
+
+def _files(model_dir: Path) -> dict[str, Path]:
+    return {p.name: p for p in (model_dir / "marlin-pack/tp1/rank-0.safetensors", model_dir / "marlin-pack/common.safetensors")}
+
+
+@pytest.mark.parametrize("verify", ["auto", "full"])
+def test_a_cold_start_reads_each_bundle_byte_once_and_stamps_it(
+    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, cold: Path, verify: str, marlin_log: list[str]
+) -> None:
+    model_dir = damaged_copy(awq_bundle)
+    files = _files(model_dir)
+    reads = BundleBytes(monkeypatch, model_dir / "marlin-pack")
+    reference = vr.reference_rank_tensors(model_dir, 1, 0, torch.float16)
+    reads.ranges.clear()  # (the reference reads the checkpoint, not the bundle; cleared all the same)
+    loader, model = _start(model_dir, monkeypatch, verify=verify)
+    for name, path in files.items():  # each byte once: the copy's read, which the digest came from
+        size = path.stat().st_size
+        assert reads.once_past_the_first_block(name, size), (name, sorted(reads.ranges[name]))
+        assert size <= reads.total(name) <= size + 2 * FIRST_BLOCK
+        print(f"{name}: {size} bytes, {reads.total(name)} read ({reads.total(name) - size} of them before the copy)")
+    for name, want in reference.items():
+        layer, _, pname = name.rpartition(".")
+        assert torch.equal(getattr(model.get_submodule(layer), pname).detach(), want), name
+    stamps = {json.loads(p.read_text())["identity"][3] for p in cold.glob("*.json")}
+    assert {file_identity(p)[3] for p in files.values()} <= stamps  # stamped as check stamps them
+    line = [m for m in marlin_log if "as it was copied" in m]
+    assert len(line) == 1 and "(2 files)" in line[0], marlin_log
+    assert (str(cold) in line[0]) is (verify == "auto")  # (full says it hashes at every start instead)
+
+    hashed_lines = len([m for m in marlin_log if "hashed" in m])  # the source checkpoint's, and the copy's
+    reads.ranges.clear()  # the next start: auto trusts the stamps (nothing hashed); full hashes again, in the one read
+    _start(model_dir, monkeypatch, verify=verify)
+    assert len([m for m in marlin_log if "hashed" in m]) == hashed_lines * (1 if verify == "auto" else 2)
+    for name, path in files.items():
+        assert reads.once_past_the_first_block(name, path.stat().st_size), (name, sorted(reads.ranges[name]))
+
+
+def _flip_last_byte(model_dir: Path) -> None:
+    rank = model_dir / "marlin-pack/tp1/rank-0.safetensors"
+    data = bytearray(rank.read_bytes())
+    data[-1] ^= 0xFF  # inside the last tensor: headers and sizes as they were
+    rank.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_flipped_byte_is_refused_after_the_copy_before_serving(
+    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, cold: Path, fallback: bool, marlin_log: list[str]
+) -> None:
+    """The decision cannot see it (sizes and headers are right, the digest is left to the copy); the copy's digest
+    refuses it before any layer is bound: the one-line refusal naming the file, or with ``fallback`` the checkpoint
+    loaded the ordinary way into the model vLLM built. Nothing is stamped for it."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    model_dir = damaged_copy(awq_bundle, _flip_last_byte)
+    rank = _files(model_dir)["rank-0.safetensors"]
+    reads = BundleBytes(monkeypatch, model_dir / "marlin-pack")
+    ordinary: list[Any] = []
+    monkeypatch.setattr(DefaultModelLoader, "load_weights", lambda self, model, model_config: ordinary.append(model))
+    if not fallback:
+        with pytest.raises(LoadRefusedError) as e:
+            _start(model_dir, monkeypatch)
+        text = str(e.value)
+        assert "\n" not in text and "[files]" in text and "tp1/rank-0.safetensors has blake3" in text
+        assert "the file was modified" in text and "fallback" in text
+    else:
+        _, model = _start(model_dir, monkeypatch, fallback=True)
+        assert ordinary == [model] and not any(is_prepacked(m) for m in model.modules())
+        assert any("loading the checkpoint the ordinary way because fallback is on" in m for m in marlin_log)
+    assert reads.once_past_the_first_block(rank.name, rank.stat().st_size)  # refused after the copy read it, once
+    stamped = {json.loads(p.read_text())["identity"][3] for p in cold.glob("*.json")}
+    assert file_identity(rank)[3] not in stamped
+
+
+def test_a_file_cut_short_mid_copy_is_refused_cleanly(
+    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, cold: Path
+) -> None:
+    """The rank file truncated while the copy reads it: one line naming it, nothing served, nothing stamped."""
+    model_dir = damaged_copy(awq_bundle)
+    rank = _files(model_dir)["rank-0.safetensors"]
+    size = rank.stat().st_size
+    monkeypatch.setenv("MARLIN_PACK_IO", json.dumps({"mode": "direct", "threads": 2, "window": 1 << 16}))
+    preadv, cut = os.preadv, threading.Event()
+
+    def truncating(fd: int, bufs: list, offset: int) -> int:
+        if not cut.is_set() and os.readlink(f"/proc/self/fd/{fd}") == str(rank.resolve()) and offset >= 3 << 16:
+            cut.set()  # three windows in: the copy is under way
+            os.truncate(rank, size // 2)
+        return preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", truncating)
+    with pytest.raises(LoadRefusedError) as e:
+        _start(model_dir, monkeypatch)
+    text = str(e.value)
+    assert cut.is_set() and "\n" not in text and "[files]" in text and str(rank) in text, text
+    assert "truncated" in text
+    assert not [t for t in threading.enumerate() if t.name in ("marlin-pack-copy-hash", "marlin-pack-arena-copy")]
+    assert not list(cold.glob("*.json")) or file_identity(rank)[3] not in {
+        json.loads(p.read_text())["identity"][3] for p in cold.glob("*.json")}
+
+
+def test_a_warm_bundle_is_hashed_before_the_copy_as_before(
+    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, cold: Path
+) -> None:
+    """Where the file is in the page cache the decision hashes it (a read of memory, not of the disk), and the copy
+    reads the tensors: nothing is left to the copy."""
+    monkeypatch.setattr(decision, "hash_left_to_copy", lambda path: False)
+    model_dir = damaged_copy(awq_bundle)
+    fake_create_model(monkeypatch, model_dir)
+    vllm_config, model_config = fake_engine(model_dir, "auto_awq", monkeypatch)
+    chosen = make_loader()._decide(vllm_config, model_config).bundle
+    assert chosen is not None and chosen.hashed.pending == () and chosen.hashed.files == 3
+
+
+def test_check_leaves_nothing_to_a_copy(awq_bundle: Path, damaged_copy: Any, cold: Path) -> None:
+    """``marlin-pack check`` (preflight) copies nothing: it hashes every file it must itself, cold or not."""
+    from marlin_pack.vllm_plugin.preflight import preflight
+
+    model_dir = damaged_copy(awq_bundle)
+    report = preflight(model_dir, tp_size=2)
+    assert report.decision == "load" and report.hashed.pending == ()
+
+
+@pytest.mark.parametrize("verify", ["auto", "full"])
+def test_check_reads_each_file_once_whatever_the_ranks(
+    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, verify: str
+) -> None:
+    """``marlin-pack check -tp 2`` where no stamp can be kept (a store others may open) or with ``--verify full``: each
+    rank's check hashes the common file and the source checkpoint, and the command reads each of them once."""
+    from typer.testing import CliRunner
+
+    from marlin_pack.cli import app
+    from marlin_pack.io.safetensors_io import read_header_bytes
+
+    monkeypatch.setattr(hashing, "RACY_NS", -1)
+    shared = tmp_path / "shared-stamps"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # refused as a stamp store: nothing is stamped, every rank would hash again
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(shared))
+    model_dir = damaged_copy(awq_bundle)
+    reads = BundleBytes(monkeypatch, model_dir)
+    result = CliRunner().invoke(app, ["check", str(model_dir), "-tp", "2", "--verify", verify])
+    assert result.exit_code == 0, result.output
+    common = model_dir / "marlin-pack/common.safetensors"
+    sources = sorted(model_dir.glob("*.safetensors"))
+    assert sources
+    for path in [common, *sources, *sorted((model_dir / "marlin-pack/tp2").glob("*.safetensors"))]:
+        header = len(read_header_bytes(path))  # read by the checks of each rank (a few KiB), besides the hash
+        assert reads.once_past_the_first_block(path.name, path.stat().st_size, first=header, most=8), (
+            path.name, sorted(reads.ranges[path.name]))
+    assert not list(shared.iterdir())
