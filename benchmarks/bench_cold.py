@@ -28,6 +28,13 @@ disk: ``--layers`` keeps both on a 64 GiB disk). In order, it prints:
 Every figure is vLLM's "Model loading took" (engines) or the daemon's fill line; the table at the end gives
 the goals' ratios. Nothing is asserted: the figures go to docs/performance.md.
 
+``--reader-gb N`` measures the reader alone instead (any machine: GPU destinations where there is one, else CPU
+memory), on a file of N GB under ``--workdir``, each row cold: the disk's ``O_DIRECT`` rate, then the old first start
+(BLAKE3 of the file, then the ``direct`` copy) against the copy that hashes what it reads, each with the disk's bytes
+read meanwhile:
+
+    python benchmarks/bench_cold.py --reader-gb 2 --workdir /var/tmp/cold
+
 The whole GPU acceptance of issue 72 in one command (one sitting, as root, a 64 GiB disk):
 
     python benchmarks/bench_cold.py --preset llama-70b --layers 40 --format awq --kernel machete --workdir /tmp/cold \
@@ -133,6 +140,65 @@ def _first_start_rows(
             print(notes[-1], flush=True)
 
 
+def reader_rows(workdir: Path, gb: float) -> None:
+    """``--reader-gb``: one cold file, hashed before its ``direct`` copy and hashed by it, with the disk's reads."""
+    import torch
+
+    from marlin_pack.gpu.plan import IoFacts, plan_io
+    from marlin_pack.gpu.reader import CopyItem, ParallelReader
+    from marlin_pack.io.hashing import hash_file
+    from marlin_pack.io.residency import cached_fraction, drop_cached
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "rank-0.safetensors"
+    size = int(gb * 1e9) // 4096 * 4096
+    if not path.is_file() or path.stat().st_size != size:
+        with open(path, "wb") as f:
+            for _ in range(size // (64 << 20)):
+                f.write(os.urandom(64 << 20))
+            f.write(os.urandom(size % (64 << 20)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dst = torch.empty(size, dtype=torch.uint8, device=device)
+    items = [CopyItem(lo, min(64 << 20, size - lo), dst[lo : lo + (64 << 20)]) for lo in range(0, size, 64 << 20)]
+    plan = plan_io(IoFacts(cached=0.0, direct_reads=True), environ={})  # the cold plan: direct
+    want = None
+
+    def old_way() -> str:
+        digest = hash_file(path).digest
+        if device == "cuda":
+            with ParallelReader(plan) as r:
+                r.copy(path, items)
+        else:  # CPU destinations are read through the page cache: the GPU's direct copy is O_DIRECT reads of the file
+            direct_read_gbps([path], plan.threads, plan.window, size)
+        return digest
+
+    def one_read() -> str:
+        with ParallelReader(plan) as r:
+            r.copy_files([(path, items)], hashed=[path])
+            return r.digests[str(path)].digest  # type: ignore[union-attr]
+
+    print(f"reader alone: {size / 1e9:.2f} GB file in {workdir}, {device} destination, plan {plan.mode} "
+          f"{plan.threads} x {plan.window >> 20} MiB, {os.cpu_count()} cores", flush=True)
+    drop_cached(path)  # this file only (fadvise): the rest of a shared machine's page cache stays
+    gbps, _ = direct_read_gbps([path], 8, 32 << 20, size)
+    print(f"  disk O_DIRECT 8 x 32 MiB: {gbps:.2f} GB/s; bound {size / 1e9 / gbps:.2f} s", flush=True)
+    rows = (("hash, then the direct copy (before issue 72)", old_way), ("the direct copy that hashes (one read)", one_read))
+    for name, run in rows * 2:
+        drop_cached(path)
+        cached = cached_fraction(path) or 0.0
+        before = disk_read_bytes(workdir)
+        t = time.perf_counter()
+        digest = run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        after = disk_read_bytes(workdir)
+        want = want or digest  # the first row's is hash_file's: every row must agree with it
+        read = "?" if before is None or after is None else f"{(after - before) / size:.2f}"
+        print(f"  {name:44} {seconds:7.2f} s  {size / 1e9 / seconds:5.2f} GB/s  disk read {read} x the file ({cached:.0%} cached before)"
+              + ("" if digest == want else "  DIGEST DIFFERS"), flush=True)
+
+
 def _timed(argv: list[str], env: dict[str, str] | None = None) -> float:
     t = time.perf_counter()
     subprocess.run(argv, check=True, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL)
@@ -167,8 +233,13 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="leave the checkpoint and bundle in --workdir for a second part")
     ap.add_argument("--reuse", action="store_true",
                     help="a second part: the checkpoint and bundle --keep left (no generation, no convert rows)")
+    ap.add_argument("--reader-gb", type=float, default=0.0,
+                    help="measure the reader alone on a file of this many GB (any machine), nothing else")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
+    if args.reader_gb:
+        reader_rows(args.workdir, args.reader_gb)
+        return
 
     import dataclasses
 

@@ -258,3 +258,29 @@ def test_check_reads_each_file_once_whatever_the_ranks(
         assert reads.once_past_the_first_block(path.name, path.stat().st_size, first=header, most=8), (
             path.name, sorted(reads.ranges[path.name]))
     assert not list(shared.iterdir())
+
+
+def test_a_daemon_fill_reads_each_bundle_byte_once(
+    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, cold: Path
+) -> None:
+    """A weight-cache daemon's fill (vLLM's daemon calls create_model and load_weights, inside ``exit_in_background``):
+    the same one read, the digests compared before its weights are handed over, the files stamped."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from marlin_pack.gpu.helpers import exit_in_background
+
+    model_dir = damaged_copy(awq_bundle)
+    files = _files(model_dir)
+    reads = BundleBytes(monkeypatch, model_dir / "marlin-pack")
+    fake_create_model(monkeypatch, model_dir)
+    vllm_config, model_config = fake_engine(model_dir, "auto_awq", monkeypatch)
+    loader = make_loader()
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16), exit_in_background():
+        model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+        loader.load_weights(model, model_config)  # type: ignore[arg-type]
+        process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
+    for name, path in files.items():
+        assert reads.once_past_the_first_block(name, path.stat().st_size), (name, sorted(reads.ranges[name]))
+    stamps = {json.loads(p.read_text())["identity"][3] for p in cold.glob("*.json")}
+    assert {file_identity(p)[3] for p in files.values()} <= stamps
+    assert not any(is_prepacked(m) for m in model.modules())  # placed and finished
