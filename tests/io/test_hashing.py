@@ -152,3 +152,25 @@ def test_a_file_truncated_while_it_is_hashed_is_a_one_line_refusal_not_a_sigbus(
     r = subprocess.run([sys.executable, "-c", _TRUNCATED_WHILE_HASHED, str(f)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])  # -7: killed by SIGBUS
     assert r.stdout == f"{f} changed while it was hashed (truncated to 0 of its {size} bytes)\n" and r.stderr == ""
+
+
+def test_remembered_hashes_a_file_once_per_scope(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within ``remembered()`` (``marlin-pack check`` over several ranks) a file hashed again under the same path and
+    identity is not read again; a file whose identity moved, one others may write, or one outside the scope is."""
+    f = tmp_path / "common.safetensors"
+    f.write_bytes(os.urandom(100_000))
+    reads: list[int] = []
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: reads.append(offset) or preadv(fd, bufs, offset))
+    with hashing.remembered():
+        first = hash_file(f)
+        assert hash_file(f) == first and len(reads) == 1
+        os.utime(f, ns=(1, 1))  # another identity: hashed again
+        assert hash_file(f).digest == first.digest and len(reads) == 2
+        f.chmod(0o666)  # others may write it: never taken from the scope
+        hash_file(f)
+        hash_file(f)
+        assert len(reads) == 4
+    f.chmod(0o644)
+    hash_file(f)
+    assert len(reads) == 5 and not hashing._REMEMBERED

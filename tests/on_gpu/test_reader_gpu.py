@@ -262,3 +262,25 @@ def test_an_io_error_mid_file_is_a_clean_refusal(tensor_file: Path, tmp_path: Pa
     monkeypatch.setattr(reader_mod.os, "preadv", preadv)
     with ParallelReader(IoPlan("direct", 4, 1 << 16)) as r, pytest.raises(BundleError, match=f"{cold}.*Input/output error"):
         r.copy(cold, items)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged", "registered", "helpers"])
+@pytest.mark.parametrize(("threads", "window"), [(1, 1 << 16), (4, 1 << 16), (8, 32 << 20)])
+def test_a_cold_file_hashed_as_it_is_copied_to_the_gpu(tensor_file: Path, tmp_path: Path, mode: str, threads: int,
+                                                       window: int) -> None:
+    """Issue 72: the staged windows (pinned buffers, O_DIRECT where the plan is direct) feed the file's BLAKE3 before the
+    buffer is reused: every byte lands, the digest is the file's, and no plan hands a hashed file to the helpers."""
+    from marlin_pack.io.hashing import file_digest
+
+    cold = _cold_copy(tensor_file, tmp_path)
+    header = read_header(cold)  # the header's pages only: the file stays cold
+    out = {n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
+    items = [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()]
+    plan = IoPlan(mode, threads, window, helpers=4 if mode == "helpers" else 0)  # type: ignore[arg-type]
+    with ParallelReader(plan) as r:
+        assert r.copy_files([(cold, items)], hashed=[cold]) == sum(it.nbytes for it in items)
+        assert r.modes_used == {plan.hashing().mode} and r._helpers is None
+        hashed = r.digests[str(cold)]
+    torch.cuda.synchronize()
+    _same(load_file(str(cold)), out)
+    assert hashed.digest == file_digest(cold)
