@@ -141,6 +141,7 @@ class _Timings:
     copy_bytes: int = 0
     beside: bool = False  # the copy ran beside the model's construction and the common tensors
     wait: float = 0.0  # beside: how long loading then waited for the copy
+    settle: float = 0.0  # digests left to the copy (a cold bundle without stamps): waiting for it and comparing them
     modes: str = "-"  # the reader modes the copy used
     helpers_ready: float | None = None  # seconds from the helpers' start until the copy found them ready
     helpers_retained: int | None = None  # bytes the early helpers held page-locked (preload)
@@ -160,6 +161,8 @@ class _Timings:
                 n = self.helpers_retained
                 text += f", {n / 1e9:.2f} GB" if n >= 1e9 else f", {n / 1e6:.1f} MB"
                 text += " page-locked ahead"
+        if self.settle:
+            text += f", hashed as it was read (digests compared after {self.settle:.2f} s)"
         return f"{text} beside create and common, waited {self.wait:.2f} s" if self.beside else text
 
     def common_text(self) -> str:
@@ -175,7 +178,7 @@ class _Timings:
 
     def line(self, bundle: SelectedBundle, layers: int) -> str:
         serial = self.wait if self.beside else self.copy  # what the copy added to the loader's time
-        total = self.validate + self.create + self.place + serial + self.common + self.post
+        total = self.validate + self.settle + self.create + self.place + serial + self.common + self.post
         return (
             f"marlin-pack: validate {self.validate:.2f} s{self.ahead_text()}, {self.create_text()}, {self.copy_text()}, "
             f"{self.common_text()}, post-process {self.post:.2f} s, total {total:.2f} s "
@@ -503,7 +506,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     found[str(bundle.rank_file)] = hash_file(bundle.rank_file)
                 except OSError as e:
                     found[str(bundle.rank_file)] = e
-            report = settle_pending(pending, found, time.perf_counter() - t0, bundle.hashed.every_time)
+            self._timings.settle = time.perf_counter() - t0
+            report = settle_pending(pending, found, self._timings.settle, bundle.hashed.every_time)
         except BundleError as e:
             state.common_host = None
             if state.fill is not None:
@@ -526,13 +530,14 @@ class MarlinPrepackedLoader(BaseModelLoader):
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         fill, state.fill = state.fill, None
+        held, state.common_host = state.common_host, None  # (the model's state outlives loading: its memory must not)
         # With the rank file copying beside, this process reads the common tensors itself (the helpers copy the
         # rank file); without, the rank file and then the common tensors go the plan's way.
         plan = state.plan.local() if fill is not None else state.plan
         try:
             with ParallelReader(plan, None if fill is not None else helpers) as reader:
-                if state.common_host is not None:
-                    reader.hold(state.common_host)  # read once already (hashed): its tensors come from there
+                if held is not None:
+                    reader.hold(held)  # read once already (hashed): its tensors come from there
                 t0 = time.perf_counter()
                 layout = fill.layout if fill is not None else ArenaLayout.of(bundle)
                 params = layout.parameters(state.layers)
@@ -563,7 +568,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 t1 = time.perf_counter()
                 # (a pipeline stage may have no decoder layer: then the model's first parameter says it)
                 device = next(next(iter(state.layers.values())).parameters() if state.layers else model.parameters()).device
-                with state.common_host or HostMap(bundle.common_file) as host:
+                with held or HostMap(bundle.common_file) as host:
                     model.load_weights(self._common_weights(reader, host, bundle, model, device, skip=prefilled))
                 t2 = time.perf_counter()
         finally:

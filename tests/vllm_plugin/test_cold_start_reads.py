@@ -136,6 +136,7 @@ def test_a_cold_start_reads_each_bundle_byte_once_and_stamps_it(
     line = [m for m in marlin_log if "as it was copied" in m]
     assert len(line) == 1 and "(2 files)" in line[0], marlin_log
     assert (str(cold) in line[0]) is (verify == "auto")  # (full says it hashes at every start instead)
+    assert [m for m in marlin_log if "placed" in m and "hashed as it was read (digests compared after" in m]
 
     hashed_lines = len([m for m in marlin_log if "hashed" in m])  # the source checkpoint's, and the copy's
     reads.ranges.clear()  # the next start: auto trusts the stamps (nothing hashed); full hashes again, in the one read
