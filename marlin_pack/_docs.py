@@ -68,6 +68,24 @@ def architecture_table() -> str:
     return "\n".join(rows)
 
 
+def path_table() -> str:
+    """Markdown: how each supported vLLM release serves every architecture that one of them serves through its
+    Transformers backend (the release table's ``transformers_backend``), and whether a bundle loads there."""
+    from marlin_pack.vllm_plugin import releases
+
+    versions = releases.supported()
+    names = [a for a in ARCHITECTURES.values() if any(releases.serving_path(v, a.name) == "transformers" for v in versions)]
+    rows = ["| architecture | " + " | ".join(f"vLLM {v}" for v in versions) + " |", "|---|" + "---|" * len(versions)]
+    for a in names:
+        cells = []
+        for v in versions:
+            path = releases.serving_path(v, a.name)
+            word = "Transformers backend" if path == "transformers" else "own class"
+            cells.append(word if path in a.paths else f"{word}: refused")
+        rows.append(f"| `{a.name}` | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def format_table() -> str:
     """Markdown: one row per source format reader."""
     from marlin_pack.sources import AwqGemmSource, CompressedTensorsSource, GptqV1Source
@@ -80,9 +98,9 @@ def format_table() -> str:
     return "\n".join(rows)
 
 
-BLOCKS = {"architectures": architecture_table, "formats": format_table}
+BLOCKS = {"architectures": architecture_table, "paths": path_table, "formats": format_table}
 # Which generated blocks each page holds (paths from the repository root).
-DOCS: dict[str, tuple[str, ...]] = {"README.md": ("formats",), "docs/architectures.md": ("architectures",)}
+DOCS: dict[str, tuple[str, ...]] = {"README.md": ("formats",), "docs/architectures.md": ("architectures", "paths")}
 
 
 def render(text: str, names: tuple[str, ...] = tuple(BLOCKS)) -> str:

@@ -39,6 +39,7 @@ from marlin_pack.marlin.sharding import (
     rank_slices,
     read_layer_parts,
 )
+from marlin_pack.marlin.transformers_backend import recorded_transformers
 from marlin_pack.moe_conversion import build_moe_layer, read_moe_layer
 from marlin_pack.planning import ConversionPlan, layer_weight_shape, plan_conversion
 from marlin_pack.progress import as_progress_fn
@@ -490,7 +491,8 @@ def _write_bundle(
             manifest = Manifest(
                 format_version=update.format_version,
                 producer=Producer(version=__version__),
-                target=Target(vllm_version=MADE_WITH_VLLM, kernel=target_kernel(layer_kernels)),
+                target=Target(vllm_version=MADE_WITH_VLLM, kernel=target_kernel(layer_kernels),
+                              transformers=recorded_transformers(plan.dims.arch)),
                 quant=source.scheme,
                 serving_dtype=serving_dtype,
                 activation_dtype=serving_dtype,

@@ -80,6 +80,7 @@ class MismatchField(str, Enum):
     group_size = "group_size"
     weight_type = "weight_type"
     zero_points = "zero_points"
+    transformers_version = "transformers_version"  # the transformers vLLM's Transformers backend builds layers from
 
     def __str__(self) -> str:  # f"[{field}]" prints the wire name on every Python version
         return self.value

@@ -75,8 +75,8 @@ _MAX_DIM = 1 << 24
 _TENSOR_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.]*$")
 _MAX_TENSOR_NAME = 300
 # A tied output head's checkpoint names (InternLM2: output; a multimodal checkpoint of transformers < 4.52:
-# language_model.lm_head): each architecture's are its Architecture.output_heads (output_head_problem).
-OUTPUT_HEAD_NAMES = ("lm_head.weight", "output.weight", "language_model.lm_head.weight")
+# language_model.lm_head; GPT-NeoX: embed_out): each architecture's are its Architecture.output_heads (output_head_problem).
+OUTPUT_HEAD_NAMES = ("lm_head.weight", "output.weight", "language_model.lm_head.weight", "embed_out.weight")
 
 
 def output_head_problem(name: str, architecture: str) -> str | None:
@@ -337,6 +337,9 @@ class Target(_Strict):
     vllm_version: str
     kernel: TargetKernel = KERNEL_NAME  # type: ignore[assignment]
     layout_version: Literal[1] = LAYOUT_VERSION  # type: ignore[assignment]
+    # The transformers releases (major.minor range, e.g. "5.16-5.22") whose modeling code vLLM's Transformers backend
+    # builds the bundle's layers from, as checked (marlin.transformers_backend); absent: vLLM's own model class only.
+    transformers: str | None = Field(default=None, pattern=r"^\d+\.\d+-\d+\.\d+$")
 
 
 class QuantScheme(_Strict):
@@ -581,6 +584,8 @@ class Manifest(_Strict):
         """Deterministic JSON: sorted keys, two-space indent, trailing newline; a layer's ``kernel`` only where it is
         not Marlin (so that Marlin bundles keep the bytes, and the format, they had before Machete layers existed)."""
         data = self.model_dump(mode="json")
+        if data["target"].get("transformers") is None:  # bundles of vLLM's own classes keep their bytes
+            data["target"].pop("transformers", None)
         for s in data["tensor_parallel"]:
             for e in s["layers"]:
                 if e.get("kernel") == LayerKernel.marlin.value:

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from marlin_pack.testing.synthetic import quantized_linear_tensors, write_tokenizer
 
-__all__ = ["ARCH_CONFIGS", "write_arch_checkpoint", "quant_config"]
+__all__ = ["ARCH_CONFIGS", "BACKEND_CONFIGS", "write_arch_checkpoint", "quant_config"]
 
 _TEXT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
@@ -75,6 +75,33 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Architectures vLLM serves through its Transformers backend (marlin.transformers_backend): special token ids inside
+# the tiny vocabulary (transformers refuses a padding index outside it); each one's layout quirks kept (biases, tied
+# embeddings, GPTBigCode's multi-query attention under GPT-2's key names, GPT-NeoX without KV heads).
+_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+BACKEND_CONFIGS: dict[str, dict[str, Any]] = {
+    "OlmoForCausalLM": dict(model_type="olmo", **_TEXT, **_IDS),
+    "Olmo2ForCausalLM": dict(model_type="olmo2", **_TEXT, **_IDS),
+    "Olmo3ForCausalLM": dict(model_type="olmo3", **_TEXT, **_IDS, sliding_window=64),
+    "Starcoder2ForCausalLM": dict(model_type="starcoder2", **_TEXT, **_IDS, use_bias=True, tie_word_embeddings=True),
+    "GPTBigCodeForCausalLM": dict(model_type="gpt_bigcode", n_embd=256, n_layer=2, n_head=4, n_inner=512, vocab_size=512,
+                                  n_positions=4096, multi_query=True, bos_token_id=1, eos_token_id=2),
+    "GPTNeoXForCausalLM": dict(model_type="gpt_neox", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                               num_attention_heads=4, vocab_size=512, max_position_embeddings=4096, rotary_pct=0.25, **_IDS),
+    "PhiForCausalLM": dict(model_type="phi", **_TEXT, **_IDS, partial_rotary_factor=0.5),
+    "SmolLM3ForCausalLM": dict(model_type="smollm3", **_TEXT, **_IDS, tie_word_embeddings=True),
+    "StableLmForCausalLM": dict(model_type="stablelm", **_TEXT, **_IDS, partial_rotary_factor=0.25, use_qkv_bias=True),
+    "GlmForCausalLM": dict(model_type="glm", **_TEXT, **_IDS, head_dim=64),
+    "ArceeForCausalLM": dict(model_type="arcee", **_TEXT, **_IDS),
+    "SeedOssForCausalLM": dict(model_type="seed_oss", **_TEXT, **_IDS, head_dim=64),
+    "HunYuanDenseV1ForCausalLM": dict(model_type="hunyuan_v1_dense", **_TEXT, **_IDS, head_dim=64),
+    "VaultGemmaForCausalLM": dict(model_type="vaultgemma", **_TEXT, **_IDS, head_dim=64),
+    "CwmForCausalLM": dict(model_type="cwm", **_TEXT, **_IDS, head_dim=64,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "Jais2ForCausalLM": dict(model_type="jais2", **_TEXT, **_IDS),
+}
+ARCH_CONFIGS.update(BACKEND_CONFIGS)
+
 # Unquantized vision parts of multimodal checkpoints (AutoAWQ lists them in modules_to_not_convert).
 _VISION_MODULES = {
     "Qwen2_5_VLForConditionalGeneration": ("visual",),
@@ -108,6 +135,47 @@ def quant_config(fmt: str, bits: int = 4, group_size: int = 128) -> dict[str, An
 
 
 def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """In this process, or, where vLLM is loaded, in a fresh one: vLLM's Transformers backend decorates the transformers
+    decoder classes it builds for torch.compile in place (``support_torch_compile``, for the life of the process), and
+    such a class no longer builds outside a vLLM engine; the oracle tests write checkpoints after building backend models.
+    """
+    import sys
+
+    import transformers
+
+    module = sys.modules[getattr(transformers, config["architectures"][0]).__module__]
+    decorated = any(isinstance(c, type) and any(b.__name__ == "TorchCompileWithNoGuardsWrapper" for b in c.__bases__)
+                    for c in vars(module).values())
+    if decorated:
+        return _hf_state_dict_in_subprocess(config, dtype, seed)
+    return _hf_state_dict_here(config, dtype, seed)
+
+
+def _hf_state_dict_in_subprocess(config: dict[str, Any], dtype: torch.dtype, seed: int) -> tuple[dict, dict]:
+    import subprocess
+    import sys
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    code = (
+        "import json, sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "from safetensors.torch import save_file\n"
+        "from arch_checkpoints import _hf_state_dict_here\n"
+        "config, dtype, seed, out = json.loads(sys.argv[1]), getattr(torch, sys.argv[2]), int(sys.argv[3]), sys.argv[4]\n"
+        "sd, linears = _hf_state_dict_here(config, dtype, seed)\n"
+        "save_file({k: v.contiguous() for k, v in sd.items()}, out + '/sd.safetensors')\n"
+        "open(out + '/linears.json', 'w').write(json.dumps(linears))\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-c", code, json.dumps(config), str(dtype).removeprefix("torch."), str(seed), tmp],
+                       check=True, timeout=600)
+        linears = {k: tuple(v) for k, v in json.loads((Path(tmp) / "linears.json").read_text()).items()}
+        return load_file(str(Path(tmp) / "sd.safetensors")), linears
+
+
+def _hf_state_dict_here(config: dict[str, Any], dtype: torch.dtype, seed: int) -> tuple[dict[str, torch.Tensor], dict]:
     """Random weights of transformers' model class for ``config``, under the names ``save_pretrained``
     writes (tied copies dropped, on-disk renames applied), and the decoder layers' linear modules
     (on-disk names) with their (in, out) features."""
@@ -131,7 +199,7 @@ def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> tup
     linears = {}
     for name in sd:
         module, _, leaf = name.rpartition(".")
-        if leaf != "weight" or sd[name].dim() != 2 or not re.search(r"(^|\.)layers\.\d+\.", module):
+        if leaf != "weight" or sd[name].dim() != 2 or not re.search(r"(^|\.)(layers|h)\.\d+\.", module):
             continue
         if any(v in module for v in ("vision", "visual", "multi_modal_projector")):
             continue

@@ -32,9 +32,10 @@ def test_a_stale_table_is_caught() -> None:
 def test_main_rewrites_the_pages_it_is_given(tmp_path: Path) -> None:
     page = tmp_path / "docs" / "architectures.md"
     page.parent.mkdir()
-    page.write_text("x\n<!-- architectures:begin -->\nold\n<!-- architectures:end -->\n")
+    page.write_text("x\n<!-- architectures:begin -->\nold\n<!-- architectures:end -->\n<!-- paths:begin -->\nold\n<!-- paths:end -->\n")
     assert _docs.main([str(page)]) == 0
     assert "| `LlamaForCausalLM` |" in page.read_text() and "old" not in page.read_text()
+    assert "| `Olmo2ForCausalLM` | Transformers backend |" in page.read_text()
 
 
 def test_every_architecture_is_in_the_table() -> None:

@@ -98,6 +98,8 @@ def check(
         out.print_json(json.dumps({**report.to_dict(), "data_parallel_size": dp, "gpu": gpu_dict, "kernel_fit_checked": gpu is not None}))
     else:
         err.print(report.release_text, highlight=False, soft_wrap=True, markup=False)  # stdout: the decisions only
+        if report.path_text is not None:
+            err.print(report.path_text, highlight=False, soft_wrap=True, markup=False)
         if dp > 1 and not report.per_replica:
             out.print(f"each of the {dp} data-parallel replicas decides as follows (the same TP rank files)", highlight=False)
         colour = {"load": "green", "fallback": "yellow", "refuse": "red"}

@@ -18,7 +18,7 @@ symbols of :func:`marlin_pack.marlin.deepseek.mla_sizes` (``qh``, ``ql``, ``kva`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from marlin_pack.errors import RESTORE_CONFIG, UnsupportedCheckpointError
@@ -174,6 +174,10 @@ class Architecture:
     # DeepSeek (multi-head latent attention): per-layer linears chosen by config; ``linears`` is then
     # the most common layer (an MoE layer of a q_lora_rank-null model), for the docs.
     mla: MlaLayout | None = None
+    # How vLLM serves it: "native" (its own model class, ``vllm_class``), "transformers" (its Transformers backend,
+    # :mod:`marlin_pack.marlin.transformers_backend`), or both where the two build the same layers (Gemma). Which one
+    # a release takes is the release table's (``vllm_plugin/releases.py``); a bundle serves where its path is taken.
+    paths: frozenset[str] = frozenset({"native"})
 
     @property
     def output_heads(self) -> tuple[str, ...]:
@@ -241,17 +245,28 @@ ARCHITECTURES: dict[str, Architecture] = {
     )
 }
 
+
+def _merge_backend_rows() -> None:
+    """Add the Transformers backend's rows (:func:`~marlin_pack.marlin.transformers_backend.rows`). An architecture with
+    a native row too (Gemma: vLLM 0.30.0-0.33.0 build gemma.py, 0.34.0 the backend) keeps it, serving both paths, only
+    where the backend's rules give the same layers."""
+    from marlin_pack.marlin import transformers_backend
+
+    for name, row in transformers_backend.rows().items():
+        native = ARCHITECTURES.get(name)
+        if native is None:
+            ARCHITECTURES[name] = row
+            continue
+        if (native.linears, native.layers, native.checkpoint_layers) != (row.linears, row.layers, row.checkpoint_layers):
+            raise AssertionError(f"{name}: the Transformers backend's layers differ from {native.vllm_class}'s")
+        ARCHITECTURES[name] = replace(native, paths=native.paths | row.paths)
+
+
+_merge_backend_rows()
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
-# Architectures users ask for that vLLM does not serve through a fixed model class of its own.
-UNSUPPORTED_ARCHITECTURES = {
-    "Olmo2ForCausalLM": "vLLM serves it through its Transformers backend "
-    "(models/registry.py _TRANSFORMERS_SUPPORTED_MODELS), whose layers are traced from the installed "
-    "transformers at engine start (models/transformers/fuser.py), so there is no fixed layout to prepack",
-    "Starcoder2ForCausalLM": "vLLM serves it through its Transformers backend "
-    "(models/registry.py _TRANSFORMERS_SUPPORTED_MODELS), whose layers are traced from the installed "
-    "transformers at engine start (models/transformers/fuser.py), so there is no fixed layout to prepack",
-}
+# Architectures users ask for that no vLLM release marlin-pack serves builds a fixed layout for.
+UNSUPPORTED_ARCHITECTURES: dict[str, str] = {}
 
 
 def architecture_for(name: str | None) -> Architecture | None:

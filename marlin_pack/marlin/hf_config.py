@@ -32,7 +32,7 @@ in the checkpoint, without an attribute map); its defaults are that file's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,8 @@ class ConfigClass:
     attribute_map: Mapping[str, str] = field(default_factory=dict)  # alias -> the attribute it stands for
     defaults: Mapping[str, Any] = field(default_factory=dict)  # attribute -> value when the file omits it
     text: str | None = None  # multimodal: the model type of its text_config
+    # attribute -> how the class computes it from the others (GPTBigCode's intermediate size and KV heads)
+    derived: Mapping[str, Callable[[Mapping[str, Any]], Any]] = field(default_factory=dict)
 
 
 _LLAMA_DIMS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -106,6 +108,48 @@ CONFIG_CLASSES: dict[str, ConfigClass] = {
         "num_attention_heads": 128, "num_key_value_heads": 128, "tie_word_embeddings": False, "moe_intermediate_size": 2048,
         "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3, "num_nextn_predict_layers": 1, "n_group": 8,
         **_MLA}),
+    # Architectures vLLM serves through its Transformers backend (marlin.transformers_backend), transformers 5.22.
+    **{t: ConfigClass(n, defaults=d) for t, n, d in (
+        ("olmo", "OlmoConfig", {**_LLAMA_DIMS, "vocab_size": 50304}),
+        ("olmo2", "Olmo2Config", {**_LLAMA_DIMS, "vocab_size": 50304}),
+        ("olmo3", "Olmo3Config", {**_LLAMA_DIMS, "vocab_size": 50304}),
+        ("starcoder2", "Starcoder2Config", {"vocab_size": 49152, "hidden_size": 3072, "intermediate_size": 12288,
+                                            "num_hidden_layers": 30, "num_attention_heads": 24, "num_key_value_heads": 2,
+                                            "tie_word_embeddings": True}),
+        ("gpt_neox", "GPTNeoXConfig", {"vocab_size": 50432, "hidden_size": 6144, "intermediate_size": 24576,
+                                        "num_hidden_layers": 44, "num_attention_heads": 64, "tie_word_embeddings": False}),
+        ("phi", "PhiConfig", {"vocab_size": 51200, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
+                              "num_attention_heads": 32, "tie_word_embeddings": False}),
+        ("smollm3", "SmolLM3Config", {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008,
+                                       "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4,
+                                       "tie_word_embeddings": True}),
+        ("stablelm", "StableLmConfig", {"vocab_size": 50304, "hidden_size": 2560, "intermediate_size": 6912,
+                                         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                                         "tie_word_embeddings": False}),
+        ("glm", "GlmConfig", {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696, "num_hidden_layers": 40,
+                              "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+                              "tie_word_embeddings": False}),
+        ("arcee", "ArceeConfig", {"vocab_size": 32000, "hidden_size": 2560, "intermediate_size": 18432, "num_hidden_layers": 32,
+                                  "num_attention_heads": 32, "tie_word_embeddings": False}),
+        ("seed_oss", "SeedOssConfig", {"vocab_size": 155136, "hidden_size": 4096, "intermediate_size": 27648,
+                                        "num_hidden_layers": 64, "num_attention_heads": 80, "num_key_value_heads": 8,
+                                        "head_dim": 128, "tie_word_embeddings": False}),
+        ("hunyuan_v1_dense", "HunYuanDenseV1Config", {"vocab_size": 290943, "hidden_size": 4096, "intermediate_size": 11008,
+                                                       "num_hidden_layers": 32, "num_attention_heads": 32,
+                                                       "tie_word_embeddings": False}),
+        ("vaultgemma", "VaultGemmaConfig", {**_GEMMA3_TEXT, "vocab_size": 256000}),
+        ("cwm", "CwmConfig", {"vocab_size": 128256, "hidden_size": 6144, "intermediate_size": 21504, "num_hidden_layers": 64,
+                              "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}),
+        ("jais2", "Jais2Config", {"vocab_size": 150272, "hidden_size": 3328, "intermediate_size": 26624, "num_hidden_layers": 32,
+                                  "num_attention_heads": 26, "tie_word_embeddings": False}),
+    )},
+    # GPTBigCode: GPT-2's key names; intermediate n_inner or 4 x hidden, one KV head with multi_query (the default)
+    "gpt_bigcode": ConfigClass(
+        "GPTBigCodeConfig", {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"},
+        {"vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None, "multi_query": True,
+         "tie_word_embeddings": True},
+        derived={"intermediate_size": lambda c: c.get("n_inner") or 4 * c["n_embd"],
+                 "num_key_value_heads": lambda c: 1 if c.get("multi_query", True) else c["n_head"]}),
     "qwen2_vl_text": ConfigClass("Qwen2VLTextConfig", defaults=_QWEN2_VL_TEXT),
     "qwen2_5_vl_text": ConfigClass("Qwen2_5_VLTextConfig", defaults=_QWEN2_VL_TEXT),
     "qwen2_vl": ConfigClass("Qwen2VLConfig", text="qwen2_vl_text"),
@@ -125,6 +169,11 @@ ARCHITECTURE_MODEL_TYPES = {
     "DeepseekV3ForCausalLM": "deepseek_v3", "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Gemma3ForConditionalGeneration": "gemma3",
     "Mistral3ForConditionalGeneration": "mistral3",
+    "OlmoForCausalLM": "olmo", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3", "Starcoder2ForCausalLM": "starcoder2",
+    "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "SmolLM3ForCausalLM": "smollm3", "StableLmForCausalLM": "stablelm",
+    "GlmForCausalLM": "glm", "ArceeForCausalLM": "arcee", "SeedOssForCausalLM": "seed_oss",
+    "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "VaultGemmaForCausalLM": "vaultgemma", "CwmForCausalLM": "cwm",
+    "Jais2ForCausalLM": "jais2", "GPTBigCodeForCausalLM": "gpt_bigcode",
 }
 
 
@@ -174,6 +223,9 @@ def resolve(config: Mapping[str, Any], model_type: str | None) -> dict[str, Any]
             out[attribute] = cls.defaults.get(attribute)
         if attribute in out:
             out[alias] = out[attribute]
+    for attribute, compute in cls.derived.items():
+        if out.get(attribute) is None:
+            out[attribute] = compute(out)
     return out
 
 

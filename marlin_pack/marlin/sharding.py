@@ -246,6 +246,8 @@ def layer_specs(d: ModelDims, layer: int) -> list[LayerSpec]:
         "i": d.intermediate_size,
         "q": d.num_heads * d.head_dim,
         "kv": d.num_kv_heads * d.head_dim,
+        "qkv": (d.num_heads + 2 * d.num_kv_heads) * d.head_dim,  # one projection of q, k and v (GPT-NeoX)
+        "2i": 2 * d.intermediate_size,  # gate and up in one projection the model chunks (Glm)
         **d.sizes,
     }
     checkpoint, vllm = f"{d.checkpoint_layers}.{layer}", f"{d.arch.layers}.{layer}"

@@ -49,6 +49,7 @@ __all__ = [
     "resolve_bundle_dir",
     "check_engine",
     "check_release",
+    "serving_path_problem",
     "loaded_zero_word",
     "bundle_layouts",
     "select_bundle",
@@ -91,6 +92,7 @@ class EngineFacts:
     linear_backend_per_quant: Mapping[str, str] | None = None
     revision: str | None = None  # of a Hugging Face model id
     capability: int | None = None  # the GPU's compute capability, major*10 + minor (None: unknown, e.g. `check`)
+    transformers_version: str | None = None  # the installed transformers (vLLM's Transformers backend builds from it)
 
 
 @dataclass(frozen=True)
@@ -204,12 +206,34 @@ def check_release(vllm_version: str) -> None:
         raise BundleMismatchError(F.vllm_version, releases.unsupported_reason(vllm_version))
 
 
+def serving_path_problem(manifest: Manifest, vllm_version: str, transformers_version: str | None) -> tuple[MismatchField, str] | None:
+    """Whether the release builds the bundle's layers for its architecture: the path it takes (vLLM's own class, or its
+    Transformers backend: ``releases.serving_path``) is one the bundle's layout is for (its architecture row's
+    ``paths``), and through the backend the installed transformers is one the layout was checked against (the
+    manifest's ``target.transformers``; a bundle made before it was recorded: the table's). None: it does."""
+    from marlin_pack.marlin.architectures import architecture_for
+    from marlin_pack.marlin.transformers_backend import CHECKED_TRANSFORMERS
+
+    name = manifest.source.architecture
+    row = architecture_for(name)
+    paths = row.paths if row is not None else frozenset({"native"})
+    problem = releases.path_problem(vllm_version, name, paths)
+    if problem is not None:
+        return F.vllm_version, problem
+    if releases.serving_path(vllm_version, name) == "transformers":
+        problem = releases.transformers_problem(manifest.target.transformers or CHECKED_TRANSFORMERS, transformers_version)
+        if problem is not None:
+            return F.transformers_version, problem
+    return None
+
+
 def _check_target(manifest: Manifest, facts: EngineFacts) -> None:
-    """The running release serves the bundle's layouts (whatever release it was made with), and its dtype and method."""
+    """The running release serves the bundle's layouts (whatever release it was made with) on the path it takes for its
+    architecture, and its dtype and method."""
     check_release(facts.vllm_version)
-    backend = releases.served_natively(facts.vllm_version, manifest.source.architecture)
-    if backend is not None:
-        raise BundleMismatchError(F.vllm_version, backend)
+    path = serving_path_problem(manifest, facts.vllm_version, facts.transformers_version)
+    if path is not None:
+        raise BundleMismatchError(*path)
     layouts = bundle_layouts(manifest)
     if manifest.target.kernel not in TARGET_KERNELS or not releases.serves(facts.vllm_version, layouts):
         held = ", ".join(f"{f} v{v}" for f, v in layouts.items())

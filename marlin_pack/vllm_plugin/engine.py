@@ -90,6 +90,7 @@ def engine_facts(vllm_config: VllmConfig, model_config: ModelConfig) -> EngineFa
         batch_invariant=bool(envs.VLLM_BATCH_INVARIANT),
         disabled_kernels=tuple(envs.VLLM_DISABLED_KERNELS or ()),
         linear_backend=str(kc.linear_backend),
+        transformers_version=_installed("transformers"),
         linear_backend_per_quant=dict(kc.linear_backend_per_quant or {}) or None,
         revision=getattr(model_config, "revision", None),
         capability=_capability(),
@@ -420,3 +421,13 @@ def _finish_w_zp(kernel: Any, layer: nn.Module) -> None:
     kernel.w_zp_name = "w_zp"
     if not _is_empty_on(getattr(layer, "w_zp", None), device):
         replace_parameter(layer, "w_zp", marlin_make_empty(device))
+
+
+def _installed(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (None: not installed), without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None

@@ -54,6 +54,32 @@ class PreflightReport:
     ranks: list[RankOutcome] = field(default_factory=list)
     pp_size: int = 1
     per_replica: bool = False  # each data-parallel replica decided (its experts differ); else replica 0 stands for all
+    architecture: str | None = None  # config.json's architectures[0] (None: unreadable)
+    transformers_version: str | None = None  # the installed transformers
+
+    @property
+    def path(self) -> str | None:
+        """How the release builds the model: ``native`` (vLLM's own class) or ``transformers`` (its Transformers
+        backend); None where the release is not served or the architecture unknown."""
+        from marlin_pack.vllm_plugin import releases
+
+        return releases.serving_path(self.vllm_version, self.architecture) if self.architecture else None
+
+    @property
+    def path_text(self) -> str | None:
+        """Which path the running release takes for the model (one line), e.g. ``Olmo2ForCausalLM: vLLM 0.34.0 builds
+        it through its Transformers backend (transformers 5.22.2)``."""
+        path = self.path
+        if path is None:
+            return None
+        if path == "transformers":
+            how = f"through its Transformers backend (transformers {self.transformers_version or 'not installed'})"
+        else:
+            from marlin_pack.marlin.architectures import architecture_for
+
+            row = architecture_for(self.architecture)
+            how = "with its own model class" + (f" ({row.vllm_class})" if row is not None and "native" in row.paths else "")
+        return f"{self.architecture}: vLLM {self.vllm_version} builds it {how}"
 
     @property
     def first_problem(self) -> RankOutcome | None:
@@ -100,6 +126,8 @@ class PreflightReport:
             "pp_size": self.pp_size,
             "vllm_version": self.vllm_version,
             "vllm_supported": self._supported(),
+            "architecture": self.architecture,
+            "serving_path": self.path,
             "hashed": _hash_dict(self.hashed),
             "ranks": [r.to_dict() for r in self.ranks],
         }
@@ -182,19 +210,43 @@ def preflight(
         extra["bundle"] = str(bundle)
     options = parse_extra_config(extra)
     version = vllm_version or installed_vllm_version()
-    report = PreflightReport(tp_size=tp_size, vllm_version=version, pp_size=pp_size)
+    tf_version = _installed("transformers")
+    report = PreflightReport(tp_size=tp_size, vllm_version=version, pp_size=pp_size,
+                             architecture=_architecture(model_dir, revision), transformers_version=tf_version)
     for replica in range(dp_size):
         for stage, r in ((s, r) for s in range(pp_size) for r in (range(tp_size) if rank is None else [rank])):
             facts = EngineFacts(
                 model=str(model_dir), vllm_version=version, tp_size=tp_size, tp_rank=r, pp_size=pp_size, pp_rank=stage,
                 dp_size=dp_size, dp_rank=replica, expert_parallel=expert_parallel, expert_placement=expert_placement,
-                dtype=dtype, revision=revision, capability=capability,
+                dtype=dtype, revision=revision, capability=capability, transformers_version=tf_version,
             )
             report.ranks.append(_outcome(options, facts, replica))
         if not any(o.reads and "experts" in o.reads for o in report.ranks):
             break  # every replica loads the same TP rank files: replica 0 stands for them
         report.per_replica = dp_size > 1
     return report
+
+
+def _installed(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _architecture(model_dir: str | Path, revision: str | None) -> str | None:
+    """The model's ``architectures[0]`` from its config.json, found as the loader finds the checkpoint (no download);
+    None where it cannot be read (the decisions say why)."""
+    from marlin_pack.errors import MarlinPackError
+    from marlin_pack.io.checkpoint_files import read_json
+    from marlin_pack.marlin.architectures import config_architecture
+    from marlin_pack.sources.hub import resolve_model
+
+    try:
+        model = resolve_model(str(model_dir), revision, download=False)
+        return config_architecture(read_json(model.dir / "config.json", "config.json"))
+    except (MarlinPackError, OSError, ValueError):
+        return None
 
 
 def _outcome(options: LoaderOptions, facts: EngineFacts, replica: int) -> RankOutcome:

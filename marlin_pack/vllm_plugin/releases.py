@@ -25,9 +25,13 @@ what differs is the plugin's surface, read from each release's code:
 * ``new_params``: the kernel's post-processing leaves each parameter it transforms (``w_q``, ``w_s``, ``w_zp`` with
   zero points) a new plain ``torch.nn.Parameter`` holding the old one's ``weight_loader`` (0.30-0.32), where later
   releases keep the loaded parameter object (``PackedvLLMParameter``, ...); finishing does the same.
-* ``transformers_backend``: architectures marlin-pack converts for a native vLLM class that the release serves through
-  its Transformers backend instead (0.34: ``GemmaForCausalLM``); a bundle of one is refused on that release
-  (:func:`served_natively`).
+* ``transformers_backend``: the architectures of marlin-pack's table (``marlin/architectures.py``) that the release
+  serves through its Transformers backend (registry entry ``("transformers", ...)``), every other one through vLLM's own
+  class. An architecture's row says which of the two paths its layout is for (``Architecture.paths``: the backend's for
+  Olmo 2, both for Gemma, whose backend layers equal gemma.py's); a bundle is refused on a release taking another path
+  (:func:`path_problem`), and, through the backend, under a transformers outside the releases its layout was checked
+  against (:func:`transformers_problem`). ``transformers``: the transformers release the release's environment
+  resolves to (its pin), the one its oracles ran with.
 * ``ready``: the plugin's adapter for the release is done and its oracles pass. A release listed but not ready is
   refused like an unknown one; its entry is data for the adapter to come.
 
@@ -56,6 +60,9 @@ __all__ = [
     "applies",
     "serves",
     "served_natively",
+    "serving_path",
+    "path_problem",
+    "transformers_problem",
 ]
 
 FAMILIES = ("marlin", "machete", "marlin_moe")
@@ -79,8 +86,10 @@ class Release:
     # (MPLinearKernel._transform_param -> replace_parameter: 0.30-0.32) instead of keeping the parameter object (0.33+).
     new_params: bool = False
     # Architectures of marlin-pack's table that this release serves through its Transformers backend (registry entry
-    # ("transformers", ...)), not the vLLM class the table names: their layers are built from a trace, so refused.
+    # ("transformers", ...)); the table's others through vLLM's own class.
     transformers_backend: frozenset[str] = frozenset()
+    # The transformers release this release's environment resolves to (tools/vllm-env.sh; its oracles ran with it).
+    transformers: str = ""
 
     def has_env(self, name: str) -> bool:
         """Whether this release still reads the environment variable ``name``."""
@@ -103,20 +112,29 @@ FEATURES: Mapping[str, Callable[[Release], bool]] = MappingProxyType({
 })
 
 _MARLIN_INPUT = frozenset({"VLLM_MARLIN_INPUT_DTYPE"})
+# Through the Transformers backend, read from each release's models/registry.py (tests/vllm_plugin/test_releases.py
+# checks the running release's): 0.30-0.31 these; 0.32 adds the models it moved off its own classes (gpt_neox.py,
+# phi.py, glm.py, arcee.py, seed_oss.py, ...); 0.34 Gemma and StableLM too.
+_BACKEND_030 = frozenset({"OlmoForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM",
+                          "Starcoder2ForCausalLM", "GPTBigCodeForCausalLM", "HunYuanDenseV1ForCausalLM",
+                          "VaultGemmaForCausalLM"})
+_BACKEND_032 = _BACKEND_030 | {"GPTNeoXForCausalLM", "PhiForCausalLM", "GlmForCausalLM", "ArceeForCausalLM",
+                               "SeedOssForCausalLM", "CwmForCausalLM", "Jais2ForCausalLM"}
+_BACKEND_034 = _BACKEND_032 | {"GemmaForCausalLM", "StableLmForCausalLM"}
 
 # Newest first. Each fact was read from the release's wheel (vllm/**/*.py).
 RELEASES: tuple[Release, ...] = (
     Release("0.34.0", finish="w_zp", memory_hook=True, cache_key="kernel_config", daemon="preload", ready=True,
             upstream=frozenset({"dense_pre_processed", "kernel_format_reload"}),
-            transformers_backend=frozenset({"GemmaForCausalLM"})),
+            transformers_backend=_BACKEND_034, transformers="5.22.2"),
     Release("0.33.0", finish="empty_qzeros", memory_hook=True, cache_key="kernel_config", daemon="preload", ready=True,
-            env=_MARLIN_INPUT),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_032, transformers="5.20.2"),
     Release("0.32.0", finish="empty_qzeros", memory_hook=True, cache_key="plain", daemon="preload", ready=True, new_params=True,
-            env=_MARLIN_INPUT),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_032, transformers="5.19.0"),
     Release("0.31.0", finish="empty_qzeros", memory_hook=False, cache_key="plain", daemon="preload", ready=True, new_params=True,
-            env=_MARLIN_INPUT),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_030, transformers="5.17.0"),
     Release("0.30.0", finish="workspace", memory_hook=False, cache_key="plain", daemon="module", ready=True, new_params=True,
-            env=_MARLIN_INPUT),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_030, transformers="5.16.1"),
 )
 
 # The release written into a manifest as ``target.vllm_version`` ("made with"): the one whose post-processing the
@@ -167,13 +185,62 @@ def serves(version: str, layouts: Mapping[str, int]) -> bool:
     return entry is not None and all(entry.layouts.get(f) == v for f, v in layouts.items())
 
 
-def served_natively(version: str, architecture: str) -> str | None:
-    """Why the release ``version`` cannot serve a bundle of ``architecture`` (None: it builds vLLM's own class for it)."""
+Path = Literal["native", "transformers"]
+_PATH_WORDS = {"native": "with its own model class", "transformers": "through its Transformers backend"}
+_LAYOUT_WORDS = {"native": "vLLM's own model class", "transformers": "vLLM's Transformers backend"}
+
+
+def serving_path(version: str, architecture: str) -> Path | None:
+    """How the release ``version`` serves ``architecture``: ``native`` (vLLM's own model class) or ``transformers`` (its
+    Transformers backend); None where marlin-pack does not serve the release."""
     entry = release(version)
-    if entry is None or architecture not in entry.transformers_backend:
+    if entry is None:
         return None
-    native = [r.version for r in RELEASES if r.ready and architecture not in r.transformers_backend]
-    return (
-        f"vLLM {version} serves {architecture} through its Transformers backend, whose layers marlin-pack does not "
-        f"prepack; serve this bundle with vLLM {', '.join(native)}"
-    )
+    return "transformers" if architecture in entry.transformers_backend else "native"
+
+
+def path_problem(version: str, architecture: str, paths: frozenset[str]) -> str | None:
+    """Why the release ``version`` cannot serve a bundle of ``architecture`` whose layers are those of the serving paths
+    ``paths`` (the architecture row's ``paths``); None: it takes one of them."""
+    path = serving_path(version, architecture)
+    if path is None or path in paths:
+        return None
+    held = " and ".join(_LAYOUT_WORDS[p] for p in sorted(paths)) or "no vLLM model"
+    others = [r.version for r in RELEASES if r.ready and serving_path(r.version, architecture) in paths]
+    where = f"serve it with vLLM {', '.join(others)}" if others else "no release marlin-pack supports builds those layers"
+    return (f"vLLM {version} serves {architecture} {_PATH_WORDS[path]}, whose layers differ from those of {held} the "
+            f"bundle holds; {where}")
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a release string such as ``5.22.2`` or ``5.23.0.dev0``; None if it has none."""
+    parts = version.split(".")
+    if len(parts) < 2 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def transformers_problem(checked: str, installed: str | None) -> str | None:
+    """Why a bundle whose Transformers-backend layout was checked against the transformers releases ``checked``
+    (``5.16-5.22``: major.minor, inclusive; a manifest's ``target.transformers``) cannot be served where
+    ``installed`` is (None: not installed); None: it can. The backend builds its layers from the installed
+    transformers' modeling code, which other releases may change."""
+    low, _, high = checked.partition("-")
+    bounds = _minor(low), _minor(high or low)
+    found = _minor(installed) if installed else None
+    if None not in bounds and found is not None and bounds[0] <= found <= bounds[1]:  # type: ignore[operator]
+        return None
+    what = f"transformers {installed}" if installed else "no transformers"
+    return (f"{what} is installed; the bundle holds the Transformers backend's layers as transformers {checked} "
+            f"model them; install one of those releases (pip install 'transformers>={low},<{_next_minor(high or low)}')")
+
+
+def _next_minor(version: str) -> str:
+    m = _minor(version)
+    return f"{m[0]}.{m[1] + 1}" if m else version
+
+
+def served_natively(version: str, architecture: str) -> str | None:
+    """Why the release ``version`` cannot serve a bundle of ``architecture`` that holds the layers of vLLM's own model
+    class only (None: it can); :func:`path_problem` with the native path."""
+    return path_problem(version, architecture, frozenset({"native"}))

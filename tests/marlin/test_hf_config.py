@@ -52,7 +52,8 @@ def _vllm_view(config: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
         "hidden_size": hidden, "num_heads": heads, "num_layers": text.num_hidden_layers,
         "num_kv_heads": text.num_key_value_heads if getattr(text, "num_key_value_heads", None) is not None else heads,
         "head_dim": hidden // heads if arch.head_dim == "derived" or head_dim is None else head_dim,
-        "intermediate_size": getattr(text, arch.intermediate_key),
+        # GPTBigCode has no intermediate_size: its MLP is n_inner wide, 4 x hidden without it
+        "intermediate_size": getattr(text, arch.intermediate_key, None) or getattr(text, "n_inner", None) or 4 * hidden,
     }
     if name in MOE_ARCHITECTURES:  # vLLM's attribute: Mixtral num_local_experts, Qwen num_experts, DeepSeek n_routed_experts
         m = MOE_ARCHITECTURES[name]

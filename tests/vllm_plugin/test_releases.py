@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from marlin_pack.bundle.reader import read_manifest
 from marlin_pack.errors import BundleMismatchError, LoadRefusedError
+from marlin_pack.schemas import Manifest
 from marlin_pack.vllm_plugin import releases
 from marlin_pack.vllm_plugin.decision import EngineFacts, bundle_layouts, check_engine, decide
 from marlin_pack.vllm_plugin.options import LoaderOptions
@@ -102,26 +104,55 @@ def test_an_unknown_release_is_refused_in_one_line_or_falls_back(awq_bundle: Pat
         decide(LoaderOptions(bundle=awq_bundle / "nowhere"), facts)
 
 
-def test_an_architecture_a_release_serves_through_its_transformers_backend_is_refused_there(awq_bundle: Path) -> None:
-    """vLLM 0.34.0 serves GemmaForCausalLM through its Transformers backend (registry ("transformers", ...)): a Gemma
-    bundle is refused there in one line naming the releases that build vLLM's own Gemma class, and loads elsewhere."""
+def _as(manifest: Manifest, architecture: str, transformers: str | None = None) -> Manifest:
+    source = manifest.source.model_copy(update={"architecture": architecture})
+    return manifest.model_copy(update={"source": source, "target": manifest.target.model_copy(update={"transformers": transformers})})
+
+
+def test_gemma_loads_on_every_release_its_own_class_or_the_transformers_backend(awq_bundle: Path) -> None:
+    """vLLM 0.34.0 serves GemmaForCausalLM through its Transformers backend, 0.30.0-0.33.0 with gemma.py: both build the
+    same layers (the table's row serves both paths), so a Gemma bundle, made before the record existed too, loads on every
+    release; through the backend only under a transformers its layout was checked against, refused in one line else."""
     manifest = read_manifest(awq_bundle / "marlin-pack")
-    gemma = manifest.model_copy(update={"source": manifest.source.model_copy(update={"architecture": "GemmaForCausalLM"})})
-    facts = {v: EngineFacts(model=str(awq_bundle), vllm_version=v, quantization="auto_awq") for v in releases.supported()}
-    with pytest.raises(BundleMismatchError) as e:
-        check_engine(gemma, facts["0.34.0"])
-    assert e.value.field == "vllm_version" and "\n" not in str(e.value)
-    assert ("vLLM 0.34.0 serves GemmaForCausalLM through its Transformers backend, whose layers marlin-pack does not "
-            "prepack; serve this bundle with vLLM 0.33.0, 0.32.0, 0.31.0, 0.30.0") in str(e.value)
-    for version in ("0.33.0", "0.32.0", "0.31.0", "0.30.0"):
-        check_engine(gemma, facts[version])
-    check_engine(manifest, facts["0.34.0"])  # Llama: vLLM's own class on every release
-    assert releases.served_natively("0.33.0", "GemmaForCausalLM") is None
+    facts = {v: EngineFacts(model=str(awq_bundle), vllm_version=v, quantization="auto_awq", transformers_version="5.22.2")
+             for v in releases.supported()}
+    for gemma in (_as(manifest, "GemmaForCausalLM"), _as(manifest, "GemmaForCausalLM", "5.16-5.22")):
+        for version in releases.supported():
+            check_engine(gemma, facts[version])
+    assert releases.serving_path("0.34.0", "GemmaForCausalLM") == "transformers"
+    assert releases.serving_path("0.33.0", "GemmaForCausalLM") == "native"
+    gemma = _as(manifest, "GemmaForCausalLM", "5.16-5.22")
+    for installed in ("5.23.0", "5.15.2", None):
+        with pytest.raises(BundleMismatchError) as e:
+            check_engine(gemma, dataclasses.replace(facts["0.34.0"], transformers_version=installed))
+        assert e.value.field == "transformers_version" and "\n" not in str(e.value)
+        assert "the bundle holds the Transformers backend's layers as transformers 5.16-5.22 model them" in str(e.value)
+        assert "pip install 'transformers>=5.16,<5.23'" in str(e.value)
+        check_engine(gemma, dataclasses.replace(facts["0.33.0"], transformers_version=installed))  # gemma.py: no matter
+    check_engine(manifest, dataclasses.replace(facts["0.34.0"], transformers_version=None))  # Llama: vLLM's own class
+
+
+def test_a_transformers_backend_bundle_is_refused_where_a_release_builds_its_own_class(awq_bundle: Path) -> None:
+    """GPT-NeoX: vLLM 0.30.0 and 0.31.0 build gpt_neox.py, whose layers are not the backend's; 0.32.0 on the backend."""
+    neox = _as(read_manifest(awq_bundle / "marlin-pack"), "GPTNeoXForCausalLM", "5.16-5.22")
+    for version in releases.supported():
+        facts = EngineFacts(model=str(awq_bundle), vllm_version=version, quantization="auto_awq", transformers_version="5.20.2")
+        if version in ("0.30.0", "0.31.0"):
+            with pytest.raises(BundleMismatchError) as e:
+                check_engine(neox, facts)
+            assert e.value.field == "vllm_version" and "\n" not in str(e.value)
+            assert str(e.value).endswith(
+                f"vLLM {version} serves GPTNeoXForCausalLM with its own model class, whose layers differ from those of "
+                "vLLM's Transformers backend the bundle holds; serve it with vLLM 0.34.0, 0.33.0, 0.32.0")
+        else:
+            check_engine(neox, facts)
+    assert releases.served_natively("0.34.0", "GemmaForCausalLM") is not None  # a bundle of gemma.py's layers alone
 
 
 def test_the_transformers_backend_column_is_what_each_release_registers() -> None:
-    """Read from the installed vLLM's registry where it is one of the table's releases: every architecture marlin-pack
-    converts is served by vLLM's own class unless the entry lists it."""
+    """Read from the installed vLLM's registry where it is one of the table's releases: every architecture of marlin-pack's
+    table is served by vLLM's own class unless the entry lists it, and the entry names the transformers installed."""
+    import transformers
     from vllm.model_executor.models import registry
 
     from marlin_pack.marlin.architectures import SUPPORTED_ARCHITECTURES
@@ -131,9 +162,12 @@ def test_the_transformers_backend_column_is_what_each_release_registers() -> Non
     assert entry is not None
 
     tables = [getattr(registry, n) for n in dir(registry) if n.startswith("_") and n.endswith("_MODELS")]
-    through_backend = {a for a in SUPPORTED_ARCHITECTURES
-                       if any(isinstance(t, dict) and t.get(a, (None,))[0] == "transformers" for t in tables)}
+    tables = [t for t in tables if isinstance(t, dict)]
+    through_backend = {a for a in SUPPORTED_ARCHITECTURES if any(t.get(a, (None,))[0] == "transformers" for t in tables)}
+    unregistered = {a for a in SUPPORTED_ARCHITECTURES if not any(a in t for t in tables)}
+    assert not unregistered  # (vLLM would pick the backend for those, if transformers has them)
     assert through_backend == set(entry.transformers_backend)
+    assert transformers.__version__ == entry.transformers
 
 
 def test_the_table_imports_neither_vllm_nor_torch() -> None:

@@ -1,0 +1,164 @@
+"""``marlin.transformers_backend``: the backend's rules over transformers' modules, as the table's rows (pure, no vLLM).
+
+What each row builds is proven against vLLM's real backend in ``test_transformers_backend_exact.py``; here, that the rules
+give what those tests found, that the rows reach the converter (dimensions, specs, the manifest's record) and that the
+serving path of each release is the release table's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from marlin_pack.layer_kinds import LayerKind
+from marlin_pack.marlin.architectures import ARCHITECTURES, LLAMA_LINEARS
+from marlin_pack.marlin.hf_config import ARCHITECTURE_MODEL_TYPES
+from marlin_pack.marlin.sharding import layer_specs, model_dims, rank_slices
+from marlin_pack.marlin.transformers_backend import (
+    BACKEND_CLASS,
+    BACKEND_MODELS,
+    CHECKED_TRANSFORMERS,
+    recorded_transformers,
+)
+from marlin_pack.vllm_plugin import releases
+
+BACKEND = [a for a, row in ARCHITECTURES.items() if "transformers" in row.paths]
+
+
+def _layers(arch: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    return [(lin.name, lin.kind.value, tuple(p.module for p in lin.parts)) for lin in ARCHITECTURES[arch].linears]
+
+
+def test_every_backend_model_is_a_row_of_the_table_serving_that_path() -> None:
+    assert set(BACKEND) == set(BACKEND_MODELS)
+    for name in BACKEND:
+        row = ARCHITECTURES[name]
+        assert row.vllm_class == BACKEND_CLASS or "native" in row.paths
+        assert name in ARCHITECTURE_MODEL_TYPES  # its config class (marlin.hf_config)
+
+
+def test_gemma_serves_both_paths_because_the_rules_give_gemma_py_s_layers() -> None:
+    """The backend's rules over GemmaMLP / GemmaAttention give what vLLM's gemma.py builds: one row, two paths."""
+    gemma = ARCHITECTURES["GemmaForCausalLM"]
+    assert gemma.paths == {"native", "transformers"} and gemma.vllm_class == "gemma.GemmaForCausalLM"
+    assert gemma.linears == LLAMA_LINEARS
+    assert ARCHITECTURES["LlamaForCausalLM"].paths == {"native"}
+
+
+@pytest.mark.parametrize("arch,layers", [
+    # QKVFuser + GLUFuser: Llama's names
+    ("Olmo2ForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                          ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
+                          ("mlp.gate_up_proj", "merged-column", ("mlp.gate_proj", "mlp.up_proj")),
+                          ("mlp.down_proj", "row", ("mlp.down_proj",))]),
+    # a plain MLP: its tp_plan (colwise, rowwise) under its own names
+    ("Starcoder2ForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                               ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
+                               ("mlp.c_fc", "column", ("mlp.c_fc",)), ("mlp.c_proj", "row", ("mlp.c_proj",))]),
+    ("PhiForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                        ("self_attn.dense", "row", ("self_attn.dense",)),
+                        ("mlp.fc1", "column", ("mlp.fc1",)), ("mlp.fc2", "row", ("mlp.fc2",))]),
+    # no fuser matches query_key_value (q, k, v interleaved per head): colwise as one column
+    ("GPTNeoXForCausalLM", [("attention.query_key_value", "column", ("attention.query_key_value",)),
+                            ("attention.dense", "row", ("attention.dense",)),
+                            ("mlp.dense_h_to_4h", "column", ("mlp.dense_h_to_4h",)),
+                            ("mlp.dense_4h_to_h", "row", ("mlp.dense_4h_to_h",))]),
+    # PackedQKVFuser keeps c_attn's name, stored fused; no tp_plan: the MLP replicated
+    ("GPTBigCodeForCausalLM", [("attn.c_attn", "qkv", ("attn.c_attn",) * 3), ("attn.c_proj", "row", ("attn.c_proj",)),
+                               ("mlp.c_fc", "replicated", ("mlp.c_fc",)), ("mlp.c_proj", "replicated", ("mlp.c_proj",))]),
+    # gate_up_proj stored fused and chunked after the GEMM: colwise_gather_output, one column of 2i
+    ("GlmForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                        ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
+                        ("mlp.gate_up_proj", "column", ("mlp.gate_up_proj",)), ("mlp.down_proj", "row", ("mlp.down_proj",))]),
+])
+def test_the_rules_give_the_layers_vllm_builds(arch: str, layers: list) -> None:
+    """As the backend built them in vLLM 0.30.0-0.34.0 (transformers 5.16.1-5.22.2; the exact tests prove the bytes)."""
+    assert _layers(arch) == layers
+
+
+def test_checkpoint_and_vllm_prefixes() -> None:
+    """vLLM's mapper puts the base model under ``model.`` whatever the checkpoint's prefix (GPT-2's transformer., ...)."""
+    assert ARCHITECTURES["GPTBigCodeForCausalLM"].checkpoint_layers == ("transformer.h",)
+    assert ARCHITECTURES["GPTBigCodeForCausalLM"].layers == "model.h"
+    assert ARCHITECTURES["GPTNeoXForCausalLM"].checkpoint_layers == ("gpt_neox.layers",)
+    assert ARCHITECTURES["GPTNeoXForCausalLM"].output_heads == ("embed_out.weight",)
+
+
+def _config(arch: str) -> dict:
+    from arch_checkpoints import BACKEND_CONFIGS
+
+    return {**BACKEND_CONFIGS[arch], "architectures": [arch]}
+
+
+def test_gpt_bigcode_dims_under_gpt2_names_and_multi_query() -> None:
+    d = model_dims(_config("GPTBigCodeForCausalLM"), ["transformer.h.0.attn.c_attn.qweight"])
+    assert (d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size, d.num_layers) == (256, 4, 1, 64, 512, 2)
+    (qkv, *_rest) = layer_specs(d, 0)
+    assert qkv.name == "model.h.0.attn.c_attn" and qkv.kind is LayerKind.qkv
+    assert [(p.name, p.prefix, p.offset, p.size_n) for p in qkv.parts] == [
+        ("c_attn[q]", "transformer.h.0.attn.c_attn", 0, 256), ("c_attn[k]", "transformer.h.0.attn.c_attn", 256, 64),
+        ("c_attn[v]", "transformer.h.0.attn.c_attn", 320, 64)]
+    # TP 2: the one KV head replicated on both ranks
+    assert [(s.n0, s.n) for s in rank_slices(qkv, d, 2, 1)] == [(128, 128), (0, 64), (0, 64)]
+    no_inner = {k: v for k, v in _config("GPTBigCodeForCausalLM").items() if k != "n_inner"}
+    assert model_dims(no_inner).intermediate_size == 4 * 256
+    assert model_dims({**no_inner, "multi_query": False}).num_kv_heads == 4
+
+
+def test_gpt_neox_one_column_of_q_k_v() -> None:
+    d = model_dims(_config("GPTNeoXForCausalLM"), ["gpt_neox.layers.0.attention.dense.qweight"])
+    qkv = layer_specs(d, 0)[0]
+    assert qkv.name == "model.layers.0.attention.query_key_value" and qkv.parts[0].size_n == 3 * 256
+    assert [(s.n0, s.n) for s in rank_slices(qkv, d, 2, 1)] == [(384, 384)]
+
+
+def test_a_backend_bundle_records_the_transformers_releases_it_was_checked_against() -> None:
+    assert recorded_transformers(ARCHITECTURES["Olmo2ForCausalLM"]) == CHECKED_TRANSFORMERS == "5.16-5.22"
+    assert recorded_transformers(ARCHITECTURES["GemmaForCausalLM"]) == CHECKED_TRANSFORMERS
+    assert recorded_transformers(ARCHITECTURES["LlamaForCausalLM"]) is None
+    checked = CHECKED_TRANSFORMERS.split("-")
+    # every release's own transformers is inside the range (its oracles ran with it)
+    for entry in releases.RELEASES:
+        assert releases.transformers_problem(CHECKED_TRANSFORMERS, entry.transformers) is None, entry.version
+    assert checked == ["5.16", "5.22"]
+
+
+@pytest.mark.parametrize("arch", BACKEND)
+def test_each_release_takes_a_path_the_row_serves_or_says_which_do(arch: str) -> None:
+    row = ARCHITECTURES[arch]
+    served = [v for v in releases.supported() if releases.path_problem(v, arch, row.paths) is None]
+    assert "0.34.0" in served  # the newest release serves every row
+    for v in releases.supported():
+        problem = releases.path_problem(v, arch, row.paths)
+        assert (problem is None) == (releases.serving_path(v, arch) in row.paths)
+        if problem is not None:
+            assert problem.endswith(f"serve it with vLLM {', '.join(served)}") and "\n" not in problem
+
+
+def test_paths_per_release() -> None:
+    """What the registries of 0.30.0-0.34.0 say (tests/vllm_plugin/test_releases.py reads the running one's)."""
+    path = releases.serving_path
+    assert [path(v, "Olmo2ForCausalLM") for v in releases.supported()] == ["transformers"] * 5
+    assert [path(v, "PhiForCausalLM") for v in releases.supported()] == ["transformers"] * 3 + ["native"] * 2
+    assert [path(v, "GemmaForCausalLM") for v in releases.supported()] == ["transformers"] + ["native"] * 4
+    assert [path(v, "LlamaForCausalLM") for v in releases.supported()] == ["native"] * 5
+    assert path("0.29.0", "Olmo2ForCausalLM") is None
+
+
+def test_a_bundle_manifest_carries_the_record(tmp_path: Path) -> None:
+    """convert writes target.transformers for a backend architecture, and nothing for vLLM's own classes (their
+    manifests keep their bytes)."""
+    import torch
+    from arch_checkpoints import write_arch_checkpoint
+
+    from marlin_pack import convert
+
+    model = write_arch_checkpoint(tmp_path / "olmo2", "Olmo2ForCausalLM", "gptq", group_size=32, dtype=torch.bfloat16)
+    manifest = convert(model, tp=(1,)).manifest
+    assert manifest.target.transformers == CHECKED_TRANSFORMERS
+    assert json.loads((model / "marlin-pack" / "manifest.json").read_text())["target"]["transformers"] == "5.16-5.22"
+    llama = write_arch_checkpoint(tmp_path / "granite", "GraniteForCausalLM", "gptq", group_size=32, dtype=torch.bfloat16)
+    convert(llama, tp=(1,))
+    assert "transformers" not in json.loads((llama / "marlin-pack" / "manifest.json").read_text())["target"]

@@ -1,0 +1,69 @@
+"""Architectures vLLM serves through its Transformers backend convert bit-exactly to what the backend holds.
+
+Checkpoints come from transformers' own model classes (``arch_checkpoints.BACKEND_CONFIGS``: random init, tiny
+config, AWQ/GPTQ tensors for the decoder's linears); the reference (``oracles.vllm_reference``) builds the model class
+the installed vLLM's registry picks, here ``TransformersForCausalLM`` (the backend's real ``recursive_replace``, fusers
+and tp_plan, over the installed transformers), loads every tensor through its ``load_weights`` and runs its
+post-processing on the CPU. On a release that builds its own class for an architecture instead (Phi on 0.30.0), the
+case is skipped with the loader's refusal as its reason; Gemma's row serves both paths and is compared with whichever
+the release takes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from marlin_pack import convert, verify
+from marlin_pack.marlin.architectures import ARCHITECTURES
+
+pytest.importorskip("vllm")
+from arch_checkpoints import BACKEND_CONFIGS, write_arch_checkpoint  # noqa: E402
+from oracles.oracle_compare import assert_bundle_equals_vllm  # noqa: E402
+
+# The issue's architectures: each meets AWQ and GPTQ, float16 and bfloat16, TP 1 and 2.
+NAMED = ("Olmo2ForCausalLM", "Starcoder2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM",
+         "SmolLM3ForCausalLM", "GemmaForCausalLM")
+FORMATS = {"awq": dict(fmt="awq"), "gptq4": dict(fmt="gptq", bits=4), "gptq8": dict(fmt="gptq", bits=8)}
+
+
+def _cases() -> list:
+    cases = []
+    for i, arch in enumerate(NAMED):
+        for dtype, fmt in ((torch.float16, ("awq", "gptq4")[i % 2]), (torch.bfloat16, ("gptq4", "awq")[i % 2])):
+            cases.append(pytest.param(arch, fmt, dtype, id=f"{arch}-{fmt}-{str(dtype)[6:]}"))
+    for i, arch in enumerate(a for a in BACKEND_CONFIGS if a not in NAMED):  # every other row once
+        fmt, dtype = ("gptq8", "awq", "gptq4")[i % 3], (torch.bfloat16, torch.float16)[i % 2]
+        cases.append(pytest.param(arch, fmt, dtype, id=f"{arch}-{fmt}-{str(dtype)[6:]}"))
+    return cases
+
+
+def _skip_where_another_path(arch: str) -> str:
+    """The class the running release builds for ``arch``; skips where the loader refuses the row's bundle there."""
+    from marlin_pack.vllm_plugin import releases
+    from marlin_pack.vllm_plugin.version_guard import vllm_version
+
+    row = ARCHITECTURES[arch]
+    problem = releases.path_problem(vllm_version(), arch, row.paths)
+    if problem is not None:
+        pytest.skip(problem)
+    if releases.serving_path(vllm_version(), arch) == "transformers":
+        return "TransformersForCausalLM"
+    return row.vllm_class.split(".")[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,fmt,dtype", _cases())
+def test_transformers_backend_bit_exact_tp_1_2(tmp_path: Path, arch: str, fmt: str, dtype: torch.dtype) -> None:
+    vllm_class = _skip_where_another_path(arch)
+    # 4 heads, 2 KV heads (GPTBigCode: 1, replicated at TP 2; GPT-NeoX: 4); group 32 keeps whole groups per rank
+    model = write_arch_checkpoint(tmp_path / "model", arch, group_size=32, dtype=dtype, **FORMATS[fmt])
+    manifest = convert(model, tp=(1, 2), dtype=str(dtype).removeprefix("torch.")).manifest
+    seen: list[str] = []
+    n = assert_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), dtype, model_class=seen)
+    assert n >= 4 * 2 * 3 * 2  # 3 ranks, 4 layers x 2 decoder layers, 2+ tensors each
+    assert set(seen) == {vllm_class}
+    assert manifest.target.transformers == "5.16-5.22"
+    assert verify(model / "marlin-pack").ok
