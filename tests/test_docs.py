@@ -100,3 +100,11 @@ def test_relative_links_and_anchors_exist(page: Path) -> None:
         assert dest.exists(), f"{page.name}: link to {target}: no such file"
         if anchor and dest.suffix == ".md":
             assert anchor in _anchors(dest.read_text()), f"{page.name}: link to {target}: no such heading"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_user_pages_state_current_facts(page: Path) -> None:
+    """User pages say what is true now: no issue numbers and no paths outside the repository (history stays in git)."""
+    text = page.read_text()
+    assert not re.findall(r"\bissues? #?\d+", text, re.I), f"{page.name} cites an issue number"
+    assert "../shared" not in text and "/work/" not in text, f"{page.name} points outside the repository"
