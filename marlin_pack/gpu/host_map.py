@@ -97,13 +97,19 @@ class HostMap:
         """
         from marlin_pack.gpu.reader import CopyItem
 
-        host = cls.__new__(cls)
-        host.path, host.whole, host._mapping = Path(path), True, None
-        host.size = os.stat(path).st_size
-        image = torch.empty(host.size, dtype=torch.uint8)
-        reader.copy_files([(path, [CopyItem(0, host.size, image)])], hashed=[path])
-        host._bytes = image if host.size else None
+        image = torch.empty(os.stat(path).st_size, dtype=torch.uint8)
+        reader.copy_files([(path, [CopyItem(0, image.numel(), image)])], hashed=[path])
+        host = cls.in_memory(Path(path), image)
         reader.hold(host)
+        return host
+
+    @classmethod
+    def in_memory(cls, path: Path, image: torch.Tensor) -> HostMap:
+        """A file's bytes already in this process's memory (``image``, uint8, the file's size) as a held HostMap;
+        ``path`` is what readers name it by (a bundle in object storage: its URL, :mod:`marlin_pack.vllm_plugin.remote_load`)."""
+        host = cls.__new__(cls)
+        host.path, host.whole, host._mapping, host.size = path, True, None, image.numel()
+        host._bytes = image if host.size else None
         return host
 
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

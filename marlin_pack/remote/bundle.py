@@ -21,6 +21,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -146,6 +147,7 @@ class RankPlan:
     pp_size: int
     pp_rank: int
     files: tuple[FileRead, ...]  # the rank file, then the common file
+    stage: Any = None  # pp_size > 1: the stage's StageShare (marlin_pack.vllm_plugin.stage), which the loader keeps
 
     @property
     def read_bytes(self) -> int:
@@ -267,10 +269,12 @@ def plan_rank(bundle: RemoteBundle, tp_size: int, rank: int, *, pp_size: int = 1
             raise ValueError("a pipeline stage's plan needs model_dir (its config.json says which layers the stage builds)")
         stage = stage_share(manifest, tp_set, rank_header, common_header, Path(model_dir), pp_size, pp_rank)
         rank_header, common_header = stage.rank_header, stage.common_header
+    else:
+        stage = None
     block = bundle.record.block_size
     files = tuple(
         FileRead(entry, header, _spans(header, block, entry.size), head_bytes)
         for entry, header, head_bytes in ((rank_entry, rank_header, rank_head_bytes), (common_entry, common_header, common_head_bytes))
     )
-    return RankPlan(bundle, tp_size, rank, pp_size, pp_rank, files)
+    return RankPlan(bundle, tp_size, rank, pp_size, pp_rank, files, stage)
 

@@ -7,8 +7,8 @@ record, :func:`~marlin_pack.remote.bundle.open_remote`); engine fit (layouts, dt
 hashes: :func:`~marlin_pack.bundle.integrity.check_source`); then this rank's objects (present, whole, headers exactly as
 the manifest implies) and, with ``pipeline_parallel_size > 1``, the stage's share (:func:`~marlin_pack.remote.bundle.plan_rank`).
 
-Not yet used by the loader (its ``bundle`` option refuses a URL): what the copy into the GPU needs is in
-docs/deployment.md. Expert parallelism and MoE at DP > 1 (another TP size's rank file for the experts) are refused here
+The loader's ``{"bundle": "s3://..."}`` (:mod:`marlin_pack.vllm_plugin.remote_load`) and ``marlin-pack check --bundle
+s3://...`` decide with it. Expert parallelism and MoE at DP > 1 (another TP size's rank file for the experts) are refused here
 until they are planned.
 """
 
@@ -37,7 +37,12 @@ def select_remote(url: str | ObjectUrl, facts: EngineFacts, *, full_hash: bool |
     """
     check_release(facts.vllm_version)
     bundle = open_remote(url)
-    tp_set = check_engine(bundle.manifest, facts)
+    try:
+        tp_set = check_engine(bundle.manifest, facts)
+    except BundleMismatchError as e:
+        if e.field not in (MismatchField.tp_size, MismatchField.kernel):
+            raise
+        raise BundleMismatchError(e.field, f"{e}, then publish it again (`marlin-pack push BUNDLE {bundle.url}`)") from e
     if needs_share(tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel, facts.pcp_size):
         raise BundleMismatchError(MismatchField.ep_size, "experts from another TP size's rank file (expert parallelism, MoE at "
                                   "data_parallel_size > 1) are not read from object storage yet; serve from a local copy")

@@ -127,6 +127,8 @@ def start_in_worker(worker: Any) -> Ahead | None:
         from marlin_pack.vllm_plugin.options import parse_extra_config
 
         options = parse_extra_config(load_config.model_loader_extra_config or {})
+        if options.remote is not None:  # a bucket's bundle: decided by the loader (no file identities to compare)
+            return None
         facts = engine_facts(vllm_config, vllm_config.model_config)
         rank = int(getattr(worker, "rank", 0) or 0)  # in its data-parallel replica: pp_rank * tp_size + tp_rank
         if facts.tp_size > 1:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from marlin_pack._constants import LOAD_FORMAT, MANIFEST_NAME
 from marlin_pack.errors import BundleError, CheckpointError, MarlinPackError
+from marlin_pack.remote.url import url_scheme
 from marlin_pack.sources.hub import locate_bundle
 
 __all__ = ["preload_argv", "run"]
@@ -60,6 +61,8 @@ def _check_bundle(model: str, extra: Sequence[str]) -> None:
         options = parsed
     if options.get("fallback") is True:
         return
+    if isinstance(options.get("bundle"), str) and url_scheme(options["bundle"]) is not None:
+        return  # a bucket's bundle: the loader decides in the daemon (record, manifest, engine fit), in one line
     try:  # the bundle option, or a directory's MODEL_DIR/marlin-pack, or a cached repo id's marlin-pack cache entry
         bundle = locate_bundle(model, _option(extra, "--revision")[1], str(options["bundle"]) if options.get("bundle") else None)
     except CheckpointError as e:

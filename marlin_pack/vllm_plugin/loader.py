@@ -66,12 +66,10 @@ from marlin_pack.vllm_plugin.decision import (
     Decision,
     EngineFacts,
     SelectedBundle,
-    decide,
     hopper_machete_layers,
     internal_error,
     loaded_zero_word,
     refusal,
-    select_for_copy,
 )
 from marlin_pack.vllm_plugin.engine import (
     built_parameters,
@@ -88,6 +86,7 @@ from marlin_pack.vllm_plugin.moe_engine import force_marlin_moe, is_moe_layer, m
 from marlin_pack.vllm_plugin.options import parse_extra_config
 from marlin_pack.vllm_plugin.patches.placeholders import stub_quantized_placeholders
 from marlin_pack.vllm_plugin.patches.post_processing import is_patched, is_prepacked, mark_prepacked
+from marlin_pack.vllm_plugin.remote_load import IO_PLAN, RemoteSelected, copy_rank, decide_bundle
 from marlin_pack.vllm_plugin.stage import check_nothing_left_out, stage_text
 from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
@@ -237,7 +236,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             t0 = time.perf_counter()
             try:
                 ahead = decide_ahead.take(self.options, facts)
-                decision = ahead[0] if ahead is not None else decide(self.options, facts, select_for_copy)  # (falls back itself)
+                decision = ahead[0] if ahead is not None else decide_bundle(self.options, facts)  # (falls back itself)
             except Exception as e:
                 return self._internal_fallback(key, facts.model, e)
             self._timings.validate = time.perf_counter() - t0
@@ -332,6 +331,8 @@ class MarlinPrepackedLoader(BaseModelLoader):
         """The I/O plan, and for a helpers plan the pool: the early helpers of :mod:`.preload` (borrowed: they may be
         page-locking the bundle still) or the loader's own, started now so that they get their CUDA contexts
         while vLLM builds the model."""
+        if isinstance(bundle, RemoteSelected):  # streamed from a bucket: nothing to page-lock or map
+            return IO_PLAN, None, False
         taken = preload.take_pool(bundle.rank_file)
         if taken is not None:
             pool, plan = taken
@@ -546,7 +547,10 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     arena = layout.allocate(params[0].device) if params else torch.empty(0, dtype=torch.uint8)
                     layout.bind(params, arena)
                     tc = time.perf_counter()
-                    self._timings.copy_bytes = reader.copy_files(layout.copy_jobs(arena, bundle.rank_file))
+                    if isinstance(bundle, RemoteSelected):  # the common file's image is held by the reader from now on
+                        self._timings.copy_bytes, held = copy_rank(bundle, layout.copy_items(arena), reader)
+                    else:
+                        self._timings.copy_bytes = reader.copy_files(layout.copy_jobs(arena, bundle.rank_file))
                     self._timings.copy = time.perf_counter() - tc
                     self._timings.modes = "/".join(sorted(reader.modes_used)) or "-"
                     if helpers is not None and not state.borrowed:

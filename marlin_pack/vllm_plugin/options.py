@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, field_v
 
 from marlin_pack._constants import LOAD_FORMAT
 from marlin_pack.io.home import HomeDirectoryError, expand_user
-from marlin_pack.remote.url import refuse_url
+from marlin_pack.remote.url import ObjectUrl, parse_url, url_scheme
 
 __all__ = ["LoaderOptions", "OPTION_KEYS", "parse_extra_config"]
 
@@ -30,7 +30,9 @@ class LoaderOptions(BaseModel):
     """``--model-loader-extra-config`` of the ``marlin_prepacked`` load format.
 
     Attributes:
-        bundle: bundle directory; default ``MODEL_DIR/marlin-pack`` (a repo id: its marlin-pack cache entry).
+        bundle: bundle directory; default ``MODEL_DIR/marlin-pack`` (a repo id: its marlin-pack cache entry); or
+            ``s3://bucket/prefix``, a bundle published there (:class:`~marlin_pack.remote.url.ObjectUrl`), each rank
+            streaming its own byte ranges (:mod:`~marlin_pack.vllm_plugin.remote_load`).
         fallback: load the checkpoint the ordinary way (with a warning) instead of refusing a missing,
             stale or mismatched bundle.
         verify: ``auto`` hashes files whose stamp (identity, size, times) changed since this user last
@@ -43,7 +45,7 @@ class LoaderOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bundle: Path | None = None
+    bundle: Path | ObjectUrl | None = None
     fallback: StrictBool = False
     verify: Literal["auto", "full", "size"] = "auto"
     preload: StrictBool = True
@@ -53,14 +55,21 @@ class LoaderOptions(BaseModel):
     def _bundle(cls, value: Any) -> Any:
         if value is None:
             return None
+        if isinstance(value, ObjectUrl):
+            return value
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise ValueError("must be a directory path")
-        refuse_url(value, "bundle", "a directory", "marlin_prepacked reads a bundle from a directory: copy it there first "
-                   "(`aws s3 sync {url} DIR`) and name DIR")
+        if url_scheme(value) is not None:
+            return parse_url(value)  # s3://bucket/prefix; another scheme refused in one line naming what is served
         try:
             return expand_user(os.fspath(value), "bundle")
         except HomeDirectoryError as e:  # "~nosuchuser/x", or "~/x" for a user without a home directory
             raise ValueError(str(e)) from e
+
+    @property
+    def remote(self) -> ObjectUrl | None:
+        """The bucket prefix the bundle is published at, or None (a local directory)."""
+        return self.bundle if isinstance(self.bundle, ObjectUrl) else None
 
     @property
     def full_hash(self) -> bool | None:
@@ -107,7 +116,7 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         error = e.errors()[0]
         key = ".".join(map(str, error["loc"])) or "?"
         expected = {
-            "bundle": "a directory path", "fallback": "true or false", "preload": "true or false",
+            "bundle": "a directory path or s3://BUCKET/PREFIX", "fallback": "true or false", "preload": "true or false",
             "verify": "one of 'auto', 'full', 'size'",
         }.get(key, "another value")
         raise ValueError(

@@ -88,7 +88,6 @@ def test_convert_to_a_url_writes_nothing(make_checkpoint, marlin_pack, tmp_path:
 
 
 @pytest.mark.parametrize("args", [
-    ["check", "{model}", "--bundle", URL],
     ["check", URL],
     ["verify", URL],
     ["verify", "{bundle}", "--source", URL],
@@ -124,10 +123,16 @@ def test_library_refuses_urls(make_checkpoint, tmp_path: Path, monkeypatch: pyte
     assert os.listdir(tmp_path) == []
 
 
-def test_loader_option_refuses_a_url() -> None:
+def test_loader_option_takes_an_s3_url_and_refuses_other_schemes() -> None:
+    """The loader streams a bundle published at ``s3://`` (tests/remote/test_remote_loader.py); other schemes and
+    malformed URLs are refused in one line naming what is served."""
+    from marlin_pack.remote.url import parse_url
     from marlin_pack.vllm_plugin.options import parse_extra_config
 
-    with pytest.raises(ValueError, match=rf"model_loader_extra_config\['bundle'\] must be a directory path, got '{URL}' "
-                       rf"\(.*bundle {URL} is an object-storage URL, not a directory; .*aws s3 sync {URL} DIR"):
-        parse_extra_config({"bundle": URL})
+    assert parse_extra_config({"bundle": URL}).remote == parse_url(URL)
     assert parse_extra_config({"bundle": "/models/b"}).bundle == Path("/models/b")
+    assert parse_extra_config({"bundle": "/models/b"}).remote is None
+    for bad, why in [("gs://bucket-1/x", "not gs://; GCS serves the S3 API too"), ("s3://B/x", "bucket 'B' is not a bucket name")]:
+        with pytest.raises(ValueError, match=rf"model_loader_extra_config\['bundle'\] must be a directory path or "
+                           rf"s3://BUCKET/PREFIX, got '{bad}' \(.*{why}"):
+            parse_extra_config({"bundle": bad})
