@@ -17,8 +17,8 @@ from marlin_pack.commands.params import (
     ModelArg,
     RevisionOpt,
     VerifyMode,
+    bundle_or_url,
     engine_dtype,
-    local_dir,
     local_or_repo,
     unconvertible,
 )
@@ -33,7 +33,8 @@ _NOT_CHECKED = (
 
 def check(
     model: ModelArg,
-    bundle: Annotated[Path | None, typer.Option("--bundle", help="Bundle directory \\[default: MODEL_DIR/marlin-pack].")] = None,
+    bundle: Annotated[Path | None, typer.Option("--bundle", help="Bundle directory \\[default: MODEL_DIR/marlin-pack], or "
+                                                "s3://BUCKET/PREFIX where it is published.")] = None,
     tp: Annotated[
         int, typer.Option("--tp", "-tp", "--tensor-parallel-size", min=1, max=1024, help="The engine's --tensor-parallel-size.")
     ] = 1,
@@ -78,7 +79,7 @@ def check(
     from marlin_pack.vllm_plugin.preflight import preflight
 
     model = local_or_repo(model, revision)
-    bundle = local_dir(bundle, "--bundle")
+    bundle_at = bundle_or_url(bundle)
     if placement not in ("linear", "round_robin"):
         raise BadParameter(f"{placement!r}: expected linear or round_robin", param_hint="--expert-placement-strategy")
     if rank is not None and rank >= tp:
@@ -87,7 +88,7 @@ def check(
     try:
         with remembered():  # each file read once, whatever the ranks and the stamp store (a cold bundle: once from the disk)
             report = preflight(
-                model, bundle=bundle, tp_size=tp, rank=rank, dtype=engine_dtype(model, revision, dtype.value),
+                model, bundle=bundle_at, tp_size=tp, rank=rank, dtype=engine_dtype(model, revision, dtype.value),
                 verify=verify_mode.value, fallback=fallback, revision=revision, capability=None if gpu is None else gpu.capability,
                 pp_size=pp, dp_size=dp, expert_parallel=ep, expert_placement=placement,
             )

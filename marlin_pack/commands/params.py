@@ -12,11 +12,11 @@ import typer
 
 from marlin_pack.commands.console import BadParameter
 from marlin_pack.errors import MarlinPackError
-from marlin_pack.remote.url import refuse_url
+from marlin_pack.remote.url import parse_url, refuse_url, url_scheme
 
 __all__ = [
     "Device", "Dtype", "DtypeOpt", "JsonOpt", "Kernel", "ModelArg", "RevisionOpt", "TargetArg", "VerifyMode",
-    "bundle_of", "check_dtype_word", "engine_dtype", "local_dir", "local_or_repo", "parse_tp", "unconvertible",
+    "bundle_of", "bundle_or_url", "check_dtype_word", "engine_dtype", "local_dir", "local_or_repo", "parse_tp", "unconvertible",
     "why_no_bundle",
 ]
 
@@ -99,6 +99,18 @@ def local_dir(value: Path | str | None, option: str) -> Path | None:
     expected, todo = URL_ADVICE[option]
     refuse_url(value, option, expected, todo)
     return None if value is None else Path(value)
+
+
+def bundle_or_url(value: Path | str | None, option: str = "--bundle") -> Path | str | None:
+    """A bundle option: a local directory as a Path, or a bundle published in object storage as its URL
+    (``s3://bucket/prefix``, as written).
+
+    Raises:
+        UrlNotPathError: a URL of a scheme marlin-pack does not read (``gs://`` with advice), or malformed.
+    """
+    if value is not None and url_scheme(value) is not None:
+        return str(parse_url(value))
+    return local_dir(value, option)
 
 
 def local_or_repo(model: str, revision: str | None) -> str:

@@ -18,7 +18,7 @@ from typing import Literal
 
 from marlin_pack.bundle.integrity import HashReport
 from marlin_pack.errors import LoadRefusedError
-from marlin_pack.vllm_plugin.decision import EngineFacts, SelectedBundle, decide, hopper_machete_layers
+from marlin_pack.vllm_plugin.decision import Decision, EngineFacts, SelectedBundle, decide, hopper_machete_layers
 from marlin_pack.vllm_plugin.options import LoaderOptions, parse_extra_config
 
 __all__ = ["Outcome", "RankOutcome", "PreflightReport", "installed_vllm_version", "preflight"]
@@ -249,11 +249,18 @@ def _architecture(model_dir: str | Path, revision: str | None) -> str | None:
         return None
 
 
+def _decide_remote(options: LoaderOptions, facts: EngineFacts) -> Decision:
+    """The loader's decision over a bundle published in a bucket (imported here only: it needs torch)."""
+    from marlin_pack.vllm_plugin.remote_load import decide_bundle
+
+    return decide_bundle(options, facts)
+
+
 def _outcome(options: LoaderOptions, facts: EngineFacts, replica: int) -> RankOutcome:
     """What the loader decides for one GPU."""
     r, stage = facts.tp_rank, facts.pp_rank
     try:
-        decision = decide(options, facts)
+        decision = decide(options, facts) if options.remote is None else _decide_remote(options, facts)
     except LoadRefusedError as e:
         return RankOutcome(r, "refuse", str(e.field), str(e), stage=stage, replica=replica)
     if decision.bundle is None:
@@ -275,4 +282,7 @@ def _outcome(options: LoaderOptions, facts: EngineFacts, replica: int) -> RankOu
     if sel.experts is not None:  # its experts of another rank file
         message += f"; {sel.experts.text()} ({sel.experts.read_bytes / 1e6:,.1f} MB)"
         reads = {**(reads or {}), "experts": sel.experts.to_dict()}
+    if (streamed := getattr(sel, "read", None)) is not None:  # a bundle in a bucket: what this GPU streams
+        message += f"; streams {streamed.read_bytes / 1e6:,.1f} MB, every block verified against the publication record"
+        reads = {**(reads or {}), "streamed_bytes": streamed.read_bytes}
     return RankOutcome(r, "load", None, message, sel.hashed, stage=stage, reads=reads, replica=replica)
