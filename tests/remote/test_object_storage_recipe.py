@@ -1,9 +1,11 @@
-"""docs/deployment.md's object-storage recipe: its marlin-pack commands parse, and played on a small checkpoint against
-the S3 server (convert once, push, each pod copies the prefix down as `aws s3 sync --exclude` does), the copy is a
-bundle `marlin-pack check` loads."""
+"""docs/deployment.md's object-storage recipe: its marlin-pack commands parse, the pods' check and loader name the same
+bucket prefix push published, and played on a small checkpoint against the S3 server (convert once, push), the prefix
+is a bundle `marlin-pack check` loads from the bucket, and its local copy (`aws s3 sync --exclude`, for what is not
+streamed yet) one it loads too."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -34,8 +36,11 @@ def test_the_recipes_marlin_pack_commands_parse() -> None:
         command = group.get_command(typer.Context(group), argv[1])
         assert command is not None, argv
         command.make_context(argv[1], argv[2:])  # a wrong flag or value raises
-    sync = next(a for a in _recipe() if a[:3] == ["aws", "s3", "sync"])
-    assert sync[sync.index("--exclude") + 1] == RECORD_NAME
+    push_, check = argvs[1], argvs[2]
+    serve = next(a for a in _recipe() if a[:2] == ["vllm", "serve"])
+    extra = json.loads(serve[serve.index("--model-loader-extra-config") + 1])
+    assert push_[3] == check[check.index("--bundle") + 1] == extra["bundle"]  # the pods stream what push published
+    assert f"--exclude {RECORD_NAME}" in DOC.read_text()  # the local copy for what is not streamed yet
 
 
 def test_pushed_then_copied_down_the_bundle_loads(make_bundle, s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -56,4 +61,7 @@ def test_pushed_then_copied_down_the_bundle_loads(make_bundle, s3, tmp_path: Pat
     report = preflight(str(model), bundle=local, tp_size=2, rank=None, dtype="float16", verify="full", fallback=False,
                        revision=None, capability=80)
     assert report.decision == "load", report.to_dict()
+    streamed = preflight(str(model), bundle=s3.url("llama/sm80"), tp_size=2, rank=None, dtype="float16", verify="full",
+                         fallback=False, revision=None, capability=80)
+    assert streamed.decision == "load", streamed.to_dict()
     shutil.rmtree(local)
