@@ -67,7 +67,7 @@ def plan(vllm_config: Any, role: str = "daemon", device: int = 0) -> dict | None
         options = parse_extra_config(load_config.model_loader_extra_config or {})
     except ValueError:
         return None  # the loader refuses it with the message
-    if not options.preload:
+    if not options.preload or options.remote is not None:  # a bucket's bundle: streamed, nothing to page-lock
         return None
     try:
         from marlin_pack.bundle.reader import resolve_file

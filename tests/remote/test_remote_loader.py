@@ -61,7 +61,8 @@ def streamed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return reads
 
 
-def _placed(model_dir: Path, monkeypatch: pytest.MonkeyPatch, tp: int, rank: int, **extra: object) -> dict[str, torch.Tensor]:
+def _placed(model_dir: Path, monkeypatch: pytest.MonkeyPatch, tp: int, rank: int, before_post: Any = None,
+            **extra: object) -> dict[str, torch.Tensor]:
     """create_model, load_weights, vLLM's post-processing (the daemon's path, then the engine's last step): every
     quantized layer's parameters."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -76,6 +77,8 @@ def _placed(model_dir: Path, monkeypatch: pytest.MonkeyPatch, tp: int, rank: int
         loader.load_weights(model, model_config)  # type: ignore[arg-type]
         layers = quantized_layers(model)
         assert layers and all(is_prepacked(m) for m in layers.values())
+        if before_post is not None:
+            before_post(model)
         process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
     common = sorted(n for n, _ in model.common)
     return {"__common__": common, **{f"{n}.{p}": t.detach() for n, m in layers.items() for p, t in m.named_parameters(recurse=False)}}  # type: ignore[dict-item]
@@ -107,6 +110,31 @@ def test_each_rank_streams_its_own_files_into_what_a_local_load_places(
     assert set(done.bytes_read) == {rank_path, "common.safetensors"}  # never another rank's file
     for path, n in done.bytes_read.items():
         assert n == (model / "marlin-pack" / path).stat().st_size  # a whole rank: its files once each
+
+
+def test_a_weight_cache_daemon_is_filled_from_the_bucket(
+    published: tuple[Path, str], monkeypatch: pytest.MonkeyPatch, streamed: list[Any],
+) -> None:
+    """vLLM's weight-cache daemon builds its model with the loader's create_model/load_weights, inside marlin-pack's
+    scope and with its helpers exiting in the background: filled from the bucket, every layer shareable as loaded
+    (vLLM's own check) and, post-processed, what stock vLLM holds. Nothing of the daemon page-locks ahead."""
+    from vllm.model_executor.model_loader.weight_cache.protocol import check_ipc_quant_support
+
+    from marlin_pack.gpu.helpers import exit_in_background
+    from marlin_pack.vllm_plugin import preload
+    from marlin_pack.vllm_plugin.patches import scope
+
+    model, url = published
+    vllm_config, _ = fake_engine(model, "auto_awq", monkeypatch)
+    vllm_config.load_config = make_loader(bundle=url).load_config
+    assert preload.plan(vllm_config) is None
+    checked: list[Any] = []
+    with exit_in_background(), scope.in_use():
+        placed = _placed(model, monkeypatch, 1, 0, bundle=url, before_post=lambda m: checked.append(check_ipc_quant_support(m)))
+    reference = vr.reference_rank_tensors(model, 1, 0, torch.float16)
+    assert checked and all(torch.equal(placed[n], t) for n, t in reference.items())
+    [(plan, done)] = streamed
+    assert set(done.bytes_read) == {"tp1/rank-0.safetensors", "common.safetensors"}
 
 
 def test_a_pipeline_stage_streams_only_its_layers(
