@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marlin_pack._constants import KERNEL_NAME, MACHETE_KERNEL_NAME, MANIFEST_NAME
+from marlin_pack._constants import KERNEL_NAME, LOAD_FORMAT, MACHETE_KERNEL_NAME, MANIFEST_NAME
 from marlin_pack.bundle.integrity import HashReport, check_files, check_source
 from marlin_pack.bundle.rank_files import check_rank_header
 from marlin_pack.bundle.reader import read_manifest, resolve_file
@@ -25,6 +25,7 @@ from marlin_pack.io.checkpoint_files import read_json
 from marlin_pack.io.home import HomeDirectoryError
 from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header
 from marlin_pack.remedies import convert_command
+from marlin_pack.remote.url import ObjectUrl
 from marlin_pack.schemas import TARGET_KERNELS, Manifest, TensorParallelSet
 from marlin_pack.sources.hub import ResolvedModel, locate_bundle, resolve_model
 from marlin_pack.vllm_plugin import releases
@@ -141,8 +142,12 @@ def _resolve(model: str, revision: str | None) -> ResolvedModel:
 
 def resolve_bundle_dir(options: LoaderOptions, model: str, revision: str | None = None) -> Path:
     """The explicit ``bundle`` option, else ``MODEL_DIR/marlin-pack``, else (a repo id) its marlin-pack cache entry."""
+    bundle = options.bundle
+    if isinstance(bundle, ObjectUrl):  # streamed (remote_load.decide_bundle), never a directory
+        raise BundleMismatchError(F.bundle, f"{bundle} is a bundle in object storage, which only the {LOAD_FORMAT} loader "
+                                  "(marlin_pack.vllm_plugin.remote_load) and `marlin-pack check --bundle` read")
     try:
-        return locate_bundle(model, revision, options.bundle)
+        return locate_bundle(model, revision, bundle)
     except HomeDirectoryError as e:  # HF_HOME, MARLIN_PACK_CACHE, ...: the message names it
         raise BundleMismatchError(F.bundle, str(e)) from e
     except CheckpointError as e:
@@ -557,7 +562,7 @@ def decide(
         try:
             bundle = resolve_bundle_dir(options, facts.model, facts.revision)
         except BundleError:
-            bundle = options.bundle
+            bundle = None if options.bundle is None else str(options.bundle)
         raise refusal(field, str(e), facts.model, bundle) from e
     except Exception as e:  # not a refusal: a bug of marlin-pack's
         if not options.fallback:

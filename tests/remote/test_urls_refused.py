@@ -136,3 +136,17 @@ def test_loader_option_takes_an_s3_url_and_refuses_other_schemes() -> None:
         with pytest.raises(ValueError, match=rf"model_loader_extra_config\['bundle'\] must be a directory path or "
                            rf"s3://BUCKET/PREFIX, got '{bad}' \(.*{why}"):
             parse_extra_config({"bundle": bad})
+
+
+def test_the_local_decision_never_reads_a_bucket_as_a_directory() -> None:
+    """Only the loader's remote path streams a bucket; the local decision, given one, refuses it in one line (with
+    fallback: falls back), never a TypeError or a local folder named ``s3:``."""
+    from marlin_pack.errors import LoadRefusedError
+    from marlin_pack.vllm_plugin.decision import EngineFacts, decide
+    from marlin_pack.vllm_plugin.options import parse_extra_config
+
+    facts = EngineFacts(model="/models/x", vllm_version="0.33.0")
+    with pytest.raises(LoadRefusedError, match=rf"from bundle {URL}: \[bundle\] {URL} is a bundle in object storage"):
+        decide(parse_extra_config({"bundle": URL}), facts)
+    fallback = decide(parse_extra_config({"bundle": URL, "fallback": True}), facts)
+    assert fallback.bundle is None and fallback.field == "bundle"
