@@ -66,8 +66,12 @@ def test_awq_repack_stand_in_matches_vllm_awq_conversion(k: int, n: int) -> None
     awq = _random_words((k, n // 8), seed=k + n)
     layer = torch.nn.Module()
     layer.register_parameter("qweight", torch.nn.Parameter(awq.clone(), requires_grad=False))
-    with vr._LOCK, vr._patched(1, 0):  # its new parameter asks for the TP rank
-        _convert_awq_to_standard_format(layer, "qweight", None, 4)  # vLLM's dense AWQ path
+    # AWQ zero points (groups of 32) beside the weight, as an AWQ layer holds them: every release converts them with
+    # the weight, and 0.30's conversion requires them (a zero-point name; 0.31+ also take None, symmetric).
+    zeros = _random_words((k // 32, n // 8), seed=k * n)
+    layer.register_parameter("qzeros", torch.nn.Parameter(zeros, requires_grad=False))
+    with vr._LOCK, vr._patched(1, 0):  # its new parameters ask for the TP rank
+        _convert_awq_to_standard_format(layer, "qweight", "qzeros", 4)  # vLLM's dense AWQ path
     want = vr._reference_gptq_marlin_repack(layer.qweight.data, k, n, 4)
     got = moe.reference_awq_marlin_repack(awq, k, n, 4)
     assert got.dtype == torch.int32 and got.shape == (k // 16, n * 2)
@@ -314,10 +318,14 @@ def test_convert_predicts_the_substring_rule(ckpt, tmp_path: Path, arch: str, lo
 @pytest.mark.parametrize("humming", [False, True])
 def test_what_auto_picks_on_sm90(ckpt, humming: bool) -> None:
     """``--moe-backend auto`` on SM90: FLASHINFER_TRTLLM is skipped (AWQ/GPTQ may carry zero points
-    and bias), Humming is moved ahead of Marlin but needs the optional ``humming`` package; without
-    it vLLM runs the experts on Marlin, with it on Humming (which the oracle refuses)."""
+    and bias). Where the backend selection moves Humming ahead of Marlin (its ``prioritize_humming``,
+    0.32+), Humming needs the optional ``humming`` package: without it vLLM runs the experts on Marlin,
+    with it on Humming (which the oracle refuses). Where it does not (0.30, 0.31: Humming listed after
+    Marlin), the experts run on Marlin either way."""
+    from oracles.vllm_moe_reference import _moe_vllm
+
     model = ckpt("MixtralForCausalLM", "gptq")
-    if not humming:
+    if not humming or not hasattr(_moe_vllm().int_wna16, "prioritize_humming"):
         info: dict = {}
         reference_moe_rank_tensors(model, 1, 0, torch.float16, info=info, moe_backend="auto")
         assert {v["backend"] for v in info["layers"].values()} == {"MARLIN"}

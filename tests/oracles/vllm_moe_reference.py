@@ -16,14 +16,16 @@ Everything that decides the result is vLLM's real code, run on the CPU, with the
     and ``_PCP`` are single-rank stand-ins;
   * platform, as seen by the MoE backend selection and the Marlin experts class
     (``fused_moe.oracle.int_wna16``, ``fused_moe.experts.marlin_moe``, ``fused_moe.config``,
-    the Humming priority helper): CUDA, capability 9.0, as for the dense layers;
+    the Humming priority helper where the release has one): CUDA, capability 9.0, as for the
+    dense layers;
   * MoE backend: ``KernelConfig(moe_backend="marlin")`` (``--moe-backend marlin``), the MoE
     counterpart of ``--linear-backend marlin``: vLLM's explicit-backend branch of
     ``select_wna16_moe_backend`` runs its real compatibility checks and raises rather than
     falling back. (With ``auto`` on SM90, vLLM walks RDNA3, FLASHINFER_TRTLLM (skipped: AWQ/GPTQ
-    may carry zero points and bias), MARLIN; HUMMING is moved ahead of MARLIN on SM90 but
-    needs the optional ``humming`` package.) Layers vLLM hands to ``MoeWNA16`` (a group
-    straddling the per-rank intermediate size) raise :class:`VllmRefusedError`;
+    may carry zero points and bias), MARLIN; HUMMING is moved ahead of MARLIN on SM90 by
+    ``prioritize_humming`` (0.32+; 0.30 and 0.31 list it after MARLIN) but needs the optional
+    ``humming`` package.) Layers vLLM hands to ``MoeWNA16`` (a group straddling the per-rank
+    intermediate size) raise :class:`VllmRefusedError`;
   * the CUDA op ``torch.ops._C.gptq_marlin_repack`` / ``torch.ops._C.awq_marlin_repack``, as
     called by vLLM's own per-expert wrappers ``_custom_ops.gptq_marlin_moe_repack`` /
     ``awq_marlin_moe_repack`` (which run unmodified, with ``torch`` in their globals swapped for
@@ -205,9 +207,12 @@ def _moe_patched(tp_size: int, rank: int, humming_installed: bool = False, mla_c
                 if "current_platform" in mod.__dict__:
                     setattr_saved(mod, "current_platform", view)
             setattr_saved(m.int_wna16, "ops", _MoEOpsProxy(m.custom_ops))
-            # Humming's priority asks the real platform for the capability (a local import): give it SM90's.
-            real_priority = m.int_wna16.prioritize_humming
-            setattr_saved(m.int_wna16, "prioritize_humming", lambda kernels, cc=None: real_priority(kernels, cc or _SM90))
+            # Humming's priority asks the real platform for the capability (a local import): give it SM90's. Releases
+            # without the helper in the backend selection (0.30, 0.31) list Humming after Marlin and ask nothing.
+            real_priority = m.int_wna16.__dict__.get("prioritize_humming")
+            if real_priority is not None:
+                setattr_saved(m.int_wna16, "prioritize_humming",
+                              lambda kernels, cc=None: real_priority(kernels, cc or _SM90))
             if humming_installed:
                 import vllm.model_executor.layers.fused_moe.experts.fused_humming_moe as humming_moe
 
