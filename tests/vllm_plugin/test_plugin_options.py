@@ -60,7 +60,8 @@ def test_every_key_at_once_and_options_are_frozen() -> None:
         ({"bundle": ""}, r"^model_loader_extra_config\['bundle'\] must be a directory path or s3://BUCKET/PREFIX, got ''"),
         ({"bundle": 3}, r"\['bundle'\] must be a directory path or s3://BUCKET/PREFIX, got 3"),
         ({"bundle": ["/b"]}, r"\['bundle'\] must be a directory path"),
-        ({"bundle": "~nosuchuser-marlin-pack/b"}, r"\['bundle'\] must be a directory path or s3://BUCKET/PREFIX, got '~nosuchuser-marlin-pack/b'"),
+        ({"bundle": "~nosuchuser-marlin-pack/b"}, (r"\['bundle'\] must be a directory path or s3://BUCKET/PREFIX, "
+         r"got '~nosuchuser-marlin-pack/b'")),
         ({"fallback": "yes"}, r"^model_loader_extra_config\['fallback'\] must be true or false, got 'yes'"),
         ({"fallback": 1}, r"\['fallback'\] must be true or false, got 1"),  # strict: not 0/1
         ({"fallback": None}, r"\['fallback'\] must be true or false, got None"),
