@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,12 @@ from marlin_pack.testing.synthetic import (
     write_compressed_tensors_checkpoint,
     write_gptq_checkpoint,
 )
+
+# A run started in the background of a non-interactive shell (`nohup ... &`) inherits SIGINT ignored, and so would every
+# process the tests start: the tests that interrupt a conversion or a GPU run with SIGINT need it as at a terminal. A
+# handler (unlike an ignored signal) is reset to the default in every program the tests start.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Eight query heads, two KV heads: TP 8 replicates each KV head on four ranks.
 WIDE = ModelShape(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)

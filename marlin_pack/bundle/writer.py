@@ -545,6 +545,8 @@ class BundleWriter:
                 stack.enter_context(output_lock(out))
             parent_fd = open_output(out, expect) if in_place else _open_parent(out)
             stack.callback(os.close, parent_fd)
+            # From before the temporary directory exists: a SIGTERM/SIGHUP that finds it always finds the handler.
+            stack.enter_context(_signals_interrupt())
             try:
                 _remove_stale_temp_dirs(out, parent_fd)
                 name, fd = _make_temp_dir(out, parent_fd)
@@ -554,10 +556,9 @@ class BundleWriter:
             writer = cls(out, parent_fd, name, fd, force, format_version, direct, in_place)
             stack.callback(writer._close_folders)
             try:
-                with _signals_interrupt():
-                    yield writer
-                    if not writer._published:
-                        raise RuntimeError("internal error: the bundle was never finished")
+                yield writer
+                if not writer._published:
+                    raise RuntimeError("internal error: the bundle was never finished")
             except BaseException as e:
                 writer._abort()
                 if isinstance(e, OSError):
