@@ -139,19 +139,27 @@ def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> tup
     decoder classes it builds for torch.compile in place (``support_torch_compile``, for the life of the process), and
     such a class no longer builds outside a vLLM engine; the oracle tests write checkpoints after building backend models.
     """
+    if decorated_by_vllm(config["architectures"][0]):
+        sd, linears = in_clean_process("arch_checkpoints", "_hf_state_dict_here", config, dtype, seed)
+        return sd, {k: tuple(v) for k, v in linears.items()}
+    return _hf_state_dict_here(config, dtype, seed)
+
+
+def decorated_by_vllm(architecture: str) -> bool:
+    """Whether vLLM's Transformers backend decorated the transformers classes of ``architecture``'s modeling module in
+    this process (``support_torch_compile`` adds a base class; such a class then builds only inside a vLLM engine)."""
     import sys
 
     import transformers
 
-    module = sys.modules[getattr(transformers, config["architectures"][0]).__module__]
-    decorated = any(isinstance(c, type) and any(b.__name__ == "TorchCompileWithNoGuardsWrapper" for b in c.__bases__)
-                    for c in vars(module).values())
-    if decorated:
-        return _hf_state_dict_in_subprocess(config, dtype, seed)
-    return _hf_state_dict_here(config, dtype, seed)
+    module = sys.modules[getattr(transformers, architecture).__module__]
+    return any(isinstance(c, type) and any(b.__name__ == "TorchCompileWithNoGuardsWrapper" for b in c.__bases__)
+               for c in vars(module).values())
 
 
-def _hf_state_dict_in_subprocess(config: dict[str, Any], dtype: torch.dtype, seed: int) -> tuple[dict, dict]:
+def in_clean_process(module: str, function: str, config: dict[str, Any], dtype: torch.dtype, seed: int) -> tuple[dict, Any]:
+    """``module.function(config, dtype, seed)`` (a state dict, or a state dict and a JSON-able extra) run in a fresh
+    Python process of this interpreter (no vLLM imported), its tensors brought back through a safetensors file."""
     import subprocess
     import sys
     import tempfile
@@ -162,17 +170,17 @@ def _hf_state_dict_in_subprocess(config: dict[str, Any], dtype: torch.dtype, see
         "import json, sys, torch\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
         "from safetensors.torch import save_file\n"
-        "from arch_checkpoints import _hf_state_dict_here\n"
+        f"from {module} import {function} as make\n"
         "config, dtype, seed, out = json.loads(sys.argv[1]), getattr(torch, sys.argv[2]), int(sys.argv[3]), sys.argv[4]\n"
-        "sd, linears = _hf_state_dict_here(config, dtype, seed)\n"
+        "made = make(config, dtype, seed)\n"
+        "sd, extra = made if isinstance(made, tuple) else (made, None)\n"
         "save_file({k: v.contiguous() for k, v in sd.items()}, out + '/sd.safetensors')\n"
-        "open(out + '/linears.json', 'w').write(json.dumps(linears))\n"
+        "open(out + '/extra.json', 'w').write(json.dumps(extra))\n"
     )
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-c", code, json.dumps(config), str(dtype).removeprefix("torch."), str(seed), tmp],
                        check=True, timeout=600)
-        linears = {k: tuple(v) for k, v in json.loads((Path(tmp) / "linears.json").read_text()).items()}
-        return load_file(str(Path(tmp) / "sd.safetensors")), linears
+        return load_file(str(Path(tmp) / "sd.safetensors")), json.loads((Path(tmp) / "extra.json").read_text())
 
 
 def _hf_state_dict_here(config: dict[str, Any], dtype: torch.dtype, seed: int) -> tuple[dict[str, torch.Tensor], dict]:

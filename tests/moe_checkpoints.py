@@ -67,12 +67,17 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
                                   q_lora_rank=384, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                                   topk_method="noaux_tc", n_group=2, topk_group=1, norm_topk_prob=True,
                                   routed_scaling_factor=2.5, scoring_func="sigmoid", tie_word_embeddings=False),
+    # vLLM's Transformers backend (0.34.0 for Olmoe): the experts' width is intermediate_size
+    "OlmoeForCausalLM": dict(model_type="olmoe", **_TEXT, intermediate_size=512, num_experts=4, num_experts_per_tok=2,
+                             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "FlexOlmoForCausalLM": dict(model_type="flex_olmo", **_TEXT, intermediate_size=512, num_experts=4, num_experts_per_tok=2,
+                                tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 # The router modules' last names per architecture: never quantized by AutoAWQ / GPTQModel.
 ROUTERS = {"MixtralForCausalLM": ("block_sparse_moe.gate",), "Qwen3MoeForCausalLM": ("mlp.gate",),
            "Qwen2MoeForCausalLM": ("mlp.gate", "mlp.shared_expert_gate"), "DeepseekV2ForCausalLM": ("mlp.gate",),
-           "DeepseekV3ForCausalLM": ("mlp.gate",)}
+           "DeepseekV3ForCausalLM": ("mlp.gate",), "OlmoeForCausalLM": ("mlp.gate",), "FlexOlmoForCausalLM": ("mlp.gate",)}
 
 
 # llm-compressor's MoE examples: ignore lm_head and the routers (as regexes), quantize everything else.
@@ -80,6 +85,14 @@ CT_IGNORE = {arch: ["lm_head", *(f"re:.*{r.replace('.', '[.]')}$" for r in route
 
 
 def _hf_state_dict(config: dict[str, Any], dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    from arch_checkpoints import decorated_by_vllm, in_clean_process
+
+    if decorated_by_vllm(config["architectures"][0]):  # vLLM's Transformers backend built this model class here
+        return in_clean_process("moe_checkpoints", "_hf_state_dict_here", config, dtype, seed)[0]
+    return _hf_state_dict_here(config, dtype, seed)
+
+
+def _hf_state_dict_here(config: dict[str, Any], dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     import transformers
 
     torch.manual_seed(seed)

@@ -94,9 +94,10 @@ def test_verify_finds_a_changed_expert(tmp_path: Path) -> None:
     ("gptq", {"sym": False}, {}, r"GPTQ sym is False, expected true"),
     ("gptq", {}, {"mlp_only_layers": [1]}, r"mlp_only_layers \[1\] mix dense and sparse decoder layers"),
     ("gptq", {}, {"decoder_sparse_step": 2}, r"decoder_sparse_step 2"),
-    ("awq", {}, {"architectures": ["OlmoeForCausalLM"]},
-     (r"^OlmoeForCausalLM is a mixture-of-experts model marlin-pack does not convert; its mixture-of-experts architectures are "
-      r"MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM$")),
+    ("awq", {}, {"architectures": ["PhimoeForCausalLM"]},
+     (r"^PhimoeForCausalLM is a mixture-of-experts model marlin-pack does not convert; its mixture-of-experts architectures are "
+      r"MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM, DeepseekV2ForCausalLM, "
+      r"DeepseekV3ForCausalLM, FlexOlmoForCausalLM$")),
 ])
 def test_unsupported_moe_input_refused_before_writing(tmp_path: Path, fmt: str, qc: dict, config: dict, match: str) -> None:
     model = write_moe_checkpoint(tmp_path / "m", "Qwen3MoeForCausalLM", fmt)

@@ -143,6 +143,13 @@ CONFIG_CLASSES: dict[str, ConfigClass] = {
         ("jais2", "Jais2Config", {"vocab_size": 150272, "hidden_size": 3328, "intermediate_size": 26624, "num_hidden_layers": 32,
                                   "num_attention_heads": 26, "tie_word_embeddings": False}),
     )},
+    # MoE through the backend: the experts' width is intermediate_size; transformers 5 maps num_local_experts
+    "olmoe": ConfigClass("OlmoeConfig", {"num_local_experts": "num_experts"}, {
+        "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 16,
+        "num_attention_heads": 16, "tie_word_embeddings": False, "num_experts": 64}),
+    "flex_olmo": ConfigClass("FlexOlmoConfig", {"num_local_experts": "num_experts"}, {
+        "vocab_size": 100352, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "tie_word_embeddings": False, "num_experts": 7}),
     # GPTBigCode: GPT-2's key names; intermediate n_inner or 4 x hidden, one KV head with multi_query (the default)
     "gpt_bigcode": ConfigClass(
         "GPTBigCodeConfig", {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"},
@@ -173,7 +180,8 @@ ARCHITECTURE_MODEL_TYPES = {
     "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "SmolLM3ForCausalLM": "smollm3", "StableLmForCausalLM": "stablelm",
     "GlmForCausalLM": "glm", "ArceeForCausalLM": "arcee", "SeedOssForCausalLM": "seed_oss",
     "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "VaultGemmaForCausalLM": "vaultgemma", "CwmForCausalLM": "cwm",
-    "Jais2ForCausalLM": "jais2", "GPTBigCodeForCausalLM": "gpt_bigcode",
+    "Jais2ForCausalLM": "jais2", "GPTBigCodeForCausalLM": "gpt_bigcode", "OlmoeForCausalLM": "olmoe",
+    "FlexOlmoForCausalLM": "flex_olmo",
 }
 
 

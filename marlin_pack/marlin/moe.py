@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -179,6 +179,10 @@ MOE_ARCHITECTURES: dict[str, MoeArchitecture] = {
         # shared experts (mlp.shared_experts.*) are one dense MLP: ordinary Marlin linears.
         _qwen_like("DeepseekV2ForCausalLM", "deepseek_v2.DeepseekV2ForCausalLM", "n_routed_experts"),
         _qwen_like("DeepseekV3ForCausalLM", "deepseek_v2.DeepseekV3ForCausalLM", "n_routed_experts"),
+        # Olmoe (olmoe.py; 0.34.0 the Transformers backend) and FlexOlmo (the backend): the experts' width is intermediate_size
+        *(replace(_qwen_like(n, cls, "num_experts"), intermediate_key="intermediate_size")
+          for n, cls in (("OlmoeForCausalLM", "olmoe.OlmoeForCausalLM"),
+                         ("FlexOlmoForCausalLM", "transformers.TransformersMoEForCausalLM"))),
     )
 }
 

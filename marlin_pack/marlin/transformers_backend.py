@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKED_TRANSFORMERS",
     "BACKEND_CLASS",
+    "BACKEND_MOE_CLASS",
     "HfAttention",
     "HfMlp",
     "BackendModel",
@@ -60,6 +61,7 @@ __all__ = [
 CHECKED_TRANSFORMERS = "5.16-5.22"
 
 BACKEND_CLASS = "transformers.TransformersForCausalLM"
+BACKEND_MOE_CLASS = "transformers.TransformersMoEForCausalLM"
 
 TpStyle = Literal["colwise", "rowwise", "replicate"]
 
@@ -94,7 +96,7 @@ class BackendModel:
 
     name: str  # config.json architectures[0]
     attention: HfAttention
-    mlp: HfMlp
+    mlp: HfMlp | None  # None: a sparse MoE block (MoEMixin: its experts one FusedMoE, marlin.moe.MOE_ARCHITECTURES)
     layers: str = "model.layers"  # vLLM's prefix of decoder layer i
     checkpoint_layers: tuple[str, ...] = ("model.layers",)
     output_head: str = "lm_head.weight"
@@ -132,16 +134,15 @@ def backend_linears(m: BackendModel) -> tuple[Linear, ...]:
         attn.append(_one(f"{a.module}.{a.column}", LayerKind.column, "h", "qkv"))
     attn.append(_one(f"{a.module}.{a.out}", LayerKind.row, "q", "h"))
     mlp: list[Linear] = []
-    if p.gate is not None:  # GLUFuser: self.gate_up_proj (gate, up); down rowwise
+    if p is None:  # the experts are a FusedMoE layer, the router unquantized
+        pass
+    elif p.gate is not None:  # GLUFuser: self.gate_up_proj (gate, up); down rowwise
         gate, up = f"{p.module}.{p.gate}", f"{p.module}.{p.up}"
         mlp.append(Linear(f"{p.module}.gate_up_proj", LayerKind.merged_column, "h", (Part("gate", "i", gate), Part("up", "i", up))))
         mlp.append(_one(f"{p.module}.{p.down}", LayerKind.row, "i", "h"))
     else:
-        up_size = p.up_size
-        down_in = "i"
-        mlp.append(_one(f"{p.module}.{p.up}", _STYLE_KINDS[p.style], "h", up_size))
-        mlp.append(_one(f"{p.module}.{p.down}", _STYLE_KINDS[p.down_style], down_in, "h"))
-    # the attention's o_proj is registered in place of the original (same position in _modules), after qkv_proj
+        mlp.append(_one(f"{p.module}.{p.up}", _STYLE_KINDS[p.style], "h", p.up_size))
+        mlp.append(_one(f"{p.module}.{p.down}", _STYLE_KINDS[p.down_style], "i", "h"))
     return (*attn, *mlp)
 
 
@@ -178,6 +179,10 @@ BACKEND_MODELS: dict[str, BackendModel] = {
         BackendModel("GPTBigCodeForCausalLM", HfAttention("attn", "c_proj", packed="c_attn"),
                      HfMlp("mlp", "c_proj", up="c_fc", style="replicate", down_style="replicate"),
                      layers="model.h", checkpoint_layers=("transformer.h",)),
+        # sparse MoE blocks (MoEMixin): the experts mlp.experts.N.{gate,up,down}_proj as one FusedMoE,
+        # mlp.experts.routed_experts (marlin.moe.MOE_ARCHITECTURES); Llama's attention
+        BackendModel("OlmoeForCausalLM", _LLAMA_ATTENTION, None),
+        BackendModel("FlexOlmoForCausalLM", _LLAMA_ATTENTION, None),
     )
 }
 
@@ -187,9 +192,9 @@ def rows() -> dict[str, Architecture]:
     from marlin_pack.marlin.architectures import Architecture
 
     return {
-        m.name: Architecture(m.name, BACKEND_CLASS, backend_linears(m), layers=m.layers,
-                             checkpoint_layers=m.checkpoint_layers, output_head=m.output_head,
-                             paths=frozenset({"transformers"}))
+        m.name: Architecture(m.name, BACKEND_CLASS if m.mlp is not None else BACKEND_MOE_CLASS, backend_linears(m),
+                             layers=m.layers, checkpoint_layers=m.checkpoint_layers, output_head=m.output_head,
+                             moe=m.mlp is None, paths=frozenset({"transformers"}))
         for m in BACKEND_MODELS.values()
     }
 

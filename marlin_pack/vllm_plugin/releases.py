@@ -114,13 +114,13 @@ FEATURES: Mapping[str, Callable[[Release], bool]] = MappingProxyType({
 _MARLIN_INPUT = frozenset({"VLLM_MARLIN_INPUT_DTYPE"})
 # Through the Transformers backend, read from each release's models/registry.py (tests/vllm_plugin/test_releases.py
 # checks the running release's): 0.30-0.31 these; 0.32 adds the models it moved off its own classes (gpt_neox.py,
-# phi.py, glm.py, arcee.py, seed_oss.py, ...); 0.34 Gemma and StableLM too.
+# phi.py, glm.py, arcee.py, seed_oss.py, ...); 0.34 Gemma, StableLM and Olmoe too.
 _BACKEND_030 = frozenset({"OlmoForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM",
                           "Starcoder2ForCausalLM", "GPTBigCodeForCausalLM", "HunYuanDenseV1ForCausalLM",
-                          "VaultGemmaForCausalLM"})
+                          "VaultGemmaForCausalLM", "FlexOlmoForCausalLM"})
 _BACKEND_032 = _BACKEND_030 | {"GPTNeoXForCausalLM", "PhiForCausalLM", "GlmForCausalLM", "ArceeForCausalLM",
                                "SeedOssForCausalLM", "CwmForCausalLM", "Jais2ForCausalLM"}
-_BACKEND_034 = _BACKEND_032 | {"GemmaForCausalLM", "StableLmForCausalLM"}
+_BACKEND_034 = _BACKEND_032 | {"GemmaForCausalLM", "StableLmForCausalLM", "OlmoeForCausalLM"}
 
 # Newest first. Each fact was read from the release's wheel (vllm/**/*.py).
 RELEASES: tuple[Release, ...] = (

@@ -19,6 +19,7 @@ from marlin_pack.marlin.sharding import layer_specs, model_dims, rank_slices
 from marlin_pack.marlin.transformers_backend import (
     BACKEND_CLASS,
     BACKEND_MODELS,
+    BACKEND_MOE_CLASS,
     CHECKED_TRANSFORMERS,
     recorded_transformers,
 )
@@ -35,7 +36,7 @@ def test_every_backend_model_is_a_row_of_the_table_serving_that_path() -> None:
     assert set(BACKEND) == set(BACKEND_MODELS)
     for name in BACKEND:
         row = ARCHITECTURES[name]
-        assert row.vllm_class == BACKEND_CLASS or "native" in row.paths
+        assert row.vllm_class == (BACKEND_MOE_CLASS if row.moe else BACKEND_CLASS) or "native" in row.paths
         assert name in ARCHITECTURE_MODEL_TYPES  # its config class (marlin.hf_config)
 
 
@@ -76,6 +77,21 @@ def test_gemma_serves_both_paths_because_the_rules_give_gemma_py_s_layers() -> N
 def test_the_rules_give_the_layers_vllm_builds(arch: str, layers: list) -> None:
     """As the backend built them in vLLM 0.30.0-0.34.0 (transformers 5.16.1-5.22.2; the exact tests prove the bytes)."""
     assert _layers(arch) == layers
+
+
+def test_sparse_moe_blocks_keep_the_attention_and_give_the_experts_to_marlin_moe() -> None:
+    from marlin_pack.marlin.moe import MOE_ARCHITECTURES
+
+    for name in ("OlmoeForCausalLM", "FlexOlmoForCausalLM"):
+        assert ARCHITECTURES[name].moe and [lin.name for lin in ARCHITECTURES[name].linears] == [
+            "self_attn.qkv_proj", "self_attn.o_proj"]
+        m = MOE_ARCHITECTURES[name]
+        assert (m.vllm_experts, m.num_experts_key, m.intermediate_key) == (
+            "mlp.experts.routed_experts", "num_experts", "intermediate_size")
+    assert [releases.serving_path(v, "OlmoeForCausalLM") for v in releases.supported()] == ["transformers"] + ["native"] * 4
+    # olmoe.py (0.30.0-0.33.0) builds what the backend builds: one bundle serves both (proven on 0.33.0 and 0.34.0)
+    assert ARCHITECTURES["OlmoeForCausalLM"].paths == {"native", "transformers"}
+    assert ARCHITECTURES["FlexOlmoForCausalLM"].paths == {"transformers"}
 
 
 def test_checkpoint_and_vllm_prefixes() -> None:

@@ -67,3 +67,25 @@ def test_transformers_backend_bit_exact_tp_1_2(tmp_path: Path, arch: str, fmt: s
     assert set(seen) == {vllm_class}
     assert manifest.target.transformers == "5.16-5.22"
     assert verify(model / "marlin-pack").ok
+
+
+MOE_CASES = [("OlmoeForCausalLM", "awq", torch.float16), ("OlmoeForCausalLM", "gptq4", torch.bfloat16),
+             ("FlexOlmoForCausalLM", "gptq4", torch.float16), ("FlexOlmoForCausalLM", "awq", torch.bfloat16)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,fmt,dtype", [pytest.param(*c, id=f"{c[0]}-{c[1]}-{str(c[2])[6:]}") for c in MOE_CASES])
+def test_transformers_backend_moe_bit_exact_tp_1_2(tmp_path: Path, arch: str, fmt: str, dtype: torch.dtype) -> None:
+    """Sparse MoE blocks through the backend (MoEMixin): attention as Marlin linears, the routed experts one FusedMoE
+    (``mlp.experts.routed_experts``) on Marlin MoE, as in vLLM's own MoE classes."""
+    from moe_checkpoints import write_moe_checkpoint
+    from oracles.vllm_moe_reference import assert_moe_bundle_equals_vllm
+
+    _skip_where_another_path(arch)
+    model = write_moe_checkpoint(tmp_path / "m", arch, FORMATS[fmt]["fmt"], group_size=32, dtype=dtype)
+    manifest = convert(model, tp=(1, 2), dtype=str(dtype).removeprefix("torch.")).manifest
+    assert assert_moe_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), dtype) >= 3 * 2 * (2 + 4)
+    assert [e.name for e in manifest.tensor_parallel[0].moe_layers] == [
+        f"model.layers.{i}.mlp.experts.routed_experts" for i in (0, 1)]
+    assert manifest.target.transformers == "5.16-5.22"
+    assert verify(model / "marlin-pack").ok
