@@ -201,6 +201,11 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
         raise UnsupportedCheckpointError(
             f"architecture is {name!r}{why}, expected one of {', '.join(SUPPORTED_ARCHITECTURES)}; {SERVE_WITHOUT}"
         )
+    from marlin_pack.marlin.transformers_backend import config_problem
+
+    problem = config_problem(arch.name, text)
+    if problem is not None:
+        raise UnsupportedCheckpointError(problem)
     cfg = {k: v for k, v in text.items() if v is not None}
     if "vocab_size" in cfg:  # vLLM sizes the embeddings and lm_head by it (absent: transformers' default)
         _int(cfg, "vocab_size")

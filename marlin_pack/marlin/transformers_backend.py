@@ -34,8 +34,9 @@ This module imports neither vLLM nor transformers.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from marlin_pack.layer_kinds import LayerKind
 
@@ -53,6 +54,7 @@ __all__ = [
     "backend_linears",
     "rows",
     "recorded_transformers",
+    "config_problem",
 ]
 
 # The transformers releases (major.minor, inclusive) whose modeling code the rows below were read from and tested
@@ -100,6 +102,8 @@ class BackendModel:
     layers: str = "model.layers"  # vLLM's prefix of decoder layer i
     checkpoint_layers: tuple[str, ...] = ("model.layers",)
     output_head: str = "lm_head.weight"
+    # config key -> (the value the modeling code must see for these rules to hold, what the module does otherwise)
+    requires: tuple[tuple[str, object, str], ...] = ()
 
 
 def _qkv_linear(name: str, q: str, k: str, v: str) -> Linear:
@@ -146,6 +150,7 @@ def backend_linears(m: BackendModel) -> tuple[Linear, ...]:
     return (*attn, *mlp)
 
 
+_INTERLEAVED_C_ATTN = "c_attn interleaves q, k and v per head, which no fuser of the backend splits"
 _LLAMA_ATTENTION = HfAttention("self_attn", "o_proj", qkv=("q_proj", "k_proj", "v_proj"))
 _GLU = HfMlp("mlp", "down_proj", gate="gate_proj", up="up_proj")
 
@@ -178,13 +183,26 @@ BACKEND_MODELS: dict[str, BackendModel] = {
         # GPTBigCode (multi_query): c_attn split (h, kv, kv); no tp_plan, so the MLP is replicated on every rank
         BackendModel("GPTBigCodeForCausalLM", HfAttention("attn", "c_proj", packed="c_attn"),
                      HfMlp("mlp", "c_proj", up="c_fc", style="replicate", down_style="replicate"),
-                     layers="model.h", checkpoint_layers=("transformer.h",)),
+                     layers="model.h", checkpoint_layers=("transformer.h",),
+                     requires=(("multi_query", True, _INTERLEAVED_C_ATTN),)),
         # sparse MoE blocks (MoEMixin): the experts mlp.experts.N.{gate,up,down}_proj as one FusedMoE,
         # mlp.experts.routed_experts (marlin.moe.MOE_ARCHITECTURES); Llama's attention
         BackendModel("OlmoeForCausalLM", _LLAMA_ATTENTION, None),
         BackendModel("FlexOlmoForCausalLM", _LLAMA_ATTENTION, None),
     )
 }
+
+
+def config_problem(architecture: str, config: Mapping[str, Any]) -> str | None:
+    """Why the backend's rules do not give ``architecture``'s row for this ``config`` (its config class's view, with
+    defaults), in one line; None: they do."""
+    m = BACKEND_MODELS.get(architecture)
+    for key, want, otherwise in m.requires if m is not None else ():
+        if config.get(key, want) != want:
+            return (f"config.json {key} is {config.get(key)!r}, expected {want!r} for {architecture}: without it {otherwise}, so "
+                    f"vLLM's Transformers backend builds layers marlin-pack does not lay out; serve this model without "
+                    f"--load-format marlin_prepacked")
+    return None
 
 
 def rows() -> dict[str, Architecture]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from marlin_pack.errors import UnsupportedCheckpointError
 from marlin_pack.layer_kinds import LayerKind
 from marlin_pack.marlin.architectures import ARCHITECTURES, LLAMA_LINEARS
 from marlin_pack.marlin.hf_config import ARCHITECTURE_MODEL_TYPES
@@ -120,7 +121,11 @@ def test_gpt_bigcode_dims_under_gpt2_names_and_multi_query() -> None:
     assert [(s.n0, s.n) for s in rank_slices(qkv, d, 2, 1)] == [(128, 128), (0, 64), (0, 64)]
     no_inner = {k: v for k, v in _config("GPTBigCodeForCausalLM").items() if k != "n_inner"}
     assert model_dims(no_inner).intermediate_size == 4 * 256
-    assert model_dims({**no_inner, "multi_query": False}).num_kv_heads == 4
+    with pytest.raises(UnsupportedCheckpointError, match=r"^config\.json multi_query is False, expected True for "
+                       r"GPTBigCodeForCausalLM: without it c_attn interleaves q, k and v per head, which no fuser of the backend "
+                       r"splits, so vLLM's Transformers backend builds layers marlin-pack does not lay out; serve this model "
+                       r"without --load-format marlin_prepacked$"):
+        model_dims({**no_inner, "multi_query": False})
 
 
 def test_gpt_neox_one_column_of_q_k_v() -> None:
