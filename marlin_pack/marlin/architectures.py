@@ -217,7 +217,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen3MoeForCausalLM", "qwen3_moe.Qwen3MoeForCausalLM", MOE_ATTENTION_LINEARS, moe=True),
         Architecture("Qwen2MoeForCausalLM", "qwen2_moe.Qwen2MoeForCausalLM", QWEN2_MOE_LINEARS, head_dim="derived",
                      moe=True, intermediate_key="shared_expert_intermediate_size"),
-        # vLLM 0.30.0-0.33.0 build olmoe.py, 0.34.0 its Transformers backend: the same layers (both paths)
+        # vLLM 0.30.0-0.33.0 build olmoe.py, 0.34.0 its Transformers backend: the same layers (both paths; bit-exact on
+        # 0.30.0, 0.33.0 and 0.34.0)
         Architecture("OlmoeForCausalLM", "olmoe.OlmoeForCausalLM", MOE_ATTENTION_LINEARS, moe=True),
         # DeepSeek-V3 is vLLM's DeepseekV2ForCausalLM code path too (same class body, deepseek_v2.py).
         Architecture("DeepseekV2ForCausalLM", "deepseek_v2.DeepseekV2ForCausalLM",

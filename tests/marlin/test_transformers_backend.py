@@ -90,7 +90,7 @@ def test_sparse_moe_blocks_keep_the_attention_and_give_the_experts_to_marlin_moe
         assert (m.vllm_experts, m.num_experts_key, m.intermediate_key) == (
             "mlp.experts.routed_experts", "num_experts", "intermediate_size")
     assert [releases.serving_path(v, "OlmoeForCausalLM") for v in releases.supported()] == ["transformers"] + ["native"] * 4
-    # olmoe.py (0.30.0-0.33.0) builds what the backend builds: one bundle serves both (proven on 0.33.0 and 0.34.0)
+    # olmoe.py (0.30.0-0.33.0) builds what the backend builds: one bundle serves both (bit-exact on 0.30.0, 0.33.0, 0.34.0)
     assert ARCHITECTURES["OlmoeForCausalLM"].paths == {"native", "transformers"}
     assert ARCHITECTURES["FlexOlmoForCausalLM"].paths == {"transformers"}
 

@@ -167,7 +167,12 @@ def test_the_transformers_backend_column_is_what_each_release_registers() -> Non
     unregistered = {a for a in SUPPORTED_ARCHITECTURES if not any(a in t for t in tables)}
     assert not unregistered  # (vLLM would pick the backend for those, if transformers has them)
     assert through_backend == set(entry.transformers_backend)
-    assert transformers.__version__ == entry.transformers
+    # the environment's transformers (tools/vllm-env.sh resolves the release's pin) is one the backend rows were checked
+    # against; the entry names the one its oracles ran with
+    from marlin_pack.marlin.transformers_backend import CHECKED_TRANSFORMERS
+
+    assert releases.transformers_problem(CHECKED_TRANSFORMERS, transformers.__version__) is None
+    assert transformers.__version__.split(".")[:2] == entry.transformers.split(".")[:2]
 
 
 def test_the_table_imports_neither_vllm_nor_torch() -> None:
