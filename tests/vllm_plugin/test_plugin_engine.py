@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from types import SimpleNamespace
 
 import plugin_fakes as fakes
@@ -67,6 +68,7 @@ def test_engine_facts(monkeypatch: pytest.MonkeyPatch) -> None:
         quantization="auto_gptq",
         linear_backend="auto",
         linear_backend_per_quant={"fp8": "cutlass"},
+        transformers_version=importlib.metadata.version("transformers"),  # what vLLM's Transformers backend builds from
     )
 
 
