@@ -48,8 +48,8 @@ def _plain(command: TyperCommand | TyperGroup, formatter: Any) -> Iterator[None]
     formatter.buffer = [piece.replace("\\[", "[") for piece in formatter.buffer]
 
 
-class Command(TyperCommand):
-    """A command whose help is plain where stdout is not a terminal; flags without a metavar."""
+class _PlainHelp:
+    """Help plain where stdout is not a terminal; flags without a metavar (mixed into a click command or group)."""
 
     def get_params(self, ctx: Any) -> list[Any]:
         return _flags_without_metavar(super().get_params(ctx))
@@ -61,7 +61,11 @@ class Command(TyperCommand):
             return super().format_help(ctx, formatter)
 
 
-class Group(TyperGroup):
+class Command(_PlainHelp, TyperCommand):
+    """A command whose help is plain where stdout is not a terminal; flags without a metavar."""
+
+
+class Group(_PlainHelp, TyperGroup):
     """A command group whose help is plain where stdout is not a terminal, and whose usage errors are click's plain
     lines where stderr is not one (``Error: Invalid value for '--tp': ...`` whole, not wrapped in an 80-column
     panel); flags without a metavar."""
@@ -70,12 +74,3 @@ class Group(TyperGroup):
         if not _terminal(sys.stderr):
             self.rich_markup_mode = None
         return super().main(*args, **kwargs)
-
-    def get_params(self, ctx: Any) -> list[Any]:
-        return _flags_without_metavar(super().get_params(ctx))
-
-    def format_help(self, ctx: Any, formatter: Any) -> Any:
-        if _terminal():
-            return super().format_help(ctx, formatter)
-        with _plain(self, formatter):
-            return super().format_help(ctx, formatter)
