@@ -140,7 +140,7 @@ def _layer_info(model: torch.nn.Module, names: list[str], digests: bool = False)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
-    info: dict[str, Any] = {"kernels": {}, "tensors": {}}
+    info: dict[str, Any] = {"kernels": {}, "tensors": {}, "model_class": type(model).__name__}
     for layer in names:
         qm = modules[layer].quant_method
         # AWQ/GPTQ keep the kernel on the method; compressed-tensors on the layer's scheme.
@@ -233,7 +233,8 @@ def _engine_main(spec_path: str) -> None:
     )
     from marlin_pack.vllm_plugin.patches.registry import installed  # no vLLM import of its own
 
-    result = {"outputs": outputs, "layers": ranks[0], "ranks": ranks, "start_s": start_s, "patched": installed()}
+    result = {"outputs": outputs, "layers": ranks[0], "ranks": ranks, "start_s": start_s, "patched": installed(),
+              "model_class": ranks[0]["model_class"]}
     _write_json(Path(spec["out"]), result)
     print("MARLIN_PACK_ENGINE_READY", flush=True)
     if spec.get("serve"):  # answer poke/peek commands until told to exit

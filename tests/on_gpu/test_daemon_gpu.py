@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,8 @@ ALL_MODELS = {  # name -> (format, preset, bits, group size)
     "qwen3moe-ct4-asym": ("moe-ct-asym", "tiny-qwen3moe", 4, 128),  # compressed-tensors W4A16_ASYM experts
     "gptq4-vocab": ("gptq", "tiny-vocab", 4, 128),  # an embedding and a head large enough to copy beside the construction
     "awq4-machete": ("awq", "tiny", 4, 128),  # a --kernel machete bundle: Machete in every start (SM90 only)
+    # served through vLLM's Transformers backend (0.33+): written by transformers' own Olmo2 class
+    "olmo2-awq-backend": ("arch-awq:Olmo2ForCausalLM", None, 4, 128),
 }
 # The kernel each model's bundle is converted for (marlin unless named here) and the kernel its layers run on.
 KERNEL = {"awq4-machete": "machete"}
@@ -174,6 +177,14 @@ def _write(name: str, out: Path, preset: str | None = None) -> Path:
 
     fmt, default_preset, bits, group = MODELS.get(name, ("awq", preset, 4, 128))
     device = "cuda" if preset else "cpu"
+    if fmt.startswith("arch-"):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for arch_checkpoints
+        from arch_checkpoints import write_arch_checkpoint
+
+        arch_fmt, arch = fmt.removeprefix("arch-").split(":")
+        d = write_arch_checkpoint(out, arch, arch_fmt, bits=bits, group_size=group, dtype=torch.float16, tokenizer=True)
+        marlin_pack.convert(d, tp=(1,), dtype="float16", kernel="marlin")
+        return d
     if fmt.startswith("moe-"):
         from marlin_pack.testing.synthetic_moe import MOE_PRESETS, write_moe_checkpoint
 
