@@ -246,7 +246,8 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             for name in models
         }
         # Machete exists on SM90 only (H100/H200); elsewhere this daemon is not started.
-        machete_sdir = cluster.socket_dir() if hopper and "test_machete_layers_are_shared" in tests else None
+        machete_sdir = (cluster.socket_dir() if hopper and "test_machete_layers_are_shared" in tests
+                        and MACHETE_DAEMON in models else None)
         machete = (
             None
             if machete_sdir is None
@@ -286,7 +287,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         ready = {name: wait_socket(daemons[name], sdirs[name]) for name in models}
         assert all(ready.values()), "\n".join(daemons[n].tail() for n, ok in ready.items() if not ok)
         # int8 activations attach to a ready daemon with fallback on: refused all the same.
-        int8 = None if "test_int8_activations_are_refused" not in tests else cluster.engine(
+        int8 = None if "test_int8_activations_are_refused" not in tests or INT8 not in models else cluster.engine(
             "gptq4-int8",
             models[INT8],
             env={"VLLM_MARLIN_INPUT_DTYPE": "int8"},
@@ -436,7 +437,7 @@ def test_machete_layers_are_shared(run: Results) -> None:
     """A daemon whose AWQ layers vLLM serves with Machete (``--linear-backend machete``, plain loading) comes up:
     Machete with 16-bit activations is shared too since issue 49 (it was refused before)."""
     if run.machete is None or run.machete_sdir is None:
-        pytest.skip("Machete needs compute capability 9.0 (H100/H200)")
+        pytest.skip(f"Machete needs compute capability 9.0 (H100/H200), and {MACHETE_DAEMON} among the models")
     assert wait_socket(run.machete, run.machete_sdir), run.machete.tail()
     log = run.machete.log()
     assert "Using MacheteLinearKernel" in log, run.machete.tail()
