@@ -27,7 +27,7 @@ def default_bundle_dir(model_dir: str | Path) -> Path:
 
 def _read_raw(bundle_dir: Path) -> tuple[Path, bytes, dict]:
     """``manifest.json``'s path, bytes and JSON object, if it is a marlin-pack manifest of any version."""
-    refuse_url(bundle_dir, "bundle", "a directory", "copy it to a local directory first (`aws s3 sync {url} DIR`) and read DIR")
+    refuse_url(bundle_dir, "bundle", "a directory", "copy it to a local directory first (`{sync} DIR`) and read DIR")
     path = bundle_dir / MANIFEST_NAME
     if not bundle_dir.is_dir():
         raise BundleError(

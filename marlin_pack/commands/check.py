@@ -34,7 +34,7 @@ _NOT_CHECKED = (
 def check(
     model: ModelArg,
     bundle: Annotated[Path | None, typer.Option("--bundle", help="Bundle directory \\[default: MODEL_DIR/marlin-pack], or "
-                                                "s3://BUCKET/PREFIX where it is published.")] = None,
+                                                "s3://BUCKET/PREFIX or gs://BUCKET/PREFIX where it is published.")] = None,
     tp: Annotated[
         int, typer.Option("--tp", "-tp", "--tensor-parallel-size", min=1, max=1024, help="The engine's --tensor-parallel-size.")
     ] = 1,

@@ -78,8 +78,9 @@ def parse_tp(value: str) -> list[int]:
     return sorted(sizes)
 
 
-# What to do with a URL where a path is expected: a word per option (refuse_url's ``todo``; {url} is the URL).
-_COPY_DOWN = "copy it to a local directory first (`aws s3 sync {url} DIR`) and pass DIR"
+# What to do with a URL where a path is expected: a word per option (refuse_url's ``todo``; {url} is the URL, {sync} the
+# command that copies it down).
+_COPY_DOWN = "copy it to a local directory first (`{sync} DIR`) and pass DIR"
 URL_ADVICE = {
     "MODEL": ("a checkpoint directory or a Hugging Face model id (org/name)", _COPY_DOWN),
     "MODEL|BUNDLE": ("a bundle directory, a checkpoint directory or a model id", _COPY_DOWN),

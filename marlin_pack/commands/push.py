@@ -1,4 +1,4 @@
-"""``marlin-pack push``: publish a bundle to object storage (``s3://bucket/prefix``), said in one line."""
+"""``marlin-pack push``: publish a bundle to object storage (``s3://bucket/prefix``, ``gs://bucket/prefix``), said in one line."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ __all__ = ["push"]
 
 def push(
     target: TargetArg,
-    url: Annotated[str, typer.Argument(metavar="URL", help="Where to publish it: s3://BUCKET/PREFIX.")],
+    url: Annotated[str, typer.Argument(metavar="URL", help="Where to publish it: s3://BUCKET/PREFIX or gs://BUCKET/PREFIX.")],
     force: Annotated[bool, typer.Option("--force", help="Replace another bundle published at URL (its readers are refused "
                                         "until this one is complete, never given a mix).")] = False,
     revision: RevisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Publish a bundle to object storage, for engines to stream (credentials and AWS_ENDPOINT_URL as boto3 reads them).
+    """Publish a bundle to object storage, for engines to stream (credentials and AWS_ENDPOINT_URL as boto3 reads them; gs:// with a GCS HMAC key in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY).
 
     The bundle is proven against its manifest first; the files go up, then the manifest, then the publication record: readers never see a half-written bundle. Pushing the same bundle again writes nothing.
 
@@ -30,6 +30,8 @@ def push(
       marlin-pack push ./Llama-3-8B-AWQ s3://models/llama-3-8b-awq
 
       AWS_ENDPOINT_URL=http://minio:9000 marlin-pack push ./Llama-3-8B-AWQ/marlin-pack s3://models/llama-3-8b-awq
+
+      marlin-pack push ./Llama-3-8B-AWQ gs://models/llama-3-8b-awq    # GCS, through its XML API
     """  # noqa: E501
     from marlin_pack.remote.push import push as run_push
     from marlin_pack.remote.url import parse_url

@@ -172,7 +172,9 @@ def _publish(store: S3Store, manifest: Manifest, manifest_data: bytes, files: li
     record = Record(manifest_sha256=hashlib.sha256(manifest_data).hexdigest(), manifest_size=len(manifest_data),
                     block_size=block_size, files=[f.published for f in files])
     there = _published_record(store)
-    replaced = there is not None and there != record
+    # Another bundle's record; the same manifest's (another block size: the same files) only has its record rewritten.
+    replaced = there is not None and there != record and not (
+        isinstance(there, Record) and there.manifest_sha256 == record.manifest_sha256)
     if replaced and not force:
         what = (f"a bundle with manifest SHA-256 {there.manifest_sha256[:16]}…" if isinstance(there, Record)
                 else f"a record this marlin-pack cannot read ({there})")

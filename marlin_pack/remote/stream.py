@@ -103,6 +103,18 @@ def _streamer() -> Any:
     return FileStreamer, FileChunks
 
 
+def _credentials(endpoint: str | None) -> Any:
+    """The streamer's credentials argument: None (its S3 backend's default chain and the environment's endpoint), or that
+    chain at ``endpoint`` (a ``gs://`` bundle: GCS's XML API, :meth:`~marlin_pack.remote.store.S3Store.stream_target`)."""
+    if endpoint is None:
+        return None
+    from runai_model_streamer.s3_utils.s3_utils import S3Credentials
+
+    from marlin_pack.remote.store import GCS_REGION
+
+    return S3Credentials(endpoint=endpoint, region_name=GCS_REGION)
+
+
 def read_rank(plan: RankPlan, sink: Sink, *, memory_limit: int | None = None) -> RankRead:
     """Stream every span of ``plan`` into ``sink``, each block verified against the publication record first.
 
@@ -119,12 +131,14 @@ def read_rank(plan: RankPlan, sink: Sink, *, memory_limit: int | None = None) ->
     block = bundle.record.block_size
     jobs = _ranges(plan)
     done = RankRead({f.entry.path: 0 for f, _, _ in jobs})
-    requests = [FileChunks(i, bundle.url.url_of(f.entry.path), offsets, sizes) for i, (f, offsets, sizes) in enumerate(jobs) if sizes]
+    targets = {f.entry.path: bundle.store.stream_target(f.entry.path) for f, _, _ in jobs}
+    requests = [FileChunks(i, targets[f.entry.path][0], offsets, sizes) for i, (f, offsets, sizes) in enumerate(jobs) if sizes]
     by_id = {i: (f, offsets) for i, (f, offsets, sizes) in enumerate(jobs) if sizes}
+    endpoints = {endpoint for _, endpoint in targets.values()}
     if requests:
         try:
             with FileStreamer() as streamer:
-                streamer.stream_files(requests, device="cpu", memory_limit=memory_limit)
+                streamer.stream_files(requests, credentials=_credentials(endpoints.pop()), device="cpu", memory_limit=memory_limit)
                 for file_id, index, data in streamer.get_chunks():
                     f, offsets = by_id[file_id]
                     offset = offsets[index]

@@ -1,4 +1,5 @@
-"""Object-storage URLs (``s3://bucket/prefix``) told apart from paths, and refused where a path is expected.
+"""Object-storage URLs (``s3://bucket/prefix``, ``gs://bucket/prefix``) told apart from paths, and refused where a path is
+expected.
 
 ``pathlib.Path("s3://bucket/x")`` is ``s3:/bucket/x``: a relative path whose first folder is ``s3:``. Taken for a
 path, ``convert -o s3://bucket/x`` would write a local folder named ``s3:`` and report success, and ``check --bundle
@@ -6,8 +7,8 @@ s3://...`` would read it back. Every place that takes a bundle or model path ask
 words in :mod:`marlin_pack.commands.params`, the loader's ``bundle`` option, the library's ``convert``, the bundle
 reader, the model resolver): a URL there is one line naming what was found, what was expected and what to do.
 
-:func:`parse_url` is the one parser of the URLs marlin-pack serves (``s3://``: :mod:`marlin_pack.remote`), used by
-``push`` and the remote reader. No client library is imported here.
+:func:`parse_url` is the one parser of the URLs marlin-pack serves (``s3://`` and ``gs://``: :mod:`marlin_pack.remote`),
+used by ``push``, ``check`` and the loader. No client library is imported here.
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from dataclasses import dataclass
 
 from marlin_pack.errors import MarlinPackError
 
-__all__ = ["SERVED_SCHEMES", "ObjectUrl", "UrlNotPathError", "parse_url", "refuse_url", "url_scheme", "url_text"]
+__all__ = ["SERVED_SCHEMES", "ObjectUrl", "UrlNotPathError", "parse_url", "refuse_url", "sync_command", "url_scheme", "url_text"]
 
-# Schemes marlin-pack reads and writes (push, the remote reader). gs:// is recognised and refused with advice: Run:ai's
-# streamer reads it, but publishing needs a GCS client marlin-pack does not ship (docs/deployment.md).
-SERVED_SCHEMES = ("s3",)
+# Schemes marlin-pack reads and writes (push, check, the loader). gs:// is Google Cloud Storage, spoken to through its
+# XML API, which is S3's (marlin_pack.remote.store: the same two clients, an HMAC key as the credentials).
+SERVED_SCHEMES = ("s3", "gs")
 
 # "scheme:/" as typed ("s3://b/x") or as a Path leaves it ("s3:/b/x"): a scheme is a letter then letters, digits,
 # "+", "-", "." (RFC 3986). A one-letter scheme is not taken (no object store has one).
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/(/?)(.*)", re.DOTALL)
-# S3's bucket naming rules (3-63 characters, lowercase letters, digits, "-" and "."); GCS's are the same letters.
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+# S3's bucket naming rules (3-63 characters, lowercase letters, digits, "-" and "."); GCS also takes "_", and dotted
+# names up to 222 characters (each dot-separated part at most 63).
+_BUCKET = {"s3": re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]"), "gs": re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")}
+_BUCKET_WORDS = {"s3": "3-63 lowercase letters, digits, '-' and '.'", "gs": "3-63 lowercase letters, digits, '-', '_' and '.'"}
 
 
 class UrlNotPathError(MarlinPackError, ValueError):
@@ -53,6 +56,15 @@ def url_text(value: str | os.PathLike[str]) -> str:
     return f"{match.group(1)}://{match.group(3)}"
 
 
+def sync_command(url: str | ObjectUrl) -> str:
+    """The command that copies the objects under ``url`` to a local directory (DIR follows it): ``gcloud storage rsync
+    -r gs://...`` for GCS, ``aws s3 sync s3://...`` otherwise."""
+    text = str(url)
+    if url_scheme(text) == "gs":
+        return f"gcloud storage rsync -r {text}"
+    return f"aws s3 sync {text}"
+
+
 def refuse_url(value: str | os.PathLike[str] | None, what: str, expected: str, todo: str) -> None:
     """Raise :class:`UrlNotPathError` if ``value`` is a URL: ``{what} {url} is an object-storage URL, not {expected};
     {todo}``. Nothing else is checked: a plain path passes as it is.
@@ -60,13 +72,14 @@ def refuse_url(value: str | os.PathLike[str] | None, what: str, expected: str, t
     Args:
         what: the word the user gave it as (``-o``, ``--bundle``, ``MODEL``, ``the bundle``).
         expected: what is expected there (``a directory``).
-        todo: what to do instead, naming the command (``{url}`` in it is replaced by the URL).
+        todo: what to do instead, naming the command: ``{url}`` in it is replaced by the URL, ``{sync}`` by the command
+            that copies it down (:func:`sync_command`, which DIR follows).
     """
     if url_scheme(value) is None:
         return
     assert value is not None
     url = url_text(value)
-    raise UrlNotPathError(f"{what} {url} is an object-storage URL, not {expected}; {todo.format(url=url)}")
+    raise UrlNotPathError(f"{what} {url} is an object-storage URL, not {expected}; {todo.format(url=url, sync=sync_command(url))}")
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,7 @@ class ObjectUrl:
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def url_of(self, name: str) -> str:
-        """``s3://bucket/prefix/name``: what the streaming client is given."""
+        """``s3://bucket/prefix/name``: the object as the user names it (messages)."""
         return f"{self.scheme}://{self.bucket}/{self.key(name)}"
 
     def __str__(self) -> str:
@@ -91,7 +104,7 @@ class ObjectUrl:
 
 
 def parse_url(value: str | os.PathLike[str]) -> ObjectUrl:
-    """``s3://bucket/prefix`` as an :class:`ObjectUrl`.
+    """``s3://bucket/prefix`` or ``gs://bucket/prefix`` as an :class:`ObjectUrl`.
 
     Raises:
         UrlNotPathError: not a URL, a scheme marlin-pack does not serve, a malformed bucket, or a prefix with empty,
@@ -99,23 +112,16 @@ def parse_url(value: str | os.PathLike[str]) -> ObjectUrl:
     """
     text = url_text(value)
     match = _SCHEME.fullmatch(text)
-    served = ", ".join(f"{s}://BUCKET/PREFIX" for s in SERVED_SCHEMES)
+    served = " or ".join(f"{s}://BUCKET/PREFIX" for s in SERVED_SCHEMES)
     if match is None or not match.group(2):
         raise UrlNotPathError(f"{text!r} is not an object-storage URL; expected {served}")
     scheme = match.group(1).lower()
     if scheme not in SERVED_SCHEMES:
-        advice = (
-            "GCS serves the S3 API too: use s3://BUCKET/PREFIX with AWS_ENDPOINT_URL=https://storage.googleapis.com and "
-            "an HMAC key in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (docs/deployment.md)"
-            if scheme == "gs" else f"copy the bundle to {served} or to a local directory"
-        )
-        raise UrlNotPathError(f"{text}: marlin-pack reads and writes bundles at {served}, not {scheme}://; {advice}")
+        raise UrlNotPathError(f"{text}: marlin-pack reads and writes bundles at {served}, not {scheme}://; copy the bundle to "
+                              "one of those or to a local directory")
     bucket, _, prefix = match.group(3).partition("/")
-    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
-        raise UrlNotPathError(
-            f"{text}: bucket {bucket!r} is not a bucket name (3-63 lowercase letters, digits, '-' and '.'); "
-            f"expected {served}"
-        )
+    if not _BUCKET[scheme].fullmatch(bucket) or ".." in bucket or any(len(part) > 63 for part in bucket.split(".")):
+        raise UrlNotPathError(f"{text}: bucket {bucket!r} is not a bucket name ({_BUCKET_WORDS[scheme]}); expected {served}")
     prefix = prefix.rstrip("/")
     if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
         raise UrlNotPathError(f"{text}: the prefix {prefix!r} has an empty, '.' or '..' segment; write it without them")

@@ -90,7 +90,7 @@ def locate_bundle(model: str | Path, revision: str | None = None, bundle: str | 
         HomeDirectoryError: a ``~`` that names no home directory (``bundle``, ``model``, ``HF_HOME``, ...).
     """
     if bundle is not None:
-        refuse_url(bundle, "bundle", "a directory", "copy it to a local directory first (`aws s3 sync {url} DIR`) and name DIR")
+        refuse_url(bundle, "bundle", "a directory", "copy it to a local directory first (`{sync} DIR`) and name DIR")
         return expand_user(os.fspath(bundle), "the bundle directory")
     return bundle_dir_for(resolve_model(model, revision, download=False))
 
@@ -108,7 +108,7 @@ def resolve_model(model: str | Path, revision: str | None = None, *, download: b
         HomeDirectoryError: ``model`` starts with a ``~`` that names no home directory.
     """
     refuse_url(model, "model", "a checkpoint directory or a Hugging Face model id (org/name)",
-               "copy the checkpoint to a local directory first (`aws s3 sync {url} DIR`) and pass DIR")
+               "copy the checkpoint to a local directory first (`{sync} DIR`) and pass DIR")
     path = expand_user(os.fspath(model), "the model directory")
     if path.is_dir():
         snapshot = _snapshot_of(path)

@@ -1,4 +1,4 @@
-"""The ``marlin_prepacked`` loader's bundle in object storage (``{"bundle": "s3://bucket/prefix"}``): its decision and
+"""The ``marlin_prepacked`` loader's bundle in object storage (``{"bundle": "s3://bucket/prefix"}``, or ``gs://``): its decision and
 its copy, kept out of ``loader.py``, which asks three things of this module.
 
 * :func:`decide_bundle`: the decision. A URL: :func:`~marlin_pack.remote.decision.select_remote` (the record, the
@@ -30,6 +30,7 @@ from marlin_pack.gpu.host_map import HostMap
 from marlin_pack.gpu.plan import IoPlan
 from marlin_pack.gpu.reader import CopyItem, ParallelReader
 from marlin_pack.remote.bundle import FileRead, RankPlan
+from marlin_pack.remote.url import sync_command
 from marlin_pack.vllm_plugin.decision import Decision, EngineFacts, SelectedBundle, decide, internal_error, refusal, select_for_copy
 from marlin_pack.vllm_plugin.options import LoaderOptions
 
@@ -73,7 +74,7 @@ def select(options: LoaderOptions, facts: EngineFacts) -> RemoteSelected:
 
     url = options.remote
     if url is None:
-        raise ValueError("internal error: the remote selection needs an s3:// bundle")
+        raise ValueError("internal error: the remote selection needs an s3:// or gs:// bundle")
     plan, hashed = select_remote(url, facts, full_hash=options.full_hash)
     manifest = plan.bundle.manifest
     rank, common = plan.files
@@ -157,7 +158,7 @@ def copy_rank(bundle: RemoteSelected, items: list[CopyItem], reader: ParallelRea
     want = sum(it.nbytes for it in items)
     if sink.copied != want:
         raise BundleError(f"internal error: {sink.copied:,} of the rank file's {want:,} tensor bytes were streamed; "
-                          f"serve from a local copy (`aws s3 sync {plan.bundle.url} DIR`) and report it")
+                          f"serve from a local copy (`{sync_command(plan.bundle.url)} DIR`) and report it")
     host = HostMap.in_memory(bundle.common_file, image)
     reader.hold(host)
     logger.info("marlin-pack: streamed %s: %.2f GB in %.2f s (%.2f GB/s), %d blocks verified", plan.text(), done.total / 1e9,

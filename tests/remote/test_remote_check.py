@@ -1,4 +1,4 @@
-"""``marlin-pack check MODEL --bundle s3://bucket/prefix``: the loader's decision over a published bundle
+"""``marlin-pack check MODEL --bundle s3://bucket/prefix`` (``gs://``: test_gcs.py): the loader's decision over a published bundle
 (``select_remote``), per rank, against a real S3 server; what each rank streams; the bucket's refusals in one line."""
 
 from __future__ import annotations
@@ -59,5 +59,5 @@ def test_check_refuses_what_the_loader_refuses(published: tuple[Path, str], s3, 
     assert code == 1 and f"{url} is half-published" in out
     code, out, _ = _check(monkeypatch, capsys, str(model), "--bundle", url, "--fallback")
     assert code == 0 and "the engine would load the checkpoint the ordinary way" in out
-    code, _, err = _check(monkeypatch, capsys, str(model), "--bundle", "gs://bucket-1/x")
-    assert code == 1 and err.startswith("error: gs://bucket-1/x: marlin-pack reads and writes bundles at s3://")
+    code, _, err = _check(monkeypatch, capsys, str(model), "--bundle", "az://bucket-1/x")
+    assert code == 1 and err.startswith("error: az://bucket-1/x: marlin-pack reads and writes bundles at s3://")

@@ -112,6 +112,20 @@ def test_each_rank_streams_its_own_files_into_what_a_local_load_places(
         assert n == (model / "marlin-pack" / path).stat().st_size  # a whole rank: its files once each
 
 
+def test_a_gcs_bundle_loads_as_the_local_one(make_bundle: Any, gcs: Any, monkeypatch: pytest.MonkeyPatch, streamed: list[Any]) -> None:
+    """``{"bundle": "gs://..."}``: GCS through its XML API (conftest.gcs), TP 2 rank 1 placed byte for byte as locally."""
+    model = make_bundle("awq", group_size=32, tp_sizes=(1, 2))
+    url = gcs.url("llama")
+    push(model / "marlin-pack", url, block_size=BLOCK)
+    local = _placed(model, monkeypatch, 2, 1)
+    remote = _placed(model, monkeypatch, 2, 1, bundle=url)
+    assert remote.keys() == local.keys() and remote.pop("__common__") == local.pop("__common__")
+    for name, want in local.items():
+        assert torch.equal(remote[name].contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)), name
+    [(plan, done)] = streamed
+    assert str(plan.bundle.url) == url and set(done.bytes_read) == {"tp2/rank-1.safetensors", "common.safetensors"}
+
+
 def test_a_weight_cache_daemon_is_filled_from_the_bucket(
     published: tuple[Path, str], monkeypatch: pytest.MonkeyPatch, streamed: list[Any],
 ) -> None:

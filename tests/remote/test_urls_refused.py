@@ -1,5 +1,6 @@
-"""A URL is never taken for a path: every command and API taking a bundle or model path refuses ``s3://...`` in one
-line (what was found, what was expected, what to do), exits non-zero and writes nothing (no local folder ``s3:``)."""
+"""A URL is never taken for a path: every command and API taking a bundle or model path refuses ``s3://...`` (and
+``gs://...``) in one line (what was found, what was expected, what to do), exits non-zero and writes nothing (no local
+folder ``s3:``)."""
 
 from __future__ import annotations
 
@@ -32,18 +33,20 @@ def test_url_text_restores_what_a_path_collapsed() -> None:
 
 def test_parse_url() -> None:
     assert parse_url("s3://bucket-1/a/b/") == ObjectUrl("s3", "bucket-1", "a/b")
+    assert parse_url("GS://bucket_1/a") == ObjectUrl("gs", "bucket_1", "a")
+    assert str(parse_url("gs://bucket-1/a/")) == "gs://bucket-1/a"
     assert parse_url("s3://bucket-1") == ObjectUrl("s3", "bucket-1", "")
     assert parse_url("s3://bucket-1/a").url_of("tp1/rank-0.safetensors") == "s3://bucket-1/a/tp1/rank-0.safetensors"
     assert str(parse_url(Path("s3://bucket-1/a"))) == "s3://bucket-1/a"
 
 
 @pytest.mark.parametrize(("value", "match"), [
-    ("gs://bucket-1/x", r"not gs://; GCS serves the S3 API too: use s3://BUCKET/PREFIX with AWS_ENDPOINT_URL"),
-    ("az://bucket-1/x", r"not az://; copy the bundle to s3://BUCKET/PREFIX or to a local directory"),
+    ("az://bucket-1/x", r"at s3://BUCKET/PREFIX or gs://BUCKET/PREFIX, not az://; copy the bundle to one of those or to a"),
     ("s3://B/x", r"bucket 'B' is not a bucket name"),
+    ("gs://B/x", r"bucket 'B' is not a bucket name \(3-63 lowercase letters, digits, '-', '_' and '\.'\)"),
     ("s3://bucket-1/a//b", r"has an empty, '\.' or '\.\.' segment"),
-    ("s3://bucket-1/a/../b", r"has an empty, '\.' or '\.\.' segment"),
-    ("/local/dir", r"is not an object-storage URL; expected s3://BUCKET/PREFIX"),
+    ("gs://bucket-1/a/../b", r"has an empty, '\.' or '\.\.' segment"),
+    ("/local/dir", r"is not an object-storage URL; expected s3://BUCKET/PREFIX or gs://BUCKET/PREFIX"),
 ])
 def test_parse_url_refuses(value: str, match: str) -> None:
     with pytest.raises(UrlNotPathError, match=match):
@@ -103,6 +106,17 @@ def test_commands_refuse_urls(args: list[str], make_bundle, marlin_pack, tmp_pat
     assert os.listdir(tmp_path) == []
 
 
+def test_a_gcs_url_where_a_path_is_expected_names_gcloud(make_bundle, marlin_pack, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    gs = "gs://bucket-1/models/x"
+    r = marlin_pack("verify", gs)
+    _one_line_refusal(r, f"{gs} is an object-storage URL, not a", f"`gcloud storage rsync -r {gs} DIR`")
+    r = marlin_pack("convert", str(make_bundle("awq", group_size=32)), "-o", gs)
+    _one_line_refusal(r, f"-o {gs} is an object-storage URL, not a directory", f"`marlin-pack push DIR {gs}`")
+    assert os.listdir(tmp_path) == []
+
+
 def test_library_refuses_urls(make_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from marlin_pack import convert
     from marlin_pack.bundle.reader import read_manifest
@@ -123,16 +137,17 @@ def test_library_refuses_urls(make_checkpoint, tmp_path: Path, monkeypatch: pyte
     assert os.listdir(tmp_path) == []
 
 
-def test_loader_option_takes_an_s3_url_and_refuses_other_schemes() -> None:
-    """The loader streams a bundle published at ``s3://`` (tests/remote/test_remote_loader.py); other schemes and
-    malformed URLs are refused in one line naming what is served."""
+def test_loader_option_takes_an_s3_or_gs_url_and_refuses_other_schemes() -> None:
+    """The loader streams a bundle published at ``s3://`` or ``gs://`` (tests/remote/test_remote_loader.py,
+    test_gcs.py); other schemes and malformed URLs are refused in one line naming what is served."""
     from marlin_pack.remote.url import parse_url
     from marlin_pack.vllm_plugin.options import parse_extra_config
 
     assert parse_extra_config({"bundle": URL}).remote == parse_url(URL)
+    assert parse_extra_config({"bundle": "gs://bucket-1/x"}).remote == ObjectUrl("gs", "bucket-1", "x")
     assert parse_extra_config({"bundle": "/models/b"}).bundle == Path("/models/b")
     assert parse_extra_config({"bundle": "/models/b"}).remote is None
-    for bad, why in [("gs://bucket-1/x", "not gs://; GCS serves the S3 API too"), ("s3://B/x", "bucket 'B' is not a bucket name")]:
+    for bad, why in [("az://bucket-1/x", "not az://"), ("s3://B/x", "bucket 'B' is not a bucket name")]:
         with pytest.raises(ValueError, match=rf"model_loader_extra_config\['bundle'\] must be a directory path or "
                            rf"s3://BUCKET/PREFIX, got '{bad}' \(.*{why}"):
             parse_extra_config({"bundle": bad})
