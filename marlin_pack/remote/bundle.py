@@ -9,7 +9,9 @@ against the manifest: a missing or truncated object is refused here), their safe
 blocks, checked as the loader checks a local rank file's), and for a pipeline stage only its layers' tensors and the
 common tensors it loads (:func:`~marlin_pack.vllm_plugin.stage.stage_share`). The plan's spans are those tensors'
 bytes widened to whole blocks of the record, so that every byte read is verified against a block digest
-(:mod:`marlin_pack.remote.stream`); a rank never reads another rank's file.
+(:mod:`marlin_pack.remote.stream`); a rank never reads another rank's file but the one its experts come from:
+:func:`with_experts` moves the experts tensors (expert parallelism, MoE at DP > 1) to the byte ranges of this GPU's
+experts in the file vLLM shards them from (:func:`~marlin_pack.vllm_plugin.expert_share.expert_share`).
 
 No vLLM, no GPU, no streamer here: boto3 (:mod:`marlin_pack.remote.store`) reads the record, manifest and headers.
 """
@@ -33,9 +35,9 @@ from marlin_pack.io.safetensors_io import MAX_HEADER_BYTES, SafetensorsFormatErr
 from marlin_pack.remote.record import MAX_RECORD_BYTES, RECORD_NAME, Record, block_digest, parse_record
 from marlin_pack.remote.store import S3Store, open_store
 from marlin_pack.remote.url import ObjectUrl, parse_url
-from marlin_pack.schemas import FileEntry, Manifest
+from marlin_pack.schemas import FileEntry, Manifest, TensorParallelSet
 
-__all__ = ["FileRead", "RankPlan", "RemoteBundle", "open_remote", "plan_rank"]
+__all__ = ["FileRead", "RankPlan", "RemoteBundle", "open_remote", "plan_rank", "rank_header_of", "with_experts"]
 
 _PUSH = "marlin-pack push BUNDLE {url}"
 
@@ -124,13 +126,14 @@ class FileRead:
     """What one rank reads of one bundle file: whole blocks covering the tensors it loads."""
 
     entry: FileEntry
-    header: SafetensorsHeader  # restricted to the tensors read
+    header: SafetensorsHeader  # restricted to the tensors read whole
     spans: tuple[tuple[int, int], ...]  # [start, end) byte ranges, block-aligned (the last may end at the file's end)
     header_bytes: int  # bytes read (in verified blocks, with boto3) for the header; the spans read them again
+    pieces: tuple[tuple[int, int], ...] = ()  # (start, nbytes) read besides the header's tensors: this GPU's experts
 
     @property
     def tensor_bytes(self) -> int:
-        return sum(t.nbytes for t in self.header.tensors.values())
+        return sum(t.nbytes for t in self.header.tensors.values()) + sum(n for _, n in self.pieces)
 
     @property
     def span_bytes(self) -> int:
@@ -146,8 +149,9 @@ class RankPlan:
     rank: int
     pp_size: int
     pp_rank: int
-    files: tuple[FileRead, ...]  # the rank file, then the common file
+    files: tuple[FileRead, ...]  # the rank file, the common file, then the experts' file where it is another
     stage: Any = None  # pp_size > 1: the stage's StageShare (marlin_pack.vllm_plugin.stage), which the loader keeps
+    experts: Any = None  # experts of another TP size's file: the ExpertShare (marlin_pack.vllm_plugin.expert_share)
 
     @property
     def read_bytes(self) -> int:
@@ -161,7 +165,8 @@ class RankPlan:
     def text(self) -> str:
         stage = f" stage {self.pp_rank}/{self.pp_size}" if self.pp_size > 1 else ""
         files = ", ".join(f"{f.entry.path} {f.span_bytes / 1e6:,.2f} of {f.entry.size / 1e6:,.2f} MB" for f in self.files)
-        return f"tp {self.tp_size} rank {self.rank}{stage} reads {self.read_bytes / 1e6:,.2f} MB from {self.bundle.url}: {files}"
+        experts = f" ({self.experts.text()})" if self.experts is not None else ""
+        return f"tp {self.tp_size} rank {self.rank}{stage} reads {self.read_bytes / 1e6:,.2f} MB from {self.bundle.url}: {files}{experts}"
 
 
 def _checked_object(bundle: RemoteBundle, entry: FileEntry) -> None:
@@ -210,13 +215,13 @@ def _header(bundle: RemoteBundle, entry: FileEntry) -> tuple[SafetensorsHeader, 
         raise BundleMismatchError(MismatchField.files, f"{e}; re-convert and push again") from e
 
 
-def _spans(header: SafetensorsHeader, block: int, size: int) -> tuple[tuple[int, int], ...]:
-    """The tensors' byte ranges widened to whole blocks, merged."""
+def _spans(header: SafetensorsHeader, block: int, size: int, pieces: tuple[tuple[int, int], ...] = ()) -> tuple[tuple[int, int], ...]:
+    """The tensors' byte ranges and ``pieces`` (start, nbytes) widened to whole blocks, merged."""
     spans: list[tuple[int, int]] = []
-    for t in sorted(header.tensors.values(), key=lambda t: t.start):
-        if not t.nbytes:
+    for lo, hi in sorted([(t.start, t.end) for t in header.tensors.values()] + [(a, a + n) for a, n in pieces]):
+        if hi <= lo:
             continue
-        start, end = t.start // block * block, min(size, -(-t.end // block) * block)
+        start, end = lo // block * block, min(size, -(-hi // block) * block)
         if spans and start <= spans[-1][1]:
             spans[-1] = (spans[-1][0], max(spans[-1][1], end))
         else:
@@ -229,6 +234,43 @@ def _common_header_checked(manifest: Manifest, header: SafetensorsHeader) -> Non
         if original not in header.tensors or alias in header.tensors:
             raise BundleMismatchError(MismatchField.files, f"{manifest.common.path}: common_aliases maps {alias} to {original}, "
                                       "which the file does not hold (or holds under both names); re-convert")
+
+
+def rank_header_of(bundle: RemoteBundle, tp_set: TensorParallelSet, rank: int) -> tuple[FileEntry, SafetensorsHeader, int]:
+    """Rank ``rank`` of ``tp_set``'s object (present, of the manifest's size) and its safetensors header, from verified
+    blocks and checked as the loader checks a local rank file's; the bytes read for it.
+
+    Raises:
+        BundleMismatchError: ``files``: the object missing, truncated, a block not the record's, a header not the
+            manifest's.
+    """
+    entry = tp_set.ranks[rank].file
+    _checked_object(bundle, entry)
+    header, head_bytes = _header(bundle, entry)
+    try:
+        check_rank_header(bundle.manifest, tp_set, rank, header)
+    except BundleMismatchError as e:
+        raise BundleMismatchError(MismatchField.files, f"{e}; push it again once re-converted") from e
+    return entry, header, head_bytes
+
+
+def with_experts(plan: RankPlan, share: Any, entry: FileEntry, head_bytes: int) -> RankPlan:
+    """``plan`` reading this GPU's experts as ``share`` (an :class:`~marlin_pack.vllm_plugin.expert_share.ExpertShare`
+    over ``entry``, another TP size's rank file whose header took ``head_bytes``) places them: its experts tensors
+    left out of the rank file's reads, their pieces read of ``entry`` (the rank file itself at TP 1 with EP)."""
+    block = plan.bundle.record.block_size
+    names = {e.name for e in share.moe_layers}
+    pieces = tuple(p for info in share.header.tensors.values() for p in share.pieces(info))
+    rank, common, *_ = plan.files
+    tensors = {n: i for n, i in rank.header.tensors.items() if n.rsplit(".", 1)[0] not in names}
+    header = SafetensorsHeader(rank.header.path, rank.header.raw, tensors, rank.header.metadata)
+    own = entry.path == rank.entry.path
+    mine = pieces if own else ()
+    files = [FileRead(rank.entry, header, _spans(header, block, rank.entry.size, mine), rank.header_bytes, mine), common]
+    if not own:
+        empty = SafetensorsHeader(share.header.path, share.header.raw, {}, share.header.metadata)
+        files.append(FileRead(entry, empty, _spans(empty, block, entry.size, pieces), head_bytes, pieces))
+    return RankPlan(plan.bundle, plan.tp_size, plan.rank, plan.pp_size, plan.pp_rank, tuple(files), plan.stage, share)
 
 
 def plan_rank(bundle: RemoteBundle, tp_size: int, rank: int, *, pp_size: int = 1, pp_rank: int = 0,
@@ -252,15 +294,10 @@ def plan_rank(bundle: RemoteBundle, tp_size: int, rank: int, *, pp_size: int = 1
                                   f"--tp {tp_size} and push it again") from None
     if not 0 <= rank < tp_size:
         raise BundleMismatchError(MismatchField.tp_rank, f"rank {rank} is outside tensor-parallel size {tp_size}")
-    rank_entry, common_entry = tp_set.ranks[rank].file, manifest.common
-    for entry in (rank_entry, common_entry):
-        _checked_object(bundle, entry)
-    rank_header, rank_head_bytes = _header(bundle, rank_entry)
+    common_entry = manifest.common
+    rank_entry, rank_header, rank_head_bytes = rank_header_of(bundle, tp_set, rank)
+    _checked_object(bundle, common_entry)
     common_header, common_head_bytes = _header(bundle, common_entry)
-    try:
-        check_rank_header(manifest, tp_set, rank, rank_header)
-    except BundleMismatchError as e:
-        raise BundleMismatchError(MismatchField.files, f"{e}; push it again once re-converted") from e
     _common_header_checked(manifest, common_header)
     if pp_size > 1:
         from marlin_pack.vllm_plugin.stage import stage_share

@@ -16,10 +16,11 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import PosixPath
 
 from marlin_pack.errors import MarlinPackError
 
-__all__ = ["SERVED_SCHEMES", "ObjectUrl", "UrlNotPathError", "parse_url", "refuse_url", "sync_command", "url_scheme", "url_text"]
+__all__ = ["SERVED_SCHEMES", "ObjectUrl", "UrlNotPathError", "UrlPath", "parse_url", "refuse_url", "sync_command", "url_scheme", "url_text"]
 
 # Schemes marlin-pack reads and writes (push, check, the loader). gs:// is Google Cloud Storage, spoken to through its
 # XML API, which is S3's (marlin_pack.remote.store: the same two clients, an HMAC key as the credentials).
@@ -128,3 +129,22 @@ def parse_url(value: str | os.PathLike[str]) -> ObjectUrl:
     if any(ord(c) < 0x20 or c == "\x7f" for c in prefix):
         raise UrlNotPathError(f"{text}: the prefix has control characters; write it without them")
     return ObjectUrl(scheme, bucket, prefix)
+
+
+class UrlPath(PosixPath):
+    """A bundle object named by its URL where the loader expects a path (its messages, the reader's held files): ``str``
+    is the URL as written (``s3://bucket/prefix/tp1/rank-0.safetensors``). Nothing opens it: the copy is streamed."""
+
+    _url: str
+
+    @classmethod
+    def of(cls, url: str) -> UrlPath:
+        path = cls(url)
+        path._url = url
+        return path
+
+    def __str__(self) -> str:
+        return getattr(self, "_url", None) or super().__str__()
+
+    def __fspath__(self) -> str:
+        return str(self)

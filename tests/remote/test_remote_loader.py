@@ -62,17 +62,17 @@ def streamed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 
 def _placed(model_dir: Path, monkeypatch: pytest.MonkeyPatch, tp: int, rank: int, before_post: Any = None,
-            **extra: object) -> dict[str, torch.Tensor]:
+            quantization: str = "auto_awq", kernel: str = "marlin", **extra: object) -> dict[str, torch.Tensor]:
     """create_model, load_weights, vLLM's post-processing (the daemon's path, then the engine's last step): every
-    quantized layer's parameters."""
+    quantized layer's parameters (``kernel``: the kernels vLLM is made to choose, as on SM90 for ``machete``)."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     from marlin_pack.vllm_plugin.engine import quantized_layers
 
     fake_create_model(monkeypatch, model_dir, tp)
-    vllm_config, model_config = fake_engine(model_dir, "auto_awq", monkeypatch, tp, rank)
+    vllm_config, model_config = fake_engine(model_dir, quantization, monkeypatch, tp, rank)
     loader = make_loader(**extra)
-    with vr._patched(tp, rank), vr._vllm().set_default_torch_dtype(torch.float16):
+    with vr._patched(tp, rank, kernel), vr._vllm().set_default_torch_dtype(torch.float16):
         model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
         loader.load_weights(model, model_config)  # type: ignore[arg-type]
         layers = quantized_layers(model)
@@ -110,6 +110,42 @@ def test_each_rank_streams_its_own_files_into_what_a_local_load_places(
     assert set(done.bytes_read) == {rank_path, "common.safetensors"}  # never another rank's file
     for path, n in done.bytes_read.items():
         assert n == (model / "marlin-pack" / path).stat().st_size  # a whole rank: its files once each
+
+
+KINDS = {
+    # make_bundle arguments, tp, rank
+    "gptq4-tp2-rank1": (dict(fmt="gptq", tp_sizes=(1, 2)), 2, 1),
+    "gptq8": (dict(fmt="gptq", bits=8), 1, 0),
+    "awq4-padded": (dict(fmt="awq", preset="tiny-padded", group_size=32), 1, 0),
+    "ct8-channel": (dict(fmt="ct", bits=8, group_size=-1), 1, 0),
+    "ct4-asym-tp2-rank1": (dict(fmt="ct-asym", group_size=64, tp_sizes=(1, 2)), 2, 1),
+    "machete-gptq4-tp2-rank1": (dict(fmt="gptq", tp_sizes=(1, 2), kernel="machete"), 2, 1),
+    "machete-ct4-asym": (dict(fmt="ct-asym", group_size=64, kernel="machete"), 1, 0),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_dense_kind_streams_into_what_a_local_load_places(
+    make_bundle: Any, s3: Any, monkeypatch: pytest.MonkeyPatch, streamed: list[Any], kind: str,
+) -> None:
+    """GPTQ 4/8-bit, padded shapes, compressed-tensors (channel-wise, asymmetric), Machete bundles (on SM90, as vLLM
+    chooses there): the bucket's load places every quantized parameter as the local load does, bit for bit."""
+    from test_plugin_loader import quantization_of
+
+    args, tp, rank = KINDS[kind]
+    model = make_bundle(**args)
+    url = s3.url(kind)
+    push(model / "marlin-pack", url, block_size=BLOCK)
+    how = dict(quantization=quantization_of(args["fmt"]), kernel=args.get("kernel", "marlin"))
+    local = _placed(model, monkeypatch, tp, rank, **how)
+    remote = _placed(model, monkeypatch, tp, rank, bundle=url, **how)
+    assert remote.keys() == local.keys() and remote.pop("__common__") == local.pop("__common__")
+    for name, want in local.items():
+        got = remote[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)), name
+    [(_, done)] = streamed
+    assert set(done.bytes_read) == {f"tp{tp}/rank-{rank}.safetensors", "common.safetensors"}
 
 
 def test_a_gcs_bundle_loads_as_the_local_one(make_bundle: Any, gcs: Any, monkeypatch: pytest.MonkeyPatch, streamed: list[Any]) -> None:
