@@ -8,7 +8,8 @@ its copy, kept out of ``loader.py``, which asks three things of this module.
 * :data:`IO_PLAN`: no copy helpers, no copy beside the construction (there is no file to page-lock or map).
 * :func:`copy_rank`: the rank's spans streamed by Run:ai's streamer (:func:`~marlin_pack.remote.stream.read_rank`),
   every block verified against the publication record before a byte of it is used; the rank file's blocks go into
-  the arena's slots (the destinations the local copy fills); the common file's into one
+  the arena's slots (the destinations the local copy fills), on a GPU through a ring of page-locked buffers whose
+  copies overlap the next blocks' reads (:class:`~marlin_pack.remote.staging.StagedCopy`); the common file's into one
   host image that the reader then holds (as a cold start's ``common.safetensors`` read whole): the common tensors come
   from there.
 
@@ -37,6 +38,7 @@ from marlin_pack.gpu.plan import IoPlan
 from marlin_pack.gpu.reader import CopyItem, ParallelReader
 from marlin_pack.io.safetensors_io import SafetensorsHeader, TensorInfo
 from marlin_pack.remote.bundle import FileRead, RankPlan
+from marlin_pack.remote.staging import CudaCopies, StagedCopy
 from marlin_pack.remote.url import UrlPath, sync_command
 from marlin_pack.vllm_plugin.decision import Decision, EngineFacts, SelectedBundle, decide, internal_error, refusal, select_for_copy
 from marlin_pack.vllm_plugin.expert_share import ExpertShare
@@ -143,7 +145,7 @@ class _Sink:
     (the file's bytes at their offsets; only the planned spans are written). With ``staged``, a block's slot copies go
     through its ring of page-locked buffers (a GPU arena), else they are copied here (a CPU arena)."""
 
-    def __init__(self, bundle: RemoteSelected, items: list[CopyItem], image: torch.Tensor, staged: None = None) -> None:
+    def __init__(self, bundle: RemoteSelected, items: list[CopyItem], image: torch.Tensor, staged: StagedCopy | None) -> None:
         plan = bundle.read
         assert plan is not None
         self._common = plan.files[1].entry.path
@@ -194,6 +196,14 @@ class _Sink:
                 dst.copy_(data[lo:hi])  # synchronous: data is lent
 
 
+def _staging(items: list[CopyItem], block: int) -> StagedCopy | None:
+    """The ring of page-locked buffers for an arena on a GPU; None for one in host memory (copied as blocks arrive)."""
+    devices = {it.dst.device for it in items}
+    if len(devices) != 1 or (device := devices.pop()).type != "cuda":
+        return None
+    return StagedCopy(CudaCopies(device), block)
+
+
 def copy_rank(bundle: RemoteSelected, items: list[CopyItem], reader: ParallelReader) -> tuple[int, HostMap]:
     """Stream this rank's planned spans: the rank file's tensors (and its experts of another file) into ``items`` (the
     arena's slots), the common file's into host memory, held by ``reader`` from now on (its tensors come from there).
@@ -210,9 +220,14 @@ def copy_rank(bundle: RemoteSelected, items: list[CopyItem], reader: ParallelRea
     if plan is None:
         raise BundleError("internal error: a remote selection without its read plan")
     image = torch.empty(plan.files[1].entry.size, dtype=torch.uint8)
-    sink = _Sink(bundle, items, image, None)
+    staged = _staging(items, plan.bundle.record.block_size)
+    sink = _Sink(bundle, items, image, staged)
     t0 = time.perf_counter()
-    done = read_rank(plan, sink)
+    try:
+        done = read_rank(plan, sink)
+    finally:
+        if staged is not None:
+            staged.finish()  # every queued copy done (also when the read failed: the buffers go next)
     seconds = time.perf_counter() - t0
     want = sum(it.nbytes for it in items)
     if sink.copied != want:
@@ -220,6 +235,7 @@ def copy_rank(bundle: RemoteSelected, items: list[CopyItem], reader: ParallelRea
                           f"serve from a local copy (`{sync_command(plan.bundle.url)} DIR`) and report it")
     host = HostMap.in_memory(bundle.common_file, image)
     reader.hold(host)
-    logger.info("marlin-pack: streamed %s: %.2f GB in %.2f s (%.2f GB/s), %d blocks verified", plan.text(), done.total / 1e9,
-                seconds, done.total / seconds / 1e9 if seconds > 0 else 0.0, done.blocks)
+    ring = "" if staged is None else f", through page-locked buffers ({staged.waits} waits for a buffer)"
+    logger.info("marlin-pack: streamed %s: %.2f GB in %.2f s (%.2f GB/s), %d blocks verified%s", plan.text(), done.total / 1e9,
+                seconds, done.total / seconds / 1e9 if seconds > 0 else 0.0, done.blocks, ring)
     return sink.copied, host
