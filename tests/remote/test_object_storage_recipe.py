@@ -1,7 +1,7 @@
 """docs/deployment.md's object-storage recipe: its marlin-pack commands parse, the pods' check and loader name the same
 bucket prefix push published, and played on a small checkpoint against the S3 server (convert once, push), the prefix
-is a bundle `marlin-pack check` loads from the bucket, and its local copy (`aws s3 sync --exclude`, for what is not
-streamed yet) one it loads too."""
+is a bundle `marlin-pack check` loads from the bucket, and its local copy (`aws s3 sync --exclude`, to serve from a local
+copy instead) one it loads too."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_the_recipes_marlin_pack_commands_parse() -> None:
     serve = next(a for a in _recipe() if a[:2] == ["vllm", "serve"])
     extra = json.loads(serve[serve.index("--model-loader-extra-config") + 1])
     assert push_[3] == check[check.index("--bundle") + 1] == extra["bundle"]  # the pods stream what push published
-    assert f"--exclude {RECORD_NAME}" in DOC.read_text()  # the local copy for what is not streamed yet
+    assert f"--exclude {RECORD_NAME}" in DOC.read_text()  # the local copy, to serve from a disk instead
 
 
 def test_pushed_then_copied_down_the_bundle_loads(make_bundle, s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
