@@ -167,3 +167,20 @@ def _vllm() -> str:
     import vllm
 
     return vllm.__version__
+
+
+def test_a_weight_cache_daemon_fills_its_experts_from_the_bucket(moe_model: Any, s3: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                 streamed: list[Any]) -> None:
+    """vLLM's weight-cache daemon of EP rank 1 of 2 (its fill is the loader's, in marlin-pack's scope, every layer
+    shareable as loaded): from the bucket, what the same daemon holds filled from the local bundle."""
+    model_dir = moe_model("MixtralForCausalLM", "awq", torch.float16, (1, 2))
+    url = s3.url("daemon")
+    push(model_dir / "marlin-pack", url, block_size=BLOCK)
+    parallel = {"enable_expert_parallel": True}
+    args = (model_dir, "auto_awq", torch.float16, monkeypatch, 2, 1, 1, 0, parallel)
+    local, _, _ = _load(*args, daemon=True)
+    remote, _, decision = _load(*args, daemon=True, extra={"bundle": url})
+    assert remote.keys() == local.keys() and all(torch.equal(remote[n], t) for n, t in local.items())
+    assert decision.bundle.experts.experts == (2, 3)
+    [(_, done)] = streamed
+    assert set(done.bytes_read) == {"tp2/rank-1.safetensors", "common.safetensors", "tp1/rank-0.safetensors"}
