@@ -61,6 +61,25 @@ def awq_bundle(make_bundle) -> Path:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
+def cold(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A cold bundle and this user's empty stamp store (a fresh node's first start): every bundle file's residency
+    stood in for as cold (the decision leaves its digest to the copy: ``hash_left_to_copy``), the copy ``direct`` as the
+    plan makes it for a cold file, the test's files old enough to be stamped. Returns the stamp store."""
+    import json
+
+    from marlin_pack.io import hashing
+    from marlin_pack.vllm_plugin import decision, preload
+
+    monkeypatch.setattr(preload, "_CURRENT", None)
+    monkeypatch.setattr(decision, "hash_left_to_copy", lambda path: True)
+    monkeypatch.setenv("MARLIN_PACK_IO", json.dumps({"mode": "direct", "threads": 2, "window_mib": 1}))
+    monkeypatch.setattr(hashing, "RACY_NS", -1)  # the test's files count as settled: stampable
+    store = tmp_path / "stamps"
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(store))
+    return store
+
+
+@pytest.fixture
 def marlin_log() -> Iterator[list[str]]:
     """Messages logged to ``vllm.marlin_pack`` (INFO and up) during the test, whatever vLLM's logging config."""
     import logging

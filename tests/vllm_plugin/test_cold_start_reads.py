@@ -3,22 +3,21 @@ bundle is read once: the decision leaves the cold rank and common files' digests
 the bytes it reads and compares them before anything is bound or served; a file that matched is stamped as
 ``check`` stamps it. On the CPU: the loader's own flow with vLLM's real layers (``test_plugin_loader``'s fakes), the
 page cache's coldness stood in for (``hash_left_to_copy``) and the copy ``direct`` as the plan makes it for a cold
-file; every ``os.preadv`` and every mapped tensor of a bundle file counted."""
+file; every ``os.preadv`` and every mapped tensor of a bundle file counted (``bundle_reads.BundleBytes``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import threading
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from bundle_reads import FIRST_BLOCK, BundleBytes
 
 from marlin_pack.errors import LoadRefusedError
-from marlin_pack.gpu import host_map
 from marlin_pack.io import hashing
 from marlin_pack.io.hashing import file_identity
 from marlin_pack.vllm_plugin import decision
@@ -26,79 +25,6 @@ from marlin_pack.vllm_plugin.patches.post_processing import is_prepacked
 
 vr = pytest.importorskip("oracles.vllm_reference")
 from test_plugin_loader import fake_create_model, fake_engine, make_loader  # noqa: E402
-
-# The first block of a rank or common file is read before the copy, as before issue 72: the header (a few KiB: the
-# decision checks it) and the plan's probe of O_DIRECT (residency.takes_direct_reads: one aligned block).
-FIRST_BLOCK = 4096
-
-
-class BundleBytes:
-    """Every byte range of the bundle's files read, per file name: ``os.preadv`` on any descriptor (the copy's buffered
-    and ``O_DIRECT`` reads, the hash's reads, the direct-read probe), safetensors headers, and tensors taken from a map
-    of the file (``HostMap.tensor``)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, bundle: Path) -> None:
-        from marlin_pack.io import safetensors_io
-
-        self.bundle = str(bundle.resolve())
-        self.ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        self._lock = threading.Lock()
-        preadv, tensor, header = os.preadv, host_map.HostMap.tensor, safetensors_io._read_header_bytes
-
-        def header_read(path: Path) -> tuple[bytes, int]:
-            raw, size = header(path)
-            self._add(os.path.realpath(path), 0, len(raw))
-            return raw, size
-
-        monkeypatch.setattr(safetensors_io, "_read_header_bytes", header_read)
-
-        def counted(fd: int, bufs: list, offset: int) -> int:
-            n = preadv(fd, bufs, offset)
-            self._add(os.readlink(f"/proc/self/fd/{fd}"), offset, n)
-            return n
-
-        def mapped(hm: Any, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-            if not hm.whole:  # a file read whole is memory, not a read of the file
-                self._add(str(hm.path.resolve()), offset, nbytes)
-            return tensor(hm, offset, nbytes, dtype, shape)
-
-        monkeypatch.setattr(os, "preadv", counted)
-        monkeypatch.setattr(host_map.HostMap, "tensor", mapped)
-
-    def _add(self, path: str, offset: int, n: int) -> None:
-        if path.startswith(self.bundle) and path.endswith(".safetensors"):
-            with self._lock:
-                self.ranges[Path(path).name].append((offset, n))
-
-    def total(self, name: str) -> int:
-        return sum(n for _, n in self.ranges[name])
-
-    def times_read(self, name: str, size: int, start: int = 0) -> set[int]:
-        """How many times each byte of ``[start, size)`` was read (the distinct counts)."""
-        seen = bytearray(size)
-        for lo, n in self.ranges[name]:
-            for i in range(lo, min(lo + n, size)):
-                seen[i] += 1
-        return set(seen[start:])
-
-    def once_past_the_first_block(self, name: str, size: int, first: int = FIRST_BLOCK, most: int = 3) -> bool:
-        """Every byte after the ``first`` bytes read exactly once, those at most ``most`` times (the O_DIRECT probe, the
-        header check, the copy)."""
-        return self.times_read(name, size, first) == {1} and self.times_read(name, first) <= set(range(1, most + 1))
-
-
-@pytest.fixture
-def cold(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """A cold bundle (its residency stood in for) copied ``direct``, and this user's empty stamp store."""
-    from marlin_pack.vllm_plugin import preload
-
-    monkeypatch.setattr(preload, "_CURRENT", None)
-    monkeypatch.setattr(decision, "hash_left_to_copy", lambda path: True)
-    monkeypatch.setenv("MARLIN_PACK_IO", json.dumps({"mode": "direct", "threads": 2, "window_mib": 1}))
-    monkeypatch.setattr(hashing, "RACY_NS", -1)  # the test's files count as settled: stampable
-    store = tmp_path / "stamps"
-    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(store))
-    return store
 
 
 def _start(model_dir: Path, monkeypatch: pytest.MonkeyPatch, **extra: object) -> tuple[Any, Any]:
@@ -125,9 +51,9 @@ def test_a_cold_start_reads_each_bundle_byte_once_and_stamps_it(
     loader, model = _start(model_dir, monkeypatch, verify=verify)
     for name, path in files.items():  # each byte once: the copy's read, which the digest came from
         size = path.stat().st_size
-        assert reads.once_past_the_first_block(name, size), (name, sorted(reads.ranges[name]))
-        assert size <= reads.total(name) <= size + 2 * FIRST_BLOCK
-        print(f"{name}: {size} bytes, {reads.total(name)} read ({reads.total(name) - size} of them before the copy)")
+        assert reads.once_past_the_first_block(path, size), (name, sorted(reads.ranges[reads.key(path)]))
+        assert size <= reads.total(path) <= size + 2 * FIRST_BLOCK
+        print(f"{name}: {size} bytes, {reads.total(path)} read ({reads.total(path) - size} of them before the copy)")
     for name, want in reference.items():
         layer, _, pname = name.rpartition(".")
         assert torch.equal(getattr(model.get_submodule(layer), pname).detach(), want), name
@@ -143,7 +69,7 @@ def test_a_cold_start_reads_each_bundle_byte_once_and_stamps_it(
     _start(model_dir, monkeypatch, verify=verify)
     assert len([m for m in marlin_log if "hashed" in m]) == hashed_lines * (1 if verify == "auto" else 2)
     for name, path in files.items():
-        assert reads.once_past_the_first_block(name, path.stat().st_size), (name, sorted(reads.ranges[name]))
+        assert reads.once_past_the_first_block(path, path.stat().st_size), (name, sorted(reads.ranges[reads.key(path)]))
 
 
 def _flip_last_byte(model_dir: Path) -> None:
@@ -177,7 +103,7 @@ def test_a_flipped_byte_is_refused_after_the_copy_before_serving(
         _, model = _start(model_dir, monkeypatch, fallback=True)
         assert ordinary == [model] and not any(is_prepacked(m) for m in model.modules())
         assert any("loading the checkpoint the ordinary way because fallback is on" in m for m in marlin_log)
-    assert reads.once_past_the_first_block(rank.name, rank.stat().st_size)  # refused after the copy read it, once
+    assert reads.once_past_the_first_block(rank, rank.stat().st_size)  # refused after the copy read it, once
     stamped = {json.loads(p.read_text())["identity"][3] for p in cold.glob("*.json")}
     assert file_identity(rank)[3] not in stamped
 
@@ -256,8 +182,8 @@ def test_check_reads_each_file_once_whatever_the_ranks(
     assert sources
     for path in [common, *sources, *sorted((model_dir / "marlin-pack/tp2").glob("*.safetensors"))]:
         header = len(read_header_bytes(path))  # read by the checks of each rank (a few KiB), besides the hash
-        assert reads.once_past_the_first_block(path.name, path.stat().st_size, first=header, most=8), (
-            path.name, sorted(reads.ranges[path.name]))
+        assert reads.once_past_the_first_block(path, path.stat().st_size, first=header, most=8), (
+            path.name, sorted(reads.ranges[reads.key(path)]))
     assert not list(shared.iterdir())
 
 
@@ -281,7 +207,8 @@ def test_a_daemon_fill_reads_each_bundle_byte_once(
         loader.load_weights(model, model_config)  # type: ignore[arg-type]
         process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
     for name, path in files.items():
-        assert reads.once_past_the_first_block(name, path.stat().st_size), (name, sorted(reads.ranges[name]))
+        assert reads.once_past_the_first_block(path, path.stat().st_size), (name, sorted(reads.ranges[reads.key(path)]))
     stamps = {json.loads(p.read_text())["identity"][3] for p in cold.glob("*.json")}
     assert {file_identity(p)[3] for p in files.values()} <= stamps
     assert not any(is_prepacked(m) for m in model.modules())  # placed and finished
+

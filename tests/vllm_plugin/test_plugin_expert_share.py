@@ -148,10 +148,11 @@ def test_deepseek_with_sequence_parallel_moe_is_refused(moe_bundle: Any) -> None
 
 def _load(model_dir: Path, quantization: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, tp: int, tp_rank: int,
           dp: int, dp_rank: int, parallel: dict[str, Any], daemon: bool = False,
-          pp: tuple[int, int] = (1, 0)) -> tuple[dict[str, torch.Tensor], BundleReads, Any]:
+          pp: tuple[int, int] = (1, 0), extra: dict[str, Any] | None = None,
+          io_plan: str | None = '{"threads": 2, "window_mib": 1}') -> tuple[dict[str, torch.Tensor], BundleReads, Any]:
     """Load GPU (dp_rank, tp_rank) of pipeline stage ``pp`` (size, stage) with the loader into vLLM's model built with
     ``parallel`` and stand-in groups, and post-process it, as an engine does (``daemon``: as vLLM's weight-cache
-    daemon's ``get_model``)."""
+    daemon's ``get_model``). ``extra``: the loader's options; ``io_plan``: ``$MARLIN_PACK_IO`` (None: as set)."""
     from vllm.config.kernel import KernelConfig
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -162,7 +163,8 @@ def _load(model_dir: Path, quantization: str, dtype: torch.dtype, monkeypatch: p
     from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
 
     monkeypatch.setattr(preload, "_CURRENT", None)
-    monkeypatch.setenv("MARLIN_PACK_IO", '{"threads": 2, "window_mib": 1}')
+    if io_plan is not None:
+        monkeypatch.setenv("MARLIN_PACK_IO", io_plan)
     vllm_config = SimpleNamespace(
         kernel_config=KernelConfig(), speculative_config=None, cache_config=SimpleNamespace(gpu_memory_utilization=0.9),
         device_config=SimpleNamespace(device=torch.device("cpu")),
@@ -183,7 +185,7 @@ def _load(model_dir: Path, quantization: str, dtype: torch.dtype, monkeypatch: p
     monkeypatch.setattr(BaseModelLoader, "create_model", create_model)
     from vllm.config.load import LoadConfig
 
-    loader = MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={}))
+    loader = MarlinPrepackedLoader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config=dict(extra or {})))
     with monkeypatch.context() as io:
         reads = BundleReads(io)
         with vmr.vr._LOCK, vmr._moe_patched(tp, tp_rank, dp=(dp, dp_rank), pp=pp) as m, m.base.set_default_torch_dtype(dtype), \
