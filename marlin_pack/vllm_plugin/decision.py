@@ -433,9 +433,11 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts, *, copy_hashes: bo
     experts over another TP size (expert parallelism, data parallelism), its experts come from that size's rank file,
     checked likewise (:func:`~marlin_pack.vllm_plugin.expert_share.expert_share`).
 
-    ``copy_hashes`` (the loader's, :func:`select_for_copy`): a cold rank or common file it would hash is left to the
-    loader's copy, which reads it whole anyway (``hashed.pending``; :func:`~marlin_pack.gpu.plan.hash_left_to_copy`):
-    only for a dense bundle read whole (no pipeline stage, no expert share).
+    ``copy_hashes`` (the loader's, :func:`select_for_copy`): a cold bundle file it would hash (the rank file, the common
+    file, an expert share's file) is left to the loader's copy (``hashed.pending``;
+    :func:`~marlin_pack.gpu.plan.hash_left_to_copy`), which reads such a file whole, the bytes it does not copy (other
+    stages' layers, other GPUs' experts) only into its hash: each byte read once, the digest compared before anything
+    is bound.
 
     Raises:
         BundleMismatchError: naming the field that does not fit.
@@ -448,9 +450,7 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts, *, copy_hashes: bo
     hashed: HashReport = _with_field(F.source, lambda: check_source(manifest, model_dir, full_hash=options.full_hash))
     rank_entry = tp_set.ranks[facts.tp_rank].file
     entries = [manifest.common, rank_entry]
-    whole = copy_hashes and facts.pp_size == 1 and not tp_set.moe_layers and not needs_share(
-        tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel, facts.pcp_size)
-    leave = hash_left_to_copy if whole else None
+    leave = hash_left_to_copy if copy_hashes else None
     hashed = hashed.add(_with_field(F.files, lambda: check_files(
         bundle_dir, manifest, entries, full_hash=options.full_hash, leave_to_copy=leave)))
     rank_file = _with_field(F.files, lambda: resolve_file(bundle_dir, rank_entry))
@@ -467,7 +467,8 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts, *, copy_hashes: bo
     if needs_share(tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel, facts.pcp_size):
         config = _with_field(F.source, lambda: read_json(model_dir / "config.json", "config.json"))
         groups = _with_field(F.source, lambda: num_expert_group(manifest.source.architecture, config))
-        experts, also = _with_field(F.files, lambda: _experts(bundle_dir, manifest, tp_set, facts, options.full_hash, groups))
+        experts, also = _with_field(F.files, lambda: _experts(bundle_dir, manifest, tp_set, facts, options.full_hash, groups,
+                                                              leave))
         hashed = hashed.add(also)
         moe = {e.name for e in tp_set.moe_layers}
         tp_set = tp_set.model_copy(update={"moe_layers": list(experts.moe_layers)})
@@ -494,15 +495,16 @@ def select_for_copy(options: LoaderOptions, facts: EngineFacts) -> SelectedBundl
 
 
 def _experts(bundle_dir: Path, manifest: Manifest, tp_set: TensorParallelSet, facts: EngineFacts, full_hash: bool,
-             groups: int | None) -> tuple[ExpertShare, HashReport]:
+             groups: int | None, leave: Callable[[Path], bool] | None = None) -> tuple[ExpertShare, HashReport]:
     """This GPU's experts (its rank of the TP size vLLM shards them at; checked as its own rank file is) and what
-    checking that file hashed; ``groups``: the model's expert groups (:func:`~.expert_share.num_expert_group`)."""
+    checking that file hashed; ``groups``: the model's expert groups (:func:`~.expert_share.num_expert_group`);
+    ``leave``: as for the rank file, whether that file's digest is left to the loader's copy."""
     ranks = moe_ranks(facts.tp_size, facts.tp_rank, facts.dp_size, facts.dp_rank, facts.expert_parallel, facts.pcp_size,
                       facts.pcp_rank)
     source = manifest.tensor_parallel_set(ranks.tp_size)  # check_engine made sure the bundle holds it
     entry = source.ranks[ranks.tp_rank].file
     own = entry.path == tp_set.ranks[facts.tp_rank].file.path  # (TP 1 at EP: its own rank file, checked already)
-    hashed = HashReport() if own else check_files(bundle_dir, manifest, [entry], full_hash=full_hash)
+    hashed = HashReport() if own else check_files(bundle_dir, manifest, [entry], full_hash=full_hash, leave_to_copy=leave)
     path = resolve_file(bundle_dir, entry)
     header = _checked_header(manifest, source, ranks.tp_rank, path)
     strategy = placement(facts.expert_placement, ep_size=ranks.ep_size, num_expert_group=groups, dp_size=facts.dp_size,

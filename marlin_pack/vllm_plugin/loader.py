@@ -56,7 +56,6 @@ from marlin_pack.gpu.helpers import HelperPool, exits_in_background
 from marlin_pack.gpu.host_map import HostMap
 from marlin_pack.gpu.plan import IoPlan
 from marlin_pack.gpu.reader import CopyItem, ParallelReader
-from marlin_pack.io.hashing import hash_file
 from marlin_pack.io.residency import warm_in_background
 from marlin_pack.io.safetensors_io import TensorInfo
 from marlin_pack.vllm_plugin import decide_ahead, patches, preload
@@ -102,16 +101,26 @@ logger = init_logger("vllm.marlin_pack")
 
 @dataclass
 class _ArenaFill:
-    """The arena allocated before vLLM builds the model, and its copy running beside the construction."""
+    """The arena and its copy: allocated before vLLM builds the model and copied beside the construction (``beside``),
+    or, where no copy ran beside it and digests are left to the copy (experts layers, a stage without layers), allocated
+    after it in place of the placeholders it replaces (``released``) and copied before anything is bound."""
 
     layout: ArenaLayout
     arena: torch.Tensor
     copy: BackgroundCopy
     common: CommonPrefill | None = None  # plan.common_during_build: the large common tensors, copied after the rank file
+    beside: bool = True  # copied beside the construction (else after it, waited for with the digests)
+    # The placeholders vLLM made that were released for the arena (not beside): each parameter, its shape and dtype
+    released: tuple[tuple[nn.Parameter, torch.Size, torch.dtype], ...] = ()
 
     def abandon(self) -> None:
-        """Wait for the copy and drop its outcome (loading is failing or falling back)."""
+        """Wait for the copy and drop its outcome (loading is failing or falling back); the arena goes, and placeholders
+        released for it get memory again, of their shape and dtype (zeros), for vLLM's weight loaders to write into."""
         self.copy.abandon()  # its thread writes into the arena (and uses the helpers) until it ends
+        self.arena = self.arena.new_empty(0)  # (before the placeholders: their memory is the arena's)
+        for param, shape, dtype in self.released:
+            param.data = torch.zeros(shape, dtype=dtype, device=param.device)
+        self.released = ()
 
     def join(self) -> float:
         """Wait for the copy; returns the seconds waited. Raises what the copy raised."""
@@ -141,6 +150,7 @@ class _Timings:
     beside: bool = False  # the copy ran beside the model's construction and the common tensors
     wait: float = 0.0  # beside: how long loading then waited for the copy
     settle: float = 0.0  # digests left to the copy (a cold bundle without stamps): waiting for it and comparing them
+    in_settle: bool = False  # the copy ran after the construction and was waited for with the digests (in settle)
     modes: str = "-"  # the reader modes the copy used
     helpers_ready: float | None = None  # seconds from the helpers' start until the copy found them ready
     helpers_retained: int | None = None  # bytes the early helpers held page-locked (preload)
@@ -176,7 +186,8 @@ class _Timings:
         return f"create {self.create:.2f} s{arena}, place {self.place:.2f} s"
 
     def line(self, bundle: SelectedBundle, layers: int) -> str:
-        serial = self.wait if self.beside else self.copy  # what the copy added to the loader's time
+        # What the copy added to the loader's time (a copy waited for with the digests: counted in settle)
+        serial = 0.0 if self.in_settle else self.wait if self.beside else self.copy
         total = self.validate + self.settle + self.create + self.place + serial + self.common + self.post
         return (
             f"marlin-pack: validate {self.validate:.2f} s{self.ahead_text()}, {self.create_text()}, {self.copy_text()}, "
@@ -436,7 +447,9 @@ class MarlinPrepackedLoader(BaseModelLoader):
             return None
         t0 = time.perf_counter()
         arena = layout.allocate()
-        common = CommonPrefill.allocate(bundle, _LARGE_COMMON) if plan.common_during_build else None
+        # (not a common file whose digest is left to the copy: read whole once and hashed, its tensors come from there)
+        common_pending = any(p.path == bundle.common_file for p in bundle.hashed.pending)
+        common = CommonPrefill.allocate(bundle, _LARGE_COMMON) if plan.common_during_build and not common_pending else None
         self._timings.arena = time.perf_counter() - t0
         copy = BackgroundCopy(
             lambda: ParallelReader(plan, helpers),
@@ -462,7 +475,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
             return
         helpers, state.helpers = state.helpers, None
         try:
-            if state.bundle.hashed.pending and not self._settle_copy(state, state.bundle, model, model_config):
+            if state.bundle.hashed.pending and not self._settle_copy(state, state.bundle, model, model_config, helpers):
                 return  # loaded the ordinary way (fallback)
             self._load_bundle(state, state.bundle, model, helpers)
         finally:
@@ -485,35 +498,38 @@ class MarlinPrepackedLoader(BaseModelLoader):
                     helpers.join()
                     logger.info("marlin-pack: waited %.2f s for the copy helpers to exit", time.perf_counter() - t0)
 
-    def _settle_copy(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, model_config: ModelConfig) -> bool:
+    def _settle_copy(
+        self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, model_config: ModelConfig,
+        helpers: HelperPool | None = None,
+    ) -> bool:
         """The digests the decision left to the copy (cold files, no stamp of this user, or ``verify: full``), compared
-        and stamped before any tensor is bound or served: ``common.safetensors`` read whole once (hashed) while the rank
-        file's copy goes on, then that copy's digest. A mismatch, a file that changed or was cut short while it was
-        copied: the decision's one-line refusal, or with ``fallback`` the checkpoint loaded the ordinary way into
-        the model vLLM built (as after a layer check's refusal). Returns whether the bundle is still used."""
+        and stamped before any tensor is bound or served: ``common.safetensors`` read whole once (hashed) while the copy
+        goes on, then that copy's digests. The copy is the one beside the construction, or (experts layers, whose
+        placeholders vLLM keeps until now; a stage or share with nothing to copy beside it) the one started here
+        (:meth:`_fill_after_build`); it reads every file whose digest is left to it whole, the bytes it does not copy
+        only into the hash. A mismatch, a file that changed or was cut short while it was copied: the decision's
+        one-line refusal, or with ``fallback`` the checkpoint loaded the ordinary way into the model vLLM built (as
+        after a layer check's refusal). Returns whether the bundle is still used."""
         pending, found = bundle.hashed.pending, {}
         paths = {str(p.path) for p in pending}
         t0 = time.perf_counter()
+        if state.fill is None and not isinstance(bundle, RemoteSelected):  # (its errors propagate, as _load_bundle's)
+            state.fill = self._fill_after_build(state, bundle, helpers)
         try:
             if str(bundle.common_file) in paths:
                 with ParallelReader(state.plan.local()) as reader:
                     state.common_host = HostMap.read_whole(bundle.common_file, reader)
                     found.update(reader.digests)
-            if str(bundle.rank_file) in paths and state.fill is not None:
+            if state.fill is not None:
                 state.fill.join()  # raises what the copy raised (a file cut short)
                 found.update(state.fill.copy.digests)
-            elif str(bundle.rank_file) in paths:  # no copy beside the construction: hashed before its copy
-                try:
-                    found[str(bundle.rank_file)] = hash_file(bundle.rank_file)
-                except OSError as e:
-                    found[str(bundle.rank_file)] = e
             self._timings.settle = time.perf_counter() - t0
             report = settle_pending(pending, found, self._timings.settle, bundle.hashed.every_time)
         except BundleError as e:
             state.common_host = None
             if state.fill is not None:
-                state.fill.abandon()
-                state.fill = None  # the arena goes before the checkpoint loads
+                state.fill.abandon()  # the arena goes before the checkpoint loads; released placeholders get memory
+                state.fill = None
                 for module in model.modules():  # vLLM's weight loaders will write into the placeholders
                     materialize_stubs(module)
             if not self.options.fallback:
@@ -528,6 +544,28 @@ class MarlinPrepackedLoader(BaseModelLoader):
         if (summary := report.summary()) is not None:
             logger.warning("marlin-pack: rank %d %s, as it was copied", bundle.rank, summary)
         return True
+
+    def _fill_after_build(self, state: _ModelState, bundle: SelectedBundle, helpers: HelperPool | None) -> _ArenaFill:
+        """The arena and its copy after vLLM built the model, for digests left to the copy where none ran beside the
+        construction: the placeholders the arena replaces released first (as :meth:`_load_bundle` releases them; kept
+        in ``released`` to be given memory again should the digests refuse the bundle), the arena allocated, and every
+        file the layout reads (the rank file, an expert share's file) copied on a thread, each file whose digest is left
+        to the copy read whole and hashed, also one the layout reads nothing of (a stage without layers)."""
+        layout = ArenaLayout.of(bundle)
+        params = layout.parameters(state.layers)
+        released = tuple((p, p.shape, p.dtype) for p in params)
+        release(params)
+        arena = layout.allocate(params[0].device) if params else torch.empty(0, dtype=torch.uint8)
+        jobs = layout.copy_jobs(arena, bundle.rank_file)
+        hashed = [p.path for p in bundle.hashed.pending if p.path != bundle.common_file]
+        jobs += [(path, []) for path in hashed if path not in {j[0] for j in jobs}]
+        (path, items), *then = jobs or [(bundle.rank_file, [])]
+        copy = BackgroundCopy(
+            lambda: ParallelReader(state.plan, helpers), path, items,
+            on_done=None if helpers is None or state.borrowed else (lambda: helpers.close(wait=False)),
+            then=then, hashed=hashed,
+        )
+        return _ArenaFill(layout, arena, copy, beside=False, released=released)
 
     def _load_bundle(self, state: _ModelState, bundle: SelectedBundle, model: nn.Module, helpers: HelperPool | None) -> None:
         fill, state.fill = state.fill, None
@@ -579,9 +617,10 @@ class MarlinPrepackedLoader(BaseModelLoader):
             if fill is not None:
                 waited = fill.join()  # also when loading failed: the copy writes into the arena and the common tensors
                 self._timings.copy, self._timings.copy_bytes = fill.copy.seconds, fill.copy.bytes
-                self._timings.beside, self._timings.wait = True, waited
+                self._timings.beside, self._timings.wait = fill.beside, waited
                 self._timings.modes = "/".join(sorted(fill.copy.modes_used)) or "-"
                 fill.common = None  # the copies no parameter was pointed at go
+            self._timings.in_settle = fill is not None and not fill.beside
             if helpers is not None:
                 self._timings.helpers_ready, self._timings.helpers_retained = helpers.ready_after, helpers.retained_bytes
         self._timings.place = t1 - t0 - (0.0 if fill is not None else self._timings.copy)

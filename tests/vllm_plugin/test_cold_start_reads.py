@@ -3,7 +3,8 @@ bundle is read once: the decision leaves the cold rank and common files' digests
 the bytes it reads and compares them before anything is bound or served; a file that matched is stamped as
 ``check`` stamps it. On the CPU: the loader's own flow with vLLM's real layers (``test_plugin_loader``'s fakes), the
 page cache's coldness stood in for (``hash_left_to_copy``) and the copy ``direct`` as the plan makes it for a cold
-file; every ``os.preadv`` and every mapped tensor of a bundle file counted (``bundle_reads.BundleBytes``)."""
+file; every ``os.preadv`` and every mapped tensor of a bundle file counted (``bundle_reads.BundleBytes``). Experts
+bundles, pipeline stages and expert shares: ``test_cold_start_shares``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from bundle_reads import FIRST_BLOCK, BundleBytes
+from safetensors.torch import load_file
 
 from marlin_pack.errors import LoadRefusedError
 from marlin_pack.io import hashing
@@ -24,7 +26,7 @@ from marlin_pack.vllm_plugin import decision
 from marlin_pack.vllm_plugin.patches.post_processing import is_prepacked
 
 vr = pytest.importorskip("oracles.vllm_reference")
-from test_plugin_loader import fake_create_model, fake_engine, make_loader  # noqa: E402
+from test_plugin_loader import fake_create_model, fake_engine, io_plan, make_loader, with_vllm_embeddings  # noqa: E402
 
 
 def _start(model_dir: Path, monkeypatch: pytest.MonkeyPatch, **extra: object) -> tuple[Any, Any]:
@@ -212,3 +214,33 @@ def test_a_daemon_fill_reads_each_bundle_byte_once(
     assert {file_identity(p)[3] for p in files.values()} <= stamps
     assert not any(is_prepacked(m) for m in model.modules())  # placed and finished
 
+
+def test_common_tensors_left_to_the_common_files_one_read_are_not_copied_beside_the_construction(
+    make_bundle: Any, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, cold: Path
+) -> None:
+    """A plan that copies the large common tensors beside the construction (``common_during_build``: a daemon's fill with
+    helpers) leaves them to the common file's one read when its digest is left to the copy: read whole and hashed once,
+    the embedding and head bound from there, not read a second time beside the construction."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    model_dir = damaged_copy(make_bundle("gptq", "tiny"))
+    files = _files(model_dir)
+    common = load_file(str(files["common.safetensors"]))
+    with_vllm_embeddings(monkeypatch, model_dir)
+    io_plan(monkeypatch, mode="staged", threads=2, window_mib=1, common_during_build=True)
+    reads = BundleBytes(monkeypatch, model_dir / "marlin-pack")
+    vllm_config, model_config = fake_engine(model_dir, "auto_gptq", monkeypatch)
+    loader = make_loader()
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        from marlin_pack.vllm_plugin import patches
+
+        patches.install()  # the engine's worker has them: the embedding method's stubs
+        model = loader.create_model(vllm_config, model_config)  # type: ignore[arg-type]
+        loader.load_weights(model, model_config)  # type: ignore[arg-type]
+        process_weights_after_loading(model, model_config, torch.device("cpu"))  # type: ignore[arg-type]
+    assert loader._timings.common_beside is None
+    for name, path in files.items():
+        assert reads.once_past_the_first_block(path, path.stat().st_size), (name, sorted(reads.ranges[reads.key(path)]))
+    assert torch.equal(model.lm_head.weight, common["lm_head.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, common["model.embed_tokens.weight"])
+    assert {file_identity(p)[3] for p in files.values()} <= {json.loads(p.read_text())["identity"][3] for p in cold.glob("*.json")}
