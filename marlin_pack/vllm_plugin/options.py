@@ -31,7 +31,7 @@ class LoaderOptions(BaseModel):
 
     Attributes:
         bundle: bundle directory; default ``MODEL_DIR/marlin-pack`` (a repo id: its marlin-pack cache entry); or
-            ``s3://bucket/prefix``, a bundle published there (:class:`~marlin_pack.remote.url.ObjectUrl`), each rank
+            ``s3://bucket/prefix`` or ``gs://bucket/prefix``, a bundle published there (:class:`~marlin_pack.remote.url.ObjectUrl`), each rank
             streaming its own byte ranges (:mod:`~marlin_pack.vllm_plugin.remote_load`).
         fallback: load the checkpoint the ordinary way (with a warning) instead of refusing a missing,
             stale or mismatched bundle.
@@ -60,7 +60,7 @@ class LoaderOptions(BaseModel):
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise ValueError("must be a directory path")
         if url_scheme(value) is not None:
-            return parse_url(value)  # s3://bucket/prefix; another scheme refused in one line naming what is served
+            return parse_url(value)  # s3:// or gs://bucket/prefix; another scheme refused in one line naming what is served
         try:
             return expand_user(os.fspath(value), "bundle")
         except HomeDirectoryError as e:  # "~nosuchuser/x", or "~/x" for a user without a home directory
@@ -116,7 +116,7 @@ def parse_extra_config(extra: object, load_format: str = LOAD_FORMAT) -> LoaderO
         error = e.errors()[0]
         key = ".".join(map(str, error["loc"])) or "?"
         expected = {
-            "bundle": "a directory path or s3://BUCKET/PREFIX", "fallback": "true or false", "preload": "true or false",
+            "bundle": "a directory path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX", "fallback": "true or false", "preload": "true or false",
             "verify": "one of 'auto', 'full', 'size'",
         }.get(key, "another value")
         raise ValueError(

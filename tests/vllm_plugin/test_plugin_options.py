@@ -57,10 +57,10 @@ def test_every_key_at_once_and_options_are_frozen() -> None:
     [
         ("x", r"^model_loader_extra_config must be a dict for load format marlin_prepacked, got str$"),
         (None, r"must be a dict for load format marlin_prepacked, got NoneType"),
-        ({"bundle": ""}, r"^model_loader_extra_config\['bundle'\] must be a directory path or s3://BUCKET/PREFIX, got ''"),
-        ({"bundle": 3}, r"\['bundle'\] must be a directory path or s3://BUCKET/PREFIX, got 3"),
+        ({"bundle": ""}, r"^model_loader_extra_config\['bundle'\] must be a directory path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX, got ''"),
+        ({"bundle": 3}, r"\['bundle'\] must be a directory path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX, got 3"),
         ({"bundle": ["/b"]}, r"\['bundle'\] must be a directory path"),
-        ({"bundle": "~nosuchuser-marlin-pack/b"}, (r"\['bundle'\] must be a directory path or s3://BUCKET/PREFIX, "
+        ({"bundle": "~nosuchuser-marlin-pack/b"}, (r"\['bundle'\] must be a directory path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX, "
          r"got '~nosuchuser-marlin-pack/b'")),
         ({"fallback": "yes"}, r"^model_loader_extra_config\['fallback'\] must be true or false, got 'yes'"),
         ({"fallback": 1}, r"\['fallback'\] must be true or false, got 1"),  # strict: not 0/1
