@@ -23,8 +23,9 @@ def _linears(linears: tuple[Linear, ...]) -> list[str]:
     for lin in linears:
         modules = list(dict.fromkeys(p.module.rsplit(".", 1)[-1] for p in lin.parts))
         leaf = lin.name.rsplit(".", 1)[-1]
-        if lin.name.startswith("mlp.shared_experts."):  # DeepSeek: name the shared experts as such
-            leaf, modules = f"shared_experts.{leaf}", [f"shared_experts.{m}" for m in modules]
+        parent = lin.name.split(".")[1] if lin.name.count(".") == 2 else None
+        if parent is not None:  # a shared expert (DeepSeek's shared_experts, Qwen2-MoE's shared_expert, ...): named as such
+            leaf, modules = f"{parent}.{leaf}", [f"{parent}.{m}" for m in modules]
         replicated = " (replicated)" if lin.kind is LayerKind.replicated else ""
         if len(modules) == 1 and len(lin.parts) > 1:  # stored fused: vLLM cuts it into column blocks
             out.append(f"{leaf} ← {modules[0]} (stored fused: {'+'.join(p.role for p in lin.parts)})")
@@ -50,6 +51,10 @@ def _layers(arch: Architecture) -> str:
                 f"{', '.join(_linears(m.shared_experts))}, {_experts(arch)}; the other layers "
                 f"(i < first_k_dense_replace, or i % moe_layer_freq != 0): {', '.join(_linears(m.dense_mlp))}")
     out = _linears(arch.linears)
+    if arch.mlp_layer_types is not None:  # Mellum: each layer sparse or dense by config
+        m = arch.mlp_layer_types
+        return (f"{', '.join(out)}; sparse layers: {_experts(arch)}; dense layers ({m.key} \"dense\"): "
+                f"{', '.join(_linears(m.dense))}")
     if arch.moe:
         out.append(_experts(arch))
     return ", ".join(out)
@@ -80,7 +85,7 @@ def path_table() -> str:
         cells = []
         for v in versions:
             path = releases.serving_path(v, a.name)
-            word = "Transformers backend" if path == "transformers" else "own class"
+            word = {"transformers": "Transformers backend", "native": "own class"}.get(path or "", "not served")
             cells.append(word if path in a.paths else f"{word}: refused")
         rows.append(f"| `{a.name}` | " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -128,14 +128,16 @@ def _config_int(config: dict, key: str, arch: str) -> int:
 
 
 def _sparse_layers(config: dict, dims: ModelDims) -> list[int]:
-    """The decoder layers with routed experts: DeepSeek's as vLLM picks them (the rest are dense MLPs,
-    ordinary linears of the dense plan); for the other architectures every layer must hold experts
-    (Qwen's ``decoder_sparse_step``/``mlp_only_layers`` may make some dense)."""
+    """The decoder layers with routed experts: DeepSeek's as vLLM picks them, Mellum's as its ``mlp_layer_types``
+    lists them (the rest are dense MLPs, ordinary linears of the dense plan); for the other architectures every layer
+    must hold experts (Qwen's ``decoder_sparse_step``/``mlp_only_layers`` may make some dense)."""
     n_layers, arch = dims.num_layers, dims.architecture
     if dims.arch.mla is not None:
         from marlin_pack.marlin.deepseek import sparse_layers
 
         return sparse_layers(config, dims.arch, n_layers)
+    if dims.arch.mlp_layer_types is not None:  # Mellum's mlp_layer_types
+        return dims.arch.mlp_layer_types.sparse_layers(config, arch, n_layers)
     step = config.get("decoder_sparse_step", 1)
     only = config.get("mlp_only_layers") or []
     if step != 1 or only:

@@ -1,4 +1,5 @@
-"""Tiny AWQ/GPTQ/compressed-tensors mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek), for the MoE oracle.
+"""Tiny AWQ/GPTQ/compressed-tensors mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek; and through
+vLLM's Transformers backend Olmoe, FlexOlmo, HunYuan-MoE, Kolibri 1, Mellum), for the MoE oracle.
 
 As in ``arch_checkpoints``, the unquantized tensors (embeddings, norms, router) and all
 names come from **transformers' own model class**, built from a tiny config and saved with
@@ -72,12 +73,26 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
                              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "FlexOlmoForCausalLM": dict(model_type="flex_olmo", **_TEXT, intermediate_size=512, num_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # HunYuan-MoE: a shared expert (mlp.shared_mlp) beside the experts, both intermediate_size wide; the router an
+    # nn.Linear (mlp.gate.wg, float32 in transformers' class), never quantized
+    "HunYuanMoEV1ForCausalLM": dict(model_type="hunyuan_v1_moe", **_TEXT, head_dim=64, intermediate_size=512, num_experts=4,
+                                    moe_topk=2, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Kolibri 1: experts moe_intermediate_size wide, a shared expert (mlp.shared_experts) shared_expert_intermediate_size
+    "Kolibri1ForCausalLM": dict(model_type="kolibri1", **_TEXT, head_dim=64, moe_intermediate_size=256,
+                                shared_expert_intermediate_size=512, num_experts=4, num_experts_per_tok=2, sliding_window=64,
+                                tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Mellum: a dense first layer (mlp.{gate,up,down}_proj, intermediate_size) and a sparse one (moe_intermediate_size)
+    "MellumForCausalLM": dict(model_type="mellum", **_TEXT, head_dim=64, intermediate_size=1024, moe_intermediate_size=256,
+                              num_experts=4, num_experts_per_tok=2, sliding_window=64, mlp_layer_types=["dense", "sparse"],
+                              layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 # The router modules' last names per architecture: never quantized by AutoAWQ / GPTQModel.
 ROUTERS = {"MixtralForCausalLM": ("block_sparse_moe.gate",), "Qwen3MoeForCausalLM": ("mlp.gate",),
            "Qwen2MoeForCausalLM": ("mlp.gate", "mlp.shared_expert_gate"), "DeepseekV2ForCausalLM": ("mlp.gate",),
-           "DeepseekV3ForCausalLM": ("mlp.gate",), "OlmoeForCausalLM": ("mlp.gate",), "FlexOlmoForCausalLM": ("mlp.gate",)}
+           "DeepseekV3ForCausalLM": ("mlp.gate",), "OlmoeForCausalLM": ("mlp.gate",), "FlexOlmoForCausalLM": ("mlp.gate",),
+           "HunYuanMoEV1ForCausalLM": ("mlp.gate.wg",), "Kolibri1ForCausalLM": ("mlp.gate",), "MellumForCausalLM": ("mlp.gate",)}
 
 
 # llm-compressor's MoE examples: ignore lm_head and the routers (as regexes), quantize everything else.

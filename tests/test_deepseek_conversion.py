@@ -111,7 +111,8 @@ def test_deepseek_experts_get_marlin_moe_with_auto_backend(tmp_path: Path) -> No
     ({"architectures": ["DeepseekForCausalLM"]}, 1, 128,
      (r"^DeepseekForCausalLM is a mixture-of-experts model marlin-pack does not convert; its mixture-of-experts "
       r"architectures are MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM, "
-      r"DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, FlexOlmoForCausalLM$")),
+      r"DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, FlexOlmoForCausalLM, HunYuanMoEV1ForCausalLM, "
+      r"Kolibri1ForCausalLM, MellumForCausalLM$")),
 ])
 def test_unsupported_deepseek_refused_before_writing(tmp_path: Path, config: dict, tp: int, group: int, match: str) -> None:
     model = write_moe_checkpoint(tmp_path / "m", V2, "awq", group_size=group)

@@ -97,7 +97,7 @@ def test_verify_finds_a_changed_expert(tmp_path: Path) -> None:
     ("awq", {}, {"architectures": ["PhimoeForCausalLM"]},
      (r"^PhimoeForCausalLM is a mixture-of-experts model marlin-pack does not convert; its mixture-of-experts architectures are "
       r"MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM, DeepseekV2ForCausalLM, "
-      r"DeepseekV3ForCausalLM, FlexOlmoForCausalLM$")),
+      r"DeepseekV3ForCausalLM, FlexOlmoForCausalLM, HunYuanMoEV1ForCausalLM, Kolibri1ForCausalLM, MellumForCausalLM$")),
 ])
 def test_unsupported_moe_input_refused_before_writing(tmp_path: Path, fmt: str, qc: dict, config: dict, match: str) -> None:
     model = write_moe_checkpoint(tmp_path / "m", "Qwen3MoeForCausalLM", fmt)

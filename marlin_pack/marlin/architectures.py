@@ -29,6 +29,7 @@ __all__ = [
     "Linear",
     "Architecture",
     "MlaLayout",
+    "MlpLayerTypes",
     "ARCHITECTURES",
     "UNSUPPORTED_ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
@@ -137,6 +138,33 @@ class MlaLayout:
     dense_mlp: tuple[Linear, ...]  # decoder layers vLLM builds without routed experts
 
 
+@dataclass(frozen=True)
+class MlpLayerTypes:
+    """An MoE model whose decoder layers are sparse (routed experts) or dense by config (Mellum's ``mlp_layer_types``):
+    ``key`` lists each decoder layer's type, ``"sparse"`` or ``"dense"`` (absent or null: every layer sparse, as the
+    config class defaults it); a dense layer has ``dense`` after the architecture's ``linears`` and no experts."""
+
+    key: str
+    dense: tuple[Linear, ...]
+
+    def sparse_layers(self, config: Mapping[str, Any], architecture: str, num_layers: int) -> list[int]:
+        """The decoder layers with routed experts, as ``config`` (its config class's view) lists them.
+
+        Raises:
+            UnsupportedCheckpointError: the list is not one ``"sparse"`` or ``"dense"`` per decoder layer.
+        """
+        types = config.get(self.key)
+        if types is None:
+            return list(range(num_layers))
+        if not (isinstance(types, list) and len(types) == num_layers and all(t in ("sparse", "dense") for t in types)):
+            found = repr(types) if len(repr(types)) <= 120 else repr(types)[:117] + "..."
+            raise UnsupportedCheckpointError(
+                f"config.json {self.key} is {found}, expected a list of \"sparse\" or \"dense\" for each of the "
+                f"{num_layers} decoder layers ({architecture}); {RESTORE_CONFIG}"
+            )
+        return [i for i, t in enumerate(types) if t == "sparse"]
+
+
 DEEPSEEK_MLA = MlaLayout(MLA_ATTENTION_LINEARS, MLA_Q_LORA_ATTENTION_LINEARS, DEEPSEEK_SHARED_EXPERTS_LINEARS,
                          DEEPSEEK_DENSE_MLP_LINEARS)
 
@@ -174,6 +202,8 @@ class Architecture:
     # DeepSeek (multi-head latent attention): per-layer linears chosen by config; ``linears`` is then
     # the most common layer (an MoE layer of a q_lora_rank-null model), for the docs.
     mla: MlaLayout | None = None
+    # Dense decoder layers beside the sparse ones, chosen per layer by config (Mellum): their MLP's linears.
+    mlp_layer_types: MlpLayerTypes | None = None
     # How vLLM serves it: "native" (its own model class, ``vllm_class``), "transformers" (its Transformers backend,
     # :mod:`marlin_pack.marlin.transformers_backend`), or both where the two build the same layers (Gemma). Which one
     # a release takes is the release table's (``vllm_plugin/releases.py``); a bundle serves where its path is taken.
@@ -190,6 +220,8 @@ class Architecture:
 
     def all_linears(self) -> tuple[Linear, ...]:
         """Every linear a decoder layer of this architecture may have, whatever its config."""
+        if self.mlp_layer_types is not None:
+            return (*self.linears, *self.mlp_layer_types.dense)
         if self.mla is None:
             return self.linears
         m = self.mla
@@ -268,8 +300,23 @@ def _merge_backend_rows() -> None:
 _merge_backend_rows()
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
-# Architectures users ask for that no vLLM release marlin-pack serves builds a fixed layout for.
-UNSUPPORTED_ARCHITECTURES: dict[str, str] = {}
+# Architectures vLLM serves whose layers marlin-pack does not lay out, and why (the refusal says it in one line).
+_MULTIMODAL_BACKEND = "a multimodal model vLLM serves through its Transformers backend ({cls}); marlin-pack does not lay out its layers"
+UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
+    # vLLM's registry sends it to TransformersForCausalLM, which builds AutoModel.from_config: no transformers release
+    # has a nanbeige model type, so that is the checkpoint's remote code (auto_map, trust_remote_code)
+    "NanbeigeForCausalLM": (
+        "vLLM builds it through its Transformers backend from the modeling code each checkpoint ships "
+        "(config.json auto_map, trust_remote_code); no transformers release has the class, so its layers cannot be "
+        "checked offline"
+    ),
+    **{name: _MULTIMODAL_BACKEND.format(cls=cls) for name, cls in (
+        ("AriaForConditionalGeneration", "TransformersMultiModalMoEForCausalLM"),
+        ("Emu3ForConditionalGeneration", "TransformersMultiModalForCausalLM"),
+        ("HunYuanVLForConditionalGeneration", "TransformersMultiModalForCausalLM"),
+        ("VibeVoiceAsrForConditionalGeneration", "TransformersMultiModalForCausalLM"),
+    )},
+}
 
 
 def architecture_for(name: str | None) -> Architecture | None:

@@ -150,6 +150,19 @@ CONFIG_CLASSES: dict[str, ConfigClass] = {
     "flex_olmo": ConfigClass("FlexOlmoConfig", {"num_local_experts": "num_experts"}, {
         "vocab_size": 100352, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
         "num_attention_heads": 32, "tie_word_embeddings": False, "num_experts": 7}),
+    "hunyuan_v1_moe": ConfigClass("HunYuanMoEV1Config", {"num_local_experts": "num_experts"}, {
+        "vocab_size": 290943, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "tie_word_embeddings": False, "num_experts": 1}),
+    # Qwen3-MoE's keys: the experts moe_intermediate_size wide; Kolibri 1's shared expert shared_expert_intermediate_size,
+    # Mellum's dense layers (mlp_layer_types, null: every layer sparse) intermediate_size
+    "kolibri1": ConfigClass("Kolibri1Config", {"num_experts": "num_local_experts"}, {
+        "vocab_size": 128000, "hidden_size": 2560, "num_hidden_layers": 50, "num_attention_heads": 48,
+        "num_key_value_heads": 4, "head_dim": 128, "tie_word_embeddings": False, "num_local_experts": 384,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}),
+    "mellum": ConfigClass("MellumConfig", {"num_experts": "num_local_experts"}, {
+        "vocab_size": 98304, "hidden_size": 2304, "intermediate_size": 7168, "num_hidden_layers": 28,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "tie_word_embeddings": False,
+        "num_local_experts": 64, "moe_intermediate_size": 896}),
     # GPTBigCode: GPT-2's key names; intermediate n_inner or 4 x hidden, one KV head with multi_query (the default)
     "gpt_bigcode": ConfigClass(
         "GPTBigCodeConfig", {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"},
@@ -181,7 +194,8 @@ ARCHITECTURE_MODEL_TYPES = {
     "GlmForCausalLM": "glm", "ArceeForCausalLM": "arcee", "SeedOssForCausalLM": "seed_oss",
     "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "VaultGemmaForCausalLM": "vaultgemma", "CwmForCausalLM": "cwm",
     "Jais2ForCausalLM": "jais2", "GPTBigCodeForCausalLM": "gpt_bigcode", "OlmoeForCausalLM": "olmoe",
-    "FlexOlmoForCausalLM": "flex_olmo",
+    "FlexOlmoForCausalLM": "flex_olmo", "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe", "Kolibri1ForCausalLM": "kolibri1",
+    "MellumForCausalLM": "mellum",
 }
 
 

@@ -179,10 +179,16 @@ MOE_ARCHITECTURES: dict[str, MoeArchitecture] = {
         # shared experts (mlp.shared_experts.*) are one dense MLP: ordinary Marlin linears.
         _qwen_like("DeepseekV2ForCausalLM", "deepseek_v2.DeepseekV2ForCausalLM", "n_routed_experts"),
         _qwen_like("DeepseekV3ForCausalLM", "deepseek_v2.DeepseekV3ForCausalLM", "n_routed_experts"),
-        # Olmoe (olmoe.py; 0.34.0 the Transformers backend) and FlexOlmo (the backend): the experts' width is intermediate_size
+        # Olmoe (olmoe.py; 0.34.0 the Transformers backend), FlexOlmo and HunYuan-MoE (the backend): the experts' width is
+        # intermediate_size (HunYuan's shared expert, mlp.shared_mlp.*, too: ordinary Marlin linears)
         *(replace(_qwen_like(n, cls, "num_experts"), intermediate_key="intermediate_size")
           for n, cls in (("OlmoeForCausalLM", "olmoe.OlmoeForCausalLM"),
-                         ("FlexOlmoForCausalLM", "transformers.TransformersMoEForCausalLM"))),
+                         ("FlexOlmoForCausalLM", "transformers.TransformersMoEForCausalLM"),
+                         ("HunYuanMoEV1ForCausalLM", "transformers.TransformersMoEForCausalLM"))),
+        # Kolibri 1 and Mellum (the backend): the experts' width is moe_intermediate_size; Kolibri's shared expert
+        # (mlp.shared_experts.*) and Mellum's dense layers (mlp.*) are ordinary Marlin linears
+        *(_qwen_like(n, "transformers.TransformersMoEForCausalLM", "num_experts")
+          for n in ("Kolibri1ForCausalLM", "MellumForCausalLM")),
     )
 }
 

@@ -189,6 +189,8 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
     checkpoint's tensor names, which say where its decoder layers are."""
     name = config_architecture(config)
     arch = architecture_for(name)
+    if name in UNSUPPORTED_ARCHITECTURES:
+        raise UnsupportedCheckpointError(f"architecture is {name!r}: {UNSUPPORTED_ARCHITECTURES[name]}; {SERVE_WITHOUT}")
     text = language_config(config) if arch and arch.text_config else top_config(config)
     if (arch is None or not arch.moe) and any(text.get(k) or config.get(k) for k in _MOE_KEYS):
         moe = ", ".join(a.name for a in ARCHITECTURES.values() if a.moe)
@@ -197,9 +199,8 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
             f"its mixture-of-experts architectures are {moe}"
         )
     if arch is None:
-        why = f" ({UNSUPPORTED_ARCHITECTURES[name]})" if name in UNSUPPORTED_ARCHITECTURES else ""
         raise UnsupportedCheckpointError(
-            f"architecture is {name!r}{why}, expected one of {', '.join(SUPPORTED_ARCHITECTURES)}; {SERVE_WITHOUT}"
+            f"architecture is {name!r}, expected one of {', '.join(SUPPORTED_ARCHITECTURES)}; {SERVE_WITHOUT}"
         )
     from marlin_pack.marlin.transformers_backend import config_problem
 
@@ -215,6 +216,11 @@ def model_dims(config: dict, tensor_names: Iterable[str] = ()) -> ModelDims:
     head_dim = hidden // heads if arch.head_dim == "derived" or cfg.get("head_dim") is None else _int(cfg, "head_dim")
     layers = _checkpoint_layers(arch, tensor_names)
     mla = _mla_dims(text, arch, heads, _int(cfg, "num_hidden_layers"), layers) if arch.mla is not None else {}
+    if arch.mlp_layer_types is not None:  # Mellum: a dense layer's MLP after the attention, a sparse one's experts
+        n = _int(cfg, "num_hidden_layers")
+        sparse = set(arch.mlp_layer_types.sparse_layers(text, arch.name, n))
+        mla = {"layer_linears": tuple(arch.linears if i in sparse else (*arch.linears, *arch.mlp_layer_types.dense)
+                                      for i in range(n))}
     return ModelDims(
         architecture=name,
         model_type=str(text.get("model_type") or config.get("model_type", "")),

@@ -17,6 +17,10 @@ and ``utils.replace_linear_class`` are identical from 0.30.0 to 0.34.0), applied
   ``colwise_gather_output`` ``ColumnParallelLinear``, ``rowwise`` and ``rowwise_split_input`` ``RowParallelLinear``
   (the weights are split the same way: gathering and splitting act on activations), anything else, or no plan,
   ``ReplicatedLinear``.
+* **MoE** (``TransformersMoEForCausalLM``'s ``MoEMixin``): a sparse block's experts become one ``FusedMoE``
+  (``mlp.experts.routed_experts``, :mod:`marlin_pack.marlin.moe`); its router stays unquantized; a shared expert beside
+  them is a GLU as above under its own name (vLLM 0.34's ``MoEBlockFuser`` also hands that module to the experts'
+  runner, so the module tree reaches it twice: the layer's ``prefix`` is the name it is built and loaded under).
 
 Module names are transformers' under ``model.`` (vLLM's mapper replaces the checkpoint's base-model prefix,
 ``transformer.`` or ``gpt_neox.``, with ``model.``). Which modules a layer has, and how its forward combines them,
@@ -104,6 +108,14 @@ class BackendModel:
     output_head: str = "lm_head.weight"
     # config key -> (the value the modeling code must see for these rules to hold, what the module does otherwise)
     requires: tuple[tuple[str, object, str], ...] = ()
+    # A sparse block's shared expert: a GLU MLP beside the experts (GLUFuser: gate_up_proj, down_proj). From vLLM 0.34
+    # the MoE fuser runs it inside the experts' MoERunner, which holds it too; it is built and loaded under its own name.
+    shared: HfMlp | None = None
+    # Sparse blocks in some decoder layers only: (the config key listing each layer's "sparse" or "dense", the dense
+    # layers' MLP), as Mellum's mlp_layer_types.
+    dense_layers: tuple[str, HfMlp] | None = None
+    # The config key of the "i" size symbol (a dense MLP's or the shared expert's width)
+    intermediate_key: str = "intermediate_size"
 
 
 def _qkv_linear(name: str, q: str, k: str, v: str) -> Linear:
@@ -121,11 +133,21 @@ def _one(name: str, kind: LayerKind, input_size: str, size: str) -> Linear:
 _STYLE_KINDS = {"colwise": LayerKind.column, "rowwise": LayerKind.row, "replicate": LayerKind.replicated}
 
 
-def backend_linears(m: BackendModel) -> tuple[Linear, ...]:
-    """The quantized linears the backend builds for one decoder layer of ``m``, in the order it registers them
-    (attention, then MLP; within each, the fused layer first: the fusers add it, then replace the output projection)."""
+def _mlp_linears(p: HfMlp) -> list[Linear]:
     from marlin_pack.marlin.architectures import Linear, Part
 
+    if p.gate is not None:  # GLUFuser: self.gate_up_proj (gate, up); down rowwise
+        gate, up = f"{p.module}.{p.gate}", f"{p.module}.{p.up}"
+        return [Linear(f"{p.module}.gate_up_proj", LayerKind.merged_column, "h", (Part("gate", "i", gate), Part("up", "i", up))),
+                _one(f"{p.module}.{p.down}", LayerKind.row, "i", "h")]
+    return [_one(f"{p.module}.{p.up}", _STYLE_KINDS[p.style], "h", p.up_size),
+            _one(f"{p.module}.{p.down}", _STYLE_KINDS[p.down_style], "i", "h")]
+
+
+def backend_linears(m: BackendModel) -> tuple[Linear, ...]:
+    """The quantized linears the backend builds for one decoder layer of ``m`` (a sparse one, where its layers differ),
+    in the order it registers them (attention, then MLP; within each, the fused layer first: the fusers add it, then
+    replace the output projection; a sparse block's shared expert after its experts)."""
     a, p = m.attention, m.mlp
     attn: list[Linear] = []
     if a.qkv is not None:  # QKVFuser: self.qkv_proj, q/k/v deleted
@@ -137,22 +159,21 @@ def backend_linears(m: BackendModel) -> tuple[Linear, ...]:
     elif a.column is not None:
         attn.append(_one(f"{a.module}.{a.column}", LayerKind.column, "h", "qkv"))
     attn.append(_one(f"{a.module}.{a.out}", LayerKind.row, "q", "h"))
-    mlp: list[Linear] = []
-    if p is None:  # the experts are a FusedMoE layer, the router unquantized
-        pass
-    elif p.gate is not None:  # GLUFuser: self.gate_up_proj (gate, up); down rowwise
-        gate, up = f"{p.module}.{p.gate}", f"{p.module}.{p.up}"
-        mlp.append(Linear(f"{p.module}.gate_up_proj", LayerKind.merged_column, "h", (Part("gate", "i", gate), Part("up", "i", up))))
-        mlp.append(_one(f"{p.module}.{p.down}", LayerKind.row, "i", "h"))
-    else:
-        mlp.append(_one(f"{p.module}.{p.up}", _STYLE_KINDS[p.style], "h", p.up_size))
-        mlp.append(_one(f"{p.module}.{p.down}", _STYLE_KINDS[p.down_style], "i", "h"))
-    return (*attn, *mlp)
+    if p is None:  # the experts are a FusedMoE layer, the router unquantized; a shared expert an ordinary MLP
+        return (*attn, *(_mlp_linears(m.shared) if m.shared is not None else ()))
+    return (*attn, *_mlp_linears(p))
 
 
 _INTERLEAVED_C_ATTN = "c_attn interleaves q, k and v per head, which no fuser of the backend splits"
 _LLAMA_ATTENTION = HfAttention("self_attn", "o_proj", qkv=("q_proj", "k_proj", "v_proj"))
-_GLU = HfMlp("mlp", "down_proj", gate="gate_proj", up="up_proj")
+
+
+def _glu(module: str) -> HfMlp:
+    """Llama's GLU MLP (gate_proj, up_proj, down_proj) under ``module``."""
+    return HfMlp(module, "down_proj", gate="gate_proj", up="up_proj")
+
+
+_GLU = _glu("mlp")
 
 
 def _llama_like(name: str) -> BackendModel:
@@ -189,6 +210,14 @@ BACKEND_MODELS: dict[str, BackendModel] = {
         # mlp.experts.routed_experts (marlin.moe.MOE_ARCHITECTURES); Llama's attention
         BackendModel("OlmoeForCausalLM", _LLAMA_ATTENTION, None),
         BackendModel("FlexOlmoForCausalLM", _LLAMA_ATTENTION, None),
+        # a shared expert beside the experts: HunYuan's mlp.shared_mlp (intermediate_size, as its experts), Kolibri 1's
+        # mlp.shared_experts (shared_expert_intermediate_size); the routers (HunYuan's mlp.gate.wg, an nn.Linear) stay
+        # unquantized
+        BackendModel("HunYuanMoEV1ForCausalLM", _LLAMA_ATTENTION, None, shared=_glu("mlp.shared_mlp")),
+        BackendModel("Kolibri1ForCausalLM", _LLAMA_ATTENTION, None, shared=_glu("mlp.shared_experts"),
+                     intermediate_key="shared_expert_intermediate_size"),
+        # Mellum: mlp_layer_types makes a layer sparse (experts) or dense (a GLU MLP of intermediate_size)
+        BackendModel("MellumForCausalLM", _LLAMA_ATTENTION, None, dense_layers=("mlp_layer_types", _GLU)),
     )
 }
 
@@ -207,12 +236,15 @@ def config_problem(architecture: str, config: Mapping[str, Any]) -> str | None:
 
 def rows() -> dict[str, Architecture]:
     """The architecture table's rows of every architecture in :data:`BACKEND_MODELS` (the backend's layout)."""
-    from marlin_pack.marlin.architectures import Architecture
+    from marlin_pack.marlin.architectures import Architecture, MlpLayerTypes
 
     return {
         m.name: Architecture(m.name, BACKEND_CLASS if m.mlp is not None else BACKEND_MOE_CLASS, backend_linears(m),
                              layers=m.layers, checkpoint_layers=m.checkpoint_layers, output_head=m.output_head,
-                             moe=m.mlp is None, paths=frozenset({"transformers"}))
+                             moe=m.mlp is None, intermediate_key=m.intermediate_key,
+                             mlp_layer_types=None if m.dense_layers is None else MlpLayerTypes(
+                                 m.dense_layers[0], tuple(_mlp_linears(m.dense_layers[1]))),
+                             paths=frozenset({"transformers"}))
         for m in BACKEND_MODELS.values()
     }
 

@@ -139,7 +139,7 @@ def _layer_info(model: torch.nn.Module, names: list[str], digests: bool = False)
         return any(a <= t.data_ptr() < b for a, b in segments)
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))  # a shared expert also under its MoERunner (0.34)
     info: dict[str, Any] = {"kernels": {}, "tensors": {}, "model_class": type(model).__name__}
     for layer in names:
         qm = modules[layer].quant_method

@@ -166,10 +166,27 @@ def built_parameters(model: nn.Module, names: Iterable[str]) -> list[str]:
     return found
 
 
+def named_modules_as_built(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()``, each module under the name vLLM built it with (its layer ``prefix``) where the tree
+    reaches it under more than one: from 0.34 vLLM's Transformers backend hands an MoE block's shared expert to the
+    experts' MoERunner (``mlp.experts._shared_experts._layer.shared_experts``), which comes before the block's own
+    ``mlp.shared_mlp`` in the tree; the quant config, ``load_weights`` and a bundle name it by the latter."""
+    names: dict[int, list[str]] = {}
+    modules: dict[int, nn.Module] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+        modules.setdefault(id(module), module)
+    out = []
+    for key, found in names.items():
+        prefix = getattr(modules[key], "prefix", None)
+        out.append((prefix if prefix in found else found[0], modules[key]))
+    return out
+
+
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules with a quantization method that is not an unquantized or KV-cache one."""
+    """Modules with a quantization method that is not an unquantized or KV-cache one (:func:`named_modules_as_built`)."""
     found = {}
-    for name, module in model.named_modules():
+    for name, module in named_modules_as_built(model):
         qm = getattr(module, "quant_method", None)
         if not isinstance(qm, QuantizeMethodBase) or isinstance(qm, BaseKVCacheMethod):
             continue

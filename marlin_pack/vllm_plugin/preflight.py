@@ -59,8 +59,8 @@ class PreflightReport:
 
     @property
     def path(self) -> str | None:
-        """How the release builds the model: ``native`` (vLLM's own class) or ``transformers`` (its Transformers
-        backend); None where the release is not served or the architecture unknown."""
+        """How the release builds the model: ``native`` (vLLM's own class), ``transformers`` (its Transformers
+        backend) or ``unregistered`` (none); None where the release is not served or the architecture unknown."""
         from marlin_pack.vllm_plugin import releases
 
         return releases.serving_path(self.vllm_version, self.architecture) if self.architecture else None
@@ -72,6 +72,8 @@ class PreflightReport:
         path = self.path
         if path is None:
             return None
+        if path == "unregistered":
+            return f"{self.architecture}: vLLM {self.vllm_version} does not serve it (its model registry lists no such architecture)"
         if path == "transformers":
             how = f"through its Transformers backend (transformers {self.transformers_version or 'not installed'})"
         else:

@@ -31,7 +31,9 @@ what differs is the plugin's surface, read from each release's code:
   Olmo 2, both for Gemma, whose backend layers equal gemma.py's); a bundle is refused on a release taking another path
   (:func:`path_problem`), and, through the backend, under a transformers outside the releases its layout was checked
   against (:func:`transformers_problem`). ``transformers``: the transformers release the release's environment
-  resolves to (its pin), the one its oracles ran with.
+  resolves to (its pin), the one its oracles ran with. ``unregistered``: architectures of the table the release's
+  registry does not list at all (Kolibri 1 before 0.33: neither a class of vLLM's own nor a backend entry, and its pinned
+  transformers has no such class), refused there (:func:`path_problem`).
 * ``ready``: the plugin's adapter for the release is done and its oracles pass. A release listed but not ready is
   refused like an unknown one; its entry is data for the adapter to come.
 
@@ -90,6 +92,8 @@ class Release:
     transformers_backend: frozenset[str] = frozenset()
     # The transformers release this release's environment resolves to (tools/vllm-env.sh; its oracles ran with it).
     transformers: str = ""
+    # Architectures of marlin-pack's table that this release's model registry does not list (no path serves them).
+    unregistered: frozenset[str] = frozenset()
 
     def has_env(self, name: str) -> bool:
         """Whether this release still reads the environment variable ``name``."""
@@ -114,13 +118,16 @@ FEATURES: Mapping[str, Callable[[Release], bool]] = MappingProxyType({
 _MARLIN_INPUT = frozenset({"VLLM_MARLIN_INPUT_DTYPE"})
 # Through the Transformers backend, read from each release's models/registry.py (tests/vllm_plugin/test_releases.py
 # checks the running release's): 0.30-0.31 these; 0.32 adds the models it moved off its own classes (gpt_neox.py,
-# phi.py, glm.py, arcee.py, seed_oss.py, ...); 0.34 Gemma, StableLM and Olmoe too.
+# phi.py, glm.py, arcee.py, seed_oss.py, mellum.py, ...); 0.33 Kolibri 1 (new); 0.34 Gemma, StableLM and Olmoe too.
 _BACKEND_030 = frozenset({"OlmoForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM",
                           "Starcoder2ForCausalLM", "GPTBigCodeForCausalLM", "HunYuanDenseV1ForCausalLM",
-                          "VaultGemmaForCausalLM", "FlexOlmoForCausalLM"})
+                          "VaultGemmaForCausalLM", "FlexOlmoForCausalLM", "HunYuanMoEV1ForCausalLM"})
 _BACKEND_032 = _BACKEND_030 | {"GPTNeoXForCausalLM", "PhiForCausalLM", "GlmForCausalLM", "ArceeForCausalLM",
-                               "SeedOssForCausalLM", "CwmForCausalLM", "Jais2ForCausalLM"}
-_BACKEND_034 = _BACKEND_032 | {"GemmaForCausalLM", "StableLmForCausalLM", "OlmoeForCausalLM"}
+                               "SeedOssForCausalLM", "CwmForCausalLM", "Jais2ForCausalLM", "MellumForCausalLM"}
+_BACKEND_033 = _BACKEND_032 | {"Kolibri1ForCausalLM"}
+_BACKEND_034 = _BACKEND_033 | {"GemmaForCausalLM", "StableLmForCausalLM", "OlmoeForCausalLM"}
+# Listed by no registry before 0.33 (transformers < 5.20 has no Kolibri1ForCausalLM either).
+_UNREGISTERED_030 = frozenset({"Kolibri1ForCausalLM"})
 
 # Newest first. Each fact was read from the release's wheel (vllm/**/*.py).
 RELEASES: tuple[Release, ...] = (
@@ -128,13 +135,13 @@ RELEASES: tuple[Release, ...] = (
             upstream=frozenset({"dense_pre_processed", "kernel_format_reload"}),
             transformers_backend=_BACKEND_034, transformers="5.22.2"),
     Release("0.33.0", finish="empty_qzeros", memory_hook=True, cache_key="kernel_config", daemon="preload", ready=True,
-            env=_MARLIN_INPUT, transformers_backend=_BACKEND_032, transformers="5.20.2"),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_033, transformers="5.20.2"),
     Release("0.32.0", finish="empty_qzeros", memory_hook=True, cache_key="plain", daemon="preload", ready=True, new_params=True,
-            env=_MARLIN_INPUT, transformers_backend=_BACKEND_032, transformers="5.19.0"),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_032, transformers="5.19.0", unregistered=_UNREGISTERED_030),
     Release("0.31.0", finish="empty_qzeros", memory_hook=False, cache_key="plain", daemon="preload", ready=True, new_params=True,
-            env=_MARLIN_INPUT, transformers_backend=_BACKEND_030, transformers="5.17.0"),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_030, transformers="5.17.0", unregistered=_UNREGISTERED_030),
     Release("0.30.0", finish="workspace", memory_hook=False, cache_key="plain", daemon="module", ready=True, new_params=True,
-            env=_MARLIN_INPUT, transformers_backend=_BACKEND_030, transformers="5.16.1"),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_030, transformers="5.16.1", unregistered=_UNREGISTERED_030),
 )
 
 # The release written into a manifest as ``target.vllm_version`` ("made with"): the one whose post-processing the
@@ -185,17 +192,20 @@ def serves(version: str, layouts: Mapping[str, int]) -> bool:
     return entry is not None and all(entry.layouts.get(f) == v for f, v in layouts.items())
 
 
-Path = Literal["native", "transformers"]
+Path = Literal["native", "transformers", "unregistered"]
 _PATH_WORDS = {"native": "with its own model class", "transformers": "through its Transformers backend"}
 _LAYOUT_WORDS = {"native": "vLLM's own model class", "transformers": "vLLM's Transformers backend"}
 
 
 def serving_path(version: str, architecture: str) -> Path | None:
-    """How the release ``version`` serves ``architecture``: ``native`` (vLLM's own model class) or ``transformers`` (its
-    Transformers backend); None where marlin-pack does not serve the release."""
+    """How the release ``version`` serves ``architecture``: ``native`` (vLLM's own model class), ``transformers`` (its
+    Transformers backend) or ``unregistered`` (its model registry does not list it); None where marlin-pack does not
+    serve the release."""
     entry = release(version)
     if entry is None:
         return None
+    if architecture in entry.unregistered:
+        return "unregistered"
     return "transformers" if architecture in entry.transformers_backend else "native"
 
 
@@ -208,6 +218,8 @@ def path_problem(version: str, architecture: str, paths: frozenset[str]) -> str 
     held = " and ".join(_LAYOUT_WORDS[p] for p in sorted(paths)) or "no vLLM model"
     others = [r.version for r in RELEASES if r.ready and serving_path(r.version, architecture) in paths]
     where = f"serve it with vLLM {', '.join(others)}" if others else "no release marlin-pack supports builds those layers"
+    if path == "unregistered":
+        return f"vLLM {version} does not serve {architecture}: its model registry lists no such architecture; {where}"
     return (f"vLLM {version} serves {architecture} {_PATH_WORDS[path]}, whose layers differ from those of {held} the "
             f"bundle holds; {where}")
 

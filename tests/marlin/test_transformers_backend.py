@@ -83,9 +83,10 @@ def test_the_rules_give_the_layers_vllm_builds(arch: str, layers: list) -> None:
 def test_sparse_moe_blocks_keep_the_attention_and_give_the_experts_to_marlin_moe() -> None:
     from marlin_pack.marlin.moe import MOE_ARCHITECTURES
 
-    for name in ("OlmoeForCausalLM", "FlexOlmoForCausalLM"):
+    for name in ("OlmoeForCausalLM", "FlexOlmoForCausalLM", "MellumForCausalLM"):
         assert ARCHITECTURES[name].moe and [lin.name for lin in ARCHITECTURES[name].linears] == [
             "self_attn.qkv_proj", "self_attn.o_proj"]
+    for name in ("OlmoeForCausalLM", "FlexOlmoForCausalLM"):
         m = MOE_ARCHITECTURES[name]
         assert (m.vllm_experts, m.num_experts_key, m.intermediate_key) == (
             "mlp.experts.routed_experts", "num_experts", "intermediate_size")
@@ -93,6 +94,48 @@ def test_sparse_moe_blocks_keep_the_attention_and_give_the_experts_to_marlin_moe
     # olmoe.py (0.30.0-0.33.0) builds what the backend builds: one bundle serves both (bit-exact on 0.30.0, 0.33.0, 0.34.0)
     assert ARCHITECTURES["OlmoeForCausalLM"].paths == {"native", "transformers"}
     assert ARCHITECTURES["FlexOlmoForCausalLM"].paths == {"transformers"}
+
+
+@pytest.mark.parametrize("arch,shared,width", [("HunYuanMoEV1ForCausalLM", "mlp.shared_mlp", "intermediate_size"),
+                                                ("Kolibri1ForCausalLM", "mlp.shared_experts", "shared_expert_intermediate_size")])
+def test_a_shared_expert_beside_the_experts_is_a_glu_of_marlin_linears(arch: str, shared: str, width: str) -> None:
+    """GLUFuser over the sparse block's shared expert: gate_up_proj (gate, up) and down_proj, under the block's own name
+    (vLLM 0.34's MoE fuser also hands the module to the experts' MoERunner; the bundle names it as vLLM builds it)."""
+    from marlin_pack.marlin.moe import MOE_ARCHITECTURES
+
+    assert _layers(arch) == [
+        ("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
+        (f"{shared}.gate_up_proj", "merged-column", (f"{shared}.gate_proj", f"{shared}.up_proj")),
+        (f"{shared}.down_proj", "row", (f"{shared}.down_proj",))]
+    row = ARCHITECTURES[arch]
+    assert row.moe and row.intermediate_key == width and row.vllm_class == BACKEND_MOE_CLASS
+    assert MOE_ARCHITECTURES[arch].vllm_experts == "mlp.experts.routed_experts"
+
+
+def test_mellum_layers_are_sparse_or_dense_as_mlp_layer_types_lists_them() -> None:
+    """A dense layer: the attention and a GLU MLP of intermediate_size; a sparse one: the attention and the experts
+    (moe_intermediate_size); no list: every layer sparse (MellumConfig's default)."""
+    from marlin_pack.marlin.moe import MOE_ARCHITECTURES
+
+    row = ARCHITECTURES["MellumForCausalLM"]
+    assert _layers("MellumForCausalLM") == [
+        ("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("self_attn.o_proj", "row", ("self_attn.o_proj",))]
+    assert row.mlp_layer_types is not None and [lin.name for lin in row.mlp_layer_types.dense] == ["mlp.gate_up_proj", "mlp.down_proj"]
+    assert MOE_ARCHITECTURES["MellumForCausalLM"].intermediate_key == "moe_intermediate_size"
+    config = _moe_config("MellumForCausalLM")
+    d = model_dims(config)
+    assert [[s.name for s in layer_specs(d, i)] for i in range(2)] == [
+        ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_up_proj",
+         "model.layers.0.mlp.down_proj"],
+        ["model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj"]]
+    assert d.intermediate_size == 1024 and layer_specs(d, 0)[2].parts[0].size_n == 1024
+    assert model_dims({**config, "mlp_layer_types": None}).layer_linears == (row.linears, row.linears)
+    for bad in (["dense"], ["dense", "moe"], "sparse"):
+        with pytest.raises(UnsupportedCheckpointError, match=r"^config\.json mlp_layer_types is .*, expected a list of "
+                           r"\"sparse\" or \"dense\" for each of the 2 decoder layers \(MellumForCausalLM\)"):
+            model_dims({**config, "mlp_layer_types": bad})
 
 
 def test_checkpoint_and_vllm_prefixes() -> None:
@@ -107,6 +150,12 @@ def _config(arch: str) -> dict:
     from arch_checkpoints import BACKEND_CONFIGS
 
     return {**BACKEND_CONFIGS[arch], "architectures": [arch]}
+
+
+def _moe_config(arch: str) -> dict:
+    from moe_checkpoints import MOE_CONFIGS
+
+    return {**MOE_CONFIGS[arch], "architectures": [arch]}
 
 
 def test_gpt_bigcode_dims_under_gpt2_names_and_multi_query() -> None:
@@ -165,7 +214,65 @@ def test_paths_per_release() -> None:
     assert [path(v, "PhiForCausalLM") for v in releases.supported()] == ["transformers"] * 3 + ["native"] * 2
     assert [path(v, "GemmaForCausalLM") for v in releases.supported()] == ["transformers"] + ["native"] * 4
     assert [path(v, "LlamaForCausalLM") for v in releases.supported()] == ["native"] * 5
+    assert [path(v, "HunYuanMoEV1ForCausalLM") for v in releases.supported()] == ["transformers"] * 5
+    assert [path(v, "MellumForCausalLM") for v in releases.supported()] == ["transformers"] * 3 + ["native"] * 2
+    assert [path(v, "Kolibri1ForCausalLM") for v in releases.supported()] == ["transformers"] * 2 + ["unregistered"] * 3
     assert path("0.29.0", "Olmo2ForCausalLM") is None
+
+
+def test_a_release_that_does_not_register_an_architecture_says_so_in_one_line() -> None:
+    """Kolibri 1 (transformers 5.20+): vLLM 0.33.0 and 0.34.0 list it for the backend, 0.30.0-0.32.0 not at all."""
+    paths = ARCHITECTURES["Kolibri1ForCausalLM"].paths
+    assert releases.path_problem("0.32.0", "Kolibri1ForCausalLM", paths) == (
+        "vLLM 0.32.0 does not serve Kolibri1ForCausalLM: its model registry lists no such architecture; "
+        "serve it with vLLM 0.34.0, 0.33.0")
+    assert releases.path_problem("0.33.0", "Kolibri1ForCausalLM", paths) is None
+    # Mellum: 0.30.0 and 0.31.0 build mellum.py
+    assert releases.path_problem("0.31.0", "MellumForCausalLM", ARCHITECTURES["MellumForCausalLM"].paths) == (
+        "vLLM 0.31.0 serves MellumForCausalLM with its own model class, whose layers differ from those of vLLM's "
+        "Transformers backend the bundle holds; serve it with vLLM 0.34.0, 0.33.0, 0.32.0")
+
+
+@pytest.mark.parametrize("arch,words", [
+    ("AriaForConditionalGeneration", ("a multimodal model vLLM serves through its Transformers backend "
+                                     "(TransformersMultiModalMoEForCausalLM)")),
+    ("Emu3ForConditionalGeneration", ("a multimodal model vLLM serves through its Transformers backend "
+                                     "(TransformersMultiModalForCausalLM)")),
+    ("HunYuanVLForConditionalGeneration", "a multimodal model"),
+    ("VibeVoiceAsrForConditionalGeneration", "a multimodal model"),
+    ("NanbeigeForCausalLM", ("vLLM builds it through its Transformers backend from the modeling code each checkpoint "
+                            "ships (config.json auto_map, trust_remote_code); no transformers release has the class")),
+])
+def test_backend_models_marlin_pack_does_not_lay_out_are_refused_in_one_line(arch: str, words: str) -> None:
+    """The multimodal backend models and Nanbeige (remote code): one line naming why, not the list of what is supported,
+    whatever their config holds (Aria's experts included)."""
+    for config in ({"architectures": [arch]}, {"architectures": [arch], "hidden_size": 256, "num_experts": 4,
+                                               "text_config": {"moe_num_experts": 4}}):
+        with pytest.raises(UnsupportedCheckpointError) as e:
+            model_dims(config)
+        message = str(e.value)
+        assert message.startswith(f"architecture is {arch!r}: {words}") and "\n" not in message
+        assert message.endswith("serve it without --load-format marlin_prepacked (vLLM picks its own kernel, if one takes it)")
+        assert "expected one of" not in message
+
+
+def test_convert_refuses_a_multimodal_backend_model_in_one_line(make_checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from marlin_pack import convert
+
+    src = make_checkpoint("gptq", "tiny")
+    model = tmp_path / "m"
+    model.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (model / f.name).symlink_to(f)
+    config = {**json.loads((src / "config.json").read_text()), "architectures": ["Emu3ForConditionalGeneration"],
+              "model_type": "emu3"}
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedCheckpointError, match=r"^architecture is 'Emu3ForConditionalGeneration': a multimodal "
+                       r"model vLLM serves through its Transformers backend \(TransformersMultiModalForCausalLM\); "
+                       r"marlin-pack does not lay out its layers; serve it without --load-format marlin_prepacked"):
+        convert(model)
+    assert not (model / "marlin-pack").exists()
 
 
 def test_a_bundle_manifest_carries_the_record(tmp_path: Path) -> None:

@@ -97,7 +97,14 @@ def test_transformers_backend_bit_exact_tp_1_2(
 
 
 MOE_CASES = [("OlmoeForCausalLM", "awq", torch.float16), ("OlmoeForCausalLM", "gptq4", torch.bfloat16),
-             ("FlexOlmoForCausalLM", "gptq4", torch.float16), ("FlexOlmoForCausalLM", "awq", torch.bfloat16)]
+             ("FlexOlmoForCausalLM", "gptq4", torch.float16), ("FlexOlmoForCausalLM", "awq", torch.bfloat16),
+             # a shared expert beside the experts (HunYuan's mlp.shared_mlp, Kolibri 1's mlp.shared_experts): Marlin
+             # linears; Mellum's first layer dense (mlp_layer_types), its second sparse
+             ("HunYuanMoEV1ForCausalLM", "awq", torch.float16), ("HunYuanMoEV1ForCausalLM", "gptq4", torch.bfloat16),
+             ("Kolibri1ForCausalLM", "gptq4", torch.float16), ("Kolibri1ForCausalLM", "awq", torch.bfloat16),
+             ("MellumForCausalLM", "awq", torch.float16), ("MellumForCausalLM", "gptq4", torch.bfloat16)]
+# The decoder layers with experts in the tiny checkpoints (moe_checkpoints.MOE_CONFIGS)
+SPARSE = {"MellumForCausalLM": (1,)}
 
 
 @pytest.mark.slow
@@ -105,8 +112,9 @@ MOE_CASES = [("OlmoeForCausalLM", "awq", torch.float16), ("OlmoeForCausalLM", "g
 def test_transformers_backend_moe_bit_exact_tp_1_2(
     request: pytest.FixtureRequest, tmp_path: Path, arch: str, fmt: str, dtype: torch.dtype
 ) -> None:
-    """Sparse MoE blocks through the backend (MoEMixin): attention as Marlin linears, the routed experts one FusedMoE
-    (``mlp.experts.routed_experts``) on Marlin MoE, as in vLLM's own MoE classes."""
+    """Sparse MoE blocks through the backend (MoEMixin): attention (and a shared expert, or a dense layer's MLP) as Marlin
+    linears, the routed experts one FusedMoE (``mlp.experts.routed_experts``) on Marlin MoE, as in vLLM's own MoE
+    classes."""
     from moe_checkpoints import write_moe_checkpoint
     from oracles.vllm_moe_reference import assert_moe_bundle_equals_vllm
 
@@ -115,8 +123,10 @@ def test_transformers_backend_moe_bit_exact_tp_1_2(
         return
     model = write_moe_checkpoint(tmp_path / "m", arch, FORMATS[fmt]["fmt"], group_size=32, dtype=dtype)
     manifest = convert(model, tp=(1, 2), dtype=str(dtype).removeprefix("torch.")).manifest
-    assert assert_moe_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), dtype) >= 3 * 2 * (2 + 4)
+    sparse = SPARSE.get(arch, (0, 1))
+    assert assert_moe_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), dtype) >= 3 * (2 * 2 + 4 * len(sparse))
     assert [e.name for e in manifest.tensor_parallel[0].moe_layers] == [
-        f"model.layers.{i}.mlp.experts.routed_experts" for i in (0, 1)]
+        f"model.layers.{i}.mlp.experts.routed_experts" for i in sparse]
     assert manifest.target.transformers == "5.16-5.22"
     assert verify(model / "marlin-pack").ok
+

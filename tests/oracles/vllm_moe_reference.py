@@ -287,7 +287,7 @@ def moe_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def _dense_layers(model: torch.nn.Module, experts: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
     out = {}
-    for name, module in model.named_modules():
+    for name, module in vr.named_modules_as_built(model):
         if name in experts:
             continue
         method = type(getattr(module, "quant_method", None)).__name__

@@ -573,10 +573,27 @@ def _kernel(module: torch.nn.Module) -> Any:
     return getattr(module.quant_method, "kernel", None)
 
 
+def named_modules_as_built(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``model.named_modules()``, each module under the name vLLM built it with (its ``prefix``) where it is reachable
+    under more than one: vLLM's Transformers backend hands an MoE block's shared expert to the experts' MoERunner
+    (``mlp.experts._shared_experts._layer.shared_experts``), which comes before the block's own ``mlp.shared_mlp``
+    in the module tree; the checkpoint, the quant config and ``load_weights`` know it by the latter."""
+    names: dict[int, list[str]] = {}
+    modules: dict[int, torch.nn.Module] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+        modules.setdefault(id(module), module)
+    out = []
+    for key, found in names.items():
+        prefix = getattr(modules[key], "prefix", None)
+        out.append((prefix if prefix in found else found[0], modules[key]))
+    return out
+
+
 def _marlin_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Modules vLLM gave an AWQ/GPTQ/compressed-tensors WNA16 method; refuses where that method is not Marlin."""
     out = {}
-    for name, module in model.named_modules():
+    for name, module in named_modules_as_built(model):
         method = type(getattr(module, "quant_method", None)).__name__
         if method in ("NoneType",) or method.startswith("Unquantized") or "KVCache" in method:
             continue

@@ -32,11 +32,16 @@ CASES = {
     "gptbigcode-awq-tp2-rank1": ("GPTBigCodeForCausalLM", "awq", 2, 1, torch.float16),  # replicated MLP, one KV head
     "gptneox-gptq-tp2-rank0": ("GPTNeoXForCausalLM", "gptq", 2, 0, torch.float16),  # gpt_neox. prefix, embed_out
     "olmoe-awq-tp2-rank1": ("OlmoeForCausalLM", "awq", 2, 1, torch.bfloat16),  # experts on Marlin MoE
+    # a shared expert the 0.34 MoE fuser also hands to the experts' MoERunner (the module tree reaches it twice)
+    "hunyuan-moe-gptq-tp2-rank1": ("HunYuanMoEV1ForCausalLM", "gptq", 2, 1, torch.float16),
+    "mellum-awq-tp1": ("MellumForCausalLM", "awq", 1, 0, torch.bfloat16),  # a dense layer, then a sparse one
 }
 
 
 def _bundle(tmp: Path, arch: str, fmt: str, dtype: torch.dtype) -> Path:
-    if arch == "OlmoeForCausalLM":
+    from marlin_pack.marlin.architectures import ARCHITECTURES
+
+    if ARCHITECTURES[arch].moe:
         from moe_checkpoints import write_moe_checkpoint
 
         model = write_moe_checkpoint(tmp / "m", arch, fmt, group_size=32, dtype=dtype)

@@ -151,7 +151,8 @@ def test_a_transformers_backend_bundle_is_refused_where_a_release_builds_its_own
 
 def test_the_transformers_backend_column_is_what_each_release_registers() -> None:
     """Read from the installed vLLM's registry where it is one of the table's releases: every architecture of marlin-pack's
-    table is served by vLLM's own class unless the entry lists it, and the entry names the transformers installed."""
+    table is served by vLLM's own class unless the entry lists it (through the backend, or not registered at all), and the
+    entry names the transformers installed."""
     import transformers
     from vllm.model_executor.models import registry
 
@@ -165,7 +166,9 @@ def test_the_transformers_backend_column_is_what_each_release_registers() -> Non
     tables = [t for t in tables if isinstance(t, dict)]
     through_backend = {a for a in SUPPORTED_ARCHITECTURES if any(t.get(a, (None,))[0] == "transformers" for t in tables)}
     unregistered = {a for a in SUPPORTED_ARCHITECTURES if not any(a in t for t in tables)}
-    assert not unregistered  # (vLLM would pick the backend for those, if transformers has them)
+    # (vLLM would pick the backend for those, if transformers had them: the release's pin has none of them)
+    assert unregistered == set(entry.unregistered)
+    assert not [a for a in unregistered if hasattr(transformers, a)]
     assert through_backend == set(entry.transformers_backend)
     # the environment's transformers (tools/vllm-env.sh resolves the release's pin) is one the backend rows were checked
     # against; the entry names the one its oracles ran with
