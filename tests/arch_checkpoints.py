@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from marlin_pack.testing.synthetic import quantized_linear_tensors, write_tokenizer
+from marlin_pack.testing.synthetic import compressed_tensors_config, quantized_linear_tensors, write_tokenizer
 
 __all__ = ["ARCH_CONFIGS", "BACKEND_CONFIGS", "write_arch_checkpoint", "quant_config"]
 
@@ -265,8 +265,11 @@ class InternLM2Config(PretrainedConfig):
 
 def write_arch_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bits: int = 4, group_size: int = 128,
                           dtype: torch.dtype = torch.float16, seed: int = 0, tokenizer: bool = False,
-                          names: str | None = None, **config_overrides: Any) -> Path:
+                          names: str | None = None, symmetric: bool = True, **config_overrides: Any) -> Path:
     """Write a tiny quantized checkpoint of ``architecture`` to ``out``.
+
+    ``fmt``: ``awq``, ``gptq`` or ``compressed-tensors`` (llm-compressor's pack-quantized W4A16/W8A16, scales and biases
+    in ``dtype``; ``symmetric`` False: W4A16_ASYM, with zero points).
 
     ``names``, for multimodal models: the tensor names as the installed transformers saves them
     (None; transformers 5 writes the original, pre-4.52 names back), or, whatever it writes, as
@@ -288,7 +291,8 @@ def write_arch_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bi
         (out / "configuration_internlm2.py").write_text(_INTERNLM2_CONFIG_PY)
     else:
         sd, linears = _hf_state_dict(config, dtype, seed)
-    qc = quant_config(fmt, bits, group_size)
+    ct = fmt == "compressed-tensors"
+    qc = compressed_tensors_config(bits, group_size, symmetric) if ct else quant_config(fmt, bits, group_size)
     if fmt == "awq" and architecture in _VISION_MODULES:  # as AutoAWQ writes for multimodal models
         qc["modules_to_not_convert"] = list(_VISION_MODULES[architecture])
     tensors: dict[str, torch.Tensor] = {}
@@ -296,9 +300,10 @@ def write_arch_checkpoint(out: Path, architecture: str, fmt: str = "gptq", *, bi
         module, _, leaf = name.rpartition(".")
         if module in linears and leaf == "weight":
             k, n = linears[module]
-            tensors.update(quantized_linear_tensors(module, k, n, qc, seed))
+            tensors.update(quantized_linear_tensors(module, k, n, qc, seed, *((dtype,) if ct else ())))
         elif module in linears and leaf == "bias":
-            tensors[name] = t.to(torch.float16)  # quantizers keep biases in fp16, like scales
+            # AutoAWQ / GPTQModel keep biases in fp16, like scales; llm-compressor in the model's dtype
+            tensors[name] = t.to(dtype if ct else torch.float16)
         else:
             tensors[name] = t
     if architecture == "Gemma3ForConditionalGeneration":  # as published Gemma 3 checkpoints name SigLIP

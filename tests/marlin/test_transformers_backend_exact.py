@@ -130,3 +130,43 @@ def test_transformers_backend_moe_bit_exact_tp_1_2(
     assert manifest.target.transformers == "5.16-5.22"
     assert verify(model / "marlin-pack").ok
 
+
+# llm-compressor's pack-quantized W4A16 (symmetric) and W4A16_ASYM (zero points): dense rows and sparse MoE blocks
+CT_CASES = [("Olmo2ForCausalLM", True, torch.bfloat16), ("Olmo2ForCausalLM", False, torch.float16),
+            ("OlmoeForCausalLM", True, torch.float16), ("OlmoeForCausalLM", False, torch.bfloat16),
+            ("HunYuanMoEV1ForCausalLM", False, torch.bfloat16), ("MellumForCausalLM", True, torch.float16)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,symmetric,dtype", [
+    pytest.param(*c, id=f"{c[0]}-{'w4a16' if c[1] else 'w4a16_asym'}-{str(c[2])[6:]}") for c in CT_CASES])
+def test_transformers_backend_compressed_tensors_bit_exact_tp_1_2(
+    request: pytest.FixtureRequest, tmp_path: Path, arch: str, symmetric: bool, dtype: torch.dtype
+) -> None:
+    """compressed-tensors checkpoints of backend architectures: the dense layers as CompressedTensorsWNA16 holds them
+    after Marlin's post-processing (``weight_packed``, ``weight_scale``, zero points only when asymmetric, the kept
+    ``weight_shape``), the experts as CompressedTensorsWNA16MoEMethod on Marlin MoE holds them."""
+    from moe_checkpoints import write_moe_checkpoint
+    from oracles.vllm_moe_reference import assert_moe_bundle_equals_vllm
+
+    vllm_class = _skip_where_another_path(arch)
+    if _ran_in_own_process(request):
+        return
+    moe = ARCHITECTURES[arch].moe
+    if moe:
+        model = write_moe_checkpoint(tmp_path / "m", arch, "compressed-tensors", group_size=32, dtype=dtype,
+                                     symmetric=symmetric)
+    else:
+        model = write_arch_checkpoint(tmp_path / "m", arch, "compressed-tensors", group_size=32, dtype=dtype,
+                                      symmetric=symmetric)
+    manifest = convert(model, tp=(1, 2), dtype=str(dtype).removeprefix("torch.")).manifest
+    assert manifest.source.format.value == "compressed-tensors" and manifest.quant.zero_points is not symmetric
+    if moe:
+        assert assert_moe_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), dtype) >= 3 * (2 * 2 + 4)
+        assert manifest.tensor_parallel[0].moe_layers
+    else:
+        seen: list[str] = []
+        assert assert_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), dtype, model_class=seen) >= 4 * 2 * 3 * 3
+        assert set(seen) == {vllm_class}
+    assert manifest.target.transformers == "5.16-5.22"
+    assert verify(model / "marlin-pack").ok
