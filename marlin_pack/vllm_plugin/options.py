@@ -31,8 +31,9 @@ class LoaderOptions(BaseModel):
 
     Attributes:
         bundle: bundle directory; default ``MODEL_DIR/marlin-pack`` (a repo id: its marlin-pack cache entry); or
-            ``s3://bucket/prefix`` or ``gs://bucket/prefix``, a bundle published there (:class:`~marlin_pack.remote.url.ObjectUrl`), each rank
-            streaming its own byte ranges (:mod:`~marlin_pack.vllm_plugin.remote_load`).
+            ``s3://bucket/prefix`` or ``gs://bucket/prefix``, a bundle published there
+            (:class:`~marlin_pack.remote.url.ObjectUrl`), each rank streaming its own byte ranges
+            (:mod:`~marlin_pack.vllm_plugin.remote_load`).
         fallback: load the checkpoint the ordinary way (with a warning) instead of refusing a missing,
             stale or mismatched bundle.
         verify: ``auto`` hashes files whose stamp (identity, size, times) changed since this user last

@@ -57,7 +57,8 @@ def test_every_key_at_once_and_options_are_frozen() -> None:
     [
         ("x", r"^model_loader_extra_config must be a dict for load format marlin_prepacked, got str$"),
         (None, r"must be a dict for load format marlin_prepacked, got NoneType"),
-        ({"bundle": ""}, r"^model_loader_extra_config\['bundle'\] must be a directory path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX, got ''"),
+        ({"bundle": ""}, (r"^model_loader_extra_config\['bundle'\] must be a directory path, s3://BUCKET/PREFIX or "
+                          r"gs://BUCKET/PREFIX, got ''")),
         ({"bundle": 3}, r"\['bundle'\] must be a directory path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX, got 3"),
         ({"bundle": ["/b"]}, r"\['bundle'\] must be a directory path"),
         ({"bundle": "~nosuchuser-marlin-pack/b"}, (r"\['bundle'\] must be a directory path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX, "
