@@ -148,8 +148,8 @@ def test_loader_option_takes_an_s3_or_gs_url_and_refuses_other_schemes() -> None
     assert parse_extra_config({"bundle": "/models/b"}).bundle == Path("/models/b")
     assert parse_extra_config({"bundle": "/models/b"}).remote is None
     for bad, why in [("az://bucket-1/x", "not az://"), ("s3://B/x", "bucket 'B' is not a bucket name")]:
-        with pytest.raises(ValueError, match=rf"model_loader_extra_config\['bundle'\] must be a directory path or "
-                           rf"s3://BUCKET/PREFIX, got '{bad}' \(.*{why}"):
+        with pytest.raises(ValueError, match=rf"model_loader_extra_config\['bundle'\] must be a directory path, "
+                           rf"s3://BUCKET/PREFIX or gs://BUCKET/PREFIX, got '{bad}' \(.*{why}"):
             parse_extra_config({"bundle": bad})
 
 
