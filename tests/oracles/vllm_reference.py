@@ -574,20 +574,12 @@ def _kernel(module: torch.nn.Module) -> Any:
 
 
 def named_modules_as_built(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``model.named_modules()``, each module under the name vLLM built it with (its ``prefix``) where it is reachable
-    under more than one: vLLM's Transformers backend hands an MoE block's shared expert to the experts' MoERunner
-    (``mlp.experts._shared_experts._layer.shared_experts``), which comes before the block's own ``mlp.shared_mlp``
-    in the module tree; the checkpoint, the quant config and ``load_weights`` know it by the latter."""
-    names: dict[int, list[str]] = {}
-    modules: dict[int, torch.nn.Module] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(module), []).append(name)
-        modules.setdefault(id(module), module)
-    out = []
-    for key, found in names.items():
-        prefix = getattr(modules[key], "prefix", None)
-        out.append((prefix if prefix in found else found[0], modules[key]))
-    return out
+    """The model's modules under the names vLLM built them with: the plugin's own rule
+    (:func:`marlin_pack.vllm_plugin.engine.named_modules_as_built`). Only names come from it; every tensor compared
+    is still vLLM's own post-processing."""
+    from marlin_pack.vllm_plugin.engine import named_modules_as_built as as_built
+
+    return as_built(model)
 
 
 def _marlin_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
