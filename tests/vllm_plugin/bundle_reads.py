@@ -123,3 +123,22 @@ class BundleBytes:
         """Every byte after the ``first`` bytes read exactly once, those at most ``most`` times (the O_DIRECT probe, the
         header check, the copy)."""
         return self.times_read(path, size, first) == {1} and self.times_read(path, first) <= set(range(1, most + 1))
+
+
+def truncate_mid_copy(monkeypatch: pytest.MonkeyPatch, path: Path) -> threading.Event:
+    """Cut ``path`` to half its size once the direct copy has read three 64 KiB windows of it (the copy under way);
+    the returned event is set when that happened. Sets a direct I/O plan of 64 KiB windows, two threads."""
+    import json
+
+    size = path.stat().st_size
+    monkeypatch.setenv("MARLIN_PACK_IO", json.dumps({"mode": "direct", "threads": 2, "window": 1 << 16}))
+    preadv, cut = os.preadv, threading.Event()
+
+    def truncating(fd: int, bufs: list, offset: int) -> int:
+        if not cut.is_set() and os.readlink(f"/proc/self/fd/{fd}") == str(path.resolve()) and offset >= 3 << 16:
+            cut.set()
+            os.truncate(path, size // 2)
+        return preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", truncating)
+    return cut

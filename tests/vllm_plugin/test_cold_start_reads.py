@@ -9,14 +9,13 @@ bundles, pipeline stages and expert shares: ``test_cold_start_shares``."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from bundle_reads import FIRST_BLOCK, BundleBytes
+from bundle_reads import FIRST_BLOCK, BundleBytes, truncate_mid_copy
 from safetensors.torch import load_file
 
 from marlin_pack.errors import LoadRefusedError
@@ -116,17 +115,7 @@ def test_a_file_cut_short_mid_copy_is_refused_cleanly(
     """The rank file truncated while the copy reads it: one line naming it, nothing served, nothing stamped."""
     model_dir = damaged_copy(awq_bundle)
     rank = _files(model_dir)["rank-0.safetensors"]
-    size = rank.stat().st_size
-    monkeypatch.setenv("MARLIN_PACK_IO", json.dumps({"mode": "direct", "threads": 2, "window": 1 << 16}))
-    preadv, cut = os.preadv, threading.Event()
-
-    def truncating(fd: int, bufs: list, offset: int) -> int:
-        if not cut.is_set() and os.readlink(f"/proc/self/fd/{fd}") == str(rank.resolve()) and offset >= 3 << 16:
-            cut.set()  # three windows in: the copy is under way
-            os.truncate(rank, size // 2)
-        return preadv(fd, bufs, offset)
-
-    monkeypatch.setattr(os, "preadv", truncating)
+    cut = truncate_mid_copy(monkeypatch, rank)
     with pytest.raises(LoadRefusedError) as e:
         _start(model_dir, monkeypatch)
     text = str(e.value)

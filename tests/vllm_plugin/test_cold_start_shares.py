@@ -12,7 +12,6 @@ once too. Dense bundles: ``test_cold_start_reads``.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import threading
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from bundle_reads import BundleBytes
+from bundle_reads import BundleBytes, truncate_mid_copy
 
 from marlin_pack.errors import LoadRefusedError
 from marlin_pack.io import hashing
@@ -208,17 +207,7 @@ def test_an_experts_file_cut_short_mid_copy_is_refused_cleanly(
     tp, rank, dp, dp_rank, parallel, pp, names = MOE_CASES[case]
     model_dir = damaged_copy(moe_model)
     path = model_dir / f"marlin-pack/{names[-1]}.safetensors"
-    size = path.stat().st_size
-    monkeypatch.setenv("MARLIN_PACK_IO", json.dumps({"mode": "direct", "threads": 2, "window": 1 << 16}))
-    preadv, cut = os.preadv, threading.Event()
-
-    def truncating(fd: int, bufs: list, offset: int) -> int:
-        if not cut.is_set() and os.readlink(f"/proc/self/fd/{fd}") == str(path.resolve()) and offset >= 3 << 16:
-            cut.set()  # three windows in: the copy is under way
-            os.truncate(path, size // 2)
-        return preadv(fd, bufs, offset)
-
-    monkeypatch.setattr(os, "preadv", truncating)
+    cut = truncate_mid_copy(monkeypatch, path)
     with pytest.raises(LoadRefusedError) as e:
         _load(model_dir, "auto_gptq", DTYPE, monkeypatch, tp, rank, dp, dp_rank, parallel, pp=pp, io_plan=None)
     text = str(e.value)
