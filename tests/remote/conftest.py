@@ -125,3 +125,20 @@ def gcs(s3: S3, monkeypatch: pytest.MonkeyPatch) -> S3:
 def bucket(request: pytest.FixtureRequest) -> S3:
     """This test's bucket as ``s3://`` and, in a second run, as ``gs://`` (:func:`gcs`)."""
     return request.getfixturevalue("gcs" if request.param == "gs" else "s3")
+
+
+@pytest.fixture
+def streamed(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every streamed read of the test: (the rank's plan, what it read)."""
+    from marlin_pack.remote import stream
+
+    reads: list = []
+    read_rank = stream.read_rank
+
+    def counted(plan, sink, **kw):  # type: ignore[no-untyped-def]
+        done = read_rank(plan, sink, **kw)
+        reads.append((plan, done))
+        return done
+
+    monkeypatch.setattr(stream, "read_rank", counted)
+    return reads

@@ -18,7 +18,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_plugin"))  # the loader tests' helpers
 
-from marlin_pack.remote import stream  # noqa: E402
 from marlin_pack.remote.push import push  # noqa: E402
 
 vmr = pytest.importorskip("oracles.vllm_moe_reference")
@@ -58,19 +57,6 @@ def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     return make
 
-
-@pytest.fixture
-def streamed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    reads: list[Any] = []
-    read_rank = stream.read_rank
-
-    def counted(plan: Any, sink: Any, **kw: Any) -> Any:
-        done = read_rank(plan, sink, **kw)
-        reads.append((plan, done))
-        return done
-
-    monkeypatch.setattr(stream, "read_rank", counted)
-    return reads
 
 
 CASES = {

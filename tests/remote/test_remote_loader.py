@@ -18,7 +18,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_plugin"))  # the loader tests' fakes
 
 from marlin_pack.errors import BundleMismatchError, LoadRefusedError  # noqa: E402
-from marlin_pack.remote import stream  # noqa: E402
 from marlin_pack.remote.push import push  # noqa: E402
 from marlin_pack.remote.record import RECORD_NAME  # noqa: E402
 from marlin_pack.vllm_plugin.patches.post_processing import is_prepacked  # noqa: E402
@@ -45,20 +44,6 @@ def _stock_vllm_no_preload(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     patches.uninstall_all()
 
-
-@pytest.fixture
-def streamed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every streamed read of the test: (the rank's plan, what it read)."""
-    reads: list[Any] = []
-    read_rank = stream.read_rank
-
-    def counted(plan: Any, sink: Any, **kw: Any) -> Any:
-        done = read_rank(plan, sink, **kw)
-        reads.append((plan, done))
-        return done
-
-    monkeypatch.setattr(stream, "read_rank", counted)
-    return reads
 
 
 def _placed(model_dir: Path, monkeypatch: pytest.MonkeyPatch, tp: int, rank: int, before_post: Any = None,
