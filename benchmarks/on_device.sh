@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A benchmark on the device machine, after the carry's stage b unpacked vLLM into /tmp/site (docs/development.md), in
+# A benchmark on the device machine, after tests/on_gpu/use_release.sh stage/switch unpacked vLLM into /tmp/site, in
 # the environment tests/on_gpu/device.sh gives the GPU tests; its output on stdout and in $OUT/NAME.log:
 #   bash benchmarks/on_device.sh [--wheels DIR]... SCRIPT [ARGS...]
 #   --wheels DIR: the wheels carried in DIR installed into /tmp/site first, all folders in one pip call (the s3 package
@@ -13,17 +13,19 @@ while [ "${1:-}" = --wheels ]; do
   shift 2
 done
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/on_device.sh [--wheels DIR]... SCRIPT [ARGS...]" >&2; exit 2; }
-[ -f /tmp/site/vllm/__init__.py ] || { echo "on_device.sh: vLLM is not unpacked in /tmp/site: run the carry's stages a and b first (docs/development.md)" >&2; exit 3; }
-export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# the vLLM in /tmp/site (MARLIN_PACK_DEVICE_SITE) one release, whole, or nothing runs (tests/on_gpu/site_check.py)
+site=${MARLIN_PACK_DEVICE_SITE:-/tmp/site}
+python3 "$(dirname "${BASH_SOURCE[0]}")/../tests/on_gpu/site_check.py" "$site" || exit 3
+export PYTHONPATH=$site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export MARLIN_PACK_TEST_ATTN=${MARLIN_PACK_TEST_ATTN:-TRITON_ATTN}
 if [ ${#wheels[@]} -gt 0 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" || exit 3
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}" || exit 3
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null 2>&1 \
   || python3 -m pip install --no-deps --no-build-isolation --no-index . || exit 3
 # As tests/on_gpu/device.sh: vLLM 0.34's MiniMax-M3 warm-up imports CuTe DSL (`cutlass`, not carried) in every CUDA
 # engine; where it is missing, the carried copy gets a no-op module (it returns at once for other models anyway).
-warmup=/tmp/site/vllm/model_executor/warmup/minimax_m3_msa_warmup.py
+warmup=$site/vllm/model_executor/warmup/minimax_m3_msa_warmup.py
 if [ -f "$warmup" ] && ! python3 -c "import cutlass" 2>/dev/null; then
   printf 'def minimax_m3_msa_warmup(worker):\n    return None  # placeholder: CuTe DSL not carried (benchmarks/on_device.sh)\n' >"$warmup"
 fi

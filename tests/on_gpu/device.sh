@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the device machine, after stage b of ../shared/device/README.md has unpacked vLLM into /tmp/site:
+# On the device machine, after tests/on_gpu/use_release.sh stage/switch unpacked a vLLM release into /tmp/site:
 #   bash tests/on_gpu/device.sh PYTEST_ARGS...                      one pytest run (logs and results go to $OUT)
 #   bash tests/on_gpu/device.sh --parallel 'NAME:PYTEST ARGS' ...    several pytest runs side by side, one log each
 #        ($OUT/NAME.log): the engines of the GPU tests start side by side on one GPU (explicit KV cache sizes)
@@ -15,8 +15,15 @@
 #        selection starts four engines and daemons at once, and six such selections took a machine down (2026-12-06).
 #        The lowest MemAvailable seen is printed; $OUT/memory.log has the timeline (MARLIN_PACK_MEMINFO: another file).
 #   MARLIN_PACK_DEVICE_NO_INSTALL=1: use the project as installed (the script's own tests on the CPU)
+# First, unless MARLIN_PACK_DEVICE_NO_INSTALL=1: the vLLM in /tmp/site (MARLIN_PACK_DEVICE_SITE) must be one release,
+# whole (tests/on_gpu/site_check.py: its extensions match its RECORD), else nothing runs (exit 3): 0.31.0's extension
+# under 0.34.0's Python once ran a whole sitting of tests, one failing and the others passing on that mix.
 set -o pipefail
-export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+site=${MARLIN_PACK_DEVICE_SITE:-/tmp/site}
+if [ "${MARLIN_PACK_DEVICE_NO_INSTALL:-}" != 1 ]; then
+  python3 "$(dirname "${BASH_SOURCE[0]}")/site_check.py" "$site" || exit 3
+fi
+export PYTHONPATH=$site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export MARLIN_PACK_TEST_ATTN=${MARLIN_PACK_TEST_ATTN:-TRITON_ATTN}
 # MLA models (DeepSeek): no flash-attn binaries there, so no FLASH_ATTN MLA prefill (see tests/on_gpu/_harness.py)
 export MARLIN_PACK_TEST_MLA_ATTN=${MARLIN_PACK_TEST_MLA_ATTN:-TRITON_MLA} MARLIN_PACK_TEST_MLA_PREFILL=${MARLIN_PACK_TEST_MLA_PREFILL:-CPU}
@@ -25,7 +32,7 @@ export MARLIN_PACK_TEST_MLA_ATTN=${MARLIN_PACK_TEST_MLA_ATTN:-TRITON_MLA} MARLIN
 # vLLM 0.34's kernel warm-up imports MiniMax-M3's CuTe DSL kernels (the `cutlass` package, not carried) on every
 # CUDA engine; that warm-up returns at once for models without MiniMax-M3 sparse attention and below SM100. Where
 # `cutlass` is missing, the carried copy gets a no-op module of the same name (the GPU machine's copy only).
-warmup=/tmp/site/vllm/model_executor/warmup/minimax_m3_msa_warmup.py
+warmup=$site/vllm/model_executor/warmup/minimax_m3_msa_warmup.py
 if [ -f "$warmup" ] && ! python3 -c "import cutlass" 2>/dev/null; then
   printf 'def minimax_m3_msa_warmup(worker):\n    return None  # placeholder: CuTe DSL not carried (tests/on_gpu/device.sh)\n' >"$warmup"
 fi
