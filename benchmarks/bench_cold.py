@@ -5,7 +5,9 @@ Runs on a GPU machine with vLLM 0.33.0 and marlin-pack installed, as root (to dr
     python benchmarks/bench_cold.py --preset llama-70b --layers 40 --format awq --kernel machete --workdir /tmp/cold
 
 The checkpoint and its bundle (at its default place, ``MODEL/marlin-pack``) both live under ``--workdir`` (one
-disk: ``--layers`` keeps both on a 64 GiB disk). In order, it prints:
+disk: ``--layers`` keeps both on a 64 GiB disk; the convert rows' second conversion builds its bundle beside the first,
+~79 GB at 40 layers: there, ``--skip convert-rows``). Where the disk lacks the room, the sitting says so in one line
+before drawing anything; stopped (SIGTERM, SIGINT), it removes ``--workdir`` (``sitting_guard.py``). In order, it prints:
 
 * ``disk``: plain ``O_DIRECT`` sequential reads of the checkpoint's files, cold (``--disk-reads``: readers x
   block sizes): the best is the disk's rate, the bound of every cold row;
@@ -47,15 +49,16 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import sitting_guard
 from bench_h2d import direct_read_gbps  # this folder is on sys.path when run as a script
 from bench_load import _daemon_rows, _engine
+from sitting_guard import BUNDLE_RATIO, check_room, checkpoint_bytes
 
 
 def drop_page_cache(paths: list[Path]) -> str:
@@ -216,8 +219,7 @@ def _row(rows: dict[str, float | None], errors: dict[str, str], key: str, measur
         print(f"  {key}: failed: {errors[key]}", flush=True)
 
 
-def main() -> None:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` around it: the finally blocks end the engines
+def main() -> None:  # run by sitting_guard.run: SIGTERM (a `timeout`) and SIGINT go through the finally blocks
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-70b")
     ap.add_argument("--layers", type=int, default=40, help="layers of the preset (40: ~24 GB each, both on a 64 GiB disk)")
@@ -238,6 +240,9 @@ def main() -> None:
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     if args.reader_gb:
+        if not (args.workdir / "rank-0.safetensors").is_file():
+            check_room("bench_cold", [(args.workdir, args.reader_gb * 1e9, "the file read")], "a smaller --reader-gb or "
+                       "another --workdir")
         reader_rows(args.workdir, args.reader_gb)
         return
 
@@ -255,6 +260,11 @@ def main() -> None:
     reuse = args.reuse and (bundle / "manifest.json").is_file()
     if not reuse:
         shutil.rmtree(args.workdir, ignore_errors=True)
+        # Both on one disk; the convert rows convert twice, the second (--force) beside the first bundle, then swapped in
+        ckpt = checkpoint_bytes(shape)
+        bundles = 1 if "convert-rows" in skip else 2
+        check_room("bench_cold", [(args.workdir, ckpt, "checkpoint"), (args.workdir, bundles * BUNDLE_RATIO * ckpt,
+                   f"{bundles} bundle(s)")], "fewer --layers, --skip convert-rows (one conversion) or another --workdir")
         args.workdir.mkdir(parents=True)
     rows: dict[str, float | None] = {}
     errors: dict[str, str] = {}
@@ -354,4 +364,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sitting_guard.run(main, "bench_cold")

@@ -74,6 +74,9 @@ import sys
 import time
 from pathlib import Path
 
+import sitting_guard
+from sitting_guard import BUNDLE_RATIO, check_room, checkpoint_bytes
+
 # The engine harness of the GPU tests: processes in their own sessions, rendezvous ports, daemon flags, readiness.
 from marlin_pack.testing.engine_harness import Cluster, Proc, attach_config, wait_socket
 
@@ -193,6 +196,7 @@ def _marlin_lines(log: str) -> list[str]:
 
 
 SPY_DIR: list[Path] = []  # --py-spy DIR
+MADE: list[Path] = []  # the checkpoints and bundles this run draws: removed when it ends or is stopped, unless --keep
 
 
 class _Spy:
@@ -398,9 +402,9 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def main() -> None:
-    # A `timeout` around the bench sends SIGTERM: exit through the finally blocks, which end the engines and
-    # daemons (a daemon left behind holds its ~40 GB and starves every later engine on that GPU).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # Run by sitting_guard.run: a `timeout`'s SIGTERM (or ^C) exits through the finally blocks, which end the engines and
+    # daemons (a daemon left behind holds its ~40 GB and starves every later engine on that GPU) and remove what this
+    # run drew (a checkpoint and bundles left behind fill the disk for the next call).
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-70b", help="a marlin_pack.testing.synthetic preset, or qwen3-30b-a3b (MoE)")
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
@@ -431,7 +435,13 @@ def main() -> None:
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="sample every engine and daemon with py-spy (PY_SPY or PATH) into DIR/*.raw and print where the "
                          "loader's time went")
-    _sitting(ap.parse_args())
+    args = ap.parse_args()
+    try:
+        _sitting(args)
+    finally:
+        if not args.keep:
+            for path in MADE:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _sitting(args: argparse.Namespace) -> None:
@@ -451,6 +461,12 @@ def _sitting(args: argparse.Namespace) -> None:
     shape = MOE_PRESETS[args.preset] if moe else PRESETS[args.preset]
     if args.layers:
         shape = dataclasses.replace(shape, num_hidden_layers=args.layers)
+    if not args.reuse:  # one format's checkpoint and bundles at a time (--keep: all of them), and the disk-write probe
+        ckpt, formats, n = checkpoint_bytes(shape), len(args.formats.split(",")) if args.keep else 1, len(args.kernel.split(","))
+        check_room("bench_load", [(args.workdir, formats * ckpt, f"{formats} checkpoint(s)"),
+                                  (args.bundle_root or args.workdir, formats * n * BUNDLE_RATIO * ckpt, f"{formats * n} bundle(s)"),
+                                  (args.bundle_root or args.workdir, 8 << 30, "the disk-write probe")],
+                   "fewer --layers or --formats, another --workdir or --bundle-root")
     from bench_h2d import h2d_gbps  # this folder is on sys.path when run as a script
 
     pinned = h2d_gbps(pinned=True)
@@ -478,6 +494,7 @@ def _sitting(args: argparse.Namespace) -> None:
             manifest = read_manifest(bundles[kernels[-1]])
             gen_s = None
         else:
+            MADE.extend([model, *bundles.values()])
             t = time.perf_counter()
             if moe:  # random words drawn on the GPU, streamed shard by shard (seconds for 17 GB)
                 # ct / ct-asym: llm-compressor's W4A16 / W4A16_ASYM (compressed-tensors pack-quantized)
@@ -589,4 +606,4 @@ def _sitting(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sitting_guard.run(main, "bench_load")

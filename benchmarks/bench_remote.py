@@ -59,7 +59,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -69,7 +68,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import sitting_guard
 from bench_load import LOAD_RE  # this folder is on sys.path when run as a script
+from sitting_guard import BUNDLE_RATIO, check_room, checkpoint_bytes, same_file_system
 
 from marlin_pack.testing.engine_harness import START_TIMEOUT_S, Cluster, Proc
 from marlin_pack.testing.s3_file_server import STATS_PATH, client_env, place, place_tree
@@ -329,8 +330,8 @@ def _summary(args: argparse.Namespace, rows: list[Row], facts: dict[str, Any], n
 
 
 def main() -> None:
-    # A `timeout` around the bench sends SIGTERM: exit through the finally blocks (engines, the server, tmpfs emptied).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # Run by sitting_guard.run: a `timeout`'s SIGTERM (or ^C) exits through the finally blocks (engines, the server,
+    # the workdir and the tmpfs bucket emptied).
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-70b", help="a marlin_pack.testing.synthetic preset (tiny for --dry-run)")
     ap.add_argument("--layers", type=int, default=None, help="layers of the preset (llama-70b: 40 keeps the checkpoint and "
@@ -362,22 +363,23 @@ def main() -> None:
     rows: list[Row] = []
     notes: list[str] = []
     facts: dict[str, Any] = {}
+    import dataclasses
+
+    from marlin_pack.sources.hub import BUNDLE_DIRNAME
+    from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
+
+    shape = PRESETS[args.preset]
+    if args.layers:
+        shape = dataclasses.replace(shape, num_hidden_layers=args.layers)
     shutil.rmtree(args.workdir, ignore_errors=True)
     shutil.rmtree(args.bucket_root, ignore_errors=True)
+    _check_room(args, checkpoint_bytes(shape))
     args.workdir.mkdir(parents=True)
     logs = args.workdir / "logs"
     logs.mkdir()
     server_procs = Cluster(logs, logs=None, cwd=Path.cwd(), stop_timeout_s=30)
     failed: Exception | None = None
     try:
-        import dataclasses
-
-        from marlin_pack.sources.hub import BUNDLE_DIRNAME
-        from marlin_pack.testing.synthetic import PRESETS, write_awq_checkpoint, write_gptq_checkpoint
-
-        shape = PRESETS[args.preset]
-        if args.layers:
-            shape = dataclasses.replace(shape, num_hidden_layers=args.layers)
         device = "cpu" if args.dry_run else "cuda"
         model = args.workdir / f"{args.preset}-{shape.num_hidden_layers}-{args.format}"
         bundle = model / BUNDLE_DIRNAME
@@ -483,6 +485,18 @@ def main() -> None:
         raise SystemExit(f"bench_remote: rows failed: {', '.join(bad)}")
 
 
+def _check_room(args: argparse.Namespace, ckpt: int) -> None:
+    """Refused in one line, before anything is drawn, where the workdir's or the bucket's file system lacks the room:
+    the checkpoint and its bundle in the workdir; in the bucket the raw checkpoint (hard links on the workdir's file
+    system, else a copy) and the pushed bundle (``--push place``: hard links there too)."""
+    bundle = BUNDLE_RATIO * ckpt
+    apart = not same_file_system(args.workdir, args.bucket_root)
+    check_room("bench_remote", [
+        (args.workdir, ckpt + bundle, "checkpoint and bundle"),
+        (args.bucket_root, (ckpt if apart else 0) + (bundle if apart or args.push == "upload" else 0), "the bucket's copies"),
+    ], "fewer --layers, another --workdir or --bucket-root, or --push place")
+
+
 def _fs_type(path: Path) -> str:
     """The file system type of ``path`` (from /proc/mounts: the longest mount point above it)."""
     best, kind = "", "?"
@@ -509,4 +523,4 @@ def _pack_logs(logs: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sitting_guard.run(main, "bench_remote")

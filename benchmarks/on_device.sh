@@ -36,4 +36,13 @@ if [ -d .device-carry/mi/modelinfos ]; then
 fi
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
-python3 "$@" 2>&1 | tee "$out/$(basename "$1" .py).log"
+# The benchmark in the background, this script waiting: a SIGTERM or SIGINT that reaches this script alone (a call's
+# timeout) is passed on, so the benchmark's clean-up runs (engines ended, its workdir removed: the next call's disk)
+python3 "$@" > >(tee "$out/$(basename "$1" .py).log") 2>&1 &
+pid=$!
+trap 'kill -TERM "$pid" 2>/dev/null' TERM INT
+wait "$pid"
+rc=$?
+while kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done  # interrupted by the trap: its own exit status
+wait  # tee's last lines
+exit "$rc"
