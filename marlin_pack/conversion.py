@@ -26,9 +26,10 @@ from marlin_pack.bundle.integrity import HashReport, source_digest
 from marlin_pack.bundle.writer import BundleWriter, check_output, follow_output, output_lock
 from marlin_pack.dtypes import serving_dtype_for
 from marlin_pack.errors import CheckpointError, MarlinPackError, OutputExistsError
-from marlin_pack.io.hashing import FileChangedError, HashedFile, hash_file, hash_workers, sha256_bytes
+from marlin_pack.io.hashing import FileChangedError, HashedFile, hash_file, hash_workers
 from marlin_pack.io.residency import WRITE_ENV, available_memory, write_through_cache
-from marlin_pack.io.safetensors_io import StreamWriter, read_header_bytes
+from marlin_pack.io.safetensors_io import StreamWriter
+from marlin_pack.io.sampling import sample_digest
 from marlin_pack.kernel_choice import parse_kernel
 from marlin_pack.marlin.moe import ExpertTensors
 from marlin_pack.marlin.rank_tensors import build_rank_tensors, tensor_specs
@@ -110,6 +111,16 @@ def _source_hash(name: str, fut: Future[HashedFile]) -> HashedFile:
         ) from e
 
 
+def _source_sample(path: Path) -> tuple[str, str]:
+    """A source file's header digest and samples (marlin_pack.io.sampling: what a start compares instead of its BLAKE3)."""
+    try:
+        return sample_digest(path)
+    except FileChangedError as e:
+        raise CheckpointError(
+            f"{path.name} {e.strerror}; nothing was written, re-run when the checkpoint is no longer being written"
+        ) from e
+
+
 def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str, Future[HashedFile]]]) -> Source:
     found = ckpt.quant_settings()
     if found is None:  # plan.source was read from these settings: unreachable unless the config changed meanwhile
@@ -119,9 +130,11 @@ def _source_entry(ckpt: Checkpoint, plan: ConversionPlan, hashes: list[tuple[str
             name=name,
             size=(ckpt.dir / name).stat().st_size,
             blake3=_source_hash(name, fut).digest,
-            header_sha256=sha256_bytes(read_header_bytes(ckpt.dir / name)),
+            header_sha256=header,
+            sample_sha256=sample,
         )
         for name, fut in hashes
+        for header, sample in [_source_sample(ckpt.dir / name)]
     ]
     # Only the settings that decide the bundle: the rest of quantization_config (calibration
     # data, paths, dates) neither goes into the manifest nor makes the bundle stale.

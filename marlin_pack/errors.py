@@ -63,6 +63,7 @@ class MismatchField(str, Enum):
     source_size = "source.size"
     source_header = "source.header"
     source_blake3 = "source.blake3"
+    source_sample = "source.sample"  # samples of every tensor's bytes (marlin_pack.io.sampling)
     format_version = "format_version"
     vllm_version = "vllm_version"
     kernel = "kernel"

@@ -201,6 +201,11 @@ class SourceFile(_Strict):
     size: int = Field(ge=0, le=_MAX_BYTES)
     blake3: str = Field(description="BLAKE3 of the whole file, hex")
     header_sha256: str
+    sample_sha256: str | None = Field(
+        default=None,
+        description="SHA-256 of samples of every tensor's bytes (marlin_pack.io.sampling), hex; what a start compares "
+        "instead of the whole file's BLAKE3. None: a bundle made before samples were recorded (the file is hashed whole)",
+    )
 
     @field_validator("name")
     @classmethod
@@ -212,6 +217,7 @@ class SourceFile(_Strict):
         return v
 
     _h = field_validator("blake3", "header_sha256")(classmethod(lambda cls, v: _check_hex(v)))
+    _s = field_validator("sample_sha256")(classmethod(lambda cls, v: v if v is None else _check_hex(v)))
 
 
 class AwqSettings(_Strict):

@@ -25,6 +25,7 @@ from marlin_pack.errors import BundleError, BundleMismatchError, CheckpointError
 from marlin_pack.io.checkpoint_files import QUANTIZE_CONFIG_NAME, quant_settings, read_json, weight_files
 from marlin_pack.io.hashing import FileChangedError, HashedFile, file_digests, sha256_bytes
 from marlin_pack.io.safetensors_io import read_header_bytes
+from marlin_pack.io.sampling import sample_digest
 from marlin_pack.io.stamps import NotStamped, StampStore
 from marlin_pack.remedies import convert_command
 from marlin_pack.schemas import FileEntry, Manifest, QuantSettings, SourceFile
@@ -330,12 +331,19 @@ def _bundle_file_failed(name: str, why: OSError | str, expected: str, redo: str)
     return BundleError(f"bundle file {name} has blake3 {why[:16]}…, manifest says {expected[:16]}…: the file was modified; {redo}")
 
 
-def check_source(manifest: Manifest, model_dir: str | Path, *, full_hash: bool | None = None) -> HashReport:
+def check_source(
+    manifest: Manifest, model_dir: str | Path, *, full_hash: bool | None = None, sampled: bool = False
+) -> HashReport:
     """Check that ``model_dir`` holds the checkpoint the bundle was made from.
 
     Compares the quantization settings that decide the bundle (and the manifest's digest), the set of
     ``*.safetensors`` files, their sizes and header digests, and (per ``full_hash``, as in
     :func:`check_files`) their full BLAKE3 digests, stamped in this user's stamp store; what was hashed.
+
+    ``sampled`` (a start: the loader, ``check``): where the manifest records samples of every source file
+    (:mod:`marlin_pack.io.sampling`), those are compared instead of the full digests, whatever the stamps (unless
+    ``full_hash`` is False: sizes and headers only). A start then reads kilobytes of the checkpoint, not the whole
+    of it: vLLM never reads it when it serves the bundle, and on a fresh node that read doubled the start's disk reads.
 
     Raises:
         BundleMismatchError: with ``field`` ``source.quant_settings`` / ``source.files`` /
@@ -353,6 +361,11 @@ def check_source(manifest: Manifest, model_dir: str | Path, *, full_hash: bool |
             MismatchField.source_files,
             f"{model_dir} holds safetensors files {found}, the bundle was made from {expected}; {_redo(model_dir, manifest)}",
         )
+    if sampled and full_hash is not False and all(f.sample_sha256 for f in manifest.source.files):
+        redo = _redo(model_dir, manifest)
+        for f in manifest.source.files:
+            _checked_source_sample(model_dir, f, redo)
+        return HashReport()
     digests = {f.name: f.blake3 for f in manifest.source.files}
     with StampStore.open() as stamps:
         redo = _redo(model_dir, manifest)
@@ -390,6 +403,35 @@ def _checked_source_file(
             f"source file {f.name} has other tensors than when the bundle was made; {redo}",
         )
     return (f.name, path, f.blake3) if _needs_hash(stamps, path, f.blake3, full_hash) else None
+
+
+def _checked_source_sample(model_dir: Path, f: SourceFile, redo: str) -> None:
+    """One source file's size, header and samples (:func:`~marlin_pack.io.sampling.sample_digest`) as recorded."""
+    path = model_dir / f.name
+    try:
+        size = path.stat().st_size
+        if size == f.size:
+            header, sample = sample_digest(path, f.header_sha256)
+    except FileChangedError as e:
+        raise BundleMismatchError(MismatchField.source_sample, f"source file {f.name} {_unreadable(e)}") from e
+    except (OSError, ValueError) as e:  # a dangling symlink (a pruned Hugging Face cache blob), unreadable, not safetensors
+        raise BundleMismatchError(
+            MismatchField.source_files,
+            f"source file {f.name} cannot be read ({getattr(e, 'strerror', None) or e}); restore the checkpoint (download it again)",
+        ) from e
+    if size != f.size:
+        raise BundleMismatchError(
+            MismatchField.source_size, f"source file {f.name} is {size} bytes, the bundle was made from {f.size}; {redo}"
+        )
+    if header != f.header_sha256:
+        raise BundleMismatchError(
+            MismatchField.source_header, f"source file {f.name} has other tensors than when the bundle was made; {redo}"
+        )
+    if sample != f.sample_sha256:
+        raise BundleMismatchError(
+            MismatchField.source_sample,
+            f"source file {f.name} holds other tensor bytes than when the bundle was made (sampled); {redo}",
+        )
 
 
 def _source_file_failed(name: str, why: OSError | str, expected: str, redo: str) -> BundleMismatchError:

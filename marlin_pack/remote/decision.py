@@ -52,7 +52,7 @@ def select_remote(url: str | ObjectUrl, facts: EngineFacts, *, full_hash: bool |
         model_dir = Path(resolve_model(facts.model, facts.revision, download=False).dir)
     except CheckpointError as e:
         raise BundleMismatchError(MismatchField.source, str(e)) from e
-    hashed = check_source(bundle.manifest, model_dir, full_hash=full_hash)
+    hashed = check_source(bundle.manifest, model_dir, full_hash=full_hash, sampled=True)
     plan = plan_rank(bundle, facts.tp_size, facts.tp_rank, pp_size=facts.pp_size, pp_rank=facts.pp_rank, model_dir=model_dir)
     if needs_share(tp_set, facts.tp_size, facts.tp_rank, facts.dp_size, facts.expert_parallel, facts.pcp_size):
         plan = _with_experts(bundle, plan, facts, model_dir)

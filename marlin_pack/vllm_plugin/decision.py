@@ -425,10 +425,10 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts, *, copy_hashes: bo
     """Find and check the bundle for this engine and rank, before anything touches the GPU.
 
     Order: the running vLLM release (one marlin-pack supports), manifest (format version), engine fit (layouts the
-    release serves, dtype, TP, kernel
-    settings), the source checkpoint (quantization config, files, sizes, headers, hashes
-    unless this user's stamps vouch for them), then this rank's file and the common file (sizes, hashes likewise,
-    readable, headers and metadata exactly as the manifest implies). With ``pipeline_parallel_size > 1`` the
+    release serves, dtype, TP, kernel settings), the source checkpoint (quantization config, files, sizes, headers,
+    and samples of every tensor's bytes; whole hashes where the bundle records no samples, unless this user's stamps
+    vouch for them), then this rank's file and the common file (sizes, hashes unless stamped, readable, headers and
+    metadata exactly as the manifest implies). With ``pipeline_parallel_size > 1`` the
     selection is this stage's share of them (:func:`~marlin_pack.vllm_plugin.stage.stage_share`); where vLLM shards the
     experts over another TP size (expert parallelism, data parallelism), its experts come from that size's rank file,
     checked likewise (:func:`~marlin_pack.vllm_plugin.expert_share.expert_share`).
@@ -447,7 +447,8 @@ def select_bundle(options: LoaderOptions, facts: EngineFacts, *, copy_hashes: bo
     manifest: Manifest = _with_field(F.manifest, lambda: load_manifest(bundle_dir))
     tp_set = check_engine(manifest, facts)
     model_dir = _resolve(facts.model, facts.revision).dir
-    hashed: HashReport = _with_field(F.source, lambda: check_source(manifest, model_dir, full_hash=options.full_hash))
+    hashed: HashReport = _with_field(
+        F.source, lambda: check_source(manifest, model_dir, full_hash=options.full_hash, sampled=True))
     rank_entry = tp_set.ranks[facts.tp_rank].file
     entries = [manifest.common, rank_entry]
     leave = hash_left_to_copy if copy_hashes else None

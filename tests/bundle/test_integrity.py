@@ -4,6 +4,10 @@ Each is what a user who can write a bundle or a checkpoint directory, but not th
 user's files, could try: plant symlinks where stamps are written, change a file while it is
 hashed, forge stamps. None may make a check write outside its store or vouch for bytes it did
 not hash.
+
+A start checks the checkpoint by samples of every tensor where the bundle records them (``convert`` does), and never
+stamps it; the source files' stamps concern bundles an older marlin-pack wrote (``without_samples``), whose start still
+hashes the checkpoint whole: the attacks on source stamps are replayed on such bundles.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import blake3
 import pytest
 from hashing_fakes import HookedBlake3
+from source_edits import flip_sampled_byte, without_samples
 
 from marlin_pack.vllm_plugin.preflight import preflight
 
@@ -74,7 +79,7 @@ def _flip_once_after_hashing(target: Path) -> tuple[HookedBlake3, list[bool]]:
 def test_a_file_tampered_while_it_is_hashed_is_never_vouched_for(
     make_bundle: Any, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, which: str
 ) -> None:
-    model = damaged_copy(make_bundle("awq"))
+    model = damaged_copy(make_bundle("awq"), without_samples if which == "source" else None)
     target = model / "marlin-pack/tp1/rank-0.safetensors" if which == "bundle" else next(model.glob("*.safetensors"))
     os.utime(target, ns=(1, 1))  # as an older file: an in-place write visibly moves its times
     hooked, flipped = _flip_once_after_hashing(target)
@@ -88,7 +93,7 @@ def test_a_file_tampered_while_it_is_hashed_is_never_vouched_for(
 
 
 def test_forged_stamps_in_the_bundle_do_not_vouch_for_another_checkpoint(make_bundle: Any, damaged_copy: Any) -> None:
-    model = damaged_copy(make_bundle("awq"))
+    model = damaged_copy(make_bundle("awq"), without_samples)
     bundle = model / "marlin-pack"
     manifest = json.loads((bundle / "manifest.json").read_text())
     source = next(model.glob("*.safetensors"))
@@ -101,6 +106,21 @@ def test_forged_stamps_in_the_bundle_do_not_vouch_for_another_checkpoint(make_bu
     report = preflight(model, verify="auto")
     assert report.decision == "refuse" and report.ranks[0].field == "source.blake3", report.to_dict()
     assert "changed since the bundle was made" in report.ranks[0].message
+
+
+def test_stamps_have_no_say_over_sampled_sources(make_bundle: Any, damaged_copy: Any, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bundle with samples: the checkpoint is sampled at every start, stamped or not, and never stamped."""
+    monkeypatch.setenv("MARLIN_PACK_STAMPS", str(tmp_path / "stamps"))
+    model = damaged_copy(make_bundle("awq"))
+    first = preflight(model, verify="auto")
+    assert first.decision == "load", first.to_dict()
+    source = next(model.glob("*.safetensors")).name
+    assert not any(source in line for line in json.dumps(first.to_dict()["hashed"]).splitlines()), first.to_dict()["hashed"]
+    flip_sampled_byte(model / source)  # whatever a stamp of it would say
+    again = preflight(model, verify="auto")
+    assert again.decision == "refuse" and again.ranks[0].field == "source.sample", again.to_dict()
+    assert f"source file {source} holds other tensor bytes than when the bundle was made (sampled)" in again.ranks[0].message
 
 
 def _others_may_write(target: Path, who: str) -> str:
@@ -125,7 +145,7 @@ def test_a_file_others_may_write_is_hashed_at_every_start_so_writes_through_a_ma
 
     monkeypatch.setattr(hashing, "RACY_NS", -1)  # the copy's files count as settled: only the owner rule can refuse a stamp
     monkeypatch.setenv("MARLIN_PACK_STAMPS", str(tmp_path / "stamps"))
-    model = damaged_copy(make_bundle("awq"))
+    model = damaged_copy(make_bundle("awq"), without_samples if which == "source" else None)
     target = model / "marlin-pack/tp1/rank-0.safetensors" if which == "bundle" else next(model.glob("*.safetensors"))
     why = _others_may_write(target, who)
     offset = _data_offset(target)

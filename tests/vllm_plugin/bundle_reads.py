@@ -119,6 +119,26 @@ class BundleBytes:
                 seen[i] += 1
         return set(seen[start:])
 
+    def only_samples(self, path: Path | str, most: int) -> bool:
+        """A source checkpoint file: past its header, only the bytes a start samples (marlin_pack.io.sampling) were read,
+        each at least once and at most ``most`` times (once per rank checked), the header at most ``most`` times too."""
+        from marlin_pack.io.safetensors_io import parse_header
+        from marlin_pack.io.sampling import sample_spans
+
+        data = Path(path).read_bytes()  # not a pread: not counted
+        end = 8 + int.from_bytes(data[:8], "little")
+        allowed = bytearray(len(data))
+        allowed[:end] = b"\1" * end
+        sampled = sample_spans(parse_header(data[:end], len(data), Path(path)))
+        for lo, n in sampled:
+            allowed[lo:lo + n] = b"\1" * n
+        seen = bytearray(len(data))
+        for lo, n in self.ranges[self.key(path)]:
+            for i in range(lo, min(lo + n, len(data))):
+                seen[i] += 1
+        return (all(allowed[i] for i in range(len(data)) if seen[i]) and max(seen) <= most
+                and all(seen[lo] for lo, _ in sampled))
+
     def once_past_the_first_block(self, path: Path | str, size: int, first: int = FIRST_BLOCK, most: int = 3) -> bool:
         """Every byte after the ``first`` bytes read exactly once, those at most ``most`` times (the O_DIRECT probe, the
         header check, the copy)."""

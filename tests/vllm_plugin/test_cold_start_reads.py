@@ -65,7 +65,7 @@ def test_a_cold_start_reads_each_bundle_byte_once_and_stamps_it(
     assert (str(cold) in line[0]) is (verify == "auto")  # (full says it hashes at every start instead)
     assert [m for m in marlin_log if "placed" in m and "hashed as it was read (digests compared after" in m]
 
-    hashed_lines = len([m for m in marlin_log if "hashed" in m])  # the source checkpoint's, and the copy's
+    hashed_lines = len([m for m in marlin_log if "hashed" in m])  # the copy's (the checkpoint is sampled, not hashed)
     reads.ranges.clear()  # the next start: auto trusts the stamps (nothing hashed); full hashes again, in the one read
     _start(model_dir, monkeypatch, verify=verify)
     assert len([m for m in marlin_log if "hashed" in m]) == hashed_lines * (1 if verify == "auto" else 2)
@@ -136,7 +136,7 @@ def test_a_warm_bundle_is_hashed_before_the_copy_as_before(
     fake_create_model(monkeypatch, model_dir)
     vllm_config, model_config = fake_engine(model_dir, "auto_awq", monkeypatch)
     chosen = make_loader()._decide(vllm_config, model_config).bundle
-    assert chosen is not None and chosen.hashed.pending == () and chosen.hashed.files == 3
+    assert chosen is not None and chosen.hashed.pending == () and chosen.hashed.files == 2  # the checkpoint: sampled
 
 
 def test_check_leaves_nothing_to_a_copy(awq_bundle: Path, damaged_copy: Any, cold: Path) -> None:
@@ -153,7 +153,7 @@ def test_check_reads_each_file_once_whatever_the_ranks(
     awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, verify: str
 ) -> None:
     """``marlin-pack check -tp 2`` where no stamp can be kept (a store others may open) or with ``--verify full``: each
-    rank's check hashes the common file and the source checkpoint, and the command reads each of them once."""
+    rank's check hashes the common file, and the command reads it once; the source checkpoint only in samples."""
     from typer.testing import CliRunner
 
     from marlin_pack.cli import app
@@ -171,10 +171,12 @@ def test_check_reads_each_file_once_whatever_the_ranks(
     common = model_dir / "marlin-pack/common.safetensors"
     sources = sorted(model_dir.glob("*.safetensors"))
     assert sources
-    for path in [common, *sources, *sorted((model_dir / "marlin-pack/tp2").glob("*.safetensors"))]:
+    for path in [common, *sorted((model_dir / "marlin-pack/tp2").glob("*.safetensors"))]:
         header = len(read_header_bytes(path))  # read by the checks of each rank (a few KiB), besides the hash
         assert reads.once_past_the_first_block(path, path.stat().st_size, first=header, most=8), (
             path.name, sorted(reads.ranges[reads.key(path)]))
+    for path in sources:  # the checkpoint: its header and samples, kilobytes, by each rank's check
+        assert reads.only_samples(path, most=8), (path.name, sorted(reads.ranges[reads.key(path)]))
     assert not list(shared.iterdir())
 
 

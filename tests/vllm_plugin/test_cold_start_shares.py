@@ -257,7 +257,8 @@ def test_check_reads_each_file_once_over_stages_and_expert_shares(
     moe_model: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, args: list[str],
 ) -> None:
     """``marlin-pack check`` where no stamp can be kept (a store others may open): every (replica, stage, rank) checks
-    its rank file, the file its experts come from, the common file and the source; the command reads each once."""
+    its rank file, the file its experts come from and the common file, the command reading each once, and samples the
+    source checkpoint."""
     from typer.testing import CliRunner
 
     from marlin_pack.cli import app
@@ -272,10 +273,13 @@ def test_check_reads_each_file_once_over_stages_and_expert_shares(
     result = CliRunner().invoke(app, ["check", str(model_dir), *args, "--verify", "full"])
     assert result.exit_code == 0, result.output
     bundle = model_dir / "marlin-pack"  # every file is some GPU's: tp1/rank-0 holds its attention or its experts
-    files = [bundle / "common.safetensors", *sorted(bundle.glob("tp*/*.safetensors")), *sorted(model_dir.glob("*.safetensors"))]
-    assert len(files) == 5, files
+    files = [bundle / "common.safetensors", *sorted(bundle.glob("tp*/*.safetensors"))]
+    sources = sorted(model_dir.glob("*.safetensors"))
+    assert len(files) + len(sources) == 5, (files, sources)
     for path in files:
         header = _header_bytes(path)  # read by the checks of each GPU (a few KiB), besides the hash
         assert reads.once_past_the_first_block(path, path.stat().st_size, first=header, most=16), (
             reads.key(path), sorted(reads.ranges[reads.key(path)])[:8])
+    for path in sources:  # the checkpoint: its header and samples, by the check of each GPU
+        assert reads.only_samples(path, most=16), (reads.key(path), sorted(reads.ranges[reads.key(path)])[:8])
     assert not list(shared.iterdir())

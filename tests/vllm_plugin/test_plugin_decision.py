@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from source_edits import flip_byte, flip_sampled_byte, unsampled_offset, without_samples
 
 from marlin_pack.bundle.rank_files import check_rank_header, rank_file_path
 from marlin_pack.bundle.reader import read_manifest
@@ -191,12 +192,37 @@ def test_a_named_partition_moves_a_stages_share(awq_bundle: Path, monkeypatch: p
 # --- source and bundle files ------------------------------------------------------------------
 
 
-def test_changed_source_file_is_refused(awq_bundle: Path, damaged_copy) -> None:  # type: ignore[no-untyped-def]
-    model = damaged_copy(awq_bundle, lambda d: flip_last_byte(d / "model.safetensors"))
+@pytest.mark.parametrize("verify", ["auto", "full"])
+def test_changed_source_file_is_refused(awq_bundle: Path, damaged_copy, verify: str) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint whose tensors hold other bytes (quantized again, another revision) is told apart by its samples."""
+    model = damaged_copy(awq_bundle, lambda d: flip_sampled_byte(d / "model.safetensors"))
+    with pytest.raises(BundleMismatchError, match=r"source file model.safetensors holds other tensor bytes than when the "
+                       r"bundle was made \(sampled\); re-run `marlin-pack convert ") as e:
+        select_bundle(LoaderOptions(verify=verify), facts(model))
+    assert e.value.field == "source.sample"
+    select_bundle(LoaderOptions(verify="size"), facts(model))  # verify="size" trusts sizes and headers only
+
+
+def test_a_start_samples_the_checkpoint_and_verify_hashes_it_whole(awq_bundle: Path, damaged_copy) -> None:  # type: ignore[no-untyped-def]
+    """What samples do not prove: a byte between them. A start reads kilobytes of the checkpoint (vLLM does not read it
+    at all when it serves the bundle); ``marlin-pack verify`` hashes it whole and refuses."""
+    from marlin_pack.verification import verify
+
+    path = awq_bundle / "model.safetensors"
+    model = damaged_copy(awq_bundle, lambda d: flip_byte(d / "model.safetensors", unsampled_offset(path)))
+    for how in ("auto", "full"):
+        select_bundle(LoaderOptions(verify=how), facts(model))
+    report = verify(model / "marlin-pack", model)
+    failed = report.first_failure
+    assert not report.ok and failed is not None and "model.safetensors changed since the bundle was made" in failed.detail, report
+
+
+def test_a_bundle_without_samples_hashes_its_checkpoint(awq_bundle: Path, damaged_copy) -> None:  # type: ignore[no-untyped-def]
+    """A bundle an older marlin-pack wrote records no samples: its start hashes the checkpoint whole, as then."""
+    model = damaged_copy(awq_bundle, lambda d: (without_samples(d), flip_last_byte(d / "model.safetensors")))
     with pytest.raises(BundleMismatchError, match=r"source file model.safetensors changed") as e:
         select_bundle(LoaderOptions(), facts(model))
     assert e.value.field == "source.blake3"
-    select_bundle(LoaderOptions(verify="size"), facts(model))  # verify="size" trusts sizes and headers only
 
 
 def test_extra_source_file_is_refused(awq_bundle: Path, damaged_copy) -> None:  # type: ignore[no-untyped-def]
