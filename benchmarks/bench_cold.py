@@ -111,9 +111,13 @@ def _first_start_rows(
         shutil.rmtree(store, ignore_errors=True)  # marlin-pack creates it 0700
         return str(store)
 
+    at_load_end: dict[str, int] = {}  # row -> the disk's bytes read when the engine's load returned
+
     def prepacked(verify: str) -> float | None:
-        env = {"MARLIN_PACK_STAMPS": fresh_store(f"prepacked-{verify}")}
+        env = {"MARLIN_PACK_STAMPS": fresh_store(f"prepacked-{verify}"), "MARLIN_PACK_BENCH_DISK_OF": str(workdir)}
         result = _engine(model, "prepacked", attn, {"verify": verify}, env=env)
+        if "disk_read_bytes_at_load_end" in result:
+            at_load_end[f"prepacked cold, no stamps, verify {verify}"] = result["disk_read_bytes_at_load_end"]
         for line in result["marlin_pack_log"]:
             if "as it was copied" in line or "hashed" in line or "I/O plan" in line:
                 print(f"    {line}", flush=True)
@@ -140,6 +144,9 @@ def _first_start_rows(
         if before is not None and after is not None and bundle_gb:
             read_gb = (after - before) / 1e9
             notes.append(f"{key}: the disk read {read_gb:.1f} GB meanwhile, {read_gb / bundle_gb:.2f} of the bundle ({how})")
+            if key in at_load_end:  # the page-cache fill for the next start, after a cold copy, comes after the load
+                load_gb = (at_load_end[key] - before) / 1e9
+                notes[-1] += f"; by the end of its load {load_gb:.1f} GB, {load_gb / bundle_gb:.2f} of the bundle"
             print(notes[-1], flush=True)
 
 

@@ -112,6 +112,11 @@ def wrap(cls):
             pstats.Stats(prof, stream=s).sort_stats('tottime').print_stats(30)
             print('PROFILE-BEGIN\n' + s.getvalue() + 'PROFILE-END', flush=True)
         peak['load_model_s'] = time.perf_counter() - t
+        if os.environ.get('MARLIN_PACK_BENCH_DISK_OF'):  # the disk's bytes read by the load's end (bench_cold's rows)
+            st = os.stat(os.environ['MARLIN_PACK_BENCH_DISK_OF']).st_dev
+            for f in (x.split() for x in open('/proc/diskstats').read().splitlines()):
+                if len(f) > 5 and (int(f[0]), int(f[1])) == (os.major(st), os.minor(st)):
+                    peak['disk_read_bytes_at_load_end'] = int(f[5]) * 512
         peak['peak_alloc_gb'] = torch.cuda.max_memory_allocated() / 1e9
         peak['weights_gb'] = (torch.cuda.memory_allocated() - base) / 1e9
         return m
