@@ -165,6 +165,13 @@ def _qwen_like(name: str, vllm_class: str, num_experts_key: str) -> MoeArchitect
                            "mlp.experts.routed_experts", refused=((_MLP_W, _W_NAMES.format(cls=cls)),))
 
 
+def _backend(name: str, num_experts_key: str, intermediate_key: str) -> MoeArchitecture:
+    """An architecture every supported release serves through the Transformers backend: its experts module
+    (``TransformersRoutedExperts``) maps both namings, ``gate_proj/up_proj/down_proj`` and Mixtral's ``w1/w3/w2``."""
+    return MoeArchitecture(name, "transformers.TransformersMoEForCausalLM", (_GATE_UP_DOWN, _MLP_W), num_experts_key,
+                           intermediate_key, "mlp.experts.routed_experts")
+
+
 MOE_ARCHITECTURES: dict[str, MoeArchitecture] = {
     a.name: a
     for a in (
@@ -179,16 +186,16 @@ MOE_ARCHITECTURES: dict[str, MoeArchitecture] = {
         # shared experts (mlp.shared_experts.*) are one dense MLP: ordinary Marlin linears.
         _qwen_like("DeepseekV2ForCausalLM", "deepseek_v2.DeepseekV2ForCausalLM", "n_routed_experts"),
         _qwen_like("DeepseekV3ForCausalLM", "deepseek_v2.DeepseekV3ForCausalLM", "n_routed_experts"),
-        # Olmoe (olmoe.py; 0.34.0 the Transformers backend), FlexOlmo and HunYuan-MoE (the backend): the experts' width is
-        # intermediate_size (HunYuan's shared expert, mlp.shared_mlp.*, too: ordinary Marlin linears)
-        *(replace(_qwen_like(n, cls, "num_experts"), intermediate_key="intermediate_size")
-          for n, cls in (("OlmoeForCausalLM", "olmoe.OlmoeForCausalLM"),
-                         ("FlexOlmoForCausalLM", "transformers.TransformersMoEForCausalLM"),
-                         ("HunYuanMoEV1ForCausalLM", "transformers.TransformersMoEForCausalLM"))),
-        # Kolibri 1 and Mellum (the backend): the experts' width is moe_intermediate_size; Kolibri's shared expert
+        # Olmoe (olmoe.py, which maps gate_proj/up_proj/down_proj only; 0.34.0 the Transformers backend): the experts'
+        # width is intermediate_size
+        replace(_qwen_like("OlmoeForCausalLM", "olmoe.OlmoeForCausalLM", "num_experts"), intermediate_key="intermediate_size"),
+        # FlexOlmo and HunYuan-MoE (the backend): intermediate_size (HunYuan's shared expert, mlp.shared_mlp.*, too:
+        # ordinary Marlin linears); Kolibri 1 and Mellum (the backend): moe_intermediate_size; Kolibri's shared expert
         # (mlp.shared_experts.*) and Mellum's dense layers (mlp.*) are ordinary Marlin linears
-        *(_qwen_like(n, "transformers.TransformersMoEForCausalLM", "num_experts")
-          for n in ("Kolibri1ForCausalLM", "MellumForCausalLM")),
+        _backend("FlexOlmoForCausalLM", "num_experts", "intermediate_size"),
+        _backend("HunYuanMoEV1ForCausalLM", "num_experts", "intermediate_size"),
+        _backend("Kolibri1ForCausalLM", "num_experts", "moe_intermediate_size"),
+        _backend("MellumForCausalLM", "num_experts", "moe_intermediate_size"),
     )
 }
 

@@ -170,3 +170,32 @@ def test_transformers_backend_compressed_tensors_bit_exact_tp_1_2(
         assert set(seen) == {vllm_class}
     assert manifest.target.transformers == "5.16-5.22"
     assert verify(model / "marlin-pack").ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,fmt", [("FlexOlmoForCausalLM", "gptq4"), ("HunYuanMoEV1ForCausalLM", "awq")])
+def test_transformers_backend_moe_w1_w3_w2_naming_bit_exact(
+    request: pytest.FixtureRequest, tmp_path: Path, arch: str, fmt: str
+) -> None:
+    """Experts stored as mlp.experts.N.{w1,w3,w2} (Mixtral's names): the backend's TransformersRoutedExperts maps them as
+    gate, up and down (its Mixtral expert mapping), so vLLM serves such a checkpoint; so does marlin-pack, bit-exact."""
+    from moe_checkpoints import write_moe_checkpoint
+    from oracles.vllm_moe_reference import assert_moe_bundle_equals_vllm
+    from safetensors.torch import load_file, save_file
+
+    _skip_where_another_path(arch)
+    if _ran_in_own_process(request):
+        return
+    model = write_moe_checkpoint(tmp_path / "m", arch, FORMATS[fmt]["fmt"], group_size=32, dtype=torch.float16)
+    for path in model.glob("*.safetensors"):
+        renamed = {}
+        for k, v in load_file(path).items():
+            if ".experts." in k:  # only the routed experts' projections (a shared expert keeps its names)
+                for old, new in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
+                    k = k.replace(old, new)
+            renamed[k] = v
+        save_file(renamed, str(path), metadata={"format": "pt"})
+    assert any(".experts.0.w1." in k for p in model.glob("*.safetensors") for k in load_file(p))
+    convert(model, tp=(1, 2), dtype="float16")
+    assert assert_moe_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), torch.float16) >= 3 * (2 * 2 + 4)
+    assert verify(model / "marlin-pack").ok
