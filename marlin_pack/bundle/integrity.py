@@ -387,10 +387,7 @@ def _checked_source_file(
             f"source file {f.name} cannot be read ({e.strerror or e}); restore the checkpoint (download it again)",
         ) from e
     if size != f.size:
-        raise BundleMismatchError(
-            MismatchField.source_size,
-            f"source file {f.name} is {size} bytes, the bundle was made from {f.size}; {redo}",
-        )
+        raise _size_mismatch(f, size, redo)
     try:
         header = sha256_bytes(read_header_bytes(path))
     except (OSError, ValueError) as e:
@@ -398,11 +395,20 @@ def _checked_source_file(
             MismatchField.source_header, f"source file {f.name} is unreadable ({e}); {redo}"
         ) from e
     if header != f.header_sha256:
-        raise BundleMismatchError(
-            MismatchField.source_header,
-            f"source file {f.name} has other tensors than when the bundle was made; {redo}",
-        )
+        raise _header_mismatch(f, redo)
     return (f.name, path, f.blake3) if _needs_hash(stamps, path, f.blake3, full_hash) else None
+
+
+def _size_mismatch(f: SourceFile, size: int, redo: str) -> BundleMismatchError:
+    return BundleMismatchError(
+        MismatchField.source_size, f"source file {f.name} is {size} bytes, the bundle was made from {f.size}; {redo}"
+    )
+
+
+def _header_mismatch(f: SourceFile, redo: str) -> BundleMismatchError:
+    return BundleMismatchError(
+        MismatchField.source_header, f"source file {f.name} has other tensors than when the bundle was made; {redo}"
+    )
 
 
 def _checked_source_sample(model_dir: Path, f: SourceFile, redo: str) -> None:
@@ -420,13 +426,9 @@ def _checked_source_sample(model_dir: Path, f: SourceFile, redo: str) -> None:
             f"source file {f.name} cannot be read ({getattr(e, 'strerror', None) or e}); restore the checkpoint (download it again)",
         ) from e
     if size != f.size:
-        raise BundleMismatchError(
-            MismatchField.source_size, f"source file {f.name} is {size} bytes, the bundle was made from {f.size}; {redo}"
-        )
+        raise _size_mismatch(f, size, redo)
     if header != f.header_sha256:
-        raise BundleMismatchError(
-            MismatchField.source_header, f"source file {f.name} has other tensors than when the bundle was made; {redo}"
-        )
+        raise _header_mismatch(f, redo)
     if sample != f.sample_sha256:
         raise BundleMismatchError(
             MismatchField.source_sample,

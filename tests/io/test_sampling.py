@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from source_edits import flip_byte
 
 from marlin_pack.io import sampling
 from marlin_pack.io.files import FileChangedError
@@ -24,14 +25,6 @@ def _write(path: Path, seed: int = 0, big: int = 3 * 4096 + 5) -> Path:
         "empty": torch.zeros(0, dtype=torch.float16),
     }, str(path))
     return path
-
-
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_the_digest_is_of_the_sampled_bytes_in_name_order(tmp_path: Path) -> None:
@@ -70,9 +63,9 @@ def test_a_sampled_byte_changes_the_digest_an_unsampled_one_does_not(tmp_path: P
     big = read_header(path).tensors["big"]
     inside = {o + i for o, n in spans for i in range(n)}
     outside = next(x for x in range(big.start, big.end) if x not in inside)
-    _flip(path, outside)
+    flip_byte(path, outside)
     assert sample_digest(path) == (header, digest)  # what samples cannot prove: `verify` hashes the file whole
-    _flip(path, spans[0][0] + 7)
+    flip_byte(path, spans[0][0] + 7)
     assert sample_digest(path)[1] != digest
 
 
