@@ -45,7 +45,31 @@ PADDED_AT_TP2 = ModelShape(hidden_size=384, intermediate_size=704, num_attention
 SHAPES = {**PRESETS, "wide": WIDE, "padded-at-tp2": PADDED_AT_TP2, "mistral": ModelShape(model_type="mistral")}
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run every N-th collected test, starting at the I-th (0-based): tools/run-tests.sh runs N such "
+                          "pytest processes side by side, one per core")
+
+
+def _shard(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--shard I/N``: keep every N-th test from the I-th, in collection order (a module's slow cases alternate
+    between the processes rather than landing in one)."""
+    spec = config.getoption("--shard")
+    if not spec:
+        return
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"--shard {spec}: expected I/N with 0 <= I < N, e.g. 0/2") from None
+    keep = [item for k, item in enumerate(items) if k % n == i]
+    config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i])
+    items[:] = keep
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _shard(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")

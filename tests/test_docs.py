@@ -56,7 +56,7 @@ def test_readme_opens_with_the_two_commands() -> None:
         "python3 -m venv .venv && .venv/bin/pip install -e . -c tools/torch-constraint.txt && .venv/bin/python examples/quickstart.py"
     )
     marker = lines.index("<!-- test-command -->")
-    assert marker > first and lines[marker + 2] == "bash tools/vllm-env.sh 0.34.0 .venv && .venv/bin/python -m pytest -q"
+    assert marker > first and lines[marker + 2] == "bash tools/vllm-env.sh 0.34.0 .venv && bash tools/run-tests.sh"
 
 
 def test_first_command_installs_the_torch_the_test_command_keeps() -> None:
