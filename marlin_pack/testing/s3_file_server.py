@@ -324,16 +324,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _run(self, method: str) -> None:
         self._body: _Body | None = None
-        op = method
+        self._counted = False
+        self._op = method
         try:
             if method == "GET" and urlsplit(self.path).path == STATS_PATH:
-                op = "Stats"
+                self._op = "Stats"
                 return self._send_json(self.server.snapshot())
             bucket, key, q = self._target()
             if method in ("PUT", "POST"):
                 self._body = _Body(self)
             if not bucket:
-                op = "ListBuckets"
+                self._op = "ListBuckets"
                 if method != "GET":
                     raise S3Error(405, "MethodNotAllowed", f"{method} of the service")
                 return self._list_buckets()
@@ -341,7 +342,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise S3Error(400, "InvalidBucketName", f"{bucket!r} is not a bucket name", BucketName=bucket)
             bdir = self.server.root / bucket
             if not key:
-                op, action = {
+                self._op, action = {
                     ("GET", True): ("ListObjectsV2", self._list), ("GET", False): ("ListObjects", self._list),
                     ("HEAD", True): ("HeadBucket", self._head_bucket), ("HEAD", False): ("HeadBucket", self._head_bucket),
                     ("PUT", True): ("CreateBucket", self._create_bucket), ("PUT", False): ("CreateBucket", self._create_bucket),
@@ -349,37 +350,37 @@ class _Handler(BaseHTTPRequestHandler):
                     ("DELETE", False): ("DeleteBucket", self._delete_bucket),
                 }.get((method, q.get("list-type") == "2"), ("Unsupported", None))
                 if method == "GET" and "location" in q:
-                    op, action = "GetBucketLocation", self._location
+                    self._op, action = "GetBucketLocation", self._location
                 if action is None:
                     raise S3Error(501, "NotImplemented", f"{method} of a bucket with {sorted(q)} is not served here")
-                if op != "CreateBucket" and not bdir.is_dir():
+                if self._op != "CreateBucket" and not bdir.is_dir():
                     raise S3Error(404, "NoSuchBucket", f"no bucket {bucket}", BucketName=bucket)
                 return action(bucket, bdir, q)
             _check_key(key)
             if not bdir.is_dir():
                 raise S3Error(404, "NoSuchBucket", f"no bucket {bucket}", BucketName=bucket)
             if method in ("GET", "HEAD"):
-                op = "GetObject" if method == "GET" else "HeadObject"
+                self._op = "GetObject" if method == "GET" else "HeadObject"
                 return self._get(bucket, key, bdir / key, head=method == "HEAD")
             if method == "PUT" and "uploadId" in q:
-                op = "UploadPart"
+                self._op = "UploadPart"
                 return self._upload_part(bucket, key, q)
             if method == "PUT":
                 if "x-amz-copy-source" in self.headers:
                     raise S3Error(501, "NotImplemented", "CopyObject is not served here")
-                op = "PutObject"
+                self._op = "PutObject"
                 return self._put(bucket, key, bdir / key)
             if method == "POST" and "uploads" in q:
-                op = "CreateMultipartUpload"
+                self._op = "CreateMultipartUpload"
                 return self._create_upload(bucket, key)
             if method == "POST" and "uploadId" in q:
-                op = "CompleteMultipartUpload"
+                self._op = "CompleteMultipartUpload"
                 return self._complete_upload(bucket, key, bdir / key, q["uploadId"])
             if method == "DELETE" and "uploadId" in q:
-                op = "AbortMultipartUpload"
+                self._op = "AbortMultipartUpload"
                 return self._abort_upload(q["uploadId"])
             if method == "DELETE":
-                op = "DeleteObject"
+                self._op = "DeleteObject"
                 return self._delete(bucket, key, bdir / key)
             raise S3Error(501, "NotImplemented", f"{method} of an object with {sorted(q)} is not served here")
         except S3Error as e:
@@ -389,7 +390,7 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 - one answer for anything unexpected, and the server goes on
             self._send_error(S3Error(500, "InternalError", f"{type(e).__name__}: {e}"), head=method == "HEAD")
         finally:
-            self.server.count(op)
+            self._count_once()  # (a request answered before it was counted is counted here)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's names
         self._run("GET")
@@ -406,8 +407,16 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:  # noqa: N802
         self._run("DELETE")
 
+    def _count_once(self) -> None:
+        """Count this request's operation in the server's stats, once: before its answer goes out, so that a client
+        reading the stats after the answer finds it counted."""
+        if not self._counted:
+            self._counted = True
+            self.server.count(self._op)
+
     # --- answers -------------------------------------------------------------------------------
     def _headers(self, status: int, headers: dict[str, str], length: int) -> None:
+        self._count_once()
         if self._body is not None and not self._body.consumed:
             self.close_connection = True  # a body left unread: this connection cannot carry another request
             headers = {**headers, "Connection": "close"}
