@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from marlin_pack.io.buffers import BufferPool
 from marlin_pack.io.direct_file import SequentialFile
@@ -40,6 +40,7 @@ __all__ = [
     "TensorInfo",
     "SafetensorsHeader",
     "read_header_bytes",
+    "read_header_bytes_of",
     "read_header",
     "parse_header",
     "unpacked",
@@ -140,23 +141,29 @@ def read_header_bytes(path: Path) -> bytes:
 def _read_header_bytes(path: Path) -> tuple[bytes, int]:
     with open(open_regular(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise SafetensorsFormatError(f"{path.name} is {size} bytes: too short for safetensors; the file is truncated")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > MAX_HEADER_BYTES:  # whatever the file's size: a header this long is not one, not a cut-off file
-            raise SafetensorsFormatError(
-                f"{path.name} declares a {n}-byte header in a {size}-byte file, more than the {MAX_HEADER_BYTES:,} bytes "
-                "safetensors (and so vLLM) accepts: the header is oversized, the file is corrupt or not safetensors"
-            )
-        if 8 + n > size:
-            raise SafetensorsFormatError(
-                f"{path.name} declares a {n}-byte header in a {size}-byte file; the file is truncated or not safetensors"
-            )
-        header = f.read(n)
-        if len(header) != n:
-            raise SafetensorsFormatError(f"{path.name} ends inside its safetensors header; the file is truncated")
-    return prefix + header, size
+        return read_header_bytes_of(f, size, path), size
+
+
+def read_header_bytes_of(f: BinaryIO, size: int, path: Path) -> bytes:
+    """:func:`read_header_bytes` of a file already open (at its start; ``size``: its size, ``path``: the name messages
+    give): its length prefix and JSON header, checked as there, from the same open file as the reads that follow."""
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise SafetensorsFormatError(f"{path.name} is {size} bytes: too short for safetensors; the file is truncated")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER_BYTES:  # whatever the file's size: a header this long is not one, not a cut-off file
+        raise SafetensorsFormatError(
+            f"{path.name} declares a {n}-byte header in a {size}-byte file, more than the {MAX_HEADER_BYTES:,} bytes "
+            "safetensors (and so vLLM) accepts: the header is oversized, the file is corrupt or not safetensors"
+        )
+    if 8 + n > size:
+        raise SafetensorsFormatError(
+            f"{path.name} declares a {n}-byte header in a {size}-byte file; the file is truncated or not safetensors"
+        )
+    header = f.read(n)
+    if len(header) != n:
+        raise SafetensorsFormatError(f"{path.name} ends inside its safetensors header; the file is truncated")
+    return prefix + header
 
 
 def _corrupt(path: Path, why: str = "") -> SafetensorsFormatError:

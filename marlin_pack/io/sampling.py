@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from marlin_pack.io.files import FileChangedError, identity_of, open_regular, pread_full
-from marlin_pack.io.safetensors_io import MAX_HEADER_BYTES, SafetensorsFormatError, SafetensorsHeader, parse_header
+from marlin_pack.io.safetensors_io import SafetensorsHeader, parse_header, read_header_bytes_of
 
 __all__ = ["SAMPLE_BYTES", "SAMPLE_STRIDE", "sample_spans", "sample_digest"]
 
@@ -62,23 +62,15 @@ def sample_digest(path: Path, expected_header_sha256: str | None = None) -> tupl
         SafetensorsFormatError: not a safetensors file.
         OSError: unreadable.
     """
-    fd = open_regular(path)
-    try:
+    with open(open_regular(path), "rb", buffering=0) as f:  # unbuffered: the header's reads take its bytes only
+        fd = f.fileno()
         before = identity_of(os.fstat(fd))
         size = before[0]
-        prefix = bytearray(8)
-        if pread_full(fd, memoryview(prefix), 0) < 8:
-            raise SafetensorsFormatError(f"{path.name} is {size} bytes: too short for safetensors; the file is truncated")
-        n = int.from_bytes(prefix, "little")
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise SafetensorsFormatError(f"{path.name} declares a {n}-byte header in a {size}-byte file: not safetensors")
-        raw = bytearray(8 + n)
-        if pread_full(fd, memoryview(raw), 0) < len(raw):
-            raise FileChangedError(0, "changed while it was read (ends inside its header)", str(path))
+        raw = read_header_bytes_of(f, size, path)
         header_sha = hashlib.sha256(raw).hexdigest()
         if expected_header_sha256 is not None and header_sha != expected_header_sha256:
             return header_sha, ""
-        spans = sample_spans(parse_header(bytes(raw), size, path))
+        spans = sample_spans(parse_header(raw, size, path))
         with contextlib.suppress(AttributeError, OSError):  # no read-ahead: each sample is one page of a cold disk
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
@@ -95,5 +87,3 @@ def sample_digest(path: Path, expected_header_sha256: str | None = None) -> tupl
         if identity_of(os.fstat(fd)) != before:
             raise FileChangedError(0, "changed while it was read", str(path))
         return header_sha, digest.hexdigest()
-    finally:
-        os.close(fd)
