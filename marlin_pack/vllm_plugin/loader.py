@@ -136,6 +136,7 @@ class _ModelState:
     borrowed: bool = False  # the helpers are the early ones of preload (which ends them), not the loader's
     fill: _ArenaFill | None = None  # the rank file already being copied (dense bundles)
     common_host: HostMap | None = None  # common.safetensors read whole and hashed (its digest left to the copy)
+    layout: ArenaLayout | None = None  # where each bundle tensor goes, its parameters checked when the model was built
 
 
 @dataclass
@@ -396,6 +397,10 @@ class MarlinPrepackedLoader(BaseModelLoader):
             check_moe_layers(bundle.manifest, bundle.tp_set, moe_facts, None if bundle.experts is None else bundle.experts.num_experts)
             if bundle.stage is not None:  # a pipeline stage: nothing vLLM built there is left unloaded
                 check_nothing_left_out(bundle.stage, built_parameters(model, bundle.stage.left_out))
+            # Every parameter the arena replaces exists with its slot's dtype: checked here, where a mismatch is the
+            # layer check's refusal (or its fallback), not once the copy is placed
+            layout = fill.layout if fill is not None else ArenaLayout.of(bundle)
+            layout.parameters(layers)
         except BundleError as e:
             reason, fld = str(e), getattr(e, "field", None) or MismatchField.layers
             if fill is not None:
@@ -430,7 +435,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 "the %s loader)%s",
                 len(layers) - len(experts), KERNEL_NAME, LOAD_FORMAT, moe_text,
             )
-        self._models[model] = _ModelState(bundle, layers, plan, helpers, borrowed, fill)
+        self._models[model] = _ModelState(bundle, layers, plan, helpers, borrowed, fill, layout=layout)
         return model
 
     def _start_fill(self, bundle: SelectedBundle, plan: IoPlan, helpers: HelperPool | None, borrowed: bool) -> _ArenaFill | None:
@@ -513,7 +518,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         pending, found = bundle.hashed.pending, {}
         paths = {str(p.path) for p in pending}
         t0 = time.perf_counter()
-        if state.fill is None and not isinstance(bundle, RemoteSelected):  # (its errors propagate, as _load_bundle's)
+        if state.fill is None and not isinstance(bundle, RemoteSelected):  # (its parameters checked at the build)
             state.fill = self._fill_after_build(state, bundle, helpers)
         try:
             if str(bundle.common_file) in paths:
@@ -551,7 +556,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         in ``released`` to be given memory again should the digests refuse the bundle), the arena allocated, and every
         file the layout reads (the rank file, an expert share's file) copied on a thread, each file whose digest is left
         to the copy read whole and hashed, also one the layout reads nothing of (a stage without layers)."""
-        layout = ArenaLayout.of(bundle)
+        layout = state.layout or ArenaLayout.of(bundle)
         params = layout.parameters(state.layers)
         released = tuple((p, p.shape, p.dtype) for p in params)
         release(params)
@@ -578,7 +583,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 if held is not None:
                     reader.hold(held)  # read once already (hashed): its tensors come from there
                 t0 = time.perf_counter()
-                layout = fill.layout if fill is not None else ArenaLayout.of(bundle)
+                layout = fill.layout if fill is not None else state.layout or ArenaLayout.of(bundle)
                 params = layout.parameters(state.layers)
                 release(params)  # placeholders vLLM made with memory (stubs have none), before the arena is allocated
                 if fill is None:

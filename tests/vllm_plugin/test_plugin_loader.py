@@ -647,6 +647,48 @@ def test_create_model_kernel_mismatch_refuses_or_falls_back(awq_bundle: Path, mo
     assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_stub(t)]
 
 
+def test_a_parameter_of_another_dtype_refuses_or_falls_back_when_the_model_is_built(
+    awq_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parameter the bundle replaces that vLLM built with another dtype (the layer check does not see parameter dtypes):
+    the same one-line refusal as the layer check's, before any byte is placed, or with fallback the checkpoint loads
+    the ordinary way; never the arena's BundleError out of load_weights."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from marlin_pack.bundle.reader import read_manifest
+
+    layer = read_manifest(awq_bundle / "marlin-pack").tensor_parallel[0].layers[0].name
+    fake_create_model(monkeypatch, awq_bundle)
+    built = BaseModelLoader.create_model
+
+    def with_a_retyped_parameter(self: object, *args: Any, **kwargs: Any) -> Any:
+        model = built(self, *args, **kwargs)
+        module = model.get_submodule(layer)
+        name, param = next((n, p) for n, p in module.named_parameters(recurse=False) if p.dtype == torch.int32)
+        setattr(module, name, torch.nn.Parameter(torch.zeros(param.shape, dtype=torch.float32), requires_grad=False))
+        return model
+
+    monkeypatch.setattr(BaseModelLoader, "create_model", with_a_retyped_parameter)
+    vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
+    io_plan(monkeypatch, threads=2)
+    fp16 = vr._vllm().set_default_torch_dtype(torch.float16)
+    with fp16, vr._patched(1, 0), pytest.raises(LoadRefusedError, match=rf"\[layers\] layer {re.escape(layer)}: parameter .* is "
+                                                                        r"Parameter torch.float32, the bundle holds") as e:
+        make_loader().create_model(vllm_config, model_config)
+    assert e.value.field == "layers" and "\n" not in str(e.value)
+
+    calls: list = []
+    monkeypatch.setattr(DefaultModelLoader, "load_weights", lambda self, m, c: calls.append(m))
+    fallback = make_loader(fallback=True)
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        model = fallback.create_model(vllm_config, model_config)
+        fallback.load_weights(model, model_config)
+    assert calls == [model]
+    assert not any(is_prepacked(m) for m in model.modules())
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_stub(t)]
+
+
 @pytest.mark.parametrize("fallback", [False, True])
 def test_common_copies_dropped_when_the_built_model_does_not_fit(make_bundle: Any, monkeypatch: pytest.MonkeyPatch, fallback: bool) -> None:
     """``common_during_build`` (helpers) and a layer vLLM built on another kernel: the load is refused, or (fallback)
