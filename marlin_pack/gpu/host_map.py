@@ -30,7 +30,6 @@ import mmap
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -72,7 +71,7 @@ class HostMap:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.whole = False  # read whole into this process's memory (read_whole), not mapped
+        self.whole = False  # read whole into this process's memory (ParallelReader.read_whole), not mapped
         fd = os.open(path, os.O_RDONLY)
         try:
             self.size = os.fstat(fd).st_size
@@ -80,28 +79,6 @@ class HostMap:
         finally:
             os.close(fd)
         self._bytes: torch.Tensor | None = None if self._mapping is None else self._mapping.bytes
-
-    @classmethod
-    def read_whole(cls, path: str | Path, reader: Any) -> HostMap:
-        """``path`` read once, whole, into memory of this process by ``reader`` (a
-        :class:`~marlin_pack.gpu.reader.ParallelReader`), which hashes it on the way (its digest in ``reader.digests``)
-        and copies the file's items from this memory from then on (:meth:`~marlin_pack.gpu.reader.ParallelReader.hold`).
-
-        For ``common.safetensors`` on a cold start whose digest is left to the copy: its tensors, large ones for the
-        reader and small ones for vLLM's weight loaders, then come from the one read that also hashed them, where a
-        map would read the file a second time. Pageable memory (the file's size, the time of the load), never a map of
-        the file: a truncation cannot reach it.
-
-        Raises:
-            BundleError: the file is shorter than when its size was taken (truncated), or a read failed.
-        """
-        from marlin_pack.gpu.reader import CopyItem
-
-        image = torch.empty(os.stat(path).st_size, dtype=torch.uint8)
-        reader.copy_files([(path, [CopyItem(0, image.numel(), image)])], hashed=[path])
-        host = cls.in_memory(Path(path), image)
-        reader.hold(host)
-        return host
 
     @classmethod
     def in_memory(cls, path: Path, image: torch.Tensor) -> HostMap:

@@ -271,11 +271,29 @@ class ParallelReader:
         if had_pinned and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # give the staging buffers back to the OS
 
+    def read_whole(self, path: str | Path) -> HostMap:
+        """``path`` read once, whole, into memory of this process, hashed on the way (its digest in :attr:`digests`);
+        this reader copies the file's items from that memory from then on (:meth:`hold`).
+
+        For ``common.safetensors`` on a cold start whose digest is left to the copy: its tensors, large ones for the
+        reader and small ones for vLLM's weight loaders, then come from the one read that also hashed them, where a
+        map would read the file a second time. Pageable memory (the file's size, the time of the load), never a map of
+        the file: a truncation cannot reach it.
+
+        Raises:
+            BundleError: the file is shorter than when its size was taken (truncated), or a read failed.
+        """
+        image = torch.empty(os.stat(path).st_size, dtype=torch.uint8)
+        self.copy_files([(path, [CopyItem(0, image.numel(), image)])], hashed=[path])
+        host = HostMap.in_memory(Path(path), image)
+        self.hold(host)
+        return host
+
     def hold(self, host: HostMap) -> None:
-        """Copy ``host.path``'s items from ``host`` (a file read whole into memory, :meth:`HostMap.read_whole`) from now on,
+        """Copy ``host.path``'s items from ``host`` (a file read whole into memory, :meth:`read_whole`) from now on,
         instead of reading the file again."""
         if not host.whole:
-            raise ValueError(f"{host.path} is mapped, not held in memory: read it with HostMap.read_whole")
+            raise ValueError(f"{host.path} is mapped, not held in memory: read it with ParallelReader.read_whole")
         self._images[str(host.path)] = host
 
     def copy(self, path: str | Path, items: Iterable[CopyItem]) -> int:

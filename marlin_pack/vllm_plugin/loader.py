@@ -523,7 +523,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         try:
             if str(bundle.common_file) in paths:
                 with ParallelReader(state.plan.local()) as reader:
-                    state.common_host = HostMap.read_whole(bundle.common_file, reader)
+                    state.common_host = reader.read_whole(bundle.common_file)
                     found.update(reader.digests)
             if state.fill is not None:
                 state.fill.join()  # raises what the copy raised (a file cut short)

@@ -15,7 +15,6 @@ import torch
 
 from marlin_pack.errors import BundleError
 from marlin_pack.gpu import reader as reader_mod
-from marlin_pack.gpu.host_map import HostMap
 from marlin_pack.gpu.plan import IoFacts, IoPlan, plan_io, reads_cold
 from marlin_pack.gpu.reader import CopyItem, ParallelReader, windows_of
 from marlin_pack.io import hashing
@@ -93,12 +92,12 @@ def test_one_read_serves_the_copy_and_the_digest(
 def test_a_file_read_whole_into_memory_is_hashed_and_never_read_again(
     data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``HostMap.read_whole`` (common.safetensors on a cold start): one read, its digest; the reader then copies the
+    """``ParallelReader.read_whole`` (common.safetensors on a cold start): one read, its digest; the reader then copies the
     file's items from that memory, and its tensors are views of it."""
     path, data = data_file
     reads = Reads(monkeypatch)
     with ParallelReader(IoPlan("direct", threads=2, window=_WINDOW)) as r:
-        host = HostMap.read_whole(path, r)
+        host = r.read_whole(path)
         assert r.digests[str(path)].digest == blake3.blake3(data).hexdigest()
         items, outs = _items(data)
         assert r.copy(path, items) == sum(n for _, _, n in outs)
