@@ -70,8 +70,8 @@ def test_loader_feeds_the_tensor_under_both_names(make_checkpoint, tmp_path: Pat
     from marlin_pack.gpu.host_map import HostMap
     from marlin_pack.gpu.plan import IoPlan
     from marlin_pack.gpu.reader import ParallelReader
+    from marlin_pack.vllm_plugin.common_tensors import common_weights
     from marlin_pack.vllm_plugin.decision import EngineFacts, decide
-    from marlin_pack.vllm_plugin.loader import MarlinPrepackedLoader
     from marlin_pack.vllm_plugin.options import parse_extra_config
 
     model = _tied_copy(make_checkpoint("awq", "tiny"), tmp_path / "m")
@@ -85,7 +85,7 @@ def test_loader_feeds_the_tensor_under_both_names(make_checkpoint, tmp_path: Pat
     assert bundle is not None
     want = load_file(str(model / "model.safetensors"))
     with ParallelReader(IoPlan(threads=1, window=1 << 20)) as reader, HostMap(bundle.common_file) as host:
-        fed = dict(MarlinPrepackedLoader._common_weights(reader, host, bundle, torch.nn.Module(), torch.device("cpu")))
+        fed = dict(common_weights(reader, host, bundle, torch.nn.Module(), torch.device("cpu")))
         assert fed["lm_head.weight"] is fed["model.embed_tokens.weight"]
         assert torch.equal(fed["lm_head.weight"], want["lm_head.weight"])
 

@@ -16,7 +16,7 @@ instead (:mod:`marlin_pack.io.preads`) and refuses a short read in one line. Her
   cache), so the GPU's copy engine reads the bytes the file held when they were pinned, never a missing page.
   A file already shorter than the map asked for is a ``BundleError`` ("changed while it was read").
 * ``HostMap``: a CPU-side touch remains. vLLM's weight loaders copy the tensors it hands them (the common
-  tensors at TP > 1; at TP = 1 those under the loader's ``_LARGE_COMMON``; none it skips) out of the map on
+  tensors at TP > 1; at TP = 1 those under ``common_tensors.LARGE_COMMON``; none it skips) out of the map on
   the CPU, in ``load_weights``; a ``common.safetensors`` truncated during those copies ends the engine with
   SIGBUS. Reading them with ``pread`` instead would read each rank's whole embedding and head where it uses
   its shard, and what a pipeline stage skips. marlin-pack never truncates a bundle file in place (``convert

@@ -36,7 +36,6 @@ import dataclasses
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -55,12 +54,11 @@ from marlin_pack.errors import BundleError, MismatchField
 from marlin_pack.gpu.helpers import HelperPool, exits_in_background
 from marlin_pack.gpu.host_map import HostMap
 from marlin_pack.gpu.plan import IoPlan
-from marlin_pack.gpu.reader import CopyItem, ParallelReader
+from marlin_pack.gpu.reader import ParallelReader
 from marlin_pack.io.residency import warm_in_background
-from marlin_pack.io.safetensors_io import TensorInfo
-from marlin_pack.vllm_plugin import decide_ahead, patches, preload
+from marlin_pack.vllm_plugin import common_tensors, decide_ahead, patches, preload
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
-from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, alias_names, plain_copy_target
+from marlin_pack.vllm_plugin.common_tensors import CommonPrefill, alias_names, common_weights
 from marlin_pack.vllm_plugin.decision import (
     Decision,
     EngineFacts,
@@ -91,9 +89,6 @@ from marlin_pack.vllm_plugin.stubs import materialize_stubs
 
 __all__ = ["MarlinPrepackedLoader"]
 
-# Common tensors from this size on are read with the parallel reader (see _common_weights), and copied
-# beside the construction where the plan says so (common_prefill).
-_LARGE_COMMON = 16 << 20
 
 # A child of "vllm" so vLLM's logging configuration (handler, level, format) applies.
 logger = init_logger("vllm.marlin_pack")
@@ -454,7 +449,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
         arena = layout.allocate()
         # (not a common file whose digest is left to the copy: read whole once and hashed, its tensors come from there)
         common_pending = any(p.path == bundle.common_file for p in bundle.hashed.pending)
-        common = CommonPrefill.allocate(bundle, _LARGE_COMMON) if plan.common_during_build and not common_pending else None
+        common = CommonPrefill.allocate(bundle, common_tensors.LARGE_COMMON) if plan.common_during_build and not common_pending else None
         self._timings.arena = time.perf_counter() - t0
         copy = BackgroundCopy(
             lambda: ParallelReader(plan, helpers),
@@ -616,7 +611,7 @@ class MarlinPrepackedLoader(BaseModelLoader):
                 # (a pipeline stage may have no decoder layer: then the model's first parameter says it)
                 device = next(next(iter(state.layers.values())).parameters() if state.layers else model.parameters()).device
                 with held or HostMap(bundle.common_file) as host:
-                    model.load_weights(self._common_weights(reader, host, bundle, model, device, skip=prefilled))
+                    model.load_weights(common_weights(reader, host, bundle, model, device, skip=prefilled))
                 t2 = time.perf_counter()
         finally:
             if fill is not None:
@@ -665,69 +660,6 @@ class MarlinPrepackedLoader(BaseModelLoader):
         logger.debug("marlin-pack: %d common names copied beside the construction, %d stubs given memory", len(done), left)
         return done
 
-    @staticmethod
-    def _common_weights(
-        reader: ParallelReader, host: HostMap, bundle: SelectedBundle, model: nn.Module, device: torch.device,
-        skip: frozenset[str] | set[str] = frozenset(),
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``common.safetensors`` in file order, for the model's ``load_weights``.
-
-        Large tensors (embeddings, output head) at TP=1 are read straight into their
-        parameters by ``reader`` when a plain copy is all vLLM's weight loader would do
-        (:func:`_direct_target`), and not yielded; other large tensors are staged on the GPU
-        at TP=1. Everything else is yielded as CPU views of the file map for vLLM's weight
-        loaders to narrow (TP shards) and copy. The direct copies run first, as one batch. A tensor stored once for several checkpoint
-        names (``common_aliases``) goes to each of them, as the checkpoint's loader would. Names in ``skip``
-        are loaded already (:meth:`_bind_common`).
-        """
-        copies = alias_names(bundle)
-        # (name, info, the checkpoint names it still loads) in file order; a tensor all of whose names are loaded is left out.
-        ordered = [
-            (name, info, names)
-            for name, info in sorted(bundle.common_header.tensors.items(), key=lambda kv: kv[1].start)
-            if (names := [n for n in (name, *copies.get(name, ())) if n not in skip])
-        ]
-        whole = device.type == "cuda" and bundle.tp_set.tp_size == 1  # each rank uses whole tensors
-        params = dict(model.named_parameters(remove_duplicate=False)) if whole else {}
-
-        def direct_targets(names: list[str], info: TensorInfo) -> dict[int, nn.Parameter] | None:
-            """The parameters (by address) a large tensor is copied straight into, or None."""
-            if not whole or info.nbytes < _LARGE_COMMON:
-                return None
-            targets = [_direct_target(params.get(n), info.shape, info.torch_dtype) for n in names]
-            if any(t is None for t in targets):
-                return None
-            return {t.data_ptr(): t for t in targets}  # type: ignore[union-attr]  # a tied head is the embedding itself
-
-        # The direct copies go first, in one batch: the reader's threads then share all their windows (one
-        # tensor at a time, a 2 GB embedding's 8 windows of 256 MiB kept half of 16 threads idle).
-        batch: list[CopyItem] = []
-        done: set[str] = set()
-        filled: set[int] = set()  # a later tensor into a destination already in the batch waits (file order)
-        for name, info, names in ordered:
-            targets = direct_targets(names, info)
-            if targets is not None and filled.isdisjoint(targets):
-                batch += [CopyItem(info.start, info.nbytes, t.data) for t in targets.values()]
-                filled |= targets.keys()
-                done.add(name)
-        if batch:
-            reader.copy(bundle.common_file, batch)
-        for name, info, names in ordered:
-            if name in done:
-                continue
-            targets = direct_targets(names, info)
-            if targets is not None:
-                reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t.data) for t in targets.values()])
-                continue
-            # Staged on the GPU where the model holds it: a pipeline stage's vLLM skips the rest, reading nothing.
-            if whole and info.nbytes >= _LARGE_COMMON and (bundle.stage is None or built_parameters(model, names)):
-                t = torch.empty(info.shape, dtype=info.torch_dtype, device=device)
-                reader.copy(bundle.common_file, [CopyItem(info.start, info.nbytes, t)])
-            else:
-                t = host.tensor(info.start, info.nbytes, info.torch_dtype, info.shape)
-            for n in names:
-                yield n, t
-
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """The engine path: create, place, vLLM post-processing (no-op for prepacked layers), timings."""
         if self._is_draft(vllm_config, model_config) or self._decide(vllm_config, model_config).fallback:
@@ -758,9 +690,3 @@ class MarlinPrepackedLoader(BaseModelLoader):
             logger.info(self._timings.line(state.bundle, len(state.layers)))
         return model.eval()
 
-
-def _direct_target(param: nn.Parameter | None, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter | None:
-    """``param`` when copying a checkpoint tensor of ``shape``/``dtype`` into its memory is exactly what
-    its vLLM weight loader would do at TP=1 (:func:`~.common_prefill.plain_copy_target`, contiguous), else None."""
-    target = plain_copy_target(param, shape, dtype)
-    return target if target is not None and target.data.is_contiguous() else None

@@ -214,7 +214,7 @@ def _write(kind: str, out: Path) -> Path:
         return write_gptq_checkpoint(out, PRESETS["tiny"], bits=8)
     if kind == "awq4-padded":
         return write_awq_checkpoint(out, PRESETS["tiny-padded"], group_size=32)
-    if kind == "gptq4-vocab":  # embedding and head of 20.5 MB each: large common tensors (loader._LARGE_COMMON)
+    if kind == "gptq4-vocab":  # embedding and head of 20.5 MB each: large common tensors (common_tensors.LARGE_COMMON)
         return write_gptq_checkpoint(out, PRESETS["tiny-vocab"])
     raise ValueError(kind)
 

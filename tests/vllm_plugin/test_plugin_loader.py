@@ -125,9 +125,9 @@ def with_vllm_embeddings(monkeypatch: pytest.MonkeyPatch, model_dir: Path, paddi
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    import marlin_pack.vllm_plugin.loader as loader_mod
+    from marlin_pack.vllm_plugin import common_tensors
 
-    monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1 << 10)
+    monkeypatch.setattr(common_tensors, "LARGE_COMMON", 1 << 10)
     cfg = json.loads((model_dir / "config.json").read_text())
     vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
     fake_create_model(monkeypatch, model_dir)
@@ -781,26 +781,6 @@ def test_load_weights_needs_its_own_model() -> None:
         make_loader().load_weights(torch.nn.Module(), SimpleNamespace())
 
 
-def test_direct_target_only_for_plain_copy_loaders() -> None:
-    """Large common tensors skip vLLM's weight loader only where it would do a plain copy at TP=1."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-    from marlin_pack.vllm_plugin.loader import _direct_target
-
-    p = torch.nn.Parameter(torch.empty(4, 8, dtype=torch.float16), requires_grad=False)
-    assert _direct_target(p, (4, 8), torch.float16) is p  # no weight_loader: vLLM uses default_weight_loader
-    p.weight_loader = default_weight_loader
-    assert _direct_target(p, (4, 8), torch.float16) is p
-    p.weight_loader = VocabParallelEmbedding.weight_loader.__get__(object())  # a bound method, as vLLM sets it
-    assert _direct_target(p, (4, 8), torch.float16) is p
-    assert _direct_target(p, (8, 4), torch.float16) is None
-    assert _direct_target(p, (4, 8), torch.bfloat16) is None
-    assert _direct_target(None, (4, 8), torch.float16) is None
-    p.weight_loader = lambda param, w: param.data.copy_(w * 2)
-    assert _direct_target(p, (4, 8), torch.float16) is None
-
-
 class _FakeHelpers:
     """Stands in for gpu.helpers.HelperPool (its API: ``copy_files``, ``let_go``, ``close(wait)``, ``join``, ``ready_after``,
     ``retained_bytes``, ``failures``): records when it is started and how it is ended. CPU destinations are never given
@@ -1054,14 +1034,14 @@ def test_large_common_tensors_are_copied_in_one_batch(awq_bundle: Path, monkeypa
     ``tied``: the head *is* the embedding parameter though the bundle stores both tensors: one
     destination, so the later tensor in the file is copied after the batch and its bytes win, as
     copying in file order gives. (CPU parameters stand in for the GPU's: the reader reads into them.)"""
-    import marlin_pack.vllm_plugin.loader as loader_mod
     from marlin_pack.gpu.host_map import HostMap
     from marlin_pack.gpu.reader import ParallelReader
     from marlin_pack.io.safetensors_io import read_header
+    from marlin_pack.vllm_plugin import common_tensors
     from marlin_pack.vllm_plugin.decision import decide
     from marlin_pack.vllm_plugin.engine import engine_facts
 
-    monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1 << 10)  # the tiny model's embedding and head count as large
+    monkeypatch.setattr(common_tensors, "LARGE_COMMON", 1 << 10)  # the tiny model's embedding and head count as large
     vllm_config, model_config = fake_engine(awq_bundle, "auto_awq", monkeypatch)
     bundle = decide(make_loader().options, engine_facts(vllm_config, model_config)).bundle
     assert bundle is not None
@@ -1091,7 +1071,7 @@ def test_large_common_tensors_are_copied_in_one_batch(awq_bundle: Path, monkeypa
             return super().copy(path, items)  # type: ignore[arg-type]
 
     with Counting(IoPlan(threads=2, window=1 << 16)) as reader, HostMap(bundle.common_file) as host:
-        fed = dict(loader_mod.MarlinPrepackedLoader._common_weights(reader, host, bundle, model, torch.device("cuda")))
+        fed = dict(common_tensors.common_weights(reader, host, bundle, model, torch.device("cuda")))
     assert set(fed) == set(header.tensors) - set(large)  # the direct ones are not fed to vLLM
     for name in set(fed):
         assert torch.equal(fed[name], want[name]), name

@@ -253,12 +253,12 @@ def test_a_stage_does_not_stage_on_the_gpu_a_large_common_tensor_its_model_lacks
     """At TP=1 on a GPU the loader reads large common tensors itself (into their parameter, or a GPU tensor for
     vLLM's weight loader). A tensor of the stage's share that vLLM did not build there (a class left on every
     stage) is handed over as a view of the file's map instead: vLLM's loader skips it without reading it."""
-    import marlin_pack.vllm_plugin.loader as loader_mod
     from marlin_pack.gpu.host_map import HostMap
+    from marlin_pack.vllm_plugin import common_tensors
     from marlin_pack.vllm_plugin.decision import EngineFacts, select_bundle
     from marlin_pack.vllm_plugin.options import LoaderOptions
 
-    monkeypatch.setattr(loader_mod, "_LARGE_COMMON", 1)  # every common tensor counts as large
+    monkeypatch.setattr(common_tensors, "LARGE_COMMON", 1)  # every common tensor counts as large
     model_dir = stage_bundle("llama")
 
     empty = torch.empty
@@ -275,7 +275,7 @@ def test_a_stage_does_not_stage_on_the_gpu_a_large_common_tensor_its_model_lacks
         staged: list[int] = []
         reader = SimpleNamespace(copy=lambda path, items: staged.extend(it.nbytes for it in items))
         with HostMap(bundle.common_file) as host:  # a model that holds none of them, on a GPU
-            weights = loader_mod.MarlinPrepackedLoader._common_weights(reader, host, bundle, nn.Module(), torch.device("cuda"))
+            weights = common_tensors.common_weights(reader, host, bundle, nn.Module(), torch.device("cuda"))
             lo = host._mapping.base  # type: ignore[union-attr]
             viewed = [name for name, t in weights if lo <= t.data_ptr() < lo + host.size]
         return viewed, staged

@@ -1,4 +1,5 @@
-"""``common_prefill``: which common tensors are copied beside the construction, and which parameters they bind."""
+"""``common_tensors``: which common tensors are copied beside the construction, which parameters they bind, and which
+large ones are read straight into their parameters."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from marlin_pack.io.safetensors_io import TensorInfo
-from marlin_pack.vllm_plugin.common_prefill import CommonPrefill, PrefillSlot, plain_copy_target
+from marlin_pack.vllm_plugin.common_tensors import CommonPrefill, PrefillSlot, direct_target, plain_copy_target
 
 
 def _param(shape: tuple[int, ...], loader: object = None) -> nn.Parameter:
@@ -138,3 +139,22 @@ def test_background_copy_hands_every_job_to_one_reader_at_once(fail: bool) -> No
         assert copy.bytes == 30
     assert calls == [[("rank", 2), ("common", 1)]]
     assert len(readers) == 1
+
+
+def test_direct_target_only_for_plain_copy_loaders() -> None:
+    """Large common tensors skip vLLM's weight loader only where it would do a plain copy at TP=1."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+
+    p = torch.nn.Parameter(torch.empty(4, 8, dtype=torch.float16), requires_grad=False)
+    assert direct_target(p, (4, 8), torch.float16) is p  # no weight_loader: vLLM uses default_weight_loader
+    p.weight_loader = default_weight_loader
+    assert direct_target(p, (4, 8), torch.float16) is p
+    p.weight_loader = VocabParallelEmbedding.weight_loader.__get__(object())  # a bound method, as vLLM sets it
+    assert direct_target(p, (4, 8), torch.float16) is p
+    assert direct_target(p, (8, 4), torch.float16) is None
+    assert direct_target(p, (4, 8), torch.bfloat16) is None
+    assert direct_target(None, (4, 8), torch.float16) is None
+    p.weight_loader = lambda param, w: param.data.copy_(w * 2)
+    assert direct_target(p, (4, 8), torch.float16) is None
