@@ -23,7 +23,8 @@ from marlin_pack._constants import MADE_WITH_VLLM
 from marlin_pack._version import __version__
 from marlin_pack.bundle.existing import Findings, State, Update, assess, decide, look, output_state
 from marlin_pack.bundle.integrity import HashReport, source_digest
-from marlin_pack.bundle.writer import BundleWriter, check_output, follow_output, output_lock
+from marlin_pack.bundle.output_lock import output_lock
+from marlin_pack.bundle.writer import BundleWriter, check_output, follow_output
 from marlin_pack.dtypes import serving_dtype_for
 from marlin_pack.errors import CheckpointError, MarlinPackError, OutputExistsError
 from marlin_pack.io.hashing import FileChangedError, HashedFile, hash_file, hash_workers
@@ -31,7 +32,7 @@ from marlin_pack.io.residency import WRITE_ENV, available_memory, write_through_
 from marlin_pack.io.safetensors_io import StreamWriter
 from marlin_pack.io.sampling import sample_digest
 from marlin_pack.kernel_choice import parse_kernel
-from marlin_pack.marlin.moe import ExpertTensors
+from marlin_pack.marlin.moe import ExpertTensors, naming_paths
 from marlin_pack.marlin.rank_tensors import build_rank_tensors, tensor_specs
 from marlin_pack.marlin.sharding import (
     ModuleTensors,
@@ -505,7 +506,8 @@ def _write_bundle(
                 format_version=update.format_version,
                 producer=Producer(version=__version__),
                 target=Target(vllm_version=MADE_WITH_VLLM, kernel=target_kernel(layer_kernels),
-                              transformers=recorded_transformers(plan.dims.arch)),
+                              transformers=recorded_transformers(plan.dims.arch),
+                              paths=naming_paths(plan.dims.arch.paths, plan.moe.naming if plan.moe else None)),
                 quant=source.scheme,
                 serving_dtype=serving_dtype,
                 activation_dtype=serving_dtype,

@@ -26,9 +26,9 @@ from pathlib import Path
 from marlin_pack._constants import COMMON_FILE, MANIFEST_NAME
 from marlin_pack.bundle.reader import listed_files
 from marlin_pack.errors import BundleError, MarlinPackError, OutputExistsError
-from marlin_pack.io.files import rename_no_replace, same_file
+from marlin_pack.io.files import UntrustedSymlinkError, open_dirs, rename_no_replace, same_file
 
-__all__ = ["open_output", "publish_in_place"]
+__all__ = ["open_output", "open_parent", "publish_in_place"]
 
 _RANK_FILE = re.compile(r"tp[1-9][0-9]*/rank-[0-9]+\.safetensors")
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -49,6 +49,22 @@ def open_output(out: Path, expect: tuple[int, int] | None = None) -> int:
         os.close(fd)
         raise OutputExistsError(f"{out} was replaced while converting; nothing was written, convert again")
     return fd
+
+
+def open_parent(out: Path) -> int:
+    """A descriptor of the folder ``out`` is published in, made if missing (never through another user's symlink).
+
+    Raises:
+        MarlinPackError: it cannot be made or opened (not writable, not a directory, another user's symlink).
+    """
+    try:
+        return open_dirs(out.parent)
+    except UntrustedSymlinkError as e:
+        raise MarlinPackError(
+            f"cannot write to {out.parent}: {e.filename} {e.strerror}; refusing to follow it: remove it or pass another `output=DIR`"
+        ) from e
+    except OSError as e:
+        raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror or e}); choose a writable location (`output=DIR`)") from e
 
 
 @contextlib.contextmanager

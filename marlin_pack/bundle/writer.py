@@ -5,8 +5,9 @@ the end, so an interrupted or failed conversion never leaves a directory that lo
 bundle; on any error (SIGINT, SIGTERM and SIGHUP included) the temporary directory is
 removed, and temporary directories of dead conversions (SIGKILL) are removed by the next one.
 A lock (``.NAME.lock`` beside the output, removed at the end) keeps two conversions from writing
-one output: the second waits for the first, for a bounded time (:func:`output_lock`). Publishing never clobbers: the
-rename succeeds only onto nothing, or, with ``--force``, onto a directory that is a marlin-pack bundle and holds nothing else.
+one output: the second waits for the first, for a bounded time (:mod:`marlin_pack.bundle.output_lock`). Publishing
+never clobbers: the rename succeeds only onto nothing, or, with ``--force``, onto a directory that is a marlin-pack
+bundle and holds nothing else.
 
 The output's parent may be writable by another user (her model directory, a shared model tree or
 cache), who can rename any entry there and put a symlink or a directory of symlinks in its place at
@@ -31,29 +32,25 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import math
 import os
 import re
 import secrets
 import signal
 import stat
-import struct
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marlin_pack._constants import COMMON_FILE, FORMAT_VERSION, LEGACY_STAMPS_NAME, MANIFEST_NAME
 from marlin_pack.bundle.existing import is_own_entry
-from marlin_pack.bundle.in_place import open_output, publish_in_place
+from marlin_pack.bundle.in_place import open_output, open_parent, publish_in_place
+from marlin_pack.bundle.output_lock import output_lock
 from marlin_pack.bundle.rank_files import common_metadata, rank_file_path, rank_metadata
 from marlin_pack.bundle.reader import listed_files
 from marlin_pack.errors import BundleError, MarlinPackError, OutputExistsError
 from marlin_pack.io.files import (
-    UntrustedSymlinkError,
     create_file,
-    open_dirs,
     owner_text,
     remove_contents,
     rename_no_replace,
@@ -70,20 +67,13 @@ if TYPE_CHECKING:
 
     from marlin_pack.marlin.rank_tensors import TensorSpec
 
-__all__ = [
-    "Interrupted", "LOCK_WAIT_ENV", "check_output", "follow_output", "output_lock", "lock_wait_s", "foreign_entry", "remove_bundle",
-    "BundleWriter",
-]
+__all__ = ["Interrupted", "check_output", "follow_output", "foreign_entry", "remove_bundle", "BundleWriter"]
 
 # The common file's tensors queued for writing at most (see BundleWriter.write_common).
 _COMMON_BYTES_IN_FLIGHT = 1 << 30
 
 # errnos for which "free space" is the right advice
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-# How long a conversion waits for another one's lock of its output before it gives up (exit 1), unless set.
-LOCK_WAIT_ENV = "MARLIN_PACK_LOCK_WAIT_S"
-_DEFAULT_LOCK_WAIT_S = 600.0
 
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _MAX_LINKS = 40  # symlinks followed at most in one output path (the kernel's limit)
@@ -200,22 +190,6 @@ def check_output(model_dir: Path, out: Path, force: bool) -> Path:
     return out
 
 
-def _open_parent(out: Path) -> int:
-    """A descriptor of the folder ``out`` is published in, made if missing (never through another user's symlink).
-
-    Raises:
-        MarlinPackError: it cannot be made or opened (not writable, not a directory, another user's symlink).
-    """
-    try:
-        return open_dirs(out.parent)
-    except UntrustedSymlinkError as e:
-        raise MarlinPackError(
-            f"cannot write to {out.parent}: {e.filename} {e.strerror}; refusing to follow it: remove it or pass another `output=DIR`"
-        ) from e
-    except OSError as e:
-        raise MarlinPackError(f"cannot write to {out.parent} ({e.strerror or e}); choose a writable location (`output=DIR`)") from e
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -283,195 +257,6 @@ def _remove_stale_temp_dirs(out: Path, parent_fd: int) -> None:
                 _remove_held(name, parent_fd, fd)
         finally:
             os.close(fd)
-
-
-_WAIT_NOTICE_S = 30.0  # how often a waiting conversion says it is still waiting
-
-
-def lock_wait_s() -> float:
-    """How long to wait for another conversion's lock: ``$MARLIN_PACK_LOCK_WAIT_S`` seconds (``inf``: without end), default 600.
-
-    Raises:
-        MarlinPackError: the variable is not a non-negative number.
-    """
-    raw = os.environ.get(LOCK_WAIT_ENV, "").strip()
-    if not raw:
-        return _DEFAULT_LOCK_WAIT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value >= 0:  # NaN too
-        raise MarlinPackError(f"{LOCK_WAIT_ENV}={raw!r} is not a number of seconds; expected e.g. 1800, or inf to wait without end")
-    return value
-
-
-def _try_lock(fd: int) -> bool:
-    """Take a write lock of the whole file ``fd`` without waiting; False if another open file holds a lock on it.
-
-    An open-file-description lock (``F_OFD_SETLK``: it also excludes another open of the file in this process),
-    else a POSIX ``lockf``: both need a descriptor open for writing, which only this user and root have (0600).
-    """
-    import fcntl
-
-    cmd = getattr(fcntl, "F_OFD_SETLK", None)
-    if cmd is not None and struct.calcsize("P") == 8:
-        try:  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for an OFD lock), padding
-            fcntl.fcntl(fd, cmd, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
-            return True
-        except OSError as e:
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                return False
-            if e.errno != errno.EINVAL:  # EINVAL: a kernel before 3.15
-                raise
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-def _lock_holder(fd: int, out: Path) -> str:
-    """Who holds the lock, from the pid its holder wrote into the file (only this user or root can write it)."""
-    pid = 0
-    with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
-        text = os.pread(fd, 32, 0).decode("ascii").strip()
-        pid = int(text) if text.isdigit() else 0
-    if not pid:
-        return f"a process that did not write its pid (not a marlin-pack conversion) holds the lock of {out}"
-    try:
-        uid = os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return f"another marlin-pack conversion (pid {pid}) is writing {out}"
-    if uid == os.geteuid():
-        return f"another marlin-pack conversion (pid {pid}) is writing {out}"
-    return f"pid {pid} of {owner_text(uid)}, not a conversion of this user, holds the lock of {out}"
-
-
-def _open_lock(name: str, parent_fd: int, path: Path, out: Path) -> int | None:
-    """The lock file, made 0600 if missing; None where it vanished meanwhile (try again).
-
-    Raises:
-        MarlinPackError: not a regular file (a symlink too), or another user's (named), or not openable.
-    """
-    flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    try:
-        return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=parent_fd)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        raise MarlinPackError(f"cannot make the lock file {path} ({e.strerror or e}); choose a writable location (`output=DIR`)") from e
-    remove = f"remove it if no conversion of {out} is running (it is only a lock), or choose another `output=DIR`"
-    try:
-        fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=parent_fd)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        try:
-            st = os.lstat(name, dir_fd=parent_fd)
-        except OSError:
-            return None
-        if stat.S_ISLNK(st.st_mode):
-            raise MarlinPackError(f"cannot make the lock file {path}: a symlink is there, expected a lock file; {remove}") from e
-        if not stat.S_ISREG(st.st_mode):
-            raise MarlinPackError(f"{path} is not a regular file; {remove}") from e
-        raise MarlinPackError(
-            f"cannot open the lock file {path} of {owner_text(st.st_uid)} ({e.strerror or e}); a conversion of {out} by that user "
-            f"is running or was killed: wait for it, or have that user or root remove the file"
-        ) from e
-    st = os.fstat(fd)
-    why = None
-    if not stat.S_ISREG(st.st_mode):
-        why = f"{path} is not a regular file; {remove}"
-    elif st.st_uid not in (os.geteuid(), 0):
-        why = f"the lock file {path} belongs to {owner_text(st.st_uid)}, not to this user or root (anyone could hold it); {remove}"
-    if why is not None:
-        os.close(fd)
-        raise MarlinPackError(why)
-    os.set_blocking(fd, True)
-    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o600:
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, 0o600)  # a lock file of an older version (0644): no one else opens it from now on
-    return fd
-
-
-@contextlib.contextmanager
-def output_lock(
-    out: Path, on_wait: Callable[[str], None] | None = None, poll_s: float = 0.2, wait_s: float | None = None
-) -> Iterator[None]:
-    """Hold the lock of ``out`` (``.NAME.lock`` beside it): one conversion writes ``out`` at a time.
-
-    A second conversion of the same output **waits** for the first (pods whose init containers start
-    together), saying so through ``on_wait`` at once and every 30 s (and whose the lock is, where its
-    holder is not this user's conversion), and then decides again with the first one's result in place
-    (usually: up to date). It waits ``wait_s`` at most (default :func:`lock_wait_s`: ``$MARLIN_PACK_LOCK_WAIT_S``,
-    else 600 s), then gives up. The lock file is made 0600 (new, never through a symlink); one of another
-    user is refused (anyone could hold it); the lock is a write lock, which needs a descriptor open for
-    writing, so a user who may only read the file cannot hold it. A holder that dies releases it. Removed at the
-    end: a waiter that then holds a lock on the removed file tries again, so two conversions never both
-    believe they hold it. The folder of ``out`` is made if missing (never through another user's symlink).
-
-    Raises:
-        MarlinPackError: the lock file cannot be made (an unwritable folder), is not a regular file or is
-            another user's; the lock was still held after ``wait_s``.
-    """
-    limit = lock_wait_s() if wait_s is None else wait_s
-    name = f".{out.name}.lock"
-    # Beside the output, except where a volume is mounted at it: then in it, where every pod that mounts it finds it.
-    inside = os.path.ismount(out)
-    path = (out if inside else out.parent) / name
-    parent_fd = open_output(out) if inside else _open_parent(out)
-    began = time.monotonic()
-    noticed = -_WAIT_NOTICE_S
-    try:
-        while True:
-            fd = _open_lock(name, parent_fd, path, out)
-            if fd is None:
-                continue
-            try:
-                try:
-                    locked = _try_lock(fd)
-                except OSError as e:  # ENOLCK: a file system without locks
-                    raise MarlinPackError(f"cannot lock {path} ({e.strerror or e}); choose another location (`output=DIR`)") from e
-                if not locked:
-                    waited = time.monotonic() - began
-                    if waited >= limit:
-                        raise MarlinPackError(
-                            f"{path} is still locked after {waited:.0f} s: {_lock_holder(fd, out)}; expected it to finish: wait "
-                            f"for it or stop it, or set {LOCK_WAIT_ENV} to wait longer (seconds, or inf)"
-                        )
-                    if on_wait is not None and waited - noticed >= _WAIT_NOTICE_S:
-                        noticed = waited
-                        bound = f"at most {limit:.0f} s" if math.isfinite(limit) else "without end"
-                        on_wait(f"{_lock_holder(fd, out)}; waiting for it ({waited:.0f} s so far, {bound}: {LOCK_WAIT_ENV})")
-                    os.close(fd)
-                    fd = -1
-                    time.sleep(min(poll_s, max(0.0, limit - waited)))
-                    continue
-                try:
-                    same = same_file(os.fstat(fd), os.lstat(name, dir_fd=parent_fd))
-                except FileNotFoundError:
-                    same = False
-                if not same:  # the holder removed the file as we took the lock: take the new one
-                    continue
-                if os.fstat(fd).st_uid == os.geteuid():  # ours: say who holds it (never write into another user's file)
-                    with contextlib.suppress(OSError):
-                        os.ftruncate(fd, 0)
-                        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-                try:
-                    yield
-                finally:
-                    with contextlib.suppress(OSError):
-                        if same_file(os.fstat(fd), os.lstat(name, dir_fd=parent_fd)):
-                            os.unlink(name, dir_fd=parent_fd)
-                return
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-    finally:
-        os.close(parent_fd)
 
 
 @contextlib.contextmanager
@@ -543,7 +328,7 @@ class BundleWriter:
         with contextlib.ExitStack() as stack:
             if not locked:
                 stack.enter_context(output_lock(out))
-            parent_fd = open_output(out, expect) if in_place else _open_parent(out)
+            parent_fd = open_output(out, expect) if in_place else open_parent(out)
             stack.callback(os.close, parent_fd)
             # From before the temporary directory exists: a SIGTERM/SIGHUP that finds it always finds the handler.
             stack.enter_context(_signals_interrupt())

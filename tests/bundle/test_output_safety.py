@@ -22,7 +22,7 @@ import pytest
 import marlin_pack.bundle.writer as writer
 import marlin_pack.conversion as conversion
 from marlin_pack import MarlinPackError, OutputExistsError, convert
-from marlin_pack.bundle.writer import output_lock
+from marlin_pack.bundle.output_lock import output_lock
 
 OTHER_UID = 12345  # no one's: "another user"
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="simulating another user's files needs root (lchown)")
