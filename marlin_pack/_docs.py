@@ -86,6 +86,8 @@ def path_table() -> str:
         for v in versions:
             path = releases.serving_path(v, a.name)
             word = {"transformers": "Transformers backend", "native": "own class"}.get(path or "", "not served")
+            if releases.via_fallback(v, a.name):  # no registry entry: the registry's fallback to transformers' class
+                word += " (registry fallback)"
             cells.append(word if path in a.paths else f"{word}: refused")
         rows.append(f"| `{a.name}` | " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -302,6 +302,9 @@ SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 # Architectures vLLM serves whose layers marlin-pack does not lay out, and why (the refusal says it in one line).
 _MULTIMODAL_BACKEND = "a multimodal model vLLM serves through its Transformers backend ({cls}); marlin-pack does not lay out its layers"
+_FALLBACK_BACKEND = ("vLLM's registry lists no such architecture and serves transformers' class through its Transformers "
+                     "backend, whose layers for it marlin-pack does not lay out: {why}")
+_UNCHECKED_EXPERTS = "whose experts and blocks marlin-pack has not checked against the backend"
 UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     # vLLM's registry sends it to TransformersForCausalLM, which builds AutoModel.from_config: no transformers release
     # has a nanbeige model type, so that is the checkpoint's remote code (auto_map, trust_remote_code)
@@ -310,6 +313,17 @@ UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
         "(config.json auto_map, trust_remote_code); no transformers release has the class, so its layers cannot be "
         "checked offline"
     ),
+    # no registry entry either: vLLM's registry falls back to its backend because transformers has the class (as for
+    # Helium, Ministral and NanoChat, releases.py's backend_fallback), but the backend's rules do not give their layers
+    **{name: _FALLBACK_BACKEND.format(why=why) for name, why in (
+        ("DogeForCausalLM", ("its attention has a dt_proj beside q_proj, k_proj and v_proj (a dynamic mask from the "
+                             "values), and its MLP may be a cross-domain mixture of experts")),
+        ("YoutuForCausalLM", ("its attention is multi-head latent attention (q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
+                              "kv_b_proj), which the backend builds through its MLA fuser")),
+        ("SolarOpenForCausalLM", "a mixture-of-experts model (shared experts beside the routed ones, a sigmoid router "
+                                 "with a score correction bias) " + _UNCHECKED_EXPERTS),
+        ("MiniMaxM3VLForCausalLM", "a mixture-of-experts model with a sparse-attention indexer " + _UNCHECKED_EXPERTS),
+    )},
     **{name: _MULTIMODAL_BACKEND.format(cls=cls) for name, cls in (
         ("AriaForConditionalGeneration", "TransformersMultiModalMoEForCausalLM"),
         ("Emu3ForConditionalGeneration", "TransformersMultiModalForCausalLM"),

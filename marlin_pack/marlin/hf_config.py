@@ -142,6 +142,16 @@ CONFIG_CLASSES: dict[str, ConfigClass] = {
                               "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}),
         ("jais2", "Jais2Config", {"vocab_size": 150272, "hidden_size": 3328, "intermediate_size": 26624, "num_hidden_layers": 32,
                                   "num_attention_heads": 26, "tie_word_embeddings": False}),
+        # served through the backend although no registry lists them (releases.py's backend_fallback); Helium's head_dim
+        # defaults to 128 whatever hidden_size / num_attention_heads is, Ministral's to null (its attention then fails)
+        ("helium", "HeliumConfig", {"vocab_size": 48000, "hidden_size": 2560, "intermediate_size": 7040, "num_hidden_layers": 24,
+                                    "num_attention_heads": 20, "num_key_value_heads": 20, "head_dim": 128,
+                                    "tie_word_embeddings": False}),
+        ("ministral", "MinistralConfig", {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                                          "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                          "tie_word_embeddings": False}),
+        ("nanochat", "NanoChatConfig", {"vocab_size": 50304, "hidden_size": 768, "intermediate_size": 8192,
+                                        "num_hidden_layers": 12, "num_attention_heads": 6, "tie_word_embeddings": False}),
     )},
     # MoE through the backend: the experts' width is intermediate_size; transformers 5 maps num_local_experts
     "olmoe": ConfigClass("OlmoeConfig", {"num_local_experts": "num_experts"}, {
@@ -195,7 +205,8 @@ ARCHITECTURE_MODEL_TYPES = {
     "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "VaultGemmaForCausalLM": "vaultgemma", "CwmForCausalLM": "cwm",
     "Jais2ForCausalLM": "jais2", "GPTBigCodeForCausalLM": "gpt_bigcode", "OlmoeForCausalLM": "olmoe",
     "FlexOlmoForCausalLM": "flex_olmo", "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe", "Kolibri1ForCausalLM": "kolibri1",
-    "MellumForCausalLM": "mellum",
+    "MellumForCausalLM": "mellum", "HeliumForCausalLM": "helium", "MinistralForCausalLM": "ministral",
+    "NanoChatForCausalLM": "nanochat",
 }
 
 

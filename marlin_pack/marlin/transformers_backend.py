@@ -1,10 +1,12 @@
 """vLLM's Transformers backend, as rules over data: which quantized layers it builds for an architecture.
 
 vLLM serves some architectures through its Transformers backend (``vllm/model_executor/models/transformers/``; its
-registry's ``_TRANSFORMERS_SUPPORTED_MODELS``): it builds transformers' own model class on the meta device, then
-replaces modules (``Base.recursive_replace``). What it makes of a decoder layer's linears follows fixed rules, the
-same in every vLLM release marlin-pack serves (``fusers/qkv.py``, ``packed_qkv.py``, ``glu.py``, ``merged_column.py``
-and ``utils.replace_linear_class`` are identical from 0.30.0 to 0.34.0), applied to the transformers modeling code:
+registry's ``_TRANSFORMERS_SUPPORTED_MODELS``, and any architecture the registry does not list whose transformers class
+is backend-compatible: Helium, Ministral, NanoChat, the release table's ``backend_fallback``): it builds transformers'
+own model class on the meta device, then replaces modules (``Base.recursive_replace``). What it makes of a decoder
+layer's linears follows fixed rules, the same in every vLLM release marlin-pack serves (``fusers/qkv.py``,
+``packed_qkv.py``, ``glu.py``, ``merged_column.py`` and ``utils.replace_linear_class`` are identical from 0.30.0 to
+0.34.0), applied to the transformers modeling code:
 
 * **QKV** (``QKVFuser``): three sibling linears of the attention module reading its input become one
   ``QKVParallelLinear`` named ``qkv_proj``, parts in the order q, k, v (q the widest), heads of the module's
@@ -108,6 +110,9 @@ class BackendModel:
     output_head: str = "lm_head.weight"
     # config key -> (the value the modeling code must see for these rules to hold, what the module does otherwise)
     requires: tuple[tuple[str, object, str], ...] = ()
+    # config keys the modeling code reads as they are, null included (what it then does): a config without them builds
+    # no model, in transformers or in vLLM's backend (Ministral's head_dim)
+    needs_set: tuple[tuple[str, str], ...] = ()
     # A sparse block's shared expert: a GLU MLP beside the experts (GLUFuser: gate_up_proj, down_proj). From vLLM 0.34
     # the MoE fuser runs it inside the experts' MoERunner, which holds it too; it is built and loaded under its own name.
     shared: HfMlp | None = None
@@ -188,12 +193,21 @@ BACKEND_MODELS: dict[str, BackendModel] = {
             "OlmoForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "GemmaForCausalLM",
             "StableLmForCausalLM", "SeedOssForCausalLM", "HunYuanDenseV1ForCausalLM", "VaultGemmaForCausalLM",
             "CwmForCausalLM",
+            # no registry entry at all: vLLM serves it through the backend because transformers has the class
+            # (releases.py's backend_fallback)
+            "HeliumForCausalLM",
         )),
+        # as Helium, served by the registry's fallback; MinistralAttention takes config.head_dim as is (its class default
+        # null, no hidden_size / num_attention_heads in its place)
+        BackendModel("MinistralForCausalLM", _LLAMA_ATTENTION, _GLU,
+                     needs_set=(("head_dim", "MinistralAttention computes with it as is (None ** -0.5 raises)"),)),
         # plain MLPs: c_fc / fc1 / up_proj colwise, c_proj / fc2 / down_proj rowwise (their base_model_tp_plan)
         BackendModel("Starcoder2ForCausalLM", _LLAMA_ATTENTION, HfMlp("mlp", "c_proj", up="c_fc")),
         BackendModel("PhiForCausalLM", HfAttention("self_attn", "dense", qkv=("q_proj", "k_proj", "v_proj")),
                      HfMlp("mlp", "fc2", up="fc1")),
         BackendModel("ArceeForCausalLM", _LLAMA_ATTENTION, HfMlp("mlp", "down_proj", up="up_proj")),
+        # NanoChat (no registry entry, served as Helium and Ministral): relu2(fc1(x)) then fc2, no gate
+        BackendModel("NanoChatForCausalLM", _LLAMA_ATTENTION, HfMlp("mlp", "fc2", up="fc1")),
         BackendModel("Jais2ForCausalLM", _LLAMA_ATTENTION, HfMlp("mlp", "down_proj", up="up_proj")),
         # Glm stores gate_up_proj fused and chunks it after the GEMM: no GLU match; tp_plan colwise_gather_output
         BackendModel("GlmForCausalLM", _LLAMA_ATTENTION, HfMlp("mlp", "down_proj", up="gate_up_proj", up_size="2i")),
@@ -226,6 +240,11 @@ def config_problem(architecture: str, config: Mapping[str, Any]) -> str | None:
     """Why the backend's rules do not give ``architecture``'s row for this ``config`` (its config class's view, with
     defaults), in one line; None: they do."""
     m = BACKEND_MODELS.get(architecture)
+    for key, null in m.needs_set if m is not None else ():
+        if config.get(key) is None:
+            return (f"config.json {key} is null or absent, expected a positive integer for {architecture}: transformers' "
+                    f"{null}, so neither transformers nor vLLM's Transformers backend builds this model; set {key} in "
+                    f"config.json (usually hidden_size / num_attention_heads)")
     for key, want, otherwise in m.requires if m is not None else ():
         if config.get(key, want) != want:
             return (f"config.json {key} is {config.get(key)!r}, expected {want!r} for {architecture}: without it {otherwise}, so "

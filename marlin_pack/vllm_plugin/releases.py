@@ -33,7 +33,13 @@ what differs is the plugin's surface, read from each release's code:
   against (:func:`transformers_problem`). ``transformers``: the transformers release the release's environment
   resolves to (its pin), the one its oracles ran with. ``unregistered``: architectures of the table the release's
   registry does not list at all (Kolibri 1 before 0.33: neither a class of vLLM's own nor a backend entry, and its pinned
-  transformers has no such class), refused there (:func:`path_problem`).
+  transformers has no such class), refused there (:func:`path_problem`). ``backend_fallback``: architectures of the table
+  the release's registry does not list either, but that its transformers has a class for: vLLM serves them through its
+  Transformers backend all the same (``ModelRegistry``'s "fallback to transformers impl" with ``model_impl`` auto:
+  ``_try_resolve_transformers`` takes transformers' class where ``is_backend_compatible()`` or
+  ``_can_set_attn_implementation()``, ``ModelConfig._get_transformers_backend_cls`` names ``TransformersForCausalLM``,
+  or ``TransformersMoEForCausalLM`` for an MoE config; the same code in every release here), so their path is the
+  backend's, as for a registry entry (:func:`via_fallback` says which of the two).
 * ``ready``: the plugin's adapter for the release is done and its oracles pass. A release listed but not ready is
   refused like an unknown one; its entry is data for the adapter to come.
 
@@ -63,6 +69,7 @@ __all__ = [
     "serves",
     "served_natively",
     "serving_path",
+    "via_fallback",
     "path_problem",
     "transformers_problem",
 ]
@@ -94,6 +101,9 @@ class Release:
     transformers: str = ""
     # Architectures of marlin-pack's table that this release's model registry does not list (no path serves them).
     unregistered: frozenset[str] = frozenset()
+    # Architectures of marlin-pack's table that this release's registry does not list but serves through its Transformers
+    # backend because its transformers has the class (the registry's fallback, model_impl "auto").
+    backend_fallback: frozenset[str] = frozenset()
 
     def has_env(self, name: str) -> bool:
         """Whether this release still reads the environment variable ``name``."""
@@ -128,20 +138,27 @@ _BACKEND_033 = _BACKEND_032 | {"Kolibri1ForCausalLM"}
 _BACKEND_034 = _BACKEND_033 | {"GemmaForCausalLM", "StableLmForCausalLM", "OlmoeForCausalLM"}
 # Listed by no registry before 0.33 (transformers < 5.20 has no Kolibri1ForCausalLM either).
 _UNREGISTERED_030 = frozenset({"Kolibri1ForCausalLM"})
+# Listed by no registry, served through the backend by its fallback: every release's transformers (5.16.1 to 5.22.2) has
+# these classes, backend-compatible, with the same modules (tests/vllm_plugin/test_releases.py checks the running one's).
+_FALLBACK_030 = frozenset({"HeliumForCausalLM", "MinistralForCausalLM", "NanoChatForCausalLM"})
 
 # Newest first. Each fact was read from the release's wheel (vllm/**/*.py).
 RELEASES: tuple[Release, ...] = (
     Release("0.34.0", finish="w_zp", memory_hook=True, cache_key="kernel_config", daemon="preload", ready=True,
             upstream=frozenset({"dense_pre_processed", "kernel_format_reload"}),
-            transformers_backend=_BACKEND_034, transformers="5.22.2"),
+            transformers_backend=_BACKEND_034, transformers="5.22.2",
+            backend_fallback=_FALLBACK_030),
     Release("0.33.0", finish="empty_qzeros", memory_hook=True, cache_key="kernel_config", daemon="preload", ready=True,
-            env=_MARLIN_INPUT, transformers_backend=_BACKEND_033, transformers="5.20.2"),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_033, transformers="5.20.2", backend_fallback=_FALLBACK_030),
     Release("0.32.0", finish="empty_qzeros", memory_hook=True, cache_key="plain", daemon="preload", ready=True, new_params=True,
-            env=_MARLIN_INPUT, transformers_backend=_BACKEND_032, transformers="5.19.0", unregistered=_UNREGISTERED_030),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_032, transformers="5.19.0", unregistered=_UNREGISTERED_030,
+            backend_fallback=_FALLBACK_030),
     Release("0.31.0", finish="empty_qzeros", memory_hook=False, cache_key="plain", daemon="preload", ready=True, new_params=True,
-            env=_MARLIN_INPUT, transformers_backend=_BACKEND_030, transformers="5.17.0", unregistered=_UNREGISTERED_030),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_030, transformers="5.17.0", unregistered=_UNREGISTERED_030,
+            backend_fallback=_FALLBACK_030),
     Release("0.30.0", finish="workspace", memory_hook=False, cache_key="plain", daemon="module", ready=True, new_params=True,
-            env=_MARLIN_INPUT, transformers_backend=_BACKEND_030, transformers="5.16.1", unregistered=_UNREGISTERED_030),
+            env=_MARLIN_INPUT, transformers_backend=_BACKEND_030, transformers="5.16.1", unregistered=_UNREGISTERED_030,
+            backend_fallback=_FALLBACK_030),
 )
 
 # The release written into a manifest as ``target.vllm_version`` ("made with"): the one whose post-processing the
@@ -206,7 +223,15 @@ def serving_path(version: str, architecture: str) -> Path | None:
         return None
     if architecture in entry.unregistered:
         return "unregistered"
-    return "transformers" if architecture in entry.transformers_backend else "native"
+    backend = entry.transformers_backend | entry.backend_fallback
+    return "transformers" if architecture in backend else "native"
+
+
+def via_fallback(version: str, architecture: str) -> bool:
+    """Whether the release ``version`` takes its Transformers backend for ``architecture`` because its registry lists no
+    such architecture and transformers has the class (the registry's fallback), not by a registry entry."""
+    entry = release(version)
+    return entry is not None and architecture in entry.backend_fallback
 
 
 def path_problem(version: str, architecture: str, paths: frozenset[str]) -> str | None:
@@ -222,7 +247,6 @@ def path_problem(version: str, architecture: str, paths: frozenset[str]) -> str 
         return f"vLLM {version} does not serve {architecture}: its model registry lists no such architecture; {where}"
     return (f"vLLM {version} serves {architecture} {_PATH_WORDS[path]}, whose layers differ from those of {held} the "
             f"bundle holds; {where}")
-
 
 def _minor(version: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a release string such as ``5.22.2`` or ``5.23.0.dev0``; None if it has none."""

@@ -124,7 +124,9 @@ def test_the_fixture_configs_carry_each_versions_names() -> None:
 
 # Mistral 3 without text_config: transformers builds its own default text config (hidden 5120), which
 # no checkpoint relies on; marlin-pack reads the top level then, as before.
-@pytest.mark.parametrize("name", [n for n in ARCHITECTURES if n not in ("InternLM2ForCausalLM", "Mistral3ForConditionalGeneration")])
+# Ministral's class default head_dim is null, which its attention cannot build with: refused (below).
+@pytest.mark.parametrize("name", [n for n in ARCHITECTURES if n not in (
+    "InternLM2ForCausalLM", "Mistral3ForConditionalGeneration", "MinistralForCausalLM")])
 def test_omitted_keys_take_the_class_defaults(name: str, tmp_path: Path) -> None:
     model_type = ARCHITECTURE_MODEL_TYPES[name]
     _skip_where_transformers_lacks(model_type)
@@ -197,3 +199,23 @@ def test_output_heads_are_what_each_vllm_class_loads() -> None:
     for name in ("model.layers.0.mlp.lm_head.weight", "model.lm_head.weight", "output.weight", "xlm_head.weight"):
         assert output_head_problem(name, "LlamaForCausalLM") is not None
     assert "none" in str(output_head_problem("lm_head.weight", "NoSuchForCausalLM"))
+
+
+def test_a_config_transformers_builds_no_model_from_is_refused(tmp_path: Path) -> None:
+    """MinistralForCausalLM without head_dim: MinistralConfig defaults it to null and MinistralAttention computes with it
+    as is, so transformers (and vLLM's Transformers backend, which builds transformers' class) builds nothing; refused in
+    one line. With head_dim set it reads as vLLM does."""
+    import torch
+
+    config: dict[str, Any] = {"architectures": ["MinistralForCausalLM"], "model_type": "ministral", "hidden_size": 256,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
+                              "num_hidden_layers": 1, "vocab_size": 512}
+    with pytest.raises(TypeError), torch.device("meta"):
+        transformers.MinistralForCausalLM(_hf(config, tmp_path))
+    with pytest.raises(UnsupportedCheckpointError) as e:
+        model_dims(config)
+    assert str(e.value).startswith("config.json head_dim is null or absent, expected a positive integer for "
+                                   "MinistralForCausalLM: transformers' MinistralAttention computes with it as is")
+    assert "\n" not in str(e.value)
+    config["head_dim"] = 64
+    assert _ours(config) == _vllm_view(config, tmp_path)

@@ -59,6 +59,18 @@ def test_gemma_serves_both_paths_because_the_rules_give_gemma_py_s_layers() -> N
     ("Starcoder2ForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                                ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
                                ("mlp.c_fc", "column", ("mlp.c_fc",)), ("mlp.c_proj", "row", ("mlp.c_proj",))]),
+    # no registry entry (the registry's fallback): Helium's and Ministral's Llama modules, NanoChat's fc1/fc2 MLP
+    ("HeliumForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                           ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
+                           ("mlp.gate_up_proj", "merged-column", ("mlp.gate_proj", "mlp.up_proj")),
+                           ("mlp.down_proj", "row", ("mlp.down_proj",))]),
+    ("MinistralForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                              ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
+                              ("mlp.gate_up_proj", "merged-column", ("mlp.gate_proj", "mlp.up_proj")),
+                              ("mlp.down_proj", "row", ("mlp.down_proj",))]),
+    ("NanoChatForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                             ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
+                             ("mlp.fc1", "column", ("mlp.fc1",)), ("mlp.fc2", "row", ("mlp.fc2",))]),
     ("PhiForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                         ("self_attn.dense", "row", ("self_attn.dense",)),
                         ("mlp.fc1", "column", ("mlp.fc1",)), ("mlp.fc2", "row", ("mlp.fc2",))]),
@@ -217,6 +229,13 @@ def test_paths_per_release() -> None:
     assert [path(v, "HunYuanMoEV1ForCausalLM") for v in releases.supported()] == ["transformers"] * 5
     assert [path(v, "MellumForCausalLM") for v in releases.supported()] == ["transformers"] * 3 + ["native"] * 2
     assert [path(v, "Kolibri1ForCausalLM") for v in releases.supported()] == ["transformers"] * 2 + ["unregistered"] * 3
+    # listed by no registry, served by its fallback to transformers' class (every release's transformers has them)
+    for arch in ("HeliumForCausalLM", "MinistralForCausalLM", "NanoChatForCausalLM"):
+        assert [path(v, arch) for v in releases.supported()] == ["transformers"] * 5
+        assert all(releases.via_fallback(v, arch) for v in releases.supported())
+        assert ARCHITECTURES[arch].paths == {"transformers"} and ARCHITECTURES[arch].vllm_class == BACKEND_CLASS
+    assert not any(releases.via_fallback(v, "Olmo2ForCausalLM") for v in releases.supported())
+    assert not releases.via_fallback("0.32.0", "Kolibri1ForCausalLM") and not releases.via_fallback("0.29.0", "HeliumForCausalLM")
     assert path("0.29.0", "Olmo2ForCausalLM") is None
 
 
@@ -242,6 +261,12 @@ def test_a_release_that_does_not_register_an_architecture_says_so_in_one_line() 
     ("VibeVoiceAsrForConditionalGeneration", "a multimodal model"),
     ("NanbeigeForCausalLM", ("vLLM builds it through its Transformers backend from the modeling code each checkpoint "
                             "ships (config.json auto_map, trust_remote_code); no transformers release has the class")),
+    # no registry entry, served by the registry's fallback to transformers' class, whose layers the rules do not give
+    ("DogeForCausalLM", ("vLLM's registry lists no such architecture and serves transformers' class through its "
+                        "Transformers backend, whose layers for it marlin-pack does not lay out: its attention has a dt_proj")),
+    ("YoutuForCausalLM", "vLLM's registry lists no such architecture"),
+    ("SolarOpenForCausalLM", "vLLM's registry lists no such architecture"),
+    ("MiniMaxM3VLForCausalLM", "vLLM's registry lists no such architecture"),
 ])
 def test_backend_models_marlin_pack_does_not_lay_out_are_refused_in_one_line(arch: str, words: str) -> None:
     """The multimodal backend models and Nanbeige (remote code): one line naming why, not the list of what is supported,

@@ -149,10 +149,26 @@ def test_a_transformers_backend_bundle_is_refused_where_a_release_builds_its_own
     assert releases.served_natively("0.34.0", "GemmaForCausalLM") is not None  # a bundle of gemma.py's layers alone
 
 
+def _registry_resolves(architecture: str) -> str | None:
+    """What the installed vLLM's registry falls back to for an architecture it does not list, a plain checkpoint (no
+    auto_map) under ``model_impl`` auto: its real ``_try_resolve_transformers`` (transformers' class present and
+    ``is_backend_compatible()`` or ``_can_set_attn_implementation()``), the class named as a dense causal LM's
+    (``ModelConfig._get_transformers_backend_cls``: ``TransformersForCausalLM``); None: no fallback."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models import registry
+
+    model_config = SimpleNamespace(hf_config=SimpleNamespace(), model_impl="auto", model="/models/m", revision=None,
+                                   code_revision=None, trust_remote_code=False,
+                                   _get_transformers_backend_cls=lambda: "TransformersForCausalLM")
+    return registry.ModelRegistry._try_resolve_transformers(architecture, model_config)
+
+
 def test_the_transformers_backend_column_is_what_each_release_registers() -> None:
     """Read from the installed vLLM's registry where it is one of the table's releases: every architecture of marlin-pack's
-    table is served by vLLM's own class unless the entry lists it (through the backend, or not registered at all), and the
-    entry names the transformers installed."""
+    table is served by vLLM's own class unless the entry lists it (through the backend by a registry entry, through the
+    backend by the registry's fallback to transformers' class, or not served at all), and the entry names the
+    transformers installed."""
     import transformers
     from vllm.model_executor.models import registry
 
@@ -165,11 +181,29 @@ def test_the_transformers_backend_column_is_what_each_release_registers() -> Non
     tables = [getattr(registry, n) for n in dir(registry) if n.startswith("_") and n.endswith("_MODELS")]
     tables = [t for t in tables if isinstance(t, dict)]
     through_backend = {a for a in SUPPORTED_ARCHITECTURES if any(t.get(a, (None,))[0] == "transformers" for t in tables)}
-    unregistered = {a for a in SUPPORTED_ARCHITECTURES if not any(a in t for t in tables)}
-    # (vLLM would pick the backend for those, if transformers had them: the release's pin has none of them)
-    assert unregistered == set(entry.unregistered)
-    assert not [a for a in unregistered if hasattr(transformers, a)]
+    listed_by_none = {a for a in SUPPORTED_ARCHITECTURES if not any(a in t for t in tables)}
+    assert not registry.ModelRegistry.models.keys() & listed_by_none
     assert through_backend == set(entry.transformers_backend)
+    # an architecture no registry table lists: served through the backend where transformers has a compatible class
+    # (the registry's fallback), by nothing where it has none (Kolibri 1 before transformers 5.20)
+    assert listed_by_none == entry.unregistered | entry.backend_fallback
+    assert not entry.unregistered & entry.backend_fallback
+    for a in entry.backend_fallback:
+        cls = getattr(transformers, a, None)
+        assert cls is not None, f"transformers {transformers.__version__} has no {a}"
+        assert cls.is_backend_compatible() or cls._can_set_attn_implementation(), a
+        assert _registry_resolves(a) == "TransformersForCausalLM", a
+        assert releases.serving_path(entry.version, a) == "transformers" and releases.via_fallback(entry.version, a)
+    for a in entry.unregistered:
+        assert not hasattr(transformers, a) and _registry_resolves(a) is None, a
+        assert releases.serving_path(entry.version, a) == "unregistered"
+    assert not [a for a in through_backend if releases.via_fallback(entry.version, a)]
+    # the refused architectures whose one line says the registry falls back to the backend for them: so it does
+    from marlin_pack.marlin.architectures import UNSUPPORTED_ARCHITECTURES
+
+    refused = [a for a, why in UNSUPPORTED_ARCHITECTURES.items() if why.startswith("vLLM's registry lists no such")]
+    assert len(refused) >= 4 and not registry.ModelRegistry.models.keys() & set(refused)
+    assert [a for a in refused if _registry_resolves(a) is None] == []
     # the environment's transformers (tools/vllm-env.sh resolves the release's pin) is one the backend rows were checked
     # against; the entry names the one its oracles ran with
     from marlin_pack.marlin.transformers_backend import CHECKED_TRANSFORMERS
