@@ -99,6 +99,11 @@ BACKEND_CONFIGS: dict[str, dict[str, Any]] = {
     "CwmForCausalLM": dict(model_type="cwm", **_TEXT, **_IDS, head_dim=64,
                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "Jais2ForCausalLM": dict(model_type="jais2", **_TEXT, **_IDS),
+    # no registry entry: vLLM's registry falls back to the backend (transformers has the class). Helium's head_dim
+    # defaults to 128 (its o_proj is hidden x hidden), Ministral's to null; NanoChat's MLP is fc1, relu2, fc2
+    "HeliumForCausalLM": dict(model_type="helium", **_TEXT, **_IDS, head_dim=64),
+    "MinistralForCausalLM": dict(model_type="ministral", **_TEXT, **_IDS, head_dim=64, sliding_window=64),
+    "NanoChatForCausalLM": dict(model_type="nanochat", **_TEXT, **_IDS),
 }
 ARCH_CONFIGS.update(BACKEND_CONFIGS)
 

@@ -14,7 +14,9 @@ real (unmodified) vLLM code
     ``from_config`` and ``maybe_update_config``);
   * the model: ``initialize_model(vllm_config)``, i.e. **the model class vLLM's registry picks
     for the checkpoint's architecture** (``LlamaForCausalLM``, ``Gemma2ForCausalLM``,
-    ``Phi3ForCausalLM``, ``Qwen2_5_VLForConditionalGeneration``, ...), built under
+    ``Phi3ForCausalLM``, ``Qwen2_5_VLForConditionalGeneration``, ...; for an architecture the registry does not
+    list, the Transformers backend class its fallback to transformers' class resolves under ``model_impl`` "auto",
+    ``TransformersForCausalLM`` for Helium), built under
     ``set_default_torch_dtype(dtype)`` with ``configure_quant_config`` / ``SupportsQuant``'s
     mappings; every linear layer's ``quant_method`` comes from the real quant config
     (AWQ's Marlin/Triton choice, ``check_marlin_supports_layer``, ``modules_to_not_convert``);
