@@ -68,14 +68,19 @@ class PreflightReport:
     @property
     def path_text(self) -> str | None:
         """Which path the running release takes for the model (one line), e.g. ``Olmo2ForCausalLM: vLLM 0.34.0 builds
-        it through its Transformers backend (transformers 5.22.2)``."""
+        it through its Transformers backend (transformers 5.22.2)``; an architecture the registry does not list that
+        transformers has (Helium) says so."""
         path = self.path
         if path is None:
             return None
         if path == "unregistered":
             return f"{self.architecture}: vLLM {self.vllm_version} does not serve it (its model registry lists no such architecture)"
         if path == "transformers":
+            from marlin_pack.vllm_plugin import releases
+
             how = f"through its Transformers backend (transformers {self.transformers_version or 'not installed'})"
+            if releases.via_fallback(self.vllm_version, self.architecture or ""):
+                how += ": its model registry lists no such architecture, so vLLM takes transformers' class"
         else:
             from marlin_pack.marlin.architectures import architecture_for
 

@@ -74,3 +74,26 @@ def test_a_model_of_vllm_s_own_class_names_it(make_bundle, monkeypatch: pytest.M
     report = preflight(model, vllm_version="0.34.0")
     assert report.decision == "load" and report.path == "native"
     assert report.path_text == "LlamaForCausalLM: vLLM 0.34.0 builds it with its own model class (llama.LlamaForCausalLM)"
+
+
+def test_check_says_an_architecture_no_registry_lists_goes_through_the_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HeliumForCausalLM: no release's registry lists it, every one serves transformers' class through its backend (the
+    registry's fallback); check says so, and the bundle loads on every release."""
+    from marlin_pack.vllm_plugin import releases
+
+    model = write_arch_checkpoint(tmp_path / "m", "HeliumForCausalLM", "awq", group_size=32, dtype=torch.bfloat16)
+    manifest = convert(model, tp=(1,)).manifest
+    assert manifest.target.transformers == "5.16-5.22"
+    monkeypatch.setattr(preflight_module, "_installed", lambda name: "5.20.2")
+    for version in releases.supported():
+        report = preflight(model, vllm_version=version, dtype="bfloat16")
+        assert report.decision == "load", report.first_problem
+        assert report.path == "transformers" and report.to_dict()["serving_path"] == "transformers"
+        assert report.path_text == (
+            f"HeliumForCausalLM: vLLM {version} builds it through its Transformers backend (transformers 5.20.2): its "
+            "model registry lists no such architecture, so vLLM takes transformers' class")
+    monkeypatch.setattr(preflight_module, "_installed", lambda name: "5.23.0")  # the backend's layers: checked range only
+    refused = preflight(model, vllm_version="0.34.0", dtype="bfloat16").first_problem
+    assert refused is not None and refused.field == "transformers_version"
