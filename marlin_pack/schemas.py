@@ -346,6 +346,9 @@ class Target(_Strict):
     # The transformers releases (major.minor range, e.g. "5.16-5.22") whose modeling code vLLM's Transformers backend
     # builds the bundle's layers from, as checked (marlin.transformers_backend); absent: vLLM's own model class only.
     transformers: str | None = Field(default=None, pattern=r"^\d+\.\d+-\d+\.\d+$")
+    # The serving paths the bundle is for where fewer than its architecture's (an Olmoe checkpoint whose experts are named
+    # w1/w3/w2: only vLLM's Transformers backend loads them, marlin.moe.ExpertNaming.paths); absent: the architecture's.
+    paths: tuple[Literal["native", "transformers"], ...] | None = Field(default=None, min_length=1)
 
 
 class QuantScheme(_Strict):
@@ -590,8 +593,9 @@ class Manifest(_Strict):
         """Deterministic JSON: sorted keys, two-space indent, trailing newline; a layer's ``kernel`` only where it is
         not Marlin (so that Marlin bundles keep the bytes, and the format, they had before Machete layers existed)."""
         data = self.model_dump(mode="json")
-        if data["target"].get("transformers") is None:  # bundles of vLLM's own classes keep their bytes
-            data["target"].pop("transformers", None)
+        for key in ("transformers", "paths"):  # bundles without them keep their bytes
+            if data["target"].get(key) is None:
+                data["target"].pop(key, None)
         for s in data["tensor_parallel"]:
             for e in s["layers"]:
                 if e.get("kernel") == LayerKernel.marlin.value:

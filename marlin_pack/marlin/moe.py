@@ -56,6 +56,7 @@ __all__ = [
     "ExpertNaming",
     "MoeArchitecture",
     "expert_naming",
+    "naming_paths",
     "MOE_ARCHITECTURES",
     "MoeRankShape",
     "ExpertTensors",
@@ -109,6 +110,9 @@ class ExpertNaming:
     up: str
     down: str
     why: str = ""  # how vLLM loads it (docs)
+    # The serving paths ("native", "transformers") whose model class loads this naming, where not every path of the
+    # architecture's row does (None: all of them); a bundle made from it records them (``target.paths``)
+    paths: frozenset[str] | None = None
 
     def expert(self, layers: str, layer: int, expert: int) -> str:
         return f"{layers}.{layer}.{self.block}.experts.{expert}"
@@ -149,6 +153,10 @@ _MIXTRAL_W = ExpertNaming("block_sparse_moe", "w1", "w3", "w2", "MixtralMoE's ck
 _MIXTRAL_PROJ = ExpertNaming("block_sparse_moe", "gate_proj", "up_proj", "down_proj",
                              "MixtralModel.hf_to_vllm_mapper renames .gate_proj./.up_proj./.down_proj. to .w1./.w3./.w2.")
 _MLP_W = ExpertNaming("mlp", "w1", "w3", "w2")
+# Olmoe: vLLM 0.34.0's Transformers backend (TransformersRoutedExperts) maps Mixtral's names as gate, up and down;
+# olmoe.py (0.30.0-0.33.0) maps gate_proj/up_proj/down_proj only, and refuses such a checkpoint
+_OLMOE_W = replace(_MLP_W, paths=frozenset({"transformers"}),
+                   why="the Transformers backend's TransformersRoutedExperts; vLLM's olmoe.py maps gate_proj/up_proj/down_proj only")
 _TF5_MIXTRAL = (
     "transformers 5's module names (GPTQModel 7 writes them); vLLM's MixtralForCausalLM loads "
     "block_sparse_moe.experts.N.{w1,w3,w2} or {gate_proj,up_proj,down_proj} (its hf_to_vllm_mapper renames the "
@@ -186,9 +194,10 @@ MOE_ARCHITECTURES: dict[str, MoeArchitecture] = {
         # shared experts (mlp.shared_experts.*) are one dense MLP: ordinary Marlin linears.
         _qwen_like("DeepseekV2ForCausalLM", "deepseek_v2.DeepseekV2ForCausalLM", "n_routed_experts"),
         _qwen_like("DeepseekV3ForCausalLM", "deepseek_v2.DeepseekV3ForCausalLM", "n_routed_experts"),
-        # Olmoe (olmoe.py, which maps gate_proj/up_proj/down_proj only; 0.34.0 the Transformers backend): the experts'
-        # width is intermediate_size
-        replace(_qwen_like("OlmoeForCausalLM", "olmoe.OlmoeForCausalLM", "num_experts"), intermediate_key="intermediate_size"),
+        # Olmoe (olmoe.py, which maps gate_proj/up_proj/down_proj only; 0.34.0 the Transformers backend, which maps w1/w3/w2
+        # too: such a bundle serves the backend only): the experts' width is intermediate_size
+        MoeArchitecture("OlmoeForCausalLM", "olmoe.OlmoeForCausalLM", (_GATE_UP_DOWN, _OLMOE_W), "num_experts",
+                        "intermediate_size", "mlp.experts.routed_experts"),
         # FlexOlmo and HunYuan-MoE (the backend): intermediate_size (HunYuan's shared expert, mlp.shared_mlp.*, too:
         # ordinary Marlin linears); Kolibri 1 and Mellum (the backend): moe_intermediate_size; Kolibri's shared expert
         # (mlp.shared_experts.*) and Mellum's dense layers (mlp.*) are ordinary Marlin linears
@@ -241,6 +250,14 @@ def expert_naming(arch: MoeArchitecture, names: Iterable[str], layers: str, laye
         if present(n):
             raise UnsupportedCheckpointError(f"{arch.name} checkpoint stores its experts as {n.describe()}: {why}")
     return arch.namings[0]  # nothing recognisable: the per-expert checks name the first missing tensor
+
+
+def naming_paths(row_paths: frozenset[str], naming: ExpertNaming | None) -> tuple[str, ...] | None:
+    """The serving paths a bundle whose experts the checkpoint names ``naming`` is for (``target.paths``), where fewer
+    than its architecture row's ``row_paths`` (an Olmoe checkpoint of w1/w3/w2: the backend's only); None: all of them."""
+    if naming is None or naming.paths is None or row_paths <= naming.paths:
+        return None
+    return tuple(sorted(row_paths & naming.paths))
 
 
 def moe_padded_intermediate(i_part: int, group_size: int) -> int:

@@ -222,7 +222,16 @@ def serving_path_problem(manifest: Manifest, vllm_version: str, transformers_ver
     name = manifest.source.architecture
     row = architecture_for(name)
     paths = row.paths if row is not None else frozenset({"native"})
-    problem = releases.path_problem(vllm_version, name, paths)
+    names = None
+    if manifest.target.paths is not None and frozenset(manifest.target.paths) < paths:
+        # fewer than the row's: the checkpoint's names load on those paths only (Olmoe's experts named w1/w3/w2)
+        from marlin_pack.marlin.moe import MOE_ARCHITECTURES
+
+        paths = frozenset(manifest.target.paths)
+        moe = MOE_ARCHITECTURES.get(name)
+        named = [n.describe() for n in (moe.namings if moe is not None else ()) if n.paths == paths]
+        names = f"experts named {' or '.join(named)}" if named else "tensor names"
+    problem = releases.path_problem(vllm_version, name, paths, checkpoint=names)
     if problem is not None:
         return F.vllm_version, problem
     if releases.serving_path(vllm_version, name) == "transformers":

@@ -234,9 +234,11 @@ def via_fallback(version: str, architecture: str) -> bool:
     return entry is not None and architecture in entry.backend_fallback
 
 
-def path_problem(version: str, architecture: str, paths: frozenset[str]) -> str | None:
+def path_problem(version: str, architecture: str, paths: frozenset[str], checkpoint: str | None = None) -> str | None:
     """Why the release ``version`` cannot serve a bundle of ``architecture`` whose layers are those of the serving paths
-    ``paths`` (the architecture row's ``paths``); None: it takes one of them."""
+    ``paths`` (the architecture row's ``paths``, or fewer where the bundle's checkpoint names tensors only those load:
+    ``checkpoint`` says which, as Olmoe's "experts named mlp.experts.N.{w1,w3,w2}", which olmoe.py does not map); None:
+    it takes one of them."""
     path = serving_path(version, architecture)
     if path is None or path in paths:
         return None
@@ -245,8 +247,12 @@ def path_problem(version: str, architecture: str, paths: frozenset[str]) -> str 
     where = f"serve it with vLLM {', '.join(others)}" if others else "no release marlin-pack supports builds those layers"
     if path == "unregistered":
         return f"vLLM {version} does not serve {architecture}: its model registry lists no such architecture; {where}"
+    if checkpoint:
+        return (f"vLLM {version} serves {architecture} {_PATH_WORDS[path]}, which does not load the {checkpoint} of the "
+                f"checkpoint the bundle was made from (only {held} does); {where}")
     return (f"vLLM {version} serves {architecture} {_PATH_WORDS[path]}, whose layers differ from those of {held} the "
             f"bundle holds; {where}")
+
 
 def _minor(version: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a release string such as ``5.22.2`` or ``5.23.0.dev0``; None if it has none."""

@@ -315,3 +315,29 @@ def test_a_bundle_manifest_carries_the_record(tmp_path: Path) -> None:
     llama = write_arch_checkpoint(tmp_path / "granite", "GraniteForCausalLM", "gptq", group_size=32, dtype=torch.bfloat16)
     convert(llama, tp=(1,))
     assert "transformers" not in json.loads((llama / "marlin-pack" / "manifest.json").read_text())["target"]
+
+
+def test_olmoe_experts_named_w1_w3_w2_convert_for_the_backend_only(tmp_path: Path) -> None:
+    """vLLM 0.34.0's backend maps Olmoe's experts named mlp.experts.N.{w1,w3,w2} (TransformersRoutedExperts), olmoe.py
+    (0.30.0-0.33.0) does not: such a checkpoint converts, its bundle recording the backend as its only path; the usual
+    names record nothing (the row's two paths)."""
+    from moe_checkpoints import write_moe_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    from marlin_pack import convert
+    from marlin_pack.marlin.moe import MOE_ARCHITECTURES
+
+    assert [n.paths for n in MOE_ARCHITECTURES["OlmoeForCausalLM"].namings] == [None, frozenset({"transformers"})]
+    assert MOE_ARCHITECTURES["OlmoeForCausalLM"].refused == ()
+    model = write_moe_checkpoint(tmp_path / "m", "OlmoeForCausalLM", "gptq", group_size=32)
+    assert convert(model, tp=(1,)).manifest.target.paths is None
+    for path in model.glob("*.safetensors"):
+        renamed = {}
+        for k, v in load_file(path).items():
+            for old, new in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
+                k = k.replace(old, new) if ".experts." in k else k
+            renamed[k] = v
+        save_file(renamed, str(path), metadata={"format": "pt"})
+    manifest = convert(model, tp=(1,), force=True).manifest
+    assert manifest.target.paths == ("transformers",) and manifest.target.transformers == CHECKED_TRANSFORMERS
+    assert json.loads((model / "marlin-pack" / "manifest.json").read_text())["target"]["paths"] == ["transformers"]

@@ -176,15 +176,22 @@ def test_transformers_backend_compressed_tensors_bit_exact_tp_1_2(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,fmt", [("FlexOlmoForCausalLM", "gptq4"), ("HunYuanMoEV1ForCausalLM", "awq")])
+@pytest.mark.parametrize("arch,fmt", [("FlexOlmoForCausalLM", "gptq4"), ("HunYuanMoEV1ForCausalLM", "awq"),
+                                      ("OlmoeForCausalLM", "awq")])
 def test_transformers_backend_moe_w1_w3_w2_naming_bit_exact(
     request: pytest.FixtureRequest, tmp_path: Path, arch: str, fmt: str
 ) -> None:
     """Experts stored as mlp.experts.N.{w1,w3,w2} (Mixtral's names): the backend's TransformersRoutedExperts maps them as
-    gate, up and down (its Mixtral expert mapping), so vLLM serves such a checkpoint; so does marlin-pack, bit-exact."""
+    gate, up and down (its Mixtral expert mapping), so vLLM serves such a checkpoint; so does marlin-pack, bit-exact.
+    Olmoe: vLLM 0.30.0-0.33.0 build olmoe.py, which maps gate_proj/up_proj/down_proj only (and leaves such experts
+    unloaded); its bundle records the backend as its only path (``target.paths``) and the loader refuses it there in one
+    line."""
     from moe_checkpoints import write_moe_checkpoint
     from oracles.vllm_moe_reference import assert_moe_bundle_equals_vllm
     from safetensors.torch import load_file, save_file
+
+    from marlin_pack.vllm_plugin import releases
+    from marlin_pack.vllm_plugin.version_guard import vllm_version
 
     _skip_where_another_path(arch)
     if _ran_in_own_process(request):
@@ -199,6 +206,28 @@ def test_transformers_backend_moe_w1_w3_w2_naming_bit_exact(
             renamed[k] = v
         save_file(renamed, str(path), metadata={"format": "pt"})
     assert any(".experts.0.w1." in k for p in model.glob("*.safetensors") for k in load_file(p))
-    convert(model, tp=(1, 2), dtype="float16")
-    assert assert_moe_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), torch.float16) >= 3 * (2 * 2 + 4)
+    manifest = convert(model, tp=(1, 2), dtype="float16").manifest
     assert verify(model / "marlin-pack").ok
+    if arch == "OlmoeForCausalLM":  # the row serves both paths, this checkpoint the backend's only
+        assert manifest.target.paths == ("transformers",)
+        assert '"paths": [\n      "transformers"\n    ]' in (model / "marlin-pack" / "manifest.json").read_text()
+    else:
+        assert manifest.target.paths is None
+    if releases.serving_path(vllm_version(), arch) not in (manifest.target.paths or ("transformers",)):
+        import transformers
+
+        from marlin_pack.errors import BundleMismatchError
+        from marlin_pack.vllm_plugin.decision import EngineFacts, check_engine
+
+        facts = EngineFacts(model=str(model), vllm_version=vllm_version(), quantization="auto_awq",
+                            transformers_version=transformers.__version__)
+        with pytest.raises(BundleMismatchError) as e:
+            check_engine(manifest, facts)
+        served = ", ".join(v for v in releases.supported() if releases.serving_path(v, arch) == "transformers")
+        assert e.value.field == "vllm_version" and "\n" not in str(e.value)
+        assert str(e.value).endswith(
+            f"vLLM {vllm_version()} serves OlmoeForCausalLM with its own model class, which does not load the experts named "
+            f"mlp.experts.N.{{w1,w3,w2}} of the checkpoint the bundle was made from (only vLLM's Transformers backend "
+            f"does); serve it with vLLM {served}")
+        return
+    assert assert_moe_bundle_equals_vllm(model, model / "marlin-pack", (1, 2), torch.float16) >= 3 * (2 * 2 + 4)

@@ -164,6 +164,32 @@ def _registry_resolves(architecture: str) -> str | None:
     return registry.ModelRegistry._try_resolve_transformers(architecture, model_config)
 
 
+def test_a_bundle_whose_checkpoint_only_the_backend_loads_is_refused_where_the_release_builds_its_own_class(
+    awq_bundle: Path,
+) -> None:
+    """Olmoe's row serves both paths (olmoe.py builds the backend's layers), but olmoe.py maps experts named
+    gate_proj/up_proj/down_proj only: a bundle of a checkpoint naming them w1/w3/w2 records the backend as its only path
+    (``target.paths``) and loads on 0.34.0 alone; older releases refuse it in one line naming why."""
+    manifest = _as(read_manifest(awq_bundle / "marlin-pack"), "OlmoeForCausalLM", "5.16-5.22")
+    w_named = manifest.model_copy(update={"target": manifest.target.model_copy(update={"paths": ("transformers",)})})
+    for version in releases.supported():
+        facts = EngineFacts(model=str(awq_bundle), vllm_version=version, quantization="auto_awq", transformers_version="5.20.2")
+        check_engine(manifest, facts)  # gate_proj/up_proj/down_proj: every release
+        if version == "0.34.0":
+            check_engine(w_named, facts)
+            continue
+        with pytest.raises(BundleMismatchError) as e:
+            check_engine(w_named, facts)
+        assert e.value.field == "vllm_version" and "\n" not in str(e.value)
+        assert str(e.value).endswith(
+            f"vLLM {version} serves OlmoeForCausalLM with its own model class, which does not load the experts named "
+            "mlp.experts.N.{w1,w3,w2} of the checkpoint the bundle was made from (only vLLM's Transformers backend does); "
+            "serve it with vLLM 0.34.0")
+    # the record round-trips, and a bundle without it keeps its bytes
+    assert Manifest.model_validate_json(w_named.to_json()).target.paths == ("transformers",)
+    assert '"paths"' not in manifest.to_json()
+
+
 def test_the_transformers_backend_column_is_what_each_release_registers() -> None:
     """Read from the installed vLLM's registry where it is one of the table's releases: every architecture of marlin-pack's
     table is served by vLLM's own class unless the entry lists it (through the backend by a registry entry, through the
