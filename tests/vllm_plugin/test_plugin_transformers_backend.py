@@ -35,6 +35,8 @@ CASES = {
     # a shared expert the 0.34 MoE fuser also hands to the experts' MoERunner (the module tree reaches it twice)
     "hunyuan-moe-gptq-tp2-rank1": ("HunYuanMoEV1ForCausalLM", "gptq", 2, 1, torch.float16),
     "mellum-awq-tp1": ("MellumForCausalLM", "awq", 1, 0, torch.bfloat16),  # a dense layer, then a sparse one
+    # no registry entry: the registry's fallback to transformers' class (fc1 / fc2 MLP)
+    "nanochat-awq-tp2-rank1": ("NanoChatForCausalLM", "awq", 2, 1, torch.float16),
 }
 
 
