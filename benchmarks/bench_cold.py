@@ -18,7 +18,9 @@ before drawing anything; stopped (SIGTERM, SIGINT), it removes ``--workdir`` (``
   bytes / the disk's rate);
 * ``ordinary cold`` and ``ordinary warm``: vLLM's default engine from the checkpoint;
 * ``daemon fill cold``: ``marlin-pack daemon`` filled from the dropped bundle;
-* ``verify cold``: ``marlin-pack verify`` of the dropped bundle (its BLAKE3 reads);
+* ``verify cold``: ``marlin-pack verify --integrity-only`` of the dropped bundle (its BLAKE3 reads), then ``verify``
+  against the checkpoint (``--skip verify-source`` leaves it out: the round trip on the CPU), each with the disk's bytes
+  read meanwhile against the files it verifies (about 1.0: each file read once);
 * a fresh node's first start (issue 72, ``--skip first``): page cache dropped *and* an empty stamp store of its own
   (``MARLIN_PACK_STAMPS``) before each row: ``prepacked cold, no stamps, verify auto`` and ``... verify full`` (the
   bundle read once for the copy and its BLAKE3 digest), ``daemon fill cold, no stamps`` and ``check cold, no stamps``
@@ -150,6 +152,29 @@ def _first_start_rows(
             print(notes[-1], flush=True)
 
 
+def _verify_rows(
+    rows: dict[str, float | None], errors: dict[str, str], notes: list[str], model: Path, bundle: Path, workdir: Path,
+    bundle_gb: float, ckpt_gb: float, with_source: bool,
+) -> None:
+    """``marlin-pack verify`` of the cold bundle, ``--integrity-only`` (the bundle's BLAKE3 reads), then against its
+    checkpoint (the round trip, whose reads give the digests); each with the disk's bytes read meanwhile against the bytes
+    of the files it verifies: about 1.0 is one read of each."""
+    verify = [sys.executable, "-m", "marlin_pack.cli", "verify", str(bundle)]
+    for key, argv, files_gb in (("verify cold s", [*verify, "--integrity-only"], bundle_gb),
+                                ("verify cold, with its checkpoint s", verify, bundle_gb + ckpt_gb)):
+        if argv is verify and not with_source:
+            continue
+        how = drop_page_cache([model])
+        before = disk_read_bytes(workdir)
+        _row(rows, errors, key, lambda argv=argv: _timed(argv))
+        after = disk_read_bytes(workdir)
+        if before is not None and after is not None and files_gb:
+            read_gb = (after - before) / 1e9
+            notes.append(f"{key}: the disk read {read_gb:.1f} GB meanwhile, {read_gb / files_gb:.2f} of the {files_gb:.1f} GB "
+                         f"it verifies ({how})")
+            print(notes[-1], flush=True)
+
+
 def reader_rows(workdir: Path, gb: float) -> None:
     """``--reader-gb``: one cold file, hashed before its ``direct`` copy and hashed by it, with the disk's reads."""
     import torch
@@ -238,7 +263,8 @@ def main() -> None:  # run by sitting_guard.run: SIGTERM (a `timeout`) and SIGIN
     ap.add_argument("--cold-io", default="", help="more prepacked cold rows, each with this $MARLIN_PACK_IO (';'-separated JSON objects)")
     ap.add_argument("--attention-backend", default=os.environ.get("MARLIN_PACK_TEST_ATTN", "TRITON_ATTN"))
     ap.add_argument("--skip", default="", help="rows to leave out (comma-separated): convert-rows (the convert, first-start-"
-                    "after-convert and warm rows), prepacked, ordinary, daemon, verify, first (no stamps)")
+                    "after-convert and warm rows), prepacked, ordinary, daemon, verify, verify-source (verify against the checkpoint), "
+                    "first (no stamps)")
     ap.add_argument("--keep", action="store_true", help="leave the checkpoint and bundle in --workdir for a second part")
     ap.add_argument("--reuse", action="store_true",
                     help="a second part: the checkpoint and bundle --keep left (no generation, no convert rows)")
@@ -335,9 +361,7 @@ def main() -> None:  # run by sitting_guard.run: SIGTERM (a `timeout`) and SIGIN
             _row(rows, errors, "daemon fill cold",
                  lambda: _daemon_rows(model, bundle, attn, False, args.workdir, attach=False)["fill_s"])
         if "verify" not in skip:
-            drop_page_cache([model])
-            _row(rows, errors, "verify cold s",
-                 lambda: _timed([sys.executable, "-m", "marlin_pack.cli", "verify", str(bundle), "--integrity-only"]))
+            _verify_rows(rows, errors, notes, model, bundle, args.workdir, bundle_gb, ckpt_gb, "verify-source" not in skip)
         if "first" not in skip:
             _first_start_rows(rows, errors, notes, model, bundle, args.workdir, attn, bundle_gb)
     finally:

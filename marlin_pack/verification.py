@@ -11,11 +11,24 @@ compared, with their padding checked to be zero.
 Every tensor is read with ``pread`` (:class:`~marlin_pack.io.preads.TensorFile`), never through a memory
 map: a bundle or checkpoint file truncated while it is verified fails its check in one line ("changed
 while it was read"), where a mapped page past the new end would kill the process with SIGBUS.
+
+Each file is read once. With a checkpoint to compare with, the "files" and "source" checks check sizes and headers
+and leave the BLAKE3 digests to the comparisons' reads (:class:`~marlin_pack.io.preads.HashedTensorFile`): every
+tensor read for a comparison is hashed from the same bytes, and only what no comparison reads (headers, padding,
+tensors nobody compares) is read for the digest alone. The round trip runs before "common" (a checkpoint file holds its
+non-quantized tensors after its codes), each reported in its place. The digests are compared once the comparisons are
+done, or stopped at a failure (:func:`_settle`): a file whose digest differs fails "files" (a bundle file) or "source"
+(a checkpoint file) in the words of those checks, and the report ends there, whatever a later check found, as when the
+files were hashed before anything read them (the bundle's files before the checkpoint's). A file a comparison read
+changing under it is that comparison's failure ("changed while it was read"); one that changed after the comparisons,
+while the rest of it was read for its digest, fails "files" or "source" ("changed while it was hashed"). Without a
+checkpoint (``integrity_only``), "files" hashes the bundle whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -23,12 +36,13 @@ from typing import Literal
 import torch
 
 from marlin_pack._constants import BUNDLE_DIRNAME, COMMON_FILE
-from marlin_pack.bundle.integrity import check_files, check_source
+from marlin_pack.bundle.integrity import PendingHash, check_files, check_source, settle_pending
 from marlin_pack.bundle.rank_files import check_rank_header, rank_tensor_specs
 from marlin_pack.bundle.reader import read_manifest, resolve_file
 from marlin_pack.errors import BundleError, CheckpointError, MarlinPackError
-from marlin_pack.io.preads import FileChangedError, TensorFile
-from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, read_header, unpacked
+from marlin_pack.io.hashing import HashedFile, HeldBytes, file_digests
+from marlin_pack.io.preads import FileChangedError, HashedTensorFile
+from marlin_pack.io.safetensors_io import SafetensorsFormatError, SafetensorsHeader, TensorInfo, read_header, unpacked
 from marlin_pack.machete.layout import machete_zero_points, prepack_codes, prepack_offsets_slow, stream_code
 from marlin_pack.machete.tensors import decode_machete_tensors
 from marlin_pack.marlin.packed_codes import PackedCodes
@@ -145,20 +159,37 @@ def verify(
     bundle = Path(bundle_dir)
     source = None if integrity_only else _source(source_dir) if source_dir is not None else _default_source(bundle)
     report = VerifyReport(bundle=bundle, source=source, integrity_only=integrity_only)
+    reads = _Reads()
+    pending: dict[str, tuple[PendingHash, ...]] = {}  # per check ("files", "source"): digests left to the comparisons' reads
+    try:
+        with contextlib.suppress(_Failed):  # (the failed check is in the report)
+            _stages(report, reads, pending, progress)
+        _settle(report, reads, pending)
+    finally:
+        reads.close()
+    return report
+
+
+def _stages(
+    report: VerifyReport, reads: _Reads, pending: dict[str, tuple[PendingHash, ...]],
+    progress: Callable[[int, int, str], None] | None,
+) -> None:
+    """Run the checks in order, each appended to ``report``; :class:`_Failed` at the first that fails."""
+    bundle, source = report.bundle, report.source
 
     def stage(name: str, fn: Callable[[], str]) -> None:
         try:
             report.checks.append(Check(name, "ok", fn()))
+            return
         except MarlinPackError as e:
-            report.checks.append(Check(name, "failed", str(e)))
-            raise _Failed from e
+            error, detail = e, str(e)
         except FileChangedError as e:  # a bundle file read short: truncated while it was verified
-            why = f"bundle file {Path(e.filename).name} {e.strerror}; verify again once nothing writes it"
-            report.checks.append(Check(name, "failed", why))
-            raise _Failed from e
+            error, detail = e, f"bundle file {Path(e.filename).name} {e.strerror}; verify again once nothing writes it"
         except Exception as e:  # a malformed file that slipped past the header checks: still a report
-            report.checks.append(Check(name, "failed", f"{type(e).__name__}: {e}"))
-            raise _Failed from e
+            error, detail = e, f"{type(e).__name__}: {e}"
+        report.checks.append(Check(name, "failed", detail))
+        reads.changed = isinstance(error, FileChangedError) or isinstance(error.__cause__, FileChangedError)
+        raise _Failed from error
 
     manifest: Manifest | None = None
 
@@ -167,40 +198,139 @@ def verify(
         manifest = read_manifest(bundle)
         return f"format v{manifest.format_version}, vLLM {manifest.target.vllm_version}, tp {manifest.tp_sizes}"
 
-    try:
-        stage("manifest", _manifest)
-        assert manifest is not None
-        m = manifest
-        stage("files", lambda: (check_files(bundle, m, full_hash=True), f"{len(m.files())} files, sizes and BLAKE3 digests match")[1])
+    stage("manifest", _manifest)
+    assert manifest is not None
+    m = manifest
+    files = f"{len(m.files())} files, sizes and BLAKE3 digests match"
+    if source is None:  # nothing else reads the bundle: hashed whole here
+        stage("files", lambda: (check_files(bundle, m, full_hash=True), files)[1])
         stage("tensors", lambda: _check_tensor_specs(bundle, m))
-        if source is None:
-            why = (
-                "skipped (`integrity_only=True`)"
-                if integrity_only
-                else "skipped: no checkpoint to compare with; pass `source=MODEL_DIR`, or `integrity_only=True` to check the bundle alone"
-            )
-            report.checks.extend(Check(name, "skipped", why) for name in _SOURCE_STAGES)
-            return report
-        stage("source", lambda: (check_source(m, source, full_hash=True), "checkpoint files match the manifest")[1])
-        ckpt: Checkpoint | None = None
-        plan: ConversionPlan | None = None
+        why = (
+            "skipped (`integrity_only=True`)"
+            if report.integrity_only
+            else "skipped: no checkpoint to compare with; pass `source=MODEL_DIR`, or `integrity_only=True` to check the bundle alone"
+        )
+        report.checks.extend(Check(name, "skipped", why) for name in _SOURCE_STAGES)
+        return
 
-        def _plan() -> str:
-            nonlocal ckpt, plan
-            ckpt = Checkpoint(source)
-            qc = ckpt.quantization_config()
-            kernel = LayerKernel.machete if m.has_machete_layers else LayerKernel.marlin
-            plan = plan_conversion(ckpt, source_from_quant_config(qc), m.tp_sizes, torch_dtype(m.serving_dtype), kernel)
-            return f"{plan.source.describe()}, {len(plan.layers)} quantized layers"
+    def _files() -> str:  # sizes now; the digests from the comparisons' reads (_settle)
+        pending["files"] = check_files(bundle, m, full_hash=True, leave_to_copy=lambda _: True).pending
+        return files
 
-        stage("plan", _plan)
-        assert ckpt is not None and plan is not None
-        stage("layout", lambda: _check_layout(m, plan))
-        stage("common", lambda: _check_common(bundle, m, ckpt, plan))
-        stage("round-trip", lambda: _round_trip(bundle, m, ckpt, plan, progress))
-    except _Failed:
-        pass
-    return report
+    def _source_files() -> str:
+        pending["source"] = check_source(m, source, full_hash=True, leave_to_copy=lambda _: True).pending
+        return "checkpoint files match the manifest"
+
+    stage("files", _files)
+    stage("tensors", lambda: _check_tensor_specs(bundle, m))
+    stage("source", _source_files)
+    ckpt: Checkpoint | None = None
+    plan: ConversionPlan | None = None
+
+    def _open(path: Path, identity: tuple[int, ...]) -> HashedTensorFile:
+        assert ckpt is not None
+        return reads.open(path, identity=identity, expected=_compared(ckpt, plan, path.name))
+
+    def _plan() -> str:
+        nonlocal ckpt, plan
+        ckpt = Checkpoint(source, open_file=_open)
+        qc = ckpt.quantization_config()
+        kernel = LayerKernel.machete if m.has_machete_layers else LayerKernel.marlin
+        plan = plan_conversion(ckpt, source_from_quant_config(qc), m.tp_sizes, torch_dtype(m.serving_dtype), kernel)
+        return f"{plan.source.describe()}, {len(plan.layers)} quantized layers"
+
+    stage("plan", _plan)
+    assert ckpt is not None and plan is not None
+    stage("layout", lambda: _check_layout(m, plan))
+    # The round trip runs before "common" and is reported after it, as if it ran after: a checkpoint file holds its
+    # non-quantized tensors among the scales, after the codes, where its hash gets only once the round trip read those.
+    round_trip = _ran(lambda: _round_trip(bundle, m, ckpt, plan, progress, reads))
+    stage("common", lambda: _check_common(bundle, m, ckpt, plan, reads))
+    stage("round-trip", round_trip)
+
+
+def _ran(check: Callable[[], str]) -> Callable[[], str]:
+    """Run ``check`` now; what it returned or raised, given again by the callable returned."""
+    try:
+        detail = check()
+    except Exception as e:  # noqa: BLE001 - raised again where the check is reported
+        error = e
+
+        def again() -> str:
+            raise error
+
+        return again
+    return lambda: detail
+
+
+class _Reads:
+    """The bundle's and the checkpoint's files as the comparisons read them: each opened once, as a
+    :class:`~marlin_pack.io.preads.HashedTensorFile` whose reads also give its digest; the bytes kept for the digests
+    (ranges read before those ahead of them in their file) share one limit (:data:`~marlin_pack.io.hashing.HELD`)."""
+
+    def __init__(self) -> None:
+        self.held = HeldBytes()
+        self.files: dict[str, HashedTensorFile] = {}
+        self.changed = False  # the check that failed read a file changing under it (FileChangedError) and said so
+
+    def open(
+        self, path: Path, tensors: Mapping[str, TensorInfo] | None = None, identity: tuple[int, ...] | None = None,
+        expected: Iterable[TensorInfo] = (),
+    ) -> HashedTensorFile:
+        """The file at ``path``, opened at the first call (``tensors``, ``identity``: :class:`~marlin_pack.io.preads.TensorFile`'s;
+        ``expected``: the tensors the comparisons will read); the same object after. Closed by :meth:`close`."""
+        f = self.files.get(str(path))
+        if f is None:
+            f = self.files[str(path)] = HashedTensorFile(path, tensors, identity, expected=expected, held=self.held)
+        return f
+
+    def digests(self, paths: list[Path]) -> dict[str, HashedFile | OSError]:
+        """Per file (by ``str(path)``), its digest or the OSError why there is none: a file the comparisons opened from
+        their reads and what they left (:meth:`~marlin_pack.io.preads.HashedTensorFile.finish`), another hashed whole."""
+        found: dict[str, HashedFile | OSError] = {}
+        for path in paths:
+            if (f := self.files.get(str(path))) is not None:
+                try:
+                    found[str(path)] = f.finish()
+                except OSError as e:
+                    found[str(path)] = e
+        rest = [p for p in paths if str(p) not in found]
+        found.update(zip(map(str, rest), file_digests(rest), strict=True))
+        return found
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+
+
+def _settle(report: VerifyReport, reads: _Reads, pending: dict[str, tuple[PendingHash, ...]]) -> None:
+    """The digests left to the comparisons' reads, compared (and stamped, as ``check`` stamps) now that the comparisons
+    are done or stopped: the first file, in order, whose digest differs or that changed while it was hashed fails its
+    check ("files" for the bundle's, "source" for the checkpoint's) in that check's words, and the checks after it are
+    dropped, as if it had failed first (it did: the checks after it read a file it refuses). Except where the check that
+    failed read a file changing under it and said so ("changed while it was read", as before digests came from the
+    comparisons' reads): then the files that changed while hashed are that failure, which stands; the digests of the
+    others still come first."""
+    for name in ("files", "source"):
+        left = pending.get(name)
+        if not left:
+            continue
+        try:
+            found = reads.digests([p.path for p in left])
+            if reads.changed:
+                left = tuple(p for p in left if not isinstance(found[str(p.path)], FileChangedError))
+            settle_pending(left, found, every_time=True)
+        except Exception as e:  # noqa: BLE001 - a report, as a check's own failure is
+            at = next(i for i, c in enumerate(report.checks) if c.name == name)
+            report.checks[at:] = [Check(name, "failed", str(e) if isinstance(e, MarlinPackError) else f"{type(e).__name__}: {e}")]
+            return
+
+
+def _compared(ckpt: Checkpoint, plan: ConversionPlan | None, file: str) -> list[TensorInfo]:
+    """The tensors of the checkpoint file ``file`` the comparisons read: all but those of the layers vLLM skips."""
+    skipped = plan.dims.skipped_prefixes if plan is not None else ()
+    return [i for n, i in ckpt.tensors.items() if i.file == file and not (skipped and n.startswith(skipped))]
 
 
 def _redo(bundle: Path, m: Manifest) -> str:
@@ -215,15 +345,15 @@ def _header(path: Path, redo: str) -> SafetensorsHeader:
         raise BundleError(f"{e}; {redo}") from e
 
 
-def _tensors(path: Path, redo: str) -> TensorFile:
-    """A bundle file's tensors, read with ``pread``; its header checked first, and its layout as safetensors checks it."""
+def _tensors(path: Path, redo: str, reads: _Reads) -> HashedTensorFile:
+    """A bundle file's tensors, read with ``pread`` and hashed as read (``reads``); its header checked first, and its
+    layout as safetensors checks it."""
     header = _header(path, redo)
     try:
-        f = TensorFile(path, header.tensors)
+        f = reads.open(path, header.tensors, expected=header.tensors.values())
     except OSError as e:
         raise BundleError(f"cannot open {path.name} ({e.strerror or e}); {redo}") from e
     if (why := unpacked(header, f.size)) is not None:
-        f.close()
         raise BundleError(f"{path.name} is not a file safetensors reads ({why}); {redo}")
     return f
 
@@ -250,7 +380,7 @@ def _check_layout(m: Manifest, plan: ConversionPlan) -> str:
     return f"{len(plan.layers)} layers{experts}, shapes agree with the checkpoint"
 
 
-def _check_common(bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan) -> str:
+def _check_common(bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan, reads: _Reads) -> str:
     path = resolve_file(bundle, m.common)
     found = set(_header(path, _redo(bundle, m)).tensors)
     aliases = m.common_aliases
@@ -258,12 +388,17 @@ def _check_common(bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionP
         names = found | set(aliases)
         missing = sorted(set(plan.common) - names) or sorted(names - set(plan.common)) or sorted(found & set(aliases))
         raise MarlinPackError(f"{COMMON_FILE}: tensor set differs from the checkpoint's non-quantized tensors ({missing[0]})")
-    with _tensors(path, _redo(bundle, m)) as f:
-        for name in plan.common:
-            stored = aliases.get(name, name)
-            if stored not in found:
-                raise MarlinPackError(f"{COMMON_FILE}: common_aliases maps {name} to {stored}, which the file does not hold")
-            if not _bitwise_equal(f.get_tensor(stored), ckpt.get(name)):
+    by_stored: dict[str, list[str]] = {}  # each stored tensor read once, for every name it stands for
+    for name in plan.common:
+        stored = aliases.get(name, name)
+        if stored not in found:
+            raise MarlinPackError(f"{COMMON_FILE}: common_aliases maps {name} to {stored}, which the file does not hold")
+        by_stored.setdefault(stored, []).append(name)
+    f = _tensors(path, _redo(bundle, m), reads)
+    for stored in sorted(by_stored, key=lambda n: f.tensors[n].start):  # in file order
+        got = f.get_tensor(stored)
+        for name in by_stored[stored]:
+            if not _bitwise_equal(got, ckpt.get(name)):
                 raise MarlinPackError(f"{COMMON_FILE}: tensor {name} differs from the checkpoint")
     once = f", {len(aliases)} stored once for two names" if aliases else ""
     return f"{len(plan.common)} non-quantized tensors equal the checkpoint's{once}"
@@ -276,20 +411,17 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _round_trip(
-    bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan, progress: Callable[[int, int, str], None] | None
+    bundle: Path, m: Manifest, ckpt: Checkpoint, plan: ConversionPlan, progress: Callable[[int, int, str], None] | None,
+    reads: _Reads,
 ) -> str:
     redo = _redo(bundle, m)
-    handles = {(s.tp_size, r.rank): _tensors(resolve_file(bundle, r.file), redo) for s in m.tensor_parallel for r in s.ranks}
-    try:
-        return _round_trip_ranks(m, ckpt, plan, progress, handles)
-    finally:
-        for f in handles.values():
-            f.close()
+    handles = {(s.tp_size, r.rank): _tensors(resolve_file(bundle, r.file), redo, reads) for s in m.tensor_parallel for r in s.ranks}
+    return _round_trip_ranks(m, ckpt, plan, progress, handles)
 
 
 def _round_trip_ranks(
     m: Manifest, ckpt: Checkpoint, plan: ConversionPlan, progress: Callable[[int, int, str], None] | None,
-    handles: dict[tuple[int, int], TensorFile],
+    handles: dict[tuple[int, int], HashedTensorFile],
 ) -> str:
     dtype = torch_dtype(m.serving_dtype)
     g = m.quant.group_size

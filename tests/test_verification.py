@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -313,3 +314,184 @@ def test_machete_bundle_passes_and_a_flipped_nibble_is_caught(make_checkpoint, t
         _rehash(bundle, path)
         step, detail = _failure(bundle)
         assert step == "round-trip" and "o_proj (tp 1 rank 0): zero points (-scale * zero)" in detail, detail
+
+
+# Each file read once: the digests of "files" and "source" come from the comparisons' reads (io.preads.HashedTensorFile).
+
+
+@pytest.fixture
+def sharded(make_checkpoint, tmp_path: Path) -> Path:
+    """A bundle of TP 1 and 2 made from a checkpoint in six files (int32 tensors before float16 ones in each, as
+    safetensors writes them: the comparisons read each file's scales before the codes ahead of them)."""
+    src = tmp_path / "sharded"
+    shutil.copytree(make_checkpoint("gptq", "tiny-qwen2", bits=4, group_size=32, sharded=True), src)
+    convert(src, tp=(1, 2))
+    return src / "marlin-pack"
+
+
+def _header_end(path: Path) -> int:
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def _tensor_at(path: Path, name: str) -> tuple[int, int]:
+    """``[start, end)`` of tensor ``name`` in the file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        start, end = json.loads(f.read(n))[name]["data_offsets"]
+    return 8 + n + start, 8 + n + end
+
+
+def _flip(path: Path, at: int, to: int | None = None) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x01 if to is None else to]))
+
+
+def _reads_of(sharded: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[Path]]:
+    from vllm_plugin.bundle_reads import BundleBytes
+
+    model = sharded.parent
+    return BundleBytes(monkeypatch, model), sorted(model.rglob("*.safetensors"))
+
+
+def _once(reads: Any, files: list[Path], headers: int = 4) -> None:
+    """Every byte of every file past its header read exactly once; the header at most ``headers`` times (the checks
+    of headers read them apart, and the digest once)."""
+    total = size_all = 0
+    for path in files:
+        size, start = path.stat().st_size, _header_end(path)
+        assert reads.times_read(path, size, start) == {1}, (path, sorted(reads.ranges[reads.key(path)]))
+        assert reads.times_read(path, start) <= set(range(1, headers + 1)), path
+        total, size_all = total + reads.total(path), size_all + size
+    print(f"{len(files)} files, {size_all} bytes, {total} read ({total / size_all:.3f}x)")
+
+
+def test_verify_reads_each_bundle_and_checkpoint_file_once(sharded: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads, files = _reads_of(sharded, monkeypatch)
+    checkpoint = [f for f in files if f.parent == sharded.parent]
+    assert len(checkpoint) > 2 and {f.relative_to(sharded).as_posix() for f in files if f not in checkpoint} == {
+        "common.safetensors", "tp1/rank-0.safetensors", "tp2/rank-0.safetensors", "tp2/rank-1.safetensors"}
+    report = verify(sharded)
+    assert report.ok, report.first_failure
+    assert [c.name for c in report.checks] == ["manifest", "files", "tensors", "source", "plan", "layout", "common", "round-trip"]
+    _once(reads, files)
+
+
+def test_integrity_only_reads_the_bundle_once(sharded: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads, files = _reads_of(sharded, monkeypatch)
+    assert verify(sharded, integrity_only=True).ok
+    _once(reads, [f for f in files if sharded in f.parents])
+    assert not [f for f in files if sharded not in f.parents and reads.total(f)]  # the checkpoint: not at all
+
+
+def test_past_the_held_limit_a_range_is_read_again_and_still_hashed(sharded: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing may wait for the bytes before it (HELD 0): each range read ahead of them in its file is read again when
+    the hash reaches it; the bundle (read in file order) is still read once, and a flipped byte of such a range (a
+    scale of the checkpoint, read before the codes) still fails "source"."""
+    from marlin_pack.io import hashing
+
+    monkeypatch.setattr(hashing, "HELD", 0)
+    reads, files = _reads_of(sharded, monkeypatch)
+    assert verify(sharded).ok
+    _once(reads, [f for f in files if sharded in f.parents])
+    twice = [f for f in files if sharded not in f.parents and 2 in reads.times_read(f, f.stat().st_size, _header_end(f))]
+    assert twice and all(reads.times_read(f, f.stat().st_size, _header_end(f)) <= {1, 2} for f in files)
+    shard = twice[0]
+    scales = next(n for n in json.loads(shard.read_bytes()[8:_header_end(shard)]) if n.endswith(".scales"))
+    _flip(shard, _tensor_at(shard, scales)[0])
+    report = verify(sharded)
+    f = report.first_failure
+    assert f is not None and f.name == "source" and "changed since the bundle was made" in f.detail, f
+    assert report.checks[-1] is f
+
+
+def test_a_digest_mismatch_is_reported_before_the_comparison_that_also_fails(sharded: Path) -> None:
+    """A flipped code: the round trip reads it and differs, and the digest differs; "files" is reported (the report ends
+    there), as when the files were hashed before the comparisons. With the manifest's digest rewritten to match (as an
+    attacker would), the round trip names it."""
+    path = sharded / "tp1" / "rank-0.safetensors"
+    _flip(path, sum(_tensor_at(path, "model.layers.1.mlp.down_proj.qweight")) // 2)
+    report = verify(sharded)
+    assert [(c.name, c.status) for c in report.checks] == [("manifest", "ok"), ("files", "failed")]
+    assert "tp1/rank-0.safetensors has blake3" in report.checks[-1].detail and "was modified" in report.checks[-1].detail
+    _rehash(sharded, path)
+    name, detail = _failure(sharded)
+    assert name == "round-trip" and "down_proj (tp 1 rank 0): integer codes differ" in detail, detail
+
+
+def test_a_flipped_byte_of_a_bundle_header_padding_fails_files(sharded: Path) -> None:
+    """The spaces padding a rank file's header: no check of the header or tensors reads them; the digest does."""
+    path = next(p for p in sorted(sharded.rglob("*.safetensors")) if p.read_bytes()[_header_end(p) - 1] == ord(" "))
+    _flip(path, _header_end(path) - 1, ord("\n"))  # still JSON
+    name, detail = _failure(sharded)
+    assert name == "files" and f"{path.relative_to(sharded).as_posix()} has blake3" in detail and "was modified" in detail
+    m = json.loads((sharded / "manifest.json").read_text())
+    for entry in [m["common"], *(r["file"] for s in m["tensor_parallel"] for r in s["ranks"])]:
+        if entry["path"] == path.relative_to(sharded).as_posix():
+            entry["blake3"] = file_digest(path)
+    (sharded / "manifest.json").write_text(json.dumps(m))
+    assert verify(sharded).ok  # nothing but the digest sees them
+
+
+def test_a_flipped_byte_of_a_checkpoint_tensor_fails_source(sharded: Path) -> None:
+    shard = sorted(sharded.parent.glob("model-*.safetensors"))[2]
+    qweight = next(n for n in json.loads(shard.read_bytes()[8:_header_end(shard)]) if n.endswith(".qweight"))
+    _flip(shard, sum(_tensor_at(shard, qweight)) // 2)
+    report = verify(sharded)
+    f = report.first_failure
+    assert f is not None and f.name == "source" and f"source file {shard.name} changed since the bundle was made" in f.detail
+    assert [c.name for c in report.checks] == ["manifest", "files", "tensors", "source"]
+
+
+@pytest.mark.parametrize("which", ["bundle", "checkpoint"])
+@pytest.mark.parametrize("when", ["compared", "hashed"])
+def test_a_file_truncated_while_verified_is_reported_as_such(sharded: Path, monkeypatch: pytest.MonkeyPatch, which: str,
+                                                             when: str) -> None:
+    """Cut to half at the comparison's first read of it: the comparison reads it short and says so ("changed while it
+    was read"), which the report gives as it did when the digests were taken first; cut once the comparisons are done,
+    while what they left of it is read for its digest: the digest is refused ("changed while it was hashed"), as
+    "files" or "source" refuses a file changing while it hashes it whole."""
+    from marlin_pack.io import preads
+
+    path = sharded / "tp2" / "rank-1.safetensors" if which == "bundle" else sorted(sharded.parent.glob("model-*.safetensors"))[1]
+    cut: list[None] = []
+
+    def truncate(f: Any) -> None:
+        if not cut and f.path == path:
+            cut.append(os.truncate(path, path.stat().st_size // 2))
+
+    if when == "compared":
+        read = preads.TensorFile._read_bytes
+        monkeypatch.setattr(preads.TensorFile, "_read_bytes", lambda self, info: (truncate(self), read(self, info))[1])
+    else:
+        finish = preads.HashedTensorFile.finish
+        monkeypatch.setattr(preads.HashedTensorFile, "finish", lambda self: (truncate(self), finish(self))[1])
+    report = verify(sharded)
+    f = report.first_failure
+    assert cut and f is not None and report.checks[-1] is f, report.checks
+    if when == "compared":
+        assert f.name in ("common", "round-trip") and f"{path.name} changed while it was read (truncated to" in f.detail, f
+    else:
+        assert f.name == ("files" if which == "bundle" else "source"), f
+        assert "changed while it was hashed (truncated to" in f.detail and "something is writing it" in f.detail, f.detail
+
+
+def test_a_flipped_byte_no_comparison_reads_fails_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3's multi-token-prediction layer: vLLM skips it, so the bundle neither converts nor compares it; its
+    bytes are read for the checkpoint's digest alone, once, and a flipped one fails "source"."""
+    pytest.importorskip("transformers")
+    from moe_checkpoints import write_moe_checkpoint
+
+    model = write_moe_checkpoint(tmp_path / "m", "DeepseekV3ForCausalLM", "awq", mtp_layers=1)
+    bundle = convert(model, tp=(1,)).bundle
+    reads, files = _reads_of(bundle, monkeypatch)
+    assert verify(bundle).ok
+    _once(reads, files)
+    ckpt = model / "model.safetensors"
+    mtp = next(n for n in json.loads(ckpt.read_bytes()[8:_header_end(ckpt)]) if n.startswith("model.layers.3.") and "qweight" in n)
+    _flip(ckpt, sum(_tensor_at(ckpt, mtp)) // 2)
+    name, detail = _failure(bundle)
+    assert name == "source" and "source file model.safetensors changed since the bundle was made" in detail, detail

@@ -39,12 +39,14 @@ __all__ = [
 @dataclass(frozen=True)
 class PendingHash:
     """A bundle file whose size was checked and whose BLAKE3 digest is left to the copy that reads it: ``name`` as the
-    manifest has it, ``path`` as resolved, ``blake3`` expected, ``redo`` the advice should it differ."""
+    manifest has it, ``path`` as resolved, ``blake3`` expected, ``redo`` the advice should it differ. ``source``: a file
+    of the checkpoint (:func:`check_source`), whose refusal is worded as that check words it."""
 
     name: str
     path: Path
     blake3: str
     redo: str
+    source: bool = False
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,8 @@ def settle_pending(
 
     Raises:
         BundleError: a file hashed to another digest, changed while it was copied, or was not hashed at all (the first,
-            in order), in the words of :func:`check_files`.
+            in order), in the words of :func:`check_files` (of :func:`check_source` for a ``source`` file: a
+            :class:`~marlin_pack.errors.BundleMismatchError`).
     """
     with StampStore.open() as stamps:
         good: list[tuple[str, HashedFile]] = []
@@ -275,7 +278,8 @@ def settle_pending(
             if hashed is None:
                 raise BundleError(f"internal error: bundle file {p.name} was left to its copy to hash, and the copy did not")
             if isinstance(hashed, OSError) or hashed.digest != p.blake3:
-                raise _bundle_file_failed(p.name, hashed if isinstance(hashed, OSError) else hashed.digest, p.blake3, p.redo)
+                failed = _source_file_failed if p.source else _bundle_file_failed
+                raise failed(p.name, hashed if isinstance(hashed, OSError) else hashed.digest, p.blake3, p.redo)
             good.append((p.name, hashed))
         not_stamped = tuple((name, why) for name, hashed in good if (why := stamps.record(hashed)) is not None)
         return HashReport(
@@ -332,7 +336,8 @@ def _bundle_file_failed(name: str, why: OSError | str, expected: str, redo: str)
 
 
 def check_source(
-    manifest: Manifest, model_dir: str | Path, *, full_hash: bool | None = None, sampled: bool = False
+    manifest: Manifest, model_dir: str | Path, *, full_hash: bool | None = None, sampled: bool = False,
+    leave_to_copy: Callable[[Path], bool] | None = None,
 ) -> HashReport:
     """Check that ``model_dir`` holds the checkpoint the bundle was made from.
 
@@ -344,6 +349,9 @@ def check_source(
     (:mod:`marlin_pack.io.sampling`), those are compared instead of the full digests, whatever the stamps (unless
     ``full_hash`` is False: sizes and headers only). A start then reads kilobytes of the checkpoint, not the whole
     of it: vLLM never reads it when it serves the bundle, and on a fresh node that read doubled the start's disk reads.
+
+    ``leave_to_copy``: as in :func:`check_files`, for a file to be hashed whole, whether its digest is left to the read
+    that reads it anyway (``verify``'s comparison); the report's ``pending``, for :func:`settle_pending`.
 
     Raises:
         BundleMismatchError: with ``field`` ``source.quant_settings`` / ``source.files`` /
@@ -369,9 +377,12 @@ def check_source(
     digests = {f.name: f.blake3 for f in manifest.source.files}
     with StampStore.open() as stamps:
         redo = _redo(model_dir, manifest)
-        to_hash = [_checked_source_file(model_dir, f, full_hash, stamps, redo) for f in manifest.source.files]
-        report = _hash_all(stamps, [t for t in to_hash if t], lambda name, why: _source_file_failed(name, why, digests[name], redo))
-    return replace(report, every_time=full_hash is True)
+        to_hash = [t for f in manifest.source.files if (t := _checked_source_file(model_dir, f, full_hash, stamps, redo))]
+        left = [t for t in to_hash if leave_to_copy is not None and leave_to_copy(t[1])]
+        pending = tuple(PendingHash(n, p, d, redo, source=True) for n, p, d in left)
+        to_hash = [t for t in to_hash if t not in left]
+        report = _hash_all(stamps, to_hash, lambda name, why: _source_file_failed(name, why, digests[name], redo))
+    return replace(report, every_time=full_hash is True, pending=pending)
 
 
 def _checked_source_file(

@@ -5,9 +5,10 @@ Python cannot turn into an exception, so the process dies without a word (and a 
 lock and temporary directory behind). Every CPU read of a checkpoint or bundle file's bytes therefore
 copies them with ``pread`` (:func:`~marlin_pack.io.files.pread_full`): a file that ends early reads short, and the reader
 refuses in one line (:class:`~marlin_pack.io.files.FileChangedError`, "changed while it was read"). :class:`TensorFile` reads
-whole tensors so (conversion's checkpoint reads, ``verify``'s reads of the bundle), and
-:func:`~marlin_pack.io.hashing.hash_file` hashes files so. The engine's maps of bundle files are
-:mod:`marlin_pack.gpu.host_map`'s, whose docstring says what a truncation does there.
+whole tensors so (conversion's checkpoint reads; ``verify``'s reads of the bundle and the checkpoint, through
+:class:`HashedTensorFile`, which also hashes what it reads), and :func:`~marlin_pack.io.hashing.hash_file` hashes files
+so. The engine's maps of bundle files are :mod:`marlin_pack.gpu.host_map`'s, whose docstring says what a truncation does
+there.
 
 Importing this module does not import torch.
 """
@@ -16,18 +17,19 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marlin_pack.io.files import FileChangedError, identity_of, open_regular, pread_full
+from marlin_pack.io.hashing import HashedFile, HeldBytes, ReadHash
 
 if TYPE_CHECKING:
     import torch
 
     from marlin_pack.io.safetensors_io import TensorInfo
 
-__all__ = ["FileChangedError", "TensorFile", "pread_full"]
+__all__ = ["FileChangedError", "HashedTensorFile", "TensorFile", "pread_full"]
 
 
 class TensorFile:
@@ -65,6 +67,10 @@ class TensorFile:
             FileChangedError: the file now ends before the tensor's last byte ("changed while it was read").
             OSError: a read failed.
         """
+        return self._read_bytes(info).view(info.torch_dtype).view(info.shape)
+
+    def _read_bytes(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor's bytes, a new ``uint8`` CPU tensor (:meth:`read`'s errors)."""
         import torch
 
         raw = torch.empty(info.nbytes, dtype=torch.uint8)
@@ -77,7 +83,7 @@ class TensorFile:
                 f"{info.start}..{info.end})",
                 str(self.path),
             )
-        return raw.view(info.torch_dtype).view(info.shape)
+        return raw
 
     def close(self) -> None:
         self._file.close()
@@ -87,3 +93,40 @@ class TensorFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class HashedTensorFile(TensorFile):
+    """A :class:`TensorFile` whose reads also give the whole file's BLAKE3 digest (:class:`~marlin_pack.io.hashing.ReadHash`):
+    each tensor read is hashed from the bytes read for it, and :meth:`finish` reads only what no read took (the header,
+    padding, tensors not read), so that the file is read once for its tensors and its digest (``verify``).
+
+    Args:
+        path, tensors, identity: as :class:`TensorFile`.
+        expected: the tensors that will be read (the others are read for the digest alone, as the hash reaches them).
+        held: the limit on the bytes kept for the digest, shared with the other files read (:class:`~marlin_pack.io.hashing.HeldBytes`).
+    """
+
+    def __init__(
+        self, path: Path, tensors: Mapping[str, TensorInfo] | None = None, identity: tuple[int, ...] | None = None, *,
+        expected: Iterable[TensorInfo] = (), held: HeldBytes | None = None,
+    ) -> None:
+        super().__init__(path, tensors, identity)
+        try:
+            self.digest = ReadHash(self.path, self._file.fileno(), [(i.start, i.end) for i in expected], held)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        raw = self._read_bytes(info)
+        if info.nbytes:
+            self.digest.seen(info.start, memoryview(raw.numpy()))
+        return raw.view(info.torch_dtype).view(info.shape)
+
+    def finish(self) -> HashedFile:
+        """The file's digest, bound to the identity of what was read (:meth:`ReadHash.finish <marlin_pack.io.hashing.ReadHash.finish>`)."""
+        return self.digest.finish()
+
+    def close(self) -> None:
+        self.digest.abort()
+        super().close()

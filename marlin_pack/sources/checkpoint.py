@@ -10,6 +10,7 @@ while it was read"), not a SIGBUS that kills the process and leaves its lock and
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,14 +30,17 @@ class Checkpoint:
     Args:
         model_dir: directory holding ``config.json`` and ``*.safetensors``
             (one file, or several with ``model.safetensors.index.json``).
+        open_file: opens a weight file for reading its tensors, as ``open_file(path, identity)`` (default
+            :class:`~marlin_pack.io.preads.TensorFile`; ``verify``'s also hashes what it reads).
 
     Raises:
         CheckpointError: missing/unreadable config, missing or truncated files,
             an index naming files or tensors that are not there.
     """
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, *, open_file: Callable[[Path, tuple[int, ...]], TensorFile] | None = None) -> None:
         self.dir = Path(model_dir)
+        self._open_file = open_file or (lambda path, identity: TensorFile(path, identity=identity))
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir} is not a directory; pass a checkpoint directory holding config.json")
         try:  # safetensors (Rust) opens UTF-8 paths only; say so instead of "the file is corrupt"
@@ -98,7 +102,7 @@ class Checkpoint:
             with self._lock:
                 handle = self._handles.get(info.file)
                 if handle is None:
-                    handle = TensorFile(self.dir / info.file, identity=tuple(self.identities[info.file]))
+                    handle = self._open_file(self.dir / info.file, tuple(self.identities[info.file]))
                     self._handles[info.file] = handle
             return handle.read(info)
         except FileChangedError as e:

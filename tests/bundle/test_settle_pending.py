@@ -73,3 +73,21 @@ def test_a_file_others_may_write_is_compared_but_not_stamped(bundle: Path) -> No
     settled = settle_pending(report.pending, _copy_digests(rank))
     assert settled.stamped == 0 and settled.not_stamped[0][1].kind == "writable"
     assert "hashed at every start: writable by others" in (settled.summary() or "")
+
+
+def test_a_source_file_left_to_the_read_that_reads_it_is_refused_in_the_source_checks_words(bundle: Path) -> None:
+    """``check_source(..., leave_to_copy=...)`` (verify: the round trip's reads give the checkpoint's digests): sizes and
+    headers checked, the digest pending; settled, a file of other bytes is the ``source.blake3`` refusal."""
+    from marlin_pack.bundle.integrity import check_source
+    from marlin_pack.errors import BundleMismatchError, MismatchField
+    from marlin_pack.io.hashing import hash_file
+
+    model = bundle.parent
+    report = check_source(read_manifest(bundle), model, full_hash=True, leave_to_copy=lambda p: True)
+    assert report.files == 0 and [(p.name, p.source) for p in report.pending] == [("model.safetensors", True)]
+    path = report.pending[0].path
+    assert settle_pending(report.pending, {str(path): hash_file(path)}).files == 1
+    forged = {str(path): hash_file(path)._replace(digest="0" * 64)}
+    with pytest.raises(BundleMismatchError, match=r"source file model.safetensors changed since the bundle was made") as e:
+        settle_pending(report.pending, forged)
+    assert e.value.field is MismatchField.source_blake3

@@ -174,3 +174,82 @@ def test_remembered_hashes_a_file_once_per_scope(tmp_path: Path, monkeypatch: py
     f.chmod(0o644)
     hash_file(f)
     assert len(reads) == 5 and not hashing._REMEMBERED
+
+
+# ReadHash: a file's digest from the ranges a reader reads, in the reader's order (verify's comparisons).
+
+
+def _ranges(size: int, n: int, seed: int) -> list[tuple[int, int]]:
+    """``n`` adjacent ranges tiling ``[64, size - 32)`` (a header before, padding after), shuffled."""
+    import random
+
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(65, size - 32), n - 1))
+    spans = list(zip([64, *cuts], [*cuts, size - 32], strict=True))
+    rng.shuffle(spans)
+    return spans
+
+
+def _read_as(path: Path, order: list[tuple[int, int]], expected: list[tuple[int, int]], held: hashing.HeldBytes,
+             repeat: bool = False) -> hashing.ReadHash:
+    data = path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        h = hashing.ReadHash(path, fd, expected, held)
+        for a, b in order + (order[:3] if repeat else []):
+            h.seen(a, memoryview(data[a:b]))
+        h.digest = h.finish().digest  # type: ignore[attr-defined]
+    finally:
+        os.close(fd)
+    return h
+
+
+@pytest.mark.parametrize("limit", [0, 1 << 12, 1 << 30])
+def test_read_hash_of_ranges_read_in_any_order_is_the_file_digest(tmp_path: Path, limit: int) -> None:
+    """Whatever the order and the limit: the whole file's BLAKE3. Read here: the header and the padding, a range the
+    reader was to read and never did, and the ranges it read that the limit could not keep (none where it keeps all)."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 18))
+    spans = _ranges(1 << 18, 40, limit)
+    held = hashing.HeldBytes(limit)
+    h = _read_as(path, spans[1:], spans, held, repeat=True)  # spans[0]: expected, never read
+    assert h.digest == blake3.blake3(path.read_bytes()).hexdigest()  # type: ignore[attr-defined]
+    assert held.held == 0 and h.given_up <= sum(b - a for a, b in spans)
+    never = spans[0][1] - spans[0][0]
+    assert h.read_here == 64 + 32 + never + h.given_up
+    if limit == 1 << 30:
+        assert h.given_up == 0
+
+
+def test_read_hash_gives_up_the_ranges_farthest_from_their_front(tmp_path: Path) -> None:
+    """Two files share a limit of 4 KiB: a range 1 KiB past its front takes the place of one 3 KiB past its own."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for p in (a, b):
+        p.write_bytes(os.urandom(8 << 10))
+    held = hashing.HeldBytes(4 << 10)
+    fds = [os.open(p, os.O_RDONLY) for p in (a, b)]
+    try:
+        ha = hashing.ReadHash(a, fds[0], [(0, 8 << 10)], held)
+        hb = hashing.ReadHash(b, fds[1], [(0, 8 << 10)], held)
+        ha.seen(3 << 10, memoryview(a.read_bytes()[3 << 10 : 7 << 10]))  # 3 KiB ahead of a's front: kept
+        assert held.held == 4 << 10
+        hb.seen(1 << 10, memoryview(b.read_bytes()[1 << 10 : 2 << 10]))  # 1 KiB ahead of b's: a's range gives way
+        assert (ha.given_up, hb.given_up, held.held) == (4 << 10, 0, 1 << 10)
+        assert ha.finish().digest == blake3.blake3(a.read_bytes()).hexdigest()
+        assert hb.finish().digest == blake3.blake3(b.read_bytes()).hexdigest() and held.held == 0
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_read_hash_of_a_file_truncated_before_it_finishes_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 16))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        h = hashing.ReadHash(path, fd, [(0, 1 << 15)])
+        os.truncate(path, 1 << 14)
+        with pytest.raises(FileChangedError, match=r"changed while it was hashed \(truncated to 16384 of its 65536 bytes\)"):
+            h.finish()
+    finally:
+        os.close(fd)
