@@ -70,7 +70,8 @@ override=()
 grep -qvE '^[[:space:]]*(#|$)' "$overrides" && override=(--override "$overrides")  # a file of comments only: none
 say "installing vllm==$version (overrides: tools/overrides/vllm-$version.txt) into $dir"
 "$uv" pip install --python "$py" "${find_links[@]}" "${override[@]}" "vllm==$version" "pytest>=8" "tokenizers>=0.19" "nvidia-cutlass>=3.5" \
-    "runai-model-streamer[s3]>=0.17.1" "moto[server]>=5.1"  # the s3 extra, and the S3 server tests/remote starts
+    "runai-model-streamer[s3,gcs]>=0.17.1" "google-cloud-storage>=2.10" \
+    "moto[server]>=5.1" "gcp-storage-emulator>=2026.7.19"  # the s3 and gcs extras; the S3 server and GCS emulator tests/remote starts
 "$uv" pip install --python "$py" --no-deps -e "$root"
 
 # --no-deps: marlin-pack's own requirements must already be there (vLLM brings them all); say so if one is not.

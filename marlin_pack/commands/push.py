@@ -21,7 +21,7 @@ def push(
     revision: RevisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Publish a bundle to object storage, for engines to stream (credentials and AWS_ENDPOINT_URL as boto3 reads them; gs:// with a GCS HMAC key in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY).
+    """Publish a bundle to object storage, for engines to stream (credentials and AWS_ENDPOINT_URL as boto3 reads them; gs:// with application-default credentials, or an HMAC key in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY with MARLIN_PACK_GCS_HMAC=1).
 
     The bundle is proven against its manifest first; the files go up, then the manifest, then the publication record: readers never see a half-written bundle. Pushing the same bundle again writes nothing.
 
@@ -31,7 +31,7 @@ def push(
 
       AWS_ENDPOINT_URL=http://minio:9000 marlin-pack push ./Llama-3-8B-AWQ/marlin-pack s3://models/llama-3-8b-awq
 
-      marlin-pack push ./Llama-3-8B-AWQ gs://models/llama-3-8b-awq    # GCS, through its XML API
+      marlin-pack push ./Llama-3-8B-AWQ gs://models/llama-3-8b-awq    # GCS, application-default credentials
     """  # noqa: E501
     from marlin_pack.remote.push import push as run_push
     from marlin_pack.remote.url import parse_url

@@ -33,7 +33,7 @@ from marlin_pack.bundle.reader import MAX_MANIFEST_BYTES
 from marlin_pack.errors import BundleError, BundleMismatchError, MismatchField
 from marlin_pack.io.safetensors_io import MAX_HEADER_BYTES, SafetensorsFormatError, SafetensorsHeader, parse_header
 from marlin_pack.remote.record import MAX_RECORD_BYTES, RECORD_NAME, Record, block_digest, parse_record
-from marlin_pack.remote.store import S3Store, open_store
+from marlin_pack.remote.store import Store, open_store
 from marlin_pack.remote.url import ObjectUrl, parse_url
 from marlin_pack.schemas import FileEntry, Manifest, TensorParallelSet
 
@@ -47,7 +47,7 @@ class RemoteBundle:
     """A published bundle: its manifest and record as read, and the ETags they were read at (for "changed since")."""
 
     url: ObjectUrl
-    store: S3Store
+    store: Store
     manifest: Manifest
     record: Record
     manifest_etag: str
@@ -87,7 +87,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         raise BundleError(f"{where}: field {field}: {err['msg']}; the manifest is corrupt, re-convert and push again") from e
 
 
-def open_remote(url: str | ObjectUrl, store: S3Store | None = None) -> RemoteBundle:
+def open_remote(url: str | ObjectUrl, store: Store | None = None) -> RemoteBundle:
     """Open the bundle published at ``url``: record, manifest, and the two checked against each other.
 
     Raises:

@@ -29,7 +29,7 @@ from marlin_pack.bundle.reader import MAX_MANIFEST_BYTES, read_manifest
 from marlin_pack.errors import BundleError
 from marlin_pack.remedies import convert_command
 from marlin_pack.remote.record import BLOCK_SIZE, MAX_RECORD_BYTES, RECORD_NAME, PublishedFile, Record, hash_blocks, open_in, parse_record
-from marlin_pack.remote.store import S3Store, open_store
+from marlin_pack.remote.store import Store, open_store
 from marlin_pack.remote.url import parse_url
 from marlin_pack.schemas import Manifest
 
@@ -113,7 +113,7 @@ def _prove(bundle_dir: Path, dir_fd: int, manifest: Manifest, block_size: int,
     return files
 
 
-def _published_record(store: S3Store) -> Record | None | str:
+def _published_record(store: Store) -> Record | None | str:
     """The record there (None: none; a string: one that does not parse, said why)."""
     got = store.get(RECORD_NAME, MAX_RECORD_BYTES)
     if got is None:
@@ -167,7 +167,7 @@ def push(bundle: str | os.PathLike[str], url: str, *, force: bool = False,
             os.close(f.fd)
 
 
-def _publish(store: S3Store, manifest: Manifest, manifest_data: bytes, files: list[_Local], force: bool, block_size: int) -> Pushed:
+def _publish(store: Store, manifest: Manifest, manifest_data: bytes, files: list[_Local], force: bool, block_size: int) -> Pushed:
     """Steps 2 and 3 (see the module's docstring)."""
     record = Record(manifest_sha256=hashlib.sha256(manifest_data).hexdigest(), manifest_size=len(manifest_data),
                     block_size=block_size, files=[f.published for f in files])

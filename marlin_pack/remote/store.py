@@ -7,12 +7,20 @@ opened (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, `
 instance's role), the endpoint from ``AWS_ENDPOINT_URL`` (an S3-compatible server: MinIO, a test's moto), as for vLLM's
 ``runai_streamer``.
 
-``gs://bucket/prefix`` is Google Cloud Storage through its XML API, which speaks S3's protocol: the same two clients, at
-:data:`GCS_ENDPOINT` (never ``AWS_ENDPOINT_URL``, which names the server of ``s3://`` URLs), signed with an HMAC key of
-a service account given as ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` (or a profile). S3 features GCS lacks are
-left off there: boto3's default request checksums (aws-chunked uploads) and virtual-host addressing; GCS returns user
-metadata as ``x-goog-meta-*``, read as S3's (:func:`_metadata`). The streamer is handed ``s3://`` names and that
-endpoint (:meth:`S3Store.stream_target`), so it too uses its S3 backend and the same key.
+``gs://bucket/prefix`` is Google Cloud Storage, in one of two ways (:func:`gcs_hmac`, one rule):
+
+- by default, with application-default credentials (GKE workload identity, ``GOOGLE_APPLICATION_CREDENTIALS``,
+  ``gcloud auth application-default login``, a VM's service account), as vLLM's ``runai_streamer`` reads ``gs://``:
+  Google's client (``google-cloud-storage``, :class:`GcsStore`) reads and writes through GCS's JSON API and Run:ai's
+  GCS backend (``runai-model-streamer-gcs``) streams the ranges. ``STORAGE_EMULATOR_HOST`` points Google's client at
+  an emulator, ``CLOUD_STORAGE_EMULATOR_ENDPOINT`` the streamer's (google-cloud-cpp's): with one, the other must be the
+  same (:func:`check_gcs_emulator`);
+- with ``MARLIN_PACK_GCS_HMAC=1``, through GCS's XML API, which speaks S3's protocol: boto3 and the streamer's S3 backend
+  at :data:`GCS_ENDPOINT` (never ``AWS_ENDPOINT_URL``, which names the server of ``s3://`` URLs), signed with an HMAC
+  key of a service account given as ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` (or a profile). S3 features GCS
+  lacks are left off there: boto3's default request checksums (aws-chunked uploads) and virtual-host addressing; GCS
+  returns user metadata as ``x-goog-meta-*``, read as S3's (:func:`_metadata`). The streamer is handed ``s3://`` names
+  and that endpoint (:meth:`S3Store.stream_target`), so it too uses its S3 backend and the same key.
 
 Every failure is a :class:`RemoteError`: one line naming the object, what the store answered, and what to do (bad or
 missing credentials, a missing bucket or object, an endpoint that does not answer).
@@ -20,6 +28,7 @@ missing credentials, a missing bucket or object, an endpoint that does not answe
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,18 +37,24 @@ from typing import Any, BinaryIO
 from marlin_pack.errors import BundleError
 from marlin_pack.remote.url import ObjectUrl
 
-__all__ = ["GCS_ENDPOINT", "GCS_REGION", "ObjectInfo", "RemoteError", "S3Store", "open_store"]
+__all__ = ["GCS_ENDPOINT", "GCS_HMAC_ENV", "GCS_REGION", "GcsStore", "ObjectInfo", "RemoteError", "S3Store", "Store",
+           "check_gcs_emulator", "gcs_hmac", "open_store"]
 
 # Google Cloud Storage's XML API (S3's protocol, HMAC keys): where gs:// URLs are read and written. SigV4 with region
 # "auto" is what GCS documents for it.
 GCS_ENDPOINT = "https://storage.googleapis.com"
 GCS_REGION = "auto"
+# gs:// through the XML API with an HMAC key (1/true/yes) instead of application-default credentials.
+GCS_HMAC_ENV = "MARLIN_PACK_GCS_HMAC"
 
 _CREDENTIALS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "InvalidClientTokenId",
                 "AuthorizationHeaderMalformed")
 _DENIED = ("AccessDenied", "AllAccessDisabled", "Forbidden", "403")
 _MISSING = ("NoSuchKey", "NotFound", "404")
 _EXTRA = "install marlin-pack's s3 extra: pip install 'marlin-pack[s3]'"
+_GCS_EXTRA = "install marlin-pack's gcs extra: pip install 'marlin-pack[gcs]'"
+_GCS_ADC = ("set application-default credentials (GKE workload identity, GOOGLE_APPLICATION_CREDENTIALS=KEY.json, or "
+            f"`gcloud auth application-default login`), or {GCS_HMAC_ENV}=1 with an HMAC key in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
 _GCS_KEY = ("an HMAC key of a service account that may use the bucket in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (gs:// is "
             "read through GCS's XML API: `gcloud storage hmac create SERVICE_ACCOUNT_EMAIL` makes one)")
 
@@ -220,6 +235,168 @@ class S3Store:
         return self.url.url_of(name), None
 
 
-def open_store(url: ObjectUrl) -> S3Store:
-    """A store of ``url``'s bucket and prefix, with the credentials and endpoint the environment gives now."""
+def gcs_hmac() -> bool:
+    """The one rule: ``gs://`` goes through GCS's XML API with an HMAC key only where ``MARLIN_PACK_GCS_HMAC`` asks for
+    it (1, true, yes); otherwise through Google's client and Run:ai's GCS backend, with application-default credentials."""
+    return os.environ.get(GCS_HMAC_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def check_gcs_emulator() -> None:
+    """An emulator named for one of the two GCS clients is named for both: Google's client reads
+    ``STORAGE_EMULATOR_HOST``, Run:ai's GCS backend ``CLOUD_STORAGE_EMULATOR_ENDPOINT``; with only one set, the metadata
+    would come from the emulator and the ranges from storage.googleapis.com (or the reverse)."""
+    python = os.environ.get("STORAGE_EMULATOR_HOST", "").rstrip("/")
+    cpp = os.environ.get("CLOUD_STORAGE_EMULATOR_ENDPOINT", "").rstrip("/")
+    if python != cpp:
+        raise RemoteError(f"STORAGE_EMULATOR_HOST={python or '(unset)'} but CLOUD_STORAGE_EMULATOR_ENDPOINT={cpp or '(unset)'}: "
+                          "Google's client reads the first, Run:ai's GCS backend the second; set both to the same emulator, "
+                          "or neither for GCS itself")
+
+
+class GcsStore:
+    """One ``gs://`` bucket prefix through Google's client (GCS's JSON API), with application-default credentials
+    (anonymous at ``STORAGE_EMULATOR_HOST``). The ETag of an object is its generation, which every write changes."""
+
+    def __init__(self, url: ObjectUrl) -> None:
+        self.url = url
+        self._bucket_handle: Any = None
+
+    def _bucket(self) -> Any:
+        if self._bucket_handle is None:
+            try:
+                from google.cloud import storage
+            except ImportError as e:
+                raise RemoteError(f"{self.url} needs google-cloud-storage, which is not installed: {_GCS_EXTRA} "
+                                  f"(or {GCS_HMAC_ENV}=1 with an HMAC key: {_EXTRA})") from e
+            check_gcs_emulator()
+            self._bucket_handle = storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT")).bucket(self.url.bucket)
+        return self._bucket_handle
+
+    def _fail(self, name: str, action: str, e: Exception) -> RemoteError:
+        from google.api_core import exceptions as api
+        from google.auth import exceptions as auth
+
+        if isinstance(e, auth.DefaultCredentialsError):
+            code, todo = "no credentials", _GCS_ADC
+        elif isinstance(e, (auth.RefreshError, api.Unauthorized)):
+            code, todo = "credentials refused", f"{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}; {_GCS_ADC}"
+        elif isinstance(e, api.Forbidden):
+            code, todo = "403", ("these credentials' service account may not read or write it: grant it roles/storage.objectViewer "
+                                 "(readers) or roles/storage.objectUser (push) on the bucket")
+        elif isinstance(e, api.NotFound):
+            code, todo = "NoSuchBucket", "check the bucket's name"
+        elif isinstance(e, api.PreconditionFailed):
+            code, todo = "412", "the object was replaced while it was read (a push?); retry once the push is finished"
+        elif isinstance(e, api.GoogleAPICallError):
+            code, todo = str(e.code), (e.message or "see the store's message")[:200]
+        else:  # requests' ConnectionError, google.auth's TransportError: no answer
+            where = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
+            code, todo = "no answer", f"check that {where} is reachable from here ({type(e).__name__})"
+        return RemoteError(f"cannot {action} {self.url.url_of(name)}: {code}; {todo}")
+
+    def _run(self, name: str, action: str, fn: Callable[[Any], Any]) -> Any:
+        from google.api_core.exceptions import GoogleAPICallError
+        from google.auth.exceptions import GoogleAuthError
+        from requests.exceptions import RequestException
+
+        try:
+            return fn(self._bucket())
+        except (GoogleAPICallError, GoogleAuthError, RequestException) as e:
+            raise self._fail(name, action, e) from e
+
+    def head(self, name: str) -> ObjectInfo | None:
+        """The object's size, generation and metadata; None where there is no such object (a missing bucket raises)."""
+        blob = self._run(name, "read", lambda b: b.get_blob(self.url.key(name)))
+        if blob is None:
+            # get_blob answers None for a missing bucket too: a listing (storage.objects.list, which readers hold) tells
+            self._run(name, "read", lambda b: next(iter(b.list_blobs(prefix=self.url.key(name), max_results=1)), None))
+            return None
+        return ObjectInfo(int(blob.size or 0), str(blob.generation), {str(k).lower(): str(v) for k, v in (blob.metadata or {}).items()})
+
+    def get(self, name: str, limit: int) -> tuple[bytes, str] | None:
+        return S3Store.get(self, name, limit)  # type: ignore[arg-type]
+
+    def get_range(self, name: str, start: int, length: int, if_match: str | None = None) -> tuple[bytes, str]:
+        """``length`` bytes from ``start`` (exactly: a short read is refused), of the generation ``if_match`` if given."""
+        if length == 0:
+            return b"", if_match or ""
+        kw: dict[str, Any] = {"if_generation_match": int(if_match)} if if_match else {}
+
+        def read(b: Any) -> bytes:
+            return b.blob(self.url.key(name)).download_as_bytes(start=start, end=start + length - 1, raw_download=True,
+                                                                 checksum=None, **kw)
+
+        from google.api_core.exceptions import NotFound
+
+        try:
+            data = self._run(name, "read", read)
+        except RemoteError as e:
+            if isinstance(e.__cause__, NotFound) and self.head(name) is None:
+                raise RemoteError(f"cannot read {self.url.url_of(name)}: NoSuchKey; the object is gone; push the bundle again") from e
+            raise
+        if len(data) != length:
+            raise RemoteError(f"{self.url.url_of(name)} gave {len(data):,} bytes at offset {start:,}, expected {length:,}: "
+                              "the object is truncated or was replaced; push the bundle again")
+        return data, if_match or ""
+
+    def put_bytes(self, name: str, data: bytes, metadata: dict[str, str]) -> None:
+        def put(b: Any) -> None:
+            blob = b.blob(self.url.key(name))
+            blob.metadata = metadata or None
+            blob.upload_from_string(data, content_type="application/octet-stream")
+
+        self._run(name, "write", put)
+
+    def put_file(self, name: str, f: BinaryIO, metadata: dict[str, str], on_bytes: Callable[[int], None] | None = None) -> None:
+        """Upload an open file (resumable above 8 MiB): the object appears whole, when the last part is written, or not at all."""
+        size = os.fstat(f.fileno()).st_size - f.tell()
+
+        def put(b: Any) -> None:
+            blob = b.blob(self.url.key(name), chunk_size=64 << 20)
+            blob.metadata = metadata or None
+            blob.upload_from_file(_Counted(f, on_bytes), size=size, content_type="application/octet-stream", checksum=None)
+
+        self._run(name, "write", put)
+
+    def delete(self, name: str) -> None:
+        from google.api_core.exceptions import NotFound
+
+        def delete(b: Any) -> None:
+            with contextlib.suppress(NotFound):  # already gone, as S3's DELETE answers
+                b.blob(self.url.key(name)).delete()
+
+        self._run(name, "delete", delete)
+
+    def stream_target(self, name: str) -> tuple[str, str | None]:
+        """Run:ai's streamer reads ``gs://`` names with its GCS backend and application-default credentials."""
+        return self.url.url_of(name), None
+
+
+class _Counted:
+    """A file whose reads are counted (push's progress): Google's client has no progress callback."""
+
+    def __init__(self, f: BinaryIO, on_bytes: Callable[[int], None] | None) -> None:
+        self._f, self._on_bytes = f, on_bytes
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        if self._on_bytes is not None and data:
+            self._on_bytes(len(data))
+        return data
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+
+Store = S3Store | GcsStore
+
+
+def open_store(url: ObjectUrl) -> Store:
+    """A store of ``url``'s bucket and prefix, with the credentials and endpoint the environment gives now: boto3 for
+    ``s3://`` and for ``gs://`` with ``MARLIN_PACK_GCS_HMAC=1``, Google's client for ``gs://`` otherwise."""
+    if url.scheme == "gs" and not gcs_hmac():
+        return GcsStore(url)
     return S3Store(url, _client(url))

@@ -5,7 +5,9 @@ Why Run:ai's streamer (``runai-model-streamer``): it is the client vLLM's own ``
 engine that streams a checkpoint from S3 today streams a bundle with the same credentials, endpoint variables and
 tuning (``RUNAI_STREAMER_CONCURRENCY``, ...); its C++ core reads arbitrary byte ranges of many objects concurrently
 (``FileStreamer`` / ``FileChunks``) into a ring of host buffers, and it answers a short or failed range with an error,
-never with fewer bytes. boto3 (:mod:`~marlin_pack.remote.store`) does the rest (record, manifest, headers, push).
+never with fewer bytes. boto3 (:mod:`~marlin_pack.remote.store`) does the rest (record, manifest, headers, push); for
+``gs://`` its GCS backend reads the ranges with application-default credentials as vLLM's does, and Google's client
+does the rest (``MARLIN_PACK_GCS_HMAC=1``: its S3 backend and boto3 at GCS's XML API, with an HMAC key).
 
 Each range asked for is one block of the record, so each response is verified whole before the sink sees it: a block
 that is not the record's (an object changed after the plan read the manifest, a damaged object) is refused in one line.
@@ -103,9 +105,23 @@ def _streamer() -> Any:
     return FileStreamer, FileChunks
 
 
+def _gcs_backend() -> None:
+    """``gs://`` names are read by Run:ai's GCS backend (application-default credentials): installed, and at the same
+    emulator as Google's client if one is named."""
+    import importlib.util
+
+    from marlin_pack.remote.store import GCS_HMAC_ENV, check_gcs_emulator
+
+    if importlib.util.find_spec("runai_model_streamer_gcs") is None:
+        raise RemoteError("streaming gs:// needs Run:ai's GCS backend (runai-model-streamer-gcs): install marlin-pack's gcs "
+                          f"extra (pip install 'marlin-pack[gcs]'), or set {GCS_HMAC_ENV}=1 to read through GCS's XML API with an HMAC key")
+    check_gcs_emulator()
+
+
 def _credentials(endpoint: str | None) -> Any:
-    """The streamer's credentials argument: None (its S3 backend's default chain and the environment's endpoint), or that
-    chain at ``endpoint`` (a ``gs://`` bundle: GCS's XML API, :meth:`~marlin_pack.remote.store.S3Store.stream_target`)."""
+    """The streamer's credentials argument: None (its S3 backend's default chain and the environment's endpoint; its GCS
+    backend's application-default credentials for ``gs://`` names), or that chain at ``endpoint`` (a ``gs://`` bundle
+    with ``MARLIN_PACK_GCS_HMAC=1``: GCS's XML API, :meth:`~marlin_pack.remote.store.S3Store.stream_target`)."""
     if endpoint is None:
         return None
     from runai_model_streamer.s3_utils.s3_utils import S3Credentials
@@ -135,6 +151,8 @@ def read_rank(plan: RankPlan, sink: Sink, *, memory_limit: int | None = None) ->
     requests = [FileChunks(i, targets[f.entry.path][0], offsets, sizes) for i, (f, offsets, sizes) in enumerate(jobs) if sizes]
     by_id = {i: (f, offsets) for i, (f, offsets, sizes) in enumerate(jobs) if sizes}
     endpoints = {endpoint for _, endpoint in targets.values()}
+    if requests and any(target.startswith("gs://") for target, _ in targets.values()):
+        _gcs_backend()
     if requests:
         try:
             with FileStreamer() as streamer:

@@ -22,8 +22,9 @@ from marlin_pack.errors import MarlinPackError
 
 __all__ = ["SERVED_SCHEMES", "ObjectUrl", "UrlNotPathError", "UrlPath", "parse_url", "refuse_url", "sync_command", "url_scheme", "url_text"]
 
-# Schemes marlin-pack reads and writes (push, check, the loader). gs:// is Google Cloud Storage, spoken to through its
-# XML API, which is S3's (marlin_pack.remote.store: the same two clients, an HMAC key as the credentials).
+# Schemes marlin-pack reads and writes (push, check, the loader). gs:// is Google Cloud Storage: application-default
+# credentials through Google's client and Run:ai's GCS backend, or with MARLIN_PACK_GCS_HMAC=1 its XML API, which is
+# S3's (an HMAC key): marlin_pack.remote.store.
 SERVED_SCHEMES = ("s3", "gs")
 
 # "scheme:/" as typed ("s3://b/x") or as a Path leaves it ("s3:/b/x"): a scheme is a letter then letters, digits,

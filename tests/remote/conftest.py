@@ -5,12 +5,15 @@ streamer) talk HTTP to it exactly as to AWS; nothing of theirs is mocked.
 The server checks credentials (moto's IAM access control from the first request on): :func:`s3` hands each test the
 keys of an IAM user allowed ``s3:*`` and a bucket of its own, through the usual environment variables.
 
-:func:`gcs` is the same server standing in for Google Cloud Storage's XML API (S3's protocol with HMAC keys, which is
-how marlin-pack speaks to ``gs://``): ``GCS_ENDPOINT`` points at it, the key is in ``AWS_ACCESS_KEY_ID``/
-``AWS_SECRET_ACCESS_KEY`` as a GCS HMAC key is, and ``AWS_ENDPOINT_URL`` names a closed port, so a ``gs://`` URL read
-at the S3 endpoint instead would fail. No GCS emulator is used: the ones on PyPI serve GCS's JSON API, which marlin-pack
-does not speak; what GCS's XML API does unlike S3 (``x-goog-meta-*`` metadata, no aws-chunked uploads) is covered by
-unit tests of those differences.
+:func:`gcs` is the same server standing in for Google Cloud Storage's XML API (S3's protocol with HMAC keys, how
+marlin-pack speaks to ``gs://`` with ``MARLIN_PACK_GCS_HMAC=1``): ``GCS_ENDPOINT`` points at it, the key is in
+``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` as a GCS HMAC key is, and ``AWS_ENDPOINT_URL`` names a closed port, so
+a ``gs://`` URL read at the S3 endpoint instead would fail. What GCS's XML API does unlike S3 (``x-goog-meta-*``
+metadata, no aws-chunked uploads) is covered by unit tests of those differences.
+
+:func:`gcs_adc` is ``gs://`` as it is read by default (application-default credentials): ``gcp-storage-emulator``
+(GCS's JSON API, in this process's threads) at ``STORAGE_EMULATOR_HOST`` for Google's client and
+``CLOUD_STORAGE_EMULATOR_ENDPOINT`` for Run:ai's GCS backend (both clients then use no credentials).
 """
 
 from __future__ import annotations
@@ -116,9 +119,73 @@ def gcs(s3: S3, monkeypatch: pytest.MonkeyPatch) -> S3:
     from marlin_pack.remote import store
 
     monkeypatch.setattr(store, "GCS_ENDPOINT", s3.endpoint)
+    monkeypatch.setenv(store.GCS_HMAC_ENV, "1")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.delenv("AWS_DEFAULT_REGION")
     return S3(s3.endpoint, s3.bucket, s3.access_key, s3.secret_key, "gs")
+
+
+@dataclass(frozen=True)
+class GCS:
+    """The emulator of this session and this test's bucket (``STORAGE_EMULATOR_HOST`` already in the environment)."""
+
+    endpoint: str
+    bucket: str
+
+    def url(self, prefix: str) -> str:
+        return f"gs://{self.bucket}/{prefix}"
+
+    def client(self):  # type: ignore[no-untyped-def]
+        """The bucket, through Google's client (anonymous at the emulator)."""
+        from google.cloud import storage
+
+        return storage.Client(project="marlin-pack-tests").bucket(self.bucket)
+
+    def keys(self, prefix: str = "") -> dict[str, int]:
+        return {b.name: b.size for b in self.client().list_blobs(prefix=prefix)}
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client().blob(key).upload_from_string(data)
+
+    def delete(self, key: str) -> None:
+        self.client().blob(key).delete()
+
+
+@pytest.fixture(scope="session")
+def _gcs_emulator() -> Iterator[str]:
+    for module, why in (("gcp_storage_emulator.server", "gcp-storage-emulator (the test extra) serves GCS's JSON API"),
+                        ("google.cloud.storage", "google-cloud-storage (the gcs extra) reads gs:// with ADC"),
+                        ("runai_model_streamer_gcs", "runai-model-streamer[gcs] (the gcs extra) streams gs:// with ADC")):
+        pytest.importorskip(module, reason=why)
+    import socket
+
+    from gcp_storage_emulator.server import create_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = create_server("127.0.0.1", port, in_memory=True)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def gcs_adc(_gcs_emulator: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> GCS:
+    """This test's bucket as ``gs://`` read the default way (Google's client, Run:ai's GCS backend) at the emulator; no
+    HMAC key, ``AWS_ENDPOINT_URL`` a closed port, no gcloud configuration of the machine's."""
+    for var in [v for v in os.environ if v.startswith(("AWS_", "RUNAI_STREAMER_", "GOOGLE_", "GCE_", "CLOUDSDK_"))]:
+        monkeypatch.delenv(var)
+    monkeypatch.delenv("MARLIN_PACK_GCS_HMAC", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", _gcs_emulator)
+    monkeypatch.setenv("CLOUD_STORAGE_EMULATOR_ENDPOINT", _gcs_emulator)
+    g = GCS(_gcs_emulator, f"marlin-pack-gcs-{next(_buckets)}")
+    from google.cloud import storage
+
+    storage.Client(project="marlin-pack-tests").create_bucket(g.bucket)
+    return g
 
 
 @pytest.fixture(params=["s3", "gs"])

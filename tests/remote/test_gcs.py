@@ -1,10 +1,10 @@
-"""``gs://bucket/prefix``: a bundle in Google Cloud Storage is published, checked, planned and streamed exactly as one in
-S3, through GCS's XML API (S3's protocol, an HMAC key): boto3 and Run:ai's streamer at ``GCS_ENDPOINT``, never at
-``AWS_ENDPOINT_URL``.
+"""``gs://bucket/prefix`` with ``MARLIN_PACK_GCS_HMAC=1``: a bundle in Google Cloud Storage is published, checked, planned
+and streamed exactly as one in S3, through GCS's XML API (S3's protocol, an HMAC key): boto3 and Run:ai's streamer at
+``GCS_ENDPOINT``, never at ``AWS_ENDPOINT_URL``. (The default, application-default credentials: ``test_gcs_adc.py``.)
 
 Offline, moto's S3 server stands in for GCS's XML API (``conftest.gcs``: the endpoint pointed at it, ``AWS_ENDPOINT_URL``
-a closed port); the GCS emulators on PyPI serve its JSON API, which marlin-pack does not speak. What GCS's XML API does
-unlike S3 is tested on its own below: metadata answered as ``x-goog-meta-*``, no aws-chunked uploads, path-style names.
+a closed port). What GCS's XML API does unlike S3 is tested on its own below: metadata answered as ``x-goog-meta-*``,
+no aws-chunked uploads, path-style names.
 """
 
 from __future__ import annotations
