@@ -28,7 +28,10 @@ __all__ = [
     "MEMORY_FILESYSTEMS", "NotRegularFileError", "FileTooLargeError", "UntrustedSymlinkError", "filesystem_type",
     "in_base_memory_pages", "open_regular", "read_limited", "rename_no_replace", "owner_text", "trusted_link", "same_file",
     "open_dir", "open_dirs", "create_file", "remove_contents", "FileChangedError", "identity_of", "pread_full",
+    "writable_by_others",
 ]
+
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
@@ -336,3 +339,38 @@ def in_base_memory_pages(
     if "[deny]" in policy:
         return True
     return not ("[force]" in policy or options & _HUGE_TMPFS_OPTIONS)
+
+
+def _others_may_write(st: os.stat_result) -> str | None:
+    """Why users other than the effective one and root may write the file or directory ``st`` is of; None if none may."""
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by uid {st.st_uid}"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & _OTHERS_WRITE:
+        return f"mode {mode:04o}: group or others may write it"
+    return None
+
+
+def writable_by_others(path: Path, st: os.stat_result | None = None) -> str | None:
+    """Why someone other than the effective user and root may change the file at ``path``, or None.
+
+    The file (``st``: its stat, default ``os.stat(path)``) must be owned by the effective user or
+    root with no group or other write bit, and so must the directory it is named in and the
+    directory it really is in (symlinks resolved). A user who may write the file can change its
+    bytes through a shared writable mapping without moving its identity; one who may write its
+    directory can replace or rename it. A directory that cannot be examined counts as writable.
+    """
+    try:
+        st = os.stat(path) if st is None else st
+    except OSError as e:
+        return f"cannot be examined ({e.strerror or e})"
+    if (why := _others_may_write(st)) is not None:
+        return why
+    for folder in dict.fromkeys((path.parent, Path(os.path.realpath(path)).parent)):
+        try:
+            why = _others_may_write(os.stat(folder))
+        except OSError as e:
+            why = f"cannot be examined ({e.strerror or e})"
+        if why is not None:
+            return f"its directory {folder} is {why}" if why.startswith("owned") else f"its directory {folder}: {why}"
+    return None

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from marlin_pack.io.files import FileChangedError, identity_of, open_regular, pread_full
+from marlin_pack.io.files import FileChangedError, identity_of, open_regular, pread_full, writable_by_others
 
 __all__ = [
     "CopyHash", "FileChangedError", "HashedFile", "HeldBytes", "ReadHash", "file_digest", "file_digests", "file_identity",
@@ -102,7 +102,7 @@ def remembered() -> Iterator[None]:
     For one command that checks several ranks (``marlin-pack check -tp 8``): each rank's check hashes the source
     checkpoint and the common file, which a stamp spares the next rank's only where stamps can be written; the
     scope reads each file once whatever the store. Only files no one but this user and root may write are
-    remembered (the rule stamps follow, :func:`~marlin_pack.io.stamps.writable_by_others`).
+    remembered (the rule stamps follow, :func:`~marlin_pack.io.files.writable_by_others`).
     """
     with _REMEMBERED_LOCK:
         _REMEMBERED.append({})
@@ -117,8 +117,6 @@ def hash_file(path: Path, threads: int | None = None) -> HashedFile:
     """:func:`_hash_file`, or within :func:`remembered` the result of the same file hashed earlier in that scope."""
     if not _REMEMBERED:
         return _hash_file(path, threads)
-    from marlin_pack.io.stamps import writable_by_others  # (stamps imports this module)
-
     try:
         key = (str(path), file_identity(path))
     except OSError:

@@ -10,7 +10,7 @@ An identity proves nothing about bytes that someone else can still change withou
 a user who may write a file can keep a page of a shared writable mapping dirty while it is
 hashed and write through it afterwards (no new mtime or ctime). So a file is stamped, and a
 stamp trusted, only while no one but the effective user and root may change it
-(:func:`writable_by_others`): owned by one of them, no group or other write bit, in a directory
+(:func:`~marlin_pack.io.files.writable_by_others`): owned by one of them, no group or other write bit, in a directory
 (as named, and where its symlinks lead) owned by one of them with no group or other write bit.
 Every other file is hashed at every start, and the report says why. Write access the mode
 bits do not show (NFSv4 or other non-POSIX ACLs, ``CAP_DAC_OVERRIDE`` holders) is not seen;
@@ -51,15 +51,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+from marlin_pack.io.files import writable_by_others
 from marlin_pack.io.hashing import HashedFile, identity_of
 from marlin_pack.io.home import HomeDirectoryError, expand_user, home_dir
 
-__all__ = ["STAMPS_ENV", "NotStamped", "stamps_dir", "StampStore", "writable_by_others"]
+__all__ = ["STAMPS_ENV", "NotStamped", "stamps_dir", "StampStore"]
 
 STAMPS_ENV = "MARLIN_PACK_STAMPS"
 _STAMP_MAX_BYTES = 4096  # one stamp is ~200 bytes of JSON
 _FORMAT = 1
-_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 class NotStamped(NamedTuple):
@@ -92,41 +92,6 @@ def stamps_dir(environ: Mapping[str, str] | None = None) -> Path | None:
         return home_dir("the stamp store", STAMPS_ENV, env) / ".cache" / "marlin-pack" / "stamps"
     except HomeDirectoryError:
         return None
-
-
-def _others_may_write(st: os.stat_result) -> str | None:
-    """Why users other than the effective one and root may write the file or directory ``st`` is of; None if none may."""
-    if st.st_uid not in (os.geteuid(), 0):
-        return f"owned by uid {st.st_uid}"
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & _OTHERS_WRITE:
-        return f"mode {mode:04o}: group or others may write it"
-    return None
-
-
-def writable_by_others(path: Path, st: os.stat_result | None = None) -> str | None:
-    """Why someone other than the effective user and root may change the file at ``path``, or None.
-
-    The file (``st``: its stat, default ``os.stat(path)``) must be owned by the effective user or
-    root with no group or other write bit, and so must the directory it is named in and the
-    directory it really is in (symlinks resolved). A user who may write the file can change its
-    bytes through a shared writable mapping without moving its identity; one who may write its
-    directory can replace or rename it. A directory that cannot be examined counts as writable.
-    """
-    try:
-        st = os.stat(path) if st is None else st
-    except OSError as e:
-        return f"cannot be examined ({e.strerror or e})"
-    if (why := _others_may_write(st)) is not None:
-        return why
-    for folder in dict.fromkeys((path.parent, Path(os.path.realpath(path)).parent)):
-        try:
-            why = _others_may_write(os.stat(folder))
-        except OSError as e:
-            why = f"cannot be examined ({e.strerror or e})"
-        if why is not None:
-            return f"its directory {folder} is {why}" if why.startswith("owned") else f"its directory {folder}: {why}"
-    return None
 
 
 class _NotPrivate(PermissionError):
@@ -287,7 +252,7 @@ class StampStore:
         """Remember the digest of a file this process has just written and hashed while writing; None if stamped.
 
         Only for a regular file (not a symlink) no one but this user and root may write, in a
-        directory no one else may write (:func:`writable_by_others`): its bytes are then exactly
+        directory no one else may write (:func:`~marlin_pack.io.files.writable_by_others`): its bytes are then exactly
         the ones hashed.
         """
         if self._fd is None:
