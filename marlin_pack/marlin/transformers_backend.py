@@ -42,12 +42,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from marlin_pack.layer_kinds import LayerKind
-
-if TYPE_CHECKING:
-    from marlin_pack.marlin.architectures import Architecture, Linear
+from marlin_pack.marlin.architecture_types import Architecture, Linear, MlpLayerTypes, Part
 
 __all__ = [
     "CHECKED_TRANSFORMERS",
@@ -124,14 +122,10 @@ class BackendModel:
 
 
 def _qkv_linear(name: str, q: str, k: str, v: str) -> Linear:
-    from marlin_pack.marlin.architectures import Linear, Part
-
     return Linear(name, LayerKind.qkv, "h", (Part("q", "q", q), Part("k", "kv", k), Part("v", "kv", v)))
 
 
 def _one(name: str, kind: LayerKind, input_size: str, size: str) -> Linear:
-    from marlin_pack.marlin.architectures import Linear, Part
-
     return Linear(name, kind, input_size, (Part("out", size, name),))
 
 
@@ -139,8 +133,6 @@ _STYLE_KINDS = {"colwise": LayerKind.column, "rowwise": LayerKind.row, "replicat
 
 
 def _mlp_linears(p: HfMlp) -> list[Linear]:
-    from marlin_pack.marlin.architectures import Linear, Part
-
     if p.gate is not None:  # GLUFuser: self.gate_up_proj (gate, up); down rowwise
         gate, up = f"{p.module}.{p.gate}", f"{p.module}.{p.up}"
         return [Linear(f"{p.module}.gate_up_proj", LayerKind.merged_column, "h", (Part("gate", "i", gate), Part("up", "i", up))),
@@ -255,8 +247,6 @@ def config_problem(architecture: str, config: Mapping[str, Any]) -> str | None:
 
 def rows() -> dict[str, Architecture]:
     """The architecture table's rows of every architecture in :data:`BACKEND_MODELS` (the backend's layout)."""
-    from marlin_pack.marlin.architectures import Architecture, MlpLayerTypes
-
     return {
         m.name: Architecture(m.name, BACKEND_CLASS if m.mlp is not None else BACKEND_MOE_CLASS, backend_linears(m),
                              layers=m.layers, checkpoint_layers=m.checkpoint_layers, output_head=m.output_head,
