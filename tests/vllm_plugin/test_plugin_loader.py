@@ -623,8 +623,23 @@ def test_construction_failure_ends_the_copy_first(awq_bundle: Path, monkeypatch:
     assert events == ["start 2 helpers for device 0", "close wait=False", "joined"]
 
 
-def test_create_model_kernel_mismatch_refuses_or_falls_back(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def assert_falls_back_to_the_ordinary_loader(monkeypatch: pytest.MonkeyPatch, vllm_config: Any, model_config: Any) -> None:
+    """With fallback on, the model vLLM built is loaded by vLLM's default loader from the checkpoint: nothing marked
+    prepacked, and no memory-less placeholder left (built for the bundle; vLLM's weight loaders need real ones)."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    calls: list = []
+    monkeypatch.setattr(DefaultModelLoader, "load_weights", lambda self, m, c: calls.append(m))
+    fallback = make_loader(fallback=True)
+    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
+        model = fallback.create_model(vllm_config, model_config)
+        fallback.load_weights(model, model_config)
+    assert calls == [model]  # the ordinary loader loads the checkpoint
+    assert not any(is_prepacked(m) for m in model.modules())
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_stub(t)]
+
+
+def test_create_model_kernel_mismatch_refuses_or_falls_back(awq_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     machete_for_down_proj(monkeypatch)
     fake_create_model(monkeypatch, awq_bundle)
@@ -635,16 +650,7 @@ def test_create_model_kernel_mismatch_refuses_or_falls_back(awq_bundle: Path, mo
         make_loader().create_model(vllm_config, model_config)
     assert e.value.field == "kernel"
 
-    calls: list = []
-    monkeypatch.setattr(DefaultModelLoader, "load_weights", lambda self, m, c: calls.append(m))
-    fallback = make_loader(fallback=True)
-    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
-        model = fallback.create_model(vllm_config, model_config)
-        fallback.load_weights(model, model_config)
-    assert calls == [model]  # the ordinary loader loads the checkpoint
-    assert not any(is_prepacked(m) for m in model.modules())
-    # Built with memory-less placeholders for the bundle; vLLM's weight loaders need real ones.
-    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_stub(t)]
+    assert_falls_back_to_the_ordinary_loader(monkeypatch, vllm_config, model_config)
 
 
 def test_a_parameter_of_another_dtype_refuses_or_falls_back_when_the_model_is_built(
@@ -654,7 +660,6 @@ def test_a_parameter_of_another_dtype_refuses_or_falls_back_when_the_model_is_bu
     the same one-line refusal as the layer check's, before any byte is placed, or with fallback the checkpoint loads
     the ordinary way; never the arena's BundleError out of load_weights."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from marlin_pack.bundle.reader import read_manifest
 
@@ -678,15 +683,7 @@ def test_a_parameter_of_another_dtype_refuses_or_falls_back_when_the_model_is_bu
         make_loader().create_model(vllm_config, model_config)
     assert e.value.field == "layers" and "\n" not in str(e.value)
 
-    calls: list = []
-    monkeypatch.setattr(DefaultModelLoader, "load_weights", lambda self, m, c: calls.append(m))
-    fallback = make_loader(fallback=True)
-    with vr._patched(1, 0), vr._vllm().set_default_torch_dtype(torch.float16):
-        model = fallback.create_model(vllm_config, model_config)
-        fallback.load_weights(model, model_config)
-    assert calls == [model]
-    assert not any(is_prepacked(m) for m in model.modules())
-    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_stub(t)]
+    assert_falls_back_to_the_ordinary_loader(monkeypatch, vllm_config, model_config)
 
 
 @pytest.mark.parametrize("fallback", [False, True])
