@@ -177,7 +177,26 @@ def _result(path: Path, digest: str, before: tuple[int, ...], after: tuple[int, 
     return HashedFile(path, digest, before, stampable=max(before[1], before[2]) < started - RACY_NS)
 
 
-class CopyHash:
+class _FileDigest:
+    """BLAKE3 of one open file, bound to the identity of its descriptor when hashing began and after it ended, and to
+    the path's afterwards (:func:`_result`): the part :class:`CopyHash` and :class:`ReadHash` share."""
+
+    def __init__(self, path: Path, fd: int, threads: int | None) -> None:
+        import blake3
+
+        self.path = Path(path)
+        self._fd = fd
+        self._started = time.time_ns()
+        self._before = identity_of(os.fstat(fd))
+        self.size = self._before[0]
+        self._h = blake3.blake3(max_threads=threads or blake3.blake3.AUTO)
+
+    def _digest(self) -> HashedFile:
+        """The digest of the bytes hashed, bound to the descriptor's identity now (:func:`_result`)."""
+        return _result(self.path, self._h.hexdigest(), self._before, identity_of(os.fstat(self._fd)), self._started)
+
+
+class CopyHash(_FileDigest):
     """BLAKE3 of a whole file from the bytes a copy reads anyway: one read of the file serves the copy and its digest.
 
     The copy's threads read the file window by window, in any order, and hand each window's bytes over with
@@ -198,14 +217,7 @@ class CopyHash:
     """
 
     def __init__(self, path: Path, fd: int, threads: int | None = None) -> None:
-        import blake3
-
-        self.path = Path(path)
-        self._fd = fd
-        self._started = time.time_ns()
-        self._before = identity_of(os.fstat(fd))
-        self.size = self._before[0]
-        self._h = blake3.blake3(max_threads=threads or blake3.blake3.AUTO)
+        super().__init__(path, fd, threads)
         self._cond = threading.Condition()
         self._ready: dict[int, tuple[memoryview, threading.Event]] = {}
         self._next = 0  # bytes [0, _next) are hashed
@@ -287,10 +299,9 @@ class CopyHash:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        after = identity_of(os.fstat(self._fd))
-        if self._next != self.size and after[0] == self.size:
+        if self._next != self.size and os.fstat(self._fd).st_size == self.size:
             raise RuntimeError(f"internal error: the copy of {self.path} handed {self._next} of its {self.size} bytes to its hash")
-        return _result(self.path, self._h.hexdigest(), self._before, after, self._started)
+        return self._digest()
 
 
 # Bytes ReadHash keeps at most, over all the files sharing a HeldBytes (one verify): copies of ranges read before the
@@ -331,7 +342,7 @@ class HeldBytes:
         return True
 
 
-class ReadHash:
+class ReadHash(_FileDigest):
     """BLAKE3 of a whole file from the bytes a reader reads anyway, in the reader's order: one read of each byte serves
     the reader and the digest (``verify``: the comparison's reads of the bundle and of the checkpoint).
 
@@ -361,14 +372,7 @@ class ReadHash:
         self, path: Path, fd: int, expected: Iterable[tuple[int, int]] = (), held: HeldBytes | None = None,
         threads: int | None = None,
     ) -> None:
-        import blake3
-
-        self.path = Path(path)
-        self._fd = fd
-        self._started = time.time_ns()
-        self._before = identity_of(os.fstat(fd))
-        self.size = self._before[0]
-        self._h = blake3.blake3(max_threads=threads or blake3.blake3.AUTO)
+        super().__init__(path, fd, threads)
         self._threads = threads or os.cpu_count() or 1
         self._held = held if held is not None else HeldBytes()
         self._lock = self._held.lock
@@ -462,10 +466,9 @@ class ReadHash:
         try:
             with self._lock:
                 self._advance(everything=True)
-            after = identity_of(os.fstat(self._fd))
+            return self._digest()
         finally:
             self.abort()
-        return _result(self.path, self._h.hexdigest(), self._before, after, self._started)
 
     def abort(self) -> None:
         """Drop the copies kept (their bytes go back to the limit); idempotent."""
