@@ -23,7 +23,8 @@ durable write of as many bytes to the same disk: the bound of a conversion) into
   steps of its ``load_model`` (the daemon's answer, construction, mapping, post-processing).
 
 ``--serve`` times the same serving workloads after every start (prefill 16 x 1024 tokens, decode 64 and 256
-sequences x 64 tokens; eager; each run once untimed, then the best of two) and prints them beside the
+sequences x 64 tokens; the engines in vLLM's default execution, torch.compile and CUDA graphs, unless ``--eager``;
+each run once untimed, then the best of three) and prints them beside the
 default ordinary engine's, with the kernels vLLM logged. The Machete sitting of issue 49:
 
     python benchmarks/bench_load.py --formats awq,gptq --ordinary default,marlin --kernel marlin,machete --serve \\
@@ -142,7 +143,10 @@ if mode == 'ipc':
         timed(owner, name, label)
 from vllm import LLM, SamplingParams
 serve = os.environ.get('MARLIN_PACK_BENCH_SERVE') == '1'
-kw = dict(model=model, enforce_eager=True, max_model_len=2048 if serve else 512, attention_backend=attn, dtype='float16',
+# Serving is timed as a user runs vLLM: its default execution (torch.compile and CUDA graphs); eager decode of a 70B is
+# bound by the host's kernel launches and varied 0.59-1.32x between two engines with the same kernels (2026-12-07).
+eager = not serve or os.environ.get('MARLIN_PACK_BENCH_EAGER') == '1'
+kw = dict(model=model, enforce_eager=eager, max_model_len=2048 if serve else 512, attention_backend=attn, dtype='float16',
           skip_tokenizer_init=True, seed=0)
 extra = json.loads(extra)
 if mode == 'ordinary':  # Marlin forced for linears and (MoE models) experts: the layouts a bundle holds
@@ -169,13 +173,13 @@ if serve:  # the same workloads for every engine: prefill 16 x 1024 tokens; deco
         llm.generate(batch, params, use_tqdm=False)
         torch.cuda.synchronize(); return round(time.perf_counter() - t, 4)
     # Each workload runs once untimed first (the attention kernels compile for its shapes on first use: the
-    # 2026-12-04 sitting saw one engine's first 64-sequence decode 1.27x its twin's), then the best of two runs.
+    # 2026-12-04 sitting saw one engine's first 64-sequence decode 1.27x its twin's), then the best of three runs.
     first = SamplingParams(max_tokens=1, temperature=0)
     decode = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     workloads = {'prefill_16x1024_s': (16, 1024, first), 'decode_64x64_s': (64, 16, decode), 'decode_256x64_s': (256, 16, decode)}
     for key, (n, length, params) in workloads.items():
         timed_generate(prompts(n, length), params)
-        serving[key] = min(timed_generate(prompts(n, length), params) for _ in range(2))
+        serving[key] = min(timed_generate(prompts(n, length), params) for _ in range(3))
 print('RESULT ' + json.dumps({'engine_start_s': start_s, 'tokens': list(out[0].outputs[0].token_ids), **peak,
                               'phases': {k: round(v, 4) for k, v in phases.items()}, 'serving': serving}))
 """
@@ -428,7 +432,9 @@ def main() -> None:
     ap.add_argument("--kernel", default="marlin", help="bundles to convert and start from (comma-separated): marlin, "
                     "machete (convert --kernel); daemon rows use the last one")
     ap.add_argument("--serve", action="store_true", help="after each start, time the serving workloads: prefill 16 x "
-                    "1024 tokens, decode 64 and 256 sequences x 64 tokens (eager; max_model_len 2048)")
+                    "1024 tokens, decode 64 and 256 sequences x 64 tokens (vLLM's default execution: torch.compile and "
+                    "CUDA graphs, unless --eager; max_model_len 2048)")
+    ap.add_argument("--eager", action="store_true", help="with --serve: engines eager, as every engine runs without it")
     ap.add_argument("--profile", action="store_true", help="cProfile the prepacked and 2nd attach load_model")
     ap.add_argument("--ablate", default="", help="patch modules (e.g. construct,cache_key) that an attach engine "
                     "after each attach runs without")
@@ -481,6 +487,8 @@ def _sitting(args: argparse.Namespace) -> None:
     kernels = [k for k in args.kernel.split(",") if k]
     if os.environ.get("MARLIN_PACK_BENCH_SERVE") is None and args.serve:
         ENV["MARLIN_PACK_BENCH_SERVE"] = "1"
+    if args.eager:
+        ENV["MARLIN_PACK_BENCH_EAGER"] = "1"
     for fmt in args.formats.split(","):
         model = args.workdir / f"{args.preset}-{fmt}"
         last = (args.bundle_root / model.name) if args.bundle_root else model / "marlin-pack"
