@@ -1,7 +1,8 @@
 """``gs://bucket/prefix`` read the default way, with application-default credentials: Google's client
 (``google-cloud-storage``) for the record, manifest, headers and ``push``, Run:ai's GCS backend for the ranges, both at
-``gcp-storage-emulator`` on loopback (``conftest.gcs_adc``). Published, planned and streamed byte for byte as in S3, and
-each refusal one line. ``MARLIN_PACK_GCS_HMAC=1`` (the XML API with an HMAC key) is ``test_gcs.py``'s.
+``gcp-storage-emulator`` on loopback (``conftest.gcs_adc``). Published, planned and streamed byte for byte as in S3, the
+``marlin_prepacked`` loader's placed tensors those of a local load, and each refusal one line. ``MARLIN_PACK_GCS_HMAC=1``
+(the XML API with an HMAC key) is ``test_gcs.py``'s.
 
 Run:ai's streamer (0.17.1) keeps the first object-storage backend a process streams with (S3 or GCS): after an s3://
 read in the same process, a gs:// read fails ("File access error"), and the reverse. So this module runs in a pytest
@@ -87,6 +88,32 @@ def test_check_and_push_commands_take_gs(published, monkeypatch: pytest.MonkeyPa
     model, url = published
     code, out, _ = _check(monkeypatch, capsys, str(model), "--bundle", url, "-tp", "2", "--compute-capability", "8.0")
     assert code == 0 and out.count(f"from {url}") == 2, out
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 1)])
+def test_the_loader_places_what_a_local_load_places(published, monkeypatch: pytest.MonkeyPatch, streamed,  # type: ignore[no-untyped-def]
+                                                    tp: int, rank: int) -> None:
+    """``{"bundle": "gs://..."}`` with application-default credentials: the ``marlin_prepacked`` loader, as
+    ``test_remote_loader``'s s3:// case, places every quantized parameter byte for byte as the local load of the same
+    bundle, stock vLLM's post-processing's values, the rank's own files streamed through Run:ai's GCS backend."""
+    import test_remote_loader as loader_tests
+
+    model, url = published
+    with loader_tests.stock_vllm_no_preload(monkeypatch):
+        local = loader_tests._placed(model, monkeypatch, tp, rank)
+        remote = loader_tests._placed(model, monkeypatch, tp, rank, bundle=url)
+    assert remote.keys() == local.keys() and remote.pop("__common__") == local.pop("__common__")
+    for name, want in local.items():
+        got = remote[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert _same_bytes(got, want), name
+    reference = loader_tests.vr.reference_rank_tensors(model, tp, rank, torch.float16)
+    assert reference and all(torch.equal(remote[n], t) for n, t in reference.items())  # stock vLLM's post-processing
+    [(plan, done)] = streamed  # the local load streamed nothing
+    assert str(plan.bundle.url) == url and isinstance(plan.bundle.store, GcsStore)  # not the HMAC (S3) path
+    assert set(done.bytes_read) == {f"tp{tp}/rank-{rank}.safetensors", "common.safetensors"}  # never another rank's file
+    for path, n in done.bytes_read.items():
+        assert n == (model / "marlin-pack" / path).stat().st_size, path  # a whole rank: its files once each
 
 
 def test_the_one_rule_hmac_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,8 @@ from test_plugin_stage import _engine as stage_engine  # noqa: E402
 BLOCK = 64 << 10  # the tiny bundles' files are a few blocks of this
 
 
-@pytest.fixture(autouse=True)
-def _stock_vllm_no_preload(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+@contextmanager
+def stock_vllm_no_preload(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """As the plugin tests: marlin-pack's patches registered for the test only; no early helpers of another test."""
     from marlin_pack.vllm_plugin import patches, preload, register
 
@@ -41,8 +42,16 @@ def _stock_vllm_no_preload(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(preload, "_CURRENT", None)
     monkeypatch.delenv("MARLIN_PACK_IO", raising=False)
     assert patches.install()
-    yield
-    patches.uninstall_all()
+    try:
+        yield
+    finally:
+        patches.uninstall_all()
+
+
+@pytest.fixture(autouse=True)
+def _stock_vllm_no_preload(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with stock_vllm_no_preload(monkeypatch):
+        yield
 
 
 
