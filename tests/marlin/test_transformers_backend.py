@@ -49,25 +49,23 @@ def test_gemma_serves_both_paths_because_the_rules_give_gemma_py_s_layers() -> N
     assert ARCHITECTURES["LlamaForCausalLM"].paths == {"native"}
 
 
+# QKVFuser + GLUFuser over Llama's module names: (vLLM's layer, its kind, the checkpoint modules it reads)
+_LLAMA_LAYERS = [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                 ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
+                 ("mlp.gate_up_proj", "merged-column", ("mlp.gate_proj", "mlp.up_proj")),
+                 ("mlp.down_proj", "row", ("mlp.down_proj",))]
+
+
 @pytest.mark.parametrize("arch,layers", [
     # QKVFuser + GLUFuser: Llama's names
-    ("Olmo2ForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                          ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
-                          ("mlp.gate_up_proj", "merged-column", ("mlp.gate_proj", "mlp.up_proj")),
-                          ("mlp.down_proj", "row", ("mlp.down_proj",))]),
+    ("Olmo2ForCausalLM", _LLAMA_LAYERS),
     # a plain MLP: its tp_plan (colwise, rowwise) under its own names
     ("Starcoder2ForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                                ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
                                ("mlp.c_fc", "column", ("mlp.c_fc",)), ("mlp.c_proj", "row", ("mlp.c_proj",))]),
     # no registry entry (the registry's fallback): Helium's and Ministral's Llama modules, NanoChat's fc1/fc2 MLP
-    ("HeliumForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                           ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
-                           ("mlp.gate_up_proj", "merged-column", ("mlp.gate_proj", "mlp.up_proj")),
-                           ("mlp.down_proj", "row", ("mlp.down_proj",))]),
-    ("MinistralForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                              ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
-                              ("mlp.gate_up_proj", "merged-column", ("mlp.gate_proj", "mlp.up_proj")),
-                              ("mlp.down_proj", "row", ("mlp.down_proj",))]),
+    ("HeliumForCausalLM", _LLAMA_LAYERS),
+    ("MinistralForCausalLM", _LLAMA_LAYERS),
     ("NanoChatForCausalLM", [("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                              ("self_attn.o_proj", "row", ("self_attn.o_proj",)),
                              ("mlp.fc1", "column", ("mlp.fc1",)), ("mlp.fc2", "row", ("mlp.fc2",))]),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from remote_published import BLOCK, publish_llama, same_bytes
 from safetensors.torch import load_file
 
 from marlin_pack.errors import BundleError, BundleMismatchError
@@ -24,19 +24,10 @@ from marlin_pack.remote.store import RemoteError, _metadata
 from marlin_pack.remote.stream import HostSink, read_rank
 from marlin_pack.remote.url import ObjectUrl, parse_url
 
-BLOCK = 64 << 10
-
 
 @pytest.fixture
 def published(make_bundle, gcs):  # type: ignore[no-untyped-def]
-    model = make_bundle("awq", group_size=32, tp_sizes=(1, 2))
-    pushed = push(model / "marlin-pack", gcs.url("llama"), block_size=BLOCK)
-    assert pushed.url == gcs.url("llama") and not pushed.up_to_date
-    return model, gcs.url("llama")
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.contiguous().view(-1).view(torch.uint8).equal(b.contiguous().view(-1).view(torch.uint8))
+    return publish_llama(make_bundle, gcs)
 
 
 def test_push_then_read_every_rank_byte_exact(published, gcs) -> None:  # type: ignore[no-untyped-def]
@@ -56,7 +47,7 @@ def test_push_then_read_every_rank_byte_exact(published, gcs) -> None:  # type: 
         for path in done.bytes_read:
             local = load_file(model / "marlin-pack" / path)
             got = sink.tensors(path)
-            assert set(got) == set(local) and all(_same_bytes(got[n], t) for n, t in local.items()), path
+            assert set(got) == set(local) and all(same_bytes(got[n], t) for n, t in local.items()), path
         assert f"from {url}:" in plan.text()
 
 

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from remote_published import BLOCK, publish_llama, same_bytes
 from safetensors.torch import load_file
 
 from marlin_pack.errors import BundleMismatchError, MarlinPackError
@@ -26,21 +27,13 @@ from marlin_pack.remote.store import GcsStore, RemoteError, S3Store, open_store
 from marlin_pack.remote.stream import HostSink, read_rank
 from marlin_pack.remote.url import parse_url
 
-BLOCK = 64 << 10
 ALONE = "MARLIN_PACK_TEST_GCS_ALONE"
 pytestmark = pytest.mark.skipif(os.environ.get(ALONE) != "1", reason="run in a process of its own by test_gcs_adc_process.py")
 
 
 @pytest.fixture
 def published(make_bundle, gcs_adc):  # type: ignore[no-untyped-def]
-    model = make_bundle("awq", group_size=32, tp_sizes=(1, 2))
-    pushed = push(model / "marlin-pack", gcs_adc.url("llama"), block_size=BLOCK)
-    assert pushed.url == gcs_adc.url("llama") and not pushed.up_to_date
-    return model, gcs_adc.url("llama")
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.contiguous().view(-1).view(torch.uint8).equal(b.contiguous().view(-1).view(torch.uint8))
+    return publish_llama(make_bundle, gcs_adc)
 
 
 def _read(url: str, tp: int = 1, rank: int = 0) -> None:
@@ -68,7 +61,7 @@ def test_push_then_read_every_rank_byte_exact(published, gcs_adc) -> None:  # ty
         for path in done.bytes_read:
             local = load_file(model / "marlin-pack" / path)
             got = sink.tensors(path)
-            assert set(got) == set(local) and all(_same_bytes(got[n], t) for n, t in local.items()), path
+            assert set(got) == set(local) and all(same_bytes(got[n], t) for n, t in local.items()), path
 
 
 def test_ranges_are_byte_exact(published) -> None:  # type: ignore[no-untyped-def]
@@ -106,7 +99,7 @@ def test_the_loader_places_what_a_local_load_places(published, monkeypatch: pyte
     for name, want in local.items():
         got = remote[name]
         assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert _same_bytes(got, want), name
+        assert same_bytes(got, want), name
     reference = loader_tests.vr.reference_rank_tensors(model, tp, rank, torch.float16)
     assert reference and all(torch.equal(remote[n], t) for n, t in reference.items())  # stock vLLM's post-processing
     [(plan, done)] = streamed  # the local load streamed nothing
