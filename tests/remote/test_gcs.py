@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from remote_published import BLOCK, publish_llama, same_bytes
-from safetensors.torch import load_file
+from remote_published import BLOCK, assert_rank_streams_its_files, publish_llama
 
 from marlin_pack.errors import BundleError, BundleMismatchError
 from marlin_pack.remote import store
@@ -40,15 +39,7 @@ def test_push_then_read_every_rank_byte_exact(published, gcs) -> None:  # type: 
     bundle = open_remote(url)
     assert str(bundle.url) == url
     for tp, rank in ((1, 0), (2, 1)):
-        plan = plan_rank(bundle, tp, rank)
-        sink = HostSink(plan)
-        done = read_rank(plan, sink)
-        assert set(done.bytes_read) == {f"tp{tp}/rank-{rank}.safetensors", "common.safetensors"}
-        for path in done.bytes_read:
-            local = load_file(model / "marlin-pack" / path)
-            got = sink.tensors(path)
-            assert set(got) == set(local) and all(same_bytes(got[n], t) for n, t in local.items()), path
-        assert f"from {url}:" in plan.text()
+        assert_rank_streams_its_files(bundle, model, url, tp, rank)
 
 
 def test_the_streamer_reads_gcs_through_its_s3_backend(published) -> None:  # type: ignore[no-untyped-def]

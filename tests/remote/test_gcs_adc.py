@@ -15,8 +15,7 @@ import os
 
 import pytest
 import torch
-from remote_published import BLOCK, publish_llama, same_bytes
-from safetensors.torch import load_file
+from remote_published import BLOCK, assert_rank_streams_its_files, publish_llama, same_bytes
 
 from marlin_pack.errors import BundleMismatchError, MarlinPackError
 from marlin_pack.remote import store
@@ -53,15 +52,7 @@ def test_push_then_read_every_rank_byte_exact(published, gcs_adc) -> None:  # ty
     # Run:ai's streamer is handed the gs:// name itself (its GCS backend), with no endpoint of S3's
     assert bundle.store.stream_target("tp1/rank-0.safetensors") == (f"{url}/tp1/rank-0.safetensors", None)
     for tp, rank in ((1, 0), (2, 0), (2, 1)):
-        plan = plan_rank(bundle, tp, rank)
-        assert f"from {url}:" in plan.text()
-        sink = HostSink(plan)
-        done = read_rank(plan, sink)
-        assert set(done.bytes_read) == {f"tp{tp}/rank-{rank}.safetensors", "common.safetensors"}
-        for path in done.bytes_read:
-            local = load_file(model / "marlin-pack" / path)
-            got = sink.tensors(path)
-            assert set(got) == set(local) and all(same_bytes(got[n], t) for n, t in local.items()), path
+        assert_rank_streams_its_files(bundle, model, url, tp, rank)
 
 
 def test_ranges_are_byte_exact(published) -> None:  # type: ignore[no-untyped-def]
