@@ -183,3 +183,21 @@ def test_no_gcs_backend_is_one_line(published, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "runai_model_streamer_gcs" else find_spec(name, *a))
     with pytest.raises(RemoteError, match=r"^streaming gs:// needs Run:ai's GCS backend .*pip install 'marlin-pack\[gcs\]'"):
         read_rank(plan, HostSink(plan))
+
+
+def test_a_file_over_8_mib_goes_up_resumable_and_whole(gcs_adc, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Google's client uploads a file larger than 8 MiB in a resumable session (rank files are GBs): the object the
+    emulator then holds is the file, byte for byte, with its metadata; the progress counts every byte once."""
+    size = (20 << 20) + 12_345  # not a multiple of any part size
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)).numpy().tobytes()
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    s = open_store(parse_url(gcs_adc.url("big")))
+    counted: list[int] = []
+    with path.open("rb") as f:
+        s.put_file("rank.safetensors", f, {"marlin-pack-sha256": "x"}, counted.append)
+    info = s.head("rank.safetensors")
+    assert info is not None and info.size == size and info.metadata == {"marlin-pack-sha256": "x"}
+    assert sum(counted) == size
+    for start, length in ((0, 4096), ((8 << 20) - 5, 10), (size - 777, 777)):
+        assert s.get_range("rank.safetensors", start, length)[0] == data[start:start + length]
