@@ -25,16 +25,17 @@ before drawing anything; stopped (SIGTERM, SIGINT), it removes ``--workdir`` (``
   (``MARLIN_PACK_STAMPS``) before each row: ``prepacked cold, no stamps, verify auto`` and ``... verify full`` (the
   bundle read once for the copy and its BLAKE3 digest), ``daemon fill cold, no stamps`` and ``check cold, no stamps``
   (``marlin-pack check`` of the cold bundle). Each of these rows also gives the bytes the disk under ``--workdir``
-  read meanwhile (``/proc/diskstats``), against the bundle's size: about 1.0 is one read. (After a cold copy the
-  loader has the kernel read the rank file into the page cache in the background where memory holds it, for the
-  next start: those reads may land in the row's count too, the engine's log says whether it did.)
+  read meanwhile (``/proc/diskstats``), against the bundle's size: about 1.0 is one read (a cold copy reads through the
+  page cache where memory keeps the rank file, ``staged``, else ``direct``: one read either way). ``--cold-io
+  '{"mode": "direct"}'`` adds a prepacked cold row read around the page cache, for a side-by-side.
 
 Every figure is vLLM's "Model loading took" (engines) or the daemon's fill line; the table at the end gives
 the goals' ratios. Nothing is asserted: the figures go to docs/performance.md.
 
 ``--reader-gb N`` measures the reader alone instead (any machine: GPU destinations where there is one, else CPU
 memory), on a file of N GB under ``--workdir``, each row cold: the disk's ``O_DIRECT`` rate, then the old first start
-(BLAKE3 of the file, then the ``direct`` copy) against the copy that hashes what it reads, each with the disk's bytes
+(BLAKE3 of the file, then the ``direct`` copy) against the copies that hash what they read (``direct``, and ``staged``
+through the page cache: what a host whose memory keeps the file gets), each with the disk's bytes
 read meanwhile:
 
     python benchmarks/bench_cold.py --reader-gb 2 --workdir /var/tmp/cold
@@ -48,6 +49,7 @@ The whole GPU acceptance of issue 72 in one command (one sitting, as root, a 64 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -176,10 +178,11 @@ def _verify_rows(
 
 
 def reader_rows(workdir: Path, gb: float) -> None:
-    """``--reader-gb``: one cold file, hashed before its ``direct`` copy and hashed by it, with the disk's reads."""
+    """``--reader-gb``: one cold file, hashed before its ``direct`` copy and hashed by it (``direct``, ``staged``), with the
+    disk's reads."""
     import torch
 
-    from marlin_pack.gpu.plan import IoFacts, plan_io
+    from marlin_pack.gpu.plan import IoFacts, IoPlan, plan_io
     from marlin_pack.gpu.reader import CopyItem, ParallelReader
     from marlin_pack.io.hashing import hash_file
     from marlin_pack.io.residency import cached_fraction, drop_cached
@@ -207,17 +210,22 @@ def reader_rows(workdir: Path, gb: float) -> None:
             direct_read_gbps([path], plan.threads, plan.window, size)
         return digest
 
-    def one_read() -> str:
-        with ParallelReader(plan) as r:
+    def one_read(how: IoPlan = plan) -> str:
+        with ParallelReader(how) as r:
             r.copy_files([(path, items)], hashed=[path])
             return r.digests[str(path)].digest  # type: ignore[union-attr]
+
+    # The same one read through the page cache (``pread`` into pinned buffers): it leaves the file cached for the next
+    # start, where the direct copy has the loader read it again in the background afterwards.
+    staged = dataclasses.replace(plan, mode="staged")
 
     print(f"reader alone: {size / 1e9:.2f} GB file in {workdir}, {device} destination, plan {plan.mode} "
           f"{plan.threads} x {plan.window >> 20} MiB, {os.cpu_count()} cores", flush=True)
     drop_cached(path)  # this file only (fadvise): the rest of a shared machine's page cache stays
     gbps, _ = direct_read_gbps([path], 8, 32 << 20, size)
     print(f"  disk O_DIRECT 8 x 32 MiB: {gbps:.2f} GB/s; bound {size / 1e9 / gbps:.2f} s", flush=True)
-    rows = (("hash, then the direct copy (before issue 72)", old_way), ("the direct copy that hashes (one read)", one_read))
+    rows = (("hash, then the direct copy (before issue 72)", old_way), ("the direct copy that hashes (one read)", one_read),
+            ("the staged copy that hashes (through the cache)", lambda: one_read(staged)))
     for name, run in rows * 2:
         drop_cached(path)
         cached = cached_fraction(path) or 0.0
@@ -230,8 +238,8 @@ def reader_rows(workdir: Path, gb: float) -> None:
         after = disk_read_bytes(workdir)
         want = want or digest  # the first row's is hash_file's: every row must agree with it
         read = "?" if before is None or after is None else f"{(after - before) / size:.2f}"
-        print(f"  {name:44} {seconds:7.2f} s  {size / 1e9 / seconds:5.2f} GB/s  disk read {read} x the file ({cached:.0%} cached before)"
-              + ("" if digest == want else "  DIGEST DIFFERS"), flush=True)
+        print(f"  {name:48} {seconds:7.2f} s  {size / 1e9 / seconds:5.2f} GB/s  disk read {read} x the file ({cached:.0%} cached "
+              f"before, {cached_fraction(path) or 0.0:.0%} after)" + ("" if digest == want else "  DIGEST DIFFERS"), flush=True)
 
 
 def _timed(argv: list[str], env: dict[str, str] | None = None) -> float:

@@ -3,12 +3,15 @@
 The I/O plan reads a bundle the way its pages are. Page-locking a map of a file that is not in the page
 cache faults it in page by page: 1.2 GB/s for a 70B rank file on the H200's disk, the first start after a
 ``convert`` (whose writes bypass the page cache) taking 29.95 s. Large aligned ``O_DIRECT`` reads with a few
-in flight go at the disk's speed instead. So the plan asks two plain questions of the rank file:
+in flight go at the disk's speed instead, and so do ``pread`` calls through the page cache, which leave the file
+cached for the next start. So the plan asks three plain questions of the rank file:
 
 * :func:`cached_fraction`: how much of it is in the page cache (``mincore`` over a read-only map, a
   byte per page: milliseconds for 40 GB, nothing read);
 * :func:`takes_direct_reads`: whether it can be opened with ``O_DIRECT`` and read at an aligned offset
-  (not on a tmpfs before Linux 6.6, nor on some network file systems).
+  (not on a tmpfs before Linux 6.6, nor on some network file systems);
+* :func:`room_for`: whether the host's available memory keeps it in the page cache with :data:`HEADROOM` to spare
+  (then a cold file is read through the cache, else around it).
 
 The other direction: a conversion writes its bundle through the page cache where the host's memory holds
 it (:func:`write_through_cache`), so the first start after ``convert`` is a warm one; else around it
@@ -21,19 +24,17 @@ import ctypes
 import functools
 import mmap
 import os
-import threading
 from pathlib import Path
 
 __all__ = [
     "DIRECT_ALIGN", "HEADROOM", "WRITE_ENV", "available_memory", "cached_fraction", "drop_cached", "room_for", "takes_direct_reads",
-    "warm_in_background", "write_through_cache",
+    "write_through_cache",
 ]
 
 # Offset, length and buffer alignment of an O_DIRECT read that every block device here accepts
 # (logical blocks of 512 B or 4 KiB).
 DIRECT_ALIGN = 4096
-_CHUNK = 1 << 30  # bytes mapped per mincore call (the vector stays 256 KiB), and checked for memory per warming step
-_WILLNEED_STEP = 4 << 20
+_CHUNK = 1 << 30  # bytes mapped per mincore call (the vector stays 256 KiB)
 _SAMPLED, _SAMPLES = 1 << 30, 64  # a file larger than 1 GiB: 64 ranges of 16 MiB looked at
 # Memory left to the host beyond a bundle kept in (or brought into) the page cache: what the engine's own
 # host allocations, pinned staging and the rest of the machine need.
@@ -168,37 +169,3 @@ def write_through_cache(bundle_bytes: int, available: int | None, forced: str | 
             raise ValueError(f"{WRITE_ENV}={forced!r}: expected 'direct' or 'cached'; unset it for the default")
         return forced == "cached"
     return room_for(bundle_bytes, available)
-
-
-def warm_in_background(path: str | Path, headroom: int = HEADROOM) -> threading.Thread | None:
-    """Ask the kernel to read ``path`` into the page cache (``POSIX_FADV_WILLNEED``), on a daemon thread.
-
-    After a direct copy (which leaves the page cache as it was) the next start of the same bundle is warm.
-    Only while the host keeps ``headroom`` bytes available beyond what is left to read: a host with less
-    memory than the bundle keeps its page cache for what it serves. Returns the thread (None: not started).
-    """
-    size = os.stat(path).st_size
-    if not room_for(size, available_memory(), headroom) or not hasattr(os, "posix_fadvise"):
-        return None
-
-    def run() -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return
-        try:
-            for lo in range(0, size, _CHUNK):
-                left = size - lo
-                if not room_for(left, available_memory(), headroom):
-                    return
-                # One WILLNEED reads at most the device's readahead (8 MiB seen): ask for that much at a time.
-                for at in range(lo, min(lo + _CHUNK, size), _WILLNEED_STEP):
-                    os.posix_fadvise(fd, at, min(_WILLNEED_STEP, size - at), os.POSIX_FADV_WILLNEED)
-        except OSError:
-            return
-        finally:
-            os.close(fd)
-
-    thread = threading.Thread(target=run, name="marlin-pack-warm", daemon=True)
-    thread.start()
-    return thread

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from marlin_pack.gpu.gpu_room import gpu_room
 from marlin_pack.gpu.plan import IoFacts, IoPlan, plan_io, usable_cores
 from marlin_pack.io.files import in_base_memory_pages
-from marlin_pack.io.residency import cached_fraction, takes_direct_reads
+from marlin_pack.io.residency import available_memory, cached_fraction, room_for, takes_direct_reads
 
 __all__ = ["io_facts", "plan_for"]
 
@@ -48,6 +48,7 @@ def io_facts(
         preload=preload,
         cached=cached_fraction(rank_file),
         direct_reads=takes_direct_reads(rank_file),
+        cache_room=room_for(os.stat(rank_file).st_size, available_memory()),
     )
 
 

@@ -55,7 +55,6 @@ from marlin_pack.gpu.helpers import HelperPool, exits_in_background
 from marlin_pack.gpu.host_map import HostMap
 from marlin_pack.gpu.plan import IoPlan
 from marlin_pack.gpu.reader import ParallelReader
-from marlin_pack.io.residency import warm_in_background
 from marlin_pack.vllm_plugin import common_tensors, decide_ahead, patches, preload
 from marlin_pack.vllm_plugin.arena import ArenaLayout, BackgroundCopy, release
 from marlin_pack.vllm_plugin.common_tensors import CommonPrefill, alias_names, common_weights
@@ -580,14 +579,6 @@ class MarlinPrepackedLoader(BaseModelLoader):
             self._timings.modes,
             self._timings.common_text(),
         )
-        if state.plan.mode == "direct" and bundle.stage is None and bundle.experts is None:  # the copy left the page cache
-            # as it was: warm it for the next start (not a share's: warming reads the whole file, what others read too)
-            started = warm_in_background(bundle.rank_file)
-            logger.info(
-                "marlin-pack: %s was read past the page cache (%s); %s", bundle.rank_file, state.plan.why,
-                "reading it into the page cache in the background for the next start" if started is not None
-                else "not caching it: this host's available memory does not hold it with room to spare",
-            )
 
     @staticmethod
     def _bind_common(common: CommonPrefill, bundle: SelectedBundle, model: nn.Module, state: _ModelState) -> set[str]:

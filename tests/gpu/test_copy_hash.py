@@ -183,11 +183,13 @@ def test_copy_hash_takes_windows_in_any_order_and_releases_each_once_hashed(tmp_
 
 def test_the_plan_hashes_on_the_copy_where_it_stages_every_byte() -> None:
     """One rule for a cold file (the decision leaves its digest to the copy where it holds, the plan then reads it
-    direct); a plan that does not stage (registered pages, helpers) stages a hashed file."""
+    direct, or staged where memory keeps it); a plan that does not stage (registered pages, helpers) stages a hashed file."""
     assert reads_cold(0.0, True) and reads_cold(0.49, True)
     assert not reads_cold(0.5, True) and not reads_cold(0.0, False) and not reads_cold(None, True)
     cold = plan_io(IoFacts(cached=0.1, direct_reads=True), environ={})
     assert cold.mode == "direct" and cold.hashing() is cold
+    kept = plan_io(IoFacts(cached=0.1, direct_reads=True, cache_room=True), environ={})
+    assert kept.mode == "staged" and kept.hashing() is kept
     assert plan_io(IoFacts(base_pages=True), environ={}).hashing().mode == "staged"
     for mode in ("registered", "helpers"):
         plan = IoPlan(mode, helpers=4 if mode == "helpers" else 0).hashing()
@@ -198,3 +200,29 @@ def test_reader_module_reads_with_preadv() -> None:
     """The counting above sees every read: the reader and the hash read only with ``os.preadv``."""
     source = Path(reader_mod.__file__).read_text()
     assert "os.pread(" not in source and "os.read(" not in source
+
+
+@pytest.mark.parametrize(("mode", "left_cached"), [("staged", True), ("direct", False)])
+def test_a_cold_file_read_once_is_left_cached_only_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, left_cached: bool
+) -> None:
+    """The two cold plans read a cold file once and hash it on the way; ``staged`` (where memory keeps the file) leaves
+    it in the page cache for the next start, ``direct`` leaves the page cache as it was: the plan's reason to prefer
+    the first, with no second read afterwards."""
+    from marlin_pack.io.residency import cached_fraction, drop_cached, takes_direct_reads
+
+    data = os.urandom(64 * _WINDOW)
+    path = tmp_path / "rank-0.safetensors"
+    path.write_bytes(data)
+    os.sync()
+    drop_cached(path)
+    if not takes_direct_reads(path) or (cached_fraction(path) or 0.0) > 0.1:
+        pytest.skip(f"{tmp_path} takes no direct reads or keeps its pages")
+    reads = Reads(monkeypatch)
+    out = torch.empty(len(data), dtype=torch.uint8)
+    with ParallelReader(IoPlan(mode, threads=2, window=_WINDOW)) as r:
+        r.copy_files([(path, [CopyItem(0, len(data), out)])], hashed=[path])
+        digest = r.digests[str(path)].digest  # type: ignore[union-attr]
+    assert bytes(out.numpy()) == data and digest == blake3.blake3(data).hexdigest()
+    assert reads.once_each(path.name, len(data))
+    assert ((cached_fraction(path) or 0.0) > 0.9) is left_cached

@@ -338,6 +338,7 @@ def test_io_facts_from_vllm_configs(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(io_facts_mod, "in_base_memory_pages", lambda path: path == rank)
     monkeypatch.setattr(io_facts_mod, "cached_fraction", lambda path: 0.25 if path == rank else None)
     monkeypatch.setattr(io_facts_mod, "takes_direct_reads", lambda path: path == rank)
+    monkeypatch.setattr(io_facts_mod, "available_memory", lambda: 3000 + (8 << 30) - 1)  # one byte short of the headroom
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv(ENV, raising=False)
@@ -345,7 +346,7 @@ def test_io_facts_from_vllm_configs(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     facts = io_facts_mod.io_facts(vllm_config, model_config, (rank, common), experts=True, role="daemon", preload=False, device=2)
     assert facts == IoFacts(role="daemon", processes=4, cores=12, legacy_ipc=True, base_pages=True, experts=True,
                             bundle_bytes=3500, gpu=GpuRoom(140 * GIB, 141 * GIB), utilization=0.8, preload=False,
-                            cached=0.25, direct_reads=True)  # the rank file's, not the common file's
+                            cached=0.25, direct_reads=True, cache_room=False)  # the rank file's, not the common file's
     assert rooms == [2]
     no_gpu = io_facts_mod.io_facts(*_configs(), (rank, common), experts=False, role="engine", preload=True, device=0, gpu=False)
     assert no_gpu.gpu is None and rooms == [2]  # NVML not asked
@@ -357,9 +358,13 @@ def test_io_facts_from_vllm_configs(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     assert io_facts_mod.io_facts(*_configs(), (rank, common), experts=False, role="engine", preload=True, device=0,
                                  gpu=False).legacy_ipc
-    # plan_for: the plan of those facts (a rank file a quarter in the page cache: read directly)
+    # plan_for: the plan of those facts (a rank file a quarter in the page cache, memory short of keeping it: read directly)
     assert io_facts_mod.plan_for(vllm_config, model_config, (rank, common), experts=False, role="engine", preload=True,
                                  device=0).mode == "direct"
+    monkeypatch.setattr(io_facts_mod, "available_memory", lambda: 3000 + (8 << 30))  # the rank file and the headroom
+    roomy = io_facts_mod.io_facts(*_configs(), (rank, common), experts=False, role="engine", preload=True, device=0, gpu=False)
+    assert roomy.cache_room and io_facts_mod.plan_for(vllm_config, model_config, (rank, common), experts=False,
+                                                      role="engine", preload=True, device=0).mode == "staged"
     monkeypatch.setattr(io_facts_mod, "cached_fraction", lambda path: 1.0)  # cached: the tmpfs of base pages wins
     assert io_facts_mod.plan_for(vllm_config, model_config, (rank, common), experts=False, role="engine", preload=True,
                                  device=0).mode == "staged"
@@ -373,7 +378,20 @@ def test_a_cold_rank_file_is_read_directly(base_pages: bool) -> None:
     p = plan(cached=0.0, direct_reads=True, base_pages=base_pages)
     assert (p.mode, p.helpers, p.preload) == ("direct", 0, False)  # page-locking a cold map ran at 1.2 GB/s
     assert p.window % 4096 == 0 and p.threads >= 4
-    assert "0% of the rank file is in the page cache" in p.why
+    assert "0% of the rank file is in the page cache and memory would not keep it there" in p.why
+
+
+@pytest.mark.parametrize("role", ["engine", "daemon"])
+def test_a_cold_rank_file_that_memory_keeps_is_read_through_the_page_cache(role: str) -> None:
+    """One read of the disk either way; through the page cache (``pread`` into the staging buffers, the direct way's
+    threads and windows) the file is left cached, so the next start is warm without reading it again."""
+    p = plan(role=role, cached=0.0, direct_reads=True, cache_room=True)
+    direct = plan(role=role, cached=0.0, direct_reads=True)
+    assert (p.mode, p.helpers, p.preload) == ("staged", 0, False)
+    assert (p.threads, p.window, p.during_build) == (direct.threads, direct.window, direct.during_build)
+    assert p.hashing() is p  # the copy stages every byte: it can hash the file on the way (one read)
+    assert "read through it at the disk's speed, left cached for the next start" in p.why
+    assert plan(cached=0.9, direct_reads=True, cache_room=True) == plan()  # warm: the room changes nothing
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,15 @@
-"""``io.residency``: the facts of the cold path (how much of a file the page cache holds; O_DIRECT reads), and
-the page cache warmed after a direct copy."""
+"""``io.residency``: the facts of the cold path (how much of a file the page cache holds; O_DIRECT reads; room in
+memory to keep a file cached)."""
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from marlin_pack.io import residency
-from marlin_pack.io.residency import cached_fraction, drop_cached, takes_direct_reads, warm_in_background, write_through_cache
+from marlin_pack.io.residency import cached_fraction, drop_cached, room_for, takes_direct_reads, write_through_cache
 
 
 def _written(tmp_path: Path, size: int = 8 << 20) -> Path:
@@ -49,26 +48,6 @@ def test_direct_reads(tmp_path: Path) -> None:
     assert takes_direct_reads(tmp_path / "missing") is False
 
 
-def test_warmed_in_the_background_after_a_direct_copy(tmp_path: Path) -> None:
-    path = _written(tmp_path)
-    _drop(path)
-    thread = warm_in_background(path, headroom=0)
-    assert thread is not None
-    thread.join(timeout=30)
-    deadline = time.monotonic() + 10  # WILLNEED starts the reads; they complete on their own
-    while cached_fraction(path) != 1.0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert cached_fraction(path) == 1.0
-
-
-def test_not_warmed_where_the_memory_does_not_hold_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = _written(tmp_path, 1 << 20)
-    monkeypatch.setattr(residency, "available_memory", lambda: (1 << 20) + (8 << 30) - 1)
-    assert warm_in_background(path) is None  # 1 MiB + 8 GiB of headroom needed, one byte short
-    monkeypatch.setattr(residency, "available_memory", lambda: None)
-    assert warm_in_background(path) is None
-
-
 def test_a_large_file_is_sampled_not_walked() -> None:
     """mincore costs ~12 ms per GiB: a 40 GB rank file is looked at in 64 aligned ranges, 1 GiB in all."""
     import mmap
@@ -88,3 +67,13 @@ def test_a_conversion_writes_through_the_cache_only_where_memory_holds_the_bundl
     assert write_through_cache(100 * gib, 1, forced="cached") and not write_through_cache(1, 100 * gib, forced="direct")
     with pytest.raises(ValueError, match="MARLIN_PACK_WRITE='fast': expected 'direct' or 'cached'"):
         write_through_cache(1, 1, forced="fast")
+
+
+def test_room_to_keep_a_file_cached() -> None:
+    """A cold rank file is read through the page cache only where the host's available memory keeps it with the
+    headroom to spare (the plan's ``cache_room``); unknown memory counts as no room."""
+    size = 1 << 20
+    assert room_for(size, size + residency.HEADROOM)
+    assert not room_for(size, size + residency.HEADROOM - 1)  # one byte short
+    assert not room_for(size, None)
+    assert room_for(size, size, headroom=0)

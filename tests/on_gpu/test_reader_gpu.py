@@ -217,6 +217,28 @@ def test_a_cold_file_is_read_directly_to_the_gpu(tensor_file: Path, tmp_path: Pa
     _same(load_file(str(cold)), out)
 
 
+@pytest.mark.parametrize(("threads", "window"), [(1, 1 << 16), (8, 32 << 20)])
+def test_a_cold_file_that_memory_keeps_is_read_through_the_page_cache(tensor_file: Path, tmp_path: Path, threads: int,
+                                                                     window: int) -> None:
+    """A cold file the host's memory keeps: the plan reads it ``staged`` (``pread`` through the page cache, the direct
+    way's threads and windows); every byte lands, and the file is left in the page cache for the next start."""
+    from marlin_pack.io.residency import cached_fraction
+
+    cold = _cold_copy(tensor_file, tmp_path)
+    facts = IoFacts(cores=16, bundle_bytes=cold.stat().st_size, cached=cached_fraction(cold), direct_reads=True,
+                    cache_room=True)
+    assert plan_io(facts, environ={}).mode == "staged"
+    header = read_header(cold)
+    out = {n: torch.full(i.shape, 7, dtype=i.torch_dtype, device="cuda") for n, i in header.tensors.items()}
+    items = [CopyItem(i.start, i.nbytes, out[name]) for name, i in header.tensors.items()]
+    with ParallelReader(IoPlan("staged", threads, window)) as r:
+        assert r.copy(cold, items) == sum(it.nbytes for it in items)
+        assert r.modes_used == {"staged"}
+    torch.cuda.synchronize()
+    assert (cached_fraction(cold) or 0.0) > 0.9  # left in the page cache
+    _same(load_file(str(cold)), out)
+
+
 def _cold_copy(tensor_file: Path, tmp_path: Path) -> Path:
     from marlin_pack.io.residency import cached_fraction, drop_cached, takes_direct_reads
 

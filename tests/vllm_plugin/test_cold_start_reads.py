@@ -2,8 +2,8 @@
 bundle is read once: the decision leaves the cold rank and common files' digests to the loader's copy, which hashes
 the bytes it reads and compares them before anything is bound or served; a file that matched is stamped as
 ``check`` stamps it. On the CPU: the loader's own flow with vLLM's real layers (``test_plugin_loader``'s fakes), the
-page cache's coldness stood in for (``hash_left_to_copy``) and the copy ``direct`` as the plan makes it for a cold
-file; every ``os.preadv`` and every mapped tensor of a bundle file counted (``bundle_reads.BundleBytes``). Experts
+page cache's coldness stood in for (``hash_left_to_copy``) and the copy ``direct`` or ``staged`` as the plan makes it
+for a cold file; every ``os.preadv`` and every mapped tensor of a bundle file counted (``bundle_reads.BundleBytes``). Experts
 bundles, pipeline stages and expert shares: ``test_cold_start_shares``."""
 
 from __future__ import annotations
@@ -40,10 +40,17 @@ def _files(model_dir: Path) -> dict[str, Path]:
     return {p.name: p for p in (model_dir / "marlin-pack/tp1/rank-0.safetensors", model_dir / "marlin-pack/common.safetensors")}
 
 
+# The two cold plans: direct (memory would not keep the file cached) and staged through the page cache (it would).
+COLD_MODES = ["direct", "staged"]
+
+
+@pytest.mark.parametrize("mode", COLD_MODES)
 @pytest.mark.parametrize("verify", ["auto", "full"])
 def test_a_cold_start_reads_each_bundle_byte_once_and_stamps_it(
-    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, cold: Path, verify: str, marlin_log: list[str]
+    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, cold: Path, verify: str, marlin_log: list[str],
+    mode: str,
 ) -> None:
+    monkeypatch.setenv("MARLIN_PACK_IO", json.dumps({"mode": mode, "threads": 2, "window_mib": 1}))
     model_dir = damaged_copy(awq_bundle)
     files = _files(model_dir)
     reads = BundleBytes(monkeypatch, model_dir / "marlin-pack")
@@ -180,11 +187,13 @@ def test_check_reads_each_file_once_whatever_the_ranks(
     assert not list(shared.iterdir())
 
 
+@pytest.mark.parametrize("mode", COLD_MODES)
 def test_a_daemon_fill_reads_each_bundle_byte_once(
-    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, cold: Path
+    awq_bundle: Path, damaged_copy: Any, monkeypatch: pytest.MonkeyPatch, cold: Path, mode: str
 ) -> None:
     """A weight-cache daemon's fill (vLLM's daemon calls create_model and load_weights, inside ``exit_in_background``):
     the same one read, the digests compared before its weights are handed over, the files stamped."""
+    monkeypatch.setenv("MARLIN_PACK_IO", json.dumps({"mode": mode, "threads": 2, "window_mib": 1}))
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     from marlin_pack.gpu.helpers import exit_in_background
