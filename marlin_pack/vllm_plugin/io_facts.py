@@ -35,6 +35,7 @@ def io_facts(
     ``gpu``: ask NVML for the device's memory (False where no GPU is used: the CPU tests).
     """
     rank_file, common_file = files
+    rank_bytes = os.stat(rank_file).st_size
     return IoFacts(
         role=role,
         processes=int(vllm_config.parallel_config.world_size_across_dp),
@@ -42,13 +43,13 @@ def io_facts(
         legacy_ipc=_legacy_ipc(model_config, os.environ),
         base_pages=in_base_memory_pages(rank_file),
         experts=experts,
-        bundle_bytes=sum(os.stat(f).st_size for f in files),
+        bundle_bytes=rank_bytes + os.stat(common_file).st_size,
         gpu=gpu_room(device) if gpu else None,
         utilization=float(vllm_config.cache_config.gpu_memory_utilization),
         preload=preload,
         cached=cached_fraction(rank_file),
         direct_reads=takes_direct_reads(rank_file),
-        cache_room=room_for(os.stat(rank_file).st_size, available_memory()),
+        cache_room=room_for(rank_bytes, available_memory()),
     )
 
 
